@@ -1,0 +1,44 @@
+"""functional-npu: a JAX-style functional layer for model parallelism on torch.compile.
+
+Parameters are pytrees of local shards; each leaf's placement is a :class:`Layout` over a named
+:class:`Mesh`; ``shard`` / ``gather`` are pure transforms; collectives are explicit functions
+over mesh axes that trace whole under ``torch.compile``.
+"""
+
+from .collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
+from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
+from .mesh import Mesh, make_mesh
+from .shard import gather, leaf_specs, local_shape, shard, unshard
+from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh",
+    "make_mesh",
+    "Layout",
+    "LayoutError",
+    "Block",
+    "Shard",
+    "Cyclic",
+    "replicated",
+    "sharded",
+    "fused",
+    "cyclic",
+    "shard",
+    "gather",
+    "unshard",
+    "local_shape",
+    "leaf_specs",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "permute",
+    "flatten_with_paths",
+    "map_with_path",
+    "tree_from_paths",
+    "check_structure",
+]

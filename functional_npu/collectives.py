@@ -1,0 +1,116 @@
+"""Functional collectives over named mesh axes.
+
+Each returns a new tensor (no in-place ``async_op`` calls), is built on
+``torch.distributed._functional_collectives`` and traces under ``torch.compile(fullgraph=True)``
+as ``_c10d_functional.*`` + ``wait_tensor`` nodes. ``axis`` is one mesh axis or a tuple of axes
+in mesh order (one group over all of them, indexed row-major). Over an axis of size 1 every
+collective is the identity and emits nothing.
+
+Example (row-parallel matmul, written where it happens):
+    >>> y = all_reduce(x @ w_local.T, mesh, "tp")      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from .mesh import Axes, Mesh
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_single", "broadcast", "permute"]
+
+_REDUCE_OPS = ("sum", "max", "min", "product", "avg")
+
+
+def _op(op: str) -> str:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is not one of {_REDUCE_OPS}")
+    return op
+
+
+def _dim(x: torch.Tensor, dim: int, what: str) -> int:
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.ndim
+
+
+def all_reduce(x: torch.Tensor, mesh: Mesh, axis: Axes, op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` over ``axis``; every rank of the group gets the result."""
+    if mesh.axis_size(axis) == 1:
+        return x
+    return funcol.all_reduce(x, _op(op), mesh.group_name(axis))
+
+
+def all_gather(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in index order along ``axis``."""
+    if mesh.axis_size(axis) == 1:
+        return x
+    return funcol.all_gather_tensor(x, _dim(x, dim, "all_gather"), mesh.group_name(axis))
+
+
+def reduce_scatter(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0, op: str = "sum") -> torch.Tensor:
+    """Reduce ``x`` over ``axis`` and keep this rank's chunk along ``dim`` (the inverse of all_gather)."""
+    n = mesh.axis_size(axis)
+    if n == 1:
+        return x
+    d = _dim(x, dim, "reduce_scatter")
+    if x.shape[d] % n:
+        raise ValueError(f"reduce_scatter over mesh axis {axis!r} (size {n}): dim {d} of shape {tuple(x.shape)} is not divisible by {n}")
+    return funcol.reduce_scatter_tensor(x, _op(op), d, mesh.group_name(axis))
+
+
+def all_to_all_single(
+    x: torch.Tensor,
+    mesh: Mesh,
+    axis: Axes,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Send row-chunk ``j`` of ``x`` (dim 0) to index ``j`` along ``axis``; receive chunks concatenated by source."""
+    if mesh.axis_size(axis) == 1:
+        return x
+    out = None if output_split_sizes is None else list(output_split_sizes)
+    inp = None if input_split_sizes is None else list(input_split_sizes)
+    return funcol.all_to_all_single(x, out, inp, mesh.group_name(axis))
+
+
+def all_to_all(x: torch.Tensor, mesh: Mesh, axis: Axes, split_dim: int = 0, concat_dim: int = 0) -> torch.Tensor:
+    """Split ``x`` evenly along ``split_dim`` into one chunk per rank, exchange, concatenate along ``concat_dim``.
+
+    Example: with ``split_dim=1, concat_dim=0`` a ``[s, h]`` activation sharded on ``s`` becomes sharded on ``h``.
+    """
+    n = mesh.axis_size(axis)
+    if n == 1:
+        return x
+    sd, cd = _dim(x, split_dim, "all_to_all"), _dim(x, concat_dim, "all_to_all")
+    if x.shape[sd] % n:
+        raise ValueError(f"all_to_all over mesh axis {axis!r} (size {n}): split dim {sd} of shape {tuple(x.shape)} is not divisible by {n}")
+    xs = x.movedim(sd, 0)  # [n*m, ...]: chunk j (m rows) goes to index j
+    recv = funcol.all_to_all_single(xs.contiguous(), None, None, mesh.group_name(axis))
+    recv = recv.reshape(n, -1, *xs.shape[1:]).movedim(1, sd + 1)  # [n, ...x with the split dim cut to m...]
+    return torch.cat(recv.unbind(0), dim=cd)
+
+
+def broadcast(x: torch.Tensor, mesh: Mesh, axis: Axes, src: int = 0) -> torch.Tensor:
+    """Every rank of the group gets ``x`` of index ``src`` along ``axis``."""
+    n = mesh.axis_size(axis)
+    if not 0 <= src < n:
+        raise ValueError(f"broadcast: src {src} is outside mesh axis {axis!r} of size {n}")
+    if n == 1:
+        return x
+    return funcol.broadcast(x, src, mesh.group_name(axis))
+
+
+def permute(x: torch.Tensor, mesh: Mesh, axis: Axes, dst: Sequence[int]) -> torch.Tensor:
+    """Point-to-point exchange: index ``i`` along ``axis`` sends ``x`` to index ``dst[i]``.
+
+    ``dst`` must be a permutation of ``range(n)``; e.g. ``[1, 2, ..., 0]`` shifts by one (a ring step).
+    """
+    n = mesh.axis_size(axis)
+    if sorted(dst) != list(range(n)):
+        raise ValueError(f"permute over mesh axis {axis!r} (size {n}): dst {list(dst)} is not a permutation of range({n})")
+    if n == 1:
+        return x
+    return funcol.permute_tensor(x, list(dst), mesh.group_name(axis))

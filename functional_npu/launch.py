@@ -1,0 +1,223 @@
+"""Local multi-rank worlds: N gloo processes on 127.0.0.1 that run functions on request.
+
+Used by the CLI (which starts its own ranks, no torchrun needed) and by the tests (one world per
+test module, reused for many cases). Every wait has a deadline: a rank that raises, dies or
+hangs fails the call within its timeout, the world is torn down, and the next call starts a
+fresh one.
+
+Example:
+    >>> def hello(ctx, x):                       # module-level, so it pickles by reference
+    ...     return ctx.rank * x
+    >>> with LocalWorld(2) as world:             # doctest: +SKIP
+    ...     world.run(hello, 10)
+    [0, 10]
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .mesh import Mesh, make_mesh
+
+__all__ = ["LocalWorld", "RankContext", "RemoteError", "free_port"]
+
+
+class RemoteError(RuntimeError):
+    """A function raised on a rank; carries the rank and the remote traceback text."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else "?"
+        super().__init__(f"rank {rank} raised: {last}\n--- remote traceback (rank {rank}) ---\n{remote_traceback}")
+
+
+@dataclass
+class RankContext:
+    """What a function run by :class:`LocalWorld` gets as its first argument, on each rank."""
+
+    rank: int
+    world_size: int
+    _meshes: dict[tuple[tuple[str, int], ...], Mesh] = field(default_factory=dict, repr=False)
+
+    def mesh(self, axes: Mapping[str, int]) -> Mesh:
+        """The world's mesh with these axes, made once per process so its process groups are reused."""
+        key = tuple(axes.items())
+        if key not in self._meshes:
+            self._meshes[key] = make_mesh(dict(axes))
+        return self._meshes[key]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _encode(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _decode(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, threads: int, pg_timeout: float) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool per rank
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+    except BaseException:
+        results.put((0, rank, "err", traceback.format_exc()))
+        return
+    results.put((0, rank, "ok", _encode(None)))
+    ctx = RankContext(rank, world)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        tid, fn, args, kwargs = task
+        try:
+            results.put((tid, rank, "ok", _encode(fn(ctx, *args, **kwargs))))
+        except BaseException:
+            results.put((tid, rank, "err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class LocalWorld:
+    """``world_size`` local gloo ranks; ``run(fn, *args)`` calls ``fn(ctx, *args)`` on each and returns the results by rank.
+
+    Args:
+        world_size: number of processes.
+        timeout: default seconds a ``run`` may take before the world is torn down and an error raised.
+        start_timeout: seconds to wait for the processes to start and join the process group.
+        threads: torch intra-op threads per rank (default: cores // world_size, at least 1).
+        pg_timeout: seconds a collective may block inside a rank before it fails there.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        start_timeout: float = 180.0,
+        threads: int | None = None,
+        pg_timeout: float = 120.0,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+        self.pg_timeout = pg_timeout
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._tid = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> LocalWorld:
+        if self._procs:
+            return self
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads, self.pg_timeout),
+                daemon=True,
+                name=f"fnpu-rank{r}",
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect(0, self.start_timeout, "start")
+        return self
+
+    def close(self, *, kill: bool = False) -> None:
+        """Stop the ranks (politely unless ``kill``); idempotent."""
+        if not self._procs:
+            return
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        self._procs, self._tasks, self._results = [], [], None
+
+    def __enter__(self) -> LocalWorld:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(kill=exc[0] is not None)
+
+    # ---- running ---------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; returns ``[result of rank 0, rank 1, ...]``.
+
+        Raises:
+            RemoteError: a rank raised (the world is restarted on the next call).
+            TimeoutError: not every rank answered within ``timeout`` seconds (likewise).
+        """
+        self.start()
+        self._tid += 1
+        for q in self._tasks:
+            q.put((self._tid, fn, args, kwargs))
+        return self._collect(self._tid, self.timeout if timeout is None else timeout, getattr(fn, "__name__", "task"))
+
+    def _collect(self, tid: int, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        got: dict[int, Any] = {}
+        while len(got) < self.world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                self._fail(TimeoutError(f"{what}: ranks {missing} gave no answer within {timeout:.0f}s; the world was stopped"))
+            try:
+                item_tid, rank, status, payload = self._results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                dead = {p.name: p.exitcode for p in self._procs if not p.is_alive()}
+                if dead:
+                    self._fail(RuntimeError(f"{what}: processes died {dead} (exit codes); the world was stopped"))
+                continue
+            if item_tid != tid:
+                continue  # a late answer to an earlier call
+            if status == "err":
+                self._fail(RemoteError(rank, payload))
+            got[rank] = _decode(payload)
+        return [got[r] for r in range(self.world_size)]
+
+    def _fail(self, error: BaseException) -> None:
+        self.close(kill=True)
+        raise error

@@ -1,0 +1,313 @@
+"""Layout specs: how one parameter leaf is placed on a mesh. Plain immutable data.
+
+A :class:`Layout` gives, for each leading tensor dim, either nothing (that dim is whole on
+every rank) or one of:
+
+* :class:`Shard` -- the dim is cut into contiguous pieces over one mesh axis or several (in
+  mesh order, row-major). Optionally the dim is a concatenation of named :class:`Block`\\ s
+  (``[q|k|v]``, ``[gate|up]``), each cut on its own, the local shard being the concatenation of
+  each block's local piece (fused column-parallel weights). A block with ``replicate=True``
+  whose unit count (e.g. KV heads) is smaller than the axis size is replicated on
+  ``axis_size // units`` consecutive ranks (GQA with tp > num_kv_heads). ``pack`` says how many
+  logical elements one stored element holds along the dim (int4 packed in int32: 8); block
+  sizes are logical, shard offsets and lengths are in stored units.
+* :class:`Cyclic` -- a stacked layer dim; layer ``l`` lives on coordinate ``l % n`` of the axis,
+  the other coordinates hold nothing for it.
+
+Dims past ``len(layout.dims)`` are whole. The planning functions here are pure functions of
+(layout, full shape, axis sizes, coordinate); ``shard.py`` turns them into tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+__all__ = [
+    "Block",
+    "Shard",
+    "Cyclic",
+    "Layout",
+    "LayoutError",
+    "replicated",
+    "sharded",
+    "fused",
+    "cyclic",
+    "dim_pieces",
+    "full_length",
+]
+
+
+class LayoutError(ValueError):
+    """A layout that does not fit its tensor or mesh; the message names path, dim, sizes and axis."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A named block of a fused dim.
+
+    Attributes:
+        name: e.g. "q", "k", "v", "gate", "up".
+        size: logical length of the block along the dim.
+        unit: a shard holds whole units (e.g. ``head_dim``), so ``size // unit`` is the unit count.
+        replicate: if the axis has more ranks than units, replicate each unit on
+            ``axis_size // units`` consecutive ranks (vLLM's KV-head replication).
+    """
+
+    name: str
+    size: int
+    unit: int = 1
+    replicate: bool = False
+
+    def __repr__(self) -> str:
+        extra = (f"/{self.unit}" if self.unit != 1 else "") + ("~rep" if self.replicate else "")
+        return f"{self.name}:{self.size}{extra}"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The dim is cut into contiguous pieces over ``axes`` (see the module docstring)."""
+
+    axes: tuple[str, ...]
+    blocks: tuple[Block, ...] = ()
+    pack: int = 1
+
+    def __repr__(self) -> str:
+        parts = [",".join(self.axes)]
+        if self.blocks:
+            parts.append("[" + "|".join(map(repr, self.blocks)) + "]")
+        if self.pack != 1:
+            parts.append(f"pack={self.pack}")
+        return "shard(" + " ".join(parts) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class Cyclic:
+    """A stacked layer dim of ``size`` layers; layer ``l`` lives on coordinate ``l % n`` of ``axis``."""
+
+    axis: str
+    size: int
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.axis,)
+
+    def __repr__(self) -> str:
+        return f"cyclic({self.axis}, {self.size} layers)"
+
+
+DimSpec = Union[Shard, Cyclic]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Placement of one leaf: ``dims[d]`` is a :class:`Shard`, a :class:`Cyclic` or None (whole)."""
+
+    dims: tuple[DimSpec | None, ...] = ()
+
+    def with_dim(self, dim: int, spec: DimSpec | None) -> Layout:
+        """This layout with ``dims[dim]`` set (dims in between stay whole)."""
+        if not isinstance(dim, int) or dim < 0:
+            raise LayoutError(f"layout dims are non-negative ints, got {dim!r}")
+        dims = list(self.dims) + [None] * (dim + 1 - len(self.dims))
+        dims[dim] = spec
+        while dims and dims[-1] is None:
+            dims.pop()
+        return Layout(tuple(dims))
+
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis this layout uses, in dim order."""
+        return tuple(a for d in self.dims if d is not None for a in d.axes)
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(d is None for d in self.dims)
+
+    def __repr__(self) -> str:
+        if self.is_replicated:
+            return "replicated()"
+        return "Layout(" + ", ".join(f"dim{i}={d!r}" for i, d in enumerate(self.dims) if d is not None) + ")"
+
+
+# ---- constructors ---------------------------------------------------------------------------
+def _axes(axes: str | Sequence[str]) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def replicated() -> Layout:
+    """Every rank holds the whole tensor."""
+    return Layout()
+
+
+def sharded(dim: int, axes: str | Sequence[str], *, pack: int = 1) -> Layout:
+    """Dim ``dim`` cut evenly over ``axes``; e.g. ``sharded(0, "tp")`` is column-parallel for a ``[out, in]`` weight."""
+    return Layout().with_dim(dim, Shard(_axes(axes), (), pack))
+
+
+def fused(
+    dim: int,
+    blocks: Sequence[Block | tuple[str, int]],
+    axes: str | Sequence[str],
+    *,
+    pack: int = 1,
+) -> Layout:
+    """Dim ``dim`` is the concatenation of ``blocks``, each cut over ``axes`` on its own.
+
+    Example (Llama QKV with 32 heads, 8 KV heads, head_dim 128, tp up to 32):
+        >>> fused(0, [Block("q", 4096, 128), Block("k", 1024, 128, True), Block("v", 1024, 128, True)], "tp")
+        Layout(dim0=shard(tp [q:4096/128|k:1024/128~rep|v:1024/128~rep]))
+    """
+    bl = tuple(b if isinstance(b, Block) else Block(*b) for b in blocks)
+    return Layout().with_dim(dim, Shard(_axes(axes), bl, pack))
+
+
+def cyclic(dim: int, axis: str, size: int) -> Layout:
+    """A stacked dim of ``size`` layers; layer ``l`` is held only by coordinate ``l % n`` of ``axis``."""
+    return Layout().with_dim(dim, Cyclic(axis, size))
+
+
+# ---- validation -----------------------------------------------------------------------------
+def validate(
+    path: str,
+    layout: object,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    mesh_shape: Mapping[str, int],
+    *,
+    local: bool = False,
+) -> Layout:
+    """Check ``layout`` against a leaf of ``shape`` (full, or local if ``local``) and the mesh axes.
+
+    Raises:
+        TypeError / LayoutError naming the path, dim, sizes, mesh axis and a fix.
+    """
+    where = f"specs[{path!r}]"
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{where} is {layout!r} ({type(layout).__name__}); expected a Layout such as replicated() or sharded(0, 'tp')")
+    if len(layout.dims) > len(shape):
+        raise LayoutError(
+            f"{where} = {layout!r} describes {len(layout.dims)} dims but the tensor has {len(shape)} "
+            f"(shape {tuple(shape)}); drop the trailing dims or fix the param"
+        )
+    seen: dict[str, int] = {}
+    for d, spec in enumerate(layout.dims):
+        if spec is None:
+            continue
+        if not isinstance(spec, (Shard, Cyclic)):
+            raise TypeError(f"{where} dim {d} is {spec!r}; expected Shard, Cyclic or None")
+        for a in spec.axes:
+            if a not in mesh_shape:
+                raise LayoutError(f"{where} dim {d} uses mesh axis {a!r}, which the mesh {dict(mesh_shape)} does not have; use one of {list(mesh_shape)}")
+            if a in seen:
+                raise LayoutError(f"{where} uses mesh axis {a!r} on dim {seen[a]} and dim {d}; an axis can shard one dim only")
+            seen[a] = d
+        order = tuple(a for a in mesh_shape if a in spec.axes)
+        if order != spec.axes:
+            raise LayoutError(f"{where} dim {d} shards over axes {spec.axes}, which must be in mesh order: write {order}")
+        n = math.prod(mesh_shape[a] for a in spec.axes)
+        if isinstance(spec, Shard):
+            _validate_shard(where, d, spec, shape[d], dtype, n, local)
+        elif not local and shape[d] != spec.size:
+            raise LayoutError(f"{where} dim {d} is cyclic over {spec.size} layers but the tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}")
+    return layout
+
+
+def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.dtype, n: int, local: bool) -> None:
+    axis = ",".join(spec.axes)
+    if spec.pack != 1:
+        if not isinstance(spec.pack, int) or spec.pack < 1:
+            raise LayoutError(f"{where} dim {d}: pack factor must be a positive int, got {spec.pack!r}")
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise LayoutError(
+                f"{where} dim {d} is packed by {spec.pack} but the tensor dtype is {dtype}; "
+                f"packed weights are stored in an integer dtype (e.g. torch.int32 for 8 int4 values)"
+            )
+    if not spec.blocks:
+        if local:
+            return
+        if length % n:
+            packed = f" packed units (pack {spec.pack})" if spec.pack > 1 else ""
+            raise LayoutError(
+                f"{where} shards dim {d} (size {length}{packed}) over mesh axis {axis!r} (size {n}): "
+                f"{n} does not divide {length}; pad the weight or use an axis size that divides it"
+            )
+        return
+    total = sum(b.size for b in spec.blocks)
+    if not local and total != length * spec.pack:
+        raise LayoutError(
+            f"{where} dim {d} is fused from blocks {list(spec.blocks)} of total size {total} but the tensor "
+            f"dim is {length * spec.pack}{' logical' if spec.pack > 1 else ''}; fix the block sizes"
+        )
+    for b in spec.blocks:
+        _block_pieces(where, d, axis, b, 0, n, 0, spec.pack)  # raises if no coordinate can be placed
+
+
+# ---- planning -------------------------------------------------------------------------------
+Piece = tuple[int, int, int]  # (start, stop, step) along the dim, in stored units
+
+
+def _block_pieces(where: str, d: int, axis: str, b: Block, offset: int, n: int, c: int, pack: int) -> Piece:
+    if b.size < 1 or b.unit < 1 or b.size % b.unit:
+        raise LayoutError(f"{where} dim {d} block {b.name!r}: size {b.size} must be a positive multiple of its unit {b.unit}")
+    units = b.size // b.unit
+    if units % n == 0:
+        start, length = offset + c * (b.size // n), b.size // n
+    elif b.replicate and n % units == 0:
+        start, length = offset + (c // (n // units)) * b.unit, b.unit
+    else:
+        rule = (
+            f"either {n} divides {units} or {units} divides {n} (then each unit is replicated on {n}//{units} ranks)"
+            if b.replicate
+            else f"{n} must divide {units}"
+        )
+        raise LayoutError(
+            f"{where} dim {d} block {b.name!r} has {units} units of {b.unit} (size {b.size}) sharded over mesh "
+            f"axis {axis!r} (size {n}): {rule}; use an axis size that fits"
+            + ("" if b.replicate else " or mark the block replicate=True (KV heads)")
+        )
+    if start % pack or length % pack:
+        raise LayoutError(
+            f"{where} dim {d} block {b.name!r}: the shard at logical [{start}, {start + length}) on coordinate {c} "
+            f"of mesh axis {axis!r} (size {n}) does not fall on a pack boundary (pack {pack}); use an axis size "
+            f"whose shards are multiples of {pack}"
+        )
+    return (start // pack, (start + length) // pack, 1)
+
+
+def dim_pieces(spec: DimSpec, full_len: int, n: int, c: int, where: str = "spec", d: int = 0) -> list[Piece]:
+    """The pieces of a full dim of ``full_len`` (stored units) held by coordinate ``c`` of an axis of size ``n``.
+
+    The local dim is the concatenation of these pieces, in order. Pure; used for every rank.
+    """
+    if isinstance(spec, Cyclic):
+        return [(c, full_len, n)] if c < full_len else []
+    if not spec.blocks:
+        per = full_len // n
+        return [(c * per, (c + 1) * per, 1)]
+    pieces: list[Piece] = []
+    offset = 0
+    for b in spec.blocks:
+        start, stop, step = _block_pieces(where, d, ",".join(spec.axes), b, offset, n, c, spec.pack)
+        if pieces and pieces[-1][1] == start and pieces[-1][2] == 1:
+            pieces[-1] = (pieces[-1][0], stop, 1)  # merge touching pieces
+        else:
+            pieces.append((start, stop, step))
+        offset += b.size
+    return pieces
+
+
+def piece_len(p: Piece) -> int:
+    return len(range(*p))
+
+
+def full_length(spec: DimSpec, local_len: int, n: int) -> int:
+    """The full (stored-unit) length of a dim from the layout and a local length (for ``gather``)."""
+    if isinstance(spec, Cyclic):
+        return spec.size
+    if spec.blocks:
+        return sum(b.size for b in spec.blocks) // spec.pack
+    return local_len * n

@@ -1,0 +1,238 @@
+"""Pure transforms between full trees and local shards: ``shard``, ``local_shape``, ``gather``, ``unshard``.
+
+``shard`` and ``unshard`` are single-process (an abstract mesh is enough): ``shard`` takes the
+slice one coordinate holds, ``unshard`` reassembles the full tree from every coordinate's
+shards. ``gather`` does the same from inside the world with ``all_gather`` over the layout's
+axes and traces under ``torch.compile(fullgraph=True)``. Inputs are never modified and outputs
+never alias them. Every leaf is validated before any tensor is cut or any byte is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from . import collectives
+from .layout import Layout, LayoutError, Piece, dim_pieces, full_length, piece_len, validate
+from .mesh import Mesh
+from .tree import PyTree, expand_prefix, flatten_with_paths, map_with_path
+
+__all__ = ["shard", "local_shape", "gather", "unshard", "leaf_specs"]
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def leaf_specs(specs: PyTree, tree: PyTree) -> dict[str, Layout]:
+    """The layout of every leaf of ``tree``, from a spec tree that may be a prefix of it."""
+    return expand_prefix(specs, tree, is_leaf=lambda x: isinstance(x, Layout), what="specs")
+
+
+def _check_leaf(path: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"params[{path!r}] is a {type(x).__name__}, not a torch.Tensor; convert it with torch.as_tensor")
+    return x
+
+
+def _positioned(mesh: Mesh, coordinate: Mapping[str, int] | int | None) -> Mesh:
+    if coordinate is not None:
+        return mesh.at(coordinate)
+    if mesh.rank is None:
+        raise ValueError(f"mesh {mesh.shape} is abstract with no coordinate: pass coordinate={{...}} or use mesh.at(...)")
+    return mesh
+
+
+def _pieces(path: str, layout: Layout, full_shape: Sequence[int], mesh: Mesh) -> list[list[Piece] | None]:
+    out: list[list[Piece] | None] = []
+    for d, spec in enumerate(layout.dims):
+        if spec is None:
+            out.append(None)
+        else:
+            n = mesh.axis_size(spec.axes)
+            out.append(dim_pieces(spec, full_shape[d], n, mesh.axis_index(spec.axes), f"specs[{path!r}]", d))
+    return out
+
+
+def local_shape(
+    shape: Sequence[int],
+    layout: Layout,
+    mesh: Mesh,
+    *,
+    coordinate: Mapping[str, int] | int | None = None,
+    path: str = "<leaf>",
+    dtype: torch.dtype = torch.int32,
+) -> tuple[int, ...]:
+    """The shape of the shard of a full ``shape`` held at this mesh coordinate (or ``coordinate``).
+
+    Example:
+        >>> local_shape((8, 4), sharded(0, "tp"), Mesh.abstract({"tp": 4}), coordinate=1)
+        (2, 4)
+    """
+    mesh = _positioned(mesh, coordinate)
+    validate(path, layout, shape, dtype, mesh.shape)
+    out = list(shape)
+    for d, pieces in enumerate(_pieces(path, layout, shape, mesh)):
+        if pieces is not None:
+            out[d] = sum(map(piece_len, pieces))
+    return tuple(out)
+
+
+def _take(x: torch.Tensor, d: int, pieces: list[Piece]) -> torch.Tensor:
+    if len(pieces) == 1 and pieces[0][2] == 1:
+        start, stop, _ = pieces[0]
+        return x.narrow(d, start, stop - start)
+    idx = [i for p in pieces for i in range(*p)]
+    return x.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device))
+
+
+def shard(
+    tree: PyTree,
+    specs: PyTree,
+    mesh: Mesh,
+    *,
+    coordinate: Mapping[str, int] | int | None = None,
+) -> PyTree:
+    """This coordinate's local tree: each leaf cut by its layout. Pure; no communication.
+
+    Args:
+        tree: full params (nested dicts / lists / registered pytrees of tensors).
+        specs: a tree of :class:`Layout`, equal to ``tree``'s structure or a prefix of it.
+        mesh: a mesh with a coordinate (from ``make_mesh``) or an abstract one plus ``coordinate``.
+        coordinate: ``{"tp": 1, ...}`` or a flat rank; overrides the mesh's own.
+
+    Returns:
+        A new tree of new tensors (never views of the input).
+
+    Raises:
+        TypeError, LayoutError (a ValueError), naming the leaf path, dim, sizes, mesh axis and a fix.
+    """
+    mesh = _positioned(mesh, coordinate)
+    layouts = leaf_specs(specs, tree)
+    plans = {}
+    for path, x in flatten_with_paths(tree):
+        x = _check_leaf(path, x)
+        validate(path, layouts[path], x.shape, x.dtype, mesh.shape)
+        plans[path] = _pieces(path, layouts[path], x.shape, mesh)
+
+    def cut(path: str, x: torch.Tensor) -> torch.Tensor:
+        for d, pieces in enumerate(plans[path]):
+            if pieces is not None:
+                x = _take(x, d, pieces)
+        return x.clone(memory_format=torch.contiguous_format)
+
+    return map_with_path(cut, tree)
+
+
+# ---- reassembly -----------------------------------------------------------------------------
+def _local_lens(spec, full_len: int, n: int) -> list[int]:
+    return [sum(map(piece_len, dim_pieces(spec, full_len, n, j))) for j in range(n)]
+
+
+def _assembly_index(path: str, d: int, spec, full_len: int, n: int, pad: int) -> list[int]:
+    """For each full position along dim ``d``: where it sits in the concatenation of the ``n`` padded shards."""
+    src = [-1] * full_len
+    for j in range(n):
+        offset = 0
+        for p in dim_pieces(spec, full_len, n, j):
+            for k, pos in enumerate(range(*p)):
+                if src[pos] < 0:  # replicas hold equal copies: take the first
+                    src[pos] = j * pad + offset + k
+            offset += piece_len(p)
+    if min(src, default=0) < 0:  # pragma: no cover - a layout that loses data is a planning bug
+        raise LayoutError(f"specs[{path!r}] dim {d}: positions {[i for i, s in enumerate(src) if s < 0][:8]} are held by no coordinate")
+    return src
+
+
+def _pad_to(x: torch.Tensor, d: int, length: int) -> torch.Tensor:
+    if x.shape[d] == length:
+        return x
+    fill = x.new_zeros(*x.shape[:d], length - x.shape[d], *x.shape[d + 1 :])
+    return torch.cat([x, fill], dim=d)
+
+
+def _as_bits(x: torch.Tensor) -> torch.Tensor:
+    """Gathering moves bits: view any dtype as a same-width integer so every backend can carry it."""
+    return x.view(_BITS[x.element_size()]) if x.element_size() in _BITS else x
+
+
+def _full_shape(path: str, x: torch.Tensor, layout: Layout, mesh: Mesh) -> tuple[int, ...]:
+    validate(path, layout, x.shape, x.dtype, mesh.shape, local=True)
+    shape = list(x.shape)
+    for d, spec in enumerate(layout.dims):
+        if spec is not None:
+            shape[d] = full_length(spec, x.shape[d], mesh.axis_size(spec.axes))
+    validate(path, layout, shape, x.dtype, mesh.shape)
+    expect = local_shape(shape, layout, mesh, path=path, dtype=x.dtype)
+    if tuple(x.shape) != expect:
+        raise LayoutError(
+            f"params[{path!r}] has local shape {tuple(x.shape)} but {layout!r} on mesh {mesh.shape} at "
+            f"{mesh.coordinate} holds {expect} of the full {tuple(shape)}; was it sharded with another layout or mesh?"
+        )
+    return tuple(shape)
+
+
+def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+    """The full tree from this rank's local tree, via ``all_gather`` over each layout's axes.
+
+    Collective: every rank of the mesh must call it with the same specs. Traceable with
+    ``torch.compile(fullgraph=True)`` (process groups are created before tracing by the first
+    eager call, or by ``mesh.init_groups()``).
+
+    Returns:
+        A new tree of full tensors, identical on every rank.
+    """
+    mesh = _positioned(mesh, None)
+    layouts = leaf_specs(specs, tree)
+    shapes = {}
+    for path, x in flatten_with_paths(tree):
+        shapes[path] = _full_shape(path, _check_leaf(path, x), layouts[path], mesh)
+    if not torch.compiler.is_compiling():
+        mesh.init_groups(*sorted({d.axes for lay in layouts.values() for d in lay.dims if d is not None}))
+
+    def assemble(path: str, x: torch.Tensor) -> torch.Tensor:
+        bits = _as_bits(x)
+        for d, spec in enumerate(layouts[path].dims):
+            n = 1 if spec is None else mesh.axis_size(spec.axes)
+            if n == 1:
+                continue
+            full = shapes[path][d]
+            pad = max(_local_lens(spec, full, n))
+            everyone = collectives.all_gather(_pad_to(bits, d, pad), mesh, spec.axes, dim=d)
+            idx = _assembly_index(path, d, spec, full, n, pad)
+            bits = everyone.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device))
+        out = bits.view(x.dtype) if bits.dtype != x.dtype else bits
+        return out.clone() if out is x else out
+
+    return map_with_path(assemble, tree)
+
+
+def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:
+    """The full tree from every rank's local tree (``local_trees[r]`` for world rank ``r``). Single-process.
+
+    The inverse of ``[shard(tree, specs, mesh, coordinate=r) for r in range(mesh.size)]``.
+    """
+    if len(local_trees) != mesh.size:
+        raise ValueError(f"unshard needs one local tree per rank of mesh {mesh.shape} ({mesh.size}), got {len(local_trees)}")
+    layouts = leaf_specs(specs, local_trees[0])
+    per_rank = [dict(flatten_with_paths(t)) for t in local_trees]
+
+    def assemble(path: str, _: torch.Tensor) -> torch.Tensor:
+        layout = layouts[path]
+        seen = {r: (_full_shape(path, _check_leaf(path, t[path]), layout, mesh.at(r)), t[path].dtype) for r, t in enumerate(per_rank)}
+        if len(set(seen.values())) > 1:
+            views = ", ".join(f"rank {r}: {s} {dt}" for r, (s, dt) in seen.items())
+            raise LayoutError(f"params[{path!r}]: the local shards imply different full shapes or dtypes ({views}); shard every rank with the same layout")
+        shape = seen[0][0]
+        state = {r: per_rank[r][path] for r in range(mesh.size)}
+        for d, spec in enumerate(layout.dims):
+            n = 1 if spec is None else mesh.axis_size(spec.axes)
+            if n == 1:
+                continue
+            pad = max(_local_lens(spec, shape[d], n))
+            idx = torch.tensor(_assembly_index(path, d, spec, shape[d], n, pad), dtype=torch.long)
+            for group in mesh.all_group_ranks(spec.axes):
+                full = torch.cat([_pad_to(state[r], d, pad) for r in group], dim=d).index_select(d, idx)
+                state.update({r: full for r in group})
+        return state[0].clone()
+
+    return map_with_path(assemble, local_trees[0])

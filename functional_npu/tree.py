@@ -1,0 +1,127 @@
+"""Pytrees of tensors addressed by dotted paths (``layers.3.attn.qkv``).
+
+Thin helpers over ``torch.utils._pytree`` (which dynamo traces natively): flatten
+with paths, map with paths, build a nested tree from paths, check that two trees
+have the same leaves, and expand a spec tree that is a prefix of a params tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch.utils._pytree as pytree
+
+__all__ = [
+    "PyTree",
+    "flatten_with_paths",
+    "map_with_path",
+    "tree_from_paths",
+    "check_structure",
+    "expand_prefix",
+]
+
+PyTree = Any
+
+
+def _key_str(key: Any) -> str:
+    if isinstance(key, pytree.MappingKey):
+        return str(key.key)
+    if isinstance(key, pytree.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, pytree.GetAttrKey):
+        return key.name
+    return str(key)  # pragma: no cover - custom key kinds
+
+
+def path_str(keypath: Iterable[Any]) -> str:
+    """The dotted form of a pytree key path (``('layers', 0, 'w')`` -> ``layers.0.w``)."""
+    return ".".join(_key_str(k) for k in keypath)
+
+
+def flatten_with_paths(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+    """Leaves of ``tree`` with their dotted paths, in pytree order.
+
+    Example:
+        >>> flatten_with_paths({"a": {"b": 1}, "c": [2, 3]})
+        [('a.b', 1), ('c.0', 2), ('c.1', 3)]
+    """
+    leaves, _ = pytree.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(path_str(kp), leaf) for kp, leaf in leaves]
+
+
+def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """``fn(path, leaf, *other_leaves)`` applied to every leaf; returns a new tree."""
+    return pytree.tree_map_with_path(lambda kp, *xs: fn(path_str(kp), *xs), tree, *rest)
+
+
+def tree_from_paths(items: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Nested dicts from ``{dotted path: leaf}``; the inverse of :func:`flatten_with_paths` for dict trees.
+
+    Raises:
+        ValueError: if a path is both a leaf and a prefix of another path.
+    """
+    out: dict[str, Any] = {}
+    for path, leaf in dict(items).items():
+        *parents, last = path.split(".")
+        node = out
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"path {path!r}: {'.'.join(parents[: i + 1])!r} is already a leaf")
+        if last in node:
+            raise ValueError(f"path {path!r} is given twice or is also a prefix of another path")
+        node[last] = leaf
+    return out
+
+
+def check_structure(tree: PyTree, reference: PyTree, *, what: str = "params", against: str = "expected") -> None:
+    """Raise a ValueError naming every missing and unexpected leaf path of ``tree`` versus ``reference``."""
+    got = {p for p, _ in flatten_with_paths(tree)}
+    want = {p for p, _ in flatten_with_paths(reference)}
+    missing, unexpected = sorted(want - got), sorted(got - want)
+    if missing or unexpected:
+        lines = [f"{what} do not match the {against} structure:"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
+        raise ValueError("\n".join(lines))
+
+
+def _is_under(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def expand_prefix(prefix_tree: PyTree, tree: PyTree, *, is_leaf: Callable[[Any], bool], what: str = "specs") -> dict[str, Any]:
+    """Map every leaf path of ``tree`` to the leaf of ``prefix_tree`` whose path is its longest prefix.
+
+    ``prefix_tree`` may stop above the leaves of ``tree``: a spec at ``layers`` applies to every
+    leaf under ``layers``. A bare leaf (not a container) applies to the whole tree.
+
+    Raises:
+        ValueError: naming the leaves of ``tree`` that no prefix covers and the prefixes that
+            cover no leaf.
+    """
+    prefixes = dict(flatten_with_paths(prefix_tree, is_leaf=is_leaf))
+    by_depth = sorted(prefixes, key=lambda p: -len(p))
+    out: dict[str, Any] = {}
+    uncovered = []
+    used = set()
+    for path, _ in flatten_with_paths(tree):
+        match = next((p for p in by_depth if _is_under(path, p)), None)
+        if match is None:
+            uncovered.append(path)
+        else:
+            out[path] = prefixes[match]
+            used.add(match)
+    unused = sorted(set(prefixes) - used)
+    if uncovered or unused:
+        lines = [f"{what} do not match the params structure:"]
+        if uncovered:
+            lines.append(f"  params with no {what[:-1] if what.endswith('s') else what} ({len(uncovered)}): " + ", ".join(uncovered))
+        if unused:
+            lines.append(f"  {what} for paths not in params ({len(unused)}): " + ", ".join(unused))
+        lines.append(f"  fix: give one entry per param path, or a prefix entry (e.g. 'layers') that covers a subtree")
+        raise ValueError("\n".join(lines))
+    return out

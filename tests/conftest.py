@@ -1,0 +1,31 @@
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Deterministic, deadline-free runs: CI machines are small and first calls compile.
+settings.register_profile(
+    "default",
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=1000, derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(scope="module")
+def world2():
+    from functional_npu.launch import LocalWorld
+
+    with LocalWorld(2, timeout=300) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def world4():
+    from functional_npu.launch import LocalWorld
+
+    with LocalWorld(4, timeout=300) as world:
+        yield world
