@@ -47,7 +47,7 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0) -> torch.T
     """Concatenate every rank's ``x`` along ``dim``, in index order along ``axis``."""
     if mesh.axis_size(axis) == 1:
         return x
-    return funcol.all_gather_tensor(x, _dim(x, dim, "all_gather"), mesh.group_name(axis))
+    return funcol.all_gather_single(x, _dim(x, dim, "all_gather"), mesh.group_name(axis))
 
 
 def reduce_scatter(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0, op: str = "sum") -> torch.Tensor:
@@ -58,7 +58,7 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0, op: st
     d = _dim(x, dim, "reduce_scatter")
     if x.shape[d] % n:
         raise ValueError(f"reduce_scatter over mesh axis {axis!r} (size {n}): dim {d} of shape {tuple(x.shape)} is not divisible by {n}")
-    return funcol.reduce_scatter_tensor(x, _op(op), d, mesh.group_name(axis))
+    return funcol.reduce_scatter_single(x, _op(op), d, mesh.group_name(axis))
 
 
 def all_to_all_single(
@@ -113,4 +113,10 @@ def permute(x: torch.Tensor, mesh: Mesh, axis: Axes, dst: Sequence[int]) -> torc
         raise ValueError(f"permute over mesh axis {axis!r} (size {n}): dst {list(dst)} is not a permutation of range({n})")
     if n == 1:
         return x
-    return funcol.permute_tensor(x, list(dst), mesh.group_name(axis))
+    me = mesh.axis_index(axis)
+    src = list(dst).index(me)
+    flat = x.reshape(-1)
+    numel = flat.shape[0]
+    send = [numel if j == dst[me] else 0 for j in range(n)]
+    recv = [numel if j == src else 0 for j in range(n)]
+    return funcol.all_to_all_single(flat, recv, send, mesh.group_name(axis)).reshape(x.shape)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.utils._pytree as pytree
 import torch.multiprocessing as mp
 
 from .mesh import Mesh, make_mesh
@@ -68,9 +70,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _settled(x: Any) -> Any:
+    # eager functional collectives return lazily-waited tensors; serialization must see the data
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
 def _encode(obj: Any) -> bytes:
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.save(pytree.tree_map(_settled, obj), buf)
     return buf.getvalue()
 
 

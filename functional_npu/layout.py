@@ -121,7 +121,7 @@ class Layout:
 
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis this layout uses, in dim order."""
-        return tuple(a for d in self.dims if d is not None for a in d.axes)
+        return tuple([a for d in self.dims if d is not None for a in d.axes])
 
     @property
     def is_replicated(self) -> bool:
@@ -205,10 +205,10 @@ def validate(
             if a in seen:
                 raise LayoutError(f"{where} uses mesh axis {a!r} on dim {seen[a]} and dim {d}; an axis can shard one dim only")
             seen[a] = d
-        order = tuple(a for a in mesh_shape if a in spec.axes)
+        order = tuple([a for a in mesh_shape if a in spec.axes])
         if order != spec.axes:
             raise LayoutError(f"{where} dim {d} shards over axes {spec.axes}, which must be in mesh order: write {order}")
-        n = math.prod(mesh_shape[a] for a in spec.axes)
+        n = math.prod([mesh_shape[a] for a in spec.axes])
         if isinstance(spec, Shard):
             _validate_shard(where, d, spec, shape[d], dtype, n, local)
         elif not local and shape[d] != spec.size:
@@ -236,7 +236,7 @@ def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.d
                 f"{n} does not divide {length}; pad the weight or use an axis size that divides it"
             )
         return
-    total = sum(b.size for b in spec.blocks)
+    total = sum([b.size for b in spec.blocks])
     if not local and total != length * spec.pack:
         raise LayoutError(
             f"{where} dim {d} is fused from blocks {list(spec.blocks)} of total size {total} but the tensor "
@@ -309,5 +309,5 @@ def full_length(spec: DimSpec, local_len: int, n: int) -> int:
     if isinstance(spec, Cyclic):
         return spec.size
     if spec.blocks:
-        return sum(b.size for b in spec.blocks) // spec.pack
+        return sum([b.size for b in spec.blocks]) // spec.pack
     return local_len * n

@@ -166,7 +166,7 @@ class Mesh:
 
     def axis_size(self, axes: Axes) -> int:
         """Size of an axis, or the product of several."""
-        return math.prod(self.axis_sizes[self.axis_names.index(a)] for a in self._check_axes(axes))
+        return math.prod([self.axis_sizes[self.axis_names.index(a)] for a in self._check_axes(axes)])
 
     def axis_index(self, axes: Axes) -> int:
         """This rank's row-major index along ``axes`` (its rank in that axis group)."""
@@ -179,7 +179,8 @@ class Mesh:
     def group_ranks(self, axes: Axes) -> tuple[int, ...]:
         """World ranks of this rank's group along ``axes``, ordered by their index along them."""
         axes = self._check_axes(axes)
-        return next(g for g in self.all_group_ranks(axes) if self._require_rank() in g)
+        rank = self._require_rank()
+        return [g for g in self.all_group_ranks(axes) if rank in g][0]
 
     def all_group_ranks(self, axes: Axes) -> list[tuple[int, ...]]:
         """Every group along ``axes``: a partition of the world's ranks, each ordered by index along ``axes``."""
@@ -188,7 +189,7 @@ class Mesh:
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.size):
             c = self._coord_of(r)
-            groups.setdefault(tuple(c[i] for i in others), []).append(r)
+            groups.setdefault(tuple([c[i] for i in others]), []).append(r)
         return [tuple(g) for _, g in sorted(groups.items())]
 
     # ---- process groups ---------------------------------------------------------------------
@@ -237,10 +238,10 @@ class Mesh:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _strides(self) -> tuple[int, ...]:
-        return tuple(math.prod(self.axis_sizes[i + 1 :]) for i in range(len(self.axis_sizes)))
+        return tuple([math.prod(self.axis_sizes[i + 1 :]) for i in range(len(self.axis_sizes))])
 
     def _coord_of(self, rank: int) -> tuple[int, ...]:
-        return tuple((rank // st) % s for s, st in zip(self.axis_sizes, self._strides()))
+        return tuple([(rank // st) % s for s, st in zip(self.axis_sizes, self._strides())])
 
     def _check_axes(self, axes: Axes, what: str = "collective") -> tuple[str, ...]:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -249,7 +250,7 @@ class Mesh:
             raise ValueError(f"{what}: unknown mesh axis {unknown[0]!r}; mesh axes are {self.shape}")
         if len(set(axes)) != len(axes):
             raise ValueError(f"{what}: axis repeated in {axes}")
-        order = tuple(a for a in self.axis_names if a in axes)
+        order = tuple([a for a in self.axis_names if a in axes])
         if order != axes:
             raise ValueError(f"{what}: axes {axes} must be given in mesh order; write {order}")
         return axes

@@ -20,7 +20,8 @@ from .tree import PyTree, expand_prefix, flatten_with_paths, map_with_path
 
 __all__ = ["shard", "local_shape", "gather", "unshard", "leaf_specs"]
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# same-width carriers that every backend (gloo has no int16) moves byte for byte
+_BITS = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
 
 
 def leaf_specs(specs: PyTree, tree: PyTree) -> dict[str, Layout]:
@@ -190,7 +191,7 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
         mesh.init_groups(*sorted({d.axes for lay in layouts.values() for d in lay.dims if d is not None}))
 
     def assemble(path: str, x: torch.Tensor) -> torch.Tensor:
-        bits = _as_bits(x)
+        bits, moved = _as_bits(x), False
         for d, spec in enumerate(layouts[path].dims):
             n = 1 if spec is None else mesh.axis_size(spec.axes)
             if n == 1:
@@ -199,9 +200,9 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
             pad = max(_local_lens(spec, full, n))
             everyone = collectives.all_gather(_pad_to(bits, d, pad), mesh, spec.axes, dim=d)
             idx = _assembly_index(path, d, spec, full, n, pad)
-            bits = everyone.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device))
-        out = bits.view(x.dtype) if bits.dtype != x.dtype else bits
-        return out.clone() if out is x else out
+            bits, moved = everyone.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device)), True
+        out = bits.view(x.dtype)
+        return out if moved else out.clone()
 
     return map_with_path(assemble, tree)
 

@@ -109,7 +109,8 @@ def expand_prefix(prefix_tree: PyTree, tree: PyTree, *, is_leaf: Callable[[Any],
     uncovered = []
     used = set()
     for path, _ in flatten_with_paths(tree):
-        match = next((p for p in by_depth if _is_under(path, p)), None)
+        matches = [p for p in by_depth if _is_under(path, p)]
+        match = matches[0] if matches else None
         if match is None:
             uncovered.append(path)
         else:

@@ -1,0 +1,84 @@
+"""Functions the multi-rank tests run on every rank (module level, so they pickle by reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from functional_npu import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    broadcast,
+    gather,
+    permute,
+    reduce_scatter,
+    shard,
+)
+
+from .strategies import make_tensor
+
+
+def recording_inductor(ops: list[str]):
+    """An inductor backend that first records the call_function targets of the dynamo graph."""
+
+    def backend(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def compiled(fn, ops: list[str]):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=recording_inductor(ops))
+
+
+def x_of(rank: int) -> torch.Tensor:
+    return torch.arange(8.0).reshape(2, 4) + 100 * rank
+
+
+def collectives_program(ctx, axes: dict[str, int], use_compile: bool):
+    mesh = ctx.mesh(axes)
+    n = mesh.axis_size("tp")
+
+    def prog(x):
+        return {
+            "ar_tp": all_reduce(x, mesh, "tp"),
+            "ar_all_max": all_reduce(x, mesh, ("dp", "tp"), "max"),
+            "ag_dp_dim1": all_gather(x, mesh, "dp", dim=1),
+            "rs_tp_dim1": reduce_scatter(x, mesh, "tp", dim=1),
+            "a2a": all_to_all(x, mesh, "tp", split_dim=1, concat_dim=0),
+            "bc_dp": broadcast(x, mesh, "dp", src=1),
+            "perm": permute(x, mesh, ("dp", "tp"), [(i + 1) % mesh.size for i in range(mesh.size)]),
+            "a2a_uneven": all_to_all_single(
+                x.flatten()[: sum(range(1, n + 1))].unsqueeze(1),
+                mesh,
+                "tp",
+                output_split_sizes=[mesh.axis_index("tp") + 1] * n,
+                input_split_sizes=[j + 1 for j in range(n)],
+            ),
+        }
+
+    ops: list[str] = []
+    fn = compiled(prog, ops) if use_compile else prog
+    out = fn(x_of(ctx.rank))
+    return out, ops
+
+
+def gather_roundtrip(ctx, axes, leaves, seed: int, use_compile: bool = False):
+    """Shard a seeded full tree on this rank, gather it back; returns (bit-equal per leaf, op list)."""
+    mesh = ctx.mesh(axes)
+    tree = {f"w{i}": make_tensor(shape, dtype, seed + i) for i, (shape, dtype, _) in enumerate(leaves)}
+    specs = {f"w{i}": lay for i, (_, _, lay) in enumerate(leaves)}
+    local = shard(tree, specs, mesh)
+    ops: list[str] = []
+    if use_compile:
+        mesh.init_groups()
+    fn = compiled(lambda t: gather(t, specs, mesh), ops) if use_compile else (lambda t: gather(t, specs, mesh))
+    full = fn(local)
+    equal = {k: full[k].dtype == v.dtype and torch.equal(full[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tree.items()}
+    aliased = any(full[k].untyped_storage().data_ptr() == local[k].untyped_storage().data_ptr() for k in tree if local[k].numel())
+    return equal, aliased, ops
