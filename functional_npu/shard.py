@@ -79,11 +79,10 @@ def local_shape(
 
 
 def _take(x: torch.Tensor, d: int, pieces: list[Piece]) -> torch.Tensor:
-    if len(pieces) == 1 and pieces[0][2] == 1:
-        start, stop, _ = pieces[0]
-        return x.narrow(d, start, stop - start)
-    idx = [i for p in pieces for i in range(*p)]
-    return x.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device))
+    if not pieces:
+        return x.narrow(d, 0, 0)
+    views = [x[(slice(None),) * d + (slice(*p),)] for p in pieces]
+    return views[0] if len(views) == 1 else torch.cat(views, dim=d)
 
 
 def shard(
@@ -116,10 +115,13 @@ def shard(
         plans[path] = _pieces(path, layouts[path], x.shape, mesh)
 
     def cut(path: str, x: torch.Tensor) -> torch.Tensor:
+        y = x
         for d, pieces in enumerate(plans[path]):
             if pieces is not None:
-                x = _take(x, d, pieces)
-        return x.clone(memory_format=torch.contiguous_format)
+                y = _take(y, d, pieces)
+        if y.numel() and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            return y.contiguous()  # already a fresh copy
+        return y.clone(memory_format=torch.contiguous_format)
 
     return map_with_path(cut, tree)
 

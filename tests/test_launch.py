@@ -1,0 +1,58 @@
+"""The multi-rank harness fails fast: remote errors carry their rank, hangs and dead ranks time out."""
+
+import os
+import time
+
+import pytest
+
+from functional_npu.launch import LocalWorld, RemoteError
+
+
+def _rank_times(ctx, x):
+    return ctx.rank * x
+
+
+def _raise_on_rank1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("bad input on purpose")
+    return "ok"
+
+
+def _hang_on_rank0(ctx):
+    if ctx.rank == 0:
+        time.sleep(600)
+    return "ok"
+
+
+def _die_on_rank1(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    time.sleep(600)
+
+
+def test_results_come_back_by_rank(world2):
+    assert world2.run(_rank_times, 10) == [0, 10]
+
+
+def test_remote_error_names_rank_and_message_then_world_restarts(world2):
+    with pytest.raises(RemoteError, match=r"rank 1 raised: ValueError: bad input on purpose"):
+        world2.run(_raise_on_rank1)
+    assert world2.run(_rank_times, 3) == [0, 3]
+
+
+def test_hang_times_out_instead_of_hanging(world2):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"_hang_on_rank0: ranks \[0\] gave no answer within 3s; the world was stopped"):
+        world2.run(_hang_on_rank0, timeout=3)
+    assert time.monotonic() - t0 < 30
+
+
+def test_dead_rank_is_reported(world2):
+    with pytest.raises(RuntimeError, match=r"processes died \{'fnpu-rank1': 3\}"):
+        world2.run(_die_on_rank1, timeout=60)
+    assert world2.run(_rank_times, 1) == [0, 1]
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        LocalWorld(0)
