@@ -120,7 +120,7 @@ def run_demo(dp: int = 2, tp: int = 2, *, timeout: float = 600.0, tolerance: flo
     t0 = time.perf_counter()
     with LocalWorld(dp * tp, timeout=timeout) as world:
         results = world.run(_run_rank, axes, cfg)
-    print(f"\n| rank | coordinate | local bytes | of full | o_proj layers held | TP-MLP err eager | compiled | gather exact |")
+    print("\n| rank | coordinate | local bytes | of full | o_proj layers held | TP-MLP err eager | compiled | gather exact |")
     print("|---|---|---|---|---|---|---|---|")
     ok = True
     for rank, r in enumerate(results):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import pickle
 import queue
 import socket
 import time
@@ -106,8 +107,9 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, threads:
         task = tasks.get()
         if task is None:
             break
-        tid, fn, args, kwargs = task
+        tid, payload = task
         try:
+            fn, args, kwargs = pickle.loads(payload)
             results.put((tid, rank, "ok", _encode(fn(ctx, *args, **kwargs))))
         except BaseException:
             results.put((tid, rank, "err", traceback.format_exc()))
@@ -197,10 +199,14 @@ class LocalWorld:
             RemoteError: a rank raised (the world is restarted on the next call).
             TimeoutError: not every rank answered within ``timeout`` seconds (likewise).
         """
+        try:  # pickle here, not in the queue's feeder thread, so a bad task fails now, not at the timeout
+            task = pickle.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"LocalWorld.run: {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to the ranks ({e}); use a module-level function and picklable arguments") from e
         self.start()
         self._tid += 1
         for q in self._tasks:
-            q.put((self._tid, fn, args, kwargs))
+            q.put((self._tid, task))
         return self._collect(self._tid, self.timeout if timeout is None else timeout, getattr(fn, "__name__", "task"))
 
     def _collect(self, tid: int, timeout: float, what: str) -> list[Any]:

@@ -76,6 +76,10 @@ class Shard:
     blocks: tuple[Block, ...] = ()
     pack: int = 1
 
+    def __post_init__(self) -> None:  # accept "tp" and lists; store hashable tuples
+        object.__setattr__(self, "axes", _axes(self.axes))
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+
     def __repr__(self) -> str:
         parts = [",".join(self.axes)]
         if self.blocks:
@@ -108,6 +112,9 @@ class Layout:
     """Placement of one leaf: ``dims[d]`` is a :class:`Shard`, a :class:`Cyclic` or None (whole)."""
 
     dims: tuple[DimSpec | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", tuple(self.dims))
 
     def with_dim(self, dim: int, spec: DimSpec | None) -> Layout:
         """This layout with ``dims[dim]`` set (dims in between stay whole)."""

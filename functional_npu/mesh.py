@@ -227,7 +227,7 @@ class Mesh:
                 if self.rank in ranks:
                     cache.names[ranks] = group.group_name  # type: ignore[union-attr]
 
-    def device_mesh(self) -> "torch.distributed.device_mesh.DeviceMesh":
+    def device_mesh(self) -> torch.distributed.device_mesh.DeviceMesh:
         """This mesh as a ``torch.distributed.device_mesh.DeviceMesh`` (same groups), for DTensor interop."""
         from torch.distributed.device_mesh import DeviceMesh
 

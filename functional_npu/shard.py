@@ -164,7 +164,6 @@ def _full_shape(path: str, x: torch.Tensor, layout: Layout, mesh: Mesh) -> tuple
     for d, spec in enumerate(layout.dims):
         if spec is not None:
             shape[d] = full_length(spec, x.shape[d], mesh.axis_size(spec.axes))
-    validate(path, layout, shape, x.dtype, mesh.shape)
     expect = local_shape(shape, layout, mesh, path=path, dtype=x.dtype)
     if tuple(x.shape) != expect:
         raise LayoutError(

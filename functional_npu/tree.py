@@ -75,18 +75,18 @@ def tree_from_paths(items: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dic
     return out
 
 
+def _mismatch(title: str, groups: list[tuple[str, list[str]]], fix: str | None = None) -> ValueError:
+    lines = [title] + [f"  {label} ({len(paths)}): " + ", ".join(paths) for label, paths in groups if paths]
+    return ValueError("\n".join(lines + ([f"  fix: {fix}"] if fix else [])))
+
+
 def check_structure(tree: PyTree, reference: PyTree, *, what: str = "params", against: str = "expected") -> None:
     """Raise a ValueError naming every missing and unexpected leaf path of ``tree`` versus ``reference``."""
     got = {p for p, _ in flatten_with_paths(tree)}
     want = {p for p, _ in flatten_with_paths(reference)}
     missing, unexpected = sorted(want - got), sorted(got - want)
     if missing or unexpected:
-        lines = [f"{what} do not match the {against} structure:"]
-        if missing:
-            lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
-        if unexpected:
-            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
-        raise ValueError("\n".join(lines))
+        raise _mismatch(f"{what} do not match the {against} structure:", [("missing", missing), ("unexpected", unexpected)])
 
 
 def _is_under(path: str, prefix: str) -> bool:
@@ -116,13 +116,11 @@ def expand_prefix(prefix_tree: PyTree, tree: PyTree, *, is_leaf: Callable[[Any],
         else:
             out[path] = prefixes[match]
             used.add(match)
-    unused = sorted(set(prefixes) - used)
-    if uncovered or unused:
-        lines = [f"{what} do not match the params structure:"]
-        if uncovered:
-            lines.append(f"  params with no {what[:-1] if what.endswith('s') else what} ({len(uncovered)}): " + ", ".join(uncovered))
-        if unused:
-            lines.append(f"  {what} for paths not in params ({len(unused)}): " + ", ".join(unused))
-        lines.append(f"  fix: give one entry per param path, or a prefix entry (e.g. 'layers') that covers a subtree")
-        raise ValueError("\n".join(lines))
+    if uncovered or set(prefixes) - used:
+        one = what[:-1] if what.endswith("s") else what
+        raise _mismatch(
+            f"{what} do not match the params structure:",
+            [(f"params with no {one}", uncovered), (f"{what} for paths not in params", sorted(set(prefixes) - used))],
+            "give one entry per param path, or a prefix entry (e.g. 'layers') that covers a subtree",
+        )
     return out

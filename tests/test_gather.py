@@ -53,22 +53,20 @@ def model_like_leaves(tp_axes):
 
 
 @pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
-def test_gather_model_tree_2_ranks(world2, use_compile):
-    results = world2.run(gather_roundtrip, {"dp": 1, "tp": 2}, model_like_leaves("tp"), 7, use_compile)
+@pytest.mark.parametrize(
+    "world, axes, gathers",
+    [
+        ("world2", {"dp": 1, "tp": 2}, 5),  # one all_gather per sharded leaf (dp has size 1)
+        ("world4", {"dp": 2, "tp": 2}, 6),  # the cyclic leaf gathers over dp and over tp
+    ],
+)
+def test_gather_model_tree(request, world, axes, gathers, use_compile):
+    results = request.getfixturevalue(world).run(gather_roundtrip, axes, model_like_leaves("tp"), 7, use_compile)
     _check(results)
     if use_compile:
         ops = results[0][2]
-        assert ops.count("_c10d_functional.all_gather_into_tensor") == 5  # one per sharded leaf (dp has size 1)
-        assert ops.count("_c10d_functional.wait_tensor") == 5
-
-
-@pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
-def test_gather_model_tree_4_ranks(world4, use_compile):
-    results = world4.run(gather_roundtrip, {"dp": 2, "tp": 2}, model_like_leaves("tp"), 11, use_compile)
-    _check(results)
-    if use_compile:
-        ops = results[0][2]
-        assert ops.count("_c10d_functional.all_gather_into_tensor") == 6  # the cyclic leaf gathers over dp and tp
+        assert ops.count("_c10d_functional.all_gather_into_tensor") == gathers
+        assert ops.count("_c10d_functional.wait_tensor") == gathers
 
 
 @settings(max_examples=3)

@@ -56,3 +56,11 @@ def test_dead_rank_is_reported(world2):
 def test_world_size_must_be_positive():
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         LocalWorld(0)
+
+
+def test_unpicklable_task_fails_at_once(world2):
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match=r"cannot be sent to the ranks .*use a module-level function and picklable arguments"):
+        world2.run(lambda ctx: 1)
+    assert time.monotonic() - t0 < 5
+    assert world2.run(_rank_times, 2) == [0, 2]

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import Block, Layout, LayoutError, Mesh, cyclic, fused, local_shape, replicated, shard, sharded
@@ -130,3 +130,10 @@ def test_cyclic_composes_with_tensor_parallel_dims():
     mesh = Mesh.abstract({"dp": 2, "tp": 3})
     local = shard(w, lay, mesh, coordinate={"dp": 1, "tp": 2})
     assert torch.equal(local, w[1::2, :, 4:6])
+
+
+def test_axes_and_blocks_normalize_to_hashable_tuples():
+    assert Shard("tp") == Shard(("tp",)) and Shard(["dp", "tp"]).axes == ("dp", "tp")
+    assert Shard("tp", [Block("a", 2)]).blocks == (Block("a", 2),)
+    assert Layout([None, Shard("tp")]) == sharded(1, "tp")
+    hash(Layout([None, Shard("tp", [Block("a", 2)])]))

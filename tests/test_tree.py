@@ -50,3 +50,26 @@ def test_expand_prefix_reports_uncovered_and_unused():
         expand_prefix({"a": "x", "z": "y"}, tree, is_leaf=lambda x: isinstance(x, str))
     assert "params with no spec (1): b.c" in str(e.value)
     assert "specs for paths not in params (1): z" in str(e.value)
+
+
+def test_registered_dataclass_pytrees_have_attribute_paths():
+    from dataclasses import dataclass
+
+    import torch.utils._pytree as pytree
+
+    from functional_npu import Mesh, shard, sharded
+
+    @dataclass
+    class Attn:
+        qkv: torch.Tensor
+        o: torch.Tensor
+
+    pytree.register_dataclass(Attn)
+    try:
+        tree = {"layers": [Attn(torch.arange(4.0), torch.arange(6.0))]}
+        assert [p for p, _ in flatten_with_paths(tree)] == ["layers.0.qkv", "layers.0.o"]
+        local = shard(tree, {"layers": sharded(0, "tp")}, Mesh.abstract({"tp": 2}), coordinate=1)
+        assert isinstance(local["layers"][0], Attn)
+        assert torch.equal(local["layers"][0].o, torch.tensor([3.0, 4.0, 5.0]))
+    finally:
+        pytree._deregister_pytree_node(Attn)
