@@ -82,3 +82,30 @@ def gather_roundtrip(ctx, axes, leaves, seed: int, use_compile: bool = False):
     equal = {k: full[k].dtype == v.dtype and torch.equal(full[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tree.items()}
     aliased = any(full[k].untyped_storage().data_ptr() == local[k].untyped_storage().data_ptr() for k in tree if local[k].numel())
     return equal, aliased, ops
+
+
+def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_compile: bool):
+    """Load with tp ranks (the world is tp x dp), run one padded batch: (prefill logits, greedy tokens, bytes read)."""
+    from functional_npu import Mesh
+    from functional_npu.checkpoint import load_checkpoint
+    from functional_npu.generate import greedy_generate
+    from functional_npu.models import llama
+
+    mesh = ctx.mesh({"dp": ctx.world_size // tp, "tp": tp}) if ctx is not None else Mesh.abstract({"tp": 1}, 0)
+    read: list[int] = []
+    params = load_checkpoint(model_dir, mesh, on_read=lambda name, n: read.append(n))
+    ops: list[str] = []
+    fwd = llama.forward
+    if use_compile:
+        mesh.init_groups() if not mesh.is_abstract else None
+        torch._dynamo.reset()
+        fwd = torch.compile(llama.forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    cache = llama.init_cache(params["config"], mesh, len(prompts), width + new_tokens)
+    with torch.no_grad():
+        logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), cache, mesh)
+        out = greedy_generate(params, prompts, new_tokens, mesh, forward=fwd)
+    return logits, out, sum(read), ops

@@ -1,0 +1,232 @@
+"""Load a HF model directory straight into this rank's shards.
+
+Each rank reads only the slices its layouts give it (``safe_open(...).get_slice``), never a whole
+tensor it does not own; q/k/v and gate/up are fused into their fused layouts as they are read.
+Everything is checked before the first tensor byte is read: the architecture, that the mesh can
+shard the config, and that every tensor the config needs is present with the right shape (and
+nothing else is). On any error nothing is returned, so nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .layout import Layout, Shard, dim_pieces, validate
+from .mesh import Mesh
+from .models import llama
+from .shard import leaf_specs
+from .tree import flatten_with_paths, map_with_path
+
+__all__ = ["load_checkpoint", "read_config"]
+
+# HF tensor names of each param leaf, in block order ({i}: layer index). One table per family.
+HF_NAMES: dict[str, dict[str, list[str]]] = {
+    "llama": {
+        "embed": ["model.embed_tokens.weight"],
+        "norm": ["model.norm.weight"],
+        "lm_head": ["lm_head.weight"],
+        "attn_norm": ["model.layers.{i}.input_layernorm.weight"],
+        "qkv": [f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"],
+        "qkv_bias": [f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"],
+        "q_norm": ["model.layers.{i}.self_attn.q_norm.weight"],
+        "k_norm": ["model.layers.{i}.self_attn.k_norm.weight"],
+        "o_proj": ["model.layers.{i}.self_attn.o_proj.weight"],
+        "mlp_norm": ["model.layers.{i}.post_attention_layernorm.weight"],
+        "gate_up": ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
+        "down": ["model.layers.{i}.mlp.down_proj.weight"],
+    }
+}
+# Tensors some checkpoints carry that the forward recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_config(path: str | Path) -> llama.LlamaConfig:
+    """The model config of a HF directory (``config.json``)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: expected a HF model directory (config.json + *.safetensors)")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    return llama.LlamaConfig.from_hf(hf)
+
+
+def _sources(path: str) -> list[str]:
+    *parents, leaf = path.split(".")
+    layer = parents[1] if parents[:1] == ["layers"] else None
+    return [name.format(i=layer) for name in HF_NAMES["llama"][leaf]]
+
+
+def _weight_files(root: Path) -> dict[str, Path]:
+    """HF tensor name -> file, from the sharded index or the single file."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index ({e!r})") from None
+        return {name: root / file for name, file in weight_map.items()}
+    single = root / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{root}: neither model.safetensors nor model.safetensors.index.json is present")
+    return {name: single for name in _open(single).keys()}
+
+
+def _open(file: Path):
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is named by the index but does not exist")
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise ValueError(f"{file}: cannot read the safetensors file ({e}); it is truncated or corrupted, download it again") from None
+
+
+def _block_ranges(layout: Layout, dim: int, full: int, n_sources: int) -> list[tuple[int, int]]:
+    spec = layout.dims[dim] if dim < len(layout.dims) else None
+    if n_sources == 1:
+        return [(0, full)]
+    assert isinstance(spec, Shard) and len(spec.blocks) == n_sources  # guaranteed by the family's specs
+    out, offset = [], 0
+    for b in spec.blocks:
+        out.append((offset, b.size // spec.pack))
+        offset += b.size // spec.pack
+    return out
+
+
+def _fused_dim(layout: Layout) -> int:
+    return next((d for d, s in enumerate(layout.dims) if isinstance(s, Shard) and s.blocks), 0)
+
+
+def load_checkpoint(
+    path: str | Path,
+    mesh: Mesh,
+    *,
+    dtype: torch.dtype | None = None,
+    progress: bool | None = None,
+    on_read: Callable[[str, int], None] | None = None,
+) -> dict[str, Any]:
+    """Load a HF Llama-family checkpoint into this rank's local params.
+
+    Args:
+        path: a HF model directory: ``config.json`` and ``model.safetensors`` or a sharded index.
+        mesh: a mesh with a ``tp`` axis (other axes hold replicas), from ``make_mesh`` or
+            ``Mesh.abstract(...).at(...)`` to load one coordinate's shards in one process.
+        dtype: convert to this dtype (default: as stored).
+        progress: print progress on rank 0 (default: when stderr is a terminal).
+        on_read: called as ``on_read(tensor_name, bytes_read)`` for every slice read.
+
+    Returns:
+        Params for ``models.llama.forward``: the local shards plus ``params["config"]``.
+
+    Raises:
+        ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis.
+    """
+    root = Path(path)
+    cfg = read_config(root)
+    if "tp" not in mesh.axis_names:
+        raise ValueError(f"load_checkpoint: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
+    if mesh.rank is None:
+        raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
+    meta = llama.abstract_params(cfg)
+    layouts = leaf_specs(llama.param_specs(cfg), meta)
+    leaves = dict(flatten_with_paths(meta))
+    for p, m in leaves.items():  # can this mesh shard this config?
+        try:
+            validate(p, layouts[p], m.shape, dtype or torch.float32, mesh.shape)
+            [dim_pieces(s, m.shape[d], mesh.axis_size(s.axes), mesh.axis_index(s.axes), f"specs[{p!r}]", d) for d, s in enumerate(layouts[p].dims) if s is not None]
+        except ValueError as e:
+            raise ValueError(f"{root}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}") from None
+
+    files = _weight_files(root)
+    handles = {f: _open(f) for f in sorted(set(files.values()))}
+    _check_names_and_shapes(root, cfg, leaves, layouts, files, handles)
+
+    show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
+    loaded: dict[str, torch.Tensor] = {}
+    t0 = time.perf_counter()
+    for k, (p, m) in enumerate(leaves.items()):
+        loaded[p] = _read_leaf(p, m.shape, layouts[p], mesh, files, handles, on_read)
+        if dtype is not None:
+            loaded[p] = loaded[p].to(dtype)
+        if show:
+            print(f"\rloading {root.name}: {k + 1}/{len(leaves)} tensors, {time.perf_counter() - t0:.1f}s", end="", file=sys.stderr, flush=True)
+    if show:
+        print(file=sys.stderr)
+    return map_with_path(lambda p, _: loaded[p], meta)
+
+
+def _check_names_and_shapes(root, cfg, leaves, layouts, files, handles) -> None:
+    expected: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for p, m in leaves.items():
+        sources = _sources(p)
+        dim = _fused_dim(layouts[p])
+        for name, (_, size) in zip(sources, _block_ranges(layouts[p], dim, m.shape[dim], len(sources))):
+            shape = list(m.shape)
+            shape[dim] = size
+            expected[name] = (p, tuple(shape))
+    missing = sorted(set(expected) - set(files))
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = sorted(n for n in set(files) - set(expected) - ignorable if not n.endswith(_IGNORED_SUFFIXES))
+    if missing or unexpected:
+        lines = [f"{root}: the checkpoint does not match its {cfg.architecture} config.json:"]
+        if missing:
+            lines.append(f"  missing tensors ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+        if unexpected:
+            lines.append(f"  unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected[:20]) + (" ..." if len(unexpected) > 20 else ""))
+        raise ValueError("\n".join(lines))
+    for name, (p, shape) in expected.items():
+        got = tuple(handles[files[name]].get_slice(name).get_shape())
+        if got != shape:
+            raise ValueError(
+                f"{root}: tensor {name!r} (for params[{p!r}]) has shape {got} but config.json implies {shape} "
+                f"(hidden_size={cfg.hidden_size}, heads={cfg.num_heads}, kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}, "
+                f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}); the config and the weights disagree"
+            )
+
+
+def _read_leaf(path, full_shape, layout, mesh, files, handles, on_read) -> torch.Tensor:
+    """This coordinate's shard of one param, read slice by slice from its HF tensors."""
+    pieces = [
+        None if s is None else dim_pieces(s, full_shape[d], mesh.axis_size(s.axes), mesh.axis_index(s.axes))
+        for d, s in enumerate(layout.dims)
+    ]
+    pieces += [None] * (len(full_shape) - len(pieces))
+    sources = _sources(path)
+    dim = _fused_dim(layout)
+    chunks = []
+    for a, b, step in pieces[dim] or [(0, full_shape[dim], 1)]:
+        for name, (offset, size) in zip(sources, _block_ranges(layout, dim, full_shape[dim], len(sources))):
+            lo, hi = max(a, offset), min(b, offset + size)
+            if lo >= hi:
+                continue
+            index = []
+            for d in range(len(full_shape)):
+                if d == dim:
+                    index.append([slice(lo - offset, hi - offset, step)])
+                else:
+                    index.append([slice(*p) for p in pieces[d]] if pieces[d] else [slice(None)])
+            chunks.append(_read_box(handles[files[name]].get_slice(name), index, on_read, name))
+    return torch.cat(chunks, dim=dim) if len(chunks) > 1 else chunks[0]
+
+
+def _read_box(tensor_slice, index: list[list[slice]], on_read, name: str) -> torch.Tensor:
+    """Read the product of per-dim slice lists, concatenating along each dim that has several."""
+    multi = next((d for d, sl in enumerate(index) if len(sl) > 1), None)
+    if multi is None:
+        t = tensor_slice[tuple(sl[0] for sl in index)]
+        if on_read is not None:
+            on_read(name, t.numel() * t.element_size())
+        return t
+    parts = [_read_box(tensor_slice, index[:multi] + [[sl]] + index[multi + 1 :], on_read, name) for sl in index[multi]]
+    return torch.cat(parts, dim=multi)
