@@ -5,9 +5,11 @@ Parameters are pytrees of local shards; each leaf's placement is a :class:`Layou
 over mesh axes that trace whole under ``torch.compile``.
 """
 
+from .checkpoint import load_checkpoint, read_config
 from .collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
 from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .mesh import Mesh, make_mesh
+from .generate import greedy_generate
 from .shard import gather, leaf_specs, local_shape, shard, unshard
 from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
 
@@ -37,6 +39,9 @@ __all__ = [
     "all_to_all_single",
     "broadcast",
     "permute",
+    "load_checkpoint",
+    "read_config",
+    "greedy_generate",
     "flatten_with_paths",
     "map_with_path",
     "tree_from_paths",

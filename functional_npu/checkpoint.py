@@ -27,23 +27,6 @@ from .tree import flatten_with_paths, map_with_path
 
 __all__ = ["load_checkpoint", "read_config"]
 
-# HF tensor names of each param leaf, in block order ({i}: layer index). One table per family.
-HF_NAMES: dict[str, dict[str, list[str]]] = {
-    "llama": {
-        "embed": ["model.embed_tokens.weight"],
-        "norm": ["model.norm.weight"],
-        "lm_head": ["lm_head.weight"],
-        "attn_norm": ["model.layers.{i}.input_layernorm.weight"],
-        "qkv": [f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"],
-        "qkv_bias": [f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"],
-        "q_norm": ["model.layers.{i}.self_attn.q_norm.weight"],
-        "k_norm": ["model.layers.{i}.self_attn.k_norm.weight"],
-        "o_proj": ["model.layers.{i}.self_attn.o_proj.weight"],
-        "mlp_norm": ["model.layers.{i}.post_attention_layernorm.weight"],
-        "gate_up": ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
-        "down": ["model.layers.{i}.mlp.down_proj.weight"],
-    }
-}
 # Tensors some checkpoints carry that the forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -65,7 +48,7 @@ def read_config(path: str | Path) -> llama.LlamaConfig:
 def _sources(path: str) -> list[str]:
     *parents, leaf = path.split(".")
     layer = parents[1] if parents[:1] == ["layers"] else None
-    return [name.format(i=layer) for name in HF_NAMES["llama"][leaf]]
+    return [name.format(i=layer) for name in llama.HF_NAMES[leaf]]
 
 
 def _weight_files(root: Path) -> dict[str, Path]:

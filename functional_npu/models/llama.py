@@ -30,10 +30,26 @@ from ..collectives import all_gather, all_reduce
 from ..layout import Block, Layout, fused, replicated, sharded
 from ..mesh import Mesh
 
-__all__ = ["LlamaConfig", "ARCHITECTURES", "abstract_params", "param_specs", "forward", "init_cache", "local_heads"]
+__all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "param_specs", "forward", "init_cache", "local_heads"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
+
+# HF tensor names of each param leaf, in block order ({i}: layer index). One table per family.
+HF_NAMES: dict[str, list[str]] = {
+    "embed": ["model.embed_tokens.weight"],
+    "norm": ["model.norm.weight"],
+    "lm_head": ["lm_head.weight"],
+    "attn_norm": ["model.layers.{i}.input_layernorm.weight"],
+    "qkv": [f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"],
+    "qkv_bias": [f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"],
+    "q_norm": ["model.layers.{i}.self_attn.q_norm.weight"],
+    "k_norm": ["model.layers.{i}.self_attn.k_norm.weight"],
+    "o_proj": ["model.layers.{i}.self_attn.o_proj.weight"],
+    "mlp_norm": ["model.layers.{i}.post_attention_layernorm.weight"],
+    "gate_up": ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
+    "down": ["model.layers.{i}.mlp.down_proj.weight"],
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,158 @@
+"""load_checkpoint: reads exactly this rank's slices, converts dtypes, and refuses every bad input clearly."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
+
+from functional_npu import Mesh, local_shape
+from functional_npu.checkpoint import load_checkpoint
+from functional_npu.models import llama
+from functional_npu.shard import leaf_specs
+from functional_npu.tree import flatten_with_paths
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = T.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path_factory.mktemp("qwen2")
+    T.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def ckpt(base, tmp_path):
+    """A private copy of the checkpoint to break."""
+    return shutil.copytree(base, tmp_path / "model")
+
+
+def _edit_tensors(path, fn):
+    tensors = load_file(path / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_reads_exactly_its_shard(base, tp):
+    cfg = llama.LlamaConfig.from_hf(json.loads((base / "config.json").read_text()))
+    full = llama.abstract_params(cfg)
+    layouts = leaf_specs(llama.param_specs(cfg), full)
+    for rank in range(tp):
+        mesh = Mesh.abstract({"tp": tp}, rank)
+        read = []
+        params = load_checkpoint(base, mesh, on_read=lambda name, n, read=read: read.append(n))
+        local_bytes = 0
+        for path, x in flatten_with_paths(params):
+            want = local_shape(dict(flatten_with_paths(full))[path].shape, layouts[path], mesh)
+            assert tuple(x.shape) == want, path
+            local_bytes += x.numel() * x.element_size()
+        assert sum(read) == local_bytes  # never a byte it does not own
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtype_conversion(base, dtype):
+    params = load_checkpoint(base, Mesh.abstract({"tp": 2}, 1), dtype=dtype)
+    assert {x.dtype for _, x in flatten_with_paths(params)} == {dtype}
+    assert params["config"].architecture == "Qwen2ForCausalLM"
+
+
+def test_progress_is_printed_on_rank_0_only(base, capsys):
+    load_checkpoint(base, Mesh.abstract({"tp": 2}, 1), progress=True)
+    assert capsys.readouterr().err == ""
+    load_checkpoint(base, Mesh.abstract({"tp": 2}, 0), progress=True)
+    assert "tensors" in capsys.readouterr().err
+
+
+def test_missing_tensor(ckpt):
+    _edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"does not match its Qwen2ForCausalLM config.json:\n  missing tensors \(1\): model.layers.1.mlp.up_proj.weight"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_unexpected_tensor(ckpt):
+    _edit_tensors(ckpt, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"unexpected tensors \(1\): model.layers.0.mlp.extra.weight"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_shape_mismatch(ckpt):
+    _edit_tensors(ckpt, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(31, 64)}))
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.self_attn.k_proj.weight' \(for params\['layers.1.qkv'\]\) has shape \(31, 64\) but config.json implies \(32, 64\)"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_config_and_weights_disagree(ckpt):
+    _edit_config(ckpt, intermediate_size=80)
+    with pytest.raises(ValueError, match=r"has shape \(96, 64\) but config.json implies \(80, 64\) \(.*intermediate_size=80.*\); the config and the weights disagree"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_unsupported_architecture(ckpt):
+    _edit_config(ckpt, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_unsupported_rope(ckpt):
+    _edit_config(ckpt, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ValueError, match=r"rope_type 'yarn' is not supported; supported: default, linear, llama3"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_truncated_file(ckpt):
+    f = ckpt / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match=r"model.safetensors: cannot read the safetensors file .*; it is truncated or corrupted, download it again"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_corrupted_file(ckpt):
+    f = ckpt / "model.safetensors"
+    f.write_bytes(b"\x07" * 64 + f.read_bytes()[64:])
+    with pytest.raises(ValueError, match=r"it is truncated or corrupted, download it again"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_mesh_cannot_shard_config(ckpt):
+    with pytest.raises(ValueError, match=r"the mesh \{'tp': 3\} cannot shard this Qwen2ForCausalLM config: .*specs\['embed'\] shards dim 0 \(size 128\) over mesh axis 'tp' \(size 3\): 3 does not divide 128"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 3}, 0))
+    with pytest.raises(ValueError, match=r"the mesh \{'tp': 8\} cannot shard .*block 'q' has 4 units of 16 \(size 64\) sharded over mesh axis 'tp' \(size 8\): 8 must divide 4"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 8}, 0))
+
+
+def test_mesh_without_tp_axis(ckpt):
+    with pytest.raises(ValueError, match=r"the mesh \{'dp': 2\} has no 'tp' axis; add one"):
+        load_checkpoint(ckpt, Mesh.abstract({"dp": 2}, 0))
+
+
+def test_missing_files(ckpt, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config.json not found: expected a HF model directory"):
+        load_checkpoint(tmp_path, Mesh.abstract({"tp": 1}, 0))
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"neither model.safetensors nor model.safetensors.index.json is present"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_index_names_a_missing_shard(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in tensors} | {"model.norm.weight": "model-00002-of-00002.safetensors"}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002.safetensors is named by the index but does not exist"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_invalid_config_json(ckpt):
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
