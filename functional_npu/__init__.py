@@ -6,6 +6,7 @@ over mesh axes that trace whole under ``torch.compile``.
 """
 
 from .checkpoint import load_checkpoint, read_config
+from .compile import CompiledModel, compile_model
 from .collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
 from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .mesh import Mesh, make_mesh
@@ -39,6 +40,8 @@ __all__ = [
     "all_to_all_single",
     "broadcast",
     "permute",
+    "compile_model",
+    "CompiledModel",
     "load_checkpoint",
     "read_config",
     "greedy_generate",

@@ -3,22 +3,10 @@ loaded at tp = 1, 2, 4 (gloo), prefill logits (1e-4 abs) and 16 greedy tokens, e
 
 import pytest
 import torch
-import transformers as T
 
+from .hf_models import FAMILIES, save_tiny
 from .workers import llama_generate
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
-FAMILIES = {
-    # llama3 rope scaling, tied embeddings, 2 KV heads (replicated at tp=4)
-    "llama3": (T.LlamaForCausalLM, T.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    # sliding window shorter than prompt + generation
-    "mistral": (T.MistralForCausalLM, T.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
-    # q/k/v bias, a single KV head (replicated at tp=2 and 4)
-    "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=1)),
-    # q/k RMSNorm, head_dim != hidden / heads; saved as a sharded index
-    "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
-}
 PROMPT_LENS = (5, 12, 9)
 NEW = 16
 
@@ -28,11 +16,9 @@ def models(tmp_path_factory):
     """{family: (dir, prompts, hf logits per prompt, hf greedy tokens per prompt)}; references computed once."""
     out = {}
     g = torch.Generator().manual_seed(0)
-    for i, (name, (cls, cfg_cls, extra)) in enumerate(FAMILIES.items()):
-        torch.manual_seed(100 + i)
-        model = cls(cfg_cls(**COMMON, **extra)).eval()
+    for i, name in enumerate(FAMILIES):
         path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path, **({"max_shard_size": "100KB"} if name == "qwen3" else {}))
+        model = save_tiny(name, path, 100 + i)
         prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in PROMPT_LENS]
         logits, tokens = [], []
         with torch.no_grad():

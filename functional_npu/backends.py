@@ -1,0 +1,122 @@
+"""The one place that picks and configures the compiler.
+
+``"auto"`` is torchair on a working Ascend NPU, inductor on CPU and CUDA ("reduce-overhead", i.e.
+CUDA graphs, on CUDA); ``"eager"`` and ``"aot_eager"`` are for debugging. NPU detection imports
+``torch_npu`` inside a try that catches anything (torch-npu without CANN fails at import) and
+never trusts ``"npu" in torch._dynamo.list_backends()``. NPU-only scheduling hints go through
+the shims at the bottom, which do nothing elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Backend", "BACKENDS", "resolve_backend", "npu_status", "npu_stream_switch", "npu_wait_tensor"]
+
+log = logging.getLogger("functional_npu")
+
+BACKENDS = ("auto", "inductor", "torchair", "eager", "aot_eager")
+TORCHAIR_MODES = ("max-autotune", "reduce-overhead")  # GE graph mode, captured (aclgraph) mode
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A resolved compiler choice: what to pass to ``torch.compile``."""
+
+    name: str  # "torchair" | "inductor" | "eager" | "aot_eager"
+    device_type: str  # "npu" | "cuda" | "cpu"
+    mode: str | None = None
+    compiler: Any = field(default=None, repr=False)  # the torch.compile backend (callable or name)
+
+    def compile(self, fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+        """``torch.compile(fn, fullgraph=True, backend=..., mode=...)`` with extra ``options``."""
+        kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.compiler}
+        if self.name == "inductor" and self.mode:
+            kwargs["mode"] = self.mode
+        return torch.compile(fn, **kwargs, **options)
+
+
+def npu_status() -> tuple[bool, str]:
+    """(usable, reason): whether torch_npu imports and sees a device. Never raises."""
+    try:
+        importlib.import_module("torch_npu")
+    except BaseException as e:  # noqa: BLE001 - torch-npu without CANN raises anything from OSError to SystemExit
+        return False, f"torch_npu is not importable ({type(e).__name__}: {e})"
+    try:
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return True, "torch_npu sees an NPU"
+        return False, "torch_npu imported but torch.npu.is_available() is False"
+    except BaseException as e:  # noqa: BLE001
+        return False, f"torch.npu.is_available() failed ({type(e).__name__}: {e})"
+
+
+def _torchair(mode: str | None) -> Any:
+    import torchair  # only importable after torch_npu
+
+    config = torchair.CompilerConfig()
+    config.mode = mode or "max-autotune"
+    return torchair.get_npu_backend(compiler_config=config)
+
+
+def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type: str | None = None) -> Backend:
+    """Turn a backend name into a :class:`Backend`.
+
+    Args:
+        name: one of ``BACKENDS``.
+        mode: torchair: "max-autotune" (GE graph) or "reduce-overhead" (captured graph);
+            inductor: any ``torch.compile`` mode (default "reduce-overhead" on CUDA, none on CPU).
+        device_type: where the model runs (default: the detected accelerator, else "cpu").
+
+    Raises:
+        ValueError for an unknown name or mode, or ``"torchair"`` without a working NPU.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "torchair" and device_type not in (None, "npu"):
+        raise ValueError(f"backend 'torchair' compiles for an Ascend NPU, but the params are on {device_type!r}; move them to 'npu' or use backend='inductor'")
+    if name in ("auto", "torchair") and device_type in (None, "npu"):
+        ok, why = npu_status()
+        if ok:
+            if mode is not None and mode not in TORCHAIR_MODES:
+                raise ValueError(f"torchair mode {mode!r} is not one of {TORCHAIR_MODES}")
+            return Backend("torchair", "npu", mode or "max-autotune", _torchair(mode))
+        if name == "torchair":
+            raise ValueError(f"backend 'torchair' needs a working Ascend NPU: {why}")
+        if device_type == "npu":
+            raise ValueError(f"device_type 'npu' requested but {why}")
+        if why and "No module named 'torch_npu'" not in why:
+            log.warning("functional_npu: no usable NPU (%s); using inductor", why)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if name in ("eager", "aot_eager"):
+        return Backend(name, device_type, None, name)
+    return Backend("inductor", device_type, mode or ("reduce-overhead" if device_type == "cuda" else None), "inductor")
+
+
+# ---- NPU scheduling hints: torchair's multi-stream scopes on NPU, no-ops elsewhere -------------
+@contextlib.contextmanager
+def npu_stream_switch(tag: str, priority: int = 0, *, backend: Backend | None = None) -> Iterator[None]:
+    """Run the enclosed ops on a secondary NPU stream under torchair; nothing elsewhere."""
+    if backend is not None and backend.name == "torchair":
+        from torchair.scope import npu_stream_switch as switch  # type: ignore[import-not-found]
+
+        with switch(tag, priority):
+            yield
+    else:
+        yield
+
+
+def npu_wait_tensor(waiting: torch.Tensor, waited: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
+    """Make ``waiting``'s consumers wait for ``waited`` on NPU streams; returns ``waiting`` unchanged elsewhere."""
+    if backend is not None and backend.name == "torchair":
+        from torchair.scope import npu_wait_tensor as wait  # type: ignore[import-not-found]
+
+        return wait(waiting, waited)
+    return waiting

@@ -1,0 +1,74 @@
+"""compile_model: whole-graph prefill/decode on static shape buckets, generation parity, sampling, errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from functional_npu import Mesh, compile_model, load_checkpoint, shard
+from functional_npu.compile import GraphBreakError
+from functional_npu.models import llama
+
+from .hf_models import save_tiny
+
+PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    model = save_tiny("qwen3", path, 7)
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p) :].tolist() for p in PROMPTS]
+    return str(path), ref
+
+
+@pytest.fixture(scope="module")
+def compiled(qwen3):
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    torch._dynamo.reset()
+    return compile_model(load_checkpoint(qwen3[0], mesh), mesh, batch_sizes=[1, 4], max_seq_len=64)
+
+
+def test_generate_matches_transformers_with_padded_buckets(compiled, qwen3):
+    assert compiled.backend.name == "inductor"
+    assert compiled.prefill_lengths == (16, 32, 64)
+    assert compiled.generate(PROMPTS, NEW) == qwen3[1]  # 3 prompts padded to the batch-4 bucket, length 16
+    assert compiled.generate(PROMPTS[:1], NEW) == qwen3[1][:1]  # batch-1 bucket
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(compiled, qwen3):
+    a = compiled.generate(PROMPTS, NEW, temperature=1.0, top_p=0.9, seed=3)
+    assert a == compiled.generate(PROMPTS, NEW, temperature=1.0, top_p=0.9, seed=3)
+    assert compiled.generate(PROMPTS, NEW, temperature=0.7, top_k=1, seed=5) == qwen3[1]
+    assert all(0 <= t < 128 for row in a for t in row)
+
+
+def test_compile_model_errors(compiled, qwen3):
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = compiled.params
+    with pytest.raises(TypeError, match=r"params carry no model config \(params\['config'\]\)"):
+        compile_model({k: v for k, v in params.items() if k != "config"}, mesh)
+    with pytest.raises(ValueError, match=r"the mesh \{'dp': 1\} has no 'tp' axis"):
+        compile_model(params, Mesh.abstract({"dp": 1}, 0))
+    tp2 = shard(params, llama.param_specs(params["config"]), Mesh.abstract({"tp": 2}, 0))
+    with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(64, 64\) but mesh \{'tp': 1\} at \{'tp': 0\} expects \(128, 64\); were the params sharded for another mesh\?"):
+        compile_model(tp2, mesh)
+    with pytest.raises(ValueError, match=r"generate: 11 prompt tokens \+ 60 new exceed max_seq_len 64"):
+        compiled.generate(PROMPTS, 60)
+    with pytest.raises(ValueError, match=r"sampling: need temperature >= 0"):
+        compiled.generate(PROMPTS, 2, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match=r"prompt length 70 exceeds the largest bucket 64"):
+        compiled.prefill([[1] * 70], compiled.new_cache(1))
+
+
+def test_graph_break_is_an_error_naming_its_cause(compiled):
+    def breaks(params, tokens, positions, cache, mesh):
+        torch._dynamo.graph_break()
+        return llama.forward(params, tokens, positions, cache, mesh)
+
+    torch._dynamo.reset()
+    bad = dataclasses.replace(compiled, forward=compiled.backend.compile(breaks, dynamic=False))
+    with pytest.raises(GraphBreakError, match=r"prefill graph of Qwen3ForCausalLM breaks under fullgraph tracing: .*graph_break"):
+        bad.generate(PROMPTS[:1], 2)
