@@ -25,7 +25,7 @@ from .models import llama
 from .shard import leaf_specs
 from .tree import flatten_with_paths, map_with_path
 
-__all__ = ["load_checkpoint", "read_config"]
+__all__ = ["load_checkpoint", "save_checkpoint", "read_config", "check_plan"]
 
 # Tensors some checkpoints carry that the forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -43,6 +43,46 @@ def read_config(path: str | Path) -> llama.LlamaConfig:
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON ({e})") from None
     return llama.LlamaConfig.from_hf(hf)
+
+
+def check_plan(cfg: llama.LlamaConfig, mesh: Mesh, *, where: str = "model") -> None:
+    """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O)."""
+    if "tp" not in mesh.axis_names:
+        raise ValueError(f"{where}: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
+    meta = llama.abstract_params(cfg)
+    layouts = leaf_specs(llama.param_specs(cfg), meta)
+    n = mesh.axis_size("tp")
+    for p, m in flatten_with_paths(meta):
+        try:
+            validate(p, layouts[p], m.shape, torch.float32, mesh.shape)
+            for d, s in enumerate(layouts[p].dims):
+                if s is not None:
+                    [dim_pieces(s, m.shape[d], n, c, f"specs[{p!r}]", d) for c in range(mesh.axis_size(s.axes))]
+        except ValueError as e:
+            raise ValueError(f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}") from None
+
+
+def save_checkpoint(params: dict[str, Any], path: str | Path) -> Path:
+    """Write full (unsharded) params as a HF model directory (config.json + model.safetensors).
+
+    Fused leaves are split back into their HF tensors, so transformers and :func:`load_checkpoint`
+    both read the result.
+    """
+    from safetensors.torch import save_file
+
+    cfg: llama.LlamaConfig = params["config"]
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    layouts = leaf_specs(llama.param_specs(cfg), params)
+    tensors: dict[str, torch.Tensor] = {}
+    for p, x in flatten_with_paths(params):
+        dim = _fused_dim(layouts[p])
+        sources = _sources(p)
+        for name, (offset, size) in zip(sources, _block_ranges(layouts[p], dim, x.shape[dim], len(sources))):
+            tensors[name] = x.narrow(dim, offset, size).contiguous()
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    (root / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    return root
 
 
 def _sources(path: str) -> list[str]:
@@ -117,19 +157,12 @@ def load_checkpoint(
     """
     root = Path(path)
     cfg = read_config(root)
-    if "tp" not in mesh.axis_names:
-        raise ValueError(f"load_checkpoint: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
+    check_plan(cfg, mesh, where=str(root))
     meta = llama.abstract_params(cfg)
     layouts = leaf_specs(llama.param_specs(cfg), meta)
     leaves = dict(flatten_with_paths(meta))
-    for p, m in leaves.items():  # can this mesh shard this config?
-        try:
-            validate(p, layouts[p], m.shape, dtype or torch.float32, mesh.shape)
-            [dim_pieces(s, m.shape[d], mesh.axis_size(s.axes), mesh.axis_index(s.axes), f"specs[{p!r}]", d) for d, s in enumerate(layouts[p].dims) if s is not None]
-        except ValueError as e:
-            raise ValueError(f"{root}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}") from None
 
     files = _weight_files(root)
     handles = {f: _open(f) for f in sorted(set(files.values()))}

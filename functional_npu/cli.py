@@ -1,9 +1,18 @@
-"""Command line: ``python -m functional_npu demo``. Bad arguments are one clear line and exit code 2."""
+"""Command line: ``python -m functional_npu {demo,generate}``.
+
+Bad arguments are one clear line and exit code 2. ``generate`` starts ``dp x tp`` local gloo ranks
+itself, or joins the world of ``torchrun`` (env:// init, so it also works across nodes).
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import sys
+from pathlib import Path
+from typing import Any
 
 
 def _positive(text: str) -> int:
@@ -16,24 +25,128 @@ def _positive(text: str) -> int:
     return value
 
 
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids like 1,2,3, got {text!r}")
+    return ids
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m functional_npu", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m functional_npu", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="shard a small model-shaped tree over local ranks and verify it (no network)")
-    demo.add_argument("--dp", type=_positive, default=2, help="data-parallel ranks (the layer-sharding axis); default 2")
-    demo.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks; default 2")
+    demo = sub.add_parser("demo", help="embedded model: eager on 1 rank vs compiled on tp ranks (no network)")
+    demo.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks for the compiled run; default 2")
+    demo.add_argument("--max-new-tokens", type=_positive, default=24)
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped; default 600")
+
+    gen = sub.add_parser("generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)")
+    gen.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
+    gen.add_argument("--dp", type=_positive, default=1, help="data-parallel ranks: prompts are split across them")
+    gen.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks")
+    gen.add_argument("--backend", default="auto", choices=["auto", "inductor", "torchair", "eager", "aot_eager", "none"],
+                     help="compiler backend ('none': the plain eager forward, no compile)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", nargs="+", metavar="TEXT", help="prompt texts (needs the model's tokenizer.json)")
+    src.add_argument("--prompt-ids", type=_ids, action="append", metavar="1,2,3", help="a prompt as token ids; repeat for more")
+    gen.add_argument("--max-new-tokens", type=_positive, required=True)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-k", type=_positive, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
+    gen.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")
     return parser
 
 
+def _tokenizer(model: Path) -> Any | None:
+    file = model / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(str(file))
+
+
+def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
+    """Validate everything a rank would trip on, before any rank starts."""
+    from .checkpoint import check_plan, read_config
+    from .mesh import Mesh
+
+    model = Path(args.model)
+    try:
+        cfg = read_config(model)
+        check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model))
+    except (OSError, ValueError) as e:
+        parser.error(str(e).splitlines()[0] if "\n" not in str(e) else " ".join(str(e).split()))
+    tok = _tokenizer(model)
+    if args.prompt is not None:
+        if tok is None:
+            parser.error(f"--prompt needs {model / 'tokenizer.json'} and the 'tokenizers' package; pass --prompt-ids instead")
+        prompts = [tok.encode(t).ids for t in args.prompt]
+    else:
+        prompts = args.prompt_ids
+    bad = sorted({i for p in prompts for i in p if i >= cfg.vocab_size})
+    if bad:
+        parser.error(f"token ids {bad[:5]} are outside the vocabulary of {cfg.vocab_size}")
+    if any(not p for p in prompts):
+        parser.error("every prompt needs at least one token")
+    if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
+        parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    return prompts, tok
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .launch import LocalWorld, RankContext, RemoteError
+    from .runner import generate_on_rank, in_prompt_order
+
+    prompts, tok = _prepare(args, parser)
+    axes = {"dp": args.dp, "tp": args.tp}
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    job = (generate_on_rank, str(args.model), axes, prompts, args.max_new_tokens)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
+        import torch.distributed as dist
+
+        world = int(os.environ["WORLD_SIZE"])
+        if world != args.dp * args.tp:
+            parser.error(f"torchrun started {world} ranks but --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
+        dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=args.timeout))
+        mine = job[0](RankContext(dist.get_rank(), world), *job[1:], backend=args.backend, sampling=sampling)
+        results: list[Any] = [None] * world
+        dist.all_gather_object(results, mine)
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        try:
+            with LocalWorld(args.dp * args.tp, timeout=args.timeout) as world_:
+                results = world_.run(*job, backend=args.backend, sampling=sampling)
+        except (RemoteError, TimeoutError, RuntimeError) as e:
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
+    tokens = in_prompt_order(results, len(prompts))
+    text = [tok.decode(t) for t in tokens] if tok is not None else [None] * len(tokens)
+    timings = {k: max(r["timings"][k] for r in results) for k in results[0]["timings"]}
+    if args.json:
+        print(json.dumps({"token_ids": tokens, "text": text, "timings": timings}))
+    else:
+        for i, (t, s) in enumerate(zip(tokens, text)):
+            print(f"[{i}] {t}" + (f"  {s!r}" if s is not None else ""))
+        print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "demo":
-        if args.dp * args.tp > 4 * (os.cpu_count() or 1):
-            build_parser().error(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks is too many for {os.cpu_count()} cores")
-        if 2 % args.tp and args.tp % 2:
-            build_parser().error(f"--tp {args.tp}: the demo model has 2 KV heads, so tp must divide 2 or be a multiple of 2")
+        if args.tp > 2 * (os.cpu_count() or 1) or 4 % args.tp:
+            parser.error(f"--tp {args.tp}: the demo model has 4 heads; use 1, 2 or 4 ranks")
         from .demo import run_demo
 
-        return run_demo(args.dp, args.tp, timeout=args.timeout)
-    return 2  # pragma: no cover - argparse enforces the subcommand
+        return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout)
+    return _generate(args, parser)

@@ -57,10 +57,15 @@ class RankContext:
     _meshes: dict[tuple[tuple[str, int], ...], Mesh] = field(default_factory=dict, repr=False)
 
     def mesh(self, axes: Mapping[str, int]) -> Mesh:
-        """The world's mesh with these axes, made once per process so its process groups are reused."""
+        """The world's mesh with these axes, made once per process so its process groups are reused.
+
+        In a single process with no torch.distributed world it is an abstract mesh at rank 0 (every
+        axis has size 1, so every collective is the identity).
+        """
         key = tuple(axes.items())
         if key not in self._meshes:
-            self._meshes[key] = make_mesh(dict(axes))
+            single = self.world_size == 1 and not dist.is_initialized()
+            self._meshes[key] = Mesh.abstract(dict(axes), 0) if single else make_mesh(dict(axes))
         return self._meshes[key]
 
 

@@ -156,3 +156,15 @@ def test_invalid_config_json(ckpt):
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_save_checkpoint_roundtrips_through_transformers(base, tmp_path):
+    params = load_checkpoint(base, Mesh.abstract({"tp": 1}, 0))
+    out = load_checkpoint(__import__("functional_npu").checkpoint.save_checkpoint(params, tmp_path / "copy"), Mesh.abstract({"tp": 1}, 0))
+    for (p, a), (_, b) in zip(flatten_with_paths(params), flatten_with_paths(out)):
+        assert torch.equal(a, b), p
+    hf = T.AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
+    ref = T.AutoModelForCausalLM.from_pretrained(base)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, ref(ids).logits)

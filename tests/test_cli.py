@@ -1,33 +1,89 @@
-"""The README's main job, run as a user runs it, and its argument errors."""
+"""The command line as a user runs it: the README demo, generate (local dp x tp ranks, --json, tokenizer), bad arguments."""
 
+import json
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from .hf_models import save_tiny
 
 
-def _cli(*args: str, timeout: float = 600):
+def _cli(*args: str, timeout: float = 900):
     return subprocess.run([sys.executable, "-m", "functional_npu", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_demo_runs_and_verifies_on_two_ranks():
-    out = _cli("demo", "--dp", "1", "--tp", "2")
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny Qwen2 checkpoint with a word-level tokenizer, and transformers' greedy tokens for two prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("qwen2")
+    hf = save_tiny("qwen2", path, 3)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14]]
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+    return path, prompts, ref
+
+
+def test_demo_runs_and_verifies():
+    out = _cli("demo", "--tp", "2", "--max-new-tokens", "8")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo: OK" in out.stdout
-    assert out.stdout.count("| True |") == 2
+    assert out.stdout.count("| True |") == 3
+
+
+def test_generate_dp2_json_in_prompt_order(model):
+    path, prompts, ref = model
+    args = ["generate", "--model", str(path), "--dp", "2", "--backend", "eager", "--max-new-tokens", "6", "--json"]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    out = _cli(*args)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["token_ids"] == ref
+    assert len(result["text"]) == 2 and {"load_s", "generate_s"} <= set(result["timings"])
+
+
+def test_generate_with_tokenizer_text(model):
+    path, _, ref = model
+    out = _cli("generate", "--model", str(path), "--tp", "2", "--backend", "none", "--prompt", "w5 w6 w7", "--max-new-tokens", "6", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["token_ids"] == [ref[0]]
+    assert result["text"][0].split() == [f"w{i}" for i in ref[0]]
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["demo", "--tp", "3"], "--tp 3: the demo model has 2 KV heads, so tp must divide 2 or be a multiple of 2"),
-        (["demo", "--dp", "0"], "argument --dp: expected a positive integer, got 0"),
-        (["demo", "--dp", "x"], "argument --dp: expected a positive integer, got 'x'"),
+        (["demo", "--tp", "3"], "--tp 3: the demo model has 4 heads; use 1, 2 or 4 ranks"),
+        (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive integer, got 0"),
+        (["generate", "--model", "/nonexistent", "--prompt-ids", "1", "--max-new-tokens", "2"], "config.json not found"),
+        (["generate", "--model", "MODEL", "--tp", "3", "--prompt-ids", "1", "--max-new-tokens", "2"], "cannot shard this Qwen2ForCausalLM config"),
+        (["generate", "--model", "MODEL", "--prompt-ids", "1,x", "--max-new-tokens", "2"], "expected comma-separated token ids like 1,2,3, got '1,x'"),
+        (["generate", "--model", "MODEL", "--prompt-ids", "1,500", "--max-new-tokens", "2"], "token ids [500] are outside the vocabulary of 128"),
+        (["generate", "--model", "MODEL", "--prompt-ids", "1", "--max-new-tokens", "2", "--backend", "tvm"], "invalid choice: 'tvm'"),
+        (["generate", "--model", "MODEL", "--max-new-tokens", "2"], "one of the arguments --prompt --prompt-ids is required"),
         (["nonsense"], "invalid choice: 'nonsense'"),
     ],
 )
-def test_bad_arguments_are_one_clear_line_and_exit_2(args, message):
-    out = _cli(*args, timeout=60)
-    assert out.returncode == 2
+def test_bad_arguments_are_one_clear_line_and_exit_2(model, args, message):
+    out = _cli(*[str(model[0]) if a == "MODEL" else a for a in args], timeout=120)
+    assert out.returncode == 2, out.stderr
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+    assert len([ln for ln in out.stderr.splitlines() if ln.startswith("python -m functional_npu") and "error" in ln]) == 1
+
+
+def test_prompt_text_without_tokenizer_is_a_clear_error(model, tmp_path):
+    import shutil
+
+    bare = shutil.copytree(model[0], tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    out = _cli("generate", "--model", str(bare), "--prompt", "hello", "--max-new-tokens", "2", timeout=120)
+    assert out.returncode == 2 and "--prompt needs" in out.stderr and "pass --prompt-ids instead" in out.stderr

@@ -29,8 +29,9 @@ import torch.utils._pytree as pytree
 from ..collectives import all_gather, all_reduce
 from ..layout import Block, Layout, fused, replicated, sharded
 from ..mesh import Mesh
+from ..tree import map_with_path
 
-__all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "param_specs", "forward", "init_cache", "local_heads"]
+__all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "local_heads"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -119,6 +120,25 @@ class LlamaConfig:
         )
 
 
+    def to_hf(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict for this config (read back by :meth:`from_hf`)."""
+        rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_type != "default":
+            rope["factor"] = self.rope_factor
+        if self.rope_type == "llama3":
+            rope |= {"low_freq_factor": self.rope_low_freq_factor, "high_freq_factor": self.rope_high_freq_factor,
+                     "original_max_position_embeddings": self.rope_original_max_positions}
+        return {
+            "architectures": [self.architecture],
+            "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[self.architecture],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope, "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias, "sliding_window": self.sliding_window,
+        }
+
+
 # The config rides along in the params tree as a node with no leaves: pytree maps keep it.
 pytree.register_pytree_node(
     LlamaConfig,
@@ -151,6 +171,18 @@ def abstract_params(cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device
     if not cfg.tie_word_embeddings:
         top["lm_head"] = make((cfg.vocab_size, cfg.hidden_size))
     return top | {"layers": [{k: make(v) for k, v in _layer_shapes(cfg).items()} for _ in range(cfg.num_layers)]}
+
+
+def init_params(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Full params with seeded random weights (std 0.02, norms 1): an embedded model needing no download."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fill(path: str, x: torch.Tensor) -> torch.Tensor:
+        if path.endswith("norm"):
+            return torch.ones(x.shape, dtype=dtype)
+        return (torch.randn(x.shape, generator=g) * 0.02).to(dtype)
+
+    return map_with_path(fill, abstract_params(cfg))
 
 
 def qkv_blocks(cfg: LlamaConfig) -> list[Block]:

@@ -1,0 +1,77 @@
+"""One rank's generation job, shared by the CLI's local ranks and torchrun: load, compile, generate.
+
+Prompts are dealt to data-parallel ranks round-robin (prompt ``i`` to dp index ``i % dp``); the
+caller puts the results back in prompt order with :func:`in_prompt_order`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .checkpoint import load_checkpoint
+from .compile import compile_model
+from .generate import greedy_generate
+from .launch import RankContext
+
+
+def generate_on_rank(
+    ctx: RankContext,
+    model_dir: str,
+    axes: Mapping[str, int],
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    backend: str = "auto",
+    sampling: Mapping[str, Any] | None = None,
+    repeat: int = 1,
+) -> dict[str, Any]:
+    """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the compiled model to time it warm."""
+    mesh = ctx.mesh(axes)
+    t0 = time.perf_counter()
+    params = load_checkpoint(model_dir, mesh)
+    t_load = time.perf_counter() - t0
+    dp, index = mesh.axis_size("dp"), mesh.axis_index("dp")
+    mine = list(range(index, len(prompts), dp))
+    longest = max((len(prompts[i]) for i in mine), default=1)
+    timings: dict[str, float] = {"load_s": t_load}
+    batch = [prompts[i] for i in mine]
+    if backend == "none":  # the plain eager forward, no compile_model
+        def run() -> list[list[int]]:
+            return greedy_generate(params, batch, max_new_tokens, mesh)
+    else:
+        model = compile_model(params, mesh, backend=backend, max_seq_len=max(64, 1 << (longest + max_new_tokens - 1).bit_length()))
+
+        def run() -> list[list[int]]:
+            return model.generate(batch, max_new_tokens, **(sampling or {}))
+
+    tokens: list[list[int]] = []
+    for r in range(repeat):
+        t0 = time.perf_counter()
+        tokens = run() if batch else []
+        timings["first_generate_s" if r == 0 else "generate_s"] = time.perf_counter() - t0
+    timings.setdefault("generate_s", timings["first_generate_s"])
+    return {"indices": mine, "tokens": tokens, "timings": timings, "tp_index": mesh.axis_index("tp")}
+
+
+def in_prompt_order(results: Sequence[Mapping[str, Any]], n: int) -> list[list[int]]:
+    """Token lists in prompt order from every rank's result (tp index 0 of each dp group speaks)."""
+    out: list[list[int] | None] = [None] * n
+    for r in results:
+        if r["tp_index"] == 0:
+            for i, toks in zip(r["indices"], r["tokens"]):
+                out[i] = toks
+    missing = [i for i, t in enumerate(out) if t is None]
+    if missing:
+        raise RuntimeError(f"no rank returned prompts {missing}")
+    return out  # type: ignore[return-value]
+
+
+def tokens_per_s(results: Sequence[Mapping[str, Any]], new_tokens: int, key: str = "generate_s") -> float:
+    """Generated tokens per second over the whole job (slowest rank)."""
+    produced = sum(len(r["indices"]) for r in results if r["tp_index"] == 0) * new_tokens
+    return produced / max(r["timings"].get(key, float("nan")) for r in results)
+
+
+__all__ = ["generate_on_rank", "in_prompt_order", "tokens_per_s"]
