@@ -1,4 +1,4 @@
-"""Command line: ``python -m functional_npu {demo,generate}``.
+"""Command line: ``python -m functional_npu {demo,generate,graphs}``.
 
 Bad arguments are one clear line and exit code 2. ``generate`` starts ``dp x tp`` local gloo ranks
 itself, or joins the world of ``torchrun`` (env:// init, so it also works across nodes).
@@ -59,7 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")
+    graphs = sub.add_parser("graphs", help="regenerate (or --check) the golden captured graphs in graphs/")
+    graphs.add_argument("--check", action="store_true", help="fail (exit 1) on drift instead of writing")
+    graphs.add_argument("--out", default="graphs", help="the artifacts folder; default graphs/")
     return parser
+
+
+def _graphs(args: argparse.Namespace) -> int:
+    from .graphs import regenerate
+
+    drift = regenerate(Path(args.out), check=args.check)
+    if drift:
+        print(f"{len(drift)} graph artifacts drifted (run: python -m functional_npu graphs): " + ", ".join(drift[:10]), file=sys.stderr)
+        return 1
+    print(f"graphs: {'up to date' if args.check else 'written to ' + args.out}")
+    return 0
 
 
 def _tokenizer(model: Path) -> Any | None:
@@ -149,4 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout)
+    if args.command == "graphs":
+        return _graphs(args)
     return _generate(args, parser)

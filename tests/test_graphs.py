@@ -1,0 +1,36 @@
+"""Golden captured graphs: regenerate every artifact and compare with graphs/ (drift must be regenerated and reviewed)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from functional_npu.graphs import GRAPH_CONFIGS, PHASES, TP_SIZES, regenerate
+
+ROOT = Path(__file__).resolve().parents[1] / "graphs"
+
+
+@pytest.fixture(scope="module")
+def drift(world2):
+    return regenerate(ROOT, check=True, world=world2)
+
+
+def test_graphs_match_the_committed_artifacts(drift):
+    assert drift == [], f"graphs/ drifted from the code; run `python -m functional_npu graphs` and review: {drift}"
+
+
+@pytest.mark.parametrize("family", list(GRAPH_CONFIGS))
+def test_collective_schedule_is_the_tp_plan(drift, family):
+    cfg = GRAPH_CONFIGS[family]
+    for phase in PHASES:
+        for tp in TP_SIZES:
+            name = f"{family}-tp{tp}-{phase}"
+            schedule = json.loads((ROOT / name / "collectives.json").read_text())
+            assert json.loads((ROOT / name / "summary.json").read_text())["graph_breaks"] == 0
+            if tp == 1:
+                assert schedule == [], name  # size-1 axes emit nothing
+                continue
+            ops = [c["op"].split(".")[1] for c in schedule]
+            # vocab-parallel embedding, o_proj + down per layer, lm_head gather: in program order
+            assert ops == ["all_reduce"] + ["all_reduce"] * (2 * cfg.num_layers) + ["all_gather_into_tensor"], name
+            assert {c["axis"] for c in schedule} == {"tp"}
