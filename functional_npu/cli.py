@@ -1,4 +1,4 @@
-"""Command line: ``python -m functional_npu {demo,generate,graphs}``.
+"""Command line: ``python -m functional_npu {demo,generate,bench,graphs}``.
 
 Bad arguments are one clear line and exit code 2. ``generate`` starts ``dp x tp`` local gloo ranks
 itself, or joins the world of ``torchrun`` (env:// init, so it also works across nodes).
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")
+    bench = sub.add_parser("bench", help="the scoreboard: this library vs transformers, eager and compiled (needs transformers)")
+    bench.add_argument("--quick", action="store_true", help="a 4-layer model and fewer tokens")
+    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     graphs = sub.add_parser("graphs", help="regenerate (or --check) the golden captured graphs in graphs/")
     graphs.add_argument("--check", action="store_true", help="fail (exit 1) on drift instead of writing")
     graphs.add_argument("--out", default="graphs", help="the artifacts folder; default graphs/")
@@ -165,4 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout)
     if args.command == "graphs":
         return _graphs(args)
+    if args.command == "bench":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            parser.error("bench compares against transformers: pip install -e '.[test]'")
+        from .bench import run_bench
+
+        run_bench(quick=args.quick, json_path=args.json)
+        return 0
     return _generate(args, parser)

@@ -1,0 +1,171 @@
+"""The scoreboard: ``python -m functional_npu bench [--quick] [--json FILE]``.
+
+On the same weights in the same run: decode and prefill tokens/s of this library (eager, compiled,
+compiled tp=2 on two gloo ranks) and of transformers (eager ``generate``; ``generate`` compiled
+with a static cache), the decode roofline (same-run matrix-vector bandwidth / weight bytes read per
+token) and each system's share of it, and cold vs warm compile time (fresh processes sharing an
+inductor cache dir). Decode tokens/s are ``(N - 1) / (T(N new tokens) - T(1 new token))``, the
+same formula for every system, so prefill is excluded from decode and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .compile import compile_model
+from .generate import greedy_generate
+from .launch import LocalWorld, RankContext
+from .mesh import Mesh
+from .models.llama import LlamaConfig, abstract_params, init_params
+from .tree import flatten_with_paths
+
+_MODEL = dict(architecture="Qwen3ForCausalLM", hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64,
+              rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=2048, qk_norm=True)
+FULL = LlamaConfig(vocab_size=32000, num_layers=12, **_MODEL)  # about 70M params, untied, fp32
+QUICK = LlamaConfig(vocab_size=8000, num_layers=4, **_MODEL)
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _rates(run: Callable[[int], Any], prompt_len: int, new: int, repeat: int) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) from generating ``new`` and 1 token(s)."""
+    t_one = _best(lambda: run(1), repeat)
+    t_all = _best(lambda: run(new), repeat)
+    return (new - 1) / max(t_all - t_one, 1e-9), prompt_len / t_one
+
+
+def matvec_bandwidth(dtype: torch.dtype = torch.float32, mib: int = 256, repeat: int = 10) -> float:
+    """Bytes/s of a matrix-vector product streaming a ``mib`` MiB weight (the decode bottleneck)."""
+    cols = 4096
+    w = torch.randn(mib * 2**20 // (cols * torch.tensor([], dtype=dtype).element_size()), cols, dtype=dtype)
+    x = torch.randn(cols, dtype=dtype)
+    w @ x
+    return w.numel() * w.element_size() / _best(lambda: w @ x, repeat)
+
+
+def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Weight bytes one decode step reads: every weight except the embedding table, of which one row."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    total = sum(x.numel() for p, x in flatten_with_paths(abstract_params(cfg)) if p != "embed")
+    return (total + cfg.hidden_size) * size
+
+
+def _fnpu_rank(ctx: RankContext, path: str, prompt: list[int], new: int, repeat: int) -> dict[str, float]:
+    mesh = ctx.mesh({"tp": ctx.world_size})
+    model = compile_model(load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=max(64, 1 << (len(prompt) + new).bit_length()))
+    t0 = time.perf_counter()
+    model.generate([prompt], new)
+    model.generate([prompt], 1)
+    compile_s = time.perf_counter() - t0
+    decode, prefill = _rates(lambda n: model.generate([prompt], n), len(prompt), new, repeat)
+    return {"decode": decode, "prefill": prefill, "compile_s": compile_s}
+
+
+def _hf(path: str, prompt: list[int], new: int, repeat: int, compiled: bool) -> dict[str, float]:
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    if compiled:
+        cc = T.CompileConfig(fullgraph=True)
+        cc._compile_all_devices = True  # transformers compiles generate on CUDA only unless told
+        model.generation_config.compile_config = cc
+        model.generation_config.cache_implementation = "static"
+
+    def run(n: int) -> Any:
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    t0 = time.perf_counter()
+    run(new)
+    warm = time.perf_counter() - t0
+    decode, prefill = _rates(run, len(prompt), new, repeat)
+    return {"decode": decode, "prefill": prefill, "compile_s": warm}
+
+
+def _compile_once(path: str, prompt_len: int, new: int) -> float:
+    """Seconds to load, compile and generate once (a child process: the cold/warm compile probe)."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    t0 = time.perf_counter()
+    model = compile_model(load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=max(64, 1 << (prompt_len + new).bit_length()))
+    model.generate([list(range(1, prompt_len + 1))], new)
+    return time.perf_counter() - t0
+
+
+def _compile_cold_warm(path: str, prompt_len: int, new: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+        code = f"from functional_npu.bench import _compile_once; print(_compile_once({path!r}, {prompt_len}, {new}))"
+        times = [float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()[-1]) for _ in range(2)]
+    return {"cold": times[0], "warm": times[1]}
+
+
+def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int = 3) -> dict[str, Any]:
+    """Run every system, print a markdown table, optionally write JSON; returns the results."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = QUICK if quick else FULL
+    prompt_len, new = (16, 16) if quick else (32, 32)
+    prompt = [(7 * i) % cfg.vocab_size for i in range(1, prompt_len + 1)]
+    n_params = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg)))
+    print(f"bench: {cfg.architecture}-style, {n_params / 1e6:.1f}M params, fp32, batch 1, prompt {prompt_len}, {new} new tokens, {torch.get_num_threads()} threads")
+    res: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(init_params(cfg, seed=0), tmp)
+        mesh = Mesh.abstract({"tp": 1}, 0)
+        params = load_checkpoint(tmp, mesh)
+        decode, prefill = _rates(lambda n: greedy_generate(params, [prompt], n, mesh), prompt_len, new, repeat)
+        res["fnpu_eager"] = {"decode": decode, "prefill": prefill}
+        print("  fnpu eager done", flush=True)
+        res["fnpu_compiled"] = _fnpu_rank(RankContext(0, 1), tmp, prompt, new, repeat)
+        print("  fnpu compiled done", flush=True)
+        res["hf_eager"] = _hf(tmp, prompt, new, repeat, compiled=False)
+        print("  transformers eager done", flush=True)
+        res["hf_compiled"] = _hf(tmp, prompt, new, repeat, compiled=True)
+        print("  transformers compiled done", flush=True)
+        with LocalWorld(2, threads=max(1, (os.cpu_count() or 2) // 2)) as world:
+            res["fnpu_compiled_tp2"] = world.run(_fnpu_rank, tmp, prompt, new, repeat)[0]
+        print("  fnpu compiled tp=2 done", flush=True)
+        compile_s = _compile_cold_warm(tmp, prompt_len, new)
+    bw = matvec_bandwidth()
+    roof = bw / decode_bytes_per_token(cfg)
+    out = {
+        "decode_tok_s": {k: v["decode"] for k, v in res.items()},
+        "prefill_tok_s": {k: v["prefill"] for k, v in res.items()},
+        "roofline_decode_tok_s": roof,
+        "matvec_gb_s": bw / 1e9,
+        "compile_s": compile_s,
+        "first_call_s": {k: v["compile_s"] for k, v in res.items() if "compile_s" in v},
+        "model": {"architecture": cfg.architecture, "params": n_params, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+                  "vocab": cfg.vocab_size, "dtype": "float32", "prompt": prompt_len, "new_tokens": new, "batch": 1},
+        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform()},
+    }
+    print("\n| system | decode tok/s | share of roofline | prefill tok/s |")
+    print("|---|---|---|---|")
+    for k in res:
+        print(f"| {k} | {out['decode_tok_s'][k]:.1f} | {out['decode_tok_s'][k] / roof:.0%} | {out['prefill_tok_s'][k]:.0f} |")
+    d = out["decode_tok_s"]
+    print(f"\nroofline: {roof:.1f} tok/s ({bw / 1e9:.1f} GB/s matvec / {decode_bytes_per_token(cfg) / 1e6:.1f} MB per token)")
+    print(f"compiled decode vs transformers eager: {d['fnpu_compiled'] / d['hf_eager']:.2f}x, vs transformers compiled: {d['fnpu_compiled'] / d['hf_compiled']:.2f}x")
+    print(f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)")
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=1))
+    return out
