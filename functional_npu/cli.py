@@ -100,7 +100,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         cfg = read_config(model)
         check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model))
     except (OSError, ValueError) as e:
-        parser.error(str(e).splitlines()[0] if "\n" not in str(e) else " ".join(str(e).split()))
+        parser.error(" ".join(str(e).split()))  # one line, whatever the message
     tok = _tokenizer(model)
     if args.prompt is not None:
         if tok is None:
