@@ -9,11 +9,11 @@ Prints a markdown table: GB/s of each transform over the bytes it writes, and it
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from functional_npu import Block, Mesh, fused, gather, shard, sharded
+from functional_npu.bench import best_time
 from functional_npu.launch import LocalWorld
 
 
@@ -30,15 +30,6 @@ def _tree(mb: int) -> tuple[dict, dict]:
     return tree, specs
 
 
-def _best(fn, repeat: int = 5) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def _gather_rank(ctx, mb: int) -> tuple[float, float, int]:
     mesh = ctx.mesh({"tp": 2})
     tree, specs = _tree(mb)
@@ -46,8 +37,8 @@ def _gather_rank(ctx, mb: int) -> tuple[float, float, int]:
     nbytes = sum(t.numel() * t.element_size() for t in tree.values())
     gather(local, specs, mesh)  # creates groups, warms up
     dst = {k: torch.empty_like(v) for k, v in tree.items()}
-    t_gather = _best(lambda: gather(local, specs, mesh))
-    t_copy = _best(lambda: [dst[k].copy_(v) for k, v in tree.items()])
+    t_gather = best_time(lambda: gather(local, specs, mesh))
+    t_copy = best_time(lambda: [dst[k].copy_(v) for k, v in tree.items()])
     return t_gather, t_copy, nbytes
 
 
@@ -60,10 +51,10 @@ def main() -> None:
     mesh = Mesh.abstract({"tp": 2})
     full_bytes = sum(t.numel() * t.element_size() for t in tree.values())
     local_bytes = full_bytes // 2
-    t_shard = _best(lambda: shard(tree, specs, mesh, coordinate=1))
+    t_shard = best_time(lambda: shard(tree, specs, mesh, coordinate=1))
     half = {k: v[: v.shape[0] // 2] for k, v in tree.items()}
     dst = {k: torch.empty_like(v) for k, v in half.items()}
-    t_copy_half = _best(lambda: [dst[k].copy_(v) for k, v in half.items()])
+    t_copy_half = best_time(lambda: [dst[k].copy_(v) for k, v in half.items()])
     with LocalWorld(2) as world:
         t_gather, t_copy, nbytes = world.run(_gather_rank, args.mb)[0]
     print(f"tree: {full_bytes / 2**20:.0f} MiB fp32 (GQA-fused qkv, [gate|up], two row-parallel), tp=2\n")

@@ -37,7 +37,8 @@ FULL = LlamaConfig(vocab_size=32000, num_layers=12, **_MODEL)  # about 70M param
 QUICK = LlamaConfig(vocab_size=8000, num_layers=4, **_MODEL)
 
 
-def _best(fn: Callable[[], Any], repeat: int) -> float:
+def best_time(fn: Callable[[], Any], repeat: int = 5) -> float:
+    """The fastest of ``repeat`` wall-clock timings of ``fn()``, in seconds."""
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -48,8 +49,8 @@ def _best(fn: Callable[[], Any], repeat: int) -> float:
 
 def _rates(run: Callable[[int], Any], prompt_len: int, new: int, repeat: int) -> tuple[float, float]:
     """(decode tok/s, prefill tok/s) from generating ``new`` and 1 token(s)."""
-    t_one = _best(lambda: run(1), repeat)
-    t_all = _best(lambda: run(new), repeat)
+    t_one = best_time(lambda: run(1), repeat)
+    t_all = best_time(lambda: run(new), repeat)
     return (new - 1) / max(t_all - t_one, 1e-9), prompt_len / t_one
 
 
@@ -59,7 +60,7 @@ def matvec_bandwidth(dtype: torch.dtype = torch.float32, mib: int = 256, repeat:
     w = torch.randn(mib * 2**20 // (cols * torch.tensor([], dtype=dtype).element_size()), cols, dtype=dtype)
     x = torch.randn(cols, dtype=dtype)
     w @ x
-    return w.numel() * w.element_size() / _best(lambda: w @ x, repeat)
+    return w.numel() * w.element_size() / best_time(lambda: w @ x, repeat)
 
 
 def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
