@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .layout import Layout, Shard, dim_pieces, validate
+from .layout import Layout, Shard, dim_pieces, local_pieces, validate
 from .mesh import Mesh
 from .models import llama
 from .shard import leaf_specs
@@ -30,7 +30,6 @@ __all__ = ["load_checkpoint", "save_checkpoint", "read_config", "check_plan"]
 # Tensors some checkpoints carry that the forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def read_config(path: str | Path) -> llama.LlamaConfig:
@@ -45,8 +44,12 @@ def read_config(path: str | Path) -> llama.LlamaConfig:
     return llama.LlamaConfig.from_hf(hf)
 
 
-def check_plan(cfg: llama.LlamaConfig, mesh: Mesh, *, where: str = "model") -> None:
-    """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O)."""
+def check_plan(cfg: llama.LlamaConfig, mesh: Mesh, *, where: str = "model") -> tuple[dict[str, Any], dict[str, Layout]]:
+    """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O).
+
+    Returns:
+        The full params on the meta device and each leaf's layout, for the caller to reuse.
+    """
     if "tp" not in mesh.axis_names:
         raise ValueError(f"{where}: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
     meta = llama.abstract_params(cfg)
@@ -60,6 +63,7 @@ def check_plan(cfg: llama.LlamaConfig, mesh: Mesh, *, where: str = "model") -> N
                     [dim_pieces(s, m.shape[d], n, c, f"specs[{p!r}]", d) for c in range(mesh.axis_size(s.axes))]
         except ValueError as e:
             raise ValueError(f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}") from None
+    return meta, layouts
 
 
 def save_checkpoint(params: dict[str, Any], path: str | Path) -> Path:
@@ -159,9 +163,7 @@ def load_checkpoint(
     cfg = read_config(root)
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
-    check_plan(cfg, mesh, where=str(root))
-    meta = llama.abstract_params(cfg)
-    layouts = leaf_specs(llama.param_specs(cfg), meta)
+    meta, layouts = check_plan(cfg, mesh, where=str(root))
     leaves = dict(flatten_with_paths(meta))
 
     files = _weight_files(root)
@@ -213,10 +215,7 @@ def _check_names_and_shapes(root, cfg, leaves, layouts, files, handles) -> None:
 
 def _read_leaf(path, full_shape, layout, mesh, files, handles, on_read) -> torch.Tensor:
     """This coordinate's shard of one param, read slice by slice from its HF tensors."""
-    pieces = [
-        None if s is None else dim_pieces(s, full_shape[d], mesh.axis_size(s.axes), mesh.axis_index(s.axes))
-        for d, s in enumerate(layout.dims)
-    ]
+    pieces = local_pieces(path, layout, full_shape, mesh)
     pieces += [None] * (len(full_shape) - len(pieces))
     sources = _sources(path)
     dim = _fused_dim(layout)

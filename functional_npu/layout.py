@@ -27,6 +27,8 @@ from typing import Union
 
 import torch
 
+from .mesh import Mesh
+
 __all__ = [
     "Block",
     "Shard",
@@ -38,6 +40,7 @@ __all__ = [
     "fused",
     "cyclic",
     "dim_pieces",
+    "local_pieces",
     "full_length",
 ]
 
@@ -305,6 +308,18 @@ def dim_pieces(spec: DimSpec, full_len: int, n: int, c: int, where: str = "spec"
             pieces.append((start, stop, step))
         offset += b.size
     return pieces
+
+
+def local_pieces(path: str, layout: Layout, full_shape: Sequence[int], mesh: Mesh) -> list[list[Piece] | None]:
+    """Per dim of ``layout``: the pieces of the full dim this mesh coordinate holds (None for a whole dim)."""
+    out: list[list[Piece] | None] = []
+    for d, spec in enumerate(layout.dims):
+        if spec is None:
+            out.append(None)
+        else:
+            n = mesh.axis_size(spec.axes)
+            out.append(dim_pieces(spec, full_shape[d], n, mesh.axis_index(spec.axes), f"specs[{path!r}]", d))
+    return out
 
 
 def piece_len(p: Piece) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import collectives
-from .layout import Layout, LayoutError, Piece, dim_pieces, full_length, piece_len, validate
+from .layout import Layout, LayoutError, Piece, dim_pieces, full_length, local_pieces, piece_len, validate
 from .mesh import Mesh
 from .tree import PyTree, expand_prefix, flatten_with_paths, map_with_path
 
@@ -43,17 +43,6 @@ def _positioned(mesh: Mesh, coordinate: Mapping[str, int] | int | None) -> Mesh:
     return mesh
 
 
-def _pieces(path: str, layout: Layout, full_shape: Sequence[int], mesh: Mesh) -> list[list[Piece] | None]:
-    out: list[list[Piece] | None] = []
-    for d, spec in enumerate(layout.dims):
-        if spec is None:
-            out.append(None)
-        else:
-            n = mesh.axis_size(spec.axes)
-            out.append(dim_pieces(spec, full_shape[d], n, mesh.axis_index(spec.axes), f"specs[{path!r}]", d))
-    return out
-
-
 def local_shape(
     shape: Sequence[int],
     layout: Layout,
@@ -72,7 +61,7 @@ def local_shape(
     mesh = _positioned(mesh, coordinate)
     validate(path, layout, shape, dtype, mesh.shape)
     out = list(shape)
-    for d, pieces in enumerate(_pieces(path, layout, shape, mesh)):
+    for d, pieces in enumerate(local_pieces(path, layout, shape, mesh)):
         if pieces is not None:
             out[d] = sum(map(piece_len, pieces))
     return tuple(out)
@@ -112,7 +101,7 @@ def shard(
     for path, x in flatten_with_paths(tree):
         x = _check_leaf(path, x)
         validate(path, layouts[path], x.shape, x.dtype, mesh.shape)
-        plans[path] = _pieces(path, layouts[path], x.shape, mesh)
+        plans[path] = local_pieces(path, layouts[path], x.shape, mesh)
 
     def cut(path: str, x: torch.Tensor) -> torch.Tensor:
         y = x
