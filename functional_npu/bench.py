@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .compile import compile_model
+from .compile import cache_length, compile_model
 from .generate import greedy_generate
 from .launch import LocalWorld, RankContext
 from .mesh import Mesh
@@ -72,7 +72,7 @@ def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32)
 
 def _fnpu_rank(ctx: RankContext, path: str, prompt: list[int], new: int, repeat: int) -> dict[str, float]:
     mesh = ctx.mesh({"tp": ctx.world_size})
-    model = compile_model(load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=max(64, 1 << (len(prompt) + new).bit_length()))
+    model = compile_model(load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(len(prompt) + new))
     t0 = time.perf_counter()
     model.generate([prompt], new)
     model.generate([prompt], 1)
@@ -107,7 +107,7 @@ def _compile_once(path: str, prompt_len: int, new: int) -> float:
     """Seconds to load, compile and generate once (a child process: the cold/warm compile probe)."""
     mesh = Mesh.abstract({"tp": 1}, 0)
     t0 = time.perf_counter()
-    model = compile_model(load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=max(64, 1 << (prompt_len + new).bit_length()))
+    model = compile_model(load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(prompt_len + new))
     model.generate([list(range(1, prompt_len + 1))], new)
     return time.perf_counter() - t0
 

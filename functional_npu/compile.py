@@ -20,11 +20,16 @@ from .models import llama
 from .shard import leaf_specs, local_shape
 from .tree import flatten_with_paths
 
-__all__ = ["CompiledModel", "compile_model", "GraphBreakError"]
+__all__ = ["CompiledModel", "compile_model", "cache_length", "GraphBreakError"]
 
 
 class GraphBreakError(RuntimeError):
     """The forward could not be traced as one graph; the message names the cause."""
+
+
+def cache_length(tokens: int, minimum: int = 64) -> int:
+    """A KV-cache length for ``tokens`` positions: the smallest power of two that fits, at least ``minimum``."""
+    return max(minimum, 1 << (tokens - 1).bit_length())
 
 
 def _buckets(limit: int, start: int = 1) -> tuple[int, ...]:

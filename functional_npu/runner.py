@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .checkpoint import load_checkpoint
-from .compile import compile_model
+from .compile import cache_length, compile_model
 from .generate import greedy_generate
 from .launch import RankContext
 
@@ -41,7 +41,7 @@ def generate_on_rank(
         def run() -> list[list[int]]:
             return greedy_generate(params, batch, max_new_tokens, mesh)
     else:
-        model = compile_model(params, mesh, backend=backend, max_seq_len=max(64, 1 << (longest + max_new_tokens - 1).bit_length()))
+        model = compile_model(params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens))
 
         def run() -> list[list[int]]:
             return model.generate(batch, max_new_tokens, **(sampling or {}))

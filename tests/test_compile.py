@@ -72,3 +72,10 @@ def test_graph_break_is_an_error_naming_its_cause(compiled):
     bad = dataclasses.replace(compiled, forward=compiled.backend.compile(breaks, dynamic=False))
     with pytest.raises(GraphBreakError, match=r"prefill graph of Qwen3ForCausalLM breaks under fullgraph tracing: .*graph_break"):
         bad.generate(PROMPTS[:1], 2)
+
+
+def test_cache_length_is_the_smallest_power_of_two_that_fits():
+    from functional_npu.compile import cache_length
+
+    assert [cache_length(n) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
+    assert cache_length(5, minimum=1) == 8
