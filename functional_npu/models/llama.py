@@ -26,12 +26,13 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from .. import prefetch
 from ..collectives import all_gather, all_reduce
 from ..layout import Block, Layout, fused, replicated, sharded
 from ..mesh import Mesh
 from ..tree import map_with_path
 
-__all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "local_heads"]
+__all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "local_heads", "attend"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -275,18 +276,37 @@ def init_cache(cfg: LlamaConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype
     return [(torch.zeros(batch, kv, max_seq_len, cfg.head_dim, dtype=dtype), torch.zeros(batch, kv, max_seq_len, cfg.head_dim, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kind: str = "sdpa") -> torch.Tensor:
+    """Masked attention ``[B, H, S, hd]``: SDPA, or ``"math"`` (matmul + softmax: every op has a GE converter)."""
+    if kind == "sdpa":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    if kind != "math":
+        raise ValueError(f"attention must be 'sdpa' or 'math', got {kind!r}")
+    scores = (q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, H, S, C]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+
+
 def forward(
     params: dict,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     cache: list[tuple[torch.Tensor, torch.Tensor]],
     mesh: Mesh,
+    prefetched: list[torch.Tensor] | None = None,
+    *,
+    attention: str = "sdpa",
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` for ``tokens [B, S]`` at absolute ``positions [B, S]``.
 
     The KV cache is donated: each layer's keys and values are written into ``cache`` in place at
     ``positions`` (a decode step is ``S == 1`` with each sequence's own position). Padded slots
     may hold garbage at positions a query never sees.
+
+    Layer-sharded series (``params["series"]``) are fetched from their owners with broadcasts
+    issued ``k`` layers ahead, where ``prefetched`` carries the first ``k`` layers' weights from
+    the previous step and is replaced in place by the next step's (see :mod:`functional_npu.prefetch`).
+    ``attention="math"`` writes attention as matmul + softmax (the torchair path).
     """
     cfg: LlamaConfig = params["config"]
     b, s = tokens.shape
@@ -296,7 +316,11 @@ def forward(
     cos, sin = rope(positions, cfg, x.dtype)
     mask = attention_mask(positions, cache[0][0].shape[2], cfg.sliding_window)
     slot = positions[:, None, :, None].expand(b, nkv, s, hd)
-    for layer, (k_cache, v_cache) in zip(params["layers"], cache):
+    step = prefetch.prefetch_step(params, prefetched)  # k: layers of look-ahead
+    ahead = prefetch.carried(params, prefetched)
+    for i, (k_cache, v_cache) in enumerate(cache):
+        ahead |= prefetch.issue(params, i + step, mesh)  # layer i + k's series weights, from their owners
+        layer = params["layers"][i] | ahead.pop(i, {})
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         qkv = h @ layer["qkv"].T  # column-parallel: [B, S, (nh + 2 nkv) hd]
         if "qkv_bias" in layer:
@@ -310,12 +334,13 @@ def forward(
         v_cache.scatter_(2, slot, v)
         keys = k_cache.repeat_interleave(nh // nkv, dim=1)
         values = v_cache.repeat_interleave(nh // nkv, dim=1)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, nh, S, hd]
+        attn = attend(q, keys, values, mask, attention)  # [B, nh, S, hd]
         attn = attn.transpose(1, 2).reshape(b, s, nh * hd)
         x = x + all_reduce(attn @ layer["o_proj"].T, mesh, "tp")  # row-parallel
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         gate, up = (h @ layer["gate_up"].T).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
         x = x + all_reduce((F.silu(gate) * up) @ layer["down"].T, mesh, "tp")  # row-parallel
+    prefetch.hand_over(ahead, prefetched, len(cache))
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return all_gather(x @ head.T, mesh, "tp", dim=-1)  # local vocab slice -> [B, S, V]

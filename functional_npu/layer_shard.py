@@ -1,0 +1,133 @@
+"""Layer-sharded weight series: layer ``l``'s weight lives only on coordinate ``l % n`` of a mesh axis.
+
+A *series* is one per-layer leaf (``o_proj``, ``down``, ...) taken from every layer: in the params
+it is a stacked leaf ``params["series"][leaf]`` of the layers this coordinate owns, in layer order
+(``l = c, c + n, c + 2n, ...``), whose dim 0 has the layout ``Cyclic(axis, L)`` and whose other
+dims keep the per-layer (tensor-parallel) layout. The per-layer dicts in ``params["layers"]`` no
+longer hold the leaf. The choice rides in the params as ``params["layer_shard"]`` (a
+:class:`LayerShard`, a pytree node with no leaves), like the model config.
+
+Everything here is pure: the layouts, stacking full params into series and back, the layers a
+coordinate owns, and resident bytes measured from tensor storage. The forward fetches each layer's
+weight from its owner with a broadcast, ``k`` layers ahead (:mod:`functional_npu.prefetch`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .layout import Cyclic, Layout
+
+__all__ = ["LayerShard", "layer_shard", "SERIES_NAMES", "series_specs", "stack_series", "unstack_series", "owned_layers", "resident_bytes"]
+
+# CLI / user names -> the per-layer leaves they take (a leaf absent from a family is skipped)
+LAYER_LEAVES = ("attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_up", "down")
+SERIES_NAMES: dict[str, tuple[str, ...]] = {
+    "q_proj": ("qkv", "qkv_bias"),
+    "qkv": ("qkv", "qkv_bias"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_up",),
+    "down_proj": ("down",),
+    "down": ("down",),
+    "layer": LAYER_LEAVES,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerShard:
+    """Which per-layer leaves are layer-sharded, and over which mesh axis (in layer order)."""
+
+    axis: str
+    leaves: tuple[str, ...]
+
+    def __repr__(self) -> str:
+        return f"LayerShard({self.axis!r}, {list(self.leaves)})"
+
+
+pytree.register_pytree_node(
+    LayerShard,
+    lambda s: ([], s),
+    lambda _, s: s,
+    serialized_type_name="functional_npu.LayerShard",
+    flatten_with_keys_fn=lambda s: ([], s),
+)
+
+
+def layer_shard(names: str | Sequence[str], axis: str = "dp") -> LayerShard:
+    """Parse series names (``"o_proj,down_proj"``, ``["layer"]``, ...) into a :class:`LayerShard`.
+
+    Raises:
+        ValueError naming the unknown series and the known ones.
+    """
+    parts = [p.strip() for p in (names.split(",") if isinstance(names, str) else names) if p.strip()]
+    unknown = [p for p in parts if p not in SERIES_NAMES]
+    if unknown or not parts:
+        raise ValueError(f"layer_shard: unknown series {unknown or parts!r}; choose from {', '.join(SERIES_NAMES)}")
+    chosen = {leaf for p in parts for leaf in SERIES_NAMES[p]}
+    if not isinstance(axis, str) or not axis.isidentifier():
+        raise ValueError(f"layer_shard: axis must be a mesh axis name such as 'dp', got {axis!r}")
+    return LayerShard(axis, tuple([leaf for leaf in LAYER_LEAVES if leaf in chosen]))
+
+
+def present(ls: LayerShard, layer: dict[str, Any]) -> tuple[str, ...]:
+    """The series leaves a family's layer actually has (e.g. no ``qkv_bias`` outside Qwen2)."""
+    return tuple([leaf for leaf in ls.leaves if leaf in layer])
+
+
+def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict[str, Any]:
+    """A family's spec tree with the series moved to stacked, cyclic leaves under ``specs["series"]``.
+
+    The per-layer spec must be given per leaf (a dict), as every family's ``param_specs`` does.
+    """
+    layer = specs["layers"][0]
+    leaves = present(ls, layer)
+    for leaf in leaves:
+        if ls.axis in layer[leaf].axes():
+            raise ValueError(f"layer_shard: series {leaf!r} is already sharded over mesh axis {ls.axis!r}; layer-shard it over an axis it is replicated on (dp)")
+    stacked = {leaf: Layout((Cyclic(ls.axis, num_layers),) + layer[leaf].dims) for leaf in leaves}
+    rest = [{k: v for k, v in spec.items() if k not in leaves} for spec in specs["layers"]]
+    return specs | {"layers": rest, "series": stacked}
+
+
+def stack_series(params: dict[str, Any], ls: LayerShard) -> dict[str, Any]:
+    """Full params (a list of per-layer dicts) -> params with the series stacked ``[L, ...]``. Pure."""
+    layers = params["layers"]
+    leaves = present(ls, layers[0])
+    series = {leaf: torch.stack([layer[leaf] for layer in layers]) for leaf in leaves}
+    rest = [{k: v for k, v in layer.items() if k not in leaves} for layer in layers]
+    return params | {"layers": rest, "series": series, "layer_shard": ls}
+
+
+def unstack_series(params: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`stack_series` for full (gathered) params. Pure."""
+    if "series" not in params:
+        return params
+    series = params["series"]
+    layers = [layer | {leaf: series[leaf][i].clone() for leaf in series} for i, layer in enumerate(params["layers"])]
+    return {k: v for k, v in params.items() if k not in ("series", "layer_shard")} | {"layers": layers}
+
+
+def owned_layers(num_layers: int, n: int, c: int) -> list[int]:
+    """Layers held by coordinate ``c`` of an axis of size ``n``: ``c, c + n, ...`` (l % n == c)."""
+    return list(range(c, num_layers, n))
+
+
+def resident_bytes(tensors: Any) -> int:
+    """Bytes of distinct storage behind every tensor in a pytree (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for x in pytree.tree_leaves(tensors):
+        if isinstance(x, torch.Tensor) and x.numel():
+            s = x.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def series_bound(num_layers: int, n: int, k: int) -> float:
+    """The resident fraction of a replicated series a rank may hold: ``(ceil(L / n) + k + 1) / L``."""
+    return (math.ceil(num_layers / n) + k + 1) / num_layers

@@ -1,0 +1,159 @@
+"""An inductor scheduling pass that keeps layer-weight prefetch ``k`` layers ahead, with bounded buffers.
+
+The forward (see :mod:`functional_npu.prefetch`) issues the broadcast of layer ``l + k``'s weight
+before layer ``l`` and uses the weight of layer ``l`` after waiting on it; the first ``k`` layers'
+weights arrive as carried inputs (prefetched by the previous step) and are waited on the same way.
+Inductor does not keep that program order: its default scheduling puts each broadcast next to its
+wait (no overlap), and its ``raise_comms`` pass hoists every broadcast to the top (overlap, but
+every layer's buffer live at once). This pass rebuilds the order from the dependency graph:
+
+* a *use* is a prefetch wait (a wait on a broadcast, or on a carried graph input), ordered by the
+  position of its first consumer; uses ``U[0], U[1], ...`` are the layer weights in order of need;
+* an *issue* is a broadcast together with the kernels that only feed it (the copy of the owned
+  layer into the send buffer), ordered the same way; broadcasts whose result is only returned (the
+  next step's first ``k`` layers) come last, in output order;
+* issue ``i`` is placed right before use ``i``, and each wait right before its first consumer.
+
+With ``k`` carried weights, issue ``i`` serves use ``i + k``: each broadcast is in flight while
+``k`` layers compute, and at most ``k + 1`` prefetch buffers are live. Everything else (compute,
+tensor-parallel collectives and their waits) keeps its relative order. The result is checked to be
+a valid topological order; a graph without the expected structure raises :class:`ScheduleError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PrefetchSchedule", "ScheduleError"]
+
+
+class ScheduleError(RuntimeError):
+    """The compiled graph does not have the prefetch structure the pass expects."""
+
+
+def _names(snode: Any) -> set[str]:
+    return set(snode.get_buffer_names()) | {o.get_name() for o in snode.get_outputs()}
+
+
+def _reads(snode: Any) -> set[str]:
+    return {d.name for d in snode.unmet_dependencies} | {d.name for d in snode.read_writes.reads}
+
+
+def _real_reads(snode: Any, prefetch_names: set[str]) -> set[str]:
+    """What ``snode`` must run after. Inductor chains every in-place collective after the previous
+    one and its wait with ordering-only ("fake") deps; between prefetch broadcasts, whose send
+    buffers are fresh clones, those would serialize the prefetch and are dropped. Every other
+    dependency is kept."""
+    if not _is_broadcast(snode):
+        return _reads(snode)
+    deps = set(snode.unmet_dependencies) | set(snode.read_writes.reads)
+    return {d.name for d in deps if not (getattr(d, "is_fake", False) and d.name in prefetch_names)}
+
+
+def _is_broadcast(snode: Any) -> bool:
+    from torch._inductor.utils import is_collective
+
+    ops = torch.ops._c10d_functional
+    return is_collective(snode.node, ops.broadcast_.default) or is_collective(snode.node, ops.broadcast.default)
+
+
+def _is_wait(snode: Any) -> bool:
+    from torch._inductor.utils import is_wait
+
+    return is_wait(snode.node)
+
+
+@dataclass(frozen=True)
+class PrefetchSchedule:
+    """The pass, for ``torch._inductor.config.reorder_for_compute_comm_overlap_passes``.
+
+    Attributes:
+        carried: how many prefetched weights arrive as carried inputs (``k`` times the number of
+            layer-sharded series); checked against the graph.
+        issues: how many broadcasts the graph holds (layers times series); checked likewise.
+    """
+
+    carried: int
+    issues: int
+
+    def __call__(self, snodes: Sequence[Any]) -> list[Any]:
+        from torch._inductor.virtualized import V
+
+        inputs = set(V.graph.graph_inputs)
+        outputs = list(V.graph.get_output_names())
+        return reorder(list(snodes), inputs, outputs, self.carried, self.issues)
+
+
+def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: int, n_issues: int) -> list[Any]:
+    """The prefetch order of ``snodes`` (see the module docstring)."""
+    broadcasts = [s for s in snodes if _is_broadcast(s)]
+    carried_waits = [s for s in snodes if _is_wait(s) and _reads(s) and _reads(s) <= inputs]
+    if len(broadcasts) != n_issues or len(carried_waits) != carried:
+        raise ScheduleError(
+            f"the graph has {len(broadcasts)} prefetch broadcasts and {len(carried_waits)} waits on carried inputs; "
+            f"expected {n_issues} and {carried}"
+        )
+    producer = {name: s for s in snodes for name in _names(s)}
+    waits_of_broadcasts = [s for s in snodes if _is_wait(s) and any(producer.get(n) in broadcasts for n in _reads(s))]
+    prefetch_names = {n for s in broadcasts + waits_of_broadcasts + carried_waits for n in _names(s)}
+    needs = {id(s): _real_reads(s, prefetch_names) for s in snodes}
+    consumers: dict[int, list[Any]] = {id(s): [] for s in snodes}
+    for s in snodes:
+        for name in needs[id(s)]:
+            p = producer.get(name)
+            if p is not None and p is not s:
+                consumers[id(p)].append(s)
+    position = {id(s): i for i, s in enumerate(snodes)}
+
+    wait_of = {}
+    for b in broadcasts:
+        waits = [c for c in consumers[id(b)] if _is_wait(c)]
+        if len(waits) != 1:
+            raise ScheduleError(f"broadcast {b.get_name()} has {len(waits)} waits; expected exactly one")
+        wait_of[id(b)] = waits[0]
+
+    def first_use(w: Any) -> int:
+        return min((position[id(c)] for c in consumers[id(w)]), default=len(snodes))
+
+    def out_rank(w: Any) -> int:
+        return min([outputs.index(n) for n in _names(w) if n in outputs], default=len(outputs))
+
+    # the kernels that only feed a broadcast (its send-buffer copy) travel with it
+    group: dict[int, list[Any]] = {}
+    for b in broadcasts:
+        feeders = {id(producer[n]): producer[n] for n in needs[id(b)] if n in producer and producer[n] is not b}
+        own = [f for f in feeders.values() if not _is_wait(f) and all(c is b for c in consumers[id(f)])]
+        group[id(b)] = sorted(own, key=lambda s: position[id(s)]) + [b]
+
+    issues = sorted(broadcasts, key=lambda b: (first_use(wait_of[id(b)]), out_rank(wait_of[id(b)])))
+    uses = sorted([w for w in carried_waits + [wait_of[id(b)] for b in broadcasts] if consumers[id(w)]], key=first_use)
+    if len(uses) > len(issues) + carried:
+        raise ScheduleError(f"{len(uses)} prefetched weights are used but only {len(issues)} are issued and {carried} carried")
+    before: dict[int, list[Any]] = {}  # a node -> what goes right before it
+    for i, w in enumerate(uses):
+        before.setdefault(id(snodes[first_use(w)]), []).extend(group[id(issues[i])] + [w])
+    moved = {id(s) for b in broadcasts for s in group[id(b)] + [wait_of[id(b)]]} | {id(w) for w in carried_waits}
+    order: list[Any] = []
+    for s in snodes:
+        if id(s) not in moved:
+            order += before.get(id(s), []) + [s]
+    placed = {id(s) for s in order}
+    order += [s for b in issues for s in group[id(b)] + [wait_of[id(b)]] if id(s) not in placed]  # the hand-over
+    _check_topological(order, snodes, producer, needs)
+    return order
+
+
+def _check_topological(order: list[Any], snodes: list[Any], producer: dict[str, Any], needs: dict[int, set[str]]) -> None:
+    done: set[int] = set()
+    for s in order:
+        for name in needs[id(s)]:
+            p = producer.get(name)
+            if p is not None and p is not s and id(p) not in done:
+                raise ScheduleError(f"prefetch schedule would run {s.get_name()} before {p.get_name()}, which produces {name}")
+        done.add(id(s))
+    if len(order) != len(snodes) or done != {id(s) for s in snodes}:
+        raise ScheduleError("prefetch schedule lost or duplicated a node")
