@@ -35,10 +35,18 @@ class Backend:
     mode: str | None = None
     compiler: Any = field(default=None, repr=False)  # the torch.compile backend (callable or name)
 
-    def compile(self, fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
-        """``torch.compile(fn, fullgraph=True, backend=..., mode=...)`` with extra ``options``."""
+    def compile(self, fn: Callable[..., Any], *, inductor_options: dict[str, Any] | None = None, **options: Any) -> Callable[..., Any]:
+        """``torch.compile(fn, fullgraph=True, backend=..., mode=...)`` with extra ``options``.
+
+        ``inductor_options`` are inductor config entries for this compile only (ignored by other
+        backends); the mode's own entries are merged in, since ``torch.compile`` takes one or the other.
+        """
         kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.compiler}
-        if self.name == "inductor" and self.mode:
+        if self.name == "inductor" and inductor_options:
+            from torch._inductor import list_mode_options
+
+            kwargs["options"] = (list_mode_options(self.mode) if self.mode else {}) | inductor_options
+        elif self.name == "inductor" and self.mode:
             kwargs["mode"] = self.mode
         return torch.compile(fn, **kwargs, **options)
 

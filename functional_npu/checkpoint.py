@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .layer_shard import LayerShard, owned_layers, present, series_specs, stack_series
 from .layout import Layout, Shard, dim_pieces, local_pieces, validate
 from .mesh import Mesh
 from .models import llama
-from .shard import leaf_specs
+from .shard import leaf_specs, local_shape
 from .tree import flatten_with_paths, map_with_path
 
 __all__ = ["load_checkpoint", "save_checkpoint", "read_config", "check_plan"]
@@ -44,23 +45,30 @@ def read_config(path: str | Path) -> llama.LlamaConfig:
     return llama.LlamaConfig.from_hf(hf)
 
 
-def check_plan(cfg: llama.LlamaConfig, mesh: Mesh, *, where: str = "model") -> tuple[dict[str, Any], dict[str, Layout]]:
+def check_plan(
+    cfg: llama.LlamaConfig, mesh: Mesh, *, where: str = "model", layer_shard: LayerShard | None = None
+) -> tuple[dict[str, Any], dict[str, Layout]]:
     """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O).
 
     Returns:
-        The full params on the meta device and each leaf's layout, for the caller to reuse.
+        The full params on the meta device and each leaf's layout, for the caller to reuse; with
+        ``layer_shard``, in the layer-sharded structure (series stacked under ``params["series"]``).
     """
     if "tp" not in mesh.axis_names:
         raise ValueError(f"{where}: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
-    meta = llama.abstract_params(cfg)
-    layouts = leaf_specs(llama.param_specs(cfg), meta)
-    n = mesh.axis_size("tp")
+    meta, specs = llama.abstract_params(cfg), llama.param_specs(cfg)
+    if layer_shard is not None:
+        if layer_shard.axis not in mesh.axis_names:
+            raise ValueError(f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}")
+        meta, specs = stack_series(meta, layer_shard), series_specs(specs, layer_shard, cfg.num_layers)
+    layouts = leaf_specs(specs, meta)
     for p, m in flatten_with_paths(meta):
         try:
             validate(p, layouts[p], m.shape, torch.float32, mesh.shape)
             for d, s in enumerate(layouts[p].dims):
                 if s is not None:
-                    [dim_pieces(s, m.shape[d], n, c, f"specs[{p!r}]", d) for c in range(mesh.axis_size(s.axes))]
+                    n = mesh.axis_size(s.axes)
+                    [dim_pieces(s, m.shape[d], n, c, f"specs[{p!r}]", d) for c in range(n)]
         except ValueError as e:
             raise ValueError(f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}") from None
     return meta, layouts
@@ -142,6 +150,7 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
     on_read: Callable[[str, int], None] | None = None,
+    layer_shard: LayerShard | None = None,
 ) -> dict[str, Any]:
     """Load a HF Llama-family checkpoint into this rank's local params.
 
@@ -152,6 +161,9 @@ def load_checkpoint(
         dtype: convert to this dtype (default: as stored).
         progress: print progress on rank 0 (default: when stderr is a terminal).
         on_read: called as ``on_read(tensor_name, bytes_read)`` for every slice read.
+        layer_shard: layer-shard these series (``layer_shard.layer_shard("o_proj,down_proj")``):
+            layer ``l``'s weights are read only by coordinate ``l % n`` of its axis and stacked
+            under ``params["series"]``; the forward fetches them with broadcasts.
 
     Returns:
         Params for ``models.llama.forward``: the local shards plus ``params["config"]``.
@@ -164,7 +176,10 @@ def load_checkpoint(
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
     meta, layouts = check_plan(cfg, mesh, where=str(root))
+    if layer_shard is not None:
+        check_plan(cfg, mesh, where=str(root), layer_shard=layer_shard)
     leaves = dict(flatten_with_paths(meta))
+    skip = _not_owned(cfg, mesh, layer_shard, meta)
 
     files = _weight_files(root)
     handles = {f: _open(f) for f in sorted(set(files.values()))}
@@ -174,6 +189,8 @@ def load_checkpoint(
     loaded: dict[str, torch.Tensor] = {}
     t0 = time.perf_counter()
     for k, (p, m) in enumerate(leaves.items()):
+        if p in skip:
+            continue
         loaded[p] = _read_leaf(p, m.shape, layouts[p], mesh, files, handles, on_read)
         if dtype is not None:
             loaded[p] = loaded[p].to(dtype)
@@ -181,7 +198,35 @@ def load_checkpoint(
             print(f"\rloading {root.name}: {k + 1}/{len(leaves)} tensors, {time.perf_counter() - t0:.1f}s", end="", file=sys.stderr, flush=True)
     if show:
         print(file=sys.stderr)
-    return map_with_path(lambda p, _: loaded[p], meta)
+    if layer_shard is None:
+        return map_with_path(lambda p, _: loaded[p], meta)
+    return _stack_owned(cfg, mesh, layer_shard, meta, layouts, loaded)
+
+
+def _not_owned(cfg: llama.LlamaConfig, mesh: Mesh, ls: LayerShard | None, meta: dict[str, Any]) -> set[str]:
+    """Paths of the series leaves of layers this coordinate does not own (never read)."""
+    if ls is None:
+        return set()
+    mine = set(owned_layers(cfg.num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis)))
+    return {f"layers.{i}.{leaf}" for i in range(cfg.num_layers) if i not in mine for leaf in ls.leaves if leaf in meta["layers"][i]}
+
+
+def _stack_owned(cfg, mesh, ls, meta, layouts, loaded) -> dict[str, Any]:
+    """The layer-sharded params: the owned layers of each series stacked in layer order."""
+    mine = owned_layers(cfg.num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis))
+    leaves = present(ls, meta["layers"][0])
+    series = {}
+    for leaf in leaves:
+        owned = [loaded[f"layers.{i}.{leaf}"] for i in mine]
+        if owned:
+            series[leaf] = torch.stack(owned)
+        else:  # more ranks on the axis than layers: this one holds none
+            path = f"layers.0.{leaf}"
+            shape = local_shape(meta["layers"][0][leaf].shape, layouts[path], mesh, path=path)
+            series[leaf] = torch.empty((0, *shape), dtype=loaded["embed"].dtype)
+    layers = [{leaf: loaded[f"layers.{i}.{leaf}"] for leaf in layer if leaf not in leaves} for i, layer in enumerate(meta["layers"])]
+    top = {k: loaded.get(k, v) for k, v in meta.items() if k != "layers"}
+    return top | {"layers": layers, "series": series, "layer_shard": ls}
 
 
 def _check_names_and_shapes(root, cfg, leaves, layouts, files, handles) -> None:

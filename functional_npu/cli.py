@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=_positive, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--layer-shard", metavar="SERIES", default=None,
+                     help="layer-shard these weight series over --layer-shard-axis: comma-separated from q_proj (qkv), o_proj, gate_up, down_proj, layer (the whole block)")
+    gen.add_argument("--layer-shard-axis", default="dp", choices=["dp", "tp"], help="the mesh axis layer l's weights are spread over (l %% n); default dp")
+    gen.add_argument("--prefetch-step", type=int, default=None, metavar="K", help="with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2); default 1 (0 for a 2-layer model)")
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")
     bench = sub.add_parser("bench", help="the scoreboard: this library vs transformers, eager and compiled (needs transformers)")
@@ -93,12 +97,20 @@ def _tokenizer(model: Path) -> Any | None:
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
     """Validate everything a rank would trip on, before any rank starts."""
     from .checkpoint import check_plan, read_config
+    from .layer_shard import layer_shard
     from .mesh import Mesh
+    from .prefetch import check_prefetch_step
 
     model = Path(args.model)
+    if args.layer_shard is None and args.prefetch_step is not None:
+        parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
     try:
         cfg = read_config(model)
-        check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model))
+        args.layer_shard = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
+        check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model), layer_shard=args.layer_shard)
+        if args.layer_shard is not None:
+            default = min(1, cfg.num_layers - 2)
+            args.prefetch_step = check_prefetch_step(default if args.prefetch_step is None else args.prefetch_step, cfg.num_layers)
     except (OSError, ValueError) as e:
         parser.error(" ".join(str(e).split()))  # one line, whatever the message
     tok = _tokenizer(model)
@@ -126,6 +138,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     axes = {"dp": args.dp, "tp": args.tp}
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     job = (generate_on_rank, str(args.model), axes, prompts, args.max_new_tokens)
+    extra = {"backend": args.backend, "sampling": sampling, "layer_shard": args.layer_shard, "prefetch_step": args.prefetch_step or 0}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist
 
@@ -133,7 +146,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if world != args.dp * args.tp:
             parser.error(f"torchrun started {world} ranks but --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
         dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=args.timeout))
-        mine = job[0](RankContext(dist.get_rank(), world), *job[1:], backend=args.backend, sampling=sampling)
+        mine = job[0](RankContext(dist.get_rank(), world), *job[1:], **extra)
         results: list[Any] = [None] * world
         dist.all_gather_object(results, mine)
         if dist.get_rank() != 0:
@@ -141,7 +154,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         try:
             with LocalWorld(args.dp * args.tp, timeout=args.timeout) as world_:
-                results = world_.run(*job, backend=args.backend, sampling=sampling)
+                results = world_.run(*job, **extra)
         except (RemoteError, TimeoutError, RuntimeError) as e:
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1

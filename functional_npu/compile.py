@@ -8,16 +8,21 @@ traced with ``fullgraph=True``; a graph break is an error that names its cause.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from . import prefetch
 from .backends import Backend, resolve_backend
+from .checkpoint import check_plan
 from .mesh import Mesh
 from .models import llama
-from .shard import leaf_specs, local_shape
+from .prefetch import check_prefetch_step
+from .schedule import PrefetchSchedule
+from .shard import local_shape
 from .tree import flatten_with_paths
 
 __all__ = ["CompiledModel", "compile_model", "cache_length", "GraphBreakError"]
@@ -51,6 +56,7 @@ class CompiledModel:
     max_seq_len: int
     prefill_lengths: tuple[int, ...]
     forward: Callable[..., torch.Tensor] = field(repr=False)
+    prefetch_step: int = 0
 
     @property
     def config(self) -> llama.LlamaConfig:
@@ -62,10 +68,12 @@ class CompiledModel:
             raise ValueError(f"{what} {n} exceeds the largest bucket {values[-1]}; pass larger batch_sizes / max_seq_len to compile_model")
         return values[i]
 
-    def _run(self, phase: str, *args: Any) -> torch.Tensor:
+    def _run(self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, cache: list, prefetched: list | None) -> torch.Tensor:
+        if "series" in self.params and (prefetched is None) != (self.prefetch_step == 0):
+            raise ValueError(f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs the state from new_prefetch() (None for 0)")
         try:
             with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
-                return self.forward(self.params, *args, self.mesh)
+                return self.forward(self.params, tokens, positions, cache, self.mesh, prefetched)
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}") from e
 
@@ -74,7 +82,18 @@ class CompiledModel:
         b = self._bucket(self.batch_sizes, batch, "batch size")
         return llama.init_cache(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype)
 
-    def prefill(self, prompts: Sequence[Sequence[int]], cache: list) -> torch.Tensor:
+    def new_prefetch(self) -> list[torch.Tensor] | None:
+        """The carried prefetch state for a first step: layers ``0 .. k-1`` issued now (on every rank).
+
+        None when nothing is layer-sharded or ``prefetch_step`` is 0. Prefill and decode replace
+        its contents in place, like the KV cache; all ranks of the series axis must make the same
+        sequence of calls.
+        """
+        if "series" not in self.params or not self.prefetch_step:
+            return None
+        return prefetch.start(self.params, self.mesh, self.prefetch_step)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], cache: list, prefetched: list | None = None) -> torch.Tensor:
         """Run the prompts (right-padded to a bucket) into ``cache``; returns each prompt's last logits ``[B, V]``."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill: every prompt needs at least one token")
@@ -85,11 +104,11 @@ class CompiledModel:
         tokens = torch.zeros(b, s, dtype=torch.long)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.as_tensor(p)
-        logits = self._run("prefill", tokens, torch.arange(s).expand(b, s), cache)
+        logits = self._run("prefill", tokens, torch.arange(s).expand(b, s), cache, prefetched)
         last = torch.tensor([len(p) - 1 for p in prompts] + [0] * (b - len(prompts)))
         return logits[torch.arange(b), last][: len(prompts)]
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list, prefetched: list | None = None) -> torch.Tensor:
         """One step: ``tokens [n]`` at ``positions [n]`` (n <= the cache's batch); returns logits ``[n, V]``."""
         b, n = cache[0][0].shape[0], tokens.shape[0]
         if int(positions.max()) >= self.max_seq_len:
@@ -97,7 +116,7 @@ class CompiledModel:
         pad = b - n
         tok = torch.cat([tokens, tokens.new_zeros(pad)])[:, None]
         pos = torch.cat([positions, positions.new_zeros(pad)])[:, None]
-        return self._run("decode", tok, pos, cache)[:n, -1]
+        return self._run("decode", tok, pos, cache, prefetched)[:n, -1]
 
     def generate(
         self,
@@ -108,8 +127,15 @@ class CompiledModel:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        lockstep_chunks: int = 0,
     ) -> list[list[int]]:
-        """``max_new_tokens`` new ids per prompt: greedy unless ``temperature > 0`` (then top-k / top-p sampling)."""
+        """``max_new_tokens`` new ids per prompt: greedy unless ``temperature > 0`` (then top-k / top-p sampling).
+
+        Prompts run in chunks of the largest batch bucket. With layer-sharded weights the ranks of
+        the series axis share every broadcast, so they must step together: ``lockstep_chunks`` is
+        the number of chunks the busiest of them runs, and a rank with fewer runs dummy chunks
+        (prefill and decode of a one-token prompt, results dropped) until then.
+        """
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         longest = max((len(p) for p in prompts), default=0)
@@ -117,17 +143,22 @@ class CompiledModel:
             raise ValueError(f"generate: {longest} prompt tokens + {max_new_tokens} new exceed max_seq_len {self.max_seq_len}")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         pick = _sampler(temperature, top_k, top_p, gen)
+        width = self.batch_sizes[-1]
+        chunks = [prompts[i : i + width] for i in range(0, len(prompts), width)]
+        real = len(chunks)
+        chunks += [[[0]]] * (lockstep_chunks - real)
         out: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch_sizes[-1]):
-            chunk = prompts[start : start + self.batch_sizes[-1]]
-            cache = self.new_cache(len(chunk))
-            step = pick(self.prefill(chunk, cache))
+        for c, chunk in enumerate(chunks):
+            cache, carried = self.new_cache(len(chunk)), self.new_prefetch()
+            step = pick(self.prefill(chunk, cache, carried))
             pos, steps = torch.tensor([len(p) for p in chunk]), [step]
             for _ in range(max_new_tokens - 1):
-                step = pick(self.decode(step, pos, cache))
+                step = pick(self.decode(step, pos, cache, carried))
                 pos = pos + 1
                 steps.append(step)
-            out += torch.stack(steps, dim=1).tolist()
+            prefetch.drain(carried)
+            if c < real:
+                out += torch.stack(steps, dim=1).tolist()
         return out
 
 
@@ -156,10 +187,7 @@ def _check_params(params: dict, mesh: Mesh) -> llama.LlamaConfig:
     cfg = params.get("config") if isinstance(params, dict) else None
     if not isinstance(cfg, llama.LlamaConfig):
         raise TypeError("compile_model: params carry no model config (params['config']); load them with load_checkpoint or add one")
-    if "tp" not in mesh.axis_names:
-        raise ValueError(f"compile_model: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
-    full = llama.abstract_params(cfg)
-    layouts = leaf_specs(llama.param_specs(cfg), full)
+    full, layouts = check_plan(cfg, mesh, where="compile_model", layer_shard=params.get("layer_shard"))
     got = dict(flatten_with_paths(params))
     for path, x in flatten_with_paths(full):
         if path not in got:
@@ -173,6 +201,15 @@ def _check_params(params: dict, mesh: Mesh) -> llama.LlamaConfig:
     return cfg
 
 
+def _inductor_options(params: dict, mesh: Mesh, k: int) -> dict[str, Any]:
+    """The prefetch scheduling pass, when layer-sharded series are fetched over a real axis."""
+    series = params.get("series") or {}
+    if not series or mesh.axis_size(params["layer_shard"].axis) == 1:
+        return {}
+    n, layers = len(series), params["config"].num_layers
+    return {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": [PrefetchSchedule(k * n, layers * n)]}
+
+
 def compile_model(
     params: dict,
     mesh: Mesh,
@@ -182,6 +219,7 @@ def compile_model(
     batch_sizes: Sequence[int] | None = None,
     max_seq_len: int | None = None,
     prefill_lengths: Sequence[int] | None = None,
+    prefetch_step: int = 0,
 ) -> CompiledModel:
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
@@ -193,6 +231,10 @@ def compile_model(
         batch_sizes: decode/prefill batch buckets (default 1, 2, 4, 8).
         max_seq_len: KV-cache length (default min(max_position_embeddings, 2048)).
         prefill_lengths: prompt-length buckets (default powers of two from 16 up to max_seq_len).
+        prefetch_step: for layer-sharded params (``load_checkpoint(..., layer_shard=...)``), fetch
+            layer ``l + k``'s weights while layer ``l`` computes (``0 <= k <= num_layers - 2``;
+            0 is synchronous). Under inductor a scheduling pass keeps that order with ``k + 1``
+            live buffers (:class:`functional_npu.schedule.PrefetchSchedule`).
 
     Example:
         >>> model = compile_model(load_checkpoint(path, mesh), mesh)     # doctest: +SKIP
@@ -208,6 +250,9 @@ def compile_model(
     lengths = tuple(sorted(set(prefill_lengths))) if prefill_lengths else _buckets(seq, min(16, seq))
     if lengths[-1] > seq:
         raise ValueError(f"compile_model: prefill length bucket {lengths[-1]} exceeds max_seq_len {seq}")
+    k = check_prefetch_step(prefetch_step, cfg.num_layers)
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
-    fwd = chosen.compile(llama.forward, dynamic=False)
-    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd)
+    attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
+    options = _inductor_options(params, mesh, k) if chosen.name == "inductor" else {}
+    fwd = chosen.compile(functools.partial(llama.forward, attention=attention), dynamic=False, inductor_options=options)
+    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, k)

@@ -10,8 +10,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import prefetch
 from .mesh import Mesh
 from .models import llama
+from .prefetch import check_prefetch_step
 
 __all__ = ["greedy_generate"]
 
@@ -24,6 +26,7 @@ def greedy_generate(
     *,
     forward: Callable[..., torch.Tensor] = llama.forward,
     max_seq_len: int | None = None,
+    prefetch_step: int = 0,
 ) -> list[list[int]]:
     """Greedy continuation of each prompt: ``max_new_tokens`` token ids per prompt.
 
@@ -32,6 +35,8 @@ def greedy_generate(
         prompts: token id lists, any lengths >= 1.
         forward: the family's forward (or a compiled version of it).
         max_seq_len: KV-cache length (default: longest prompt + max_new_tokens).
+        prefetch_step: for layer-sharded params, fetch layer ``l + k``'s weights during layer ``l``
+            (eager broadcasts overlap until first use); 0 is synchronous.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("greedy_generate: every prompt needs at least one token")
@@ -48,11 +53,13 @@ def greedy_generate(
         tokens[i, : len(p)] = torch.tensor(p)
     dtype = params["embed"].dtype
     cache = llama.init_cache(cfg, mesh, batch, total, dtype)
-    logits = forward(params, tokens, torch.arange(width).expand(batch, width), cache, mesh)
+    state = prefetch.start(params, mesh, check_prefetch_step(prefetch_step, cfg.num_layers)) if prefetch_step else None
+    logits = forward(params, tokens, torch.arange(width).expand(batch, width), cache, mesh, state)
     step = logits[torch.arange(batch), lens - 1].argmax(-1)  # [B]
     out, pos = [step], lens.clone()
     for _ in range(max_new_tokens - 1):
-        step = forward(params, step[:, None], pos[:, None], cache, mesh)[:, -1].argmax(-1)
+        step = forward(params, step[:, None], pos[:, None], cache, mesh, state)[:, -1].argmax(-1)
         pos = pos + 1
         out.append(step)
+    prefetch.drain(state)
     return torch.stack(out, dim=1).tolist()

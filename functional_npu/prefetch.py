@@ -22,7 +22,7 @@ import torch.distributed._functional_collectives as funcol
 from .collectives import broadcast
 from .mesh import Mesh
 
-__all__ = ["prefetch_step", "start", "carried", "issue", "hand_over", "check_prefetch_step"]
+__all__ = ["prefetch_step", "start", "carried", "issue", "hand_over", "drain", "check_prefetch_step"]
 
 Weights = dict[str, torch.Tensor]
 
@@ -88,3 +88,11 @@ def hand_over(ahead: dict[int, Weights], prefetched: list[torch.Tensor] | None, 
     """Put the next step's first ``k`` layers (issued as layers ``L .. L+k-1``) into ``prefetched``."""
     if prefetched:
         prefetched[:] = [w for j in sorted(ahead) if j >= num_layers for w in ahead[j].values()]
+
+
+def drain(prefetched: list[torch.Tensor] | None) -> None:
+    """Finish the broadcasts still in flight in a state that will not be used again (then empty it)."""
+    for t in prefetched or []:
+        funcol.wait_tensor(t)
+    if prefetched:
+        prefetched.clear()

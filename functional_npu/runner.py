@@ -10,10 +10,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import math
+
 from .checkpoint import load_checkpoint
 from .compile import cache_length, compile_model
 from .generate import greedy_generate
 from .launch import RankContext
+from .layer_shard import LayerShard
 
 
 def generate_on_rank(
@@ -26,30 +29,42 @@ def generate_on_rank(
     backend: str = "auto",
     sampling: Mapping[str, Any] | None = None,
     repeat: int = 1,
+    layer_shard: LayerShard | None = None,
+    prefetch_step: int = 0,
 ) -> dict[str, Any]:
-    """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the compiled model to time it warm."""
+    """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the compiled model to time it warm.
+
+    With ``layer_shard`` every rank of its axis shares each weight broadcast, so ranks with fewer
+    prompts run dummy steps until the busiest one is done.
+    """
     mesh = ctx.mesh(axes)
     t0 = time.perf_counter()
-    params = load_checkpoint(model_dir, mesh)
+    params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard)
     t_load = time.perf_counter() - t0
     dp, index = mesh.axis_size("dp"), mesh.axis_index("dp")
     mine = list(range(index, len(prompts), dp))
     longest = max((len(prompts[i]) for i in mine), default=1)
     timings: dict[str, float] = {"load_s": t_load}
     batch = [prompts[i] for i in mine]
+    lockstep = layer_shard is not None and mesh.axis_size(layer_shard.axis) > 1
+    busiest = math.ceil(len(prompts) / dp)  # prompts of the dp rank dealt the most
     if backend == "none":  # the plain eager forward, no compile_model
         def run() -> list[list[int]]:
-            return greedy_generate(params, batch, max_new_tokens, mesh)
+            if not batch:  # a rank with no prompts still takes its part in every broadcast
+                greedy_generate(params, [[0]], max_new_tokens, mesh, prefetch_step=prefetch_step)
+                return []
+            return greedy_generate(params, batch, max_new_tokens, mesh, prefetch_step=prefetch_step)
     else:
-        model = compile_model(params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens))
+        model = compile_model(params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens), prefetch_step=prefetch_step)
+        chunks = math.ceil(busiest / model.batch_sizes[-1]) if lockstep else 0
 
         def run() -> list[list[int]]:
-            return model.generate(batch, max_new_tokens, **(sampling or {}))
+            return model.generate(batch, max_new_tokens, **(sampling or {}), lockstep_chunks=chunks)
 
     tokens: list[list[int]] = []
     for r in range(repeat):
         t0 = time.perf_counter()
-        tokens = run() if batch else []
+        tokens = run() if batch or lockstep else []
         timings["first_generate_s" if r == 0 else "generate_s"] = time.perf_counter() - t0
     timings.setdefault("generate_s", timings["first_generate_s"])
     return {"indices": mine, "tokens": tokens, "timings": timings, "tp_index": mesh.axis_index("tp")}

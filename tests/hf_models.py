@@ -17,10 +17,10 @@ FAMILIES = {
 }
 
 
-def save_tiny(family: str, path, seed: int) -> "T.PreTrainedModel":
+def save_tiny(family: str, path, seed: int, **overrides) -> "T.PreTrainedModel":
     """Build the family's tiny model with a fixed seed, save it to ``path``, return it (eval mode)."""
     cls, cfg_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    model = cls(cfg_cls(**COMMON, **extra)).eval()
+    model = cls(cfg_cls(**(COMMON | extra | overrides))).eval()
     model.save_pretrained(path, **({"max_shard_size": "100KB"} if family == "qwen3" else {}))
     return model
