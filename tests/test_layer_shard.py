@@ -1,0 +1,172 @@
+"""Layer-sharded weight series: layouts, loading only owned layers, prefetch schedule, parity, memory."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from functional_npu import Mesh, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
+from functional_npu.checkpoint import check_plan
+from functional_npu.layer_shard import (
+    LayerShard,
+    layer_shard,
+    owned_layers,
+    resident_bytes,
+    series_bound,
+    series_specs,
+    stack_series,
+    unstack_series,
+)
+from functional_npu.models import llama
+
+from .hf_models import save_tiny
+from .prefetch_workers import decode_code, generate_layer_sharded, prefetch_events
+
+LAYERS = 6
+PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A 6-layer tiny Qwen3 saved by transformers, and its greedy tokens for PROMPTS."""
+    path = tmp_path_factory.mktemp("qwen3_ls")
+    model = save_tiny("qwen3", path, 11, num_hidden_layers=LAYERS)
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p) :].tolist() for p in PROMPTS]
+    return str(path), ref
+
+
+# ---- pure parts ------------------------------------------------------------------------------------
+def test_series_names_and_errors():
+    assert layer_shard("o_proj,down_proj").leaves == ("o_proj", "down")
+    assert layer_shard(["q_proj"], "dp").leaves == ("qkv", "qkv_bias")
+    assert layer_shard("layer").leaves[0] == "attn_norm"
+    with pytest.raises(ValueError, match=r"layer_shard: unknown series \['mlp'\]; choose from q_proj, qkv, o_proj, gate_up, down_proj, down, layer"):
+        layer_shard("o_proj,mlp")
+    cfg = llama.LlamaConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                            num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, qk_norm=True)
+    with pytest.raises(ValueError, match=r"layer_shard: series 'o_proj' is already sharded over mesh axis 'tp'; layer-shard it over an axis it is replicated on \(dp\)"):
+        check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 2}), layer_shard=layer_shard("o_proj", "tp"))
+    with pytest.raises(ValueError, match=r"layer_shard axis 'pp' is not an axis of the mesh \{'dp': 2, 'tp': 1\}"):
+        check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 1}), layer_shard=layer_shard("o_proj", "pp"))
+
+
+@given(layers=st.integers(1, 9), n=st.integers(1, 5), tp=st.sampled_from([1, 2]), series=st.sampled_from(["o_proj,down_proj", "layer", "q_proj,gate_up"]))
+def test_shard_of_stacked_series_holds_layer_l_on_coordinate_l_mod_n(layers, n, tp, series):
+    cfg = llama.LlamaConfig(architecture="Qwen2ForCausalLM", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=layers,
+                            num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, qkv_bias=True)
+    ls = layer_shard(series, "dp")
+    full = llama.init_params(cfg, seed=layers)
+    stacked = stack_series(full, ls)
+    specs = series_specs(llama.param_specs(cfg), ls, layers)
+    mesh = Mesh.abstract({"dp": n, "tp": tp})
+    locals_ = [shard(stacked, specs, mesh, coordinate=r) for r in range(n * tp)]
+    for r, local in enumerate(locals_):
+        c, t = divmod(r, tp)
+        per_layer = shard(full, llama.param_specs(cfg), mesh, coordinate=r)
+        for leaf, x in local["series"].items():
+            mine = owned_layers(layers, n, c)
+            assert x.shape[0] == len(mine) == math.ceil(max(layers - c, 0) / n)
+            for j, l in enumerate(mine):
+                assert torch.equal(x[j], per_layer["layers"][l][leaf])
+        assert all(leaf not in layer for layer in local["layers"] for leaf in local["series"])
+    back = dict(flatten_with_paths(unstack_series(unshard(locals_, specs, mesh))))
+    want = dict(flatten_with_paths(full))
+    assert back.keys() == want.keys() and all(torch.equal(back[p], want[p]) for p in want)
+
+
+# ---- loading: only owned layers are read -------------------------------------------------------------
+@pytest.mark.parametrize("n,tp", [(2, 1), (4, 2), (8, 1)])
+def test_load_reads_only_owned_layers(qwen3, n, tp):
+    ls = layer_shard("o_proj,down_proj", "dp")
+    mesh = Mesh.abstract({"dp": n, "tp": tp})
+    full = load_checkpoint(qwen3[0], mesh.at(0))
+    full_stacked = stack_series(shard(full, llama.param_specs(full["config"]), mesh.at(0)), ls) if tp == 1 else None
+    for r in range(n * tp):
+        c = r // tp
+        names: list[str] = []
+        local = load_checkpoint(qwen3[0], mesh.at(r), layer_shard=ls, on_read=lambda name, _: names.append(name))
+        read_layers = {int(x.split(".")[2]) for x in names if ".o_proj." in x or ".down_proj." in x}
+        assert read_layers == set(owned_layers(LAYERS, n, c))
+        assert local["series"]["o_proj"].shape[0] == len(owned_layers(LAYERS, n, c))
+        assert isinstance(local["layer_shard"], LayerShard) and "o_proj" not in local["layers"][0]
+        if full_stacked is not None and c == 0:
+            assert torch.equal(local["series"]["down"], full_stacked["series"]["down"][0::n])
+
+
+# ---- multi-rank: parity with transformers, schedule, memory ------------------------------------------
+CASES = [  # (world, axes, series, k, backend)
+    (2, {"dp": 2, "tp": 1}, "o_proj,down_proj", 1, "inductor"),
+    (2, {"dp": 2, "tp": 1}, "layer", 2, "inductor"),
+    (2, {"dp": 2, "tp": 1}, "o_proj,down_proj", 0, "none"),
+    (4, {"dp": 2, "tp": 2}, "q_proj,down_proj", 1, "inductor"),
+    (4, {"dp": 4, "tp": 1}, "o_proj,down_proj", 2, "inductor"),
+    (4, {"dp": 4, "tp": 1}, "gate_up", 0, "inductor"),
+    (4, {"dp": 4, "tp": 1}, "layer", 1, "none"),
+]
+
+
+@pytest.mark.parametrize("world,axes,series,k,backend", CASES, ids=[f"dp{c[1]['dp']}tp{c[1]['tp']}-{c[2]}-k{c[3]}-{c[4]}" for c in CASES])
+def test_layer_sharded_generation_matches_transformers(request, qwen3, world, axes, series, k, backend):
+    world_ = request.getfixturevalue(f"world{world}")
+    results = world_.run(generate_layer_sharded, qwen3[0], axes, series, k, PROMPTS, NEW, backend)
+    n = axes["dp"]
+    for rank, (tokens, shapes, resident, state, replicated) in enumerate(results):
+        assert tokens == qwen3[1], f"rank {rank}"
+        c = rank // axes["tp"]
+        assert all(s[0] == len(owned_layers(LAYERS, n, c)) for s in shapes.values())
+        # resident series bytes (owned layers + the k carried) within (ceil(L/n) + k + 1) / L of what this rank
+        # would hold replicated; exactly the owned layers plus k carried ones
+        per_layer = replicated // LAYERS
+        assert resident + state == (len(owned_layers(LAYERS, n, c)) + (k if backend != "none" else 0)) * per_layer
+        assert resident + state <= series_bound(LAYERS, n, k) * replicated
+
+
+@pytest.mark.parametrize("series,k", [("o_proj", 0), ("o_proj", 1), ("o_proj,down_proj", 2), ("layer", 1)])
+def test_compiled_schedule_issues_k_layers_ahead_with_k_plus_1_buffers(world2, qwen3, series, k):
+    code = world2.run(decode_code, qwen3[0], {"dp": 2, "tp": 1}, series, k, "prefetch")
+    for rank, text in enumerate(code):
+        ev = prefetch_events(text)
+        s = len(_present(series))
+        issues = sorted(ev["issue"], key=ev["issue"].get)
+        uses = sorted(ev["use"], key=ev["use"].get)
+        assert len(issues) == LAYERS * s and len(uses) == LAYERS * s, (rank, len(issues), len(uses))
+        assert sum(b.startswith("arg") for b in uses) == k * s  # the carried first k layers
+        for j, b in enumerate(issues):
+            assert ev["issue"][b] < ev["wait"][uses[j]] <= ev["use"][uses[j]]  # issued before use j ...
+            if j:
+                assert ev["issue"][b] > ev["use"][uses[j - 1]]  # ... and not before use j - 1: bounded
+            target = j + k * s  # issue j carries the weight used k layers later (or the next step's)
+            if target < len(uses):
+                assert uses[target] == b
+            else:
+                assert b not in ev["use"]
+        for b in uses:  # waited right before its first use: no kernel runs in between
+            assert not [i for i in ev["kernels"] if ev["wait"][b] < i < ev["use"][b]]
+        assert ev["live_max"] <= (k + 1) * s
+
+
+def _present(series):
+    layer = llama.abstract_params(_qwen3_cfg())["layers"][0]
+    return [leaf for leaf in layer_shard(series).leaves if leaf in layer]
+
+
+def _qwen3_cfg():
+    return llama.LlamaConfig(architecture="Qwen3ForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                             num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, qk_norm=True)
+
+
+def test_prefetch_step_errors(qwen3):
+    mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
+    params = load_checkpoint(qwen3[0], mesh, layer_shard=layer_shard("o_proj"))
+    with pytest.raises(ValueError, match=r"prefetch_step must be an int with 0 <= k <= num_layers - 2 = 4 \(the model has 6 layers\), got 5"):
+        compile_model(params, mesh, prefetch_step=5)
+    with pytest.raises(ValueError, match=r"got -1"):
+        compile_model(params, mesh, prefetch_step=-1)
+    model = compile_model(params, mesh, prefetch_step=1)
+    with pytest.raises(ValueError, match=r"prefill: a model compiled with prefetch_step=1 needs the state from new_prefetch\(\)"):
+        model.prefill([[1, 2]], model.new_cache(1))
+    assert resident_bytes({"a": params["series"]["o_proj"], "b": params["series"]["o_proj"][1:]}) == params["series"]["o_proj"].numel() * 4
