@@ -26,6 +26,7 @@ import torch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .compile import cache_length, compile_model
 from .generate import greedy_generate
+from .bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
 from .launch import LocalWorld, RankContext
 from .mesh import Mesh
 from .models.llama import LlamaConfig, abstract_params, init_params
@@ -120,8 +121,30 @@ def _compile_cold_warm(path: str, prompt_len: int, new: int) -> dict[str, float]
     return {"cold": times[0], "warm": times[1]}
 
 
-def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int = 3) -> dict[str, Any]:
-    """Run every system, print a markdown table, optionally write JSON; returns the results."""
+def scoreboard_plot(out: dict[str, Any], path: str) -> bool:
+    """Decode tokens/s of every system against the roofline (PNG); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(out["decode_tok_s"])
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    ax.barh(names, [out["decode_tok_s"][n] for n in names], color=["tab:blue" if n.startswith("fnpu") else "tab:gray" for n in names])
+    ax.axvline(out["roofline_decode_tok_s"], color="tab:red", ls="--", label=f"roofline {out['roofline_decode_tok_s']:.0f} tok/s")
+    ax.set(xlabel="decode tokens/s (batch 1)", title=f"{out['model']['params'] / 1e6:.0f}M-param {out['model']['architecture']}, fp32, {out['machine']['threads']} threads")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int = 3, plot_dir: str | None = None) -> dict[str, Any]:
+    """Run every system, print a markdown table, optionally write JSON and PNG plots; returns the results."""
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = QUICK if quick else FULL
     prompt_len, new = (16, 16) if quick else (32, 32)
@@ -146,6 +169,8 @@ def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int 
             res["fnpu_compiled_tp2"] = world.run(_fnpu_rank, tmp, prompt, new, repeat)[0]
         print("  fnpu compiled tp=2 done", flush=True)
         compile_s = _compile_cold_warm(tmp, prompt_len, new)
+        prefetch = run_prefetch_bench(tmp, steps=4 if quick else 8, repeat=2 if quick else 3)
+        print("  layer-sharded prefetch done", flush=True)
     bw = matvec_bandwidth()
     roof = bw / decode_bytes_per_token(cfg)
     out = {
@@ -167,6 +192,14 @@ def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int 
     print(f"\nroofline: {roof:.1f} tok/s ({bw / 1e9:.1f} GB/s matvec / {decode_bytes_per_token(cfg) / 1e6:.1f} MB per token)")
     print(f"compiled decode vs transformers eager: {d['fnpu_compiled'] / d['hf_eager']:.2f}x, vs transformers compiled: {d['fnpu_compiled'] / d['hf_compiled']:.2f}x")
     print(f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)")
+    print("\nlayer-sharded decode (2 gloo ranks, dp = 2, one thread each):\n" + prefetch_table(prefetch))
+    out["prefetch"] = prefetch
+    if plot_dir:
+        Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        if scoreboard_plot(out, str(Path(plot_dir) / "scoreboard.png")) and prefetch_plot(prefetch, str(Path(plot_dir) / "prefetch.png")):
+            print(f"plots: {plot_dir}/scoreboard.png, {plot_dir}/prefetch.png")
+        else:
+            print("plots: skipped (pip install matplotlib)")
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=1))
     return out

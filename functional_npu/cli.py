@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="the scoreboard: this library vs transformers, eager and compiled (needs transformers)")
     bench.add_argument("--quick", action="store_true", help="a 4-layer model and fewer tokens")
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    bench.add_argument("--plots", metavar="DIR", default=None, help="write scoreboard.png and prefetch.png here (needs matplotlib)")
     graphs = sub.add_parser("graphs", help="regenerate (or --check) the golden captured graphs in graphs/")
     graphs.add_argument("--check", action="store_true", help="fail (exit 1) on drift instead of writing")
     graphs.add_argument("--out", default="graphs", help="the artifacts folder; default graphs/")
@@ -185,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            parser.error("bench compares against transformers: pip install -e '.[test]'")
+            parser.error("bench compares against transformers: pip install -e '.[bench]'")
         from .bench import run_bench
 
-        run_bench(quick=args.quick, json_path=args.json)
+        run_bench(quick=args.quick, json_path=args.json, plot_dir=args.plots)
         return 0
     return _generate(args, parser)

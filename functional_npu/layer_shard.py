@@ -119,9 +119,16 @@ def owned_layers(num_layers: int, n: int, c: int) -> list[int]:
 
 
 def resident_bytes(tensors: Any) -> int:
-    """Bytes of distinct storage behind every tensor in a pytree (views of one storage count once)."""
+    """Bytes of distinct storage behind every tensor in a pytree (views of one storage count once).
+
+    An in-flight collective's result is waited on first, so its real buffer is counted.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
     seen: dict[int, int] = {}
     for x in pytree.tree_leaves(tensors):
+        if isinstance(x, AsyncCollectiveTensor):
+            x = x.wait()
         if isinstance(x, torch.Tensor) and x.numel():
             s = x.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()

@@ -1,0 +1,162 @@
+"""Prefetch benchmark: decode step time with layer-sharded weights, local vs synchronous vs prefetched.
+
+On two gloo ranks (dp = 2), the same model and batch: (a) local weights, no communication; (b)
+layer-sharded, k = 0 (synchronous); (c) layer-sharded, k = 1, 2 under
+:class:`functional_npu.schedule.PrefetchSchedule`; (d) k = 1 under inductor's stock scheduling, and
+under its ``raise_comms`` pass. The exposed communication is ``(T - T_local) / T_comm_alone``, where
+``T_comm_alone`` is the same broadcasts issued back to back with nothing else running. Resident
+series memory comes from tensor storage (owned layers + carried state) plus the live prefetch
+buffers read from the compiled code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from .checkpoint import load_checkpoint
+from .collectives import broadcast
+from .compile import CompiledModel, compile_model
+from .launch import RankContext
+from .layer_shard import layer_shard, resident_bytes
+from .models import llama
+from .prefetch import drain
+from .schedule import prefetch_timeline
+
+__all__ = ["prefetch_rank"]
+
+SCHEDULES = {"inductor": [], "raise_comms": ["raise_comms"]}
+
+
+def _stock(model: CompiledModel, passes: list[str]) -> CompiledModel:
+    """The same model compiled with inductor's own comm scheduling instead of the prefetch pass."""
+    options = {"reorder_for_compute_comm_overlap": bool(passes), "reorder_for_compute_comm_overlap_passes": passes}
+    fwd = torch.compile(functools.partial(llama.forward, attention="sdpa"), fullgraph=True, dynamic=False, options=options)
+    return dataclasses.replace(model, forward=fwd)
+
+
+def _step_time(model: CompiledModel, batch: int, steps: int, repeat: int) -> tuple[float, str]:
+    """Best per-step decode time, and the generated code of the decode graph."""
+    from torch._inductor.utils import run_and_get_code
+
+    cache, state = model.new_cache(batch), model.new_prefetch()
+    tok, pos = torch.arange(batch) + 3, torch.full((batch,), 5)
+    with torch.no_grad():
+        _, code = run_and_get_code(model.decode, tok, pos, cache, state)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model.decode(tok, pos, cache, state)
+        best = min(best, (time.perf_counter() - t0) / steps)
+    drain(state)
+    return best, code[0] if code else ""
+
+
+def _comm_alone(params: dict, mesh: Any, repeat: int) -> float:
+    """Seconds for one step's broadcasts (every layer of every series) issued back to back, then waited."""
+    axis = params["layer_shard"].axis
+    n = mesh.axis_size(axis)
+    bufs = [(torch.empty(x.shape[1:], dtype=x.dtype), l % n) for x in params["series"].values() for l in range(len(params["layers"]))]
+    best = float("inf")
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        out = [broadcast(b, mesh, axis, src=src) for b, src in bufs]
+        for t in out:
+            funcol.wait_tensor(t)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def prefetch_rank(ctx: RankContext, model_dir: str, series: str, ks: list[int], batch: int, steps: int, repeat: int) -> dict[str, Any]:
+    """Run on each of 2 ranks: step times, exposed fractions and resident memory per configuration."""
+    mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
+    cache_len = 64
+    local = compile_model(load_checkpoint(model_dir, mesh), mesh, batch_sizes=[batch], max_seq_len=cache_len)
+    t_local, _ = _step_time(local, batch, steps, repeat)
+    params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))
+    per_layer = sum(x[0].numel() * x.element_size() for x in params["series"].values() if len(x))
+    owned = resident_bytes(params["series"])
+    runs: dict[str, dict[str, float]] = {}
+    for name, k, schedule in [(f"k{k}", k, "prefetch") for k in ks] + [("inductor_k1", 1, "inductor"), ("raise_comms_k1", 1, "raise_comms")]:
+        torch._dynamo.reset()
+        model = compile_model(params, mesh, batch_sizes=[batch], max_seq_len=cache_len, prefetch_step=k)
+        if schedule != "prefetch":
+            model = _stock(model, SCHEDULES[schedule])
+        t, code = _step_time(model, batch, steps, repeat)
+        live = prefetch_timeline(code)["live_max"] if code else 0
+        runs[name] = {"k": k, "step_s": t, "live_buffers": live, "resident_bytes": owned + k * per_layer, "peak_bytes": owned + live * per_layer}
+    t_comm = _comm_alone(params, mesh, repeat)
+    for r in runs.values():
+        r["exposed"] = (r["step_s"] - t_local) / t_comm
+    layers = len(params["layers"])
+    return {"local_step_s": t_local, "comm_alone_s": t_comm, "per_layer_compute_s": t_local / layers, "per_layer_comm_s": t_comm / layers,
+            "replicated_bytes": layers * per_layer, "owned_bytes": owned, "runs": runs}
+
+
+def run_prefetch_bench(model_dir: str, *, series: str = "o_proj", ks: tuple[int, ...] = (0, 1, 2), batch: int = 8, steps: int = 8, repeat: int = 3) -> dict[str, Any]:
+    """Both ranks' measurements on 2 local gloo ranks (one thread each), merged: slowest rank's times."""
+    from .launch import LocalWorld
+
+    with LocalWorld(2, threads=1, timeout=1800) as world:
+        ranks = world.run(prefetch_rank, model_dir, series, list(ks), batch, steps, repeat)
+    out = dict(ranks[0])
+    out["local_step_s"] = max(r["local_step_s"] for r in ranks)
+    out["comm_alone_s"] = max(r["comm_alone_s"] for r in ranks)
+    out["runs"] = {}
+    for name in ranks[0]["runs"]:
+        merged = dict(ranks[0]["runs"][name])
+        merged["step_s"] = max(r["runs"][name]["step_s"] for r in ranks)
+        merged["resident_bytes"] = max(r["runs"][name]["resident_bytes"] for r in ranks)
+        merged["peak_bytes"] = max(r["runs"][name]["peak_bytes"] for r in ranks)
+        merged["exposed"] = (merged["step_s"] - out["local_step_s"]) / out["comm_alone_s"]
+        out["runs"][name] = merged
+    out |= {"series": series, "batch": batch}
+    return out
+
+
+def prefetch_table(res: dict[str, Any]) -> str:
+    """A markdown table of :func:`run_prefetch_bench`'s result."""
+    rep = res["replicated_bytes"]
+    rows = [f"| local weights (no communication) | - | {res['local_step_s'] * 1e3:.2f} | - | - | {rep / 2**20:.1f} MiB (100%) |"]
+    for name, r in res["runs"].items():
+        label = {"inductor_k1": "k = 1, inductor's stock scheduling", "raise_comms_k1": "k = 1, inductor raise_comms"}.get(name, f"k = {r['k']}, prefetch schedule")
+        rows.append(f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f} | {r['exposed']:.0%} | {r['resident_bytes'] / 2**20:.1f} MiB | "
+                    f"{r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_bytes'] / rep:.0%}) |")
+    head = ["| decode step | live prefetch buffers | ms / step | exposed comm | resident between steps | peak series bytes |", "|---|---|---|---|---|---|"]
+    tail = (f"\nseries {res['series']!r}, batch {res['batch']}: per layer, compute {res['per_layer_compute_s'] * 1e3:.2f} ms vs broadcast alone "
+            f"{res['per_layer_comm_s'] * 1e3:.2f} ms; all broadcasts alone {res['comm_alone_s'] * 1e3:.2f} ms per step")
+    return "\n".join(head + rows) + tail
+
+
+def prefetch_plot(res: dict[str, Any], path: str) -> bool:
+    """Step time and peak series memory against k (PNG); False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = {n: r for n, r in res["runs"].items() if n.startswith("k")}
+    ks = [r["k"] for r in runs.values()]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+    ax[0].plot(ks, [r["step_s"] * 1e3 for r in runs.values()], "o-", label="prefetch schedule")
+    ax[0].axhline(res["local_step_s"] * 1e3, color="gray", ls="--", label="local weights")
+    ax[0].axhline(res["runs"]["inductor_k1"]["step_s"] * 1e3, color="tab:red", ls=":", label="k=1, stock inductor")
+    ax[0].set(xlabel="prefetch step k", ylabel="ms per decode step", xticks=ks)
+    ax[0].legend(fontsize=8)
+    ax[1].plot(ks, [r["peak_bytes"] / 2**20 for r in runs.values()], "o-", label="peak (owned + live buffers)")
+    ax[1].axhline(res["replicated_bytes"] / 2**20, color="gray", ls="--", label="replicated")
+    ax[1].axhline(res["runs"]["raise_comms_k1"]["peak_bytes"] / 2**20, color="tab:red", ls=":", label="raise_comms")
+    ax[1].set(xlabel="prefetch step k", ylabel="series MiB per rank", xticks=ks)
+    ax[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
