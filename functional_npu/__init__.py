@@ -11,6 +11,8 @@ from .collectives import all_gather, all_reduce, all_to_all, all_to_all_single, 
 from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .mesh import Mesh, make_mesh
 from .generate import greedy_generate
+from .eplb import Move, RankProgram, RebalancePlan, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
+from .ep_tp import ep_to_tp, expert_layouts, tp_to_ep
 from .shard import gather, leaf_specs, local_shape, shard, unshard
 from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
 
@@ -49,4 +51,16 @@ __all__ = [
     "map_with_path",
     "tree_from_paths",
     "check_structure",
+    "validate_placement",
+    "default_placement",
+    "routing_table",
+    "plan_rebalance",
+    "rank_program",
+    "rebalance",
+    "RebalancePlan",
+    "RankProgram",
+    "Move",
+    "expert_layouts",
+    "ep_to_tp",
+    "tp_to_ep",
 ]
