@@ -57,7 +57,7 @@ def _as_nested(placement: object, what: str) -> list[list[list[int]]]:
         if placement.ndim != 3:
             raise ValueError(f"{what} has shape {tuple(placement.shape)}; expected 3 dims [layers, ranks, slots] (add a layer dim with placement[None])")
         return placement.tolist()
-    if not isinstance(placement, Sequence) or not all(isinstance(l, Sequence) for l in placement):
+    if isinstance(placement, str) or not isinstance(placement, Sequence) or not all(isinstance(l, Sequence) for l in placement):
         raise TypeError(f"{what} is a {type(placement).__name__}; expected an int tensor or nested lists [layers][ranks][slots] of expert ids")
     out = []
     for l, layer in enumerate(placement):
@@ -153,24 +153,30 @@ def routing_table(placement: torch.Tensor, num_experts: int, *, copies: int | No
         [[0, 3], [1, -1], [2, -1]]
     """
     p = validate_placement(placement, num_experts)
-    return torch.tensor(_routing_rows(_to_tuples(p), num_experts, copies), dtype=torch.int64)
+    return torch.tensor(_pad_routes(_routes(_to_tuples(p), num_experts), copies), dtype=torch.int64)
 
 
-def _routing_rows(placement: Placement, num_experts: int, copies: int | None) -> list[list[list[int]]]:
-    tables = []
+Routes = tuple[tuple[tuple[int, ...], ...], ...]  # [layers][experts] -> physical slots, ascending
+
+
+def _routes(placement: Placement, num_experts: int) -> Routes:
+    out = []
     for layer in placement:
-        rows: list[list[int]] = [[] for _ in range(num_experts)]
-        for slot, e in enumerate(e for row in layer for e in row):
-            rows[e].append(slot)
-        tables.append(rows)
-    most, l, e = max((len(rows[e]), l, e) for l, rows in enumerate(tables) for e in range(num_experts))
+        flat = [e for row in layer for e in row]
+        out.append(tuple(tuple(s for s, x in enumerate(flat) if x == e) for e in range(num_experts)))
+    return tuple(out)
+
+
+def _pad_routes(routes: Routes, copies: int | None) -> list[list[list[int]]]:
+    """The routes as a -1 padded ``[layers, E, C]`` nested list (list-only code: it runs under tracing too)."""
+    most, l, e = max([(len(row), l, e) for l, layer in enumerate(routes) for e, row in enumerate(layer)])
     width = most if copies is None else copies
     if width < most:
         raise ValueError(
             f"routing_table: expert {e} has {most} copies in layer {l} but copies={copies}; raise copies to {most} "
             f"(a new width recompiles the forward) or place fewer copies"
         )
-    return [[row + [-1] * (width - len(row)) for row in rows] for rows in tables]
+    return [[list(row) + [-1] * (width - len(row)) for row in layer] for layer in routes]
 
 
 # ---- planning -------------------------------------------------------------------------------
@@ -186,13 +192,36 @@ class Move:
 
 
 @dataclass(frozen=True, slots=True)
+class RankProgram:
+    """What one rank does for a plan, for every expert leaf.
+
+    Attributes:
+        send: per destination index, the ``(layer, old slot)`` rows sent there, in order.
+        recv_counts: per source index, how many rows arrive from it.
+        take: per layer, for each new slot, its row in ``cat([old rows of that layer, received rows])``.
+    """
+
+    send: tuple[tuple[tuple[int, int], ...], ...]
+    recv_counts: tuple[int, ...]
+    take: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class RebalancePlan:
-    """The moves from ``old`` to ``new`` (both ``[layers][ranks][slots]`` tuples), the same on every rank."""
+    """The moves from ``old`` to ``new`` (both ``[layers][ranks][slots]`` tuples), the same on every rank.
+
+    Attributes:
+        moves: every expert sent between ranks, ordered by layer, destination, slot.
+        programs: per index along the expert axis, what that rank sends, receives and assembles.
+        routes: per layer and logical expert, the physical slots of the new map (for ``expert_map``).
+    """
 
     old: Placement
     new: Placement
     num_experts: int
     moves: tuple[Move, ...]
+    programs: tuple[RankProgram, ...]
+    routes: Routes
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -239,36 +268,26 @@ def plan_rebalance(old: torch.Tensor | Sequence, new: torch.Tensor | Sequence, n
                 src = min((j for j in range(ranks) if e in old_l[j]), key=lambda j: (sends[j], (j - r) % ranks))
                 sends[src] += 1
                 moves.append(Move(l, e, src, old_l[src].index(e), r))
-    return RebalancePlan(old_t, new_t, num_experts, tuple(moves))
-
-
-@dataclass(frozen=True, slots=True)
-class RankProgram:
-    """What one rank does for a plan, for every expert leaf.
-
-    Attributes:
-        send: per destination index, the ``(layer, old slot)`` rows sent there, in order.
-        recv_counts: per source index, how many rows arrive from it.
-        take: per layer, for each new slot, its row in ``cat([old rows of that layer, received rows])``.
-    """
-
-    send: tuple[tuple[tuple[int, int], ...], ...]
-    recv_counts: tuple[int, ...]
-    take: tuple[tuple[int, ...], ...]
+    programs = tuple(_program(old_t, new_t, moves, r) for r in range(ranks))
+    return RebalancePlan(old_t, new_t, num_experts, tuple(moves), programs, _routes(new_t, num_experts))
 
 
 def rank_program(plan: RebalancePlan, rank: int) -> RankProgram:
-    """The sends, receives and local assembly of index ``rank`` along the expert axis. Pure."""
-    layers, ranks, slots = plan.shape
-    if not 0 <= rank < ranks:
-        raise ValueError(f"rank_program: rank {rank} is outside the expert axis of size {ranks}")
-    send = tuple(tuple((m.layer, m.src_slot) for m in plan.moves if m.src_rank == rank and m.dst_rank == j) for j in range(ranks))
-    incoming = [m for j in range(ranks) for m in plan.moves if m.src_rank == j and m.dst_rank == rank]  # arrival order
+    """The sends, receives and local assembly of index ``rank`` along the expert axis (planned with the moves)."""
+    if not 0 <= rank < len(plan.programs):
+        raise ValueError(f"rank_program: rank {rank} is outside the expert axis of size {len(plan.programs)}")
+    return plan.programs[rank]
+
+
+def _program(old: Placement, new: Placement, moves: list[Move], rank: int) -> RankProgram:
+    ranks, slots = len(old[0]), len(old[0][0])
+    send = tuple(tuple((m.layer, m.src_slot) for m in moves if m.src_rank == rank and m.dst_rank == j) for j in range(ranks))
+    incoming = [m for j in range(ranks) for m in moves if m.src_rank == j and m.dst_rank == rank]  # arrival order
     arrived = {(m.layer, m.expert): slots + i for i, m in enumerate(incoming)}
     take = []
-    for l in range(layers):
-        old_row = plan.old[l][rank]
-        take.append(tuple(old_row.index(e) if e in old_row else arrived[(l, e)] for e in plan.new[l][rank]))
+    for l in range(len(old)):
+        old_row = old[l][rank]
+        take.append(tuple(old_row.index(e) if e in old_row else arrived[(l, e)] for e in new[l][rank]))
     recv_counts = tuple(sum(1 for m in incoming if m.src_rank == j) for j in range(ranks))
     return RankProgram(send, recv_counts, tuple(take))
 
@@ -358,9 +377,9 @@ def rebalance(params: PyTree, plan: RebalancePlan, mesh: Mesh, axis: Axes, *, co
     maps = {i: layer["expert_map"] for i, layer in moe if "expert_map" in layer}
     tables = None
     if maps:
-        width = copies if copies is not None else max(m.shape[1] for m in maps.values())
-        tables = _routing_rows(plan.new, plan.num_experts, width)
-    prog = rank_program(plan, mesh.axis_index(axis))
+        width = copies if copies is not None else max([m.shape[1] for m in maps.values()])
+        tables = _pad_routes(plan.routes, width)
+    prog = plan.programs[mesh.axis_index(axis)]
     moved = {name: _move([layer[name] for _, layer in moe], prog, mesh, axis, bool(plan.moves)) for name in EXPERT_LEAVES}
     new_layers = list(params["layers"])
     for l, (i, layer) in enumerate(moe):

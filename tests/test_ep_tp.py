@@ -95,23 +95,12 @@ def test_bad_input_is_a_clear_error_before_any_communication(to_tp, tree, messag
         (ep_to_tp if to_tp else tp_to_ep)(tree, mesh, "ep")
 
 
+# one 4-rank world: the axis ("dp", "tp") has 4 ranks, "tp" alone is two groups of 2 ranks
 @pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
-def test_gloo_two_ranks(world2, use_compile):
-    results = world2.run(ep_tp_program, {"ep": 2}, "ep", 4, 6, 3, torch.bfloat16, 7, use_compile)
+@pytest.mark.parametrize("axis,dtype", [("tp", torch.bfloat16), (("dp", "tp"), torch.float32)], ids=["2-rank-groups", "4-ranks"])
+def test_gloo(world4, axis, dtype, use_compile):
+    results = world4.run(ep_tp_program, {"dp": 2, "tp": 2}, axis, 8, 4, 5, dtype, 11, use_compile)
     for r in results:
         assert r["tp"] and r["roundtrip"] and r["inputs_untouched"], r
         if use_compile:
             assert sum("all_to_all_single" in op for op in r["ops"]) == 2, r["ops"]  # one per leaf, nothing else moved
-
-
-@pytest.mark.parametrize(
-    "axes,axis,use_compile",
-    [({"dp": 2, "tp": 2}, ("dp", "tp"), False), ({"dp": 2, "tp": 2}, "tp", False), ({"ep": 4}, "ep", True)],
-    ids=["flat-eager", "inner-axis-eager", "compiled"],
-)
-def test_gloo_four_ranks(world4, axes, axis, use_compile):
-    results = world4.run(ep_tp_program, axes, axis, 8, 4, 5, torch.float32, 11, use_compile)
-    for r in results:
-        assert r["tp"] and r["roundtrip"] and r["inputs_untouched"], r
-        if use_compile:
-            assert sum("all_to_all_single" in op for op in r["ops"]) == 2, r["ops"]
