@@ -13,6 +13,7 @@ from .mesh import Mesh, make_mesh
 from .generate import greedy_generate
 from .eplb import Move, RankProgram, RebalancePlan, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
 from .ep_tp import ep_to_tp, expert_layouts, tp_to_ep
+from .eplb_balance import balanced_placement
 from .shard import gather, leaf_specs, local_shape, shard, unshard
 from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
 
@@ -60,6 +61,7 @@ __all__ = [
     "RebalancePlan",
     "RankProgram",
     "Move",
+    "balanced_placement",
     "expert_layouts",
     "ep_to_tp",
     "tp_to_ep",
