@@ -10,6 +10,22 @@ from .strategies import make_tensor
 from .workers import compiled
 
 
+def _compiled(fn, mode: str, ops: list[str]):
+    """``fn`` as run: "eager"; "inductor" (records the dynamo graph's ops); "aten" (records the aten graph, aot_autograd)."""
+    if mode == "eager":
+        return fn
+    if mode == "inductor":
+        return compiled(fn, ops)
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(gm, _):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep))
+
+
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -34,7 +50,7 @@ def moe_params(local, table: torch.Tensor, dense_every: int = 2) -> dict:
     return {"embed": torch.zeros(3, 4), "layers": layers}
 
 
-def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, dtype, seed: int, use_compile: bool):
+def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, dtype, seed: int, mode: str):
     """Rebalance this rank's experts from ``old`` to ``new`` over ``axis``; returns checks and the op list."""
     mesh = ctx.mesh(axes)
     rank = mesh.axis_index(axis)
@@ -45,10 +61,8 @@ def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, d
     before = [(k, v.clone()) for layer in params["layers"] for k, v in layer.items()]
     plan = plan_rebalance(old, new, experts)
     ops: list[str] = []
-    fn = lambda p: rebalance(p, plan, mesh, axis)  # noqa: E731
-    if use_compile:
-        mesh.init_groups(axis)
-        fn = compiled(fn, ops)
+    mesh.init_groups(axis)
+    fn = _compiled(lambda p: rebalance(p, plan, mesh, axis), mode, ops)
     out = fn(params)
     want = placed(gate_up, down, new, rank)
     moe = [layer for layer in out["layers"] if "experts_gate_up" in layer]
@@ -62,7 +76,7 @@ def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, d
     }
 
 
-def ep_tp_program(ctx, axes: dict[str, int], axis, experts: int, ffn: int, hidden: int, dtype, seed: int, use_compile: bool):
+def ep_tp_program(ctx, axes: dict[str, int], axis, experts: int, ffn: int, hidden: int, dtype, seed: int, mode: str):
     """EP -> TP -> EP over ``axis``: compare each step with ``shard`` of the full tensors (bit for bit)."""
     mesh = ctx.mesh(axes)
     full = {"experts_gate_up": make_tensor((experts, 2 * ffn, hidden), dtype, seed), "experts_down": make_tensor((experts, hidden, ffn), dtype, seed + 1)}
@@ -70,12 +84,9 @@ def ep_tp_program(ctx, axes: dict[str, int], axis, experts: int, ffn: int, hidde
     tp_local = shard(full, expert_layouts("tp", ffn, axis), mesh)
     before = {k: v.clone() for k, v in ep_local.items()}
     ops: list[str] = []
-    to_tp, to_ep = (lambda t: ep_to_tp(t, mesh, axis)), (lambda t: tp_to_ep(t, mesh, axis))
-    if use_compile:
-        mesh.init_groups(axis)
-        to_tp = compiled(to_tp, ops)
-    got_tp = to_tp(ep_local)
-    back = to_ep(got_tp)
+    mesh.init_groups(axis)
+    got_tp = _compiled(lambda t: ep_to_tp(t, mesh, axis), mode, ops)(ep_local)
+    back = _compiled(lambda t: tp_to_ep(t, mesh, axis), mode, ops)(got_tp)
     return {
         "tp": all(_bits_equal(got_tp[k], tp_local[k]) for k in full),
         "roundtrip": all(_bits_equal(back[k], ep_local[k]) for k in full),

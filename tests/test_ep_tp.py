@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from functional_npu import Mesh, ep_to_tp, expert_layouts, fused, shard, sharded, tp_to_ep, unshard
 from functional_npu.ep_tp import _pack, _unpack
 
-from .eplb_workers import ep_tp_program
 from .strategies import make_tensor
 
 NAMES = ("experts_gate_up", "experts_down")
@@ -93,14 +92,3 @@ def test_bad_input_is_a_clear_error_before_any_communication(to_tp, tree, messag
     mesh = Mesh.abstract({"ep": 2}, 0)  # abstract: a collective would raise RuntimeError, so a ValueError came first
     with pytest.raises(ValueError, match=message):
         (ep_to_tp if to_tp else tp_to_ep)(tree, mesh, "ep")
-
-
-# one 4-rank world: the axis ("dp", "tp") has 4 ranks, "tp" alone is two groups of 2 ranks
-@pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("axis,dtype", [("tp", torch.bfloat16), (("dp", "tp"), torch.float32)], ids=["2-rank-groups", "4-ranks"])
-def test_gloo(world4, axis, dtype, use_compile):
-    results = world4.run(ep_tp_program, {"dp": 2, "tp": 2}, axis, 8, 4, 5, dtype, 11, use_compile)
-    for r in results:
-        assert r["tp"] and r["roundtrip"] and r["inputs_untouched"], r
-        if use_compile:
-            assert sum("all_to_all_single" in op for op in r["ops"]) == 2, r["ops"]  # one per leaf, nothing else moved
