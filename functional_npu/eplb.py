@@ -167,13 +167,13 @@ def _routes(placement: Placement, num_experts: int) -> Routes:
     return tuple(out)
 
 
-def _pad_routes(routes: Routes, copies: int | None) -> list[list[list[int]]]:
+def _pad_routes(routes: Routes, copies: int | None, what: str = "routing_table") -> list[list[list[int]]]:
     """The routes as a -1 padded ``[layers, E, C]`` nested list (list-only code: it runs under tracing too)."""
     most, l, e = max([(len(row), l, e) for l, layer in enumerate(routes) for e, row in enumerate(layer)])
     width = most if copies is None else copies
     if width < most:
         raise ValueError(
-            f"routing_table: expert {e} has {most} copies in layer {l} but copies={copies}; raise copies to {most} "
+            f"{what}: expert {e} has {most} copies in layer {l} but copies={copies}; raise copies to {most} "
             f"(a new width recompiles the forward) or place fewer copies"
         )
     return [[list(row) + [-1] * (width - len(row)) for row in layer] for layer in routes]
@@ -378,7 +378,7 @@ def rebalance(params: PyTree, plan: RebalancePlan, mesh: Mesh, axis: Axes, *, co
     tables = None
     if maps:
         width = copies if copies is not None else max([m.shape[1] for m in maps.values()])
-        tables = _pad_routes(plan.routes, width)
+        tables = _pad_routes(plan.routes, width, "rebalance (the new expert_map keeps the old width unless copies= is given)")
     prog = plan.programs[mesh.axis_index(axis)]
     moved = {name: _move([layer[name] for _, layer in moe], prog, mesh, axis, bool(plan.moves)) for name in EXPERT_LEAVES}
     new_layers = list(params["layers"])

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from functional_npu import Mesh, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
 from functional_npu.eplb import _assemble, _send_rows
+from functional_npu.tree import flatten_with_paths
 
 from .eplb_workers import expert_weights, moe_params, placed
 
@@ -158,14 +159,6 @@ def test_physical_routing_through_a_redundant_placement_matches_the_logical_refe
     torch.testing.assert_close(got, reference_moe(x, router, gate_up[0], down[0], top_k), rtol=1e-12, atol=1e-12)
 
 
-def test_redundant_copies_share_the_tokens():
-    p = torch.tensor([[[0, 1], [2, 0]]])  # expert 0 in slots 0 and 3
-    table = routing_table(p, 3)[0]
-    counts = (table >= 0).sum(1)
-    slots = [int(table[0, t % counts[0]]) for t in range(4)]
-    assert slots == [0, 3, 0, 3]
-
-
 # ---- bad input ----------------------------------------------------------------------------------
 BAD_PLACEMENTS = [
     ([[[0, 1], [2]]], 3, None, ValueError, r"placement layer 0 rank 1 has 1 slots but rank 0 of layer 0 has 2; every rank needs the same number of slots"),
@@ -227,11 +220,20 @@ OLD, NEW = [[[0, 1], [2, 0]]] * 2, [[[0, 1], [2, 1]], [[2, 1], [0, 0]]]
 )
 def test_rebalance_bad_input_is_an_error_before_any_communication(mutate, mesh_axes, message, error):
     params = mutate(_params(OLD))
-    snapshot = [v.clone() for layer in _params(OLD)["layers"] for v in layer.values()]
+    leaves = [x for _, x in flatten_with_paths(params) if isinstance(x, torch.Tensor)]
+    snapshot = [x.clone() for x in leaves]
     mesh = Mesh.abstract(mesh_axes, 0)  # abstract: any collective would raise RuntimeError first
     with pytest.raises(error, match=message):
         rebalance(params, plan_rebalance(OLD, NEW, 3), mesh, "ep")
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, (v for layer in _params(OLD)["layers"] for v in layer.values())))
+    assert leaves and all(torch.equal(a, b) for a, b in zip(snapshot, leaves))  # nothing half-moved
+
+
+def test_rebalance_keeps_the_expert_map_width_or_says_why_not():
+    old, new = [[[0, 1], [0, 1]]], [[[0, 1], [1, 1]]]  # width 2, then expert 1 three times
+    gate_up, down = expert_weights(1, 2, 2, 3, torch.float32, 0)
+    params = moe_params(placed(gate_up, down, torch.tensor(old), 0), routing_table(torch.tensor(old), 2))
+    with pytest.raises(ValueError, match=r"rebalance \(the new expert_map keeps the old width unless copies= is given\): expert 1 has 3 copies in layer 0 but copies=2; raise copies to 3"):
+        rebalance(params, plan_rebalance(old, new, 2), Mesh.abstract({"ep": 2}, 0), "ep")
 
 
 def test_rebalance_without_moves_needs_no_communication_and_copies():
