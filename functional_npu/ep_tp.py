@@ -83,7 +83,7 @@ def _exchange(buf: torch.Tensor, mesh: Mesh, axis: Axes) -> torch.Tensor:
 
 # ---- validation ------------------------------------------------------------------------------
 def _check(leaves: list[tuple[str, str, torch.Tensor]], n: int, axis: Axes, to_tp: bool) -> None:
-    fix = f"use an axis size that divides it, or pad the experts"
+    fix = "use an axis size that divides it, or pad the experts"
     ffn: dict[str, tuple[str, int]] = {}
     for path, name, x in leaves:
         where = f"params[{path!r}]"
