@@ -8,12 +8,12 @@ over mesh axes that trace whole under ``torch.compile``.
 from .checkpoint import load_checkpoint, read_config
 from .compile import CompiledModel, compile_model
 from .collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
+from .ep_tp import ep_to_tp, expert_layouts, tp_to_ep
+from .eplb import Move, RankProgram, RebalancePlan, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
+from .eplb_balance import balanced_placement
 from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .mesh import Mesh, make_mesh
 from .generate import greedy_generate
-from .eplb import Move, RankProgram, RebalancePlan, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
-from .ep_tp import ep_to_tp, expert_layouts, tp_to_ep
-from .eplb_balance import balanced_placement
 from .shard import gather, leaf_specs, local_shape, shard, unshard
 from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
 
