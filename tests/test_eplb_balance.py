@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_npu import balanced_placement, default_placement, routing_table, validate_placement
+from functional_npu import balanced_placement, default_placement, plan_rebalance, routing_table, validate_placement
 
 
 @st.composite
@@ -58,3 +58,35 @@ def test_bad_load_is_a_clear_error():
         balanced_placement(torch.ones(1, 3), 2, 1)
     with pytest.raises(ValueError, match="4 slots per rank exceed the 3 experts"):
         balanced_placement(torch.ones(1, 3), 2, 4)
+
+
+@settings(max_examples=200)
+@given(load_case(), st.integers(0, 2**16))
+def test_with_the_previous_placement_copies_stay_and_no_rank_holds_an_expert_twice(case, seed):
+    load, ranks, slots = case
+    previous = balanced_placement(load, ranks, slots)
+    assert torch.equal(balanced_placement(load, ranks, slots, previous=previous), previous)  # same load: nothing moves
+    shifted = load[:, torch.randperm(load.shape[1], generator=torch.Generator().manual_seed(seed))]
+    new = balanced_placement(shifted, ranks, slots, previous=previous)
+    validate_placement(new, load.shape[1], num_ranks=ranks)
+    for l in range(load.shape[0]):
+        for r in range(ranks):
+            assert len(set(new[l, r].tolist())) == slots, new[l, r]
+        fresh = balanced_placement(shifted[l : l + 1], ranks, slots)[0]
+        assert torch.equal(torch.bincount(new[l].flatten(), minlength=load.shape[1]), torch.bincount(fresh.flatten(), minlength=load.shape[1]))  # same copy counts
+
+
+def test_a_small_load_shift_moves_few_experts_with_the_previous_placement():
+    g = torch.Generator().manual_seed(0)
+    load = torch.rand(4, 64, generator=g) ** 6 * 1000
+    shifted = load.clone()
+    shifted[:, :6] = shifted[:, :6].flip(1) * 3  # ~10% of the experts change load
+    previous = balanced_placement(load, 4, 18)
+    kept = plan_rebalance(previous, balanced_placement(shifted, 4, 18, previous=previous), 64).experts_moved()
+    scratch = plan_rebalance(previous, balanced_placement(shifted, 4, 18), 64).experts_moved()
+    assert kept * 3 < scratch, (kept, scratch)
+
+
+def test_previous_placement_of_another_shape_is_an_error():
+    with pytest.raises(ValueError, match=r"previous placement has shape \(1, 2, 2\) but the new one is \(1, 2, 3\)"):
+        balanced_placement(torch.ones(1, 3), 2, 3, previous=torch.tensor([[[0, 1], [2, 0]]]))
