@@ -7,7 +7,8 @@ The scenario (seeded): each layer starts from experts split evenly over the rank
 re-places about ``--moved`` of the experts (pairs swapped between ranks) and half of the hot set
 changes (new hot experts get the redundant slots; hot experts that stay keep theirs).
 
-Bytes are exact counts from the plan at Qwen3-30B-A3B expert size (hidden 2048, expert FFN 768,
+A second table re-places with ``balanced_placement`` after a load shift, with and without the
+previous placement. Bytes are exact counts from the plan at Qwen3-30B-A3B expert size (hidden 2048, expert FFN 768,
 bf16), for 2 and 4 ranks; "every expert" is what re-sending the whole new placement costs (each
 rank receives every slot it holds). Time is measured on local gloo ranks at a smaller expert size
 (``--hidden``, ``--ffn``) on this machine, best of 3, for the planned moves and for a plan in which
@@ -20,7 +21,7 @@ import argparse
 
 import torch
 
-from functional_npu import plan_rebalance, rebalance
+from functional_npu import balanced_placement, plan_rebalance, rebalance
 from functional_npu.bench import best_time
 from functional_npu.launch import LocalWorld
 
@@ -110,6 +111,21 @@ def main() -> None:
         every = args.layers * ranks * slots * full_expert
         print(f"| {ranks} | {slots} | {plan.experts_moved()} of {args.layers * ranks * slots} slots | "
               f"{plan.bytes_moved(full_expert) / 2**30:.2f} GiB | {every / 2**30:.2f} GiB | {plan.bytes_moved(full_expert) / every:.1%} |")
+    print("\nbalanced_placement after a load shift (~10% of experts change load; same layers and slots):\n")
+    print("| ranks | slots/rank | moved: with previous= | moved: from scratch | bytes with previous= | bytes from scratch |")
+    print("|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    load = torch.rand(args.layers, args.experts, generator=g) ** 6 * 1000
+    shifted = load.clone()
+    k = max(1, round(args.moved * args.experts))
+    shifted[:, :k] = shifted[:, :k].flip(1) * 3
+    for ranks in (2, 4):
+        slots = args.experts // ranks + args.redundant
+        previous = balanced_placement(load, ranks, slots)
+        kept = plan_rebalance(previous, balanced_placement(shifted, ranks, slots, previous=previous), args.experts)
+        scratch = plan_rebalance(previous, balanced_placement(shifted, ranks, slots), args.experts)
+        print(f"| {ranks} | {slots} | {kept.experts_moved()} | {scratch.experts_moved()} | "
+              f"{kept.bytes_moved(full_expert) / 2**30:.2f} GiB | {scratch.bytes_moved(full_expert) / 2**30:.2f} GiB |")
     small = 3 * args.hidden * args.ffn * 2
     print(f"\ntime on local gloo ranks (bf16 experts of {small / 2**20:.2f} MiB; best of 3, eager; noisy shared machine):\n")
     print("| ranks | planned: moves | planned: time | every expert: moves | every expert: time |")
