@@ -8,6 +8,9 @@ over mesh axes that trace whole under ``torch.compile``.
 from .checkpoint import load_checkpoint, read_config
 from .compile import CompiledModel, compile_model
 from .collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
+from .ep_tp import ep_to_tp, expert_layouts, tp_to_ep
+from .eplb import Move, RankProgram, RebalancePlan, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
+from .eplb_balance import balanced_placement
 from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .mesh import Mesh, make_mesh
 from .generate import greedy_generate
@@ -49,4 +52,17 @@ __all__ = [
     "map_with_path",
     "tree_from_paths",
     "check_structure",
+    "validate_placement",
+    "default_placement",
+    "routing_table",
+    "plan_rebalance",
+    "rank_program",
+    "rebalance",
+    "RebalancePlan",
+    "RankProgram",
+    "Move",
+    "balanced_placement",
+    "expert_layouts",
+    "ep_to_tp",
+    "tp_to_ep",
 ]
