@@ -12,6 +12,7 @@ from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, re
 from .mesh import Mesh, make_mesh
 from .generate import greedy_generate
 from .shard import gather, leaf_specs, local_shape, shard, unshard
+from .reshard import RankTraffic, ReshardPlan, Transfer, plan_reshard, reshard
 from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
 
 __version__ = "0.1.0"
@@ -33,6 +34,11 @@ __all__ = [
     "unshard",
     "local_shape",
     "leaf_specs",
+    "reshard",
+    "plan_reshard",
+    "ReshardPlan",
+    "Transfer",
+    "RankTraffic",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
