@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from . import collectives
-from .layout import Layout, LayoutError, Piece, local_pieces, validate
+from .layout import Layout, Piece, local_pieces, validate
 from .mesh import Mesh
 from .shard import _check_leaf, _full_shape, _positioned, leaf_specs
 from .tree import PyTree, flatten_with_paths, map_with_path
 
-__all__ = ["Transfer", "LeafPlan", "ReshardPlan", "RankTraffic", "plan_reshard", "reshard", "pack", "unpack", "simulate"]
+__all__ = ["Transfer", "LeafPlan", "ReshardPlan", "RankTraffic", "RankProgram", "plan_reshard", "reshard", "pack", "unpack", "simulate"]
 
 Box = tuple[tuple[int, int], ...]  # (start, length) per dim of a local tensor
 _ALIGN = 8  # every peer's section of a flat buffer starts on an 8-byte boundary (so byte chunks view back as any dtype)
@@ -85,6 +85,7 @@ class ReshardPlan:
         leaves: per leaf, in tree order.
         transfers: every box moved, ordered by (src, dst, descending itemsize, leaf order).
         traffic: per rank, bytes sent / received / copied locally, the lower bound and the all-gather figure.
+        programs: per rank, its part of the exchange (see :class:`RankProgram`).
     """
 
     mesh_shape: tuple[tuple[str, int], ...]
@@ -92,6 +93,7 @@ class ReshardPlan:
     leaves: tuple[LeafPlan, ...]
     transfers: tuple[Transfer, ...]
     traffic: tuple[RankTraffic, ...]
+    programs: tuple["RankProgram", ...]
 
     def sends(self, rank: int) -> dict[int, list[Transfer]]:
         """Transfers ``rank`` sends to each other rank, in buffer order."""
@@ -242,10 +244,52 @@ def plan_reshard(
     coords = [mesh._coord_of(r) for r in range(mesh.size)]
     crossed = {i for t in transfers for i, (a, b) in enumerate(zip(coords[t.src], coords[t.dst])) if a != b}
     axes = tuple(a for i, a in enumerate(mesh.axis_names) if i in crossed)
-    return ReshardPlan(tuple(mesh.shape.items()), axes, tuple(leaves), tuple(transfers), _traffic(mesh, leaves, transfers, src_specs))
+    traffic = _traffic(mesh, leaves, transfers, src_specs)
+    return ReshardPlan(tuple(mesh.shape.items()), axes, tuple(leaves), tuple(transfers), traffic, _programs(mesh, axes, leaves, transfers, src_specs, dst_specs))
 
 
 # ---- execution ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RankProgram:
+    """What one rank does, precomputed from the plan (so a traced ``reshard`` only walks its own lists).
+
+    ``group``: its exchange group (world ranks, in group order); ``send[j]`` / ``recv[j]``: the boxes
+    for group peer ``j`` in buffer order; ``*_sizes``: padded bytes per peer; ``local``: boxes it copies.
+    """
+
+    group: tuple[int, ...]
+    send: tuple[tuple[tuple[str, Box], ...], ...]
+    send_sizes: tuple[int, ...]
+    recv: tuple[tuple[tuple[str, Box, int], ...], ...]
+    recv_sizes: tuple[int, ...]
+    local: tuple[tuple[str, Box, Box], ...]
+    dst_shapes: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    leaves: tuple[tuple[str, tuple[int, ...], torch.dtype, Layout, Layout], ...]
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _programs(mesh: Mesh, axes: tuple[str, ...], leaves: Sequence[LeafPlan], transfers: Sequence[Transfer], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> tuple[RankProgram, ...]:
+    out = []
+    for r in range(mesh.size):
+        group = mesh.at(r).group_ranks(axes) if axes else (r,)
+        sends = [[t for t in transfers if t.src == r != t.dst == peer] for peer in group]
+        recvs = [[t for t in transfers if t.dst == r != t.src == peer] for peer in group]
+        out.append(RankProgram(
+            group=tuple(group),
+            send=tuple(tuple((t.path, t.src_box) for t in ts) for ts in sends),
+            send_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in sends),
+            recv=tuple(tuple((t.path, t.dst_box, t.nbytes) for t in ts) for ts in recvs),
+            recv_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in recvs),
+            local=tuple((t.path, t.src_box, t.dst_box) for t in transfers if t.src == r == t.dst),
+            dst_shapes=tuple((leaf.path, leaf.dst_shapes[r], leaf.dtype) for leaf in leaves),
+            leaves=tuple((leaf.path, leaf.src_shapes[r], leaf.dtype, src[leaf.path], dst[leaf.path]) for leaf in leaves),
+        ))
+    return tuple(out)
+
+
 def _box(x: torch.Tensor, box: Box) -> torch.Tensor:
     for d, (start, n) in enumerate(box):
         x = x.narrow(d, start, n)
@@ -256,67 +300,46 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _padded(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _group(plan: ReshardPlan, rank: int) -> tuple[int, ...]:
-    mesh = Mesh.abstract(dict(plan.mesh_shape), rank)
-    return mesh.group_ranks(plan.axes) if plan.axes else (rank,)
-
-
-def pack(local: Mapping[str, torch.Tensor], plan: ReshardPlan, rank: int) -> tuple[torch.Tensor, list[int]]:
-    """This rank's outgoing bytes as one flat uint8 buffer, and the byte count for each peer (group order)."""
-    sends = plan.sends(rank)
-    chunks, sizes = [], []
-    for peer in _group(plan, rank):
-        part = [_bytes(_box(local[t.path], t.src_box)) for t in sends.get(peer, [])]
-        n = sum(t.nbytes for t in sends.get(peer, []))
-        if _padded(n) > n:
-            part.append(torch.zeros(_padded(n) - n, dtype=torch.uint8))
+def pack(local: Mapping[str, torch.Tensor], program: RankProgram) -> torch.Tensor:
+    """This rank's outgoing bytes as one flat uint8 buffer: a section per group peer (``program.send_sizes``)."""
+    chunks = []
+    for boxes, size in zip(program.send, program.send_sizes):
+        part = [_bytes(_box(local[path], box)) for path, box in boxes]
+        n = sum(p.shape[0] for p in part)
+        if size > n:
+            part.append(torch.zeros(size - n, dtype=torch.uint8))
         chunks += part
-        sizes.append(_padded(n))
-    flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    return flat, sizes
+    return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
 
 
-def recv_sizes(plan: ReshardPlan, rank: int) -> list[int]:
-    """Bytes ``rank`` receives from each peer of its exchange group (padded), in group order."""
-    recv = plan.receives(rank)
-    return [_padded(sum(t.nbytes for t in recv.get(peer, []))) for peer in _group(plan, rank)]
-
-
-def unpack(local: Mapping[str, torch.Tensor], received: torch.Tensor, plan: ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
-    """The destination leaves of ``rank``: local copies from ``local`` plus the boxes in ``received``."""
-    out = {leaf.path: torch.empty(leaf.dst_shapes[rank], dtype=leaf.dtype, device=received.device) for leaf in plan.leaves}
-    for t in plan.transfers:
-        if t.src == rank == t.dst:
-            _box(out[t.path], t.dst_box).copy_(_box(local[t.path], t.src_box))
-    recv, at = plan.receives(rank), 0
-    for peer in _group(plan, rank):
+def unpack(local: Mapping[str, torch.Tensor], received: torch.Tensor, program: RankProgram) -> dict[str, torch.Tensor]:
+    """The destination leaves of one rank: its local copies from ``local`` plus the boxes in ``received``."""
+    out = {path: torch.empty(shape, dtype=dtype, device=received.device) for path, shape, dtype in program.dst_shapes}
+    for path, sbox, dbox in program.local:
+        _box(out[path], dbox).copy_(_box(local[path], sbox))
+    at = 0
+    for boxes, size in zip(program.recv, program.recv_sizes):
         start = at
-        for t in recv.get(peer, []):
-            shape = tuple(n for _, n in t.dst_box)
-            chunk = received[at : at + t.nbytes].view(out[t.path].dtype).view(shape)
-            _box(out[t.path], t.dst_box).copy_(chunk)
-            at += t.nbytes
-        at = start + _padded(at - start)
+        for path, dbox, nbytes in boxes:
+            chunk = received[at : at + nbytes].view(out[path].dtype).view(tuple(n for _, n in dbox))
+            _box(out[path], dbox).copy_(chunk)
+            at += nbytes
+        at = start + size
     return out
 
 
 def simulate(local_trees: Sequence[Mapping[str, torch.Tensor]], plan: ReshardPlan) -> list[dict[str, torch.Tensor]]:
     """Run ``plan`` for every rank in one process (the exchange done by slicing buffers): ``[dst leaves of rank r]``."""
-    size = len(plan.traffic)
-    packed = [pack(local_trees[r], plan, r) for r in range(size)]
+    progs = plan.programs
+    packed = [pack(local_trees[r], progs[r]) for r in range(len(progs))]
     out = []
-    for r in range(size):
-        group = _group(plan, r)
+    for r, prog in enumerate(progs):
         parts = []
-        for peer in group:
-            flat, sizes = packed[peer]
-            j = _group(plan, peer).index(r)
-            parts.append(flat[sum(sizes[:j]) : sum(sizes[: j + 1])])
-        out.append(unpack(local_trees[r], torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8), plan, r))
+        for peer in prog.group:
+            j = progs[peer].group.index(r)
+            offsets = progs[peer].send_sizes
+            parts.append(packed[peer][sum(offsets[:j]) : sum(offsets[: j + 1])])
+        out.append(unpack(local_trees[r], torch.cat(parts), prog))
     return out
 
 
@@ -353,29 +376,34 @@ def reshard(
     """
     mesh = _positioned(mesh, None)
     src, dst = leaf_specs(src_specs, tree), leaf_specs(dst_specs, tree)
-    local = {}
-    shapes = {}
-    for path, x in flatten_with_paths(tree):
-        local[path] = _check_leaf(path, x)
-        shapes[path] = (_full_shape(path, x, src[path], mesh), x.dtype)
-        validate(path, dst[path], shapes[path][0], x.dtype, mesh.shape)
+    local = {path: _check_leaf(path, x) for path, x in flatten_with_paths(tree)}
     if plan is None:
-        plan = plan_reshard(shapes, src, dst, mesh)
-    _check_plan(plan, shapes, mesh)
+        shapes = {path: (_full_shape(path, x, src[path], mesh), x.dtype) for path, x in local.items()}
+        plan = plan_reshard(shapes, src, dst, mesh)  # validates every destination layout
+    elif dict(plan.mesh_shape) != mesh.shape:
+        raise ValueError(f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh")
+    program = plan.programs[mesh.rank]
+    _check_program(program, mesh.rank, local, src, dst)
     received = torch.empty(0, dtype=torch.uint8)
     if plan.axes:
         if not torch.compiler.is_compiling():
             mesh.init_groups(plan.axes)
-        flat, sizes = pack(local, plan, mesh.rank)
-        received = collectives.all_to_all_single(flat, mesh, plan.axes, recv_sizes(plan, mesh.rank), sizes)
-    out = unpack(local, received, plan, mesh.rank)
+        received = collectives.all_to_all_single(pack(local, program), mesh, plan.axes, program.recv_sizes, program.send_sizes)
+    out = unpack(local, received, program)
     return map_with_path(lambda path, _: out[path], tree)
 
 
-def _check_plan(plan: ReshardPlan, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], mesh: Mesh) -> None:
-    if dict(plan.mesh_shape) != mesh.shape:
-        raise ValueError(f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh")
-    got = {leaf.path: (leaf.full_shape, leaf.dtype) for leaf in plan.leaves}
-    if got != dict(shapes):
-        diff = sorted(p for p in set(got) | set(shapes) if got.get(p) != shapes.get(p))
-        raise ValueError(f"reshard: the plan does not match the tree at {diff[:4]} (full shape/dtype differ or the leaf is missing); plan again for this tree")
+def _check_program(program: RankProgram, rank: int, local: Mapping[str, torch.Tensor], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:
+    planned = [p for p, _, _, _, _ in program.leaves]
+    if planned != list(local):
+        diff = sorted(set(planned) ^ set(local))
+        raise ValueError(f"reshard: the plan covers leaves {diff[:4]} differently from the tree (missing or extra); plan again for this tree")
+    for path, shape, dtype, src_layout, dst_layout in program.leaves:
+        x = local[path]
+        if tuple(x.shape) != shape or x.dtype != dtype:
+            raise ValueError(
+                f"reshard: params[{path!r}] is {tuple(x.shape)} {x.dtype} on rank {rank} but the plan expects {shape} {dtype} "
+                f"for {src_layout!r}; was it sharded with another layout or mesh? plan again for this tree"
+            )
+        if src[path] != src_layout or dst[path] != dst_layout:
+            raise ValueError(f"reshard: the plan was made for other layouts of params[{path!r}] ({src_layout!r} -> {dst_layout!r}); plan again for these specs")

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from functional_npu import reshard, shard
+from functional_npu import plan_reshard, reshard, shard
 
 from .strategies import make_tensor
 from .workers import compiled
 
 
-def reshard_case(ctx, axes, leaves, seed: int, use_compile: bool):
-    """Shard a seeded tree by the source layouts, reshard to the destination ones on the gloo world.
+def reshard_case(ctx, axes, leaves, seed: int, use_compile: bool, planned: bool = True):
+    """Shard a seeded tree by the source layouts, reshard to the destination ones and back on the gloo world.
 
+    ``planned``: pass plans made beforehand (else ``reshard`` plans inside the traced region).
     ``leaves``: ``[(shape, dtype, src layout, dst layout)]``. Returns (bit-equal to shard_B per leaf,
     round trip bit-equal per leaf, source untouched, aliasing, op list).
     """
@@ -23,12 +24,13 @@ def reshard_case(ctx, axes, leaves, seed: int, use_compile: bool):
     local = shard(tree, src, mesh)
     before = {k: v.clone() for k, v in local.items()}
     ops: list[str] = []
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in tree.items()}
+    there = plan_reshard(shapes, src, dst, mesh) if planned else None
+    back = plan_reshard(shapes, dst, src, mesh) if planned else None
+    fwd, back_fn = (lambda t: reshard(t, src, dst, mesh, plan=there)), (lambda t: reshard(t, dst, src, mesh, plan=back))
     if use_compile:
-        mesh.init_groups(*[a for a in [tuple(axes)] if a])
-        fwd = compiled(lambda t: reshard(t, src, dst, mesh), ops)
-        back_fn = compiled(lambda t: reshard(t, dst, src, mesh), ops)
-    else:
-        fwd, back_fn = (lambda t: reshard(t, src, dst, mesh)), (lambda t: reshard(t, dst, src, mesh))
+        mesh.init_groups(tuple(axes))
+        fwd, back_fn = compiled(fwd, ops), compiled(back_fn, ops)
     out = fwd(local)
     back = back_fn(out)
     ref = shard(tree, dst, mesh)
