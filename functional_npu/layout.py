@@ -100,17 +100,21 @@ class Shard:
 
 @dataclass(frozen=True, slots=True)
 class Cyclic:
-    """A stacked layer dim of ``size`` layers; layer ``l`` lives on coordinate ``l % n`` of ``axis``."""
+    """A stacked layer dim of ``size`` layers; layer ``l`` lives on coordinate ``(l + offset) % n`` of ``axis``.
+
+    ``Cyclic(axis, 1, offset=c)`` is a leaf held by coordinate ``c`` alone (a pipeline stage's embedding).
+    """
 
     axis: str
     size: int
+    offset: int = 0
 
     @property
     def axes(self) -> tuple[str, ...]:
         return (self.axis,)
 
     def __repr__(self) -> str:
-        return f"cyclic({self.axis}, {self.size} layers)"
+        return f"cyclic({self.axis}, {self.size} layers" + (f", offset {self.offset})" if self.offset else ")")
 
 
 DimSpec = Union[Shard, Cyclic]
@@ -187,9 +191,9 @@ def fused(
     return Layout().with_dim(dim, Shard(_axes(axes), bl, pack, groups))
 
 
-def cyclic(dim: int, axis: str, size: int) -> Layout:
-    """A stacked dim of ``size`` layers; layer ``l`` is held only by coordinate ``l % n`` of ``axis``."""
-    return Layout().with_dim(dim, Cyclic(axis, size))
+def cyclic(dim: int, axis: str, size: int, *, offset: int = 0) -> Layout:
+    """A stacked dim of ``size`` layers; layer ``l`` is held only by coordinate ``(l + offset) % n`` of ``axis``."""
+    return Layout().with_dim(dim, Cyclic(axis, size, offset))
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -233,6 +237,8 @@ def validate(
         n = math.prod([mesh_shape[a] for a in spec.axes])
         if isinstance(spec, Shard):
             _validate_shard(where, d, spec, shape[d], dtype, n, local)
+        elif not isinstance(spec.offset, int) or isinstance(spec.offset, bool):
+            raise LayoutError(f"{where} dim {d}: cyclic offset must be an int (the coordinate holding layer 0), got {spec.offset!r}")
         elif not local and shape[d] != spec.size:
             raise LayoutError(f"{where} dim {d} is cyclic over {spec.size} layers but the tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}")
     return layout
@@ -335,7 +341,8 @@ def dim_pieces(spec: DimSpec, full_len: int, n: int, c: int, where: str = "spec"
     The local dim is the concatenation of these pieces, in order. Pure; used for every rank.
     """
     if isinstance(spec, Cyclic):
-        return [(c, full_len, n)] if c < full_len else []
+        first = (c - spec.offset) % n
+        return [(first, full_len, n)] if first < full_len else []
     if not spec.blocks:
         per = full_len // n
         return [(c * per, (c + 1) * per, 1)]

@@ -40,7 +40,7 @@ def dim_spec(draw, struct, free: list[str], axes: dict[str, int]):
     length = sum(size for _, size, _ in blocks)
     kind = draw(st.sampled_from(["shard", "fused", "grouped", "cyclic"]))
     if kind == "cyclic":
-        return Cyclic(use[0], length)
+        return Cyclic(use[0], length, draw(st.integers(0, 3)))
     if kind == "shard":
         return Shard(tuple(use))
     bl = tuple(Block(name, size, unit, draw(st.booleans())) for name, size, unit in blocks)
