@@ -40,3 +40,41 @@ def reshard_case(ctx, axes, leaves, seed: int, use_compile: bool, planned: bool 
     untouched = all(torch.equal(bits(local[k]), bits(before[k])) for k in tree)
     aliased = any(out[k].untyped_storage().data_ptr() == local[k].untyped_storage().data_ptr() for k in tree if out[k].numel())
     return equal, round_trip, untouched, aliased, ops
+
+
+def megatron_parity(ctx, model_dir: str, prompts, new_tokens: int, vpp: int):
+    """Megatron TP=2 x PP=2 (vpp chunks) on a {pp: 2, tp: 2} world -> inference layouts; greedy tokens of each.
+
+    Returns {target: (tokens, bit-equal to shard of the full params, received bytes, all-gather-then-slice bytes)}.
+    """
+    from functional_npu import Cyclic, Mesh, greedy_generate, leaf_specs, replicated
+    from functional_npu.checkpoint import load_checkpoint
+    from functional_npu.megatron import from_megatron, megatron_pipeline_specs, stack_layers, stacked_specs, to_megatron, unstack_layers
+    from functional_npu.models.llama import param_specs
+    from functional_npu.tree import flatten_with_paths
+
+    mesh = ctx.mesh({"pp": 2, "tp": 2})
+    full = load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0))
+    cfg = full["config"]
+    stacked = stack_layers(full)
+    src = megatron_pipeline_specs(cfg, pp=2, vpp=vpp)
+    train = from_megatron(to_megatron(shard(stacked, src, mesh), vpp), cfg, src, mesh)  # what a Megatron rank holds, by name
+    tp2 = stacked_specs(param_specs(cfg))
+    targets = {"tp2": tp2, "tp1": replicated(), "layer_sharded": stacked_specs(param_specs(cfg), Cyclic("pp", cfg.num_layers))}
+    out = {}
+    for name, dst in targets.items():
+        shapes = {p: (tuple(x.shape), x.dtype) for p, x in flatten_with_paths(stacked)}
+        plan = plan_reshard(shapes, leaf_specs(src, stacked), leaf_specs(dst, stacked), mesh)
+        got = reshard(train, src, dst, mesh, plan=plan)
+        want = shard(stacked, dst, mesh)
+        equal = all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(got), flatten_with_paths(want)))
+        if name == "layer_sharded":  # no forward for layer-sharded params on this branch: reshard on to tp=2 and run that
+            got, run_mesh = reshard(got, dst, tp2, mesh), mesh
+        else:
+            run_mesh = mesh if name == "tp2" else Mesh.abstract({"tp": 1}, 0)
+        with torch.no_grad():
+            tokens = greedy_generate(unstack_layers(got), prompts, new_tokens, run_mesh)
+        traffic = plan.traffic[mesh.rank]
+        out[name] = (tokens, equal, traffic.received, traffic.allgather_slice)
+    return out
+
