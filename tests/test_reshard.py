@@ -276,3 +276,15 @@ def test_no_exchange_when_every_rank_holds_what_it_needs():
     w = torch.arange(8.0).reshape(4, 2)
     out = reshard({"w": w}, replicated(), sharded(0, "tp"), Mesh.abstract({"tp": 2}, 1))  # abstract mesh: no collective possible
     assert torch.equal(out["w"], w[2:]) and out["w"].untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+
+
+def test_expert_parallel_to_tensor_parallel_experts():
+    # 4 experts [E, 2F, D] over ep=2 -> every expert on both ranks, [gate|up] cut over tp (same 2 ranks)
+    mesh = Mesh.abstract({"tp": 2})
+    experts = torch.randn(4, 12, 3)
+    src, dst = {"e": sharded(0, "tp")}, {"e": fused(1, [("gate", 6), ("up", 6)], "tp")}
+    plan = plan_reshard({"e": ((4, 12, 3), torch.float32)}, src, dst, mesh)
+    out = simulate([shard({"e": experts}, src, mesh, coordinate=r) for r in range(2)], plan)
+    for r in range(2):
+        assert torch.equal(out[r]["e"], shard({"e": experts}, dst, mesh, coordinate=r)["e"])
+    assert [t.received for t in plan.traffic] == [2 * 6 * 3 * 4] * 2  # half of the other rank's experts
