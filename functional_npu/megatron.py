@@ -57,8 +57,15 @@ MEGATRON_ALIASES: dict[str, str] = {
 def megatron_specs(cfg: LlamaConfig, *, tp_axis: str = "tp") -> dict[str, Any]:
     """Megatron's tensor-parallel layout of the (unstacked) Llama params: ``param_specs`` with grouped QKV.
 
-    Example (tp=2 training to tp=2 inference moves only rows inside each rank):
-        >>> src, dst = megatron_specs(cfg), llama.param_specs(cfg)    # doctest: +SKIP
+    Args:
+        cfg: the model config.
+        tp_axis: the mesh axis Megatron's tensor-parallel group runs over.
+
+    Returns:
+        A spec tree over ``llama.abstract_params(cfg)`` (the list-of-layers form).
+
+    Example (tp=2 training to tp=2 inference: each rank only reorders its own QKV rows):
+        >>> inference = reshard(train, megatron_specs(cfg), llama.param_specs(cfg), mesh)    # doctest: +SKIP
     """
     specs = _rename_axis(param_specs(cfg), tp_axis)
     qkv = fused(0, [Block(b.name, b.size, b.unit) for b in qkv_blocks(cfg)], tp_axis, groups=cfg.num_kv_heads)
@@ -137,7 +144,22 @@ def stacked_specs(specs: Mapping[str, Any], layer_dim: DimSpec | None = None, to
 
 
 def megatron_pipeline_specs(cfg: LlamaConfig, *, tp_axis: str = "tp", pp_axis: str = "pp", pp: int = 1, vpp: int = 1) -> dict[str, Any]:
-    """Megatron TP x PP (x virtual pipeline) layout of the stacked params (see the module docstring)."""
+    """Megatron TP x PP (x virtual pipeline) layout of the stacked params (see the module docstring).
+
+    Args:
+        cfg: the model config.
+        tp_axis, pp_axis: the mesh axes of Megatron's tensor- and pipeline-parallel groups.
+        pp: the size of ``pp_axis`` (the last stage holds the final norm and the output layer).
+        vpp: virtual pipeline chunks per stage.
+
+    Returns:
+        A spec tree over ``stack_layers(llama.abstract_params(cfg))``.
+
+    Example (TP=2 x PP=2 x vpp=2 training to layer-sharded inference on the same 4 ranks):
+        >>> src = megatron_pipeline_specs(cfg, pp=2, vpp=2)                                  # doctest: +SKIP
+        >>> dst = stacked_specs(llama.param_specs(cfg), Cyclic("pp", cfg.num_layers))          # doctest: +SKIP
+        >>> local = reshard(from_megatron(chunks, cfg, src, mesh), src, dst, mesh)           # doctest: +SKIP
+    """
     last = pp - 1
     top = {"embed": Cyclic(pp_axis, 1, 0), "norm": Cyclic(pp_axis, 1, last), "lm_head": Cyclic(pp_axis, 1, last)}
     return stacked_specs(megatron_specs(cfg, tp_axis=tp_axis), pipeline_dim(cfg.num_layers, pp_axis, vpp), top)
@@ -170,6 +192,15 @@ def from_megatron(
 
     Only renames and stacks: layer ``j`` of chunk ``v`` becomes local layer ``v * per_chunk + j``,
     matching :func:`pipeline_dim`. Leaves this stage does not hold come out with a leading dim of 0.
+
+    Args:
+        chunks: ``model[v].state_dict()`` of this rank for each virtual chunk ``v`` (names as in :data:`MEGATRON_NAMES`).
+        cfg: the model config.
+        specs: the Megatron layout (from :func:`megatron_pipeline_specs`), for the local shapes.
+        mesh: a mesh at this rank's coordinate.
+
+    Returns:
+        This rank's local tree in the stacked form, ready for ``reshard(tree, specs, dst, mesh)``.
 
     Raises:
         ValueError naming the Megatron parameter that is missing, unknown or of the wrong shape.

@@ -95,28 +95,12 @@ class ReshardPlan:
     traffic: tuple[RankTraffic, ...]
     programs: tuple["RankProgram", ...]
 
-    def sends(self, rank: int) -> dict[int, list[Transfer]]:
-        """Transfers ``rank`` sends to each other rank, in buffer order."""
-        return _by(self.transfers, lambda t: t.src == rank != t.dst, lambda t: t.dst)
-
-    def receives(self, rank: int) -> dict[int, list[Transfer]]:
-        """Transfers ``rank`` receives from each other rank, in buffer order."""
-        return _by(self.transfers, lambda t: t.dst == rank != t.src, lambda t: t.src)
-
     def report(self) -> str:
         """A markdown table of bytes per rank against the lower bound and all-gather-then-slice."""
         rows = ["| rank | sent | received | lower bound | local copy | all-gather-then-slice |", "|---|---|---|---|---|---|"]
         for t in self.traffic:
             rows.append(f"| {t.rank} | {t.sent} | {t.received} | {t.lower_bound} | {t.local_copy} | {t.allgather_slice} |")
         return "\n".join(rows)
-
-
-def _by(transfers, keep, key) -> dict[int, list[Transfer]]:
-    out: dict[int, list[Transfer]] = {}
-    for t in transfers:
-        if keep(t):
-            out.setdefault(key(t), []).append(t)
-    return out
 
 
 # ---- planning -------------------------------------------------------------------------------
@@ -296,20 +280,27 @@ def _box(x: torch.Tensor, box: Box) -> torch.Tensor:
     return x
 
 
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().reshape(-1).view(torch.uint8)
-
-
 def pack(local: Mapping[str, torch.Tensor], program: RankProgram) -> torch.Tensor:
-    """This rank's outgoing bytes as one flat uint8 buffer: a section per group peer (``program.send_sizes``)."""
-    chunks = []
+    """This rank's outgoing bytes as one flat uint8 buffer: a section per group peer (``program.send_sizes``).
+
+    Each box is copied once, straight into its place in the buffer (viewed as the leaf's dtype).
+    """
+    buf = torch.empty(sum(program.send_sizes), dtype=torch.uint8, device=_device(local))
+    at = 0
     for boxes, size in zip(program.send, program.send_sizes):
-        part = [_bytes(_box(local[path], box)) for path, box in boxes]
-        n = sum(p.shape[0] for p in part)
-        if size > n:
-            part.append(torch.zeros(size - n, dtype=torch.uint8))
-        chunks += part
-    return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+        start = at
+        for path, box in boxes:
+            x = _box(local[path], box)
+            n = x.numel() * x.element_size()
+            buf[at : at + n].view(x.dtype).view(x.shape).copy_(x)
+            at += n
+        buf[at : start + size].zero_()  # alignment padding
+        at = start + size
+    return buf
+
+
+def _device(local: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(iter(local.values())).device if local else torch.device("cpu")
 
 
 def unpack(local: Mapping[str, torch.Tensor], received: torch.Tensor, program: RankProgram) -> dict[str, torch.Tensor]:
