@@ -375,7 +375,7 @@ def reshard(
         raise ValueError(f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh")
     program = plan.programs[mesh.rank]
     _check_program(program, mesh.rank, local, src, dst)
-    received = torch.empty(0, dtype=torch.uint8)
+    received = torch.empty(0, dtype=torch.uint8, device=_device(local))
     if plan.axes:
         if not torch.compiler.is_compiling():
             mesh.init_groups(plan.axes)
