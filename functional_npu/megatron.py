@@ -205,17 +205,17 @@ def from_megatron(
     Raises:
         ValueError naming the Megatron parameter that is missing, unknown or of the wrong shape.
     """
-    found: dict[str, dict[int, torch.Tensor]] = {}
+    found: dict[str, dict[Any, tuple[str, torch.Tensor]]] = {}
     layers_per_chunk = []
     for v, sd in enumerate(chunks):
         idx = set()
         for name, x in sd.items():
             ours, i = _our_path(name)
             if i is None:
-                found.setdefault(ours, {})[0] = x
+                found.setdefault(ours, {})[0] = (name, x)
             else:
                 idx.add(i)
-                found.setdefault("layers." + ours, {})[(v, i)] = x  # type: ignore[index]
+                found.setdefault("layers." + ours, {})[(v, i)] = (name, x)
         layers_per_chunk.append(len(idx))
     full = stack_layers(abstract_params(cfg))
     out: dict[str, Any] = {"config": cfg}
@@ -232,9 +232,13 @@ def from_megatron(
                 f"from_megatron: {path!r} needs {want[0]} local entries on rank {mesh.rank} {mesh.coordinate} but the state dicts "
                 f"hold {len(tensors)} (chunks with {layers_per_chunk} layers); check the Megatron names, pp/vpp and the layout"
             )
-        x = torch.stack(tensors) if tensors else torch.empty(want, dtype=meta.dtype)
-        if tuple(x.shape) != want:
-            raise ValueError(f"from_megatron: {path!r} is {tuple(x.shape)} on rank {mesh.rank} but its layout gives {want}; was it trained with another tp/pp?")
+        for name, t in tensors:
+            if tuple(t.shape) != want[1:]:
+                raise ValueError(
+                    f"from_megatron: {name!r} ({path!r}) is {tuple(t.shape)} on rank {mesh.rank} but its layout gives "
+                    f"{want[1:]} per entry; was it trained with another tp/pp, or is the config different?"
+                )
+        x = torch.stack([t for _, t in tensors]) if tensors else torch.empty(want, dtype=meta.dtype)
         out = _put(out, path, x)
     return out
 

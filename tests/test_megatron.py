@@ -117,3 +117,32 @@ def test_megatron_tp2_pp2_vpp2_resharded_generates_transformers_tokens(world4, t
             assert equal, (rank, target)
             assert tokens == ref, (rank, target)
             assert received < allgather or target == "tp1", (rank, target, received, allgather)
+
+
+def test_stacking_errors_name_the_leaf():
+    params = init_params(CFG, seed=3)
+    ragged = params | {"layers": [params["layers"][0], {k: v for k, v in params["layers"][1].items() if k != "down"}]}
+    with pytest.raises(ValueError, match=r"stack_layers: layer 1 has leaves .* but layer 0 has"):
+        stack_layers(ragged)
+    stage = stack_layers(params) | {"embed": torch.zeros(0, 64, 16)}
+    with pytest.raises(ValueError, match=r"unstack_layers: 'embed' has leading dim \(0,\), expected \(1,\); is this a pipeline stage that does not hold it\?"):
+        unstack_layers(stage)
+    specs = param_specs(CFG)
+    with pytest.raises(ValueError, match=r"stacked_specs: every layer must have the same specs"):
+        stacked_specs(specs | {"layers": [specs["layers"][0], {}]})
+
+
+def test_from_megatron_wrong_shape_names_the_leaf():
+    mesh = Mesh.abstract({"pp": 1, "tp": 2}, 0)
+    specs = megatron_pipeline_specs(CFG, pp=1)
+    chunks = to_megatron(shard(stack_layers(init_params(CFG, seed=4)), specs, mesh), 1)
+    chunks[0]["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(16, 24)  # a tp=1 shard in a tp=2 run
+    with pytest.raises(ValueError, match=r"from_megatron: 'decoder.layers.0.mlp.linear_fc2.weight' \('layers.down'\) is \(16, 24\) on rank 0 but its layout gives \(16, 12\) per entry"):
+        from_megatron(chunks, CFG, specs, mesh)
+
+
+def test_cyclic_offset_must_be_an_int():
+    from functional_npu import cyclic
+
+    with pytest.raises(ValueError, match=r"cyclic offset must be an int \(the coordinate holding layer 0\), got 0.5"):
+        shard(torch.zeros(2), cyclic(0, "pp", 2, offset=0.5), Mesh.abstract({"pp": 2}), coordinate=0)
