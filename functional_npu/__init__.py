@@ -15,6 +15,8 @@ from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, re
 from .mesh import Mesh, make_mesh
 from .generate import greedy_generate
 from .shard import gather, leaf_specs, local_shape, shard, unshard
+from .reshard import RankTraffic, ReshardPlan, Transfer, plan_reshard, reshard
+from .megatron import MEGATRON_NAMES, from_megatron, megatron_pipeline_specs, megatron_specs, stack_layers, stacked_specs, to_megatron, unstack_layers
 from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
 
 __version__ = "0.1.0"
@@ -36,6 +38,19 @@ __all__ = [
     "unshard",
     "local_shape",
     "leaf_specs",
+    "reshard",
+    "plan_reshard",
+    "ReshardPlan",
+    "Transfer",
+    "RankTraffic",
+    "MEGATRON_NAMES",
+    "megatron_specs",
+    "megatron_pipeline_specs",
+    "from_megatron",
+    "to_megatron",
+    "stack_layers",
+    "unstack_layers",
+    "stacked_specs",
     "all_reduce",
     "all_gather",
     "reduce_scatter",

@@ -10,7 +10,10 @@ every rank) or one of:
   whose unit count (e.g. KV heads) is smaller than the axis size is replicated on
   ``axis_size // units`` consecutive ranks (GQA with tp > num_kv_heads). ``pack`` says how many
   logical elements one stored element holds along the dim (int4 packed in int32: 8); block
-  sizes are logical, shard offsets and lengths are in stored units.
+  sizes are logical, shard offsets and lengths are in stored units. ``groups=G`` interleaves
+  the blocks: the stored dim is G groups, group ``g`` being the concatenation of every block's
+  g-th 1/G slice, and the groups are cut contiguously over the axes (Megatron's grouped QKV,
+  ``[q heads of group g, k_g, v_g]`` per KV group ``g``, with ``G = num_kv_heads``).
 * :class:`Cyclic` -- a stacked layer dim; layer ``l`` lives on coordinate ``l % n`` of the axis,
   the other coordinates hold nothing for it.
 
@@ -78,6 +81,7 @@ class Shard:
     axes: tuple[str, ...]
     blocks: tuple[Block, ...] = ()
     pack: int = 1
+    groups: int = 1
 
     def __post_init__(self) -> None:  # accept "tp" and lists; store hashable tuples
         object.__setattr__(self, "axes", _axes(self.axes))
@@ -89,22 +93,28 @@ class Shard:
             parts.append("[" + "|".join(map(repr, self.blocks)) + "]")
         if self.pack != 1:
             parts.append(f"pack={self.pack}")
+        if self.groups != 1:
+            parts.append(f"groups={self.groups}")
         return "shard(" + " ".join(parts) + ")"
 
 
 @dataclass(frozen=True, slots=True)
 class Cyclic:
-    """A stacked layer dim of ``size`` layers; layer ``l`` lives on coordinate ``l % n`` of ``axis``."""
+    """A stacked layer dim of ``size`` layers; layer ``l`` lives on coordinate ``(l + offset) % n`` of ``axis``.
+
+    ``Cyclic(axis, 1, offset=c)`` is a leaf held by coordinate ``c`` alone (a pipeline stage's embedding).
+    """
 
     axis: str
     size: int
+    offset: int = 0
 
     @property
     def axes(self) -> tuple[str, ...]:
         return (self.axis,)
 
     def __repr__(self) -> str:
-        return f"cyclic({self.axis}, {self.size} layers)"
+        return f"cyclic({self.axis}, {self.size} layers" + (f", offset {self.offset})" if self.offset else ")")
 
 
 DimSpec = Union[Shard, Cyclic]
@@ -164,20 +174,26 @@ def fused(
     axes: str | Sequence[str],
     *,
     pack: int = 1,
+    groups: int = 1,
 ) -> Layout:
     """Dim ``dim`` is the concatenation of ``blocks``, each cut over ``axes`` on its own.
+
+    With ``groups=G`` the stored dim is instead G interleaved groups (group ``g`` = every block's
+    g-th 1/G slice, in block order), cut contiguously over ``axes``: Megatron's grouped QKV is
+    ``fused(0, qkv_blocks, "tp", groups=num_kv_heads)``. Pieces still address the canonical
+    ``[q|k|v]`` order, so ``shard``/``gather``/``reshard`` convert between the two orders.
 
     Example (Llama QKV with 32 heads, 8 KV heads, head_dim 128, tp up to 32):
         >>> fused(0, [Block("q", 4096, 128), Block("k", 1024, 128, True), Block("v", 1024, 128, True)], "tp")
         Layout(dim0=shard(tp [q:4096/128|k:1024/128~rep|v:1024/128~rep]))
     """
     bl = tuple(b if isinstance(b, Block) else Block(*b) for b in blocks)
-    return Layout().with_dim(dim, Shard(_axes(axes), bl, pack))
+    return Layout().with_dim(dim, Shard(_axes(axes), bl, pack, groups))
 
 
-def cyclic(dim: int, axis: str, size: int) -> Layout:
-    """A stacked dim of ``size`` layers; layer ``l`` is held only by coordinate ``l % n`` of ``axis``."""
-    return Layout().with_dim(dim, Cyclic(axis, size))
+def cyclic(dim: int, axis: str, size: int, *, offset: int = 0) -> Layout:
+    """A stacked dim of ``size`` layers; layer ``l`` is held only by coordinate ``(l + offset) % n`` of ``axis``."""
+    return Layout().with_dim(dim, Cyclic(axis, size, offset))
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -221,6 +237,8 @@ def validate(
         n = math.prod([mesh_shape[a] for a in spec.axes])
         if isinstance(spec, Shard):
             _validate_shard(where, d, spec, shape[d], dtype, n, local)
+        elif not isinstance(spec.offset, int) or isinstance(spec.offset, bool):
+            raise LayoutError(f"{where} dim {d}: cyclic offset must be an int (the coordinate holding layer 0), got {spec.offset!r}")
         elif not local and shape[d] != spec.size:
             raise LayoutError(f"{where} dim {d} is cyclic over {spec.size} layers but the tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}")
     return layout
@@ -236,6 +254,8 @@ def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.d
                 f"{where} dim {d} is packed by {spec.pack} but the tensor dtype is {dtype}; "
                 f"packed weights are stored in an integer dtype (e.g. torch.int32 for 8 int4 values)"
             )
+    if spec.groups != 1 and not spec.blocks:
+        raise LayoutError(f"{where} dim {d} has groups={spec.groups} but no blocks; groups interleave fused blocks, e.g. fused(0, [q, k, v], {axis!r}, groups=num_kv_heads)")
     if not spec.blocks:
         if local:
             return
@@ -252,6 +272,9 @@ def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.d
             f"{where} dim {d} is fused from blocks {list(spec.blocks)} of total size {total} but the tensor "
             f"dim is {length * spec.pack}{' logical' if spec.pack > 1 else ''}; fix the block sizes"
         )
+    if spec.groups != 1:
+        _grouped_pieces(where, d, axis, spec, n, 0)  # raises if the groups do not fit
+        return
     for b in spec.blocks:
         _block_pieces(where, d, axis, b, 0, n, 0, spec.pack)  # raises if no coordinate can be placed
 
@@ -288,16 +311,43 @@ def _block_pieces(where: str, d: int, axis: str, b: Block, offset: int, n: int, 
     return (start // pack, (start + length) // pack, 1)
 
 
+def _grouped_pieces(where: str, d: int, axis: str, spec: Shard, n: int, c: int) -> list[Piece]:
+    g_count = spec.groups
+    if not isinstance(g_count, int) or g_count < 1 or g_count % n:
+        raise LayoutError(
+            f"{where} dim {d} has {g_count} interleaved groups sharded over mesh axis {axis!r} (size {n}): "
+            f"{n} must divide {g_count}; use an axis size that divides the group count (num_kv_heads)"
+        )
+    pieces: list[Piece] = []
+    per = g_count // n
+    for g in range(c * per, (c + 1) * per):
+        offset = 0
+        for b in spec.blocks:
+            part = b.size // g_count
+            if b.size % (g_count * b.unit) or part % spec.pack:
+                raise LayoutError(
+                    f"{where} dim {d} block {b.name!r} (size {b.size}, unit {b.unit}) cannot be cut into {g_count} "
+                    f"groups of whole units on a pack boundary (pack {spec.pack}); fix groups= or the block sizes"
+                )
+            start = offset + g * part
+            pieces.append((start // spec.pack, (start + part) // spec.pack, 1))
+            offset += b.size
+    return pieces
+
+
 def dim_pieces(spec: DimSpec, full_len: int, n: int, c: int, where: str = "spec", d: int = 0) -> list[Piece]:
     """The pieces of a full dim of ``full_len`` (stored units) held by coordinate ``c`` of an axis of size ``n``.
 
     The local dim is the concatenation of these pieces, in order. Pure; used for every rank.
     """
     if isinstance(spec, Cyclic):
-        return [(c, full_len, n)] if c < full_len else []
+        first = (c - spec.offset) % n
+        return [(first, full_len, n)] if first < full_len else []
     if not spec.blocks:
         per = full_len // n
         return [(c * per, (c + 1) * per, 1)]
+    if spec.groups != 1:
+        return _grouped_pieces(where, d, ",".join(spec.axes), spec, n, c)
     pieces: list[Piece] = []
     offset = 0
     for b in spec.blocks:

@@ -116,6 +116,11 @@ def shard(
 
 
 # ---- reassembly -----------------------------------------------------------------------------
+def _whole_on_one(spec, full_len: int, n: int) -> bool:
+    """Nothing to reassemble: one coordinate holds the dim whole and in order (not so for interleaved groups)."""
+    return n == 1 and (spec is None or dim_pieces(spec, full_len, 1, 0) == [(0, full_len, 1)])
+
+
 def _local_lens(spec, full_len: int, n: int) -> list[int]:
     return [sum(map(piece_len, dim_pieces(spec, full_len, n, j))) for j in range(n)]
 
@@ -184,9 +189,9 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
         bits, moved = _as_bits(x), False
         for d, spec in enumerate(layouts[path].dims):
             n = 1 if spec is None else mesh.axis_size(spec.axes)
-            if n == 1:
-                continue
             full = shapes[path][d]
+            if _whole_on_one(spec, full, n):
+                continue
             pad = max(_local_lens(spec, full, n))
             everyone = collectives.all_gather(_pad_to(bits, d, pad), mesh, spec.axes, dim=d)
             idx = _assembly_index(path, d, spec, full, n, pad)
@@ -217,7 +222,7 @@ def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:
         state = {r: per_rank[r][path] for r in range(mesh.size)}
         for d, spec in enumerate(layout.dims):
             n = 1 if spec is None else mesh.axis_size(spec.axes)
-            if n == 1:
+            if _whole_on_one(spec, shape[d], n):
                 continue
             pad = max(_local_lens(spec, shape[d], n))
             idx = torch.tensor(_assembly_index(path, d, spec, shape[d], n, pad), dtype=torch.long)

@@ -1,0 +1,280 @@
+"""Megatron-style training layouts of the Llama family, as layout data over this library's param paths.
+
+The source side of train-to-inference weight sync (``reshard``):
+
+* tensor parallel: ``linear_fc1`` holds ``[gate_r | up_r]`` on each rank (our fused ``gate_up``);
+  ``linear_qkv`` holds whole KV groups ``[q heads of group g, k_g, v_g]`` (our ``qkv`` with
+  ``groups=num_kv_heads``); row-parallel ``linear_proj`` / ``linear_fc2``; vocab-parallel
+  embedding and output layer.
+* pipeline parallel: every leaf is stacked on a leading dim (:func:`stack_layers`); pipeline rank
+  ``p`` of ``pp`` holds, for each virtual chunk ``v`` of ``vpp``, the layers
+  ``v * L/vpp + p * L/(vpp*pp) + [0, L/(vpp*pp))`` (Megatron's interleaved schedule), i.e. the
+  layer dim is ``vpp`` blocks each cut over ``pp``; within a chunk layers are numbered from 0.
+  The embedding lives on the first stage, the final norm and output layer on the last.
+* expert parallel: a stacked expert dim cut over an ``ep`` axis (``sharded(0, "ep")``).
+
+:data:`MEGATRON_NAMES` is the one table from Megatron parameter names to our paths;
+:func:`from_megatron` / :func:`to_megatron` only rename and stack (no data moves).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .layout import Block, Cyclic, DimSpec, Layout, Shard, fused
+from .mesh import Mesh
+from .models.llama import LlamaConfig, abstract_params, param_specs, qkv_blocks
+from .shard import local_shape
+
+__all__ = ["MEGATRON_NAMES", "MEGATRON_ALIASES", "megatron_specs", "megatron_pipeline_specs", "pipeline_dim", "stack_layers", "unstack_layers", "stacked_specs", "from_megatron", "to_megatron"]
+
+# Megatron-Core parameter name -> our leaf path ({i}: layer index, local to its pipeline chunk on the Megatron side).
+MEGATRON_NAMES: dict[str, str] = {
+    "embedding.word_embeddings.weight": "embed",
+    "decoder.final_layernorm.weight": "norm",
+    "output_layer.weight": "lm_head",
+    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight": "layers.{i}.attn_norm",
+    "decoder.layers.{i}.self_attention.linear_qkv.weight": "layers.{i}.qkv",
+    "decoder.layers.{i}.self_attention.linear_qkv.bias": "layers.{i}.qkv_bias",
+    "decoder.layers.{i}.self_attention.q_layernorm.weight": "layers.{i}.q_norm",
+    "decoder.layers.{i}.self_attention.k_layernorm.weight": "layers.{i}.k_norm",
+    "decoder.layers.{i}.self_attention.linear_proj.weight": "layers.{i}.o_proj",
+    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight": "layers.{i}.mlp_norm",
+    "decoder.layers.{i}.mlp.linear_fc1.weight": "layers.{i}.gate_up",
+    "decoder.layers.{i}.mlp.linear_fc2.weight": "layers.{i}.down",
+}
+# Megatron's local (non Transformer-Engine) spec names the two norms on their own.
+MEGATRON_ALIASES: dict[str, str] = {
+    "decoder.layers.{i}.input_layernorm.weight": "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight",
+    "decoder.layers.{i}.pre_mlp_layernorm.weight": "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def megatron_specs(cfg: LlamaConfig, *, tp_axis: str = "tp") -> dict[str, Any]:
+    """Megatron's tensor-parallel layout of the (unstacked) Llama params: ``param_specs`` with grouped QKV.
+
+    Args:
+        cfg: the model config.
+        tp_axis: the mesh axis Megatron's tensor-parallel group runs over.
+
+    Returns:
+        A spec tree over ``llama.abstract_params(cfg)`` (the list-of-layers form).
+
+    Example (tp=2 training to tp=2 inference: each rank only reorders its own QKV rows):
+        >>> inference = reshard(train, megatron_specs(cfg), llama.param_specs(cfg), mesh)    # doctest: +SKIP
+    """
+    specs = _rename_axis(param_specs(cfg), tp_axis)
+    qkv = fused(0, [Block(b.name, b.size, b.unit) for b in qkv_blocks(cfg)], tp_axis, groups=cfg.num_kv_heads)
+    for layer in specs["layers"]:
+        layer["qkv"] = qkv
+        if "qkv_bias" in layer:
+            layer["qkv_bias"] = qkv
+    return specs
+
+
+def _rename_axis(specs: dict[str, Any], axis: str) -> dict[str, Any]:
+    def one(lay: Layout) -> Layout:
+        dims = tuple(d if d is None else Shard((axis,), d.blocks, d.pack, d.groups) if isinstance(d, Shard) else d for d in lay.dims)
+        return Layout(dims)
+
+    out = {k: one(v) for k, v in specs.items() if k != "layers"}
+    return out | {"layers": [{k: one(v) for k, v in layer.items()} for layer in specs["layers"]]}
+
+
+def pipeline_dim(num_layers: int, pp_axis: str = "pp", vpp: int = 1) -> DimSpec:
+    """The stacked layer dim of a Megatron pipeline: ``vpp`` chunks of ``L/vpp`` layers, each chunk cut over ``pp``."""
+    if vpp < 1 or num_layers % vpp:
+        raise ValueError(f"pipeline_dim: {num_layers} layers cannot be cut into vpp={vpp} virtual chunks; use a vpp that divides {num_layers}")
+    if vpp == 1:
+        return Shard((pp_axis,))
+    return Shard((pp_axis,), tuple(Block(f"chunk{v}", num_layers // vpp) for v in range(vpp)))
+
+
+# ---- stacked form -------------------------------------------------------------------------------
+def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Every leaf with a leading stacking dim: ``layers`` as ``{name: [L, ...]}``, others as ``[1, ...]``. Pure.
+
+    Example:
+        >>> stack_layers(params)["layers"]["qkv"].shape     # doctest: +SKIP
+        torch.Size([num_layers, (H + 2K) * hd, D])
+    """
+    layers = params["layers"]
+    out: dict[str, Any] = {k: (v if not isinstance(v, torch.Tensor) else v.unsqueeze(0).clone()) for k, v in params.items() if k != "layers"}
+    names = list(layers[0]) if layers else []
+    for i, layer in enumerate(layers):
+        if list(layer) != names:
+            raise ValueError(f"stack_layers: layer {i} has leaves {list(layer)} but layer 0 has {names}; every layer must have the same leaves")
+    return out | {"layers": {k: torch.stack([layer[k] for layer in layers]) for k in names}}
+
+
+def unstack_layers(stacked: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`stack_layers` (a list of per-layer dicts, top-level leaves without the leading dim)."""
+    out: dict[str, Any] = {}
+    for k, v in stacked.items():
+        if k == "layers":
+            continue
+        if isinstance(v, torch.Tensor) and v.shape[:1] != (1,):
+            raise ValueError(f"unstack_layers: {k!r} has leading dim {tuple(v.shape[:1])}, expected (1,); is this a pipeline stage that does not hold it?")
+        out[k] = v[0].clone() if isinstance(v, torch.Tensor) else v
+    layers = stacked["layers"]
+    count = {v.shape[0] for v in layers.values()}
+    if len(count) > 1:
+        raise ValueError(f"unstack_layers: the stacked layer leaves disagree on the layer count: { {k: v.shape[0] for k, v in layers.items()} }")
+    n = count.pop() if count else 0
+    return out | {"layers": [{k: v[i].clone() for k, v in layers.items()} for i in range(n)]}
+
+
+def stacked_specs(specs: Mapping[str, Any], layer_dim: DimSpec | None = None, top_dims: Mapping[str, DimSpec | None] | None = None) -> dict[str, Any]:
+    """The spec tree of the stacked form: each layout shifted by one dim, the new dim 0 being ``layer_dim``
+    for layer leaves and ``top_dims[name]`` (default None: whole) for the others.
+
+    Example (layer-sharded inference: layer l on dp coordinate l % n, TP inside each layer):
+        >>> stacked_specs(llama.param_specs(cfg), Cyclic("dp", cfg.num_layers))   # doctest: +SKIP
+    """
+    layers = specs["layers"]
+    if any(layer != layers[0] for layer in layers):
+        raise ValueError("stacked_specs: every layer must have the same specs to be stacked")
+    top = dict(top_dims or {})
+    out: dict[str, Any] = {k: Layout((top.get(k),) + v.dims) for k, v in specs.items() if k != "layers"}
+    return out | {"layers": {k: Layout((layer_dim,) + v.dims) for k, v in (layers[0] if layers else {}).items()}}
+
+
+def megatron_pipeline_specs(cfg: LlamaConfig, *, tp_axis: str = "tp", pp_axis: str = "pp", pp: int = 1, vpp: int = 1) -> dict[str, Any]:
+    """Megatron TP x PP (x virtual pipeline) layout of the stacked params (see the module docstring).
+
+    Args:
+        cfg: the model config.
+        tp_axis, pp_axis: the mesh axes of Megatron's tensor- and pipeline-parallel groups.
+        pp: the size of ``pp_axis`` (the last stage holds the final norm and the output layer).
+        vpp: virtual pipeline chunks per stage.
+
+    Returns:
+        A spec tree over ``stack_layers(llama.abstract_params(cfg))``.
+
+    Example (TP=2 x PP=2 x vpp=2 training to layer-sharded inference on the same 4 ranks):
+        >>> src = megatron_pipeline_specs(cfg, pp=2, vpp=2)                                  # doctest: +SKIP
+        >>> dst = stacked_specs(llama.param_specs(cfg), Cyclic("pp", cfg.num_layers))          # doctest: +SKIP
+        >>> local = reshard(from_megatron(chunks, cfg, src, mesh), src, dst, mesh)           # doctest: +SKIP
+    """
+    last = pp - 1
+    top = {"embed": Cyclic(pp_axis, 1, 0), "norm": Cyclic(pp_axis, 1, last), "lm_head": Cyclic(pp_axis, 1, last)}
+    return stacked_specs(megatron_specs(cfg, tp_axis=tp_axis), pipeline_dim(cfg.num_layers, pp_axis, vpp), top)
+
+
+# ---- names ----------------------------------------------------------------------------------------
+def _pattern(name: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(name).replace(re.escape("{i}"), r"(\d+)") + "$")
+
+
+_TABLE = [(_pattern(m), ours) for m, ours in list(MEGATRON_NAMES.items()) + [(a, MEGATRON_NAMES[t]) for a, t in MEGATRON_ALIASES.items()]]
+
+
+def _our_path(name: str) -> tuple[str, int | None]:
+    """(our leaf name, local layer index or None) for a Megatron name; ValueError naming it if unknown."""
+    for pat, ours in _TABLE:
+        m = pat.match(name)
+        if m:
+            return (ours.split(".")[-1], int(m.group(1))) if m.groups() else (ours, None)
+    raise ValueError(f"from_megatron: no entry for Megatron parameter {name!r} in MEGATRON_NAMES; add it to the table (or drop the key)")
+
+
+def from_megatron(
+    chunks: Sequence[Mapping[str, torch.Tensor]],
+    cfg: LlamaConfig,
+    specs: Mapping[str, Any],
+    mesh: Mesh,
+) -> dict[str, Any]:
+    """This rank's stacked local tree from its Megatron state dicts (one per virtual chunk, layers numbered from 0).
+
+    Only renames and stacks: layer ``j`` of chunk ``v`` becomes local layer ``v * per_chunk + j``,
+    matching :func:`pipeline_dim`. Leaves this stage does not hold come out with a leading dim of 0.
+
+    Args:
+        chunks: ``model[v].state_dict()`` of this rank for each virtual chunk ``v`` (names as in :data:`MEGATRON_NAMES`).
+        cfg: the model config.
+        specs: the Megatron layout (from :func:`megatron_pipeline_specs`), for the local shapes.
+        mesh: a mesh at this rank's coordinate.
+
+    Returns:
+        This rank's local tree in the stacked form, ready for ``reshard(tree, specs, dst, mesh)``.
+
+    Raises:
+        ValueError naming the Megatron parameter that is missing, unknown or of the wrong shape.
+    """
+    found: dict[str, dict[Any, tuple[str, torch.Tensor]]] = {}
+    layers_per_chunk = []
+    for v, sd in enumerate(chunks):
+        idx = set()
+        for name, x in sd.items():
+            ours, i = _our_path(name)
+            if i is None:
+                found.setdefault(ours, {})[0] = (name, x)
+            else:
+                idx.add(i)
+                found.setdefault("layers." + ours, {})[(v, i)] = (name, x)
+        layers_per_chunk.append(len(idx))
+    full = stack_layers(abstract_params(cfg))
+    out: dict[str, Any] = {"config": cfg}
+    for path, meta in _leaves(full):
+        want = local_shape(meta.shape, _at(specs, path), mesh, path=path, dtype=meta.dtype)
+        got = found.get(path, {})
+        keys = sorted(got)
+        if path.startswith("layers."):
+            tensors = [got[k] for k in keys]
+        else:
+            tensors = [got[0]] if got else []
+        if len(tensors) != want[0]:
+            raise ValueError(
+                f"from_megatron: {path!r} needs {want[0]} local entries on rank {mesh.rank} {mesh.coordinate} but the state dicts "
+                f"hold {len(tensors)} (chunks with {layers_per_chunk} layers); check the Megatron names, pp/vpp and the layout"
+            )
+        for name, t in tensors:
+            if tuple(t.shape) != want[1:]:
+                raise ValueError(
+                    f"from_megatron: {name!r} ({path!r}) is {tuple(t.shape)} on rank {mesh.rank} but its layout gives "
+                    f"{want[1:]} per entry; was it trained with another tp/pp, or is the config different?"
+                )
+        x = torch.stack([t for _, t in tensors]) if tensors else torch.empty(want, dtype=meta.dtype)
+        out = _put(out, path, x)
+    return out
+
+
+def to_megatron(local: Mapping[str, Any], vpp: int = 1) -> list[dict[str, torch.Tensor]]:
+    """The inverse of :func:`from_megatron`: one Megatron-named state dict per virtual chunk (layers numbered from 0)."""
+    chunks: list[dict[str, torch.Tensor]] = [{} for _ in range(vpp)]
+    reverse = {ours: m for m, ours in MEGATRON_NAMES.items()}
+    for k, x in local.items():
+        if k in ("config", "layers"):
+            continue
+        if x.shape[0]:
+            chunks[0 if k == "embed" else vpp - 1][reverse[k]] = x[0].clone()
+    for k, x in local["layers"].items():
+        per = x.shape[0] // vpp
+        for v in range(vpp):
+            for j in range(per):
+                chunks[v][reverse["layers.{i}." + k].format(i=j)] = x[v * per + j].clone()
+    return chunks
+
+
+def _leaves(tree: Mapping[str, Any]):
+    for k, v in tree.items():
+        if k == "layers":
+            yield from ((f"layers.{n}", x) for n, x in v.items())
+        elif isinstance(v, torch.Tensor):
+            yield k, v
+
+
+def _at(specs: Mapping[str, Any], path: str) -> Layout:
+    head, _, rest = path.partition(".")
+    return specs[head][rest] if rest else specs[head]
+
+
+def _put(tree: dict[str, Any], path: str, x: torch.Tensor) -> dict[str, Any]:
+    head, _, rest = path.partition(".")
+    if rest:
+        return tree | {head: dict(tree.get(head, {})) | {rest: x}}
+    return tree | {head: x}
