@@ -44,15 +44,10 @@ def _reads(snode: Any) -> set[str]:
     return {d.name for d in snode.unmet_dependencies} | {d.name for d in snode.read_writes.reads}
 
 
-def _real_reads(snode: Any, prefetch_names: set[str]) -> set[str]:
-    """What ``snode`` must run after. Inductor chains every in-place collective after the previous
-    one and its wait with ordering-only ("fake") deps; between prefetch broadcasts, whose send
-    buffers are fresh clones, those would serialize the prefetch and are dropped. Every other
-    dependency is kept."""
-    if not _is_broadcast(snode):
-        return _reads(snode)
+def _real_reads(snode: Any, drop: set[str]) -> set[str]:
+    """What ``snode`` must run after, without its ordering-only ("fake") deps on the names in ``drop``."""
     deps = set(snode.unmet_dependencies) | set(snode.read_writes.reads)
-    return {d.name for d in deps if not (getattr(d, "is_fake", False) and d.name in prefetch_names)}
+    return {d.name for d in deps if not (getattr(d, "is_fake", False) and d.name in drop)}
 
 
 def _is_broadcast(snode: Any) -> bool:
@@ -60,6 +55,12 @@ def _is_broadcast(snode: Any) -> bool:
 
     ops = torch.ops._c10d_functional
     return is_collective(snode.node, ops.broadcast_.default) or is_collective(snode.node, ops.broadcast.default)
+
+
+def _is_collective(snode: Any) -> bool:
+    from torch._inductor.utils import is_collective
+
+    return is_collective(snode.node)
 
 
 def _is_wait(snode: Any) -> bool:
@@ -100,8 +101,19 @@ def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: in
         )
     producer = {name: s for s in snodes for name in _names(s)}
     waits_of_broadcasts = [s for s in snodes if _is_wait(s) and any(producer.get(n) in broadcasts for n in _reads(s))]
-    prefetch_names = {n for s in broadcasts + waits_of_broadcasts + carried_waits for n in _names(s)}
-    needs = {id(s): _real_reads(s, prefetch_names) for s in snodes}
+    # Inductor chains every in-place collective after the previous one and its wait with ordering-only
+    # ("fake") deps, whatever their groups and buffers. Between the prefetch broadcasts (fresh send
+    # buffers) and the other collectives that order would serialize the prefetch; it is dropped there,
+    # and kept among the other collectives. Every rank builds the same order, so the issue order of
+    # each process group still agrees across ranks. All data dependencies are kept.
+    prefetch = broadcasts + waits_of_broadcasts + carried_waits
+    prefetch_names = {n for s in prefetch for n in _names(s)}
+    comm_names = {n for s in snodes if _is_wait(s) or _is_collective(s) for n in _names(s)}
+    is_prefetch = {id(s) for s in prefetch}
+    needs = {
+        id(s): _real_reads(s, comm_names if id(s) in is_prefetch else prefetch_names if _is_wait(s) or _is_collective(s) else set())
+        for s in snodes
+    }
     consumers: dict[int, list[Any]] = {id(s): [] for s in snodes}
     for s in snodes:
         for name in needs[id(s)]:
@@ -130,13 +142,23 @@ def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: in
         own = [f for f in feeders.values() if not _is_wait(f) and all(c is b for c in consumers[id(f)])]
         group[id(b)] = sorted(own, key=lambda s: position[id(s)]) + [b]
 
+    # issues in order of need; the last ``carried`` are the next step's, handed over (returned, or
+    # only copied into an output at the end)
     issues = sorted(broadcasts, key=lambda b: (first_use(wait_of[id(b)]), out_rank(wait_of[id(b)])))
-    uses = sorted([w for w in carried_waits + [wait_of[id(b)] for b in broadcasts] if consumers[id(w)]], key=first_use)
-    if len(uses) > len(issues) + carried:
-        raise ScheduleError(f"{len(uses)} prefetched weights are used but only {len(issues)} are issued and {carried} carried")
+    used_here = [wait_of[id(b)] for b in issues[: len(issues) - carried]]
+    uses = sorted(carried_waits + used_here, key=first_use)
+    if len(uses) > len(issues):
+        raise ScheduleError(
+            f"{len(uses)} prefetched weights are used ({len(carried_waits)} carried) but {len(issues)} are issued: "
+            + ", ".join(f"{w.get_name()}->{[c.get_name() for c in consumers[id(w)]][:3]}" for w in uses)
+        )
     before: dict[int, list[Any]] = {}  # a node -> what goes right before it
     for i, w in enumerate(uses):
         before.setdefault(id(snodes[first_use(w)]), []).extend(group[id(issues[i])] + [w])
+    for b in issues[len(issues) - carried :]:  # a hand-over wait read by an output copy goes right before it
+        w = wait_of[id(b)]
+        if consumers[id(w)]:
+            before.setdefault(id(snodes[first_use(w)]), []).append(w)
     moved = {id(s) for b in broadcasts for s in group[id(b)] + [wait_of[id(b)]]} | {id(w) for w in carried_waits}
     order: list[Any] = []
     for s in snodes:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -59,42 +58,3 @@ def decode_code(ctx, model_dir: str, axes: dict, series: str, k: int, schedule: 
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), cache, state)
     drain(state)
     return code[0]
-
-
-# ---- reading the generated code ---------------------------------------------------------------------
-_BUF = r"(buf\d+|arg\d+_\d+)"
-
-
-def prefetch_events(code: str) -> dict:
-    """Parse inductor's ``call()`` into the prefetch timeline.
-
-    Returns ``{"issue": {buf: line}, "wait": {buf: line}, "use": {buf: line}, "live_max": n}``:
-    the line of each broadcast, of each wait on a prefetched (broadcast or carried) buffer, of the
-    first other line that reads it, and the most prefetch buffers alive at once (from the issue, or
-    the start for carried inputs, to inductor's ``del`` of the buffer; a buffer reused for the next
-    broadcast dies when it is reused).
-    """
-    body = code.split("def call(self, args):")[1]
-    lines = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    issue, wait, use = {}, {}, {}
-    for i, ln in enumerate(lines):
-        m = re.match(rf"torch\.ops\._c10d_functional\.broadcast_\.default\({_BUF},", ln)
-        if m:
-            issue[m.group(1)] = i
-        m = re.match(rf"torch\.ops\._c10d_functional\.wait_tensor\.default\({_BUF}\)", ln)
-        if m and (m.group(1) in issue or m.group(1).startswith("arg")):
-            wait[m.group(1)] = i
-    for b, w in wait.items():
-        later = [i for i in range(w + 1, len(lines)) if re.search(rf"\b{b}\b", lines[i]) and not lines[i].startswith(("del ", "return"))]
-        if later:
-            use[b] = later[0]
-    live, peak = {b for b in wait if b.startswith("arg")}, 0
-    for i, ln in enumerate(lines):
-        for b, t in issue.items():
-            if t == i:
-                live.add(b)
-        peak = max(peak, len(live))
-        for dead in re.findall(rf"(?:^|; )del {_BUF}", ln):  # "del bufX", or "bufY = ...; del bufX  # reuse"
-            live.discard(dead)
-    kernels = [i for i, ln in enumerate(lines) if re.match(r"(extern_kernels\.|cpp_fused|torch\.ops\.|buf\d+ = torch\.ops\.)", ln)]
-    return {"issue": issue, "wait": wait, "use": use, "live_max": peak, "kernels": kernels}

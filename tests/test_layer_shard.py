@@ -20,9 +20,10 @@ from functional_npu.layer_shard import (
     unstack_series,
 )
 from functional_npu.models import llama
+from functional_npu.schedule import prefetch_timeline
 
 from .hf_models import save_tiny
-from .prefetch_workers import decode_code, generate_layer_sharded, prefetch_events
+from .prefetch_workers import decode_code, generate_layer_sharded
 
 LAYERS = 6
 PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]
@@ -129,7 +130,7 @@ def test_layer_sharded_generation_matches_transformers(request, qwen3, world, ax
 def test_compiled_schedule_issues_k_layers_ahead_with_k_plus_1_buffers(world2, qwen3, series, k):
     code = world2.run(decode_code, qwen3[0], {"dp": 2, "tp": 1}, series, k, "prefetch")
     for rank, text in enumerate(code):
-        ev = prefetch_events(text)
+        ev = prefetch_timeline(text)
         s = len(_present(series))
         issues = sorted(ev["issue"], key=ev["issue"].get)
         uses = sorted(ev["use"], key=ev["use"].get)
