@@ -57,6 +57,9 @@ class CompiledModel:
     prefill_lengths: tuple[int, ...]
     forward: Callable[..., torch.Tensor] = field(repr=False)
     prefetch_step: int = 0
+    # one bucket per graph: more recompiles than dynamo's default limit. Built once: making a
+    # config patch costs far more than entering one, and this is entered on every step.
+    _recompiles: Any = field(default_factory=lambda: torch._dynamo.config.patch(recompile_limit=256), repr=False, compare=False)
 
     @property
     def config(self) -> llama.LlamaConfig:
@@ -72,7 +75,7 @@ class CompiledModel:
         if "series" in self.params and (prefetched is None) != (self.prefetch_step == 0):
             raise ValueError(f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs the state from new_prefetch() (None for 0)")
         try:
-            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
+            with torch.no_grad(), self._recompiles:
                 return self.forward(self.params, tokens, positions, cache, self.mesh, prefetched)
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}") from e
@@ -114,8 +117,8 @@ class CompiledModel:
         if int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"decode: position {int(positions.max())} is past max_seq_len {self.max_seq_len}")
         pad = b - n
-        tok = torch.cat([tokens, tokens.new_zeros(pad)])[:, None]
-        pos = torch.cat([positions, positions.new_zeros(pad)])[:, None]
+        tok = (torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens)[:, None]
+        pos = (torch.cat([positions, positions.new_zeros(pad)]) if pad else positions)[:, None]
         return self._run("decode", tok, pos, cache, prefetched)[:n, -1]
 
     def generate(

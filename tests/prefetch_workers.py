@@ -33,26 +33,18 @@ def generate_layer_sharded(ctx, model_dir: str, axes: dict, series: str, k: int,
     return tokens, shapes, resident_bytes(params["series"]), state_bytes, replicated
 
 
-def decode_code(ctx, model_dir: str, axes: dict, series: str, k: int, schedule: str):
-    """The inductor code of one decode step under a schedule: "prefetch" (ours), "default" or "raise_comms"."""
+def decode_code(ctx, model_dir: str, axes: dict, series: str, k: int):
+    """The inductor code of one decode step of a layer-sharded model compiled with prefetch step ``k``."""
     from torch._inductor.utils import run_and_get_code
 
     from functional_npu import compile_model, load_checkpoint
     from functional_npu.layer_shard import layer_shard
-    from functional_npu.models import llama
     from functional_npu.prefetch import drain
 
     mesh = ctx.mesh(axes)
     params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))
     torch._dynamo.reset()
     model = compile_model(params, mesh, batch_sizes=[1], max_seq_len=64, prefetch_step=k)
-    if schedule != "prefetch":
-        import functools
-
-        passes = [] if schedule == "default" else ["raise_comms"]
-        options = {"reorder_for_compute_comm_overlap": bool(passes), "reorder_for_compute_comm_overlap_passes": passes}
-        fwd = torch.compile(functools.partial(llama.forward), fullgraph=True, dynamic=False, options=options)
-        model = type(model)(**{**model.__dict__, "forward": fwd})
     cache, state = model.new_cache(1), model.new_prefetch()
     with torch.no_grad():
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), cache, state)

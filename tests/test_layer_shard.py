@@ -128,7 +128,7 @@ def test_layer_sharded_generation_matches_transformers(request, qwen3, world, ax
 
 @pytest.mark.parametrize("series,k", [("o_proj", 0), ("o_proj", 1), ("o_proj,down_proj", 2), ("layer", 1)])
 def test_compiled_schedule_issues_k_layers_ahead_with_k_plus_1_buffers(world2, qwen3, series, k):
-    code = world2.run(decode_code, qwen3[0], {"dp": 2, "tp": 1}, series, k, "prefetch")
+    code = world2.run(decode_code, qwen3[0], {"dp": 2, "tp": 1}, series, k)
     for rank, text in enumerate(code):
         ev = prefetch_timeline(text)
         s = len(_present(series))
