@@ -16,7 +16,7 @@ import torch
 
 from .backends import Backend, resolve_backend
 from .mesh import Mesh
-from .models import llama
+from .models import family_of
 from .shard import leaf_specs, local_shape
 from .tree import flatten_with_paths
 
@@ -53,7 +53,7 @@ class CompiledModel:
     forward: Callable[..., torch.Tensor] = field(repr=False)
 
     @property
-    def config(self) -> llama.LlamaConfig:
+    def config(self) -> Any:
         return self.params["config"]
 
     def _bucket(self, values: Sequence[int], n: int, what: str) -> int:
@@ -72,7 +72,7 @@ class CompiledModel:
     def new_cache(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A zeroed KV cache for a batch bucket (``batch`` is rounded up to a bucket)."""
         b = self._bucket(self.batch_sizes, batch, "batch size")
-        return llama.init_cache(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype)
+        return family_of(self.config).init_cache(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype)
 
     def prefill(self, prompts: Sequence[Sequence[int]], cache: list) -> torch.Tensor:
         """Run the prompts (right-padded to a bucket) into ``cache``; returns each prompt's last logits ``[B, V]``."""
@@ -152,14 +152,16 @@ def _sampler(temperature: float, top_k: int | None, top_p: float | None, gen: to
     return sample
 
 
-def _check_params(params: dict, mesh: Mesh) -> llama.LlamaConfig:
+def _check_params(params: dict, mesh: Mesh) -> Any:
     cfg = params.get("config") if isinstance(params, dict) else None
-    if not isinstance(cfg, llama.LlamaConfig):
-        raise TypeError("compile_model: params carry no model config (params['config']); load them with load_checkpoint or add one")
+    try:
+        family = family_of(cfg)
+    except (TypeError, ValueError):
+        raise TypeError("compile_model: params carry no model config (params['config']); load them with load_checkpoint or add one") from None
     if "tp" not in mesh.axis_names:
         raise ValueError(f"compile_model: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
-    full = llama.abstract_params(cfg)
-    layouts = leaf_specs(llama.param_specs(cfg), full)
+    full = family.abstract_params(cfg)
+    layouts = leaf_specs(family.param_specs(cfg), full)
     got = dict(flatten_with_paths(params))
     for path, x in flatten_with_paths(full):
         if path not in got:
@@ -209,5 +211,5 @@ def compile_model(
     if lengths[-1] > seq:
         raise ValueError(f"compile_model: prefill length bucket {lengths[-1]} exceeds max_seq_len {seq}")
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
-    fwd = chosen.compile(llama.forward, dynamic=False)
+    fwd = chosen.compile(family_of(cfg).forward, dynamic=False)
     return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .mesh import Mesh
-from .models import llama
+from .models import family_of
 
 __all__ = ["greedy_generate"]
 
@@ -22,7 +22,7 @@ def greedy_generate(
     max_new_tokens: int,
     mesh: Mesh,
     *,
-    forward: Callable[..., torch.Tensor] = llama.forward,
+    forward: Callable[..., torch.Tensor] | None = None,
     max_seq_len: int | None = None,
 ) -> list[list[int]]:
     """Greedy continuation of each prompt: ``max_new_tokens`` token ids per prompt.
@@ -30,7 +30,7 @@ def greedy_generate(
     Args:
         params: local params with ``params["config"]`` (from ``load_checkpoint`` or ``shard``).
         prompts: token id lists, any lengths >= 1.
-        forward: the family's forward (or a compiled version of it).
+        forward: the family's forward or a compiled version of it (default: the family's forward).
         max_seq_len: KV-cache length (default: longest prompt + max_new_tokens).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -47,7 +47,9 @@ def greedy_generate(
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
     dtype = params["embed"].dtype
-    cache = llama.init_cache(cfg, mesh, batch, total, dtype)
+    family = family_of(cfg)
+    forward = forward or family.forward
+    cache = family.init_cache(cfg, mesh, batch, total, dtype)
     logits = forward(params, tokens, torch.arange(width).expand(batch, width), cache, mesh)
     step = logits[torch.arange(batch), lens - 1].argmax(-1)  # [B]
     out, pos = [step], lens.clone()
