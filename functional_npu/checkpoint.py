@@ -155,7 +155,9 @@ def _block_ranges(layout: Layout, dim: int, full: int, n_sources: int) -> list[t
     spec = layout.dims[dim] if dim < len(layout.dims) else None
     if n_sources == 1:
         return [(0, full)]
-    assert isinstance(spec, Shard) and len(spec.blocks) == n_sources  # guaranteed by the family's specs
+    if not (isinstance(spec, Shard) and spec.blocks):  # a fused dim kept whole (experts' [gate|up] without tp): equal blocks
+        return [(i * (full // n_sources), full // n_sources) for i in range(n_sources)]
+    assert len(spec.blocks) == n_sources  # guaranteed by the family's specs
     out, offset = [], 0
     for b in spec.blocks:
         out.append((offset, b.size // spec.pack))

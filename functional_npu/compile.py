@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .backends import Backend, resolve_backend
+from .layout import Layout
 from .mesh import Mesh
 from .models import family_of
 from .shard import leaf_specs, local_shape
@@ -175,6 +176,12 @@ def _check_params(params: dict, mesh: Mesh) -> Any:
     return cfg
 
 
+def _axis_groups(specs: Any) -> list[tuple[str, ...]]:
+    """The multi-axis tuples some layout shards over (their collectives need a group of their own)."""
+    layouts = [x for _, x in flatten_with_paths(specs, is_leaf=lambda x: isinstance(x, Layout))]
+    return sorted({d.axes for lay in layouts for d in lay.dims if d is not None and len(d.axes) > 1})
+
+
 def compile_model(
     params: dict,
     mesh: Mesh,
@@ -203,6 +210,7 @@ def compile_model(
     cfg = _check_params(params, mesh)
     if not mesh.is_abstract:
         mesh.init_groups()  # collectively, before any tracing
+        mesh.init_groups(*_axis_groups(family_of(cfg).param_specs(cfg)))  # and groups over several axes (expert parallelism)
     sizes = tuple(sorted(set(batch_sizes or (1, 2, 4, 8))))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"compile_model: batch_sizes must be positive ints, got {batch_sizes}")

@@ -252,14 +252,15 @@ def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) ->
 def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """``sum_k weights[:, k] * expert[ids[:, k]](x)`` over this rank's slots; ``ids`` -1 (another rank's slot) adds nothing.
 
-    x: [N, D]; ids, weights: [N, k]; gate_up: [S_local, 2F, D]; down: [S_local, D, F] -> [N, D].
+    x: [N, D]; ids, weights: [N, k]; gate_up: [S_local, 2F, D]; down: [S_local, D, F] -> [N, D]. Every local
+    expert runs on every row as one batched matmul (static shapes, a graph whose size does not grow with
+    the expert count); a row's weight is 0 for the slots it was not routed to.
     """
-    out = torch.zeros_like(x)
-    for s in range(gate_up.shape[0]):
-        w = (weights * (ids == s)).sum(-1, keepdim=True).to(x.dtype)  # [N, 1]: 0 where slot s is not chosen
-        gate, up = (x @ gate_up[s].T).chunk(2, dim=-1)
-        out = out + ((F.silu(gate) * up) @ down[s].T) * w
-    return out
+    slots = torch.arange(gate_up.shape[0], device=x.device)
+    w = (weights[None] * (ids[None] == slots[:, None, None])).sum(-1).to(x.dtype)  # [S_local, N]
+    gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [S_local, N, F] each
+    y = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))  # [S_local, N, D]
+    return (y * w[..., None]).sum(0)
 
 
 def _gathered(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int) -> torch.Tensor:
