@@ -17,17 +17,23 @@ from typing import Any
 import torch
 
 from .launch import LocalWorld, RankContext
-from .models import llama
+from .models import family_of, llama, moe
 from .shard import shard
 
 __all__ = ["GRAPH_CONFIGS", "capture_artifacts", "write_artifacts", "diff_artifacts", "regenerate"]
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=256)
-GRAPH_CONFIGS: dict[str, llama.LlamaConfig] = {
+_MOE = dict(num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1), expert_axes=("tp",))  # experts over tp
+GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig] = {
     "llama": llama.LlamaConfig(architecture="LlamaForCausalLM", tie_word_embeddings=True, rope_type="llama3", rope_factor=8.0, **_BASE),
     "mistral": llama.LlamaConfig(architecture="MistralForCausalLM", sliding_window=8, **_BASE),
     "qwen2": llama.LlamaConfig(architecture="Qwen2ForCausalLM", qkv_bias=True, **_BASE),
     "qwen3": llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
+    # prefill (16 tokens per rank) takes the all_to_all dispatch, decode (1 per rank) the gather / reduce-scatter path
+    "qwen3_moe": moe.MoeConfig(architecture="Qwen3MoeForCausalLM", base=llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
+                               norm_topk_prob=True, **_MOE),
+    "mixtral": moe.MoeConfig(architecture="MixtralForCausalLM", base=llama.LlamaConfig(architecture="MistralForCausalLM", **_BASE),
+                             norm_topk_prob=True, **_MOE),
 }
 PHASES = {"prefill": (2, 16), "decode": (2, 1)}  # (batch, tokens per sequence)
 CACHE_LEN = 32
@@ -39,7 +45,8 @@ def _capture(family: str, phase: str, ctx: RankContext, tp: int) -> torch.fx.Gra
 
     mesh = ctx.mesh({"tp": tp})
     cfg = GRAPH_CONFIGS[family]
-    params = shard(llama.init_params(cfg, seed=0), llama.param_specs(cfg), mesh)
+    model = family_of(cfg)
+    params = shard(model.init_params(cfg, seed=0), model.param_specs(cfg), mesh)
     b, s = PHASES[phase]
     graphs: list[torch.fx.GraphModule] = []
 
@@ -50,10 +57,10 @@ def _capture(family: str, phase: str, ctx: RankContext, tp: int) -> torch.fx.Gra
     if not mesh.is_abstract:
         mesh.init_groups()
     torch._dynamo.reset()
-    fn = torch.compile(llama.forward, backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
+    fn = torch.compile(model.forward, backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
     positions = torch.arange(s).expand(b, s) if phase == "prefill" else torch.full((b, 1), 5)
     with torch.no_grad():
-        fn(params, torch.ones(b, s, dtype=torch.long), positions, llama.init_cache(cfg, mesh, b, CACHE_LEN), mesh)
+        fn(params, torch.ones(b, s, dtype=torch.long), positions, model.init_cache(cfg, mesh, b, CACHE_LEN), mesh)
     if len(graphs) != 1:  # pragma: no cover - fullgraph=True makes a break an error first
         raise RuntimeError(f"{family} {phase}: expected one graph, captured {len(graphs)}")
     return graphs[0]
