@@ -27,7 +27,7 @@ from .models import Family, family_of
 from .shard import leaf_specs
 from .tree import flatten_with_paths, map_with_path
 
-__all__ = ["load_checkpoint", "save_checkpoint", "read_config", "check_plan"]
+__all__ = ["load_checkpoint", "save_checkpoint", "read_config", "check_plan", "with_expert_axes"]
 
 # Tensors some checkpoints carry that the forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,6 +44,15 @@ def read_config(path: str | Path) -> Any:
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON ({e})") from None
     return family_of((hf.get("architectures") or [None])[0]).from_hf(hf)
+
+
+def with_expert_axes(cfg: Any, expert_axes: Sequence[str], *, where: str = "model") -> Any:
+    """``cfg`` with its experts sharded over ``expert_axes`` (MoE configs; ``()`` leaves any config as it is)."""
+    if not expert_axes:
+        return cfg
+    if "expert_axes" not in {f.name for f in dataclasses.fields(cfg)}:
+        raise ValueError(f"{where}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, but this is a {cfg.architecture}; drop expert_axes (--ep)")
+    return dataclasses.replace(cfg, expert_axes=tuple(expert_axes))
 
 
 def check_plan(cfg: Any, mesh: Mesh, *, where: str = "model") -> tuple[dict[str, Any], dict[str, Layout]]:
@@ -198,10 +207,7 @@ def load_checkpoint(
     """
     root = Path(path)
     cfg = read_config(root)
-    if expert_axes:
-        if "expert_axes" not in {f.name for f in dataclasses.fields(cfg)}:
-            raise ValueError(f"{root}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, but this is a {cfg.architecture}; drop expert_axes (--ep)")
-        cfg = dataclasses.replace(cfg, expert_axes=tuple(expert_axes))
+    cfg = with_expert_axes(cfg, expert_axes, where=str(root))
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
     meta, layouts = check_plan(cfg, mesh, where=str(root))

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     gen.add_argument("--dp", type=_positive, default=1, help="data-parallel ranks: prompts are split across them")
     gen.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks")
+    gen.add_argument("--ep", type=_positive, default=1,
+                     help="expert-parallel ranks (MoE models): 1 (experts on every rank) or dp x tp (the flattened dp, tp ranks)")
     gen.add_argument("--backend", default="auto", choices=["auto", "inductor", "torchair", "eager", "aot_eager", "none"],
                      help="compiler backend ('none': the plain eager forward, no compile)")
     src = gen.add_mutually_exclusive_group(required=True)
@@ -92,12 +94,15 @@ def _tokenizer(model: Path) -> Any | None:
 
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
     """Validate everything a rank would trip on, before any rank starts."""
-    from .checkpoint import check_plan, read_config
+    from .checkpoint import check_plan, read_config, with_expert_axes
     from .mesh import Mesh
 
     model = Path(args.model)
+    if args.ep not in (1, args.dp * args.tp):
+        parser.error(f"--ep {args.ep}: the expert group is the flattened dp x tp ranks, so --ep must be 1 (experts "
+                     f"replicated) or --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
     try:
-        cfg = read_config(model)
+        cfg = with_expert_axes(read_config(model), _expert_axes(args), where=str(model))
         check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model))
     except (OSError, ValueError) as e:
         parser.error(" ".join(str(e).split()))  # one line, whatever the message
@@ -118,6 +123,10 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     return prompts, tok
 
 
+def _expert_axes(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("dp", "tp") if args.ep > 1 else ()
+
+
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .launch import LocalWorld, RankContext, RemoteError
     from .runner import generate_on_rank, in_prompt_order
@@ -126,6 +135,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     axes = {"dp": args.dp, "tp": args.tp}
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     job = (generate_on_rank, str(args.model), axes, prompts, args.max_new_tokens)
+    sampling_and_plan = {"sampling": sampling, "expert_axes": _expert_axes(args)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist
 
@@ -133,7 +143,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if world != args.dp * args.tp:
             parser.error(f"torchrun started {world} ranks but --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
         dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=args.timeout))
-        mine = job[0](RankContext(dist.get_rank(), world), *job[1:], backend=args.backend, sampling=sampling)
+        mine = job[0](RankContext(dist.get_rank(), world), *job[1:], backend=args.backend, **sampling_and_plan)
         results: list[Any] = [None] * world
         dist.all_gather_object(results, mine)
         if dist.get_rank() != 0:
@@ -141,7 +151,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         try:
             with LocalWorld(args.dp * args.tp, timeout=args.timeout) as world_:
-                results = world_.run(*job, backend=args.backend, sampling=sampling)
+                results = world_.run(*job, backend=args.backend, **sampling_and_plan)
         except (RemoteError, TimeoutError, RuntimeError) as e:
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1

@@ -1,7 +1,9 @@
 """One rank's generation job, shared by the CLI's local ranks and torchrun: load, compile, generate.
 
 Prompts are dealt to data-parallel ranks round-robin (prompt ``i`` to dp index ``i % dp``); the
-caller puts the results back in prompt order with :func:`in_prompt_order`.
+caller puts the results back in prompt order with :func:`in_prompt_order`. When the experts of an MoE
+model are sharded over ``dp`` the expert exchange spans dp ranks, so every rank runs the same steps on
+the same shapes: its batch is padded with dummy prompts to the same count and width everywhere.
 """
 
 from __future__ import annotations
@@ -26,25 +28,34 @@ def generate_on_rank(
     backend: str = "auto",
     sampling: Mapping[str, Any] | None = None,
     repeat: int = 1,
+    expert_axes: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the compiled model to time it warm."""
+    """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the compiled model to time it warm.
+
+    ``expert_axes``: shard an MoE model's experts over these mesh axes (expert parallelism).
+    """
     mesh = ctx.mesh(axes)
     t0 = time.perf_counter()
-    params = load_checkpoint(model_dir, mesh)
+    params = load_checkpoint(model_dir, mesh, expert_axes=expert_axes)
     t_load = time.perf_counter() - t0
     dp, index = mesh.axis_size("dp"), mesh.axis_index("dp")
     mine = list(range(index, len(prompts), dp))
     longest = max((len(prompts[i]) for i in mine), default=1)
     timings: dict[str, float] = {"load_s": t_load}
     batch = [prompts[i] for i in mine]
+    shapes: dict[str, Any] = {}
+    if "dp" in expert_axes:  # lockstep over dp: same prompt count and width on every rank, dummies dropped after
+        longest = max(len(p) for p in prompts)
+        batch += [[0]] * (-(-len(prompts) // dp) - len(batch)) + [[0] * longest]
+        shapes = {"prefill_lengths": (longest,), "batch_sizes": (min(len(batch), 8),)}
     if backend == "none":  # the plain eager forward, no compile_model
         def run() -> list[list[int]]:
-            return greedy_generate(params, batch, max_new_tokens, mesh)
+            return greedy_generate(params, batch, max_new_tokens, mesh)[: len(mine)]
     else:
-        model = compile_model(params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens))
+        model = compile_model(params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens), **shapes)
 
         def run() -> list[list[int]]:
-            return model.generate(batch, max_new_tokens, **(sampling or {}))
+            return model.generate(batch, max_new_tokens, **(sampling or {}))[: len(mine)]
 
     tokens: list[list[int]] = []
     for r in range(repeat):
