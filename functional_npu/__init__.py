@@ -11,6 +11,7 @@ from .collectives import all_gather, all_reduce, all_to_all, all_to_all_single, 
 from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .mesh import Mesh, make_mesh
 from .generate import greedy_generate
+from .models import Family, MoeConfig, family_of
 from .shard import gather, leaf_specs, local_shape, shard, unshard
 from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
 
@@ -45,6 +46,9 @@ __all__ = [
     "load_checkpoint",
     "read_config",
     "greedy_generate",
+    "MoeConfig",
+    "Family",
+    "family_of",
     "flatten_with_paths",
     "map_with_path",
     "tree_from_paths",
