@@ -162,3 +162,20 @@ def test_init_params_is_the_identity_placement(saved):
     assert torch.equal(params["layers"][0]["expert_map"], torch.arange(8)[:, None])
     with pytest.raises(ValueError, match=r"init_params: makes the identity placement"):
         moe.init_params(dataclasses.replace(cfg, num_slots=10))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40], ids=["decode", "decode-3", "prefill"])
+def test_local_experts_match_a_per_row_loop(rows):
+    """Both shapes of the expert computation (read the chosen experts / run every local expert) against a plain loop."""
+    g = torch.Generator().manual_seed(rows)
+    s, d, f, k = 8, 16, 12, 2
+    gate_up, down = torch.randn(s, 2 * f, d, generator=g), torch.randn(s, d, f, generator=g)
+    x, weights = torch.randn(rows, d, generator=g), torch.rand(rows, k, generator=g)
+    ids = torch.randint(-1, s, (rows, k), generator=g)
+    want = torch.zeros(rows, d)
+    for n in range(rows):
+        for j in range(k):
+            if ids[n, j] >= 0:
+                gate, up = (gate_up[ids[n, j]] @ x[n]).chunk(2)
+                want[n] += weights[n, j] * (down[ids[n, j]] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(moe.local_experts(x, ids, weights, gate_up, down), want, rtol=1e-5, atol=1e-5)

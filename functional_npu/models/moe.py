@@ -252,10 +252,18 @@ def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) ->
 def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """``sum_k weights[:, k] * expert[ids[:, k]](x)`` over this rank's slots; ``ids`` -1 (another rank's slot) adds nothing.
 
-    x: [N, D]; ids, weights: [N, k]; gate_up: [S_local, 2F, D]; down: [S_local, D, F] -> [N, D]. Every local
-    expert runs on every row as one batched matmul (static shapes, a graph whose size does not grow with
-    the expert count); a row's weight is 0 for the slots it was not routed to.
+    x: [N, D]; ids, weights: [N, k]; gate_up: [S_local, 2F, D]; down: [S_local, D, F] -> [N, D]. Static shapes
+    either way (chosen by size): with fewer routed rows than local experts (decode) each row reads only its
+    k experts' weights; otherwise every local expert runs on every row as one batched matmul, a row's
+    weight being 0 for the slots it was not routed to. Neither graph grows with the expert count.
     """
+    n, k = ids.shape
+    if n * k < gate_up.shape[0]:
+        chosen = ids.clamp(min=0)  # a -1 reads slot 0 and is weighted 0
+        w = torch.where(ids >= 0, weights, 0.0).to(x.dtype)  # [N, k]
+        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up[chosen]).chunk(2, dim=-1)  # [N, k, F] each
+        y = torch.einsum("nkf,nkdf->nkd", F.silu(gate) * up, down[chosen])  # [N, k, D]
+        return (y * w[..., None]).sum(1)
     slots = torch.arange(gate_up.shape[0], device=x.device)
     w = (weights[None] * (ids[None] == slots[:, None, None])).sum(-1).to(x.dtype)  # [S_local, N]
     gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [S_local, N, F] each
