@@ -13,9 +13,8 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -110,8 +109,8 @@ def _check_savable(family: Family, cfg: Any, params: dict[str, Any]) -> None:
         make = (family.derived or {}).get(p.split(".")[-1])
         if make is not None and not torch.equal(x, make(cfg)):
             raise ValueError(
-                f"save_checkpoint: params[{p!r}] is a redundant-expert placement ({tuple(x.shape)}); HF checkpoints "
-                f"store each logical expert once: move the experts back to the identity placement before saving"
+                f"save_checkpoint: params[{p!r}] holds an expert placement other than the identity (shape {tuple(x.shape)}); "
+                f"HF checkpoints store each logical expert once: move the experts back to the identity placement before saving"
             )
 
 

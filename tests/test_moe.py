@@ -104,8 +104,19 @@ def test_save_checkpoint_round_trip(saved, tmp_path):
 
 def test_save_refuses_a_redundant_placement(saved, tmp_path):
     params = redundant_placement(load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 1}, 0)), [0], list(range(8)))
-    with pytest.raises(ValueError, match=r"save_checkpoint: params\['layers.0.expert_map'\] is a redundant-expert placement \(\(8, 2\)\).*identity placement"):
+    with pytest.raises(ValueError, match=r"save_checkpoint: params\['layers.0.expert_map'\] holds an expert placement other than the identity \(shape \(8, 2\)\).*identity placement"):
         save_checkpoint(params, tmp_path)
+
+
+def test_config_and_expert_weights_disagree(saved, tmp_path):
+    import shutil
+
+    path = shutil.copytree(saved["qwen3_moe"][0], tmp_path / "model")
+    hf = json.loads((path / "config.json").read_text()) | {"moe_intermediate_size": 16}
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' \(for params\['layers.0.experts_gate_up'\]\) has shape "
+                                         r"\(32, 64\) but config.json implies \(16, 64\) .*num_experts=8, moe_intermediate_size=16\)"):
+        load_checkpoint(path, Mesh.abstract({"tp": 1}, 0))
 
 
 def test_expert_axes_on_a_dense_model(tmp_path):
