@@ -14,6 +14,7 @@ from .eplb_balance import balanced_placement
 from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .mesh import Mesh, make_mesh
 from .generate import greedy_generate
+from .models import Family, MoeConfig, family_of
 from .shard import gather, leaf_specs, local_shape, shard, unshard
 from .reshard import RankTraffic, ReshardPlan, Transfer, plan_reshard, reshard
 from .megatron import MEGATRON_NAMES, from_megatron, megatron_pipeline_specs, megatron_specs, stack_layers, stacked_specs, to_megatron, unstack_layers
@@ -63,6 +64,9 @@ __all__ = [
     "load_checkpoint",
     "read_config",
     "greedy_generate",
+    "MoeConfig",
+    "Family",
+    "family_of",
     "flatten_with_paths",
     "map_with_path",
     "tree_from_paths",

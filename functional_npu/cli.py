@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     gen.add_argument("--dp", type=_positive, default=1, help="data-parallel ranks: prompts are split across them")
     gen.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks")
+    gen.add_argument("--ep", type=_positive, default=1,
+                     help="expert-parallel ranks (MoE models): 1 (experts on every rank) or dp x tp (the flattened dp, tp ranks)")
     gen.add_argument("--backend", default="auto", choices=["auto", "inductor", "torchair", "eager", "aot_eager", "none"],
                      help="compiler backend ('none': the plain eager forward, no compile)")
     src = gen.add_mutually_exclusive_group(required=True)
@@ -97,16 +99,19 @@ def _tokenizer(model: Path) -> Any | None:
 
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
     """Validate everything a rank would trip on, before any rank starts."""
-    from .checkpoint import check_plan, read_config
+    from .checkpoint import check_plan, read_config, with_expert_axes
     from .layer_shard import layer_shard
     from .mesh import Mesh
     from .prefetch import check_prefetch_step
 
     model = Path(args.model)
+    if args.ep not in (1, args.dp * args.tp):
+        parser.error(f"--ep {args.ep}: the expert group is the flattened dp x tp ranks, so --ep must be 1 (experts "
+                     f"replicated) or --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
     if args.layer_shard is None and args.prefetch_step is not None:
         parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
     try:
-        cfg = read_config(model)
+        cfg = with_expert_axes(read_config(model), _expert_axes(args), where=str(model))
         args.layer_shard = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
         check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model), layer_shard=args.layer_shard)
         if args.layer_shard is not None:
@@ -131,6 +136,10 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     return prompts, tok
 
 
+def _expert_axes(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("dp", "tp") if args.ep > 1 else ()
+
+
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .launch import LocalWorld, RankContext, RemoteError
     from .runner import generate_on_rank, in_prompt_order
@@ -139,7 +148,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     axes = {"dp": args.dp, "tp": args.tp}
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     job = (generate_on_rank, str(args.model), axes, prompts, args.max_new_tokens)
-    extra = {"backend": args.backend, "sampling": sampling, "layer_shard": args.layer_shard, "prefetch_step": args.prefetch_step or 0}
+    extra = {"backend": args.backend, "sampling": sampling, "expert_axes": _expert_axes(args),
+             "layer_shard": args.layer_shard, "prefetch_step": args.prefetch_step or 0}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist
 

@@ -18,8 +18,9 @@ import torch
 from . import prefetch
 from .backends import Backend, resolve_backend
 from .checkpoint import check_plan
+from .layout import Layout
 from .mesh import Mesh
-from .models import llama
+from .models import family_of
 from .prefetch import check_prefetch_step
 from .schedule import PrefetchSchedule
 from .shard import local_shape
@@ -62,7 +63,7 @@ class CompiledModel:
     _recompiles: Any = field(default_factory=lambda: torch._dynamo.config.patch(recompile_limit=256), repr=False, compare=False)
 
     @property
-    def config(self) -> llama.LlamaConfig:
+    def config(self) -> Any:
         return self.params["config"]
 
     def _bucket(self, values: Sequence[int], n: int, what: str) -> int:
@@ -83,7 +84,7 @@ class CompiledModel:
     def new_cache(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A zeroed KV cache for a batch bucket (``batch`` is rounded up to a bucket)."""
         b = self._bucket(self.batch_sizes, batch, "batch size")
-        return llama.init_cache(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype)
+        return family_of(self.config).init_cache(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype)
 
     def new_prefetch(self) -> list[torch.Tensor] | None:
         """The carried prefetch state for a first step: layers ``0 .. k-1`` issued now (on every rank).
@@ -186,10 +187,12 @@ def _sampler(temperature: float, top_k: int | None, top_p: float | None, gen: to
     return sample
 
 
-def _check_params(params: dict, mesh: Mesh) -> llama.LlamaConfig:
+def _check_params(params: dict, mesh: Mesh) -> Any:
     cfg = params.get("config") if isinstance(params, dict) else None
-    if not isinstance(cfg, llama.LlamaConfig):
-        raise TypeError("compile_model: params carry no model config (params['config']); load them with load_checkpoint or add one")
+    try:
+        family_of(cfg)
+    except (TypeError, ValueError):
+        raise TypeError("compile_model: params carry no model config (params['config']); load them with load_checkpoint or add one") from None
     full, layouts = check_plan(cfg, mesh, where="compile_model", layer_shard=params.get("layer_shard"))
     got = dict(flatten_with_paths(params))
     for path, x in flatten_with_paths(full):
@@ -202,6 +205,12 @@ def _check_params(params: dict, mesh: Mesh) -> llama.LlamaConfig:
                 f"{mesh.coordinate} expects {want}; were the params sharded for another mesh?"
             )
     return cfg
+
+
+def _axis_groups(specs: Any) -> list[tuple[str, ...]]:
+    """The multi-axis tuples some layout shards over (their collectives need a group of their own)."""
+    layouts = [x for _, x in flatten_with_paths(specs, is_leaf=lambda x: isinstance(x, Layout))]
+    return sorted({d.axes for lay in layouts for d in lay.dims if d is not None and len(d.axes) > 1})
 
 
 def _inductor_options(params: dict, mesh: Mesh, k: int) -> dict[str, Any]:
@@ -246,6 +255,7 @@ def compile_model(
     cfg = _check_params(params, mesh)
     if not mesh.is_abstract:
         mesh.init_groups()  # collectively, before any tracing
+        mesh.init_groups(*_axis_groups(family_of(cfg).param_specs(cfg)))  # and groups over several axes (expert parallelism)
     sizes = tuple(sorted(set(batch_sizes or (1, 2, 4, 8))))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"compile_model: batch_sizes must be positive ints, got {batch_sizes}")
@@ -257,5 +267,5 @@ def compile_model(
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
     options = _inductor_options(params, mesh, k) if chosen.name == "inductor" else {}
-    fwd = chosen.compile(functools.partial(llama.forward, attention=attention), dynamic=False, inductor_options=options)
+    fwd = chosen.compile(functools.partial(family_of(cfg).forward, attention=attention), dynamic=False, inductor_options=options)
     return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, k)

@@ -12,7 +12,7 @@ import torch
 
 from . import prefetch
 from .mesh import Mesh
-from .models import llama
+from .models import family_of
 from .prefetch import check_prefetch_step
 
 __all__ = ["greedy_generate"]
@@ -24,7 +24,7 @@ def greedy_generate(
     max_new_tokens: int,
     mesh: Mesh,
     *,
-    forward: Callable[..., torch.Tensor] = llama.forward,
+    forward: Callable[..., torch.Tensor] | None = None,
     max_seq_len: int | None = None,
     prefetch_step: int = 0,
 ) -> list[list[int]]:
@@ -33,7 +33,7 @@ def greedy_generate(
     Args:
         params: local params with ``params["config"]`` (from ``load_checkpoint`` or ``shard``).
         prompts: token id lists, any lengths >= 1.
-        forward: the family's forward (or a compiled version of it).
+        forward: the family's forward or a compiled version of it (default: the family's forward).
         max_seq_len: KV-cache length (default: longest prompt + max_new_tokens).
         prefetch_step: for layer-sharded params, fetch layer ``l + k``'s weights during layer ``l``
             (eager broadcasts overlap until first use); 0 is synchronous.
@@ -52,7 +52,9 @@ def greedy_generate(
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
     dtype = params["embed"].dtype
-    cache = llama.init_cache(cfg, mesh, batch, total, dtype)
+    family = family_of(cfg)
+    forward = forward or family.forward
+    cache = family.init_cache(cfg, mesh, batch, total, dtype)
     state = prefetch.start(params, mesh, check_prefetch_step(prefetch_step, cfg.num_layers)) if prefetch_step else None
     logits = forward(params, tokens, torch.arange(width).expand(batch, width), cache, mesh, state)
     step = logits[torch.arange(batch), lens - 1].argmax(-1)  # [B]

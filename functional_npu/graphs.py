@@ -1,5 +1,10 @@
 """Golden captured graphs: each family's prefill and decode graph at the aten level, per mesh config.
 
+The graphs are captured as the torchair path traces them (math attention, see ``compile_model``),
+so the op census is what torchair must convert. Besides each family at tp 1 and 2, a layer-sharded
+Qwen3 (``o_proj`` and ``down`` over dp = 2, prefetch step 1, rank 0's graph) shows the prefetch
+broadcasts and the carried weights in program order.
+
 For every artifact ``graphs/<family>-tp<N>-<phase>/``: ``census.json`` (op -> count),
 ``collectives.json`` (the ordered collective schedule: op, mesh axis, bytes), ``summary.json``
 (graph breaks, node count) and ``graph.txt`` (the FX graph). ``python -m functional_npu graphs``
@@ -8,6 +13,7 @@ regenerates them; ``--check`` (and the test suite) fails on drift that was not r
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import Counter
@@ -16,30 +22,44 @@ from typing import Any
 
 import torch
 
+from . import prefetch
 from .launch import LocalWorld, RankContext
-from .models import llama
+from .layer_shard import layer_shard, series_specs, stack_series
+from .models import family_of, llama, moe
 from .shard import shard
 
 __all__ = ["GRAPH_CONFIGS", "capture_artifacts", "write_artifacts", "diff_artifacts", "regenerate"]
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=256)
-GRAPH_CONFIGS: dict[str, llama.LlamaConfig] = {
+_MOE = dict(num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1), expert_axes=("tp",))  # experts over tp
+GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig] = {
     "llama": llama.LlamaConfig(architecture="LlamaForCausalLM", tie_word_embeddings=True, rope_type="llama3", rope_factor=8.0, **_BASE),
     "mistral": llama.LlamaConfig(architecture="MistralForCausalLM", sliding_window=8, **_BASE),
     "qwen2": llama.LlamaConfig(architecture="Qwen2ForCausalLM", qkv_bias=True, **_BASE),
     "qwen3": llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
+    # prefill (16 tokens per rank) takes the all_to_all dispatch, decode (1 per rank) the gather / reduce-scatter path
+    "qwen3_moe": moe.MoeConfig(architecture="Qwen3MoeForCausalLM", base=llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
+                               norm_topk_prob=True, **_MOE),
+    "mixtral": moe.MoeConfig(architecture="MixtralForCausalLM", base=llama.LlamaConfig(architecture="MistralForCausalLM", **_BASE),
+                             norm_topk_prob=True, **_MOE),
 }
 PHASES = {"prefill": (2, 16), "decode": (2, 1)}  # (batch, tokens per sequence)
 CACHE_LEN = 32
 TP_SIZES = (1, 2)
+LAYER_SHARD_SERIES = "o_proj,down_proj"
 
 
-def _capture(family: str, phase: str, ctx: RankContext, tp: int) -> torch.fx.GraphModule:
+def _capture(family: str, phase: str, ctx: RankContext, tp: int, series: str | None = None) -> torch.fx.GraphModule:
     from torch._dynamo.backends.common import aot_autograd
 
-    mesh = ctx.mesh({"tp": tp})
+    mesh = ctx.mesh({"tp": tp} if series is None else {"dp": ctx.world_size, "tp": 1})
     cfg = GRAPH_CONFIGS[family]
-    params = shard(llama.init_params(cfg, seed=0), llama.param_specs(cfg), mesh)
+    model = family_of(cfg)
+    full, specs, state = model.init_params(cfg, seed=0), model.param_specs(cfg), None
+    if series is not None:
+        ls = layer_shard(series, "dp")
+        full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
+    params = shard(full, specs, mesh)
     b, s = PHASES[phase]
     graphs: list[torch.fx.GraphModule] = []
 
@@ -50,10 +70,13 @@ def _capture(family: str, phase: str, ctx: RankContext, tp: int) -> torch.fx.Gra
     if not mesh.is_abstract:
         mesh.init_groups()
     torch._dynamo.reset()
-    fn = torch.compile(llama.forward, backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
+    fn = torch.compile(functools.partial(model.forward, attention="math"), backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
     positions = torch.arange(s).expand(b, s) if phase == "prefill" else torch.full((b, 1), 5)
+    if series is not None:
+        state = prefetch.start(params, mesh, 1)
     with torch.no_grad():
-        fn(params, torch.ones(b, s, dtype=torch.long), positions, llama.init_cache(cfg, mesh, b, CACHE_LEN), mesh)
+        fn(params, torch.ones(b, s, dtype=torch.long), positions, model.init_cache(cfg, mesh, b, CACHE_LEN), mesh, state)
+    prefetch.drain(state)
     if len(graphs) != 1:  # pragma: no cover - fullgraph=True makes a break an error first
         raise RuntimeError(f"{family} {phase}: expected one graph, captured {len(graphs)}")
     return graphs[0]
@@ -67,7 +90,8 @@ def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[
         if n.op == "call_function" and target.startswith("_c10d_functional.") and "wait_tensor" not in target:
             group = next(a for a in reversed(n.args) if isinstance(a, str))
             val = n.args[0].meta["val"]
-            schedule.append({"op": target, "axis": axis_of_group.get(group, group), "bytes": val.numel() * val.element_size()})
+            entry = {"op": target, "axis": axis_of_group.get(group, group), "bytes": val.numel() * val.element_size()}
+            schedule.append(entry | ({"src": n.args[1]} if "broadcast" in target else {}))
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
     text = re.sub(r"# File: \S+:\d+ in ", "# in ", text)  # no checkout paths or line numbers: stable across machines
     return {
@@ -82,7 +106,14 @@ def capture_artifacts(ctx: RankContext, tp: int) -> dict[str, dict[str, Any]]:
     """Every family x phase artifact for one tp size, as ``{name: {file: content}}`` (run on each rank)."""
     mesh = ctx.mesh({"tp": tp})
     axis_of_group = {} if mesh.is_abstract else {mesh.group_name("tp"): "tp"}
-    return {f"{fam}-tp{tp}-{phase}": _summarize(_capture(fam, phase, ctx, tp), axis_of_group) for fam in GRAPH_CONFIGS for phase in PHASES}
+    out = {f"{fam}-tp{tp}-{phase}": _summarize(_capture(fam, phase, ctx, tp), axis_of_group) for fam in GRAPH_CONFIGS for phase in PHASES}
+    if tp == 2:
+        dp = ctx.mesh({"dp": ctx.world_size, "tp": 1})
+        dp.init_groups()
+        dp_groups = {dp.group_name("dp"): "dp"}
+        for phase in PHASES:
+            out[f"qwen3-dp2-layer_shard-k1-{phase}"] = _summarize(_capture("qwen3", phase, ctx, tp, series=LAYER_SHARD_SERIES), dp_groups)
+    return out
 
 
 def _render(content: Any) -> str:

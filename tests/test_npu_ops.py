@@ -6,9 +6,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = json.loads((ROOT / "functional_npu" / "data" / "torchair_ops.json").read_text())
-# SDPA's CPU dispatch: on an NPU the same call dispatches to NPU kernels. Mapping it to a GE-convertible
-# form (math attention or npu_fusion_attention on the torchair path) is open work.
-KNOWN_CPU_ONLY = {"aten._scaled_dot_product_flash_attention_for_cpu.default"}
 
 
 def test_extracted_list_is_sane():
@@ -28,4 +25,4 @@ def test_captured_model_ops_are_convertible():
         for op in json.loads(census.read_text()):
             if not op.startswith("<") and op not in supported:  # '<built-in function getitem>' is graph plumbing
                 outside.setdefault(op, []).append(census.parent.name)
-    assert set(outside) <= KNOWN_CPU_ONLY, f"ops without a working torchair converter: {outside}"
+    assert outside == {}, f"ops without a working torchair converter: {outside}"

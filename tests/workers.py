@@ -109,3 +109,70 @@ def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_c
         logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), cache, mesh)
         out = greedy_generate(params, prompts, new_tokens, mesh, forward=fwd)
     return logits, out, sum(read), ops
+
+
+def redundant_placement(params, extra: list[int], order: list[int]):
+    """Full MoE params moved to a hand-built placement: slots hold experts ``order + extra`` (a permutation of
+    the experts, then redundant copies of hot ones); ``expert_map`` points each expert at all of its slots."""
+    import dataclasses
+
+    from functional_npu.models import moe
+
+    cfg = params["config"]
+    slots = list(order) + list(extra)
+    copies = max(slots.count(e) for e in range(cfg.num_experts))
+    table = torch.full((cfg.num_experts, copies), -1, dtype=torch.long)
+    for e in range(cfg.num_experts):
+        where = [s for s, x in enumerate(slots) if x == e]
+        table[e, : len(where)] = torch.tensor(where)
+    new_cfg = dataclasses.replace(cfg, num_slots=len(slots), max_copies=copies)
+    layers = []
+    for layer in params["layers"]:
+        if "router" in layer:
+            layer = layer | {"experts_gate_up": layer["experts_gate_up"][slots], "experts_down": layer["experts_down"][slots], "expert_map": table}
+        layers.append(layer)
+    assert moe.param_specs(new_cfg)  # the placement is a valid plan
+    return params | {"config": new_cfg, "layers": layers}
+
+
+def moe_generate(ctx, model_dir: str, axes: dict, expert_axes, prompts, new_tokens: int, use_compile: bool,
+                 threshold: int | None = None, placement: tuple | None = None):
+    """Load an MoE checkpoint on a dp x tp mesh with experts over ``expert_axes``; dp index i runs the prompts
+    rotated by i. Returns (rotation, prefill logits, greedy tokens, bytes read, dynamo ops)."""
+    import dataclasses
+
+    from functional_npu import Mesh
+    from functional_npu.checkpoint import load_checkpoint
+    from functional_npu.generate import greedy_generate
+    from functional_npu.models import moe
+    from functional_npu.shard import shard
+
+    mesh = ctx.mesh(axes) if ctx is not None else Mesh.abstract(axes, 0)
+    read: list[int] = []
+    if placement is None:
+        params = load_checkpoint(model_dir, mesh, expert_axes=expert_axes, on_read=lambda name, n: read.append(n))
+    else:  # the whole model on this rank, moved to the placement, then sharded for the mesh
+        full = redundant_placement(load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0)), *placement)
+        full["config"] = moe.with_plan(full["config"], expert_axes=expert_axes)
+        params = shard(full, moe.param_specs(full["config"]), mesh)
+    if threshold is not None:
+        params["config"] = dataclasses.replace(params["config"], dispatch_threshold=threshold)
+    rot = mesh.axis_index("dp") if "dp" in axes else 0
+    prompts = prompts[rot:] + prompts[:rot]
+    ops: list[str] = []
+    fwd = moe.forward
+    if use_compile:
+        if not mesh.is_abstract:
+            mesh.init_groups()
+            mesh.init_groups(tuple(expert_axes)) if expert_axes else None
+        torch._dynamo.reset()
+        fwd = torch.compile(moe.forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    cache = moe.init_cache(params["config"], mesh, len(prompts), width + new_tokens)
+    with torch.no_grad():
+        logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), cache, mesh)
+        out = greedy_generate(params, prompts, new_tokens, mesh, forward=fwd)
+    return rot, logits, out, sum(read), ops
