@@ -64,9 +64,9 @@ def test_compile_model_errors(compiled, qwen3):
 
 
 def test_graph_break_is_an_error_naming_its_cause(compiled):
-    def breaks(params, tokens, positions, cache, mesh):
+    def breaks(params, tokens, positions, cache, mesh, prefetched=None):
         torch._dynamo.graph_break()
-        return llama.forward(params, tokens, positions, cache, mesh)
+        return llama.forward(params, tokens, positions, cache, mesh, prefetched)
 
     torch._dynamo.reset()
     bad = dataclasses.replace(compiled, forward=compiled.backend.compile(breaks, dynamic=False))
