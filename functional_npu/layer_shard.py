@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .layout import Cyclic, Layout
+from .tree import register_static
 
 __all__ = ["LayerShard", "layer_shard", "SERIES_NAMES", "series_specs", "stack_series", "unstack_series", "owned_layers", "resident_bytes"]
 
@@ -50,13 +51,7 @@ class LayerShard:
         return f"LayerShard({self.axis!r}, {list(self.leaves)})"
 
 
-pytree.register_pytree_node(
-    LayerShard,
-    lambda s: ([], s),
-    lambda _, s: s,
-    serialized_type_name="functional_npu.LayerShard",
-    flatten_with_keys_fn=lambda s: ([], s),
-)
+register_static(LayerShard)
 
 
 def layer_shard(names: str | Sequence[str], axis: str = "dp") -> LayerShard:

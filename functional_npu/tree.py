@@ -19,9 +19,25 @@ __all__ = [
     "tree_from_paths",
     "check_structure",
     "expand_prefix",
+    "register_static",
 ]
 
 PyTree = Any
+
+
+def register_static(cls: type) -> type:
+    """Register ``cls`` as a pytree node with no leaves, so tree maps carry an instance along unchanged.
+
+    For static data that rides in a params tree (a model config, a layer-sharding choice).
+    """
+    pytree.register_pytree_node(
+        cls,
+        lambda x: ([], x),
+        lambda _, x: x,
+        serialized_type_name=f"functional_npu.{cls.__name__}",
+        flatten_with_keys_fn=lambda x: ([], x),
+    )
+    return cls
 
 
 def _key_str(key: Any) -> str:

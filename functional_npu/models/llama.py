@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
 from .. import prefetch
 from ..collectives import all_gather, all_reduce
 from ..layout import Block, Layout, fused, replicated, sharded
 from ..mesh import Mesh
-from ..tree import map_with_path
+from ..tree import map_with_path, register_static
 
 __all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "local_heads", "attend"]
 
@@ -141,13 +140,7 @@ class LlamaConfig:
 
 
 # The config rides along in the params tree as a node with no leaves: pytree maps keep it.
-pytree.register_pytree_node(
-    LlamaConfig,
-    lambda c: ([], c),
-    lambda _, c: c,
-    serialized_type_name="functional_npu.LlamaConfig",
-    flatten_with_keys_fn=lambda c: ([], c),
-)
+register_static(LlamaConfig)
 
 
 # ---- the parallel plan ------------------------------------------------------------------------

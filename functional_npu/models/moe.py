@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
 from ..collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
 from ..layout import Block, Layout, Shard, replicated
 from ..mesh import Mesh
-from ..tree import map_with_path
+from ..tree import map_with_path, register_static
 from . import llama
 
 __all__ = ["MoeConfig", "ARCHITECTURES", "hf_names", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "route", "EXPERT_LEAVES"]
@@ -147,13 +146,7 @@ class MoeConfig:
                       "decoder_sparse_step": 1, "mlp_only_layers": dense}
 
 
-pytree.register_pytree_node(
-    MoeConfig,
-    lambda c: ([], c),
-    lambda _, c: c,
-    serialized_type_name="functional_npu.MoeConfig",
-    flatten_with_keys_fn=lambda c: ([], c),
-)
+register_static(MoeConfig)
 
 
 def hf_names(cfg: MoeConfig) -> dict[str, list[str]]:
