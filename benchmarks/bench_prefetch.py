@@ -18,9 +18,9 @@ from functional_npu.models.llama import init_params
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--series", default="o_proj")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=FULL.num_layers)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--json")
     ap.add_argument("--plot", default="prefetch.png")
     args = ap.parse_args()

@@ -169,7 +169,7 @@ def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int 
             res["fnpu_compiled_tp2"] = world.run(_fnpu_rank, tmp, prompt, new, repeat)[0]
         print("  fnpu compiled tp=2 done", flush=True)
         compile_s = _compile_cold_warm(tmp, prompt_len, new)
-        prefetch = run_prefetch_bench(tmp, steps=4 if quick else 8, repeat=2 if quick else 3)
+        prefetch = run_prefetch_bench(tmp, steps=4 if quick else 16, repeat=2 if quick else 3)
         print("  layer-sharded prefetch done", flush=True)
     bw = matvec_bandwidth()
     roof = bw / decode_bytes_per_token(cfg)

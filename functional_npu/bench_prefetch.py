@@ -99,7 +99,7 @@ def prefetch_rank(ctx: RankContext, model_dir: str, series: str, ks: list[int], 
             "replicated_bytes": layers * per_layer, "owned_bytes": owned, "runs": runs}
 
 
-def run_prefetch_bench(model_dir: str, *, series: str = "o_proj", ks: tuple[int, ...] = (0, 1, 2), batch: int = 8, steps: int = 8, repeat: int = 3) -> dict[str, Any]:
+def run_prefetch_bench(model_dir: str, *, series: str = "o_proj", ks: tuple[int, ...] = (0, 1, 2), batch: int = 1, steps: int = 16, repeat: int = 3) -> dict[str, Any]:
     """Both ranks' measurements on 2 local gloo ranks (one thread each), merged: slowest rank's times."""
     from .launch import LocalWorld
 
