@@ -147,11 +147,6 @@ def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: in
     issues = sorted(broadcasts, key=lambda b: (first_use(wait_of[id(b)]), out_rank(wait_of[id(b)])))
     used_here = [wait_of[id(b)] for b in issues[: len(issues) - carried]]
     uses = sorted(carried_waits + used_here, key=first_use)
-    if len(uses) > len(issues):
-        raise ScheduleError(
-            f"{len(uses)} prefetched weights are used ({len(carried_waits)} carried) but {len(issues)} are issued: "
-            + ", ".join(f"{w.get_name()}->{[c.get_name() for c in consumers[id(w)]][:3]}" for w in uses)
-        )
     before: dict[int, list[Any]] = {}  # a node -> what goes right before it
     for i, w in enumerate(uses):
         before.setdefault(id(snodes[first_use(w)]), []).extend(group[id(issues[i])] + [w])
