@@ -84,11 +84,25 @@ def gather_roundtrip(ctx, axes, leaves, seed: int, use_compile: bool = False):
     return equal, aliased, ops
 
 
+
+def prefill_and_greedy(fwd, init_cache, params, prompts, new_tokens: int, mesh):
+    """The logits of one right-padded prefill ``[B, S, V]`` and the greedy tokens, both through ``fwd``."""
+    from functional_npu.generate import greedy_generate
+
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    cache = init_cache(params["config"], mesh, len(prompts), width + new_tokens)
+    with torch.no_grad():
+        logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), cache, mesh)
+        out = greedy_generate(params, prompts, new_tokens, mesh, forward=fwd)
+    return logits, out
+
 def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_compile: bool):
     """Load with tp ranks (the world is tp x dp), run one padded batch: (prefill logits, greedy tokens, bytes read)."""
     from functional_npu import Mesh
     from functional_npu.checkpoint import load_checkpoint
-    from functional_npu.generate import greedy_generate
     from functional_npu.models import llama
 
     mesh = ctx.mesh({"dp": ctx.world_size // tp, "tp": tp}) if ctx is not None else Mesh.abstract({"tp": 1}, 0)
@@ -100,14 +114,7 @@ def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_c
         mesh.init_groups() if not mesh.is_abstract else None
         torch._dynamo.reset()
         fwd = torch.compile(llama.forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
-    width = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
-    cache = llama.init_cache(params["config"], mesh, len(prompts), width + new_tokens)
-    with torch.no_grad():
-        logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), cache, mesh)
-        out = greedy_generate(params, prompts, new_tokens, mesh, forward=fwd)
+    logits, out = prefill_and_greedy(fwd, llama.init_cache, params, prompts, new_tokens, mesh)
     return logits, out, sum(read), ops
 
 
@@ -143,7 +150,6 @@ def moe_generate(ctx, model_dir: str, axes: dict, expert_axes, prompts, new_toke
 
     from functional_npu import Mesh
     from functional_npu.checkpoint import load_checkpoint
-    from functional_npu.generate import greedy_generate
     from functional_npu.models import moe
     from functional_npu.shard import shard
 
@@ -167,12 +173,5 @@ def moe_generate(ctx, model_dir: str, axes: dict, expert_axes, prompts, new_toke
             mesh.init_groups(tuple(expert_axes)) if expert_axes else None
         torch._dynamo.reset()
         fwd = torch.compile(moe.forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
-    width = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
-    cache = moe.init_cache(params["config"], mesh, len(prompts), width + new_tokens)
-    with torch.no_grad():
-        logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), cache, mesh)
-        out = greedy_generate(params, prompts, new_tokens, mesh, forward=fwd)
+    logits, out = prefill_and_greedy(fwd, moe.init_cache, params, prompts, new_tokens, mesh)
     return rot, logits, out, sum(read), ops
