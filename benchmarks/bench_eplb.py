@@ -22,8 +22,8 @@ import argparse
 import torch
 
 from functional_npu import balanced_placement, plan_rebalance, rebalance
-from functional_npu.bench import best_time
-from functional_npu.launch import LocalWorld
+from functional_npu.cli.bench import best_time
+from functional_npu.runtime.launch import LocalWorld
 
 
 def _assign_hot(base: list[list[int]], hot: list[int], slots: int, keep: list[list[int]] | None = None) -> list[list[int]]:

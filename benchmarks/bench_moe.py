@@ -14,11 +14,11 @@ import argparse
 import tempfile
 import time
 
-from functional_npu.bench import best_time
-from functional_npu.checkpoint import load_checkpoint, save_checkpoint
-from functional_npu.compile import cache_length, compile_model
-from functional_npu.generate import greedy_generate
-from functional_npu.launch import LocalWorld
+from functional_npu.cli.bench import best_time
+from functional_npu.runtime.checkpoint import load_checkpoint, save_checkpoint
+from functional_npu.runtime.compile import cache_length, compile_model
+from functional_npu.runtime.generate import greedy_generate
+from functional_npu.runtime.launch import LocalWorld
 from functional_npu.models import llama, moe
 
 

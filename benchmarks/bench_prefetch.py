@@ -10,9 +10,9 @@ import dataclasses
 import json
 import tempfile
 
-from functional_npu.bench import FULL
-from functional_npu.bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
-from functional_npu.checkpoint import save_checkpoint
+from functional_npu.cli.bench import FULL
+from functional_npu.cli.bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
+from functional_npu.runtime.checkpoint import save_checkpoint
 from functional_npu.models.llama import init_params
 
 if __name__ == "__main__":

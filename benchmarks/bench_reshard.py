@@ -28,11 +28,11 @@ import time
 import torch
 
 from functional_npu import Cyclic, gather, leaf_specs, plan_reshard, replicated, reshard, shard
-from functional_npu.bench import FULL, best_time
-from functional_npu.launch import LocalWorld
-from functional_npu.megatron import megatron_specs, stack_layers, stacked_specs
+from functional_npu.cli.bench import FULL, best_time
+from functional_npu.runtime.launch import LocalWorld
+from functional_npu.interop.megatron import megatron_specs, stack_layers, stacked_specs
 from functional_npu.models.llama import abstract_params, init_params, param_specs
-from functional_npu.tree import flatten_with_paths
+from functional_npu.core.tree import flatten_with_paths
 
 
 def _nbytes(tree) -> int:

@@ -13,8 +13,8 @@ import argparse
 import torch
 
 from functional_npu import Block, Mesh, fused, gather, shard, sharded
-from functional_npu.bench import best_time
-from functional_npu.launch import LocalWorld
+from functional_npu.cli.bench import best_time
+from functional_npu.runtime.launch import LocalWorld
 
 
 def _tree(mb: int) -> tuple[dict, dict]:

@@ -17,7 +17,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 @pytest.fixture(scope="module")
 def world2():
-    from functional_npu.launch import LocalWorld
+    from functional_npu.runtime.launch import LocalWorld
 
     with LocalWorld(2, timeout=300) as world:
         yield world
@@ -25,7 +25,7 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    from functional_npu.launch import LocalWorld
+    from functional_npu.runtime.launch import LocalWorld
 
     with LocalWorld(4, timeout=300) as world:
         yield world

@@ -10,8 +10,8 @@ import torch
 def generate_layer_sharded(ctx, model_dir: str, axes: dict, series: str, k: int, prompts, new_tokens: int, backend: str):
     """Load with ``series`` layer-sharded over dp, generate; returns (tokens, series shapes, resident bytes, state bytes)."""
     from functional_npu import compile_model, load_checkpoint
-    from functional_npu.generate import greedy_generate
-    from functional_npu.layer_shard import layer_shard, resident_bytes
+    from functional_npu.runtime.generate import greedy_generate
+    from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
 
     mesh = ctx.mesh(axes)
     params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))
@@ -24,7 +24,7 @@ def generate_layer_sharded(ctx, model_dir: str, axes: dict, series: str, k: int,
         tokens = model.generate(prompts, new_tokens)
         state = model.new_prefetch()
         state_bytes = resident_bytes(state)
-        from functional_npu.prefetch import drain
+        from functional_npu.parallel.prefetch import drain
 
         drain(state)
     shapes = {leaf: tuple(x.shape) for leaf, x in params["series"].items()}
@@ -38,8 +38,8 @@ def decode_code(ctx, model_dir: str, axes: dict, series: str, k: int):
     from torch._inductor.utils import run_and_get_code
 
     from functional_npu import compile_model, load_checkpoint
-    from functional_npu.layer_shard import layer_shard
-    from functional_npu.prefetch import drain
+    from functional_npu.parallel.layer_shard import layer_shard
+    from functional_npu.parallel.prefetch import drain
 
     mesh = ctx.mesh(axes)
     params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))

@@ -48,10 +48,10 @@ def megatron_parity(ctx, model_dir: str, prompts, new_tokens: int, vpp: int):
     Returns {target: (tokens, bit-equal to shard of the full params, received bytes, all-gather-then-slice bytes)}.
     """
     from functional_npu import Cyclic, Mesh, greedy_generate, leaf_specs, replicated
-    from functional_npu.checkpoint import load_checkpoint
-    from functional_npu.megatron import from_megatron, megatron_pipeline_specs, stack_layers, stacked_specs, to_megatron, unstack_layers
+    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.interop.megatron import from_megatron, megatron_pipeline_specs, stack_layers, stacked_specs, to_megatron, unstack_layers
     from functional_npu.models.llama import param_specs
-    from functional_npu.tree import flatten_with_paths
+    from functional_npu.core.tree import flatten_with_paths
 
     mesh = ctx.mesh({"pp": 2, "tp": 2})
     full = load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0))

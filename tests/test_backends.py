@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from functional_npu.backends import npu_stream_switch, npu_wait_tensor, resolve_backend
+from functional_npu.runtime.backends import npu_stream_switch, npu_wait_tensor, resolve_backend
 
 
 def test_auto_is_inductor_on_cpu():
@@ -34,7 +34,7 @@ def test_broken_torch_npu_falls_back_with_one_log_line(tmp_path):
         import logging, sys
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         sys.path.insert(0, sys.argv[1])
-        from functional_npu.backends import resolve_backend
+        from functional_npu.runtime.backends import resolve_backend
         print(resolve_backend("auto").name)
         """
     )

@@ -2,7 +2,7 @@
 
 import torch
 
-from functional_npu.bench import FULL, QUICK, _rates, decode_bytes_per_token, matvec_bandwidth
+from functional_npu.cli.bench import FULL, QUICK, _rates, decode_bytes_per_token, matvec_bandwidth
 
 
 def test_decode_bytes_per_token_counts_every_weight_but_the_embedding_table():
@@ -15,7 +15,7 @@ def test_decode_bytes_per_token_counts_every_weight_but_the_embedding_table():
 
 def test_bench_model_is_in_the_issue_size_range():
     from functional_npu.models.llama import abstract_params
-    from functional_npu.tree import flatten_with_paths
+    from functional_npu.core.tree import flatten_with_paths
 
     n = sum(x.numel() for _, x in flatten_with_paths(abstract_params(FULL)))
     assert 50e6 <= n <= 100e6

@@ -9,10 +9,10 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 from functional_npu import Mesh, local_shape
-from functional_npu.checkpoint import load_checkpoint
+from functional_npu.runtime.checkpoint import load_checkpoint, save_checkpoint
 from functional_npu.models import llama
-from functional_npu.shard import leaf_specs
-from functional_npu.tree import flatten_with_paths
+from functional_npu.core.shard import leaf_specs
+from functional_npu.core.tree import flatten_with_paths
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_invalid_config_json(ckpt):
 
 def test_save_checkpoint_roundtrips_through_transformers(base, tmp_path):
     params = load_checkpoint(base, Mesh.abstract({"tp": 1}, 0))
-    out = load_checkpoint(__import__("functional_npu").checkpoint.save_checkpoint(params, tmp_path / "copy"), Mesh.abstract({"tp": 1}, 0))
+    out = load_checkpoint(save_checkpoint(params, tmp_path / "copy"), Mesh.abstract({"tp": 1}, 0))
     for (p, a), (_, b) in zip(flatten_with_paths(params), flatten_with_paths(out)):
         assert torch.equal(a, b), p
     hf = T.AutoModelForCausalLM.from_pretrained(tmp_path / "copy")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from functional_npu.cli import main
+from functional_npu.cli.main import main
 
 from .hf_models import save_tiny, save_tiny_moe
 from .test_cli import _cli

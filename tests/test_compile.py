@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from functional_npu import Mesh, compile_model, load_checkpoint, shard
-from functional_npu.compile import GraphBreakError
+from functional_npu.runtime.compile import GraphBreakError
 from functional_npu.models import llama
 
 from .hf_models import save_tiny
@@ -75,7 +75,7 @@ def test_graph_break_is_an_error_naming_its_cause(compiled):
 
 
 def test_cache_length_is_the_smallest_power_of_two_that_fits():
-    from functional_npu.compile import cache_length
+    from functional_npu.runtime.compile import cache_length
 
     assert [cache_length(n) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
     assert cache_length(5, minimum=1) == 8

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
-from functional_npu.eplb import _assemble, _send_rows
-from functional_npu.tree import flatten_with_paths
+from functional_npu.parallel.eplb import _assemble, _send_rows
+from functional_npu.core.tree import flatten_with_paths
 
 from .eplb_workers import expert_weights, moe_params, placed
 

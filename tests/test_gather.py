@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_npu import Block, Layout, fused, replicated, sharded
-from functional_npu.layout import Cyclic, Shard
+from functional_npu.core.layout import Cyclic, Shard
 
 from .strategies import leaf_case, mesh_axes
 from .workers import gather_roundtrip

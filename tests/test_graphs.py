@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from functional_npu.graphs import GRAPH_CONFIGS, PHASES, TP_SIZES, regenerate
+from functional_npu.cli.graphs import GRAPH_CONFIGS, PHASES, TP_SIZES, regenerate
 from functional_npu.models import llama, moe
 
 ROOT = Path(__file__).resolve().parents[1] / "graphs"
@@ -57,7 +57,7 @@ def test_moe_schedule_is_the_expert_parallel_plan(drift, family):
 def test_layer_sharded_schedule_prefetches_one_layer_ahead(drift):
     """o_proj and down over dp = 2 with k = 1: layer l + 1's two broadcasts issued before layer l, layer 0's
     weights carried in; src alternates with the owner l % 2; the last two fetch the next step's layer 0."""
-    from functional_npu.graphs import LAYER_SHARD_SERIES
+    from functional_npu.cli.graphs import LAYER_SHARD_SERIES
 
     cfg = GRAPH_CONFIGS["qwen3"]
     assert LAYER_SHARD_SERIES == "o_proj,down_proj"

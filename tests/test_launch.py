@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from functional_npu.launch import LocalWorld, RemoteError
+from functional_npu.runtime.launch import LocalWorld, RemoteError
 
 
 def _rank_times(ctx, x):

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
-from functional_npu.checkpoint import check_plan
-from functional_npu.layer_shard import (
+from functional_npu.runtime.checkpoint import check_plan
+from functional_npu.parallel.layer_shard import (
     LayerShard,
     layer_shard,
     owned_layers,
@@ -20,7 +20,7 @@ from functional_npu.layer_shard import (
     unstack_series,
 )
 from functional_npu.models import llama
-from functional_npu.schedule import prefetch_timeline
+from functional_npu.cli.timeline import prefetch_timeline
 
 from .hf_models import save_tiny
 from .prefetch_workers import decode_code, generate_layer_sharded

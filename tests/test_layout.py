@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import Block, Layout, LayoutError, Mesh, cyclic, fused, local_shape, replicated, shard, sharded
-from functional_npu.layout import Cyclic, Shard
+from functional_npu.core.layout import Cyclic, Shard
 
 
 def test_layouts_are_printable_immutable_data():

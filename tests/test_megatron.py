@@ -8,7 +8,7 @@ import torch
 import transformers as T
 
 from functional_npu import Mesh, shard
-from functional_npu.megatron import (
+from functional_npu.interop.megatron import (
     MEGATRON_NAMES,
     from_megatron,
     megatron_pipeline_specs,

@@ -137,14 +137,14 @@ def test_process_groups_are_shared_per_rank_set(world4):
 
 
 def test_make_mesh_rejects_wrong_world_size(world4):
-    from functional_npu.launch import RemoteError
+    from functional_npu.runtime.launch import RemoteError
 
     with pytest.raises(RemoteError, match=r"mesh axes \{'dp': 3, 'tp': 2\} hold 6 ranks but the world has 4; choose sizes whose product is 4"):
         world4.run(_wrong_world)
 
 
 def test_group_creation_while_tracing_is_a_clear_error(world4):
-    from functional_npu.launch import RemoteError
+    from functional_npu.runtime.launch import RemoteError
 
     with pytest.raises(RemoteError, match=r"the process group for mesh axes \('dp', 'a'\) does not exist yet and cannot be created while tracing; call mesh.init_groups"):
         world4.run(_group_created_while_tracing)

@@ -9,10 +9,10 @@ import torch
 import transformers as T
 
 from functional_npu import Mesh, compile_model, local_shape
-from functional_npu.checkpoint import load_checkpoint, read_config, save_checkpoint
+from functional_npu.runtime.checkpoint import load_checkpoint, read_config, save_checkpoint
 from functional_npu.models import family_of, moe
-from functional_npu.shard import leaf_specs, shard
-from functional_npu.tree import flatten_with_paths
+from functional_npu.core.shard import leaf_specs, shard
+from functional_npu.core.tree import flatten_with_paths
 
 from .hf_models import MOE_COMMON, MOE_FAMILIES, save_tiny_moe
 from .workers import redundant_placement

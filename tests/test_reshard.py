@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_npu import Block, Layout, LayoutError, Mesh, cyclic, fused, plan_reshard, replicated, reshard, shard, sharded, unshard
-from functional_npu.layout import Cyclic, Shard, validate
-from functional_npu.reshard import simulate
+from functional_npu.core.layout import Cyclic, Shard, validate
+from functional_npu.core.reshard import simulate
 
 from .reshard_workers import reshard_case
 from .strategies import make_tensor, mesh_axes

@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import Block, Layout, LayoutError, Mesh, fused, local_shape, replicated, shard, sharded, unshard
-from functional_npu.layout import Cyclic, Shard
-from functional_npu.tree import flatten_with_paths
+from functional_npu.core.layout import Cyclic, Shard
+from functional_npu.core.tree import flatten_with_paths
 
 from .strategies import leaf_case, make_tensor, mesh_axes
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from functional_npu import check_structure, flatten_with_paths, map_with_path, tree_from_paths
-from functional_npu.tree import expand_prefix
+from functional_npu.core.tree import expand_prefix
 
 
 def test_flatten_with_dotted_paths_and_roundtrip():

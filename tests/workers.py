@@ -87,7 +87,7 @@ def gather_roundtrip(ctx, axes, leaves, seed: int, use_compile: bool = False):
 
 def prefill_and_greedy(fwd, init_cache, params, prompts, new_tokens: int, mesh):
     """The logits of one right-padded prefill ``[B, S, V]`` and the greedy tokens, both through ``fwd``."""
-    from functional_npu.generate import greedy_generate
+    from functional_npu.runtime.generate import greedy_generate
 
     width = max(len(p) for p in prompts)
     tokens = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -102,7 +102,7 @@ def prefill_and_greedy(fwd, init_cache, params, prompts, new_tokens: int, mesh):
 def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_compile: bool):
     """Load with tp ranks (the world is tp x dp), run one padded batch: (prefill logits, greedy tokens, bytes read)."""
     from functional_npu import Mesh
-    from functional_npu.checkpoint import load_checkpoint
+    from functional_npu.runtime.checkpoint import load_checkpoint
     from functional_npu.models import llama
 
     mesh = ctx.mesh({"dp": ctx.world_size // tp, "tp": tp}) if ctx is not None else Mesh.abstract({"tp": 1}, 0)
@@ -149,9 +149,9 @@ def moe_generate(ctx, model_dir: str, axes: dict, expert_axes, prompts, new_toke
     import dataclasses
 
     from functional_npu import Mesh
-    from functional_npu.checkpoint import load_checkpoint
+    from functional_npu.runtime.checkpoint import load_checkpoint
     from functional_npu.models import moe
-    from functional_npu.shard import shard
+    from functional_npu.core.shard import shard
 
     mesh = ctx.mesh(axes) if ctx is not None else Mesh.abstract(axes, 0)
     read: list[int] = []

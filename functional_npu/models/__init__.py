@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import llama, moe
+from . import llama
+from . import moe
 from .llama import ARCHITECTURES as _DENSE
 from .llama import LlamaConfig
 from .moe import MoeConfig

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import prefetch
-from ..collectives import all_gather, all_reduce
-from ..layout import Block, Layout, fused, replicated, sharded
-from ..mesh import Mesh
-from ..tree import map_with_path, register_static
+from ..parallel import prefetch
+from ..core.collectives import all_gather, all_reduce
+from ..core.layout import Block, Layout, fused, replicated, sharded
+from ..core.mesh import Mesh
+from ..core.tree import map_with_path, register_static
 
 __all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "local_heads", "attend"]
 

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
-from ..layout import Block, Layout, Shard, replicated
-from ..mesh import Mesh
-from ..tree import map_with_path, register_static
+from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
+from ..core.layout import Block, Layout, Shard, replicated
+from ..core.mesh import Mesh
+from ..core.tree import map_with_path, register_static
 from . import llama
 
 __all__ = ["MoeConfig", "ARCHITECTURES", "hf_names", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "route", "EXPERT_LEAVES"]

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .layout import Cyclic, Layout
-from .tree import register_static
+from ..core.layout import Cyclic, Layout
+from ..core.tree import register_static
 
 __all__ = ["LayerShard", "layer_shard", "SERIES_NAMES", "series_specs", "stack_series", "unstack_series", "owned_layers", "resident_bytes"]
 

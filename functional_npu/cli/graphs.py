@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from . import prefetch
-from .launch import LocalWorld, RankContext
-from .layer_shard import layer_shard, series_specs, stack_series
-from .models import family_of, llama, moe
-from .shard import shard
+from ..parallel import prefetch
+from ..runtime.launch import LocalWorld, RankContext
+from ..parallel.layer_shard import layer_shard, series_specs, stack_series
+from ..models import family_of, llama, moe
+from ..core.shard import shard
 
 __all__ = ["GRAPH_CONFIGS", "capture_artifacts", "write_artifacts", "diff_artifacts", "regenerate"]
 

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .compile import cache_length, compile_model
-from .generate import greedy_generate
+from ..runtime.checkpoint import load_checkpoint, save_checkpoint
+from ..runtime.compile import cache_length, compile_model
+from ..runtime.generate import greedy_generate
 from .bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
-from .launch import LocalWorld, RankContext
-from .mesh import Mesh
-from .models.llama import LlamaConfig, abstract_params, init_params
-from .tree import flatten_with_paths
+from ..runtime.launch import LocalWorld, RankContext
+from ..core.mesh import Mesh
+from ..models.llama import LlamaConfig, abstract_params, init_params
+from ..core.tree import flatten_with_paths
 
 _MODEL = dict(architecture="Qwen3ForCausalLM", hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64,
               rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=2048, qk_norm=True)
@@ -116,7 +116,7 @@ def _compile_once(path: str, prompt_len: int, new: int) -> float:
 def _compile_cold_warm(path: str, prompt_len: int, new: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as cache:
         env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-        code = f"from functional_npu.bench import _compile_once; print(_compile_once({path!r}, {prompt_len}, {new}))"
+        code = f"from functional_npu.cli.bench import _compile_once; print(_compile_once({path!r}, {prompt_len}, {new}))"
         times = [float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()[-1]) for _ in range(2)]
     return {"cold": times[0], "warm": times[1]}
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from . import collectives
-from .layout import Block, Layout, fused, sharded
-from .mesh import Axes, Mesh
-from .shard import _as_bits
-from .tree import PyTree, flatten_with_paths, map_with_path
+from ..core import collectives
+from ..core.layout import Block, Layout, fused, sharded
+from ..core.mesh import Axes, Mesh
+from ..core.shard import _as_bits
+from ..core.tree import PyTree, flatten_with_paths, map_with_path
 
 __all__ = ["expert_layouts", "ep_to_tp", "tp_to_ep"]
 

@@ -99,10 +99,10 @@ def _tokenizer(model: Path) -> Any | None:
 
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
     """Validate everything a rank would trip on, before any rank starts."""
-    from .checkpoint import check_plan, read_config, with_expert_axes
-    from .layer_shard import layer_shard
-    from .mesh import Mesh
-    from .prefetch import check_prefetch_step
+    from ..runtime.checkpoint import check_plan, read_config, with_expert_axes
+    from ..parallel.layer_shard import layer_shard
+    from ..core.mesh import Mesh
+    from ..parallel.prefetch import check_prefetch_step
 
     model = Path(args.model)
     if args.ep not in (1, args.dp * args.tp):
@@ -141,7 +141,7 @@ def _expert_axes(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .launch import LocalWorld, RankContext, RemoteError
+    from ..runtime.launch import LocalWorld, RankContext, RemoteError
     from .runner import generate_on_rank, in_prompt_order
 
     prompts, tok = _prepare(args, parser)

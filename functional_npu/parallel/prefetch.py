@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from .collectives import broadcast
-from .mesh import Mesh
+from ..core.collectives import broadcast
+from ..core.mesh import Mesh
 
 __all__ = ["prefetch_step", "start", "carried", "issue", "hand_over", "drain", "check_prefetch_step"]
 

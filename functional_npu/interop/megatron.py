@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from .layout import Block, Cyclic, DimSpec, Layout, Shard, fused
-from .mesh import Mesh
-from .models.llama import LlamaConfig, abstract_params, param_specs, qkv_blocks
-from .shard import local_shape
+from ..core.layout import Block, Cyclic, DimSpec, Layout, Shard, fused
+from ..core.mesh import Mesh
+from ..models.llama import LlamaConfig, abstract_params, param_specs, qkv_blocks
+from ..core.shard import local_shape
 
 __all__ = ["MEGATRON_NAMES", "MEGATRON_ALIASES", "megatron_specs", "megatron_pipeline_specs", "pipeline_dim", "stack_layers", "unstack_layers", "stacked_specs", "from_megatron", "to_megatron"]
 

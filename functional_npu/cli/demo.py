@@ -10,10 +10,10 @@ from __future__ import annotations
 import tempfile
 import time
 
-from .checkpoint import save_checkpoint
-from .launch import LocalWorld, RankContext
-from .models.llama import LlamaConfig, abstract_params, init_params
-from .tree import flatten_with_paths
+from ..runtime.checkpoint import save_checkpoint
+from ..runtime.launch import LocalWorld, RankContext
+from ..models.llama import LlamaConfig, abstract_params, init_params
+from ..core.tree import flatten_with_paths
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
 
 DEMO_CONFIG = LlamaConfig(

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .layout import Layout, Shard, dim_pieces, local_pieces, validate
-from .mesh import Mesh
-from .layer_shard import LayerShard, owned_layers, present, series_specs, stack_series
-from .models import Family, family_of
-from .shard import leaf_specs, local_shape
-from .tree import flatten_with_paths, map_with_path
+from ..core.layout import Layout, Shard, dim_pieces, local_pieces, validate
+from ..core.mesh import Mesh
+from ..parallel.layer_shard import LayerShard, owned_layers, present, series_specs, stack_series
+from ..models import Family, family_of
+from ..core.shard import leaf_specs, local_shape
+from ..core.tree import flatten_with_paths, map_with_path
 
 __all__ = ["load_checkpoint", "save_checkpoint", "read_config", "check_plan", "with_expert_axes"]
 

@@ -33,7 +33,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.utils._pytree as pytree
 import torch.multiprocessing as mp
 
-from .mesh import Mesh, make_mesh
+from ..core.mesh import Mesh, make_mesh
 
 __all__ = ["LocalWorld", "RankContext", "RemoteError", "free_port"]
 

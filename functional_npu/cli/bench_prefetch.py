@@ -19,14 +19,14 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from .checkpoint import load_checkpoint
-from .collectives import broadcast
-from .compile import CompiledModel, compile_model
-from .launch import RankContext
-from .layer_shard import layer_shard, resident_bytes
-from .models import llama
-from .prefetch import drain
-from .schedule import prefetch_timeline
+from ..runtime.checkpoint import load_checkpoint
+from ..core.collectives import broadcast
+from ..runtime.compile import CompiledModel, compile_model
+from ..runtime.launch import RankContext
+from ..parallel.layer_shard import layer_shard, resident_bytes
+from ..models import llama
+from ..parallel.prefetch import drain
+from .timeline import prefetch_timeline
 
 __all__ = ["prefetch_rank"]
 
@@ -101,7 +101,7 @@ def prefetch_rank(ctx: RankContext, model_dir: str, series: str, ks: list[int], 
 
 def run_prefetch_bench(model_dir: str, *, series: str = "o_proj", ks: tuple[int, ...] = (0, 1, 2), batch: int = 1, steps: int = 16, repeat: int = 3) -> dict[str, Any]:
     """Both ranks' measurements on 2 local gloo ranks (one thread each), merged: slowest rank's times."""
-    from .launch import LocalWorld
+    from ..runtime.launch import LocalWorld
 
     with LocalWorld(2, threads=1, timeout=1800) as world:
         ranks = world.run(prefetch_rank, model_dir, series, list(ks), batch, steps, repeat)

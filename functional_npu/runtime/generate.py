@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import prefetch
-from .mesh import Mesh
-from .models import family_of
-from .prefetch import check_prefetch_step
+from ..parallel import prefetch
+from ..core.mesh import Mesh
+from ..models import family_of
+from ..parallel.prefetch import check_prefetch_step
 
 __all__ = ["greedy_generate"]
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from . import collectives
-from .mesh import Axes, Mesh
-from .shard import _as_bits
-from .tree import PyTree
+from ..core import collectives
+from ..core.mesh import Axes, Mesh
+from ..core.shard import _as_bits
+from ..core.tree import PyTree
 
 __all__ = [
     "Move",

@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-from .checkpoint import load_checkpoint
-from .compile import cache_length, compile_model
-from .generate import greedy_generate
-from .launch import RankContext
-from .layer_shard import LayerShard
+from ..runtime.checkpoint import load_checkpoint
+from ..runtime.compile import cache_length, compile_model
+from ..runtime.generate import greedy_generate
+from ..runtime.launch import RankContext
+from ..parallel.layer_shard import LayerShard
 
 
 def generate_on_rank(

@@ -15,16 +15,16 @@ from typing import Any
 
 import torch
 
-from . import prefetch
+from ..parallel import prefetch
 from .backends import Backend, resolve_backend
 from .checkpoint import check_plan
-from .layout import Layout
-from .mesh import Mesh
-from .models import family_of
-from .prefetch import check_prefetch_step
-from .schedule import PrefetchSchedule
-from .shard import local_shape
-from .tree import flatten_with_paths
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..models import family_of
+from ..parallel.prefetch import check_prefetch_step
+from ..parallel.schedule import PrefetchSchedule
+from ..core.shard import local_shape
+from ..core.tree import flatten_with_paths
 
 __all__ = ["CompiledModel", "compile_model", "cache_length", "GraphBreakError"]
 
