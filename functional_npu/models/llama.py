@@ -1,37 +1,38 @@
-"""The Llama family as pure functions: Llama 2/3 (llama3 / linear rope scaling, tied embeddings),
-Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
+"""The Llama family: Llama 2/3 (llama3 / linear rope scaling, tied embeddings), Mistral (sliding
+window), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
 
-Params are a tree of local shards plus the static config (``params["config"]``, a leafless pytree
-node, so ``shard``/``gather`` carry it along)::
+A family is a config, a HF name table, a parallel plan and a choice of blocks for the one decoder
+(:mod:`functional_npu.models.decoder`): here grouped-query attention and a gated MLP in every layer.
+The full params (see the decoder for the general form)::
 
     {"config": LlamaConfig, "embed": [V, D], "norm": [D], "lm_head": [V, D] (untied only),
      "layers": [{"attn_norm": [D], "qkv": [(H+2K)*hd, D], "qkv_bias": [(H+2K)*hd] (Qwen2),
                  "q_norm": [hd], "k_norm": [hd] (Qwen3), "o_proj": [D, H*hd],
                  "mlp_norm": [D], "gate_up": [2F, D], "down": [D, F]}, ...]}
 
-Tensor parallelism over the mesh axis ``tp`` is written out: ``[q|k|v]`` and ``[gate|up]`` are
-column-parallel (KV heads replicated when tp > num_kv_heads), ``o_proj`` and ``down`` are
-row-parallel followed by ``all_reduce``, the embedding is vocab-parallel (masked lookup +
-``all_reduce``) and the lm_head gives local logits + ``all_gather``.
+The plan over the tensor-parallel axis (``tp_axis``, default ``"tp"``): ``[q|k|v]`` and ``[gate|up]``
+column-parallel (KV heads replicated when tp > num_kv_heads), ``o_proj`` and ``down`` row-parallel
+followed by ``all_reduce``, a vocab-parallel embedding (masked lookup + ``all_reduce``) and lm_head
+(local logits + ``all_gather``).
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ..parallel import prefetch
-from ..core.collectives import all_gather, all_reduce
 from ..core.layout import Block, Layout, fused, replicated, sharded
-from ..core.mesh import Mesh
 from ..core.tree import map_with_path, register_static
+from .attention import gqa, init_kv, prepare
+from .decoder import Blocks
+from .embedding import embed, head
+from .mlp import gated_mlp
 
-__all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "local_heads", "attend"]
+__all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "init_params", "param_specs", "qkv_blocks", "blocks"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -184,156 +185,37 @@ def qkv_blocks(cfg: LlamaConfig) -> list[Block]:
     return [Block("q", cfg.num_heads * hd, hd), Block("k", cfg.num_kv_heads * hd, hd, True), Block("v", cfg.num_kv_heads * hd, hd, True)]
 
 
-def param_specs(cfg: LlamaConfig) -> dict[str, Any]:
-    """The tensor-parallel plan over mesh axis ``tp`` as a tree of layouts (a prefix of the params)."""
-    qkv = fused(0, qkv_blocks(cfg), "tp")
+def param_specs(cfg: LlamaConfig, tp_axis: str = "tp") -> dict[str, Any]:
+    """The tensor-parallel plan over mesh axis ``tp_axis`` as a tree of layouts (a prefix of the params)."""
+    tp = tp_axis
+    qkv = fused(0, qkv_blocks(cfg), tp)
     layer: dict[str, Layout] = {
         "attn_norm": replicated(),
         "qkv": qkv,
-        "o_proj": sharded(1, "tp"),
+        "o_proj": sharded(1, tp),
         "mlp_norm": replicated(),
-        "gate_up": fused(0, [Block("gate", cfg.intermediate_size), Block("up", cfg.intermediate_size)], "tp"),
-        "down": sharded(1, "tp"),
+        "gate_up": fused(0, [Block("gate", cfg.intermediate_size), Block("up", cfg.intermediate_size)], tp),
+        "down": sharded(1, tp),
     }
     if cfg.qkv_bias:
         layer["qkv_bias"] = qkv
     if cfg.qk_norm:
         layer |= {"q_norm": replicated(), "k_norm": replicated()}
-    top: dict[str, Any] = {"embed": sharded(0, "tp"), "norm": replicated(), "layers": [layer] * cfg.num_layers}
+    top: dict[str, Any] = {"embed": sharded(0, tp), "norm": replicated(), "layers": [layer] * cfg.num_layers}
     if not cfg.tie_word_embeddings:
-        top["lm_head"] = sharded(0, "tp")
+        top["lm_head"] = sharded(0, tp)
     return top
 
 
-def local_heads(cfg: LlamaConfig, tp: int) -> tuple[int, int]:
-    """(query heads, KV heads) on one tp rank; a KV head is replicated when tp > num_kv_heads."""
-    return cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
-
-
-# ---- building blocks ---------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    hd = cfg.head_dim
-    freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    if cfg.rope_type == "linear":
-        return freq / cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        old, lo, hi, factor = cfg.rope_original_max_positions, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
-        wavelen = 2 * math.pi / freq
-        scaled = torch.where(wavelen > old / lo, freq / factor, freq)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
-        return torch.where(medium, smoothed, scaled)
-    return freq
-
-
-def rope(positions: torch.Tensor, cfg: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = positions[..., None].float() * inv_freq(cfg).to(positions.device)  # [B, S, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, hd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def embed(table: torch.Tensor, tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """Vocab-parallel lookup: this rank holds rows [start, start + V/tp); others are zero, then summed."""
-    rows = table.shape[0]
-    start = mesh.axis_index("tp") * rows
-    local = tokens - start
-    hit = (local >= 0) & (local < rows)
-    x = F.embedding(local.clamp(0, rows - 1), table) * hit[..., None].to(table.dtype)
-    return all_reduce(x, mesh, "tp")
-
-
-def attention_mask(positions: torch.Tensor, cache_len: int, window: int | None) -> torch.Tensor:
-    """[B, 1, S, cache_len] boolean: a query at position p sees keys at positions <= p (and > p - window)."""
-    kv = torch.arange(cache_len, device=positions.device)
-    q = positions[:, None, :, None]
-    mask = kv <= q
-    if window is not None:
-        mask = mask & (kv > q - window)
-    return mask
-
-
-def init_cache(cfg: LlamaConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A static KV cache: per layer ``(k, v)`` of shape ``[batch, local KV heads, max_seq_len, head_dim]``."""
-    _, kv = local_heads(cfg, mesh.axis_size("tp"))
-    return [(torch.zeros(batch, kv, max_seq_len, cfg.head_dim, dtype=dtype), torch.zeros(batch, kv, max_seq_len, cfg.head_dim, dtype=dtype)) for _ in range(cfg.num_layers)]
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kind: str = "sdpa") -> torch.Tensor:
-    """Masked attention ``[B, H, S, hd]``: SDPA, or ``"math"`` (matmul + softmax: every op has a GE converter)."""
-    if kind == "sdpa":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    if kind != "math":
-        raise ValueError(f"attention must be 'sdpa' or 'math', got {kind!r}")
-    scores = (q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, H, S, C]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
-
-
-def forward(
-    params: dict,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    cache: list[tuple[torch.Tensor, torch.Tensor]],
-    mesh: Mesh,
-    prefetched: list[torch.Tensor] | None = None,
-    *,
-    attention: str = "sdpa",
-) -> torch.Tensor:
-    """Logits ``[B, S, V]`` for ``tokens [B, S]`` at absolute ``positions [B, S]``.
-
-    The KV cache is donated: each layer's keys and values are written into ``cache`` in place at
-    ``positions`` (a decode step is ``S == 1`` with each sequence's own position). Padded slots
-    may hold garbage at positions a query never sees.
-
-    Layer-sharded series (``params["series"]``) are fetched from their owners with broadcasts
-    issued ``k`` layers ahead, where ``prefetched`` carries the first ``k`` layers' weights from
-    the previous step and is replaced in place by the next step's (see :mod:`functional_npu.prefetch`).
-    ``attention="math"`` writes attention as matmul + softmax (the torchair path).
-    """
-    cfg: LlamaConfig = params["config"]
-    b, s = tokens.shape
-    hd = cfg.head_dim
-    nh, nkv = local_heads(cfg, mesh.axis_size("tp"))
-    x = embed(params["embed"], tokens, mesh)  # [B, S, D]
-    cos, sin = rope(positions, cfg, x.dtype)
-    mask = attention_mask(positions, cache[0][0].shape[2], cfg.sliding_window)
-    slot = positions[:, None, :, None].expand(b, nkv, s, hd)
-    step = prefetch.prefetch_step(params, prefetched)  # k: layers of look-ahead
-    ahead = prefetch.carried(params, prefetched)
-    for i, (k_cache, v_cache) in enumerate(cache):
-        ahead |= prefetch.issue(params, i + step, mesh)  # layer i + k's series weights, from their owners
-        layer = params["layers"][i] | ahead.pop(i, {})
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        qkv = h @ layer["qkv"].T  # column-parallel: [B, S, (nh + 2 nkv) hd]
-        if "qkv_bias" in layer:
-            qkv = qkv + layer["qkv_bias"]
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, hd]
-        if "q_norm" in layer:
-            q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        k_cache.scatter_(2, slot, k)
-        v_cache.scatter_(2, slot, v)
-        keys = k_cache.repeat_interleave(nh // nkv, dim=1)
-        values = v_cache.repeat_interleave(nh // nkv, dim=1)
-        attn = attend(q, keys, values, mask, attention)  # [B, nh, S, hd]
-        attn = attn.transpose(1, 2).reshape(b, s, nh * hd)
-        x = x + all_reduce(attn @ layer["o_proj"].T, mesh, "tp")  # row-parallel
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        gate, up = (h @ layer["gate_up"].T).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
-        x = x + all_reduce((F.silu(gate) * up) @ layer["down"].T, mesh, "tp")  # row-parallel
-    prefetch.hand_over(ahead, prefetched, len(cache))
-    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return all_gather(x @ head.T, mesh, "tp", dim=-1)  # local vocab slice -> [B, S, V]
+def blocks(cfg: LlamaConfig, tp_axis: str = "tp") -> Blocks:
+    """The decoder's blocks for this config: grouped-query attention and a gated MLP in every layer."""
+    mlp = functools.partial(gated_mlp, tp=tp_axis)
+    return Blocks(
+        embed=functools.partial(embed, tp=tp_axis),
+        prepare=functools.partial(prepare, cfg),
+        attention=functools.partial(gqa, cfg=cfg, tp=tp_axis),
+        ffn=(mlp,) * cfg.num_layers,
+        head=functools.partial(head, tp=tp_axis, eps=cfg.rms_norm_eps, tied=cfg.tie_word_embeddings),
+        init_kv=functools.partial(init_kv, cfg, tp=tp_axis),
+        eps=cfg.rms_norm_eps,
+    )

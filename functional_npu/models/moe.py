@@ -1,50 +1,35 @@
-"""Mixture-of-experts families as pure functions: Qwen3-MoE and Mixtral, with expert parallelism.
+"""Mixture-of-experts families: Qwen3-MoE and Mixtral, with expert parallelism.
 
-Attention, embeddings, norms and rope are the Llama family's (``models/llama.py``); an MoE layer
-replaces the dense MLP with a router and experts stacked over ``S`` physical slots::
-
-    {"router": [E, D], "experts_gate_up": [S, 2F, D], "experts_down": [S, D, F],
-     "expert_map": int64 [E, C]}
-
-``expert_map[e]`` lists the slots holding logical expert ``e`` (padded with -1); without redundant
-experts ``S == E`` and the map is ``arange(E)[:, None]``. A token routed to ``e`` uses copy
-``t % copies(e)`` where ``t`` is its index among the tokens this rank dispatches. The map is a
-tensor input, so a rebalance changes values without recompiling (``S`` and ``C`` are static).
-
-Parallel plan (``MoeConfig.expert_axes``): experts are sharded on dim 0 over the expert axes
-(e.g. ``("dp", "tp")``: each rank holds ``S / ep`` consecutive slots, slot ``s`` lives at index
-``s // (S / ep)`` of the flattened axes). If ``"tp"`` is not an expert axis, each expert is also
-tensor-parallel over ``tp`` (``[gate|up]`` column-parallel, ``down`` row-parallel + all_reduce).
-Tokens are exchanged over the expert axes with static shapes and nothing is ever dropped: the
-sender routes and ``all_to_all``\\ s its tokens and routing to every expert rank, results come back
-by the inverse ``all_to_all``; at or below ``dispatch_threshold`` tokens per rank (decode) the
-tokens are ``all_gather``\\ ed instead, every rank routes all of them and computes its slots'
-share, and ``reduce_scatter`` returns each rank's sums. When ``tp`` is an expert axis the tokens,
-identical on the tp ranks after attention, are first split over ``tp`` and gathered back after.
+Attention, embeddings and norms are the Llama family's; an MoE layer's FFN is the experts block of
+:mod:`functional_npu.models.experts` (a router and experts stacked over ``S`` physical slots, with an
+``expert_map`` from logical experts to slots), and the other layers keep the dense gated MLP. The
+expert-parallel plan lives in the config (``expert_axes``, ``num_slots``, ``max_copies``,
+``dispatch_threshold``; see :func:`with_plan`): experts are sharded on dim 0 over the expert axes
+(e.g. ``("dp", "tp")``: each rank holds ``S / ep`` consecutive slots) and, when the tensor-parallel
+axis is not one of them, each expert is also tensor-parallel over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
 from ..core.layout import Block, Layout, Shard, replicated
-from ..core.mesh import Mesh
 from ..core.tree import map_with_path, register_static
 from . import llama
+from .decoder import Blocks
+from .experts import moe_ffn
 
-__all__ = ["MoeConfig", "ARCHITECTURES", "hf_names", "abstract_params", "init_params", "param_specs", "forward", "init_cache", "route", "EXPERT_LEAVES"]
+__all__ = ["MoeConfig", "ARCHITECTURES", "hf_names", "abstract_params", "init_params", "param_specs", "blocks", "with_plan", "identity_map"]
 
 # architecture -> (the dense sibling whose attention it shares, HF model_type)
 _SIBLING = {"Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "qwen3_moe"), "MixtralForCausalLM": ("MistralForCausalLM", "mixtral")}
 ARCHITECTURES = tuple(_SIBLING)
-EXPERT_LEAVES = frozenset({"experts_gate_up", "experts_down"})  # stacked over slots; HF stores one tensor per expert {j}
 
 _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": {
@@ -109,11 +94,6 @@ class MoeConfig:
     @property
     def slots(self) -> int:
         return self.num_slots or self.num_experts
-
-    @property
-    def expert_tp(self) -> bool:
-        """Whether each expert is tensor-parallel over ``tp`` (when ``tp`` is not an expert axis)."""
-        return "tp" not in self.expert_axes
 
     @staticmethod
     def from_hf(hf: Mapping[str, Any]) -> MoeConfig:
@@ -194,16 +174,16 @@ def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float3
     return map_with_path(fill, abstract_params(cfg))
 
 
-def param_specs(cfg: MoeConfig) -> dict[str, Any]:
-    """The plan: attention and dense MLPs as in ``llama.param_specs``; experts over ``expert_axes`` (and ``tp`` inside)."""
-    dense = llama.param_specs(cfg.base)
+def param_specs(cfg: MoeConfig, tp_axis: str = "tp") -> dict[str, Any]:
+    """The plan: attention and dense MLPs as in ``llama.param_specs``; experts over ``expert_axes`` (and ``tp_axis`` inside)."""
+    dense = llama.param_specs(cfg.base, tp_axis)
     f = cfg.moe_intermediate_size
     slot = Shard(cfg.expert_axes) if cfg.expert_axes else None
-    inner = cfg.expert_tp
+    inner = tp_axis not in cfg.expert_axes  # each expert tensor-parallel too
     moe = {
         "router": replicated(),
-        "experts_gate_up": Layout((slot, Shard(("tp",), (Block("gate", f), Block("up", f))) if inner else None)),
-        "experts_down": Layout((slot, None, Shard(("tp",)) if inner else None)),
+        "experts_gate_up": Layout((slot, Shard((tp_axis,), (Block("gate", f), Block("up", f))) if inner else None)),
+        "experts_down": Layout((slot, None, Shard((tp_axis,)) if inner else None)),
         "expert_map": replicated(),
     }
     layers = []
@@ -214,170 +194,12 @@ def param_specs(cfg: MoeConfig) -> dict[str, Any]:
     return dense | {"layers": layers}
 
 
-def init_cache(cfg: MoeConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The attention KV cache (as ``llama.init_cache``)."""
-    return llama.init_cache(cfg.base, mesh, batch, max_seq_len, dtype)
-
-
-# ---- routing and experts -----------------------------------------------------------------------
-def route(logits: torch.Tensor, cfg: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, logical experts [T, k]) from router logits [T, E].
-
-    Both families: softmax over all experts in float32, top-k; then renormalize over the k when
-    ``norm_topk_prob`` (Qwen3-MoE's flag; Mixtral always, which equals a softmax over the top-k logits).
-    """
-    weights, experts = logits.float().softmax(-1).topk(cfg.top_k, dim=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, experts
-
-
-def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, physical slots), both [T, k], for tokens ``x [T, D]`` with dispatch indices ``index [T]``."""
-    weights, experts = route(x @ layer["router"].T, cfg)
-    table = layer["expert_map"]
-    if table.shape[1] == 1:
-        return weights, table[experts, 0]
-    copies = (table >= 0).sum(-1)  # [E]
-    return weights, table[experts, index[:, None] % copies[experts]]
-
-
-def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """``sum_k weights[:, k] * expert[ids[:, k]](x)`` over this rank's slots; ``ids`` -1 (another rank's slot) adds nothing.
-
-    x: [N, D]; ids, weights: [N, k]; gate_up: [S_local, 2F, D]; down: [S_local, D, F] -> [N, D]. Static shapes
-    either way (chosen by size): with fewer routed rows than local experts (decode) each row reads only its
-    k experts' weights; otherwise every local expert runs on every row as one batched matmul, a row's
-    weight being 0 for the slots it was not routed to. Neither graph grows with the expert count.
-    """
-    n, k = ids.shape
-    if n * k < gate_up.shape[0]:
-        chosen = ids.clamp(min=0)  # a -1 reads slot 0 and is weighted 0
-        w = torch.where(ids >= 0, weights, 0.0).to(x.dtype)  # [N, k]
-        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up[chosen]).chunk(2, dim=-1)  # [N, k, F] each
-        y = torch.einsum("nkf,nkdf->nkd", F.silu(gate) * up, down[chosen])  # [N, k, D]
-        return (y * w[..., None]).sum(1)
-    slots = torch.arange(gate_up.shape[0], device=x.device)
-    w = (weights[None] * (ids[None] == slots[:, None, None])).sum(-1).to(x.dtype)  # [S_local, N]
-    gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [S_local, N, F] each
-    y = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))  # [S_local, N, D]
-    return (y * w[..., None]).sum(0)
-
-
-def _gathered(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int) -> torch.Tensor:
-    """Small batches: all_gather the tokens, each rank computes its slots' share, reduce_scatter back."""
-    t = x.shape[0]
-    xa = all_gather(x, mesh, cfg.expert_axes, dim=0)  # [n t, D]
-    weights, slots = _slots(xa, layer, cfg, torch.arange(n * t, device=x.device) % t)
-    per = layer["experts_gate_up"].shape[0]
-    ids = torch.where(slots // per == mesh.axis_index(cfg.expert_axes), slots % per, -1)
-    part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
-    return reduce_scatter(part, mesh, cfg.expert_axes, dim=0)  # [t, D]
-
-
-def _dispatched(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int) -> torch.Tensor:
-    """Larger batches: route here, all_to_all tokens + routing to the expert ranks, inverse all_to_all back.
-
-    Static shapes with no dropped token mean a capacity of all ``t`` tokens per destination, so the tokens
-    move as many bytes as in :func:`_gathered`; this path routes each token once (by its sender) instead of
-    on every rank, at the price of one more collective (the routing).
-    """
-    (t, d), k = x.shape, cfg.top_k
-    weights, slots = _slots(x, layer, cfg, torch.arange(t, device=x.device))
-    per = layer["experts_gate_up"].shape[0]
-    owner = torch.arange(n, device=x.device)[:, None, None]
-    ids = torch.where(slots[None] // per == owner, slots[None] % per, -1)  # [n, t, k]: slot ids on rank j
-    meta = torch.cat([ids.float(), weights[None].expand(n, t, k)], dim=-1)  # [n, t, 2k], ids exact in float32
-    rx = all_to_all_single(x[None].expand(n, t, d).reshape(n * t, d), mesh, cfg.expert_axes)  # [n t, D] by source
-    rmeta = all_to_all_single(meta.reshape(n * t, 2 * k), mesh, cfg.expert_axes)
-    part = local_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], layer["experts_gate_up"], layer["experts_down"])
-    back = all_to_all_single(part, mesh, cfg.expert_axes)  # [n t, D]: each expert rank's share of my tokens
-    return back.view(n, t, d).sum(0)
-
-
-def moe_block(layer: dict, h: torch.Tensor, cfg: MoeConfig, mesh: Mesh) -> torch.Tensor:
-    """The MoE MLP of one layer: ``h [B, S, D]`` -> ``[B, S, D]`` (replicated over tp, like a dense MLP's output)."""
-    b, s, d = h.shape
-    x = h.reshape(b * s, d)
-    n = mesh.axis_size(cfg.expert_axes) if cfg.expert_axes else 1
-    split = not cfg.expert_tp and mesh.axis_size("tp") > 1
-    if split:  # tokens are identical on the tp ranks: each dispatches its own 1/tp of them
-        tp, total = mesh.axis_size("tp"), x.shape[0]
-        per = -(-total // tp)
-        x = F.pad(x, (0, 0, 0, per * tp - total)).narrow(0, mesh.axis_index("tp") * per, per)
-    if n == 1:
-        weights, slots = _slots(x, layer, cfg, torch.arange(x.shape[0], device=x.device))
-        y = local_experts(x, slots, weights, layer["experts_gate_up"], layer["experts_down"])
-    elif x.shape[0] <= cfg.dispatch_threshold:
-        y = _gathered(x, layer, cfg, mesh, n)
-    else:
-        y = _dispatched(x, layer, cfg, mesh, n)
-    if split:
-        y = all_gather(y, mesh, "tp", dim=0)[:total]
-    if cfg.expert_tp:
-        y = all_reduce(y, mesh, "tp")  # each expert's down projection is row-parallel
-    return y.view(b, s, d)
-
-
-# ---- the forward -----------------------------------------------------------------------------
-def _attention(layer: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, slot: torch.Tensor,
-               kv: tuple[torch.Tensor, torch.Tensor], cfg: llama.LlamaConfig, mesh: Mesh, attention: str = "sdpa") -> torch.Tensor:
-    """One attention block as in ``llama.forward`` (tp column/row parallel); returns the residual update."""
-    b, s, _ = x.shape
-    hd = cfg.head_dim
-    nh, nkv = llama.local_heads(cfg, mesh.axis_size("tp"))
-    h = llama.rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    qkv = h @ layer["qkv"].T
-    if "qkv_bias" in layer:
-        qkv = qkv + layer["qkv_bias"]
-    q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1))
-    if "q_norm" in layer:
-        q, k = llama.rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), llama.rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-    q, k = llama._rotate(q, cos, sin), llama._rotate(k, cos, sin)
-    kv[0].scatter_(2, slot, k)
-    kv[1].scatter_(2, slot, v)
-    keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
-    attn = llama.attend(q, keys, values, mask, attention).transpose(1, 2).reshape(b, s, nh * hd)
-    return all_reduce(attn @ layer["o_proj"].T, mesh, "tp")
-
-
-def _dense_mlp(layer: dict, h: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    gate, up = (h @ layer["gate_up"].T).chunk(2, dim=-1)
-    return all_reduce((F.silu(gate) * up) @ layer["down"].T, mesh, "tp")
-
-
-def forward(
-    params: dict,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    cache: list[tuple[torch.Tensor, torch.Tensor]],
-    mesh: Mesh,
-    prefetched: list[torch.Tensor] | None = None,
-    *,
-    attention: str = "sdpa",
-) -> torch.Tensor:
-    """Logits ``[B, S, V]`` for ``tokens [B, S]`` at ``positions [B, S]`` (same contract as ``llama.forward``).
-
-    Every rank of the expert axes must call it with the same token count (the exchange spans them).
-    Layer-sharded weights (``prefetched``) are not supported for MoE models.
-    """
-    if prefetched or "series" in params:
-        raise ValueError("moe.forward: layer-sharded weights (params['series'], prefetched) are supported for the dense families only")
-    cfg: MoeConfig = params["config"]
-    base = cfg.base
-    b, s = tokens.shape
-    _, nkv = llama.local_heads(base, mesh.axis_size("tp"))
-    x = llama.embed(params["embed"], tokens, mesh)  # [B, S, D]
-    cos, sin = llama.rope(positions, base, x.dtype)
-    mask = llama.attention_mask(positions, cache[0][0].shape[2], base.sliding_window)
-    slot = positions[:, None, :, None].expand(b, nkv, s, base.head_dim)
-    for layer, kv in zip(params["layers"], cache):
-        x = x + _attention(layer, x, cos, sin, mask, slot, kv, base, mesh, attention)
-        h = llama.rms_norm(x, layer["mlp_norm"], base.rms_norm_eps)
-        x = x + (moe_block(layer, h, cfg, mesh) if "router" in layer else _dense_mlp(layer, h, mesh))
-    x = llama.rms_norm(x, params["norm"], base.rms_norm_eps)
-    head = params["embed"] if base.tie_word_embeddings else params["lm_head"]
-    return all_gather(x @ head.T, mesh, "tp", dim=-1)
+def blocks(cfg: MoeConfig, tp_axis: str = "tp") -> Blocks:
+    """The dense sibling's blocks with the experts block as the FFN of every MoE layer."""
+    dense = llama.blocks(cfg.base, tp_axis)
+    experts = functools.partial(moe_ffn, cfg=cfg, tp=tp_axis)
+    ffn = tuple(experts if i in cfg.moe_layers else mlp for i, mlp in enumerate(dense.ffn))
+    return dataclasses.replace(dense, ffn=ffn)
 
 
 def with_plan(cfg: MoeConfig, **plan: Any) -> MoeConfig:

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from ..core.layout import Cyclic, Layout
 from ..core.tree import register_static
 
-__all__ = ["LayerShard", "layer_shard", "SERIES_NAMES", "series_specs", "stack_series", "unstack_series", "owned_layers", "resident_bytes"]
+__all__ = ["LayerShard", "layer_shard", "SERIES_NAMES", "series_specs", "stack_series", "unstack_series", "owned_layers", "resident_bytes", "series_of", "present"]
 
 # CLI / user names -> the per-layer leaves they take (a leaf absent from a family is skipped)
 LAYER_LEAVES = ("attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_up", "down")
@@ -70,9 +70,15 @@ def layer_shard(names: str | Sequence[str], axis: str = "dp") -> LayerShard:
     return LayerShard(axis, tuple([leaf for leaf in LAYER_LEAVES if leaf in chosen]))
 
 
-def present(ls: LayerShard, layer: dict[str, Any]) -> tuple[str, ...]:
-    """The series leaves a family's layer actually has (e.g. no ``qkv_bias`` outside Qwen2)."""
-    return tuple([leaf for leaf in ls.leaves if leaf in layer])
+def present(ls: LayerShard, layers: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    """The series leaves every layer of a model has (no ``qkv_bias`` outside Qwen2; no dense MLP leaves
+    when some layers are MoE layers)."""
+    return tuple([leaf for leaf in ls.leaves if all(leaf in layer for layer in layers)])
+
+
+def series_of(params: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The layer-sharded series of a params tree, ``{leaf: stacked owned layers}`` (empty when none)."""
+    return params.get("series") or {}
 
 
 def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict[str, Any]:
@@ -81,7 +87,7 @@ def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict
     The per-layer spec must be given per leaf (a dict), as every family's ``param_specs`` does.
     """
     layer = specs["layers"][0]
-    leaves = present(ls, layer)
+    leaves = present(ls, specs["layers"])
     for leaf in leaves:
         if ls.axis in layer[leaf].axes():
             raise ValueError(f"layer_shard: series {leaf!r} is already sharded over mesh axis {ls.axis!r}; layer-shard it over an axis it is replicated on (dp)")
@@ -93,7 +99,7 @@ def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict
 def stack_series(params: dict[str, Any], ls: LayerShard) -> dict[str, Any]:
     """Full params (a list of per-layer dicts) -> params with the series stacked ``[L, ...]``. Pure."""
     layers = params["layers"]
-    leaves = present(ls, layers[0])
+    leaves = present(ls, layers)
     series = {leaf: torch.stack([layer[leaf] for layer in layers]) for leaf in leaves}
     rest = [{k: v for k, v in layer.items() if k not in leaves} for layer in layers]
     return params | {"layers": rest, "series": series, "layer_shard": ls}

@@ -1,19 +1,22 @@
-"""Weight prefetch for layer-sharded series, written in the forward as functional collectives.
+"""Where each layer's weights come from: local, or prefetched from their owner ``k`` layers ahead.
 
-Layer ``l``'s weight of a series lives on coordinate ``l % n`` of the series axis (see
-:mod:`functional_npu.layer_shard`). Before layer ``l`` computes, the forward issues the broadcast
-of layer ``l + k``'s weights from their owner (``_c10d_functional.broadcast``) and waits on layer
-``l``'s right before using them. The first ``k`` layers of the next step are issued during the
-last ``k`` layers of this one and handed over as carried state, ``prefetched``: a list the forward
-replaces in place, like the KV cache it writes in place. ``k = len(prefetched) // len(series)``,
-so the state fixes the schedule; ``k = 0`` (no state) is synchronous.
+Layer ``l``'s weight of a layer-sharded series lives on coordinate ``l % n`` of the series axis (see
+:mod:`functional_npu.parallel.layer_shard`). :func:`layer_weights` is what the decoder's layer loop
+asks for layer ``i``'s weights: the local per-layer dict, merged with the series weights fetched by
+broadcasts (``_c10d_functional.broadcast``) issued ``k`` layers ahead. Asking for layer ``i`` issues
+the broadcast of layer ``i + k`` and returns layer ``i``'s weights, to be waited on at first use.
+The first ``k`` layers of the next step are issued during the last ``k`` layers of this one and
+handed over as carried state, ``prefetched``: a list replaced in place, like the KV cache written in
+place. ``k = len(prefetched) // len(series)``, so the state fixes the schedule; ``k = 0`` (empty
+state) is synchronous.
 
-In eager mode the broadcasts return async tensors that are waited on at first use, so they
-overlap; under inductor the order is kept by :class:`functional_npu.schedule.PrefetchSchedule`.
+In eager mode the broadcasts return async tensors that are waited on at first use, so they overlap;
+under inductor the order is kept by :class:`functional_npu.parallel.schedule.PrefetchSchedule`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,14 +24,11 @@ import torch.distributed._functional_collectives as funcol
 
 from ..core.collectives import broadcast
 from ..core.mesh import Mesh
+from .layer_shard import series_of
 
-__all__ = ["prefetch_step", "start", "carried", "issue", "hand_over", "drain", "check_prefetch_step"]
+__all__ = ["layer_weights", "prefetch_step", "start", "drain", "check_prefetch_step"]
 
 Weights = dict[str, torch.Tensor]
-
-
-def _series(params: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return params.get("series") or {}
 
 
 def check_prefetch_step(k: int, num_layers: int) -> int:
@@ -41,58 +41,68 @@ def check_prefetch_step(k: int, num_layers: int) -> int:
     return k
 
 
-def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor] | None) -> int:
+def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor]) -> int:
     """The prefetch distance the carried state implies (0 with no state or no series)."""
-    n = len(_series(params))
+    n = len(series_of(params))
     if not n or not prefetched:
         return 0
     if len(prefetched) % n:
-        raise ValueError(f"prefetched holds {len(prefetched)} tensors, not a multiple of the {n} layer-sharded series {list(_series(params))}")
+        raise ValueError(f"prefetched holds {len(prefetched)} tensors, not a multiple of the {n} layer-sharded series {list(series_of(params))}")
     return len(prefetched) // n
 
 
-def issue(params: dict[str, Any], layer: int, mesh: Mesh) -> dict[int, Weights]:
-    """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's).
-
-    Returns ``{layer: {leaf: tensor}}``, empty when nothing is layer-sharded.
-    """
-    series = _series(params)
-    if not series:
-        return {}
+def _issue(params: dict[str, Any], layer: int, mesh: Mesh) -> dict[int, Weights]:
+    """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's): ``{layer: {leaf: tensor}}``."""
     axis = params["layer_shard"].axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
-    num = len(params["layers"])
-    l = layer % num
+    li = layer % len(params["layers"])
     out = {}
-    for leaf, stacked in series.items():
-        mine = stacked[l // n] if l % n == me else torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
-        out[leaf] = broadcast(mine, mesh, axis, src=l % n)
+    for leaf, stacked in series_of(params).items():
+        mine = stacked[li // n] if li % n == me else torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+        out[leaf] = broadcast(mine, mesh, axis, src=li % n)
     return {layer: out}
 
 
+def _carried(params: dict[str, Any], prefetched: list[torch.Tensor]) -> dict[int, Weights]:
+    """The carried weights by layer, each waited on where it is first used (a no-op if already done)."""
+    leaves = list(series_of(params))
+    flat = [funcol.wait_tensor(t) for t in prefetched]
+    return {j: dict(zip(leaves, flat[j * len(leaves) : (j + 1) * len(leaves)])) for j in range(prefetch_step(params, prefetched))}
+
+
+def layer_weights(params: dict[str, Any], prefetched: list[torch.Tensor], mesh: Mesh) -> Callable[[int], Weights]:
+    """The loop's source of weights: ``weights(i)`` is layer ``i``'s full weight dict; ask for ``i = 0, 1, ...`` in order.
+
+    Without layer-sharded series it is ``params["layers"][i]``. With them, asking for layer ``i``
+    issues the broadcasts of layer ``i + k``; asking for the last layer also hands the next step's
+    first ``k`` layers over into ``prefetched`` (in place).
+    """
+    layers = params["layers"]
+    if not series_of(params):
+        return lambda i: layers[i]
+    k = prefetch_step(params, prefetched)
+    ahead = _carried(params, prefetched)
+
+    def weights(i: int) -> Weights:
+        ahead.update(_issue(params, i + k, mesh))
+        layer = layers[i] | ahead.pop(i)
+        if i == len(layers) - 1 and prefetched:  # the next step's first k layers, issued as layers L .. L+k-1
+            prefetched[:] = [w for j in sorted(ahead) for w in ahead[j].values()]
+        return layer
+
+    return weights
+
+
 def start(params: dict[str, Any], mesh: Mesh, k: int) -> list[torch.Tensor]:
-    """The carried state for the first step: layers ``0 .. k-1`` issued now (run on every rank)."""
-    fetched = [issue(params, j, mesh).get(j, {}) for j in range(k)]
+    """The carried state for the first step: layers ``0 .. k-1`` issued now (run on every rank of the axis)."""
+    if not series_of(params):
+        return []
+    fetched = [_issue(params, j, mesh)[j] for j in range(k)]
     return [w[leaf] for w in fetched for leaf in w]
 
 
-def carried(params: dict[str, Any], prefetched: list[torch.Tensor] | None) -> dict[int, Weights]:
-    """The carried weights by layer, each waited on where it is first used (a no-op if already done)."""
-    leaves = list(_series(params))
-    k = prefetch_step(params, prefetched)
-    flat = [funcol.wait_tensor(t) for t in (prefetched or [])]
-    return {j: dict(zip(leaves, flat[j * len(leaves) : (j + 1) * len(leaves)])) for j in range(k)}
-
-
-def hand_over(ahead: dict[int, Weights], prefetched: list[torch.Tensor] | None, num_layers: int) -> None:
-    """Put the next step's first ``k`` layers (issued as layers ``L .. L+k-1``) into ``prefetched``."""
-    if prefetched:
-        prefetched[:] = [w for j in sorted(ahead) if j >= num_layers for w in ahead[j].values()]
-
-
-def drain(prefetched: list[torch.Tensor] | None) -> None:
+def drain(prefetched: list[torch.Tensor]) -> None:
     """Finish the broadcasts still in flight in a state that will not be used again (then empty it)."""
-    for t in prefetched or []:
+    for t in prefetched:
         funcol.wait_tensor(t)
-    if prefetched:
-        prefetched.clear()
+    prefetched.clear()

@@ -1,0 +1,133 @@
+"""Grouped-query attention with rotary embeddings and a static KV cache, tensor-parallel over heads.
+
+``qkv`` is column-parallel with fused blocks ``[q | k | v]`` (KV heads replicated when tp exceeds
+their count), ``o_proj`` row-parallel followed by an all_reduce. The KV cache is donated: each call
+writes its keys and values in place at the query positions. ``kind`` picks how the scores are
+computed: ``"sdpa"`` (``scaled_dot_product_attention``) or ``"math"`` (matmul + softmax, every op of
+which has a GE converter: the torchair path).
+
+What every layer shares in one step (rotary cos / sin, the mask, the cache slots) is computed once
+by :func:`prepare` before the layer loop.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..core.collectives import all_reduce
+from ..core.mesh import Mesh
+from .norm import rms_norm
+
+if TYPE_CHECKING:
+    from .llama import LlamaConfig
+
+__all__ = ["ATTENTION_KINDS", "Step", "local_heads", "inv_freq", "rope", "rotate", "attention_mask", "attend", "prepare",
+           "gqa", "init_kv"]
+
+ATTENTION_KINDS = ("sdpa", "math")
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class Step(NamedTuple):
+    """What every attention layer of one step shares: rotary ``cos``/``sin`` ``[B, 1, S, hd]``, the
+    mask ``[B, 1, S, C]`` and the cache slots the new keys go to ``[B, kv heads, S, hd]``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor
+    slot: torch.Tensor
+
+
+def local_heads(cfg: LlamaConfig, tp: int) -> tuple[int, int]:
+    """(query heads, KV heads) on one tp rank; a KV head is replicated when tp > num_kv_heads."""
+    return cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
+
+
+def inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Rotary inverse frequencies ``[hd / 2]`` with the config's scaling (default, linear, llama3)."""
+    hd = cfg.head_dim
+    freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if cfg.rope_type == "linear":
+        return freq / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        old, lo, hi, factor = cfg.rope_original_max_positions, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > old / lo, freq / factor, freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    return freq
+
+
+def rope(positions: torch.Tensor, cfg: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) ``[B, 1, S, hd]`` for ``positions [B, S]``."""
+    freqs = positions[..., None].float() * inv_freq(cfg).to(positions.device)  # [B, S, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply the rotary embedding to ``x [B, heads, S, hd]`` (the half-split convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attention_mask(positions: torch.Tensor, cache_len: int, window: int | None) -> torch.Tensor:
+    """[B, 1, S, cache_len] boolean: a query at position p sees keys at positions <= p (and > p - window)."""
+    kv = torch.arange(cache_len, device=positions.device)
+    q = positions[:, None, :, None]
+    mask = kv <= q
+    if window is not None:
+        mask = mask & (kv > q - window)
+    return mask
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kind: str = "sdpa") -> torch.Tensor:
+    """Masked attention ``[B, H, S, hd]``: SDPA, or ``"math"`` (matmul + softmax: every op has a GE converter)."""
+    if kind == "sdpa":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    if kind != "math":
+        raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
+    scores = (q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, H, S, C]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+
+
+def prepare(cfg: LlamaConfig, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> Step:
+    """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv``."""
+    b, s = positions.shape
+    cos, sin = rope(positions, cfg, dtype)
+    mask = attention_mask(positions, kv[0].shape[2], cfg.sliding_window)
+    slot = positions[:, None, :, None].expand(b, kv[0].shape[1], s, cfg.head_dim)
+    return Step(cos, sin, mask, slot)
+
+
+def gqa(layer: dict, h: torch.Tensor, step: Step, kv: KV, mesh: Mesh, *, cfg: LlamaConfig, tp: str, kind: str) -> torch.Tensor:
+    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's keys and values into ``kv``."""
+    b, s, _ = h.shape
+    hd = cfg.head_dim
+    nh, nkv = local_heads(cfg, mesh.axis_size(tp))
+    qkv = h @ layer["qkv"].T  # column-parallel: [B, S, (nh + 2 nkv) hd]
+    if "qkv_bias" in layer:
+        qkv = qkv + layer["qkv_bias"]
+    q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1))  # [B, heads, S, hd]
+    if "q_norm" in layer:
+        q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+    q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
+    kv[0].scatter_(2, step.slot, k)
+    kv[1].scatter_(2, step.slot, v)
+    keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
+    attn = attend(q, keys, values, step.mask, kind).transpose(1, 2).reshape(b, s, nh * hd)  # [B, S, nh hd]
+    return all_reduce(attn @ layer["o_proj"].T, mesh, tp)  # row-parallel
+
+
+def init_kv(cfg: LlamaConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:
+    """A zeroed static KV cache: per layer ``(k, v)`` of shape ``[batch, local KV heads, max_seq_len, head_dim]``."""
+    _, kv = local_heads(cfg, mesh.axis_size(tp))
+    shape = (batch, kv, max_seq_len, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]

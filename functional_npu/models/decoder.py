@@ -1,0 +1,88 @@
+"""The decoder, written once: one layer loop over a family's choice of blocks.
+
+**Params** (the one form every family, loader and transform uses) are a dict of this rank's local
+shards plus static nodes that ride along with no leaves::
+
+    {"config": <family config>,                  # static: LlamaConfig, MoeConfig, ...
+     "embed": [V/tp, D], "norm": [D], "lm_head": [V/tp, D] (untied only),
+     "layers": [{leaf: tensor, ...}, ...],       # one dict per layer; which leaves is the family's choice
+     "series": {leaf: [owned layers, ...]},      # layer-sharded leaves, stacked (only when layer-sharded)
+     "layer_shard": LayerShard}                  # static: which leaves, over which axis (likewise)
+
+A layer-sharded leaf is absent from ``params["layers"]`` and lives in ``params["series"]`` (see
+:mod:`functional_npu.parallel.layer_shard`); where each layer's weights come from, local or
+prefetched from their owner ``k`` layers ahead, is :func:`functional_npu.parallel.prefetch.layer_weights`.
+
+**State** is one :class:`DecodeState`: the KV cache and the carried prefetch buffers.
+
+**The forward's contract** (:func:`forward`): ``logits [B, S, V]`` for ``tokens [B, S]`` at absolute
+``positions [B, S]`` (a decode step is ``S == 1`` with each sequence's own position). The state is
+donated and updated in place: each layer writes its keys and values into ``state.kv`` at
+``positions``, and ``state.prefetched`` is replaced by the next step's first ``k`` layers' weights.
+Padded slots may hold garbage at positions a query never sees. Every rank of a mesh axis that the
+step communicates over (tp, expert axes, a layer-sharded series axis) must make the same calls.
+
+**Blocks** (:class:`Blocks`): a family is a choice of blocks bound to its config and tensor-parallel
+axis. Adding an attention or FFN kind is one new block function, not a copy of this loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.mesh import Mesh
+from ..parallel.prefetch import layer_weights
+from .norm import rms_norm
+
+__all__ = ["Blocks", "DecodeState", "decode"]
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecodeState(NamedTuple):
+    """Everything a step carries to the next: ``kv`` (per layer ``(k, v)``, written in place) and
+    ``prefetched`` (the first ``k`` layers' layer-sharded weights, in flight; empty without prefetch)."""
+
+    kv: list[KV]
+    prefetched: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A family's blocks for one config, as the layer loop calls them.
+
+    Attributes:
+        embed: ``(params, tokens, mesh) -> x [B, S, D]``.
+        prepare: ``(positions, kv of layer 0, dtype) -> step``: what every attention layer shares.
+        attention: ``(layer, h, step, kv, mesh, kind) -> residual update``; writes ``kv`` in place.
+        ffn: per layer, ``(layer, h, mesh) -> residual update`` (a dense MLP, an MoE, ...).
+        head: ``(params, x, mesh) -> logits [B, S, V]``.
+        init_kv: ``(mesh, batch, max_seq_len, dtype) -> kv``: the attention kind's zeroed cache.
+        eps: the pre-norms' epsilon (``attn_norm`` before attention, ``mlp_norm`` before the FFN).
+    """
+
+    embed: Callable[..., torch.Tensor]
+    prepare: Callable[..., Any]
+    attention: Callable[..., torch.Tensor]
+    ffn: Sequence[Callable[..., torch.Tensor]]
+    head: Callable[..., torch.Tensor]
+    init_kv: Callable[..., list[KV]]
+    eps: float
+
+
+def decode(
+    params: dict, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, mesh: Mesh, *, blocks: Blocks, attention: str = "sdpa"
+) -> torch.Tensor:
+    """The forward through ``blocks`` (see the module docstring for the contract)."""
+    x = blocks.embed(params, tokens, mesh)  # [B, S, D]
+    step = blocks.prepare(positions, state.kv[0], x.dtype)
+    weights = layer_weights(params, state.prefetched, mesh)
+    for i, kv in enumerate(state.kv):
+        layer = weights(i)
+        x = x + blocks.attention(layer, rms_norm(x, layer["attn_norm"], blocks.eps), step, kv, mesh, kind=attention)
+        x = x + blocks.ffn[i](layer, rms_norm(x, layer["mlp_norm"], blocks.eps), mesh)
+    return blocks.head(params, x, mesh)

@@ -1,0 +1,140 @@
+"""The mixture-of-experts feed-forward block: routing, experts stacked over slots, expert parallelism.
+
+An MoE layer holds a router and experts stacked over ``S`` physical slots::
+
+    {"router": [E, D], "experts_gate_up": [S, 2F, D], "experts_down": [S, D, F], "expert_map": int64 [E, C]}
+
+``expert_map[e]`` lists the slots holding logical expert ``e`` (padded with -1); without redundant
+experts ``S == E`` and the map is ``arange(E)[:, None]``. A token routed to ``e`` uses copy
+``t % copies(e)`` where ``t`` is its index among the tokens this rank dispatches. The map is a
+tensor input, so a rebalance changes values without recompiling (``S`` and ``C`` are static).
+
+Experts are sharded on dim 0 over ``cfg.expert_axes`` (each rank holds ``S / ep`` consecutive slots).
+If the tensor-parallel axis is not an expert axis, each expert is also tensor-parallel over it
+(``[gate|up]`` column-parallel, ``down`` row-parallel + all_reduce). Tokens are exchanged over the
+expert axes with static shapes and nothing is ever dropped: the sender routes and ``all_to_all``\\ s
+its tokens and routing to every expert rank, results come back by the inverse ``all_to_all``; at or
+below ``dispatch_threshold`` tokens per rank (decode) the tokens are ``all_gather``\\ ed instead, every
+rank routes all of them and computes its slots' share, and ``reduce_scatter`` returns each rank's
+sums. When the tp axis is an expert axis the tokens, identical on the tp ranks after attention, are
+first split over it and gathered back after.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
+from ..core.mesh import Mesh
+
+if TYPE_CHECKING:
+    from .moe import MoeConfig
+
+__all__ = ["route", "local_experts", "moe_ffn"]
+
+
+def route(logits: torch.Tensor, cfg: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, logical experts [T, k]) from router logits [T, E].
+
+    Both families: softmax over all experts in float32, top-k; then renormalize over the k when
+    ``norm_topk_prob`` (Qwen3-MoE's flag; Mixtral always, which equals a softmax over the top-k logits).
+    """
+    weights, experts = logits.float().softmax(-1).topk(cfg.top_k, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, experts
+
+
+def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, physical slots), both [T, k], for tokens ``x [T, D]`` with dispatch indices ``index [T]``."""
+    weights, experts = route(x @ layer["router"].T, cfg)
+    table = layer["expert_map"]
+    if table.shape[1] == 1:
+        return weights, table[experts, 0]
+    copies = (table >= 0).sum(-1)  # [E]
+    return weights, table[experts, index[:, None] % copies[experts]]
+
+
+def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``sum_k weights[:, k] * expert[ids[:, k]](x)`` over this rank's slots; ``ids`` -1 (another rank's slot) adds nothing.
+
+    x: [N, D]; ids, weights: [N, k]; gate_up: [S_local, 2F, D]; down: [S_local, D, F] -> [N, D]. Static shapes
+    either way (chosen by size): with fewer routed rows than local experts (decode) each row reads only its
+    k experts' weights; otherwise every local expert runs on every row as one batched matmul, a row's
+    weight being 0 for the slots it was not routed to. Neither graph grows with the expert count.
+    """
+    n, k = ids.shape
+    if n * k < gate_up.shape[0]:
+        chosen = ids.clamp(min=0)  # a -1 reads slot 0 and is weighted 0
+        w = torch.where(ids >= 0, weights, 0.0).to(x.dtype)  # [N, k]
+        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up[chosen]).chunk(2, dim=-1)  # [N, k, F] each
+        y = torch.einsum("nkf,nkdf->nkd", F.silu(gate) * up, down[chosen])  # [N, k, D]
+        return (y * w[..., None]).sum(1)
+    slots = torch.arange(gate_up.shape[0], device=x.device)
+    w = (weights[None] * (ids[None] == slots[:, None, None])).sum(-1).to(x.dtype)  # [S_local, N]
+    gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [S_local, N, F] each
+    y = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))  # [S_local, N, D]
+    return (y * w[..., None]).sum(0)
+
+
+def _gathered(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int) -> torch.Tensor:
+    """Small batches: all_gather the tokens, each rank computes its slots' share, reduce_scatter back."""
+    t = x.shape[0]
+    xa = all_gather(x, mesh, cfg.expert_axes, dim=0)  # [n t, D]
+    weights, slots = _slots(xa, layer, cfg, torch.arange(n * t, device=x.device) % t)
+    per = layer["experts_gate_up"].shape[0]
+    ids = torch.where(slots // per == mesh.axis_index(cfg.expert_axes), slots % per, -1)
+    part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
+    return reduce_scatter(part, mesh, cfg.expert_axes, dim=0)  # [t, D]
+
+
+def _dispatched(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int) -> torch.Tensor:
+    """Larger batches: route here, all_to_all tokens + routing to the expert ranks, inverse all_to_all back.
+
+    Static shapes with no dropped token mean a capacity of all ``t`` tokens per destination, so the tokens
+    move as many bytes as in :func:`_gathered`; this path routes each token once (by its sender) instead of
+    on every rank, at the price of one more collective (the routing).
+    """
+    (t, d), k = x.shape, cfg.top_k
+    weights, slots = _slots(x, layer, cfg, torch.arange(t, device=x.device))
+    per = layer["experts_gate_up"].shape[0]
+    owner = torch.arange(n, device=x.device)[:, None, None]
+    ids = torch.where(slots[None] // per == owner, slots[None] % per, -1)  # [n, t, k]: slot ids on rank j
+    meta = torch.cat([ids.float(), weights[None].expand(n, t, k)], dim=-1)  # [n, t, 2k], ids exact in float32
+    rx = all_to_all_single(x[None].expand(n, t, d).reshape(n * t, d), mesh, cfg.expert_axes)  # [n t, D] by source
+    rmeta = all_to_all_single(meta.reshape(n * t, 2 * k), mesh, cfg.expert_axes)
+    part = local_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], layer["experts_gate_up"], layer["experts_down"])
+    back = all_to_all_single(part, mesh, cfg.expert_axes)  # [n t, D]: each expert rank's share of my tokens
+    return back.view(n, t, d).sum(0)
+
+
+def _exchange(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh) -> torch.Tensor:
+    """The experts' output for tokens ``x [T, D]``: local, or exchanged over the expert axes by batch size."""
+    n = mesh.axis_size(cfg.expert_axes) if cfg.expert_axes else 1
+    if n == 1:
+        weights, slots = _slots(x, layer, cfg, torch.arange(x.shape[0], device=x.device))
+        return local_experts(x, slots, weights, layer["experts_gate_up"], layer["experts_down"])
+    if x.shape[0] <= cfg.dispatch_threshold:
+        return _gathered(x, layer, cfg, mesh, n)
+    return _dispatched(x, layer, cfg, mesh, n)
+
+
+def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: MoeConfig, tp: str) -> torch.Tensor:
+    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp`` like a dense MLP's."""
+    b, s, d = h.shape
+    x = h.reshape(b * s, d)
+    expert_tp = tp not in cfg.expert_axes
+    split = not expert_tp and mesh.axis_size(tp) > 1
+    if split:  # tokens are identical on the tp ranks: each dispatches its own 1/tp of them
+        size, total = mesh.axis_size(tp), x.shape[0]
+        per = -(-total // size)
+        x = F.pad(x, (0, 0, 0, per * size - total)).narrow(0, mesh.axis_index(tp) * per, per)
+    y = _exchange(x, layer, cfg, mesh)
+    if split:
+        y = all_gather(y, mesh, tp, dim=0)[:total]
+    if expert_tp:
+        y = all_reduce(y, mesh, tp)  # each expert's down projection is row-parallel
+    return y.view(b, s, d)
