@@ -7,7 +7,7 @@ broadcasts and the carried weights in program order.
 
 For every artifact ``graphs/<family>-tp<N>-<phase>/``: ``census.json`` (op -> count),
 ``collectives.json`` (the ordered collective schedule: op, mesh axis, bytes), ``summary.json``
-(graph breaks, node count) and ``graph.txt`` (the FX graph). ``python -m functional_npu graphs``
+(node and collective counts) and ``graph.txt`` (the FX graph). ``python -m functional_npu graphs``
 regenerates them; ``--check`` (and the test suite) fails on drift that was not regenerated.
 """
 
@@ -25,7 +25,7 @@ import torch
 from ..parallel import prefetch
 from ..runtime.launch import LocalWorld, RankContext
 from ..parallel.layer_shard import layer_shard, series_specs, stack_series
-from ..models import family_of, llama, moe
+from ..models import family_of, forward, init_state, llama, moe
 from ..core.shard import shard
 
 __all__ = ["GRAPH_CONFIGS", "capture_artifacts", "write_artifacts", "diff_artifacts", "regenerate"]
@@ -55,7 +55,7 @@ def _capture(family: str, phase: str, ctx: RankContext, tp: int, series: str | N
     mesh = ctx.mesh({"tp": tp} if series is None else {"dp": ctx.world_size, "tp": 1})
     cfg = GRAPH_CONFIGS[family]
     model = family_of(cfg)
-    full, specs, state = model.init_params(cfg, seed=0), model.param_specs(cfg), None
+    full, specs = model.init_params(cfg, seed=0), model.param_specs(cfg)
     if series is not None:
         ls = layer_shard(series, "dp")
         full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
@@ -70,13 +70,12 @@ def _capture(family: str, phase: str, ctx: RankContext, tp: int, series: str | N
     if not mesh.is_abstract:
         mesh.init_groups()
     torch._dynamo.reset()
-    fn = torch.compile(functools.partial(model.forward, attention="math"), backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
+    fn = torch.compile(functools.partial(forward, attention="math"), backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
     positions = torch.arange(s).expand(b, s) if phase == "prefill" else torch.full((b, 1), 5)
-    if series is not None:
-        state = prefetch.start(params, mesh, 1)
+    state = init_state(cfg, mesh, b, CACHE_LEN)._replace(prefetched=prefetch.start(params, mesh, 1 if series else 0))
     with torch.no_grad():
-        fn(params, torch.ones(b, s, dtype=torch.long), positions, model.init_cache(cfg, mesh, b, CACHE_LEN), mesh, state)
-    prefetch.drain(state)
+        fn(params, torch.ones(b, s, dtype=torch.long), positions, state, mesh)
+    prefetch.drain(state.prefetched)
     if len(graphs) != 1:  # pragma: no cover - fullgraph=True makes a break an error first
         raise RuntimeError(f"{family} {phase}: expected one graph, captured {len(graphs)}")
     return graphs[0]
@@ -97,7 +96,7 @@ def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[
     return {
         "census.json": dict(sorted(census.items())),
         "collectives.json": schedule,
-        "summary.json": {"graph_breaks": 0, "nodes": len(gm.graph.nodes), "collectives": len(schedule)},
+        "summary.json": {"nodes": len(gm.graph.nodes), "collectives": len(schedule)},
         "graph.txt": text,
     }
 

@@ -1,24 +1,30 @@
 """One rank's generation job, shared by the CLI's local ranks and torchrun: load, compile, generate.
 
 Prompts are dealt to data-parallel ranks round-robin (prompt ``i`` to dp index ``i % dp``); the
-caller puts the results back in prompt order with :func:`in_prompt_order`. When the experts of an MoE
-model are sharded over ``dp`` the expert exchange spans dp ranks, so every rank runs the same steps on
-the same shapes: its batch is padded with dummy prompts to the same count and width everywhere.
+caller puts the results back in prompt order with :func:`in_prompt_order`. When ranks share
+collective steps across dp (the experts of an MoE model sharded over ``dp``, or weights layer-sharded
+over an axis) they run in lockstep (:class:`functional_npu.runtime.generate.Lockstep`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-
+from ..core.mesh import Mesh
+from ..parallel.layer_shard import LayerShard
 from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import cache_length, compile_model
-from ..runtime.generate import greedy_generate
+from ..runtime.generate import Lockstep
 from ..runtime.launch import RankContext
-from ..parallel.layer_shard import LayerShard
+
+
+def _in_lockstep(mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None) -> bool:
+    """Whether the dp ranks share collective steps (their prompts differ, so their steps must be aligned)."""
+    if layer_shard is not None and mesh.axis_size(layer_shard.axis) > 1:
+        return True
+    return "dp" in expert_axes and mesh.axis_size("dp") > 1
 
 
 def generate_on_rank(
@@ -35,45 +41,26 @@ def generate_on_rank(
     layer_shard: LayerShard | None = None,
     prefetch_step: int = 0,
 ) -> dict[str, Any]:
-    """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the compiled model to time it warm.
+    """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
+    ``backend``: any of :data:`functional_npu.runtime.backends.BACKENDS` (``"none"``: the plain forward).
     ``expert_axes``: shard an MoE model's experts over these mesh axes (expert parallelism).
-    ``layer_shard``: every rank of its axis shares each weight broadcast, so ranks with fewer prompts
-    run dummy steps until the busiest one is done.
+    ``layer_shard``: layer-shard these weight series, fetched ``prefetch_step`` layers ahead.
     """
     mesh = ctx.mesh(axes)
     t0 = time.perf_counter()
     params = load_checkpoint(model_dir, mesh, expert_axes=expert_axes, layer_shard=layer_shard)
-    t_load = time.perf_counter() - t0
-    dp, index = mesh.axis_size("dp"), mesh.axis_index("dp")
-    mine = list(range(index, len(prompts), dp))
-    longest = max((len(prompts[i]) for i in mine), default=1)
-    timings: dict[str, float] = {"load_s": t_load}
+    timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
+    dp = mesh.axis_size("dp")
+    mine = list(range(mesh.axis_index("dp"), len(prompts), dp))
     batch = [prompts[i] for i in mine]
-    shapes: dict[str, Any] = {}
-    if "dp" in expert_axes:  # lockstep over dp: same prompt count and width on every rank, dummies dropped after
-        longest = max(len(p) for p in prompts)
-        batch += [[0]] * (-(-len(prompts) // dp) - len(batch)) + [[0] * longest]
-        shapes = {"prefill_lengths": (longest,), "batch_sizes": (min(len(batch), 8),)}
-    lockstep = layer_shard is not None and mesh.axis_size(layer_shard.axis) > 1
-    busiest = math.ceil(len(prompts) / dp)  # prompts of the dp rank dealt the most
-    if backend == "none":  # the plain eager forward, no compile_model
-        def run() -> list[list[int]]:
-            if not batch:  # a rank with no prompts still takes its part in every broadcast
-                greedy_generate(params, [[0]], max_new_tokens, mesh, prefetch_step=prefetch_step)
-                return []
-            return greedy_generate(params, batch, max_new_tokens, mesh, prefetch_step=prefetch_step)[: len(mine)]
-    else:
-        model = compile_model(params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens), prefetch_step=prefetch_step, **shapes)
-        chunks = math.ceil(busiest / model.batch_sizes[-1]) if lockstep else 0
-
-        def run() -> list[list[int]]:
-            return model.generate(batch, max_new_tokens, **(sampling or {}), lockstep_chunks=chunks)[: len(mine)]
-
+    longest = max(len(p) for p in prompts)
+    model = compile_model(params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens), prefetch_step=prefetch_step)
+    lockstep = Lockstep.over(len(prompts), dp, longest, model.batch_sizes) if _in_lockstep(mesh, expert_axes, layer_shard) else None
     tokens: list[list[int]] = []
     for r in range(repeat):
         t0 = time.perf_counter()
-        tokens = run() if batch or lockstep else []
+        tokens = model.generate(batch, max_new_tokens, **(sampling or {}), lockstep=lockstep) if batch or lockstep else []
         timings["first_generate_s" if r == 0 else "generate_s"] = time.perf_counter() - t0
     timings.setdefault("generate_s", timings["first_generate_s"])
     return {"indices": mine, "tokens": tokens, "timings": timings, "tp_index": mesh.axis_index("tp")}

@@ -1,7 +1,8 @@
 """The one place that picks and configures the compiler.
 
 ``"auto"`` is torchair on a working Ascend NPU, inductor on CPU and CUDA ("reduce-overhead", i.e.
-CUDA graphs, on CUDA); ``"eager"`` and ``"aot_eager"`` are for debugging. NPU detection imports
+CUDA graphs, on CUDA); ``"eager"`` and ``"aot_eager"`` are for debugging; ``"none"`` runs the plain
+Python forward with no ``torch.compile`` at all. NPU detection imports
 ``torch_npu`` inside a try that catches anything (torch-npu without CANN fails at import) and
 never trusts ``"npu" in torch._dynamo.list_backends()``. NPU-only scheduling hints go through
 the shims at the bottom, which do nothing elsewhere.
@@ -22,7 +23,7 @@ __all__ = ["Backend", "BACKENDS", "resolve_backend", "npu_status", "npu_stream_s
 
 log = logging.getLogger("functional_npu")
 
-BACKENDS = ("auto", "inductor", "torchair", "eager", "aot_eager")
+BACKENDS = ("auto", "inductor", "torchair", "eager", "aot_eager", "none")
 TORCHAIR_MODES = ("max-autotune", "reduce-overhead")  # GE graph mode, captured (aclgraph) mode
 
 
@@ -30,7 +31,7 @@ TORCHAIR_MODES = ("max-autotune", "reduce-overhead")  # GE graph mode, captured 
 class Backend:
     """A resolved compiler choice: what to pass to ``torch.compile``."""
 
-    name: str  # "torchair" | "inductor" | "eager" | "aot_eager"
+    name: str  # "torchair" | "inductor" | "eager" | "aot_eager" | "none"
     device_type: str  # "npu" | "cuda" | "cpu"
     mode: str | None = None
     compiler: Any = field(default=None, repr=False)  # the torch.compile backend (callable or name)
@@ -41,6 +42,8 @@ class Backend:
         ``inductor_options`` are inductor config entries for this compile only (ignored by other
         backends); the mode's own entries are merged in, since ``torch.compile`` takes one or the other.
         """
+        if self.name == "none":
+            return fn
         kwargs: dict[str, Any] = {"fullgraph": True, "backend": self.compiler}
         if self.name == "inductor" and inductor_options:
             from torch._inductor import list_mode_options
@@ -103,8 +106,8 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
             log.warning("functional_npu: no usable NPU (%s); using inductor", why)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if name in ("eager", "aot_eager"):
-        return Backend(name, device_type, None, name)
+    if name in ("eager", "aot_eager", "none"):
+        return Backend(name, device_type, None, None if name == "none" else name)
     return Backend("inductor", device_type, mode or ("reduce-overhead" if device_type == "cuda" else None), "inductor")
 
 

@@ -1,67 +1,114 @@
-"""Greedy generation over a model family's ``forward``: one padded prefill, then decode steps.
+"""The one generation path: chunks of prompts, a padded prefill, decode steps, sampling, lockstep.
 
-Prompts of different lengths are right-padded into one batch; each sequence decodes at its own
-position, so a padded batch gives the same tokens as running each prompt alone.
+Every way to generate (``CompiledModel.generate`` under any backend, :func:`~functional_npu.greedy_generate`,
+the CLI's ranks) runs :func:`generate` over a model's ``new_state`` / ``prefill`` / ``decode``. Prompts
+of different lengths are right-padded into one batch; each sequence decodes at its own position, so
+a padded batch gives the same tokens as running each prompt alone.
+
+Ranks that share a collective step (the ranks of a layer-sharded series axis share every weight
+broadcast; the ranks of an expert axis exchange tokens) must make the same calls with the same
+shapes. :class:`Lockstep` says how: every such rank runs the same number of chunks of the same batch
+and prompt-length bucket, filling with dummy one-token prompts whose results are dropped.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from ..parallel import prefetch
-from ..core.mesh import Mesh
-from ..models import family_of
-from ..parallel.prefetch import check_prefetch_step
+from ..models.decoder import DecodeState
+from ..parallel.prefetch import drain
 
-__all__ = ["greedy_generate"]
+__all__ = ["Lockstep", "generate", "sampler"]
 
 
-def greedy_generate(
-    params: dict,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    mesh: Mesh,
-    *,
-    forward: Callable[..., torch.Tensor] | None = None,
-    max_seq_len: int | None = None,
-    prefetch_step: int = 0,
-) -> list[list[int]]:
-    """Greedy continuation of each prompt: ``max_new_tokens`` token ids per prompt.
+class Model(Protocol):
+    """What generation needs of a model (:class:`~functional_npu.runtime.compile.CompiledModel`)."""
 
-    Args:
-        params: local params with ``params["config"]`` (from ``load_checkpoint`` or ``shard``).
-        prompts: token id lists, any lengths >= 1.
-        forward: the family's forward or a compiled version of it (default: the family's forward).
-        max_seq_len: KV-cache length (default: longest prompt + max_new_tokens).
-        prefetch_step: for layer-sharded params, fetch layer ``l + k``'s weights during layer ``l``
-            (eager broadcasts overlap until first use); 0 is synchronous.
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("greedy_generate: every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"greedy_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-    cfg = params["config"]
-    lens = torch.tensor([len(p) for p in prompts])
-    batch, width = len(prompts), int(lens.max())
-    total = max_seq_len or width + max_new_tokens
-    if width + max_new_tokens > total:
-        raise ValueError(f"greedy_generate: prompts of {width} tokens + {max_new_tokens} new need max_seq_len >= {width + max_new_tokens}, got {total}")
-    tokens = torch.zeros(batch, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
-    dtype = params["embed"].dtype
-    family = family_of(cfg)
-    forward = forward or family.forward
-    cache = family.init_cache(cfg, mesh, batch, total, dtype)
-    state = prefetch.start(params, mesh, check_prefetch_step(prefetch_step, cfg.num_layers)) if prefetch_step else None
-    logits = forward(params, tokens, torch.arange(width).expand(batch, width), cache, mesh, state)
-    step = logits[torch.arange(batch), lens - 1].argmax(-1)  # [B]
-    out, pos = [step], lens.clone()
-    for _ in range(max_new_tokens - 1):
-        step = forward(params, step[:, None], pos[:, None], cache, mesh, state)[:, -1].argmax(-1)
+    batch_sizes: tuple[int, ...]
+    max_seq_len: int
+
+    def new_state(self, batch: int) -> DecodeState: ...
+    def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor: ...
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Lockstep:
+    """Every rank of a group runs ``chunks`` chunks of ``batch`` rows, prefilled at the bucket of ``prompt_len``."""
+
+    chunks: int
+    batch: int
+    prompt_len: int
+
+    @staticmethod
+    def over(prompts: int, ranks: int, longest: int, batch_sizes: Sequence[int]) -> Lockstep:
+        """The lockstep of ``prompts`` prompts dealt round-robin to ``ranks`` ranks (the busiest one sets it)."""
+        busiest = max(1, math.ceil(prompts / ranks))
+        width = max(batch_sizes)
+        batch = min(b for b in batch_sizes if b >= min(busiest, width))
+        return Lockstep(math.ceil(busiest / width), batch, max(1, longest))
+
+
+def sampler(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Logits ``[B, V]`` -> token ids ``[B]``: argmax when ``temperature == 0``, else seeded top-k / top-p sampling."""
+    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError(f"sampling: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    if temperature == 0:
+        return lambda logits: logits.argmax(-1)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float() / temperature
+        if top_k is not None:
+            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p is not None:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix with mass >= top_p
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+
+    return sample
+
+
+def _chunk(model: Model, rows: Sequence[Sequence[int]], new: int, pick: Callable[[torch.Tensor], torch.Tensor], length: int) -> list[list[int]]:
+    """``new`` tokens for each row of one batch: one prefill into a fresh state, then ``new - 1`` decode steps."""
+    state = model.new_state(len(rows))
+    step = pick(model.prefill(rows, state, length=length))
+    pos, steps = torch.tensor([len(p) for p in rows]), [step]
+    for _ in range(new - 1):
+        step = pick(model.decode(step, pos, state))
         pos = pos + 1
-        out.append(step)
-    prefetch.drain(state)
-    return torch.stack(out, dim=1).tolist()
+        steps.append(step)
+    drain(state.prefetched)
+    return torch.stack(steps, dim=1).tolist()
+
+
+def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, lockstep: Lockstep | None = None, **sampling: Any) -> list[list[int]]:
+    """``max_new_tokens`` new ids per prompt, in chunks of the largest batch bucket (or ``lockstep.batch``).
+
+    ``sampling``: ``temperature``, ``top_k``, ``top_p``, ``seed`` (see :func:`sampler`).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest = max([len(p) for p in prompts] + [lockstep.prompt_len if lockstep else 0])
+    if longest + max_new_tokens > model.max_seq_len:
+        raise ValueError(f"generate: {longest} prompt tokens + {max_new_tokens} new exceed max_seq_len {model.max_seq_len}")
+    pick = sampler(**sampling)
+    width = lockstep.batch if lockstep else model.batch_sizes[-1]
+    chunks = [list(prompts[i : i + width]) for i in range(0, len(prompts), width)]
+    if lockstep is not None:
+        if len(chunks) > lockstep.chunks:
+            raise ValueError(f"generate: {len(prompts)} prompts need {len(chunks)} chunks of {width}, more than the lockstep's {lockstep.chunks}")
+        chunks += [[]] * (lockstep.chunks - len(chunks))
+    out: list[list[int]] = []
+    for chunk in chunks:
+        rows = chunk + [[0]] * (width - len(chunk)) if lockstep else chunk  # dummies keep the group's shapes
+        out += _chunk(model, rows, max_new_tokens, pick, lockstep.prompt_len if lockstep else 0)[: len(chunk)]
+    return out
