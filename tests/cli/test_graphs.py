@@ -8,7 +8,7 @@ import pytest
 from functional_npu.cli.graphs import GRAPH_CONFIGS, PHASES, TP_SIZES, regenerate
 from functional_npu.models import llama, moe
 
-ROOT = Path(__file__).resolve().parents[1] / "graphs"
+ROOT = Path(__file__).resolve().parents[2] / "graphs"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from functional_npu import Block, Layout, LayoutError, Mesh, fused, local_shape,
 from functional_npu.core.layout import Cyclic, Shard
 from functional_npu.core.tree import flatten_with_paths
 
-from .strategies import leaf_case, make_tensor, mesh_axes
+from ..support.strategies import leaf_case, make_tensor, mesh_axes
 
 
 @st.composite

@@ -8,7 +8,7 @@ import torch
 
 from functional_npu.cli.main import main
 
-from .hf_models import save_tiny, save_tiny_moe
+from ..support.hf_models import save_tiny, save_tiny_moe
 from .test_cli import _cli
 
 

@@ -6,7 +6,7 @@ from hypothesis import given
 
 from functional_npu import Mesh
 
-from .strategies import mesh_axes
+from ..support.strategies import mesh_axes
 
 
 def test_row_major_coordinates():

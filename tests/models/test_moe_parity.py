@@ -11,8 +11,8 @@ tp = 2 (Qwen3-MoE), covering both dispatch paths and the token split over tp; th
 import pytest
 import torch
 
-from .hf_models import MOE_FAMILIES, save_tiny_moe
-from .workers import moe_generate
+from ..support.hf_models import MOE_FAMILIES, save_tiny_moe
+from ..support.workers import moe_generate
 
 PROMPT_LENS = (5, 12, 9)
 NEW = 16

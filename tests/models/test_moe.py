@@ -14,8 +14,8 @@ from functional_npu.models import family_of, moe
 from functional_npu.core.shard import leaf_specs, shard
 from functional_npu.core.tree import flatten_with_paths
 
-from .hf_models import MOE_COMMON, MOE_FAMILIES, save_tiny_moe
-from .workers import redundant_placement
+from ..support.hf_models import MOE_COMMON, MOE_FAMILIES, save_tiny_moe
+from ..support.workers import redundant_placement
 
 
 @pytest.fixture(scope="module")

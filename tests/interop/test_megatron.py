@@ -20,8 +20,8 @@ from functional_npu.interop.megatron import (
 )
 from functional_npu.models.llama import LlamaConfig, init_params, param_specs
 
-from .hf_models import COMMON
-from .reshard_workers import megatron_parity
+from ..support.hf_models import COMMON
+from ..support.reshard_workers import megatron_parity
 
 CFG = LlamaConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
                   num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, qk_norm=True)

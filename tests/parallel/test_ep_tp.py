@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from functional_npu import Mesh, ep_to_tp, expert_layouts, fused, shard, sharded, tp_to_ep, unshard
 from functional_npu.parallel.ep_tp import _pack, _unpack
 
-from .strategies import make_tensor
+from ..support.strategies import make_tensor
 
 NAMES = ("experts_gate_up", "experts_down")
 

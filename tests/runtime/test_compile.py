@@ -9,7 +9,7 @@ from functional_npu import Mesh, compile_model, load_checkpoint, shard
 from functional_npu.runtime.compile import GraphBreakError
 from functional_npu.models import llama
 
-from .hf_models import save_tiny
+from ..support.hf_models import save_tiny
 
 PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]
 NEW = 8

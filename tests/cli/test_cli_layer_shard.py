@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from .hf_models import save_tiny
+from ..support.hf_models import save_tiny
 from .test_cli import _cli
 from .test_cli_moe import _refused
 

@@ -9,7 +9,7 @@ from functional_npu import Mesh, default_placement, plan_rebalance, rank_program
 from functional_npu.parallel.eplb import _assemble, _send_rows
 from functional_npu.core.tree import flatten_with_paths
 
-from .eplb_workers import expert_weights, moe_params, placed
+from ..support.eplb_workers import expert_weights, moe_params, placed
 
 
 @st.composite

@@ -22,8 +22,8 @@ from functional_npu.parallel.layer_shard import (
 from functional_npu.models import llama
 from functional_npu.cli.timeline import prefetch_timeline
 
-from .hf_models import save_tiny
-from .prefetch_workers import decode_code, generate_layer_sharded
+from ..support.hf_models import save_tiny
+from ..support.prefetch_workers import decode_code, generate_layer_sharded
 
 LAYERS = 6
 PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]

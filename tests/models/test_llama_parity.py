@@ -4,8 +4,8 @@ loaded at tp = 1, 2, 4 (gloo), prefill logits (1e-4 abs) and 16 greedy tokens, e
 import pytest
 import torch
 
-from .hf_models import FAMILIES, save_tiny
-from .workers import llama_generate
+from ..support.hf_models import FAMILIES, save_tiny
+from ..support.workers import llama_generate
 
 PROMPT_LENS = (5, 12, 9)
 NEW = 16

@@ -5,7 +5,7 @@ import torch
 
 from functional_npu import Mesh, all_reduce, broadcast, permute
 
-from .workers import collectives_program, x_of
+from ..support.workers import collectives_program, x_of
 
 AXES = {"dp": 2, "tp": 2}
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from .hf_models import save_tiny
+from ..support.hf_models import save_tiny
 
 
 def _cli(*args: str, timeout: float = 900):

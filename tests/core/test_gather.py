@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from functional_npu import Block, Layout, fused, replicated, sharded
 from functional_npu.core.layout import Cyclic, Shard
 
-from .strategies import leaf_case, mesh_axes
-from .workers import gather_roundtrip
+from ..support.strategies import leaf_case, mesh_axes
+from ..support.workers import gather_roundtrip
 
 
 @st.composite

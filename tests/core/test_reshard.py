@@ -12,8 +12,8 @@ from functional_npu import Block, Layout, LayoutError, Mesh, cyclic, fused, plan
 from functional_npu.core.layout import Cyclic, Shard, validate
 from functional_npu.core.reshard import simulate
 
-from .reshard_workers import reshard_case
-from .strategies import make_tensor, mesh_axes
+from ..support.reshard_workers import reshard_case
+from ..support.strategies import make_tensor, mesh_axes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 

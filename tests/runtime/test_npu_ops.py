@@ -4,7 +4,7 @@
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPS = json.loads((ROOT / "functional_npu" / "data" / "torchair_ops.json").read_text())
 
 

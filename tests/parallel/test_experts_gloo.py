@@ -9,8 +9,8 @@ checked against torchair's working converters (NPU convertibility without an NPU
 import pytest
 import torch
 
-from .eplb_workers import ep_tp_program, rebalance_program
-from .test_npu_ops import OPS
+from ..support.eplb_workers import ep_tp_program, rebalance_program
+from ..runtime.test_npu_ops import OPS
 
 AXES = {"dp": 2, "tp": 2}
 OLD2, NEW2 = [[[0, 1, 2], [3, 4, 0]]] * 2, [[[0, 1, 3], [3, 4, 2]], [[4, 1, 2], [0, 4, 3]]]  # 0 hot; 2, 3, 4 doubled; local permutes
