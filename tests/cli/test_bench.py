@@ -1,8 +1,8 @@
-"""The scoreboard's arithmetic (timings themselves are reported by `python -m functional_npu bench`, never asserted)."""
+"""The scoreboard's arithmetic, timed on a fake clock (real timings are reported by `python -m functional_npu bench`, never asserted)."""
 
 import torch
 
-from functional_npu.cli.bench import FULL, QUICK, _rates, decode_bytes_per_token, matvec_bandwidth
+from functional_npu.cli.bench import FULL, QUICK, _rates, best_time, decode_bytes_per_token
 
 
 def test_decode_bytes_per_token_counts_every_weight_but_the_embedding_table():
@@ -21,17 +21,34 @@ def test_bench_model_is_in_the_issue_size_range():
     assert 50e6 <= n <= 100e6
 
 
+class FakeClock:
+    """A clock that only moves when a timed call says how long it took."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_best_time_is_the_fastest_run():
+    clock, took = FakeClock(), iter([0.75, 0.25, 0.5])
+
+    def fn():
+        clock.now += next(took)
+
+    assert best_time(fn, 3, clock=clock) == 0.25
+    assert next(took, None) is None  # fn ran exactly repeat times
+
+
 def test_rates_separate_decode_from_prefill():
-    fake = {1: 0.5, 9: 0.9}  # 1 token: prefill only; 8 more decode steps take 0.4 s
+    """1 new token is prefill only (best 0.5 s for 10 prompt tokens); 8 more decode steps add 0.25 s."""
+    clock = FakeClock()
+    took = {1: iter([0.625, 0.5]), 9: iter([0.75, 1.0])}
 
     def run(n):
-        import time
+        clock.now += next(took[n])
 
-        time.sleep(fake[n])
-
-    decode, prefill = _rates(run, prompt_len=10, new=9, repeat=1)
-    assert abs(decode - 8 / 0.4) < 3 and abs(prefill - 10 / 0.5) < 2
-
-
-def test_matvec_bandwidth_is_positive():
-    assert matvec_bandwidth(mib=8, repeat=2) > 1e8
+    decode, prefill = _rates(run, prompt_len=10, new=9, repeat=2, clock=clock)
+    assert (decode, prefill) == (8 / 0.25, 10 / 0.5)
+    assert all(next(t, None) is None for t in took.values())

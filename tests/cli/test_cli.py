@@ -1,17 +1,9 @@
 """The command line as a user runs it: the README demo, generate (local dp x tp ranks, --json, tokenizer), bad arguments."""
 
-import json
-import subprocess
-import sys
-
 import pytest
-import torch
 
-from ..support.hf_models import save_tiny
-
-
-def _cli(*args: str, timeout: float = 900):
-    return subprocess.run([sys.executable, "-m", "functional_npu", *args], capture_output=True, text=True, timeout=timeout)
+from ..support.cli import PROMPTS, cli, generate_json
+from ..support.hf_models import hf_greedy, save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +16,12 @@ def model(tmp_path_factory):
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14]]
-    with torch.no_grad():
-        ref = [hf.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(p) :].tolist() for p in prompts]
-    return path, prompts, ref
+    prompts = PROMPTS[:2]
+    return path, prompts, [hf_greedy(hf, p, 6) for p in prompts]
 
 
 def test_demo_runs_and_verifies():
-    out = _cli("demo", "--tp", "2", "--max-new-tokens", "8")
+    out = cli("demo", "--tp", "2", "--max-new-tokens", "8")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo: OK" in out.stdout
     assert out.stdout.count("| True |") == 3
@@ -39,21 +29,14 @@ def test_demo_runs_and_verifies():
 
 def test_generate_dp2_json_in_prompt_order(model):
     path, prompts, ref = model
-    args = ["generate", "--model", str(path), "--dp", "2", "--backend", "eager", "--max-new-tokens", "6", "--json"]
-    for p in prompts:
-        args += ["--prompt-ids", ",".join(map(str, p))]
-    out = _cli(*args)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
+    result = generate_json(path, prompts, "--dp", "2", "--backend", "eager", "--max-new-tokens", "6")
     assert result["token_ids"] == ref
     assert len(result["text"]) == 2 and {"load_s", "generate_s"} <= set(result["timings"])
 
 
 def test_generate_with_tokenizer_text(model):
     path, _, ref = model
-    out = _cli("generate", "--model", str(path), "--tp", "2", "--backend", "none", "--prompt", "w5 w6 w7", "--max-new-tokens", "6", "--json")
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
+    result = generate_json(path, [], "--tp", "2", "--backend", "none", "--prompt", "w5 w6 w7", "--max-new-tokens", "6")
     assert result["token_ids"] == [ref[0]]
     assert result["text"][0].split() == [f"w{i}" for i in ref[0]]
 
@@ -73,7 +56,7 @@ def test_generate_with_tokenizer_text(model):
     ],
 )
 def test_bad_arguments_are_one_clear_line_and_exit_2(model, args, message):
-    out = _cli(*[str(model[0]) if a == "MODEL" else a for a in args], timeout=120)
+    out = cli(*[str(model[0]) if a == "MODEL" else a for a in args], timeout=120)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
     assert "Traceback" not in out.stderr
@@ -85,5 +68,5 @@ def test_prompt_text_without_tokenizer_is_a_clear_error(model, tmp_path):
 
     bare = shutil.copytree(model[0], tmp_path / "bare")
     (bare / "tokenizer.json").unlink()
-    out = _cli("generate", "--model", str(bare), "--prompt", "hello", "--max-new-tokens", "2", timeout=120)
+    out = cli("generate", "--model", str(bare), "--prompt", "hello", "--max-new-tokens", "2", timeout=120)
     assert out.returncode == 2 and "--prompt needs" in out.stderr and "pass --prompt-ids instead" in out.stderr

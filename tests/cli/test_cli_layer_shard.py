@@ -1,36 +1,24 @@
 """``generate --layer-shard``: layer-sharded weights over dp with prefetch, through the CLI, against transformers;
 bad arguments are one clear line and exit code 2."""
 
-import json
-
 import pytest
-import torch
 
-from ..support.hf_models import save_tiny
-from .test_cli import _cli
-from .test_cli_moe import _refused
+from ..support.cli import PROMPTS, generate_json, refused
+from ..support.hf_models import hf_greedy, save_tiny
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_cli_ls")
     hf = save_tiny("qwen3", path, 5, num_hidden_layers=4)
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [100, 3]]
-    with torch.no_grad():
-        ref = [hf.generate(torch.tensor([p]), max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, len(p):].tolist() for p in prompts]
-    return path, prompts, ref
+    return path, PROMPTS, [hf_greedy(hf, p, 5) for p in PROMPTS]
 
 
 def test_generate_layer_sharded_over_dp_with_prefetch(qwen3):
     """dp 2 with 3 prompts (2 and 1 per rank): the ranks share every broadcast and still return prompt order."""
     path, prompts, ref = qwen3
-    args = ["generate", "--model", str(path), "--dp", "2", "--layer-shard", "o_proj,down_proj", "--prefetch-step", "1",
-            "--backend", "none", "--max-new-tokens", "5", "--json"]
-    for p in prompts:
-        args += ["--prompt-ids", ",".join(map(str, p))]
-    out = _cli(*args)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["token_ids"] == ref
+    args = ["--dp", "2", "--layer-shard", "o_proj,down_proj", "--prefetch-step", "1", "--backend", "none", "--max-new-tokens", "5"]
+    assert generate_json(path, prompts, *args)["token_ids"] == ref
 
 
 @pytest.mark.parametrize("args, message", [
@@ -40,4 +28,4 @@ def test_generate_layer_sharded_over_dp_with_prefetch(qwen3):
     (["--tp", "2", "--layer-shard", "o_proj", "--layer-shard-axis", "tp"], "series 'o_proj' is already sharded over mesh axis 'tp'"),
 ])
 def test_bad_layer_shard_arguments_are_one_line(qwen3, args, message, capsys):
-    _refused(["generate", "--model", str(qwen3[0]), *args, "--prompt-ids", "1", "--max-new-tokens", "2"], message, capsys)
+    refused(["generate", "--model", str(qwen3[0]), *args, "--prompt-ids", "1", "--max-new-tokens", "2"], message, capsys)

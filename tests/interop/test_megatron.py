@@ -20,7 +20,7 @@ from functional_npu.interop.megatron import (
 )
 from functional_npu.models.llama import LlamaConfig, init_params, param_specs
 
-from ..support.hf_models import COMMON
+from ..support.hf_models import COMMON, hf_greedy
 from ..support.reshard_workers import megatron_parity
 
 CFG = LlamaConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
@@ -105,9 +105,7 @@ def tiny_qwen3(tmp_path_factory):
     model.save_pretrained(path)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (6, 11)]
-    with torch.no_grad():
-        ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):].tolist() for p in prompts]
-    return str(path), prompts, ref
+    return str(path), prompts, [hf_greedy(model, p, NEW) for p in prompts]
 
 
 def test_megatron_tp2_pp2_vpp2_resharded_generates_transformers_tokens(world4, tiny_qwen3):

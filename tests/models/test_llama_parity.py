@@ -2,9 +2,8 @@
 loaded at tp = 1, 2, 4 (gloo), prefill logits (1e-4 abs) and 16 greedy tokens, eager and compiled."""
 
 import pytest
-import torch
 
-from ..support.hf_models import FAMILIES, save_tiny
+from ..support.hf_models import FAMILIES, hf_references, save_tiny
 from ..support.workers import llama_generate
 
 PROMPT_LENS = (5, 12, 9)
@@ -14,30 +13,7 @@ NEW = 16
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """{family: (dir, prompts, hf logits per prompt, hf greedy tokens per prompt)}; references computed once."""
-    out = {}
-    g = torch.Generator().manual_seed(0)
-    for i, name in enumerate(FAMILIES):
-        path = tmp_path_factory.mktemp(name)
-        model = save_tiny(name, path, 100 + i)
-        prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in PROMPT_LENS]
-        logits, tokens = [], []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                logits.append(model(ids).logits[0])
-                if name == "mistral":  # transformers' cached generate leaves its own forward past the window
-                    tokens.append(_uncached_greedy(model, ids))
-                else:
-                    tokens.append(model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p) :].tolist())
-        out[name] = (str(path), prompts, logits, tokens)
-    return out
-
-
-def _uncached_greedy(model, ids):
-    seq = ids
-    for _ in range(NEW):
-        seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return seq[0, ids.shape[1] :].tolist()
+    return hf_references(tmp_path_factory, save_tiny, FAMILIES, seed=0, model_seed=100, prompt_lens=PROMPT_LENS, new=NEW, uncached=("mistral",))
 
 
 def _check(result, reference):

@@ -9,9 +9,8 @@ tp = 2 (Qwen3-MoE), covering both dispatch paths and the token split over tp; th
 (compiling the MoE graphs on 4 ranks costs about two minutes on a 2-core machine with a cold cache)."""
 
 import pytest
-import torch
 
-from ..support.hf_models import MOE_FAMILIES, save_tiny_moe
+from ..support.hf_models import MOE_FAMILIES, hf_references, save_tiny_moe
 from ..support.workers import moe_generate
 
 PROMPT_LENS = (5, 12, 9)
@@ -21,20 +20,7 @@ NEW = 16
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """{family: (dir, prompts, hf logits per prompt, hf greedy tokens per prompt)}; references computed once."""
-    out = {}
-    g = torch.Generator().manual_seed(1)
-    for i, name in enumerate(MOE_FAMILIES):
-        path = tmp_path_factory.mktemp(name)
-        model = save_tiny_moe(name, path, 200 + i)
-        prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in PROMPT_LENS]
-        logits, tokens = [], []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                logits.append(model(ids).logits[0])
-                tokens.append(model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):].tolist())
-        out[name] = (str(path), prompts, logits, tokens)
-    return out
+    return hf_references(tmp_path_factory, save_tiny_moe, MOE_FAMILIES, seed=1, model_seed=200, prompt_lens=PROMPT_LENS, new=NEW)
 
 
 def _check(result, reference):

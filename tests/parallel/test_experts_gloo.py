@@ -9,8 +9,8 @@ checked against torchair's working converters (NPU convertibility without an NPU
 import pytest
 import torch
 
+from ..support import torchair_ops
 from ..support.eplb_workers import ep_tp_program, rebalance_program
-from ..runtime.test_npu_ops import OPS
 
 AXES = {"dp": 2, "tp": 2}
 OLD2, NEW2 = [[[0, 1, 2], [3, 4, 0]]] * 2, [[[0, 1, 3], [3, 4, 2]], [[4, 1, 2], [0, 4, 3]]]  # 0 hot; 2, 3, 4 doubled; local permutes
@@ -45,7 +45,8 @@ def test_ep_tp(world4, mode, case):
 def _convertible(ops: list[str]) -> None:
     ops = {op for op in ops if not op.startswith("<")}  # '<built-in function getitem>' is plumbing
     assert "_c10d_functional.all_to_all_single.default" in ops
-    supported = set(OPS["converters"]) | set(OPS["decompositions"])
+    table = torchair_ops()
+    supported = set(table["converters"]) | set(table["decompositions"])
     assert ops <= supported, f"ops without a working torchair converter: {ops - supported}"
 
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
-from functional_npu.runtime.checkpoint import check_plan
+from functional_npu.runtime.plan import check_plan
 from functional_npu.parallel.layer_shard import (
     LayerShard,
     layer_shard,
@@ -22,7 +22,7 @@ from functional_npu.parallel.layer_shard import (
 from functional_npu.models import llama
 from functional_npu.cli.timeline import prefetch_timeline
 
-from ..support.hf_models import save_tiny
+from ..support.hf_models import hf_greedy, save_tiny
 from ..support.prefetch_workers import decode_code, generate_layer_sharded
 
 LAYERS = 6
@@ -35,9 +35,7 @@ def qwen3(tmp_path_factory):
     """A 6-layer tiny Qwen3 saved by transformers, and its greedy tokens for PROMPTS."""
     path = tmp_path_factory.mktemp("qwen3_ls")
     model = save_tiny("qwen3", path, 11, num_hidden_layers=LAYERS)
-    with torch.no_grad():
-        ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p) :].tolist() for p in PROMPTS]
-    return str(path), ref
+    return str(path), [hf_greedy(model, p, NEW) for p in PROMPTS]
 
 
 # ---- pure parts ------------------------------------------------------------------------------------

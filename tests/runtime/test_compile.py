@@ -9,7 +9,7 @@ from functional_npu import Mesh, compile_model, load_checkpoint, shard
 from functional_npu.runtime.compile import GraphBreakError
 from functional_npu.models import llama
 
-from ..support.hf_models import save_tiny
+from ..support.hf_models import hf_greedy, save_tiny
 
 PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]
 NEW = 8
@@ -19,9 +19,7 @@ NEW = 8
 def qwen3(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3")
     model = save_tiny("qwen3", path, 7)
-    with torch.no_grad():
-        ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p) :].tolist() for p in PROMPTS]
-    return str(path), ref
+    return str(path), [hf_greedy(model, p, NEW) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")

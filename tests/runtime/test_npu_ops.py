@@ -2,10 +2,10 @@
 (extracted from the torch-npu 2.13.0 wheel by tools/extract_torchair_ops.py)."""
 
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-OPS = json.loads((ROOT / "functional_npu" / "data" / "torchair_ops.json").read_text())
+from ..support import GRAPHS, torchair_ops
+
+OPS = torchair_ops()
 
 
 def test_extracted_list_is_sane():
@@ -21,7 +21,7 @@ def test_extracted_list_is_sane():
 def test_captured_model_ops_are_convertible():
     supported = set(OPS["converters"]) | set(OPS["decompositions"])
     outside = {}
-    for census in sorted((ROOT / "graphs").glob("*/census.json")):
+    for census in sorted(GRAPHS.glob("*/census.json")):
         for op in json.loads(census.read_text()):
             if not op.startswith("<") and op not in supported:  # '<built-in function getitem>' is graph plumbing
                 outside.setdefault(op, []).append(census.parent.name)

@@ -1,4 +1,5 @@
-"""Tiny random transformers models of each supported family, saved with save_pretrained (no network)."""
+"""Tiny random transformers models of each supported family, saved with save_pretrained (no network), and
+their reference outputs: greedy tokens and prefill logits."""
 
 import torch
 import transformers as T
@@ -43,3 +44,33 @@ def save_tiny_moe(family: str, path, seed: int) -> "T.PreTrainedModel":
     model = cls(cfg_cls(**MOE_COMMON, **extra)).eval()
     model.save_pretrained(path)
     return model
+
+
+def hf_greedy(model: "T.PreTrainedModel", prompt: list[int], new: int, *, use_cache: bool = True) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``new`` token ids. ``use_cache=False`` runs the
+    whole sequence every step (transformers' cached generate leaves Mistral's own forward past the window)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        if use_cache:
+            return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(prompt) :].tolist()
+        seq = ids
+        for _ in range(new):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return seq[0, len(prompt) :].tolist()
+
+
+def hf_references(tmp_path_factory, save, families, *, seed: int, model_seed: int, prompt_lens, new: int, uncached=()) -> dict:
+    """{family: (dir, prompts, hf prefill logits per prompt, hf greedy tokens per prompt)}: each family's tiny
+    model saved by ``save(family, dir, model_seed + i)``, random prompts of ``prompt_lens`` drawn from a
+    generator seeded with ``seed``; the families in ``uncached`` take their greedy tokens without a KV cache."""
+    out = {}
+    g = torch.Generator().manual_seed(seed)
+    for i, name in enumerate(families):
+        path = tmp_path_factory.mktemp(name)
+        model = save(name, path, model_seed + i)
+        prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in prompt_lens]
+        with torch.no_grad():
+            logits = [model(torch.tensor([p])).logits[0] for p in prompts]
+        tokens = [hf_greedy(model, p, new, use_cache=name not in uncached) for p in prompts]
+        out[name] = (str(path), prompts, logits, tokens)
+    return out
