@@ -24,7 +24,7 @@ from ..core.collectives import broadcast
 from ..runtime.compile import CompiledModel, compile_model
 from ..runtime.launch import RankContext
 from ..parallel.layer_shard import layer_shard, resident_bytes
-from ..models import llama
+from ..models import forward
 from ..parallel.prefetch import drain
 from .timeline import prefetch_timeline
 
@@ -36,7 +36,7 @@ SCHEDULES = {"inductor": [], "raise_comms": ["raise_comms"]}
 def _stock(model: CompiledModel, passes: list[str]) -> CompiledModel:
     """The same model compiled with inductor's own comm scheduling instead of the prefetch pass."""
     options = {"reorder_for_compute_comm_overlap": bool(passes), "reorder_for_compute_comm_overlap_passes": passes}
-    fwd = torch.compile(functools.partial(llama.forward, attention="sdpa"), fullgraph=True, dynamic=False, options=options)
+    fwd = torch.compile(functools.partial(forward, attention="sdpa"), fullgraph=True, dynamic=False, options=options)
     return dataclasses.replace(model, forward=fwd)
 
 
@@ -44,17 +44,17 @@ def _step_time(model: CompiledModel, batch: int, steps: int, repeat: int) -> tup
     """Best per-step decode time, and the generated code of the decode graph."""
     from torch._inductor.utils import run_and_get_code
 
-    cache, state = model.new_cache(batch), model.new_prefetch()
+    state = model.new_state(batch)
     tok, pos = torch.arange(batch) + 3, torch.full((batch,), 5)
     with torch.no_grad():
-        _, code = run_and_get_code(model.decode, tok, pos, cache, state)
+        _, code = run_and_get_code(model.decode, tok, pos, state)
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
         for _ in range(steps):
-            model.decode(tok, pos, cache, state)
+            model.decode(tok, pos, state)
         best = min(best, (time.perf_counter() - t0) / steps)
-    drain(state)
+    drain(state.prefetched)
     return best, code[0] if code else ""
 
 

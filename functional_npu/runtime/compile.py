@@ -15,16 +15,19 @@ from typing import Any
 
 import torch
 
-from ..parallel import prefetch
-from .backends import Backend, resolve_backend
-from .plan import check_plan
 from ..core.layout import Layout
 from ..core.mesh import Mesh
-from ..models import family_of
-from ..parallel.prefetch import check_prefetch_step
-from ..parallel.schedule import PrefetchSchedule
 from ..core.shard import local_shape
 from ..core.tree import flatten_with_paths
+from ..models import family_of, init_state
+from ..models.decoder import DecodeState, decode
+from ..parallel import prefetch
+from ..parallel.layer_shard import series_of
+from ..parallel.prefetch import check_prefetch_step
+from ..parallel.schedule import PrefetchSchedule
+from .backends import Backend, resolve_backend
+from .generate import Lockstep, generate
+from .plan import check_plan
 
 __all__ = ["CompiledModel", "compile_model", "greedy_generate", "cache_length", "GraphBreakError"]
 

@@ -19,7 +19,7 @@ from functional_npu.parallel.layer_shard import (
     stack_series,
     unstack_series,
 )
-from functional_npu.models import llama
+from functional_npu.models import init_state, llama
 from functional_npu.cli.timeline import prefetch_timeline
 
 from ..support.hf_models import hf_greedy, save_tiny
@@ -166,6 +166,6 @@ def test_prefetch_step_errors(qwen3):
     with pytest.raises(ValueError, match=r"got -1"):
         compile_model(params, mesh, prefetch_step=-1)
     model = compile_model(params, mesh, prefetch_step=1)
-    with pytest.raises(ValueError, match=r"prefill: a model compiled with prefetch_step=1 needs the state from new_prefetch\(\)"):
-        model.prefill([[1, 2]], model.new_cache(1))
+    with pytest.raises(ValueError, match=r"prefill: a model compiled with prefetch_step=1 needs a state from new_state\(\)"):
+        model.prefill([[1, 2]], init_state(model.config, model.mesh, 1, model.max_seq_len))
     assert resident_bytes({"a": params["series"]["o_proj"], "b": params["series"]["o_proj"][1:]}) == params["series"]["o_proj"].numel() * 4

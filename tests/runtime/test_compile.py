@@ -7,7 +7,7 @@ import torch
 
 from functional_npu import Mesh, compile_model, load_checkpoint, shard
 from functional_npu.runtime.compile import GraphBreakError
-from functional_npu.models import llama
+from functional_npu.models import forward, llama
 
 from ..support.hf_models import hf_greedy, save_tiny
 
@@ -58,13 +58,13 @@ def test_compile_model_errors(compiled, qwen3):
     with pytest.raises(ValueError, match=r"sampling: need temperature >= 0"):
         compiled.generate(PROMPTS, 2, temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match=r"prompt length 70 exceeds the largest bucket 64"):
-        compiled.prefill([[1] * 70], compiled.new_cache(1))
+        compiled.prefill([[1] * 70], compiled.new_state(1))
 
 
 def test_graph_break_is_an_error_naming_its_cause(compiled):
-    def breaks(params, tokens, positions, cache, mesh, prefetched=None):
+    def breaks(params, tokens, positions, state, mesh):
         torch._dynamo.graph_break()
-        return llama.forward(params, tokens, positions, cache, mesh, prefetched)
+        return forward(params, tokens, positions, state, mesh)
 
     torch._dynamo.reset()
     bad = dataclasses.replace(compiled, forward=compiled.backend.compile(breaks, dynamic=False))

@@ -9,8 +9,7 @@ import torch
 
 def generate_layer_sharded(ctx, model_dir: str, axes: dict, series: str, k: int, prompts, new_tokens: int, backend: str):
     """Load with ``series`` layer-sharded over dp, generate; returns (tokens, series shapes, resident bytes, state bytes)."""
-    from functional_npu import compile_model, load_checkpoint
-    from functional_npu.runtime.generate import greedy_generate
+    from functional_npu import compile_model, greedy_generate, load_checkpoint
     from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
 
     mesh = ctx.mesh(axes)
@@ -22,11 +21,11 @@ def generate_layer_sharded(ctx, model_dir: str, axes: dict, series: str, k: int,
         torch._dynamo.reset()
         model = compile_model(params, mesh, backend=backend, batch_sizes=[1, 4], max_seq_len=64, prefetch_step=k)
         tokens = model.generate(prompts, new_tokens)
-        state = model.new_prefetch()
-        state_bytes = resident_bytes(state)
+        state = model.new_state(1)
+        state_bytes = resident_bytes(state.prefetched)
         from functional_npu.parallel.prefetch import drain
 
-        drain(state)
+        drain(state.prefetched)
     shapes = {leaf: tuple(x.shape) for leaf, x in params["series"].items()}
     layers = params["config"].num_layers
     replicated = layers * sum(math.prod(x.shape[1:]) * x.element_size() for x in params["series"].values())  # this rank's share without layer sharding
@@ -45,8 +44,8 @@ def decode_code(ctx, model_dir: str, axes: dict, series: str, k: int):
     params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))
     torch._dynamo.reset()
     model = compile_model(params, mesh, batch_sizes=[1], max_seq_len=64, prefetch_step=k)
-    cache, state = model.new_cache(1), model.new_prefetch()
+    state = model.new_state(1)
     with torch.no_grad():
-        _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), cache, state)
-    drain(state)
+        _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
+    drain(state.prefetched)
     return code[0]

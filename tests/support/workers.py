@@ -85,36 +85,42 @@ def gather_roundtrip(ctx, axes, leaves, seed: int, use_compile: bool = False):
 
 
 
-def prefill_and_greedy(fwd, init_cache, params, prompts, new_tokens: int, mesh):
-    """The logits of one right-padded prefill ``[B, S, V]`` and the greedy tokens, both through ``fwd``."""
-    from functional_npu.runtime.generate import greedy_generate
+def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
+    """The logits of one right-padded prefill ``[B, S, V]`` and the greedy tokens, both through ``fwd``
+    (a forward with ``models.forward``'s signature), the tokens by the library's one generation path."""
+    import dataclasses
+
+    from functional_npu import compile_model
+    from functional_npu.models import init_state
 
     width = max(len(p) for p in prompts)
     tokens = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
-    cache = init_cache(params["config"], mesh, len(prompts), width + new_tokens)
+    state = init_state(params["config"], mesh, len(prompts), width + new_tokens)
+    model = compile_model(params, mesh, backend="none", batch_sizes=[len(prompts)], max_seq_len=width + new_tokens, prefill_lengths=[width])
     with torch.no_grad():
-        logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), cache, mesh)
-        out = greedy_generate(params, prompts, new_tokens, mesh, forward=fwd)
+        logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), state, mesh)
+        out = dataclasses.replace(model, forward=fwd).generate(prompts, new_tokens)
     return logits, out
+
 
 def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_compile: bool):
     """Load with tp ranks (the world is tp x dp), run one padded batch: (prefill logits, greedy tokens, bytes read)."""
     from functional_npu import Mesh
     from functional_npu.runtime.checkpoint import load_checkpoint
-    from functional_npu.models import llama
+    from functional_npu.models import forward
 
     mesh = ctx.mesh({"dp": ctx.world_size // tp, "tp": tp}) if ctx is not None else Mesh.abstract({"tp": 1}, 0)
     read: list[int] = []
     params = load_checkpoint(model_dir, mesh, on_read=lambda name, n: read.append(n))
     ops: list[str] = []
-    fwd = llama.forward
+    fwd = forward
     if use_compile:
         mesh.init_groups() if not mesh.is_abstract else None
         torch._dynamo.reset()
-        fwd = torch.compile(llama.forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
-    logits, out = prefill_and_greedy(fwd, llama.init_cache, params, prompts, new_tokens, mesh)
+        fwd = torch.compile(forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
+    logits, out = prefill_and_greedy(fwd, params, prompts, new_tokens, mesh)
     return logits, out, sum(read), ops
 
 
@@ -150,8 +156,8 @@ def moe_generate(ctx, model_dir: str, axes: dict, expert_axes, prompts, new_toke
 
     from functional_npu import Mesh
     from functional_npu.runtime.checkpoint import load_checkpoint
-    from functional_npu.models import moe
     from functional_npu.core.shard import shard
+    from functional_npu.models import forward, moe
 
     mesh = ctx.mesh(axes) if ctx is not None else Mesh.abstract(axes, 0)
     read: list[int] = []
@@ -166,12 +172,12 @@ def moe_generate(ctx, model_dir: str, axes: dict, expert_axes, prompts, new_toke
     rot = mesh.axis_index("dp") if "dp" in axes else 0
     prompts = prompts[rot:] + prompts[:rot]
     ops: list[str] = []
-    fwd = moe.forward
+    fwd = forward
     if use_compile:
         if not mesh.is_abstract:
             mesh.init_groups()
             mesh.init_groups(tuple(expert_axes)) if expert_axes else None
         torch._dynamo.reset()
-        fwd = torch.compile(moe.forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
-    logits, out = prefill_and_greedy(fwd, moe.init_cache, params, prompts, new_tokens, mesh)
+        fwd = torch.compile(forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
+    logits, out = prefill_and_greedy(fwd, params, prompts, new_tokens, mesh)
     return rot, logits, out, sum(read), ops
