@@ -15,7 +15,8 @@ import tempfile
 import time
 
 from functional_npu.cli.bench import best_time
-from functional_npu.runtime.checkpoint import load_checkpoint, save_checkpoint
+from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.save import save_checkpoint
 from functional_npu.runtime.compile import cache_length, compile_model
 from functional_npu.runtime.generate import greedy_generate
 from functional_npu.runtime.launch import LocalWorld

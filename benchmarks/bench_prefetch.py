@@ -12,7 +12,7 @@ import tempfile
 
 from functional_npu.cli.bench import FULL
 from functional_npu.cli.bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
-from functional_npu.runtime.checkpoint import save_checkpoint
+from functional_npu.runtime.save import save_checkpoint
 from functional_npu.models.llama import init_params
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..runtime.checkpoint import load_checkpoint, save_checkpoint
+from ..runtime.checkpoint import load_checkpoint
+from ..runtime.save import save_checkpoint
 from ..runtime.compile import cache_length, compile_model
 from ..runtime.generate import greedy_generate
 from .bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench

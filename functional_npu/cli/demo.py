@@ -10,7 +10,7 @@ from __future__ import annotations
 import tempfile
 import time
 
-from ..runtime.checkpoint import save_checkpoint
+from ..runtime.save import save_checkpoint
 from ..runtime.launch import LocalWorld, RankContext
 from ..models.llama import LlamaConfig, abstract_params, init_params
 from ..core.tree import flatten_with_paths

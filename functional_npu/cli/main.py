@@ -99,7 +99,8 @@ def _tokenizer(model: Path) -> Any | None:
 
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
     """Validate everything a rank would trip on, before any rank starts."""
-    from ..runtime.checkpoint import check_plan, read_config, with_expert_axes
+    from ..runtime.checkpoint import read_config
+    from ..runtime.plan import check_plan, with_expert_axes
     from ..parallel.layer_shard import layer_shard
     from ..core.mesh import Mesh
     from ..parallel.prefetch import check_prefetch_step

@@ -9,29 +9,55 @@ nothing else is). On any error nothing is returned, so nothing is half-loaded.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from ..core.layout import Layout, Shard, dim_pieces, local_pieces, validate
+from ..core.layout import Layout, local_pieces
 from ..core.mesh import Mesh
-from ..parallel.layer_shard import LayerShard, owned_layers, present, series_specs, stack_series
-from ..models import Family, family_of
 from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths, map_with_path
+from ..models import Family, family_of
+from ..parallel.layer_shard import LayerShard, owned_layers, present
+from .hf_layout import StoredPart, block_ranges, fused_dim, stored_parts
+from .plan import check_plan, with_expert_axes
 
-__all__ = ["load_checkpoint", "save_checkpoint", "read_config", "check_plan", "with_expert_axes"]
+__all__ = ["load_checkpoint", "read_config"]
 
 # Tensors some checkpoints carry that the forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    """What the config needs, in the per-layer form the files store: every leaf's full (meta) tensor and layout."""
+
+    family: Family
+    cfg: Any
+    meta: dict[str, Any]
+    leaves: dict[str, torch.Tensor]
+    layouts: dict[str, Layout]
+
+
+@dataclass(frozen=True, slots=True)
+class _Checkpoint:
+    """An opened HF directory: the file of each HF tensor, an open handle per file, the read callback."""
+
+    root: Path
+    files: Mapping[str, Path]
+    handles: Mapping[Path, Any]
+    on_read: Callable[[str, int], None] | None
+
+    def get_slice(self, name: str) -> Any:
+        """The lazily read safetensors slice of one HF tensor."""
+        return self.handles[self.files[name]].get_slice(name)
 
 
 def read_config(path: str | Path) -> Any:
@@ -44,147 +70,6 @@ def read_config(path: str | Path) -> Any:
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON ({e})") from None
     return family_of((hf.get("architectures") or [None])[0]).from_hf(hf)
-
-
-def with_expert_axes(cfg: Any, expert_axes: Sequence[str], *, where: str = "model") -> Any:
-    """``cfg`` with its experts sharded over ``expert_axes`` (MoE configs; ``()`` leaves any config as it is)."""
-    if not expert_axes:
-        return cfg
-    if "expert_axes" not in {f.name for f in dataclasses.fields(cfg)}:
-        raise ValueError(f"{where}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, but this is a {cfg.architecture}; drop expert_axes (--ep)")
-    return dataclasses.replace(cfg, expert_axes=tuple(expert_axes))
-
-
-def check_plan(
-    cfg: Any, mesh: Mesh, *, where: str = "model", layer_shard: LayerShard | None = None
-) -> tuple[dict[str, Any], dict[str, Layout]]:
-    """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O).
-
-    Returns:
-        The full params on the meta device and each leaf's layout, for the caller to reuse; with
-        ``layer_shard``, in the layer-sharded structure (series stacked under ``params["series"]``).
-    """
-    if "tp" not in mesh.axis_names:
-        raise ValueError(f"{where}: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
-    family = family_of(cfg)
-    meta, specs = family.abstract_params(cfg), family.param_specs(cfg)
-    if layer_shard is not None:
-        if family.name != "llama":
-            raise ValueError(f"{where}: layer sharding supports the dense families, not {cfg.architecture}; drop layer_shard (--layer-shard)")
-        if layer_shard.axis not in mesh.axis_names:
-            raise ValueError(f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}")
-        meta, specs = stack_series(meta, layer_shard), series_specs(specs, layer_shard, cfg.num_layers)
-    layouts = leaf_specs(specs, meta)
-    for p, m in flatten_with_paths(meta):
-        try:
-            validate(p, layouts[p], m.shape, torch.float32, mesh.shape)
-            for d, s in enumerate(layouts[p].dims):
-                if s is not None:
-                    n = mesh.axis_size(s.axes)
-                    [dim_pieces(s, m.shape[d], n, c, f"specs[{p!r}]", d) for c in range(n)]
-        except ValueError as e:
-            raise ValueError(f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}") from None
-    return meta, layouts
-
-
-def save_checkpoint(params: dict[str, Any], path: str | Path) -> Path:
-    """Write full (unsharded) params as a HF model directory (config.json + model.safetensors).
-
-    Fused leaves are split back into their HF tensors, so transformers and :func:`load_checkpoint`
-    both read the result.
-    """
-    from safetensors.torch import save_file
-
-    cfg = params["config"]
-    family = family_of(cfg)
-    _check_savable(family, cfg, params)
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    layouts = leaf_specs(family.param_specs(cfg), params)
-    tensors: dict[str, torch.Tensor] = {}
-    for p, x in flatten_with_paths(params):
-        for j, layout, _, sources in _parts(family, cfg, p, tuple(x.shape), layouts[p]):
-            part = x if j is None else x[j]
-            dim = _fused_dim(layout)
-            for name, (offset, size) in zip(sources, _block_ranges(layout, dim, part.shape[dim], len(sources))):
-                tensors[name] = part.narrow(dim, offset, size).contiguous()
-    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-    (root / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
-    return root
-
-
-def _check_savable(family: Family, cfg: Any, params: dict[str, Any]) -> None:
-    """A derived leaf (an MoE expert map) must hold its default value: HF stores one tensor per logical expert."""
-    for p, x in flatten_with_paths(params):
-        make = (family.derived or {}).get(p.split(".")[-1])
-        if make is not None and not torch.equal(x, make(cfg)):
-            raise ValueError(
-                f"save_checkpoint: params[{p!r}] holds an expert placement other than the identity (shape {tuple(x.shape)}); "
-                f"HF checkpoints store each logical expert once: move the experts back to the identity placement before saving"
-            )
-
-
-def _sources(family: Family, cfg: Any, path: str, j: int | None = None) -> list[str]:
-    *parents, leaf = path.split(".")
-    layer = parents[1] if parents[:1] == ["layers"] else None
-    return [name.format(i=layer, j=j) for name in family.hf_names(cfg)[leaf]]
-
-
-def _parts(family: Family, cfg: Any, path: str, shape: tuple[int, ...], layout: Layout) -> list[tuple[int | None, Layout, tuple[int, ...], list[str]]]:
-    """The stored parts of one leaf as ``(index along dim 0 or None, layout, shape, HF names)``.
-
-    A plain leaf is one part; a leaf stacked over experts has one part per expert ``j`` (its dims
-    past 0); a derived leaf has none.
-    """
-    leaf = path.split(".")[-1]
-    if leaf in (family.derived or {}):
-        return []
-    if leaf not in family.stacked:
-        return [(None, layout, shape, _sources(family, cfg, path))]
-    sub = Layout(layout.dims[1:])
-    return [(j, sub, shape[1:], _sources(family, cfg, path, j)) for j in range(shape[0])]
-
-
-def _weight_files(root: Path) -> dict[str, Path]:
-    """HF tensor name -> file, from the sharded index or the single file."""
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index ({e!r})") from None
-        return {name: root / file for name, file in weight_map.items()}
-    single = root / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{root}: neither model.safetensors nor model.safetensors.index.json is present")
-    return {name: single for name in _open(single).keys()}
-
-
-def _open(file: Path):
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} is named by the index but does not exist")
-    try:
-        return safe_open(str(file), framework="pt")
-    except Exception as e:  # safetensors raises its own error type for bad headers
-        raise ValueError(f"{file}: cannot read the safetensors file ({e}); it is truncated or corrupted, download it again") from None
-
-
-def _block_ranges(layout: Layout, dim: int, full: int, n_sources: int) -> list[tuple[int, int]]:
-    spec = layout.dims[dim] if dim < len(layout.dims) else None
-    if n_sources == 1:
-        return [(0, full)]
-    if not (isinstance(spec, Shard) and spec.blocks):  # a fused dim kept whole (experts' [gate|up] without tp): equal blocks
-        return [(i * (full // n_sources), full // n_sources) for i in range(n_sources)]
-    assert len(spec.blocks) == n_sources  # guaranteed by the family's specs
-    out, offset = [], 0
-    for b in spec.blocks:
-        out.append((offset, b.size // spec.pack))
-        offset += b.size // spec.pack
-    return out
-
-
-def _fused_dim(layout: Layout) -> int:
-    return next((d for d, s in enumerate(layout.dims) if isinstance(s, Shard) and s.blocks), 0)
 
 
 def load_checkpoint(
@@ -219,91 +104,95 @@ def load_checkpoint(
         ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis.
     """
     root = Path(path)
-    cfg = read_config(root)
-    cfg = with_expert_axes(cfg, expert_axes, where=str(root))
+    wanted = _check_plan(root, mesh, expert_axes, layer_shard)
+    ckpt = _open_checkpoint(root, on_read)
+    _check_names_and_shapes(ckpt, wanted)
+    show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
+    loaded = _read_leaves(ckpt, wanted, mesh, _not_owned(wanted, mesh, layer_shard), dtype, show)
+    if layer_shard is None:
+        return map_with_path(lambda p, _: loaded[p], wanted.meta)
+    return _stack_owned(wanted, mesh, layer_shard, loaded)
+
+
+# ---- check ------------------------------------------------------------------------------------
+def _check_plan(root: Path, mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None) -> _Wanted:
+    """The config and what it needs, once the mesh is known to shard it (reads config.json only)."""
+    cfg = with_expert_axes(read_config(root), expert_axes, where=str(root))
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
-    meta, layouts = check_plan(cfg, mesh, where=str(root))
-    if layer_shard is not None:
-        check_plan(cfg, mesh, where=str(root), layer_shard=layer_shard)
-    leaves = dict(flatten_with_paths(meta))
-    skip = _not_owned(cfg, mesh, layer_shard, meta)
-
-    files = _weight_files(root)
-    handles = {f: _open(f) for f in sorted(set(files.values()))}
+    meta, layouts = check_plan(cfg, mesh, where=str(root), layer_shard=layer_shard)
     family = family_of(cfg)
-    _check_names_and_shapes(root, family, cfg, leaves, layouts, files, handles)
-
-    show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
-    loaded: dict[str, torch.Tensor] = {}
-    t0 = time.perf_counter()
-    for k, (p, m) in enumerate(leaves.items()):
-        if p in skip:
-            continue
-        loaded[p] = _read_leaf(family, cfg, p, tuple(m.shape), layouts[p], mesh, files, handles, on_read)
-        if dtype is not None and loaded[p].is_floating_point():
-            loaded[p] = loaded[p].to(dtype)
-        if show:
-            print(f"\rloading {root.name}: {k + 1}/{len(leaves)} tensors, {time.perf_counter() - t0:.1f}s", end="", file=sys.stderr, flush=True)
-    if show:
-        print(file=sys.stderr)
-    if layer_shard is None:
-        return map_with_path(lambda p, _: loaded[p], meta)
-    return _stack_owned(cfg, mesh, layer_shard, meta, layouts, loaded)
+    if layer_shard is not None:  # checked in the layer-sharded form; the files hold the per-layer one
+        meta = family.abstract_params(cfg)
+        layouts = leaf_specs(family.param_specs(cfg), meta)
+    return _Wanted(family, cfg, meta, dict(flatten_with_paths(meta)), layouts)
 
 
-def _not_owned(cfg: Any, mesh: Mesh, ls: LayerShard | None, meta: dict[str, Any]) -> set[str]:
-    """Paths of the series leaves of layers this coordinate does not own (never read)."""
-    if ls is None:
-        return set()
-    mine = set(owned_layers(cfg.num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis)))
-    return {f"layers.{i}.{leaf}" for i in range(cfg.num_layers) if i not in mine for leaf in ls.leaves if leaf in meta["layers"][i]}
+def _open_checkpoint(root: Path, on_read: Callable[[str, int], None] | None) -> _Checkpoint:
+    files = _weight_files(root)
+    return _Checkpoint(root, files, {f: _open(f) for f in sorted(set(files.values()))}, on_read)
 
 
-def _stack_owned(cfg, mesh, ls, meta, layouts, loaded) -> dict[str, Any]:
-    """The layer-sharded params: the owned layers of each series stacked in layer order."""
-    mine = owned_layers(cfg.num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis))
-    leaves = present(ls, meta["layers"][0])
-    series = {}
-    for leaf in leaves:
-        owned = [loaded[f"layers.{i}.{leaf}"] for i in mine]
-        if owned:
-            series[leaf] = torch.stack(owned)
-        else:  # more ranks on the axis than layers: this one holds none
-            path = f"layers.0.{leaf}"
-            shape = local_shape(meta["layers"][0][leaf].shape, layouts[path], mesh, path=path)
-            series[leaf] = torch.empty((0, *shape), dtype=loaded["embed"].dtype)
-    layers = [{leaf: loaded[f"layers.{i}.{leaf}"] for leaf in layer if leaf not in leaves} for i, layer in enumerate(meta["layers"])]
-    top = {k: loaded.get(k, v) for k, v in meta.items() if k != "layers"}
-    return top | {"layers": layers, "series": series, "layer_shard": ls}
+def _weight_files(root: Path) -> dict[str, Path]:
+    """HF tensor name -> file, from the sharded index or the single file."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index ({e!r})") from None
+        return {name: root / file for name, file in weight_map.items()}
+    single = root / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{root}: neither model.safetensors nor model.safetensors.index.json is present")
+    return {name: single for name in _open(single).keys()}
 
 
-def _check_names_and_shapes(root, family, cfg, leaves, layouts, files, handles) -> None:
+def _open(file: Path):
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is named by the index but does not exist")
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise ValueError(f"{file}: cannot read the safetensors file ({e}); it is truncated or corrupted, download it again") from None
+
+
+def _check_names_and_shapes(ckpt: _Checkpoint, wanted: _Wanted) -> None:
+    expected = _expected_tensors(wanted)
+    _check_names(ckpt, wanted.cfg, expected)
+    for name, (p, shape) in expected.items():
+        got = tuple(ckpt.get_slice(name).get_shape())
+        if got != shape:
+            raise ValueError(
+                f"{ckpt.root}: tensor {name!r} (for params[{p!r}]) has shape {got} but config.json implies {shape} "
+                f"({_sizes(wanted.cfg)}); the config and the weights disagree"
+            )
+
+
+def _expected_tensors(wanted: _Wanted) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF tensor name -> (the param path it belongs to, its shape), for every stored tensor the config needs."""
     expected: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for p, m in leaves.items():
-        for _, layout, full, sources in _parts(family, cfg, p, tuple(m.shape), layouts[p]):
-            dim = _fused_dim(layout)
-            for name, (_, size) in zip(sources, _block_ranges(layout, dim, full[dim], len(sources))):
-                shape = list(full)
+    for p, m in wanted.leaves.items():
+        for part in stored_parts(wanted.family, wanted.cfg, p, tuple(m.shape), wanted.layouts[p]):
+            dim = fused_dim(part.layout)
+            for name, (_, size) in zip(part.names, block_ranges(part.layout, dim, part.shape[dim], len(part.names), path=p)):
+                shape = list(part.shape)
                 shape[dim] = size
                 expected[name] = (p, tuple(shape))
-    missing = sorted(set(expected) - set(files))
+    return expected
+
+
+def _check_names(ckpt: _Checkpoint, cfg: Any, expected: Mapping[str, Any]) -> None:
+    missing = sorted(set(expected) - set(ckpt.files))
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    unexpected = sorted(n for n in set(files) - set(expected) - ignorable if not n.endswith(_IGNORED_SUFFIXES))
+    unexpected = sorted(n for n in set(ckpt.files) - set(expected) - ignorable if not n.endswith(_IGNORED_SUFFIXES))
     if missing or unexpected:
-        lines = [f"{root}: the checkpoint does not match its {cfg.architecture} config.json:"]
+        lines = [f"{ckpt.root}: the checkpoint does not match its {cfg.architecture} config.json:"]
         if missing:
             lines.append(f"  missing tensors ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
         if unexpected:
             lines.append(f"  unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected[:20]) + (" ..." if len(unexpected) > 20 else ""))
         raise ValueError("\n".join(lines))
-    for name, (p, shape) in expected.items():
-        got = tuple(handles[files[name]].get_slice(name).get_shape())
-        if got != shape:
-            raise ValueError(
-                f"{root}: tensor {name!r} (for params[{p!r}]) has shape {got} but config.json implies {shape} "
-                f"({_sizes(cfg)}); the config and the weights disagree"
-            )
 
 
 def _sizes(cfg: Any) -> str:
@@ -313,25 +202,44 @@ def _sizes(cfg: Any) -> str:
     return text + (f", num_experts={cfg.num_experts}, moe_intermediate_size={cfg.moe_intermediate_size}" if base is not cfg else "")
 
 
-def _read_leaf(family, cfg, path, full_shape, layout, mesh, files, handles, on_read) -> torch.Tensor:
+# ---- read -------------------------------------------------------------------------------------
+def _read_leaves(ckpt: _Checkpoint, wanted: _Wanted, mesh: Mesh, skip: set[str], dtype: torch.dtype | None, show: bool) -> dict[str, torch.Tensor]:
+    """This coordinate's shard of every leaf not in ``skip``, converted to ``dtype``; progress on stderr if ``show``."""
+    loaded: dict[str, torch.Tensor] = {}
+    t0 = time.perf_counter()
+    for k, p in enumerate(wanted.leaves):
+        if p in skip:
+            continue
+        x = _read_leaf(ckpt, wanted, p, mesh)
+        loaded[p] = x.to(dtype) if dtype is not None and x.is_floating_point() else x
+        if show:
+            print(f"\rloading {ckpt.root.name}: {k + 1}/{len(wanted.leaves)} tensors, {time.perf_counter() - t0:.1f}s", end="", file=sys.stderr, flush=True)
+    if show:
+        print(file=sys.stderr)
+    return loaded
+
+
+def _read_leaf(ckpt: _Checkpoint, wanted: _Wanted, path: str, mesh: Mesh) -> torch.Tensor:
     """This coordinate's shard of one param: read slice by slice from its HF tensors, or derived from the config."""
-    leaf = path.split(".")[-1]
+    family, leaf = wanted.family, path.split(".")[-1]
     if leaf in (family.derived or {}):
-        return family.derived[leaf](cfg)
+        return family.derived[leaf](wanted.cfg)
+    full_shape, layout = tuple(wanted.leaves[path].shape), wanted.layouts[path]
     pieces = local_pieces(path, layout, full_shape, mesh)
     pieces += [None] * (len(full_shape) - len(pieces))
-    parts = _parts(family, cfg, path, full_shape, layout)
+    parts = stored_parts(family, wanted.cfg, path, full_shape, layout)
     if leaf not in family.stacked:
-        return _read_part(full_shape, layout, pieces, parts[0][3], files, handles, on_read)
+        return _read_part(ckpt, parts[0], pieces)
     mine = [j for a, b, step in pieces[0] or [(0, full_shape[0], 1)] for j in range(a, b, step)]  # this rank's experts
-    return torch.stack([_read_part(parts[j][2], parts[j][1], pieces[1:], parts[j][3], files, handles, on_read) for j in mine])
+    return torch.stack([_read_part(ckpt, parts[j], pieces[1:]) for j in mine])
 
 
-def _read_part(full_shape, layout, pieces, sources, files, handles, on_read) -> torch.Tensor:
-    dim = _fused_dim(layout)
+def _read_part(ckpt: _Checkpoint, part: StoredPart, pieces: list) -> torch.Tensor:
+    """The slices ``pieces`` (per dim, None: whole) of one stored part, read block by block from its HF tensors."""
+    dim, full_shape = fused_dim(part.layout), part.shape
     chunks = []
     for a, b, step in pieces[dim] or [(0, full_shape[dim], 1)]:
-        for name, (offset, size) in zip(sources, _block_ranges(layout, dim, full_shape[dim], len(sources))):
+        for name, (offset, size) in zip(part.names, block_ranges(part.layout, dim, full_shape[dim], len(part.names), path=part.path)):
             lo, hi = max(a, offset), min(b, offset + size)
             if lo >= hi:
                 continue
@@ -341,7 +249,7 @@ def _read_part(full_shape, layout, pieces, sources, files, handles, on_read) -> 
                     index.append([slice(lo - offset, hi - offset, step)])
                 else:
                     index.append([slice(*p) for p in pieces[d]] if pieces[d] else [slice(None)])
-            chunks.append(_read_box(handles[files[name]].get_slice(name), index, on_read, name))
+            chunks.append(_read_box(ckpt.get_slice(name), index, ckpt.on_read, name))
     return torch.cat(chunks, dim=dim) if len(chunks) > 1 else chunks[0]
 
 
@@ -355,3 +263,32 @@ def _read_box(tensor_slice, index: list[list[slice]], on_read, name: str) -> tor
         return t
     parts = [_read_box(tensor_slice, index[:multi] + [[sl]] + index[multi + 1 :], on_read, name) for sl in index[multi]]
     return torch.cat(parts, dim=multi)
+
+
+# ---- assemble (layer sharding) ----------------------------------------------------------------
+def _not_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard | None) -> set[str]:
+    """Paths of the series leaves of layers this coordinate does not own (never read)."""
+    if ls is None:
+        return set()
+    num_layers, layers = wanted.cfg.num_layers, wanted.meta["layers"]
+    mine = set(owned_layers(num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis)))
+    return {f"layers.{i}.{leaf}" for i in range(num_layers) if i not in mine for leaf in ls.leaves if leaf in layers[i]}
+
+
+def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The layer-sharded params: the owned layers of each series stacked in layer order."""
+    meta = wanted.meta
+    mine = owned_layers(wanted.cfg.num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis))
+    leaves = present(ls, meta["layers"][0])
+    series = {}
+    for leaf in leaves:
+        owned = [loaded[f"layers.{i}.{leaf}"] for i in mine]
+        if owned:
+            series[leaf] = torch.stack(owned)
+        else:  # more ranks on the axis than layers: this one holds none
+            path = f"layers.0.{leaf}"
+            shape = local_shape(meta["layers"][0][leaf].shape, wanted.layouts[path], mesh, path=path)
+            series[leaf] = torch.empty((0, *shape), dtype=loaded["embed"].dtype)
+    layers = [{leaf: loaded[f"layers.{i}.{leaf}"] for leaf in layer if leaf not in leaves} for i, layer in enumerate(meta["layers"])]
+    top = {k: loaded.get(k, v) for k, v in meta.items() if k != "layers"}
+    return top | {"layers": layers, "series": series, "layer_shard": ls}

@@ -9,7 +9,8 @@ import torch
 import transformers as T
 
 from functional_npu import Mesh, compile_model, local_shape
-from functional_npu.runtime.checkpoint import load_checkpoint, read_config, save_checkpoint
+from functional_npu.runtime.checkpoint import load_checkpoint, read_config
+from functional_npu.runtime.save import save_checkpoint
 from functional_npu.models import family_of, moe
 from functional_npu.core.shard import leaf_specs, shard
 from functional_npu.core.tree import flatten_with_paths

@@ -9,7 +9,8 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 from functional_npu import Mesh, local_shape
-from functional_npu.runtime.checkpoint import load_checkpoint, save_checkpoint
+from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.save import save_checkpoint
 from functional_npu.models import llama
 from functional_npu.core.shard import leaf_specs
 from functional_npu.core.tree import flatten_with_paths

@@ -1,0 +1,77 @@
+"""How a param leaf maps to the tensors of a HF checkpoint (shared by loading and saving).
+
+A leaf is stored as one or more *parts*: a plain leaf is one part, a leaf stacked over experts is
+one part per expert, a derived leaf (an MoE expert map) is none. A part whose layout fuses blocks
+(``[q|k|v]``, ``[gate|up]``) is stored as one HF tensor per block, side by side along its fused dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.layout import Layout, Shard
+from ..models import Family
+
+__all__ = ["StoredPart", "hf_sources", "stored_parts", "block_ranges", "fused_dim"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPart:
+    """One stored part of a leaf: ``index`` along dim 0 (an expert) or None, its layout, shape and HF names."""
+
+    path: str
+    index: int | None
+    layout: Layout
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+
+
+def hf_sources(family: Family, cfg: Any, path: str, j: int | None = None) -> list[str]:
+    """The HF tensor names of the leaf at ``path`` (of expert ``j`` for a stacked leaf), in block order."""
+    *parents, leaf = path.split(".")
+    layer = parents[1] if parents[:1] == ["layers"] else None
+    return [name.format(i=layer, j=j) for name in family.hf_names(cfg)[leaf]]
+
+
+def stored_parts(family: Family, cfg: Any, path: str, shape: tuple[int, ...], layout: Layout) -> list[StoredPart]:
+    """The stored parts of one leaf of full ``shape`` (see the module docstring).
+
+    A plain leaf is one part; a leaf stacked over experts has one part per expert ``j`` (its dims
+    past 0); a derived leaf has none.
+    """
+    leaf = path.split(".")[-1]
+    if leaf in (family.derived or {}):
+        return []
+    if leaf not in family.stacked:
+        return [StoredPart(path, None, layout, shape, tuple(hf_sources(family, cfg, path)))]
+    sub = Layout(layout.dims[1:])
+    return [StoredPart(path, j, sub, shape[1:], tuple(hf_sources(family, cfg, path, j))) for j in range(shape[0])]
+
+
+def block_ranges(layout: Layout, dim: int, full: int, n_sources: int, *, path: str = "<leaf>") -> list[tuple[int, int]]:
+    """``(offset, size)`` along ``dim`` (of length ``full``) of each of the ``n_sources`` HF tensors of a part.
+
+    Raises:
+        ValueError if the layout fuses a different number of blocks than there are HF tensors.
+    """
+    spec = layout.dims[dim] if dim < len(layout.dims) else None
+    if n_sources == 1:
+        return [(0, full)]
+    if not (isinstance(spec, Shard) and spec.blocks):  # a fused dim kept whole (experts' [gate|up] without tp): equal blocks
+        return [(i * (full // n_sources), full // n_sources) for i in range(n_sources)]
+    if len(spec.blocks) != n_sources:
+        raise ValueError(
+            f"specs[{path!r}] dim {dim} is fused from {len(spec.blocks)} blocks {list(spec.blocks)} but the leaf is stored as "
+            f"{n_sources} HF tensors; the family's param_specs and hf_names must list the same blocks"
+        )
+    out, offset = [], 0
+    for b in spec.blocks:
+        out.append((offset, b.size // spec.pack))
+        offset += b.size // spec.pack
+    return out
+
+
+def fused_dim(layout: Layout) -> int:
+    """The dim along which a part's HF tensors sit side by side: the first fused (blocked) dim, else 0."""
+    return next((d for d, s in enumerate(layout.dims) if isinstance(s, Shard) and s.blocks), 0)

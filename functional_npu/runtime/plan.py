@@ -1,0 +1,68 @@
+"""Whether a mesh can shard a model config: every leaf's layout checked at every coordinate (no I/O).
+
+The loader, the compiler and the CLI's ``--check`` all ask this before touching a tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..core.layout import Layout, dim_pieces, validate
+from ..core.mesh import Mesh
+from ..core.shard import leaf_specs
+from ..core.tree import flatten_with_paths
+from ..models import family_of
+from ..parallel.layer_shard import LayerShard, series_specs, stack_series
+
+__all__ = ["check_plan", "with_expert_axes"]
+
+
+def with_expert_axes(cfg: Any, expert_axes: Sequence[str], *, where: str = "model") -> Any:
+    """``cfg`` with its experts sharded over ``expert_axes`` (MoE configs; ``()`` leaves any config as it is)."""
+    if not expert_axes:
+        return cfg
+    if "expert_axes" not in {f.name for f in dataclasses.fields(cfg)}:
+        raise ValueError(f"{where}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, but this is a {cfg.architecture}; drop expert_axes (--ep)")
+    return dataclasses.replace(cfg, expert_axes=tuple(expert_axes))
+
+
+def check_plan(
+    cfg: Any, mesh: Mesh, *, where: str = "model", layer_shard: LayerShard | None = None
+) -> tuple[dict[str, Any], dict[str, Layout]]:
+    """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O).
+
+    Returns:
+        The full params on the meta device and each leaf's layout, for the caller to reuse; with
+        ``layer_shard``, in the layer-sharded structure (series stacked under ``params["series"]``).
+    """
+    if "tp" not in mesh.axis_names:
+        raise ValueError(f"{where}: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
+    family = family_of(cfg)
+    meta, specs = family.abstract_params(cfg), family.param_specs(cfg)
+    if layer_shard is not None:
+        if family.name != "llama":
+            raise ValueError(f"{where}: layer sharding supports the dense families, not {cfg.architecture}; drop layer_shard (--layer-shard)")
+        if layer_shard.axis not in mesh.axis_names:
+            raise ValueError(f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}")
+        meta, specs = stack_series(meta, layer_shard), series_specs(specs, layer_shard, cfg.num_layers)
+    layouts = leaf_specs(specs, meta)
+    for p, m in flatten_with_paths(meta):
+        try:
+            _check_leaf(p, layouts[p], tuple(m.shape), mesh)
+        except ValueError as e:
+            raise ValueError(f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}") from None
+    return meta, layouts
+
+
+def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> None:
+    """Validate one leaf's layout and place its pieces at every coordinate of every sharded dim."""
+    validate(path, layout, shape, torch.float32, mesh.shape)
+    for d, s in enumerate(layout.dims):
+        if s is not None:
+            n = mesh.axis_size(s.axes)
+            for c in range(n):
+                dim_pieces(s, shape[d], n, c, f"specs[{path!r}]", d)
