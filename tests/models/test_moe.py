@@ -11,7 +11,8 @@ import transformers as T
 from functional_npu import Mesh, compile_model, local_shape
 from functional_npu.runtime.checkpoint import load_checkpoint, read_config
 from functional_npu.runtime.save import save_checkpoint
-from functional_npu.models import family_of, moe
+from functional_npu.models import family_of, forward, init_state, moe
+from functional_npu.models.experts import local_experts, route
 from functional_npu.core.shard import leaf_specs, shard
 from functional_npu.core.tree import flatten_with_paths
 
@@ -45,7 +46,7 @@ def test_route_matches_transformers_router(family, norm):
     x = torch.randn(40, 64)
     with torch.no_grad():
         _, hf_weights, hf_experts = router(x)
-        weights, experts = moe.route(x @ router.weight.T, cfg)
+        weights, experts = route(x @ router.weight.T, cfg)
     assert torch.equal(experts, hf_experts)
     torch.testing.assert_close(weights, hf_weights.float(), rtol=0, atol=1e-6)
 
@@ -69,7 +70,7 @@ def test_dense_layers_mixed_in_match_transformers(tmp_path):
     ids = torch.tensor([[5, 9, 100, 3, 77, 12, 1]])
     with torch.no_grad():
         ref = model(ids).logits
-        got = moe.forward(params, ids, torch.arange(7)[None], moe.init_cache(params["config"], mesh, 1, 8), mesh)
+        got = forward(params, ids, torch.arange(7)[None], init_state(params["config"], mesh, 1, 8), mesh)
     assert (got - ref).abs().max().item() < 1e-4
 
 
@@ -190,4 +191,4 @@ def test_local_experts_match_a_per_row_loop(rows):
             if ids[n, j] >= 0:
                 gate, up = (gate_up[ids[n, j]] @ x[n]).chunk(2)
                 want[n] += weights[n, j] * (down[ids[n, j]] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(moe.local_experts(x, ids, weights, gate_up, down), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(local_experts(x, ids, weights, gate_up, down), want, rtol=1e-5, atol=1e-5)

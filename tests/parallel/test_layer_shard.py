@@ -22,7 +22,7 @@ from functional_npu.parallel.layer_shard import (
 from functional_npu.models import init_state, llama
 from functional_npu.cli.timeline import prefetch_timeline
 
-from ..support.hf_models import hf_greedy, save_tiny
+from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
 from ..support.prefetch_workers import decode_code, generate_layer_sharded
 
 LAYERS = 6
@@ -122,6 +122,27 @@ def test_layer_sharded_generation_matches_transformers(request, qwen3, world, ax
         per_layer = replicated // LAYERS
         assert resident + state == (len(owned_layers(LAYERS, n, c)) + (k if backend != "none" else 0)) * per_layer
         assert resident + state <= series_bound(LAYERS, n, k) * replicated
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A 4-layer tiny Qwen3-MoE saved by transformers, and its greedy tokens for PROMPTS."""
+    path = tmp_path_factory.mktemp("qwen3_moe_ls")
+    model = save_tiny_moe("qwen3_moe", path, 12, num_hidden_layers=4)
+    return str(path), [hf_greedy(model, p, NEW) for p in PROMPTS]
+
+
+def test_moe_attention_projections_layer_sharded_match_transformers(world2, qwen3_moe):
+    """The MoE families run through the same layer loop: their attention projections layer-shard and prefetch too
+    (the dense-MLP series are absent from MoE layers, so "layer" takes only the leaves every layer has)."""
+    results = world2.run(generate_layer_sharded, qwen3_moe[0], {"dp": 2, "tp": 1}, "q_proj,o_proj", 1, PROMPTS, NEW, "none")
+    for rank, (tokens, shapes, *_) in enumerate(results):
+        assert tokens == qwen3_moe[1], f"rank {rank}"
+        assert set(shapes) == {"qkv", "o_proj"} and all(s[0] == 2 for s in shapes.values())
+    ls = layer_shard("layer", "dp")
+    moe_cfg = load_checkpoint(qwen3_moe[0], Mesh.abstract({"tp": 1}, 0))["config"]
+    meta, _ = check_plan(moe_cfg, Mesh.abstract({"dp": 2, "tp": 1}), layer_shard=ls)
+    assert set(meta["series"]) == {"attn_norm", "qkv", "q_norm", "k_norm", "o_proj", "mlp_norm"}
 
 
 @pytest.mark.parametrize("series,k", [("o_proj", 0), ("o_proj", 1), ("o_proj,down_proj", 2), ("layer", 1)])

@@ -37,11 +37,11 @@ MOE_FAMILIES = {
 }
 
 
-def save_tiny_moe(family: str, path, seed: int) -> "T.PreTrainedModel":
+def save_tiny_moe(family: str, path, seed: int, **overrides) -> "T.PreTrainedModel":
     """The MoE family's tiny model with a fixed seed, saved to ``path`` (one tensor per expert), in eval mode."""
     cls, cfg_cls, extra = MOE_FAMILIES[family]
     torch.manual_seed(seed)
-    model = cls(cfg_cls(**MOE_COMMON, **extra)).eval()
+    model = cls(cfg_cls(**(MOE_COMMON | extra | overrides))).eval()
     model.save_pretrained(path)
     return model
 
