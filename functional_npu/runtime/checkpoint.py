@@ -81,12 +81,13 @@ def load_checkpoint(
     on_read: Callable[[str, int], None] | None = None,
     expert_axes: Sequence[str] = (),
     layer_shard: LayerShard | None = None,
+    tp_axis: str = "tp",
 ) -> dict[str, Any]:
     """Load a HF checkpoint of any supported family into this rank's local params.
 
     Args:
         path: a HF model directory: ``config.json`` and ``model.safetensors`` or a sharded index.
-        mesh: a mesh with a ``tp`` axis (other axes hold replicas), from ``make_mesh`` or
+        mesh: a mesh with a ``tp_axis`` axis (other axes hold replicas), from ``make_mesh`` or
             ``Mesh.abstract(...).at(...)`` to load one coordinate's shards in one process.
         dtype: convert to this dtype (default: as stored).
         progress: print progress on rank 0 (default: when stderr is a terminal).
@@ -96,6 +97,7 @@ def load_checkpoint(
         layer_shard: layer-shard these series (``layer_shard.layer_shard("o_proj,down_proj")``):
             layer ``l``'s weights are read only by coordinate ``l % n`` of its axis and stacked
             under ``params["series"]``; the forward fetches them with broadcasts.
+        tp_axis: the mesh axis of tensor parallelism (the family's ``param_specs(cfg, tp_axis=...)``).
 
     Returns:
         Params for the family's ``forward``: the local shards plus ``params["config"]``.
@@ -104,7 +106,7 @@ def load_checkpoint(
         ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis.
     """
     root = Path(path)
-    wanted = _check_plan(root, mesh, expert_axes, layer_shard)
+    wanted = _check_plan(root, mesh, expert_axes, layer_shard, tp_axis)
     ckpt = _open_checkpoint(root, on_read)
     _check_names_and_shapes(ckpt, wanted)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
@@ -115,16 +117,16 @@ def load_checkpoint(
 
 
 # ---- check ------------------------------------------------------------------------------------
-def _check_plan(root: Path, mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None) -> _Wanted:
+def _check_plan(root: Path, mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None, tp_axis: str) -> _Wanted:
     """The config and what it needs, once the mesh is known to shard it (reads config.json only)."""
     cfg = with_expert_axes(read_config(root), expert_axes, where=str(root))
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
-    meta, layouts = check_plan(cfg, mesh, where=str(root), layer_shard=layer_shard)
+    meta, layouts = check_plan(cfg, mesh, where=str(root), layer_shard=layer_shard, tp_axis=tp_axis)
     family = family_of(cfg)
     if layer_shard is not None:  # checked in the layer-sharded form; the files hold the per-layer one
         meta = family.abstract_params(cfg)
-        layouts = leaf_specs(family.param_specs(cfg), meta)
+        layouts = leaf_specs(family.param_specs(cfg, tp_axis=tp_axis), meta)
     return _Wanted(family, cfg, meta, dict(flatten_with_paths(meta)), layouts)
 
 
@@ -270,16 +272,16 @@ def _not_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard | None) -> set[str]:
     """Paths of the series leaves of layers this coordinate does not own (never read)."""
     if ls is None:
         return set()
-    num_layers, layers = wanted.cfg.num_layers, wanted.meta["layers"]
+    num_layers, series = wanted.cfg.num_layers, present(ls, wanted.meta["layers"])
     mine = set(owned_layers(num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis)))
-    return {f"layers.{i}.{leaf}" for i in range(num_layers) if i not in mine for leaf in ls.leaves if leaf in layers[i]}
+    return {f"layers.{i}.{leaf}" for i in range(num_layers) if i not in mine for leaf in series}
 
 
 def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The layer-sharded params: the owned layers of each series stacked in layer order."""
     meta = wanted.meta
     mine = owned_layers(wanted.cfg.num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis))
-    leaves = present(ls, meta["layers"][0])
+    leaves = present(ls, meta["layers"])  # the series: leaves every layer has (MoE: attention, not experts)
     series = {}
     for leaf in leaves:
         owned = [loaded[f"layers.{i}.{leaf}"] for i in mine]

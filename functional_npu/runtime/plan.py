@@ -31,21 +31,27 @@ def with_expert_axes(cfg: Any, expert_axes: Sequence[str], *, where: str = "mode
 
 
 def check_plan(
-    cfg: Any, mesh: Mesh, *, where: str = "model", layer_shard: LayerShard | None = None
+    cfg: Any, mesh: Mesh, *, where: str = "model", layer_shard: LayerShard | None = None, tp_axis: str = "tp"
 ) -> tuple[dict[str, Any], dict[str, Layout]]:
     """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O).
+
+    Args:
+        cfg: a model config (from ``read_config``, with its expert axes if any).
+        mesh: the mesh; its coordinate is ignored, every coordinate is checked.
+        where: what the messages start with (the model directory, ``compile_model``).
+        layer_shard: also check layer-sharding these series over ``layer_shard.axis`` (any family:
+            the series are the leaves every layer has).
+        tp_axis: the mesh axis of tensor parallelism (the family's ``param_specs(cfg, tp_axis=...)``).
 
     Returns:
         The full params on the meta device and each leaf's layout, for the caller to reuse; with
         ``layer_shard``, in the layer-sharded structure (series stacked under ``params["series"]``).
     """
-    if "tp" not in mesh.axis_names:
-        raise ValueError(f"{where}: the mesh {mesh.shape} has no 'tp' axis; add one (size 1 for no tensor parallelism)")
+    if tp_axis not in mesh.axis_names:
+        raise ValueError(f"{where}: the mesh {mesh.shape} has no {tp_axis!r} axis; add one (size 1 for no tensor parallelism)")
     family = family_of(cfg)
-    meta, specs = family.abstract_params(cfg), family.param_specs(cfg)
+    meta, specs = family.abstract_params(cfg), family.param_specs(cfg, tp_axis=tp_axis)
     if layer_shard is not None:
-        if family.name != "llama":
-            raise ValueError(f"{where}: layer sharding supports the dense families, not {cfg.architecture}; drop layer_shard (--layer-shard)")
         if layer_shard.axis not in mesh.axis_names:
             raise ValueError(f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}")
         meta, specs = stack_series(meta, layer_shard), series_specs(specs, layer_shard, cfg.num_layers)
