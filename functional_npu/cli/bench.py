@@ -25,8 +25,7 @@ import torch
 
 from ..runtime.checkpoint import load_checkpoint
 from ..runtime.save import save_checkpoint
-from ..runtime.compile import cache_length, compile_model
-from ..runtime.generate import greedy_generate
+from ..runtime.compile import cache_length, compile_model, greedy_generate
 from .bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
 from ..runtime.launch import LocalWorld, RankContext
 from ..core.mesh import Mesh
@@ -39,20 +38,20 @@ FULL = LlamaConfig(vocab_size=32000, num_layers=12, **_MODEL)  # about 70M param
 QUICK = LlamaConfig(vocab_size=8000, num_layers=4, **_MODEL)
 
 
-def best_time(fn: Callable[[], Any], repeat: int = 5) -> float:
-    """The fastest of ``repeat`` wall-clock timings of ``fn()``, in seconds."""
+def best_time(fn: Callable[[], Any], repeat: int = 5, *, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The fastest of ``repeat`` timings of ``fn()`` on ``clock`` (default: wall-clock seconds)."""
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
-def _rates(run: Callable[[int], Any], prompt_len: int, new: int, repeat: int) -> tuple[float, float]:
-    """(decode tok/s, prefill tok/s) from generating ``new`` and 1 token(s)."""
-    t_one = best_time(lambda: run(1), repeat)
-    t_all = best_time(lambda: run(new), repeat)
+def _rates(run: Callable[[int], Any], prompt_len: int, new: int, repeat: int, *, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) from generating ``new`` and 1 token(s), timed on ``clock``."""
+    t_one = best_time(lambda: run(1), repeat, clock=clock)
+    t_all = best_time(lambda: run(new), repeat, clock=clock)
     return (new - 1) / max(t_all - t_one, 1e-9), prompt_len / t_one
 
 
