@@ -104,7 +104,7 @@ def _hf(path: str, prompt: list[int], new: int, repeat: int, compiled: bool) -> 
     return {"decode": decode, "prefill": prefill, "compile_s": warm}
 
 
-def _compile_once(path: str, prompt_len: int, new: int) -> float:
+def compile_once(path: str, prompt_len: int, new: int) -> float:
     """Seconds to load, compile and generate once (a child process: the cold/warm compile probe)."""
     mesh = Mesh.abstract({"tp": 1}, 0)
     t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def _compile_once(path: str, prompt_len: int, new: int) -> float:
 def _compile_cold_warm(path: str, prompt_len: int, new: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as cache:
         env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-        code = f"from functional_npu.cli.bench import _compile_once; print(_compile_once({path!r}, {prompt_len}, {new}))"
+        code = f"from functional_npu.cli.bench import compile_once; print(compile_once({path!r}, {prompt_len}, {new}))"
         times = [float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()[-1]) for _ in range(2)]
     return {"cold": times[0], "warm": times[1]}
 

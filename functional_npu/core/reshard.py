@@ -27,7 +27,7 @@ import torch
 from . import collectives
 from .layout import Layout, Piece, local_pieces, validate
 from .mesh import Mesh
-from .shard import _check_leaf, _full_shape, _positioned, leaf_specs
+from .shard import check_leaf, full_shape, leaf_specs, positioned
 from .tree import PyTree, flatten_with_paths, map_with_path
 
 __all__ = ["Transfer", "LeafPlan", "ReshardPlan", "RankTraffic", "RankProgram", "plan_reshard", "reshard", "pack", "unpack", "simulate"]
@@ -136,6 +136,11 @@ def _dim_table(length: int, src: list[list[Piece]], dst: list[list[Piece]]):
     return segs, src_off, dst_off
 
 
+def _coords(mesh: Mesh) -> list[tuple[int, ...]]:
+    """Every world rank's coordinate, in mesh axis order."""
+    return [tuple(mesh.at(r).coordinate.values()) for r in range(mesh.size)]
+
+
 def _distance(coords: list[tuple[int, ...]], a: int, b: int) -> int:
     return sum(x != y for x, y in zip(coords[a], coords[b]))
 
@@ -144,7 +149,7 @@ def _leaf_transfers(leaf: LeafPlan, src: Layout, dst: Layout, mesh: Mesh) -> lis
     ranks = range(mesh.size)
     src_p = [local_pieces(leaf.path, src, leaf.full_shape, mesh.at(r)) for r in ranks]
     dst_p = [local_pieces(leaf.path, dst, leaf.full_shape, mesh.at(r)) for r in ranks]
-    coords = [mesh._coord_of(r) for r in ranks]
+    coords = _coords(mesh)
     tables = []
     for d, length in enumerate(leaf.full_shape):
         s = [_whole(p[d] if d < len(p) else None, length) for p in src_p]
@@ -225,7 +230,7 @@ def plan_reshard(
     order = {leaf.path: i for i, leaf in enumerate(leaves)}
     items = {leaf.path: torch.empty((), dtype=leaf.dtype).element_size() for leaf in leaves}
     transfers.sort(key=lambda t: (t.src, t.dst, -items[t.path], order[t.path]))  # stable: box order kept
-    coords = [mesh._coord_of(r) for r in range(mesh.size)]
+    coords = _coords(mesh)
     crossed = {i for t in transfers for i, (a, b) in enumerate(zip(coords[t.src], coords[t.dst])) if a != b}
     axes = tuple(a for i, a in enumerate(mesh.axis_names) if i in crossed)
     traffic = _traffic(mesh, leaves, transfers, src_specs)
@@ -365,11 +370,11 @@ def reshard(
     Example:
         >>> inference = reshard(train, megatron_specs(cfg), llama.param_specs(cfg), mesh)   # doctest: +SKIP
     """
-    mesh = _positioned(mesh, None)
+    mesh = positioned(mesh, None)
     src, dst = leaf_specs(src_specs, tree), leaf_specs(dst_specs, tree)
-    local = {path: _check_leaf(path, x) for path, x in flatten_with_paths(tree)}
+    local = {path: check_leaf(path, x) for path, x in flatten_with_paths(tree)}
     if plan is None:
-        shapes = {path: (_full_shape(path, x, src[path], mesh), x.dtype) for path, x in local.items()}
+        shapes = {path: (full_shape(path, x, src[path], mesh), x.dtype) for path, x in local.items()}
         plan = plan_reshard(shapes, src, dst, mesh)  # validates every destination layout
     elif dict(plan.mesh_shape) != mesh.shape:
         raise ValueError(f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh")

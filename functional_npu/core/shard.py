@@ -18,7 +18,7 @@ from .layout import Layout, LayoutError, Piece, dim_pieces, full_length, local_p
 from .mesh import Mesh
 from .tree import PyTree, expand_prefix, flatten_with_paths, map_with_path
 
-__all__ = ["shard", "local_shape", "gather", "unshard", "leaf_specs"]
+__all__ = ["shard", "local_shape", "gather", "unshard", "leaf_specs", "check_leaf", "positioned", "full_shape", "as_bits"]
 
 # same-width carriers that every backend (gloo has no int16) moves byte for byte
 _BITS = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
@@ -29,13 +29,15 @@ def leaf_specs(specs: PyTree, tree: PyTree) -> dict[str, Layout]:
     return expand_prefix(specs, tree, is_leaf=lambda x: isinstance(x, Layout), what="specs")
 
 
-def _check_leaf(path: str, x: object) -> torch.Tensor:
+def check_leaf(path: str, x: object) -> torch.Tensor:
+    """``x`` if it is a tensor; else a TypeError naming ``params[path]`` and the fix."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"params[{path!r}] is a {type(x).__name__}, not a torch.Tensor; convert it with torch.as_tensor")
     return x
 
 
-def _positioned(mesh: Mesh, coordinate: Mapping[str, int] | int | None) -> Mesh:
+def positioned(mesh: Mesh, coordinate: Mapping[str, int] | int | None) -> Mesh:
+    """``mesh`` at ``coordinate`` if given, else ``mesh`` itself, which must then have a coordinate (ValueError if not)."""
     if coordinate is not None:
         return mesh.at(coordinate)
     if mesh.rank is None:
@@ -58,7 +60,7 @@ def local_shape(
         >>> local_shape((8, 4), sharded(0, "tp"), Mesh.abstract({"tp": 4}), coordinate=1)
         (2, 4)
     """
-    mesh = _positioned(mesh, coordinate)
+    mesh = positioned(mesh, coordinate)
     validate(path, layout, shape, dtype, mesh.shape)
     out = list(shape)
     for d, pieces in enumerate(local_pieces(path, layout, shape, mesh)):
@@ -95,11 +97,11 @@ def shard(
     Raises:
         TypeError, LayoutError (a ValueError), naming the leaf path, dim, sizes, mesh axis and a fix.
     """
-    mesh = _positioned(mesh, coordinate)
+    mesh = positioned(mesh, coordinate)
     layouts = leaf_specs(specs, tree)
     plans = {}
     for path, x in flatten_with_paths(tree):
-        x = _check_leaf(path, x)
+        x = check_leaf(path, x)
         validate(path, layouts[path], x.shape, x.dtype, mesh.shape)
         plans[path] = local_pieces(path, layouts[path], x.shape, mesh)
 
@@ -147,12 +149,17 @@ def _pad_to(x: torch.Tensor, d: int, length: int) -> torch.Tensor:
     return torch.cat([x, fill], dim=d)
 
 
-def _as_bits(x: torch.Tensor) -> torch.Tensor:
-    """Gathering moves bits: view any dtype as a same-width integer so every backend can carry it."""
+def as_bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as a same-width carrier dtype (see ``_BITS``), so every backend's collectives move any dtype bit for bit."""
     return x.view(_BITS[x.element_size()]) if x.element_size() in _BITS else x
 
 
-def _full_shape(path: str, x: torch.Tensor, layout: Layout, mesh: Mesh) -> tuple[int, ...]:
+def full_shape(path: str, x: torch.Tensor, layout: Layout, mesh: Mesh) -> tuple[int, ...]:
+    """The full shape a local shard ``x`` at this mesh coordinate implies under ``layout``.
+
+    Raises:
+        LayoutError if ``x``'s shape is not what ``layout`` gives this coordinate of that full shape.
+    """
     validate(path, layout, x.shape, x.dtype, mesh.shape, local=True)
     shape = list(x.shape)
     for d, spec in enumerate(layout.dims):
@@ -177,16 +184,16 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     Returns:
         A new tree of full tensors, identical on every rank.
     """
-    mesh = _positioned(mesh, None)
+    mesh = positioned(mesh, None)
     layouts = leaf_specs(specs, tree)
     shapes = {}
     for path, x in flatten_with_paths(tree):
-        shapes[path] = _full_shape(path, _check_leaf(path, x), layouts[path], mesh)
+        shapes[path] = full_shape(path, check_leaf(path, x), layouts[path], mesh)
     if not torch.compiler.is_compiling():
         mesh.init_groups(*sorted({d.axes for lay in layouts.values() for d in lay.dims if d is not None}))
 
     def assemble(path: str, x: torch.Tensor) -> torch.Tensor:
-        bits, moved = _as_bits(x), False
+        bits, moved = as_bits(x), False
         for d, spec in enumerate(layouts[path].dims):
             n = 1 if spec is None else mesh.axis_size(spec.axes)
             full = shapes[path][d]
@@ -214,7 +221,7 @@ def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:
 
     def assemble(path: str, _: torch.Tensor) -> torch.Tensor:
         layout = layouts[path]
-        seen = {r: (_full_shape(path, _check_leaf(path, t[path]), layout, mesh.at(r)), t[path].dtype) for r, t in enumerate(per_rank)}
+        seen = {r: (full_shape(path, check_leaf(path, t[path]), layout, mesh.at(r)), t[path].dtype) for r, t in enumerate(per_rank)}
         if len(set(seen.values())) > 1:
             views = ", ".join(f"rank {r}: {s} {dt}" for r, (s, dt) in seen.items())
             raise LayoutError(f"params[{path!r}]: the local shards imply different full shapes or dtypes ({views}); shard every rank with the same layout")

@@ -22,7 +22,7 @@ import torch
 from ..core import collectives
 from ..core.layout import Block, Layout, fused, sharded
 from ..core.mesh import Axes, Mesh
-from ..core.shard import _as_bits
+from ..core.shard import as_bits
 from ..core.tree import PyTree, flatten_with_paths, map_with_path
 
 __all__ = ["expert_layouts", "ep_to_tp", "tp_to_ep"]
@@ -76,7 +76,7 @@ def _unpack(name: str, recv: torch.Tensor, to_tp: bool) -> torch.Tensor:
 
 
 def _exchange(buf: torch.Tensor, mesh: Mesh, axis: Axes) -> torch.Tensor:
-    flat = _as_bits(buf).reshape(buf.shape[0], -1)
+    flat = as_bits(buf).reshape(buf.shape[0], -1)
     out = collectives.all_to_all_single(flat, mesh, axis)
     return out.view(buf.dtype).reshape(buf.shape)
 

@@ -28,7 +28,7 @@ import torch
 
 from ..core import collectives
 from ..core.mesh import Axes, Mesh
-from ..core.shard import _as_bits
+from ..core.shard import as_bits
 from ..core.tree import PyTree
 
 __all__ = [
@@ -342,7 +342,7 @@ def _move(xs: list[torch.Tensor], prog: RankProgram, mesh: Mesh, axis: Axes, exc
     send = _send_rows(xs, prog)
     recv = send[:0]
     if exchange:
-        out = collectives.all_to_all_single(_as_bits(send), mesh, axis, prog.recv_counts, [len(d) for d in prog.send])
+        out = collectives.all_to_all_single(as_bits(send), mesh, axis, prog.recv_counts, [len(d) for d in prog.send])
         recv = out.view(send.dtype)
     return _assemble(xs, recv, prog)
 
