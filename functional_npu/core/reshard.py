@@ -30,7 +30,7 @@ from .mesh import Mesh
 from .shard import check_leaf, full_shape, leaf_specs, positioned
 from .tree import PyTree, flatten_with_paths, map_with_path
 
-__all__ = ["Transfer", "LeafPlan", "ReshardPlan", "RankTraffic", "RankProgram", "plan_reshard", "reshard", "pack", "unpack", "simulate"]
+__all__ = ["Transfer", "LeafPlan", "ReshardPlan", "RankTraffic", "ReshardProgram", "plan_reshard", "reshard", "pack", "unpack", "simulate"]
 
 Box = tuple[tuple[int, int], ...]  # (start, length) per dim of a local tensor
 _ALIGN = 8  # every peer's section of a flat buffer starts on an 8-byte boundary (so byte chunks view back as any dtype)
@@ -85,7 +85,7 @@ class ReshardPlan:
         leaves: per leaf, in tree order.
         transfers: every box moved, ordered by (src, dst, descending itemsize, leaf order).
         traffic: per rank, bytes sent / received / copied locally, the lower bound and the all-gather figure.
-        programs: per rank, its part of the exchange (see :class:`RankProgram`).
+        programs: per rank, its part of the exchange (see :class:`ReshardProgram`).
     """
 
     mesh_shape: tuple[tuple[str, int], ...]
@@ -93,7 +93,7 @@ class ReshardPlan:
     leaves: tuple[LeafPlan, ...]
     transfers: tuple[Transfer, ...]
     traffic: tuple[RankTraffic, ...]
-    programs: tuple["RankProgram", ...]
+    programs: tuple["ReshardProgram", ...]
 
     def report(self) -> str:
         """A markdown table of bytes per rank against the lower bound and all-gather-then-slice."""
@@ -239,8 +239,8 @@ def plan_reshard(
 
 # ---- execution ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class RankProgram:
-    """What one rank does, precomputed from the plan (so a traced ``reshard`` only walks its own lists).
+class ReshardProgram:
+    """What one rank does for a :class:`ReshardPlan`, precomputed (so a traced ``reshard`` only walks its own lists).
 
     ``group``: its exchange group (world ranks, in group order); ``send[j]`` / ``recv[j]``: the boxes
     for group peer ``j`` in buffer order; ``*_sizes``: padded bytes per peer; ``local``: boxes it copies.
@@ -260,13 +260,13 @@ def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _programs(mesh: Mesh, axes: tuple[str, ...], leaves: Sequence[LeafPlan], transfers: Sequence[Transfer], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> tuple[RankProgram, ...]:
+def _programs(mesh: Mesh, axes: tuple[str, ...], leaves: Sequence[LeafPlan], transfers: Sequence[Transfer], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> tuple[ReshardProgram, ...]:
     out = []
     for r in range(mesh.size):
         group = mesh.at(r).group_ranks(axes) if axes else (r,)
         sends = [[t for t in transfers if t.src == r != t.dst == peer] for peer in group]
         recvs = [[t for t in transfers if t.dst == r != t.src == peer] for peer in group]
-        out.append(RankProgram(
+        out.append(ReshardProgram(
             group=tuple(group),
             send=tuple(tuple((t.path, t.src_box) for t in ts) for ts in sends),
             send_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in sends),
@@ -285,7 +285,7 @@ def _box(x: torch.Tensor, box: Box) -> torch.Tensor:
     return x
 
 
-def pack(local: Mapping[str, torch.Tensor], program: RankProgram) -> torch.Tensor:
+def pack(local: Mapping[str, torch.Tensor], program: ReshardProgram) -> torch.Tensor:
     """This rank's outgoing bytes as one flat uint8 buffer: a section per group peer (``program.send_sizes``).
 
     Each box is copied once, straight into its place in the buffer (viewed as the leaf's dtype).
@@ -308,7 +308,7 @@ def _device(local: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(local.values())).device if local else torch.device("cpu")
 
 
-def unpack(local: Mapping[str, torch.Tensor], received: torch.Tensor, program: RankProgram) -> dict[str, torch.Tensor]:
+def unpack(local: Mapping[str, torch.Tensor], received: torch.Tensor, program: ReshardProgram) -> dict[str, torch.Tensor]:
     """The destination leaves of one rank: its local copies from ``local`` plus the boxes in ``received``."""
     out = {path: torch.empty(shape, dtype=dtype, device=received.device) for path, shape, dtype in program.dst_shapes}
     for path, sbox, dbox in program.local:
@@ -389,7 +389,7 @@ def reshard(
     return map_with_path(lambda path, _: out[path], tree)
 
 
-def _check_program(program: RankProgram, rank: int, local: Mapping[str, torch.Tensor], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:
+def _check_program(program: ReshardProgram, rank: int, local: Mapping[str, torch.Tensor], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:
     planned = [p for p, _, _, _, _ in program.leaves]
     if planned != list(local):
         diff = sorted(set(planned) ^ set(local))

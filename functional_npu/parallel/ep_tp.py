@@ -24,10 +24,11 @@ from ..core.layout import Block, Layout, fused, sharded
 from ..core.mesh import Axes, Mesh
 from ..core.shard import as_bits
 from ..core.tree import PyTree, flatten_with_paths, map_with_path
+from .eplb import EXPERT_LEAVES
 
 __all__ = ["expert_layouts", "ep_to_tp", "tp_to_ep"]
 
-_GATE_UP, _DOWN = "experts_gate_up", "experts_down"
+_GATE_UP, _DOWN = EXPERT_LEAVES
 
 
 def expert_layouts(kind: str, ffn: int, axis: Axes) -> dict[str, Layout]:

@@ -44,6 +44,8 @@ __all__ = [
     "EXPERT_LEAVES",
 ]
 
+# The stacked expert leaves of an MoE layer, [gate|up] then down (dim 0: slots). The one definition:
+# the model families, ep_tp and the rebalance here all take the names from it.
 EXPERT_LEAVES = ("experts_gate_up", "experts_down")
 
 Placement = tuple[tuple[tuple[int, ...], ...], ...]  # [layers][ranks][slots] -> expert id
@@ -298,7 +300,7 @@ def _moe_layers(params: PyTree) -> list[tuple[int, dict[str, Any]]]:
     layers = params.get("layers") if isinstance(params, dict) else None
     if not isinstance(layers, (list, tuple)):
         raise TypeError("rebalance: params must be a dict with a 'layers' list of per-layer dicts (the models/ params tree)")
-    return [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, dict) and "experts_gate_up" in layer]
+    return [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, dict) and EXPERT_LEAVES[0] in layer]
 
 
 def _check_params(moe: list[tuple[int, dict[str, Any]]], plan: RebalancePlan, mesh: Mesh, axis: Axes) -> None:
