@@ -62,8 +62,8 @@ def test_layer_sharded_schedule_prefetches_one_layer_ahead(drift):
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     for phase in PHASES:
         schedule = json.loads((GRAPHS / f"qwen3-dp2-layer_shard-k1-{phase}" / "collectives.json").read_text())
-        fetched = [(l + 1) % cfg.num_layers for l in range(cfg.num_layers)]  # the layer issued during layer l
-        assert [c["src"] for c in schedule] == [l % 2 for l in fetched for _ in range(2)]  # from its owner
+        fetched = [(li + 1) % cfg.num_layers for li in range(cfg.num_layers)]  # the layer issued during layer li
+        assert [c["src"] for c in schedule] == [li % 2 for li in fetched for _ in range(2)]  # from its owner
         assert [c["op"] for c in schedule] == ["_c10d_functional.broadcast.default"] * (2 * cfg.num_layers)
         assert [c["bytes"] for c in schedule] == [4 * d * h, 4 * d * f] * cfg.num_layers
         assert {c["axis"] for c in schedule} == {"dp"}

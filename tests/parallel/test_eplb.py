@@ -57,9 +57,9 @@ def test_simulated_moves_give_the_new_placement_from_the_old(case, seed):
     start = [[gu for gu, _ in placed(gate_up, down, old, r)] for r in range(mesh.size)]
     got = simulate(plan, start, mesh)
     for r in range(mesh.size):
-        for l, (want, _) in enumerate(placed(gate_up, down, new, r)):
-            assert torch.equal(got[r][l], want), (r, l)
-            assert torch.equal(start[r][l], before[r][l])  # inputs untouched
+        for li, (want, _) in enumerate(placed(gate_up, down, new, r)):
+            assert torch.equal(got[r][li], want), (r, li)
+            assert torch.equal(start[r][li], before[r][li])  # inputs untouched
 
 
 @settings(max_examples=300)
@@ -67,7 +67,7 @@ def test_simulated_moves_give_the_new_placement_from_the_old(case, seed):
 def test_moves_are_the_lower_bound_and_come_from_holders(case):
     _, experts, (old, new) = case
     plan = plan_rebalance(old, new, experts)
-    need = {(l, r, e) for l in range(len(old)) for r in range(len(old[0])) for e in set(new[l][r]) - set(old[l][r])}
+    need = {(li, r, e) for li in range(len(old)) for r in range(len(old[0])) for e in set(new[li][r]) - set(old[li][r])}
     assert {(m.layer, m.dst_rank, m.expert) for m in plan.moves} == need and len(plan.moves) == len(need)
     for m in plan.moves:
         assert old[m.layer][m.src_rank][m.src_slot] == m.expert and m.src_rank != m.dst_rank
@@ -94,10 +94,10 @@ def test_routing_table_lists_every_slot_of_every_expert(case, extra):
     flat = torch.tensor(p).reshape(len(p), -1)
     width = max(int((row == e).sum()) for row in flat for e in range(experts))
     assert table.dtype == torch.int64 and tuple(table.shape) == (len(p), experts, width)
-    for l, row in enumerate(flat):
+    for li, row in enumerate(flat):
         for e in range(experts):
             slots = [s for s in range(row.numel()) if int(row[s]) == e]
-            assert table[l, e].tolist() == slots + [-1] * (width - len(slots))
+            assert table[li, e].tolist() == slots + [-1] * (width - len(slots))
     assert torch.equal(routing_table(torch.tensor(p), experts, copies=width + extra)[..., :width], table)
 
 

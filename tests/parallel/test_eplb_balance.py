@@ -26,15 +26,15 @@ def test_hotter_experts_get_at_least_as_many_copies_each_on_its_own_rank(case):
     experts = load.shape[1]
     assert tuple(p.shape) == (load.shape[0], ranks, slots)
     validate_placement(p, experts, num_ranks=ranks)
-    for l in range(load.shape[0]):
-        copies = torch.bincount(p[l].flatten(), minlength=experts)
+    for li in range(load.shape[0]):
+        copies = torch.bincount(p[li].flatten(), minlength=experts)
         assert int(copies.sum()) == ranks * slots and int(copies.max()) <= ranks
         for a in range(experts):
             for b in range(experts):
-                if load[l, a] > load[l, b] and copies[a] < ranks:
-                    assert copies[a] >= copies[b], (l, a, b, copies.tolist())
+                if load[li, a] > load[li, b] and copies[a] < ranks:
+                    assert copies[a] >= copies[b], (li, a, b, copies.tolist())
         for r in range(ranks):
-            assert len(set(p[l, r].tolist())) == slots, p[l, r]  # no rank holds one expert twice
+            assert len(set(p[li, r].tolist())) == slots, p[li, r]  # no rank holds one expert twice
 
 
 def test_skewed_load_is_spread_better_than_the_default_map():
@@ -43,7 +43,7 @@ def test_skewed_load_is_spread_better_than_the_default_map():
     def worst(p):
         copies = torch.stack([torch.bincount(row.flatten(), minlength=64) for row in p]).double()
         per_slot = load.double() / copies
-        return max(float(per_slot[l][p[l, r]].sum()) for l in range(2) for r in range(p.shape[1])) / float(load.sum(1).max() / 4)
+        return max(float(per_slot[li][p[li, r]].sum()) for li in range(2) for r in range(p.shape[1])) / float(load.sum(1).max() / 4)
     balanced, default = balanced_placement(load, 4, 18), default_placement(2, 64, 4)
     assert worst(balanced) < 1.05 < 1.3 < worst(default)  # near the mean with 8 redundant slots; the default is far off
     assert routing_table(balanced, 64).shape[2] >= 2
@@ -69,11 +69,11 @@ def test_with_the_previous_placement_copies_stay_and_no_rank_holds_an_expert_twi
     shifted = load[:, torch.randperm(load.shape[1], generator=torch.Generator().manual_seed(seed))]
     new = balanced_placement(shifted, ranks, slots, previous=previous)
     validate_placement(new, load.shape[1], num_ranks=ranks)
-    for l in range(load.shape[0]):
+    for li in range(load.shape[0]):
         for r in range(ranks):
-            assert len(set(new[l, r].tolist())) == slots, new[l, r]
-        fresh = balanced_placement(shifted[l : l + 1], ranks, slots)[0]
-        assert torch.equal(torch.bincount(new[l].flatten(), minlength=load.shape[1]), torch.bincount(fresh.flatten(), minlength=load.shape[1]))  # same copy counts
+            assert len(set(new[li, r].tolist())) == slots, new[li, r]
+        fresh = balanced_placement(shifted[li : li + 1], ranks, slots)[0]
+        assert torch.equal(torch.bincount(new[li].flatten(), minlength=load.shape[1]), torch.bincount(fresh.flatten(), minlength=load.shape[1]))  # same copy counts
 
 
 def test_a_small_load_shift_moves_few_experts_with_the_previous_placement():

@@ -69,8 +69,8 @@ def test_shard_of_stacked_series_holds_layer_l_on_coordinate_l_mod_n(layers, n, 
         for leaf, x in local["series"].items():
             mine = owned_layers(layers, n, c)
             assert x.shape[0] == len(mine) == math.ceil(max(layers - c, 0) / n)
-            for j, l in enumerate(mine):
-                assert torch.equal(x[j], per_layer["layers"][l][leaf])
+            for j, li in enumerate(mine):
+                assert torch.equal(x[j], per_layer["layers"][li][leaf])
         assert all(leaf not in layer for layer in local["layers"] for leaf in local["series"])
     back = dict(flatten_with_paths(unstack_series(unshard(locals_, specs, mesh))))
     want = dict(flatten_with_paths(full))

@@ -37,15 +37,15 @@ def expert_weights(layers: int, experts: int, ffn: int, hidden: int, dtype, seed
 
 def placed(gate_up: torch.Tensor, down: torch.Tensor, placement: torch.Tensor, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the rows rank ``rank`` holds under ``placement``: each slot gets its expert's weights."""
-    return [(gate_up[l, placement[l, rank]], down[l, placement[l, rank]]) for l in range(placement.shape[0])]
+    return [(gate_up[li, placement[li, rank]], down[li, placement[li, rank]]) for li in range(placement.shape[0])]
 
 
 def moe_params(local, table: torch.Tensor, dense_every: int = 2) -> dict:
     """A params tree with MoE layers (and a dense layer in between) around the experts of ``local``."""
     layers = []
-    for l, (gu, dn) in enumerate(local):
-        layers.append({"attn_norm": torch.ones(4), "router": torch.full((table.shape[1], 4), float(l)), "experts_gate_up": gu, "experts_down": dn, "expert_map": table[l]})
-        if l % dense_every == 0:
+    for li, (gu, dn) in enumerate(local):
+        layers.append({"attn_norm": torch.ones(4), "router": torch.full((table.shape[1], 4), float(li)), "experts_gate_up": gu, "experts_down": dn, "expert_map": table[li]})
+        if li % dense_every == 0:
             layers.append({"attn_norm": torch.ones(4), "gate_up": torch.zeros(6, 4)})
     return {"embed": torch.zeros(3, 4), "layers": layers}
 
@@ -69,7 +69,7 @@ def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, d
     table = routing_table(new, experts, copies=width)
     return {
         "experts": all(_bits_equal(m["experts_gate_up"], gu) and _bits_equal(m["experts_down"], dn) for m, (gu, dn) in zip(moe, want)),
-        "maps": all(torch.equal(m["expert_map"], table[l]) for l, m in enumerate(moe)),
+        "maps": all(torch.equal(m["expert_map"], table[li]) for li, m in enumerate(moe)),
         "layers": len(out["layers"]) == len(params["layers"]) and out["embed"] is params["embed"],
         "inputs_untouched": all(_bits_equal(v, b) for (k, b), v in zip(before, (v for layer in params["layers"] for v in layer.values()))),
         "ops": ops,
