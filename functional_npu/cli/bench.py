@@ -151,12 +151,22 @@ def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int 
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, prompt_len + 1)]
     n_params = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg)))
     print(f"bench: {cfg.architecture}-style, {n_params / 1e6:.1f}M params, fp32, batch 1, prompt {prompt_len}, {new} new tokens, {torch.get_num_threads()} threads")
+    res, compile_s, prefetch = _measure(cfg, prompt, new, repeat, quick)
+    out = _summary(cfg, res, compile_s, matvec_bandwidth(), n_params, prompt_len, new)
+    _report(cfg, out, prefetch)
+    out["prefetch"] = prefetch
+    _write(out, json_path, plot_dir)
+    return out
+
+
+def _measure(cfg: LlamaConfig, prompt: list[int], new: int, repeat: int, quick: bool) -> tuple[dict[str, dict[str, float]], dict[str, float], Any]:
+    """On one saved checkpoint: every system's rates, the cold and warm compile times, and the layer-sharded prefetch runs."""
     res: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(init_params(cfg, seed=0), tmp)
         mesh = Mesh.abstract({"tp": 1}, 0)
         params = load_checkpoint(tmp, mesh)
-        decode, prefill = _rates(lambda n: greedy_generate(params, [prompt], n, mesh), prompt_len, new, repeat)
+        decode, prefill = _rates(lambda n: greedy_generate(params, [prompt], n, mesh), len(prompt), new, repeat)
         res["fnpu_eager"] = {"decode": decode, "prefill": prefill}
         print("  fnpu eager done", flush=True)
         res["fnpu_compiled"] = _fnpu_rank(RankContext(0, 1), tmp, prompt, new, repeat)
@@ -168,15 +178,18 @@ def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int 
         with LocalWorld(2, threads=max(1, (os.cpu_count() or 2) // 2)) as world:
             res["fnpu_compiled_tp2"] = world.run(_fnpu_rank, tmp, prompt, new, repeat)[0]
         print("  fnpu compiled tp=2 done", flush=True)
-        compile_s = _compile_cold_warm(tmp, prompt_len, new)
+        compile_s = _compile_cold_warm(tmp, len(prompt), new)
         prefetch = run_prefetch_bench(tmp, steps=4 if quick else 16, repeat=2 if quick else 3)
         print("  layer-sharded prefetch done", flush=True)
-    bw = matvec_bandwidth()
-    roof = bw / decode_bytes_per_token(cfg)
-    out = {
+    return res, compile_s, prefetch
+
+
+def _summary(cfg: LlamaConfig, res: dict[str, dict[str, float]], compile_s: dict[str, float], bw: float, n_params: int, prompt_len: int, new: int) -> dict[str, Any]:
+    """The results as one JSON-ready dict: tokens/s per system, the roofline from matvec bandwidth ``bw``, the run's setup."""
+    return {
         "decode_tok_s": {k: v["decode"] for k, v in res.items()},
         "prefill_tok_s": {k: v["prefill"] for k, v in res.items()},
-        "roofline_decode_tok_s": roof,
+        "roofline_decode_tok_s": bw / decode_bytes_per_token(cfg),
         "matvec_gb_s": bw / 1e9,
         "compile_s": compile_s,
         "first_call_s": {k: v["compile_s"] for k, v in res.items() if "compile_s" in v},
@@ -184,22 +197,28 @@ def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int 
                   "vocab": cfg.vocab_size, "dtype": "float32", "prompt": prompt_len, "new_tokens": new, "batch": 1},
         "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform()},
     }
+
+
+def _report(cfg: LlamaConfig, out: dict[str, Any], prefetch: Any) -> None:
+    """Print the markdown table, the roofline and compile figures, and the prefetch table."""
+    roof, d, compile_s = out["roofline_decode_tok_s"], out["decode_tok_s"], out["compile_s"]
     print("\n| system | decode tok/s | share of roofline | prefill tok/s |")
     print("|---|---|---|---|")
-    for k in res:
-        print(f"| {k} | {out['decode_tok_s'][k]:.1f} | {out['decode_tok_s'][k] / roof:.0%} | {out['prefill_tok_s'][k]:.0f} |")
-    d = out["decode_tok_s"]
-    print(f"\nroofline: {roof:.1f} tok/s ({bw / 1e9:.1f} GB/s matvec / {decode_bytes_per_token(cfg) / 1e6:.1f} MB per token)")
+    for k in d:
+        print(f"| {k} | {d[k]:.1f} | {d[k] / roof:.0%} | {out['prefill_tok_s'][k]:.0f} |")
+    print(f"\nroofline: {roof:.1f} tok/s ({out['matvec_gb_s']:.1f} GB/s matvec / {decode_bytes_per_token(cfg) / 1e6:.1f} MB per token)")
     print(f"compiled decode vs transformers eager: {d['fnpu_compiled'] / d['hf_eager']:.2f}x, vs transformers compiled: {d['fnpu_compiled'] / d['hf_compiled']:.2f}x")
     print(f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)")
     print("\nlayer-sharded decode (2 gloo ranks, dp = 2, one thread each):\n" + prefetch_table(prefetch))
-    out["prefetch"] = prefetch
+
+
+def _write(out: dict[str, Any], json_path: str | None, plot_dir: str | None) -> None:
+    """The PNG plots under ``plot_dir`` and the JSON at ``json_path``, each if given."""
     if plot_dir:
         Path(plot_dir).mkdir(parents=True, exist_ok=True)
-        if scoreboard_plot(out, str(Path(plot_dir) / "scoreboard.png")) and prefetch_plot(prefetch, str(Path(plot_dir) / "prefetch.png")):
+        if scoreboard_plot(out, str(Path(plot_dir) / "scoreboard.png")) and prefetch_plot(out["prefetch"], str(Path(plot_dir) / "prefetch.png")):
             print(f"plots: {plot_dir}/scoreboard.png, {plot_dir}/prefetch.png")
         else:
             print("plots: skipped (pip install matplotlib)")
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=1))
-    return out

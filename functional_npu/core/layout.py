@@ -219,29 +219,38 @@ def validate(
             f"{where} = {layout!r} describes {len(layout.dims)} dims but the tensor has {len(shape)} "
             f"(shape {tuple(shape)}); drop the trailing dims or fix the param"
         )
-    seen: dict[str, int] = {}
+    seen: dict[str, int] = {}  # mesh axis -> the dim it shards
     for d, spec in enumerate(layout.dims):
         if spec is None:
             continue
         if not isinstance(spec, (Shard, Cyclic)):
             raise TypeError(f"{where} dim {d} is {spec!r}; expected Shard, Cyclic or None")
-        for a in spec.axes:
-            if a not in mesh_shape:
-                raise LayoutError(f"{where} dim {d} uses mesh axis {a!r}, which the mesh {dict(mesh_shape)} does not have; use one of {list(mesh_shape)}")
-            if a in seen:
-                raise LayoutError(f"{where} uses mesh axis {a!r} on dim {seen[a]} and dim {d}; an axis can shard one dim only")
-            seen[a] = d
-        order = tuple([a for a in mesh_shape if a in spec.axes])
-        if order != spec.axes:
-            raise LayoutError(f"{where} dim {d} shards over axes {spec.axes}, which must be in mesh order: write {order}")
-        n = math.prod([mesh_shape[a] for a in spec.axes])
+        _validate_axes(where, d, spec, mesh_shape, seen)
         if isinstance(spec, Shard):
-            _validate_shard(where, d, spec, shape[d], dtype, n, local)
-        elif not isinstance(spec.offset, int) or isinstance(spec.offset, bool):
-            raise LayoutError(f"{where} dim {d}: cyclic offset must be an int (the coordinate holding layer 0), got {spec.offset!r}")
-        elif not local and shape[d] != spec.size:
-            raise LayoutError(f"{where} dim {d} is cyclic over {spec.size} layers but the tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}")
+            _validate_shard(where, d, spec, shape[d], dtype, math.prod([mesh_shape[a] for a in spec.axes]), local)
+        else:
+            _validate_cyclic(where, d, spec, shape, local)
     return layout
+
+
+def _validate_axes(where: str, d: int, spec: DimSpec, mesh_shape: Mapping[str, int], seen: dict[str, int]) -> None:
+    """Dim ``d``'s axes are mesh axes, in mesh order, none already sharding another dim (recorded in ``seen``)."""
+    for a in spec.axes:
+        if a not in mesh_shape:
+            raise LayoutError(f"{where} dim {d} uses mesh axis {a!r}, which the mesh {dict(mesh_shape)} does not have; use one of {list(mesh_shape)}")
+        if a in seen:
+            raise LayoutError(f"{where} uses mesh axis {a!r} on dim {seen[a]} and dim {d}; an axis can shard one dim only")
+        seen[a] = d
+    order = tuple([a for a in mesh_shape if a in spec.axes])
+    if order != spec.axes:
+        raise LayoutError(f"{where} dim {d} shards over axes {spec.axes}, which must be in mesh order: write {order}")
+
+
+def _validate_cyclic(where: str, d: int, spec: Cyclic, shape: Sequence[int], local: bool) -> None:
+    if not isinstance(spec.offset, int) or isinstance(spec.offset, bool):
+        raise LayoutError(f"{where} dim {d}: cyclic offset must be an int (the coordinate holding layer 0), got {spec.offset!r}")
+    if not local and shape[d] != spec.size:
+        raise LayoutError(f"{where} dim {d} is cyclic over {spec.size} layers but the tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}")
 
 
 def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.dtype, n: int, local: bool) -> None:

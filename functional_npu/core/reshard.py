@@ -373,20 +373,30 @@ def reshard(
     mesh = positioned(mesh, None)
     src, dst = leaf_specs(src_specs, tree), leaf_specs(dst_specs, tree)
     local = {path: check_leaf(path, x) for path, x in flatten_with_paths(tree)}
-    if plan is None:
-        shapes = {path: (full_shape(path, x, src[path], mesh), x.dtype) for path, x in local.items()}
-        plan = plan_reshard(shapes, src, dst, mesh)  # validates every destination layout
-    elif dict(plan.mesh_shape) != mesh.shape:
-        raise ValueError(f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh")
+    plan = _plan_for(local, src, dst, mesh, plan)
     program = plan.programs[mesh.rank]
     _check_program(program, mesh.rank, local, src, dst)
-    received = torch.empty(0, dtype=torch.uint8, device=_device(local))
-    if plan.axes:
-        if not torch.compiler.is_compiling():
-            mesh.init_groups(plan.axes)
-        received = collectives.all_to_all_single(pack(local, program), mesh, plan.axes, program.recv_sizes, program.send_sizes)
-    out = unpack(local, received, program)
+    out = unpack(local, _exchange(local, program, plan.axes, mesh), program)
     return map_with_path(lambda path, _: out[path], tree)
+
+
+def _plan_for(local: Mapping[str, torch.Tensor], src: Mapping[str, Layout], dst: Mapping[str, Layout], mesh: Mesh, plan: ReshardPlan | None) -> ReshardPlan:
+    """``plan``, checked to be for this mesh, or a new plan for these local shards (which validates every layout)."""
+    if plan is None:
+        shapes = {path: (full_shape(path, x, src[path], mesh), x.dtype) for path, x in local.items()}
+        return plan_reshard(shapes, src, dst, mesh)  # validates every destination layout
+    if dict(plan.mesh_shape) != mesh.shape:
+        raise ValueError(f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh")
+    return plan
+
+
+def _exchange(local: Mapping[str, torch.Tensor], program: ReshardProgram, axes: tuple[str, ...], mesh: Mesh) -> torch.Tensor:
+    """The bytes this rank receives: one ``all_to_all_single`` over ``axes`` (none when the plan crosses no axis)."""
+    if not axes:
+        return torch.empty(0, dtype=torch.uint8, device=_device(local))
+    if not torch.compiler.is_compiling():
+        mesh.init_groups(axes)
+    return collectives.all_to_all_single(pack(local, program), mesh, axes, program.recv_sizes, program.send_sizes)
 
 
 def _check_program(program: ReshardProgram, rank: int, local: Mapping[str, torch.Tensor], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:

@@ -205,6 +205,19 @@ def from_megatron(
     Raises:
         ValueError naming the Megatron parameter that is missing, unknown or of the wrong shape.
     """
+    found, layers_per_chunk = _by_path(chunks)
+    out: dict[str, Any] = {"config": cfg}
+    for path, meta in _leaves(stack_layers(abstract_params(cfg))):
+        want = local_shape(meta.shape, _at(specs, path), mesh, path=path, dtype=meta.dtype)
+        tensors = _entries(path, found.get(path, {}))
+        _check_entries(path, tensors, want, mesh, layers_per_chunk)
+        x = torch.stack([t for _, t in tensors]) if tensors else torch.empty(want, dtype=meta.dtype)
+        out = _put(out, path, x)
+    return out
+
+
+def _by_path(chunks: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, dict[Any, tuple[str, torch.Tensor]]], list[int]]:
+    """Our path -> {(chunk, local layer), or 0 for a top-level leaf: (Megatron name, tensor)}, and each chunk's layer count."""
     found: dict[str, dict[Any, tuple[str, torch.Tensor]]] = {}
     layers_per_chunk = []
     for v, sd in enumerate(chunks):
@@ -217,30 +230,29 @@ def from_megatron(
                 idx.add(i)
                 found.setdefault("layers." + ours, {})[(v, i)] = (name, x)
         layers_per_chunk.append(len(idx))
-    full = stack_layers(abstract_params(cfg))
-    out: dict[str, Any] = {"config": cfg}
-    for path, meta in _leaves(full):
-        want = local_shape(meta.shape, _at(specs, path), mesh, path=path, dtype=meta.dtype)
-        got = found.get(path, {})
-        keys = sorted(got)
-        if path.startswith("layers."):
-            tensors = [got[k] for k in keys]
-        else:
-            tensors = [got[0]] if got else []
-        if len(tensors) != want[0]:
+    return found, layers_per_chunk
+
+
+def _entries(path: str, got: Mapping[Any, tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A leaf's (Megatron name, tensor) entries in stacking order: layers by (chunk, layer); a top-level leaf has one or none."""
+    if path.startswith("layers."):
+        return [got[k] for k in sorted(got)]
+    return [got[0]] if got else []
+
+
+def _check_entries(path: str, tensors: list[tuple[str, torch.Tensor]], want: tuple[int, ...], mesh: Mesh, layers_per_chunk: list[int]) -> None:
+    """As many entries as the local stacked shape ``want`` has on dim 0, each of shape ``want[1:]``."""
+    if len(tensors) != want[0]:
+        raise ValueError(
+            f"from_megatron: {path!r} needs {want[0]} local entries on rank {mesh.rank} {mesh.coordinate} but the state dicts "
+            f"hold {len(tensors)} (chunks with {layers_per_chunk} layers); check the Megatron names, pp/vpp and the layout"
+        )
+    for name, t in tensors:
+        if tuple(t.shape) != want[1:]:
             raise ValueError(
-                f"from_megatron: {path!r} needs {want[0]} local entries on rank {mesh.rank} {mesh.coordinate} but the state dicts "
-                f"hold {len(tensors)} (chunks with {layers_per_chunk} layers); check the Megatron names, pp/vpp and the layout"
+                f"from_megatron: {name!r} ({path!r}) is {tuple(t.shape)} on rank {mesh.rank} but its layout gives "
+                f"{want[1:]} per entry; was it trained with another tp/pp, or is the config different?"
             )
-        for name, t in tensors:
-            if tuple(t.shape) != want[1:]:
-                raise ValueError(
-                    f"from_megatron: {name!r} ({path!r}) is {tuple(t.shape)} on rank {mesh.rank} but its layout gives "
-                    f"{want[1:]} per entry; was it trained with another tp/pp, or is the config different?"
-                )
-        x = torch.stack([t for _, t in tensors]) if tensors else torch.empty(want, dtype=meta.dtype)
-        out = _put(out, path, x)
-    return out
 
 
 def to_megatron(local: Mapping[str, Any], vpp: int = 1) -> list[dict[str, torch.Tensor]]:

@@ -97,6 +97,13 @@ def validate_placement(
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     nested = _as_nested(placement, what)
+    _check_sizes(nested, num_experts, num_ranks, what)
+    _check_experts(nested, num_experts, what)
+    return torch.tensor(nested, dtype=torch.int64)
+
+
+def _check_sizes(nested: list[list[list[int]]], num_experts: int, num_ranks: int | None, what: str) -> None:
+    """Every layer spans the same ranks, every rank has the same slots, and they are enough for the experts."""
     if not nested or not nested[0]:
         raise ValueError(f"{what} is empty; expected [layers, ranks, slots] with at least one layer and rank")
     ranks, slots = len(nested[0]), len(nested[0][0])
@@ -115,6 +122,10 @@ def validate_placement(
         raise ValueError(f"{what} spans {ranks} ranks but the expert axis has size {num_ranks}; build the map for {num_ranks} ranks")
     if ranks * slots < num_experts:
         raise ValueError(f"{what} has {ranks} ranks x {slots} slots = {ranks * slots} slots for {num_experts} experts; use at least {-(-num_experts // ranks)} slots per rank")
+
+
+def _check_experts(nested: list[list[list[int]]], num_experts: int, what: str) -> None:
+    """Every id is an expert, and every expert has a slot in every layer."""
     for l, layer in enumerate(nested):
         for r, row in enumerate(layer):
             for p, e in enumerate(row):
@@ -126,7 +137,6 @@ def validate_placement(
                 f"{what} layer {l} places no copy of experts {missing[:16]}{' ...' if len(missing) > 16 else ''}; every "
                 f"expert needs at least one slot (replace a redundant copy with it)"
             )
-    return torch.tensor(nested, dtype=torch.int64)
 
 
 def default_placement(num_layers: int, num_experts: int, num_ranks: int) -> torch.Tensor:

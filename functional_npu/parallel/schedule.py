@@ -91,6 +91,35 @@ class PrefetchSchedule:
 
 def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: int, n_issues: int) -> list[Any]:
     """The prefetch order of ``snodes`` (see the module docstring)."""
+    broadcasts, carried_waits = _prefetch_nodes(snodes, inputs, carried, n_issues)
+    graph = _graph(snodes, broadcasts, carried_waits)
+    wait_of = _wait_of(graph, broadcasts)
+    group = {id(b): _issue_group(graph, b) for b in broadcasts}
+    # issues in order of need; the last ``carried`` are the next step's, handed over (returned, or
+    # only copied into an output at the end)
+    issues = sorted(broadcasts, key=lambda b: (graph.first_use(wait_of[id(b)]), _output_rank(wait_of[id(b)], outputs)))
+    order = _place(graph, issues, carried_waits, wait_of, group, carried)
+    _check_topological(order, snodes, graph.producer, graph.needs)
+    return order
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """The nodes and their real dependencies: what each needs (by buffer name), who produces and who consumes it."""
+
+    snodes: list[Any]
+    producer: dict[str, Any]
+    needs: dict[int, set[str]]
+    consumers: dict[int, list[Any]]
+    position: dict[int, int]
+
+    def first_use(self, w: Any) -> int:
+        """The position of ``w``'s first consumer (past the end when it has none)."""
+        return min((self.position[id(c)] for c in self.consumers[id(w)]), default=len(self.snodes))
+
+
+def _prefetch_nodes(snodes: list[Any], inputs: set[str], carried: int, n_issues: int) -> tuple[list[Any], list[Any]]:
+    """The prefetch broadcasts and the waits on carried inputs, checked against the counts the pass expects."""
     broadcasts = [s for s in snodes if _is_broadcast(s)]
     carried_waits = [s for s in snodes if _is_wait(s) and _reads(s) and _reads(s) <= inputs]
     if len(broadcasts) != n_issues or len(carried_waits) != carried:
@@ -98,6 +127,11 @@ def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: in
             f"the graph has {len(broadcasts)} prefetch broadcasts and {len(carried_waits)} waits on carried inputs; "
             f"expected {n_issues} and {carried}"
         )
+    return broadcasts, carried_waits
+
+
+def _graph(snodes: list[Any], broadcasts: list[Any], carried_waits: list[Any]) -> _Graph:
+    """The dependency graph of ``snodes``, without the ordering-only deps between prefetch and other collectives."""
     producer = {name: s for s in snodes for name in _names(s)}
     waits_of_broadcasts = [s for s in snodes if _is_wait(s) and any(producer.get(n) in broadcasts for n in _reads(s))]
     # Inductor chains every in-place collective after the previous one and its wait with ordering-only
@@ -119,48 +153,53 @@ def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: in
             p = producer.get(name)
             if p is not None and p is not s:
                 consumers[id(p)].append(s)
-    position = {id(s): i for i, s in enumerate(snodes)}
+    return _Graph(snodes, producer, needs, consumers, {id(s): i for i, s in enumerate(snodes)})
 
+
+def _wait_of(graph: _Graph, broadcasts: list[Any]) -> dict[int, Any]:
+    """Each broadcast's wait (by the broadcast's id); a ScheduleError unless it has exactly one."""
     wait_of = {}
     for b in broadcasts:
-        waits = [c for c in consumers[id(b)] if _is_wait(c)]
+        waits = [c for c in graph.consumers[id(b)] if _is_wait(c)]
         if len(waits) != 1:
             raise ScheduleError(f"broadcast {b.get_name()} has {len(waits)} waits; expected exactly one")
         wait_of[id(b)] = waits[0]
+    return wait_of
 
-    def first_use(w: Any) -> int:
-        return min((position[id(c)] for c in consumers[id(w)]), default=len(snodes))
 
-    def out_rank(w: Any) -> int:
-        return min([outputs.index(n) for n in _names(w) if n in outputs], default=len(outputs))
+def _issue_group(graph: _Graph, b: Any) -> list[Any]:
+    """The kernels that only feed broadcast ``b`` (its send-buffer copy), in order, then ``b``: they travel together."""
+    producer = graph.producer
+    feeders = {id(producer[n]): producer[n] for n in graph.needs[id(b)] if n in producer and producer[n] is not b}
+    own = [f for f in feeders.values() if not _is_wait(f) and all(c is b for c in graph.consumers[id(f)])]
+    return sorted(own, key=lambda s: graph.position[id(s)]) + [b]
 
-    # the kernels that only feed a broadcast (its send-buffer copy) travel with it
-    group: dict[int, list[Any]] = {}
-    for b in broadcasts:
-        feeders = {id(producer[n]): producer[n] for n in needs[id(b)] if n in producer and producer[n] is not b}
-        own = [f for f in feeders.values() if not _is_wait(f) and all(c is b for c in consumers[id(f)])]
-        group[id(b)] = sorted(own, key=lambda s: position[id(s)]) + [b]
 
-    # issues in order of need; the last ``carried`` are the next step's, handed over (returned, or
-    # only copied into an output at the end)
-    issues = sorted(broadcasts, key=lambda b: (first_use(wait_of[id(b)]), out_rank(wait_of[id(b)])))
+def _output_rank(w: Any, outputs: list[str]) -> int:
+    """The first graph output ``w`` produces (past the end when none)."""
+    return min([outputs.index(n) for n in _names(w) if n in outputs], default=len(outputs))
+
+
+def _place(graph: _Graph, issues: list[Any], carried_waits: list[Any], wait_of: dict[int, Any], group: dict[int, list[Any]], carried: int) -> list[Any]:
+    """The order: issue ``i`` (its group) and use ``i`` right before that use's first consumer, the rest kept in place,
+    the hand-over issues (the last ``carried``) at the end."""
+    snodes = graph.snodes
     used_here = [wait_of[id(b)] for b in issues[: len(issues) - carried]]
-    uses = sorted(carried_waits + used_here, key=first_use)
+    uses = sorted(carried_waits + used_here, key=graph.first_use)
     before: dict[int, list[Any]] = {}  # a node -> what goes right before it
     for i, w in enumerate(uses):
-        before.setdefault(id(snodes[first_use(w)]), []).extend(group[id(issues[i])] + [w])
+        before.setdefault(id(snodes[graph.first_use(w)]), []).extend(group[id(issues[i])] + [w])
     for b in issues[len(issues) - carried :]:  # a hand-over wait read by an output copy goes right before it
         w = wait_of[id(b)]
-        if consumers[id(w)]:
-            before.setdefault(id(snodes[first_use(w)]), []).append(w)
-    moved = {id(s) for b in broadcasts for s in group[id(b)] + [wait_of[id(b)]]} | {id(w) for w in carried_waits}
+        if graph.consumers[id(w)]:
+            before.setdefault(id(snodes[graph.first_use(w)]), []).append(w)
+    moved = {id(s) for b in issues for s in group[id(b)] + [wait_of[id(b)]]} | {id(w) for w in carried_waits}
     order: list[Any] = []
     for s in snodes:
         if id(s) not in moved:
             order += before.get(id(s), []) + [s]
     placed = {id(s) for s in order}
     order += [s for b in issues for s in group[id(b)] + [wait_of[id(b)]] if id(s) not in placed]  # the hand-over
-    _check_topological(order, snodes, producer, needs)
     return order
 
 
