@@ -62,7 +62,7 @@ def _comm_alone(params: dict, mesh: Any, repeat: int) -> float:
     """Seconds for one step's broadcasts (every layer of every series) issued back to back, then waited."""
     axis = params["layer_shard"].axis
     n = mesh.axis_size(axis)
-    bufs = [(torch.empty(x.shape[1:], dtype=x.dtype), l % n) for x in params["series"].values() for l in range(len(params["layers"]))]
+    bufs = [(torch.empty(x.shape[1:], dtype=x.dtype), li % n) for x in params["series"].values() for li in range(len(params["layers"]))]
     best = float("inf")
     for _ in range(repeat + 1):
         t0 = time.perf_counter()

@@ -59,14 +59,14 @@ def _as_nested(placement: object, what: str) -> list[list[list[int]]]:
         if placement.ndim != 3:
             raise ValueError(f"{what} has shape {tuple(placement.shape)}; expected 3 dims [layers, ranks, slots] (add a layer dim with placement[None])")
         return placement.tolist()
-    if isinstance(placement, str) or not isinstance(placement, Sequence) or not all(isinstance(l, Sequence) for l in placement):
+    if isinstance(placement, str) or not isinstance(placement, Sequence) or not all(isinstance(layer, Sequence) for layer in placement):
         raise TypeError(f"{what} is a {type(placement).__name__}; expected an int tensor or nested lists [layers][ranks][slots] of expert ids")
     out = []
-    for l, layer in enumerate(placement):
+    for li, layer in enumerate(placement):
         ranks = []
         for r, slots in enumerate(layer):
             if not isinstance(slots, Sequence) or not all(isinstance(e, int) and not isinstance(e, bool) for e in slots):
-                raise TypeError(f"{what}[{l}][{r}] is {slots!r}; expected a list of int expert ids (one per slot)")
+                raise TypeError(f"{what}[{li}][{r}] is {slots!r}; expected a list of int expert ids (one per slot)")
             ranks.append(list(slots))
         out.append(ranks)
     return out
@@ -107,13 +107,13 @@ def _check_sizes(nested: list[list[list[int]]], num_experts: int, num_ranks: int
     if not nested or not nested[0]:
         raise ValueError(f"{what} is empty; expected [layers, ranks, slots] with at least one layer and rank")
     ranks, slots = len(nested[0]), len(nested[0][0])
-    for l, layer in enumerate(nested):
+    for li, layer in enumerate(nested):
         if len(layer) != ranks:
-            raise ValueError(f"{what} layer {l} has {len(layer)} ranks but layer 0 has {ranks}; every layer spans the same expert axis")
+            raise ValueError(f"{what} layer {li} has {len(layer)} ranks but layer 0 has {ranks}; every layer spans the same expert axis")
         for r, row in enumerate(layer):
             if len(row) != slots:
                 raise ValueError(
-                    f"{what} layer {l} rank {r} has {len(row)} slots but rank 0 of layer 0 has {slots}; every rank "
+                    f"{what} layer {li} rank {r} has {len(row)} slots but rank 0 of layer 0 has {slots}; every rank "
                     f"needs the same number of slots (pad the short ranks with redundant copies of hot experts)"
                 )
     if slots == 0:
@@ -126,15 +126,15 @@ def _check_sizes(nested: list[list[list[int]]], num_experts: int, num_ranks: int
 
 def _check_experts(nested: list[list[list[int]]], num_experts: int, what: str) -> None:
     """Every id is an expert, and every expert has a slot in every layer."""
-    for l, layer in enumerate(nested):
+    for li, layer in enumerate(nested):
         for r, row in enumerate(layer):
             for p, e in enumerate(row):
                 if not 0 <= e < num_experts:
-                    raise ValueError(f"{what}[{l}, {r}, {p}] = {e} is not an expert id in [0, {num_experts}); fix the map or num_experts")
+                    raise ValueError(f"{what}[{li}, {r}, {p}] = {e} is not an expert id in [0, {num_experts}); fix the map or num_experts")
         missing = sorted(set(range(num_experts)) - {e for row in layer for e in row})
         if missing:
             raise ValueError(
-                f"{what} layer {l} places no copy of experts {missing[:16]}{' ...' if len(missing) > 16 else ''}; every "
+                f"{what} layer {li} places no copy of experts {missing[:16]}{' ...' if len(missing) > 16 else ''}; every "
                 f"expert needs at least one slot (replace a redundant copy with it)"
             )
 
@@ -181,11 +181,11 @@ def _routes(placement: Placement, num_experts: int) -> Routes:
 
 def _pad_routes(routes: Routes, copies: int | None, what: str = "routing_table") -> list[list[list[int]]]:
     """The routes as a -1 padded ``[layers, E, C]`` nested list (list-only code: it runs under tracing too)."""
-    most, l, e = max([(len(row), l, e) for l, layer in enumerate(routes) for e, row in enumerate(layer)])
+    most, li, e = max([(len(row), li, e) for li, layer in enumerate(routes) for e, row in enumerate(layer)])
     width = most if copies is None else copies
     if width < most:
         raise ValueError(
-            f"{what}: expert {e} has {most} copies in layer {l} but copies={copies}; raise copies to {most} "
+            f"{what}: expert {e} has {most} copies in layer {li} but copies={copies}; raise copies to {most} "
             f"(a new width recompiles the forward) or place fewer copies"
         )
     return [[list(row) + [-1] * (width - len(row)) for row in layer] for layer in routes]
@@ -271,15 +271,15 @@ def plan_rebalance(old: torch.Tensor | Sequence, new: torch.Tensor | Sequence, n
     old_t, new_t = _to_tuples(o), _to_tuples(n)
     moves = []
     ranks = len(old_t[0])
-    for l, (old_l, new_l) in enumerate(zip(old_t, new_t)):
+    for li, (old_layer, new_layer) in enumerate(zip(old_t, new_t)):
         sends = [0] * ranks
         for r in range(ranks):
-            for e in dict.fromkeys(new_l[r]):  # distinct, in slot order
-                if e in old_l[r]:
+            for e in dict.fromkeys(new_layer[r]):  # distinct, in slot order
+                if e in old_layer[r]:
                     continue
-                src = min((j for j in range(ranks) if e in old_l[j]), key=lambda j: (sends[j], (j - r) % ranks))
+                src = min((j for j in range(ranks) if e in old_layer[j]), key=lambda j: (sends[j], (j - r) % ranks))
                 sends[src] += 1
-                moves.append(Move(l, e, src, old_l[src].index(e), r))
+                moves.append(Move(li, e, src, old_layer[src].index(e), r))
     programs = tuple(_program(old_t, new_t, moves, r) for r in range(ranks))
     return RebalancePlan(old_t, new_t, num_experts, tuple(moves), programs, _routes(new_t, num_experts))
 
@@ -297,9 +297,9 @@ def _program(old: Placement, new: Placement, moves: list[Move], rank: int) -> Ra
     incoming = [m for j in range(ranks) for m in moves if m.src_rank == j and m.dst_rank == rank]  # arrival order
     arrived = {(m.layer, m.expert): slots + i for i, m in enumerate(incoming)}
     take = []
-    for l in range(len(old)):
-        old_row = old[l][rank]
-        take.append(tuple(old_row.index(e) if e in old_row else arrived[(l, e)] for e in new[l][rank]))
+    for li in range(len(old)):
+        old_row = old[li][rank]
+        take.append(tuple(old_row.index(e) if e in old_row else arrived[(li, e)] for e in new[li][rank]))
     recv_counts = tuple(sum(1 for m in incoming if m.src_rank == j) for j in range(ranks))
     return RankProgram(send, recv_counts, tuple(take))
 
@@ -336,7 +336,7 @@ def _check_params(moe: list[tuple[int, dict[str, Any]]], plan: RebalancePlan, me
 
 def _send_rows(xs: list[torch.Tensor], prog: RankProgram) -> torch.Tensor:
     """The rows this rank sends, grouped by destination index (the all_to_all input)."""
-    rows = [xs[l][s] for dst in prog.send for (l, s) in dst]
+    rows = [xs[li][s] for dst in prog.send for (li, s) in dst]
     return torch.stack(rows) if rows else xs[0].new_empty((0, *xs[0].shape[1:]))
 
 
@@ -394,8 +394,8 @@ def rebalance(params: PyTree, plan: RebalancePlan, mesh: Mesh, axis: Axes, *, co
     prog = plan.programs[mesh.axis_index(axis)]
     moved = {name: _move([layer[name] for _, layer in moe], prog, mesh, axis, bool(plan.moves)) for name in EXPERT_LEAVES}
     new_layers = list(params["layers"])
-    for l, (i, layer) in enumerate(moe):
-        new_layers[i] = dict(layer) | {name: moved[name][l] for name in EXPERT_LEAVES}
+    for k, (i, layer) in enumerate(moe):  # k: the k-th MoE layer, i: its index in params["layers"]
+        new_layers[i] = dict(layer) | {name: moved[name][k] for name in EXPERT_LEAVES}
         if tables is not None and i in maps:
-            new_layers[i]["expert_map"] = torch.tensor(tables[l], dtype=torch.int64, device=maps[i].device)
+            new_layers[i]["expert_map"] = torch.tensor(tables[k], dtype=torch.int64, device=maps[i].device)
     return dict(params) | {"layers": new_layers}

@@ -104,6 +104,6 @@ def balanced_placement(load: torch.Tensor, num_ranks: int, slots_per_rank: int, 
         prev = prev.tolist()
     spare = num_ranks * slots_per_rank - experts
     out = []
-    for l, row in enumerate(load.double().tolist()):
-        out.append(_assign(row, _copies(row, num_ranks, spare), num_ranks, slots_per_rank, None if prev is None else prev[l]))
+    for li, row in enumerate(load.double().tolist()):
+        out.append(_assign(row, _copies(row, num_ranks, spare), num_ranks, slots_per_rank, None if prev is None else prev[li]))
     return validate_placement(out, experts, num_ranks=num_ranks)
