@@ -6,14 +6,13 @@ over mesh axes that trace whole under ``torch.compile``.
 """
 
 from .runtime.checkpoint import load_checkpoint, read_config
-from .runtime.compile import CompiledModel, compile_model
+from .runtime.compile import CompiledModel, compile_model, greedy_generate
 from .core.collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
 from .parallel.ep_tp import ep_to_tp, expert_layouts, tp_to_ep
 from .parallel.eplb import Move, RankProgram, RebalancePlan, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
 from .parallel.eplb_balance import balanced_placement
 from .core.layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .core.mesh import Mesh, make_mesh
-from .runtime.generate import greedy_generate
 from .models import Family, MoeConfig, family_of
 from .core.shard import gather, leaf_specs, local_shape, shard, unshard
 from .core.reshard import RankTraffic, ReshardPlan, Transfer, plan_reshard, reshard
