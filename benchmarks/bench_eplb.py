@@ -26,7 +26,9 @@ from functional_npu.cli.bench import best_time
 from functional_npu.runtime.launch import LocalWorld
 
 
-def _assign_hot(base: list[list[int]], hot: list[int], slots: int, keep: list[list[int]] | None = None) -> list[list[int]]:
+def _assign_hot(
+    base: list[list[int]], hot: list[int], slots: int, keep: list[list[int]] | None = None
+) -> list[list[int]]:
     """Fill ``slots`` redundant slots per rank with copies of ``hot`` on ranks that do not hold them."""
     extra: list[list[int]] = [[] for _ in base]
     if keep is not None:  # hot experts that stay hot keep their old redundant slot
@@ -78,8 +80,15 @@ def _time_rank(ctx, old, new, experts: int, hidden: int, ffn: int) -> dict[str, 
     r = mesh.axis_index("ep")
     g = torch.Generator().manual_seed(r)
     slots = len(old[0][0])
-    params = {"layers": [{"experts_gate_up": torch.randn(slots, 2 * ffn, hidden, generator=g).to(torch.bfloat16),
-                          "experts_down": torch.randn(slots, hidden, ffn, generator=g).to(torch.bfloat16)} for _ in old]}
+    params = {
+        "layers": [
+            {
+                "experts_gate_up": torch.randn(slots, 2 * ffn, hidden, generator=g).to(torch.bfloat16),
+                "experts_down": torch.randn(slots, hidden, ffn, generator=g).to(torch.bfloat16),
+            }
+            for _ in old
+        ]
+    }
     out = {}
     for name, target in (("planned", new), ("every expert", _rotated(old))):
         plan = plan_rebalance(old, target, experts)
@@ -100,19 +109,27 @@ def main() -> None:
     parser.add_argument("--time-ranks", type=int, nargs="*", default=[2], help="rank counts to time on gloo")
     args = parser.parse_args()
     full_expert = 3 * 2048 * 768 * 2  # gate, up, down of Qwen3-30B-A3B in bf16
-    print(f"{args.layers} MoE layers, {args.experts} experts, {args.redundant} redundant slots per rank, "
-          f"~{args.moved:.0%} of experts re-placed, half the hot set changed; bytes at {full_expert / 2**20:.1f} MiB per expert\n")
-    print("| ranks | slots/rank | experts moved (planned) | bytes moved (planned) | bytes moving every expert | ratio |")
+    print(
+        f"{args.layers} MoE layers, {args.experts} experts, {args.redundant} redundant slots per rank, "
+        f"~{args.moved:.0%} of experts re-placed, half the hot set changed; bytes at {full_expert / 2**20:.1f} MiB per expert\n"
+    )
+    print(
+        "| ranks | slots/rank | experts moved (planned) | bytes moved (planned) | bytes moving every expert | ratio |"
+    )
     print("|---|---|---|---|---|---|")
     for ranks in (2, 4):
         old, new = scenario(args.layers, args.experts, ranks, args.redundant, args.moved)
         plan = plan_rebalance(old, new, args.experts)
         slots = len(old[0][0])
         every = args.layers * ranks * slots * full_expert
-        print(f"| {ranks} | {slots} | {plan.experts_moved()} of {args.layers * ranks * slots} slots | "
-              f"{plan.bytes_moved(full_expert) / 2**30:.2f} GiB | {every / 2**30:.2f} GiB | {plan.bytes_moved(full_expert) / every:.1%} |")
+        print(
+            f"| {ranks} | {slots} | {plan.experts_moved()} of {args.layers * ranks * slots} slots | "
+            f"{plan.bytes_moved(full_expert) / 2**30:.2f} GiB | {every / 2**30:.2f} GiB | {plan.bytes_moved(full_expert) / every:.1%} |"
+        )
     print("\nbalanced_placement after a load shift (~10% of experts change load; same layers and slots):\n")
-    print("| ranks | slots/rank | moved: with previous= | moved: from scratch | bytes with previous= | bytes from scratch |")
+    print(
+        "| ranks | slots/rank | moved: with previous= | moved: from scratch | bytes with previous= | bytes from scratch |"
+    )
     print("|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     load = torch.rand(args.layers, args.experts, generator=g) ** 6 * 1000
@@ -124,17 +141,23 @@ def main() -> None:
         previous = balanced_placement(load, ranks, slots)
         kept = plan_rebalance(previous, balanced_placement(shifted, ranks, slots, previous=previous), args.experts)
         scratch = plan_rebalance(previous, balanced_placement(shifted, ranks, slots), args.experts)
-        print(f"| {ranks} | {slots} | {kept.experts_moved()} | {scratch.experts_moved()} | "
-              f"{kept.bytes_moved(full_expert) / 2**30:.2f} GiB | {scratch.bytes_moved(full_expert) / 2**30:.2f} GiB |")
+        print(
+            f"| {ranks} | {slots} | {kept.experts_moved()} | {scratch.experts_moved()} | "
+            f"{kept.bytes_moved(full_expert) / 2**30:.2f} GiB | {scratch.bytes_moved(full_expert) / 2**30:.2f} GiB |"
+        )
     small = 3 * args.hidden * args.ffn * 2
-    print(f"\ntime on local gloo ranks (bf16 experts of {small / 2**20:.2f} MiB; best of 3, eager; noisy shared machine):\n")
+    print(
+        f"\ntime on local gloo ranks (bf16 experts of {small / 2**20:.2f} MiB; best of 3, eager; noisy shared machine):\n"
+    )
     print("| ranks | planned: moves | planned: time | every expert: moves | every expert: time |")
     print("|---|---|---|---|---|")
     for ranks in args.time_ranks:
         old, new = scenario(args.layers, args.experts, ranks, args.redundant, args.moved)
         with LocalWorld(ranks, threads=1) as world:
             t = world.run(_time_rank, old, new, args.experts, args.hidden, args.ffn)[0]
-        print(f"| {ranks} | {t['planned moves']} | {t['planned'] * 1e3:.0f} ms | {t['every expert moves']} | {t['every expert'] * 1e3:.0f} ms |")
+        print(
+            f"| {ranks} | {t['planned moves']} | {t['planned'] * 1e3:.0f} ms | {t['every expert moves']} | {t['every expert'] * 1e3:.0f} ms |"
+        )
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import torch
 import transformers as T
 
 from functional_npu import Mesh
-from functional_npu.runtime.checkpoint import load_checkpoint
-from functional_npu.models import llama
 from functional_npu.core.shard import leaf_specs
 from functional_npu.core.tree import flatten_with_paths
+from functional_npu.models import llama
+from functional_npu.runtime.checkpoint import load_checkpoint
 
 
 def main() -> None:
@@ -33,8 +33,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     hf_cfg = T.Qwen3Config(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=args.hidden // 8, tie_word_embeddings=False,
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 8,
+        tie_word_embeddings=False,
     )
     with tempfile.TemporaryDirectory() as tmp:
         T.Qwen3ForCausalLM(hf_cfg).save_pretrained(tmp)
@@ -43,8 +49,10 @@ def main() -> None:
         layouts = leaf_specs(llama.param_specs(cfg), llama.abstract_params(cfg))
         total = sum(x.numel() * 4 for x in full.values())
         replicated = sum(x.numel() * 4 for p, x in full.items() if layouts[p].is_replicated)
-        print(f"Qwen3-style model: {sum(x.numel() for x in full.values()) / 1e6:.1f}M params, {total / 2**20:.1f} MiB fp32, "
-              f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, {cfg.num_layers} layers\n")
+        print(
+            f"Qwen3-style model: {sum(x.numel() for x in full.values()) / 1e6:.1f}M params, {total / 2**20:.1f} MiB fp32, "
+            f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, {cfg.num_layers} layers\n"
+        )
         print("| tp | rank | bytes read | sharded/tp + replicated | read / full | load time |")
         print("|---|---|---|---|---|---|")
         for tp in args.tp:

@@ -15,19 +15,38 @@ import tempfile
 import time
 
 from functional_npu.cli.bench import best_time
+from functional_npu.models import llama, moe
 from functional_npu.runtime.checkpoint import load_checkpoint
-from functional_npu.runtime.save import save_checkpoint
 from functional_npu.runtime.compile import cache_length, compile_model
 from functional_npu.runtime.generate import greedy_generate
 from functional_npu.runtime.launch import LocalWorld
-from functional_npu.models import llama, moe
+from functional_npu.runtime.save import save_checkpoint
 
 
 def config(layers: int) -> moe.MoeConfig:
-    base = llama.LlamaConfig(architecture="Qwen3ForCausalLM", vocab_size=8000, hidden_size=512, intermediate_size=1536, num_layers=layers,
-                             num_heads=8, num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=2048, qk_norm=True)
-    return moe.MoeConfig(architecture="Qwen3MoeForCausalLM", base=base, num_experts=16, top_k=2, moe_intermediate_size=512,
-                         norm_topk_prob=True, moe_layers=tuple(range(layers)))
+    base = llama.LlamaConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=8000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=layers,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=2048,
+        qk_norm=True,
+    )
+    return moe.MoeConfig(
+        architecture="Qwen3MoeForCausalLM",
+        base=base,
+        num_experts=16,
+        top_k=2,
+        moe_intermediate_size=512,
+        norm_topk_prob=True,
+        moe_layers=tuple(range(layers)),
+    )
 
 
 def _rank(ctx, path: str, expert_axes: tuple[str, ...], backend: str, batch: int, new: int) -> dict[str, float]:
@@ -35,13 +54,17 @@ def _rank(ctx, path: str, expert_axes: tuple[str, ...], backend: str, batch: int
     params = load_checkpoint(path, mesh, expert_axes=expert_axes)
     prompts = [[1 + i + 7 * ctx.rank, 2, 3, 4, 5, 6, 7, 8] for i in range(batch)]
     if backend == "none":
+
         def run(n: int):
             return greedy_generate(params, prompts, n, mesh, max_seq_len=cache_length(8 + new))
     else:
-        model = compile_model(params, mesh, backend=backend, batch_sizes=[batch], max_seq_len=cache_length(8 + new), prefill_lengths=[8])
+        model = compile_model(
+            params, mesh, backend=backend, batch_sizes=[batch], max_seq_len=cache_length(8 + new), prefill_lengths=[8]
+        )
 
         def run(n: int):
             return model.generate(prompts, n)
+
     t0 = time.perf_counter()
     run(new), run(1)
     warm = time.perf_counter() - t0
@@ -64,8 +87,10 @@ def main() -> None:
             step = max(r["all"] - r["one"] for r in res) / (args.new - 1)
             rows.append((name, 2 * args.batch / step, step * 1e3, max(r["warmup_s"] for r in res)))
     expert_mb = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.base.hidden_size * 4 * args.layers / 2**20
-    print(f"MoE decode, 2 gloo ranks, {args.backend}, batch {args.batch} per rank, {args.new} new tokens, "
-          f"{cfg.num_experts} experts top-{cfg.top_k}, {args.layers} layers, {expert_mb:.0f} MiB of experts")
+    print(
+        f"MoE decode, 2 gloo ranks, {args.backend}, batch {args.batch} per rank, {args.new} new tokens, "
+        f"{cfg.num_experts} experts top-{cfg.top_k}, {args.layers} layers, {expert_mb:.0f} MiB of experts"
+    )
     print("| experts | decode tok/s (2 ranks) | ms / step | warm-up s |\n|---|---|---|---|")
     for name, tps, ms, warm in rows:
         print(f"| {name} | {tps:.1f} | {ms:.1f} | {warm:.1f} |")

@@ -12,8 +12,8 @@ import tempfile
 
 from functional_npu.cli.bench import FULL
 from functional_npu.cli.bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
-from functional_npu.runtime.save import save_checkpoint
 from functional_npu.models.llama import init_params
+from functional_npu.runtime.save import save_checkpoint
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -29,10 +29,10 @@ import torch
 
 from functional_npu import Cyclic, gather, leaf_specs, plan_reshard, replicated, reshard, shard
 from functional_npu.cli.bench import FULL, best_time
-from functional_npu.runtime.launch import LocalWorld
+from functional_npu.core.tree import flatten_with_paths
 from functional_npu.interop.megatron import megatron_specs, stack_layers, stacked_specs
 from functional_npu.models.llama import abstract_params, init_params, param_specs
-from functional_npu.core.tree import flatten_with_paths
+from functional_npu.runtime.launch import LocalWorld
 
 
 def _nbytes(tree) -> int:
@@ -48,8 +48,12 @@ def _rank(ctx, layers: int, repeat: int) -> dict:
     train = shard(full, src, mesh)  # what Megatron TP=2 rank holds
     del full
     tp2 = stacked_specs(param_specs(cfg))
-    whole_layers = param_specs(cfg) | {"layers": [{k: replicated() for k in param_specs(cfg)["layers"][0]}] * cfg.num_layers}
-    layer_sharded = stacked_specs(whole_layers, Cyclic("tp", cfg.num_layers))  # layer l whole on rank l % 2; embed/lm_head TP=2
+    whole_layers = param_specs(cfg) | {
+        "layers": [{k: replicated() for k in param_specs(cfg)["layers"][0]}] * cfg.num_layers
+    }
+    layer_sharded = stacked_specs(
+        whole_layers, Cyclic("tp", cfg.num_layers)
+    )  # layer l whole on rank l % 2; embed/lm_head TP=2
     targets = {"tp1_replicated": replicated(), "tp2_fused_qkv": tp2, "layer_sharded": layer_sharded}
     shapes = {p: (tuple(x.shape), x.dtype) for p, x in flatten_with_paths(stack_layers(abstract_params(cfg)))}
     out = {"params": sum(torch.Size(s).numel() for s, _ in shapes.values()), "train_bytes": _nbytes(train)}
@@ -67,9 +71,19 @@ def _rank(ctx, layers: int, repeat: int) -> dict:
         del a, b
         t_ags = best_time(lambda: shard(gather(train, src, mesh), dst, mesh), max(1, repeat - 1))
         traffic = plan.traffic[mesh.rank]
-        out[name] = {"plan_s": plan_s, "time_s": t, "memcpy_s": t_copy, "clone_s": t_clone, "allgather_slice_s": t_ags, "written": written,
-                     "received": traffic.received, "sent": traffic.sent, "lower_bound": traffic.lower_bound,
-                     "allgather_slice_bytes": traffic.allgather_slice, "local_copy": traffic.local_copy}
+        out[name] = {
+            "plan_s": plan_s,
+            "time_s": t,
+            "memcpy_s": t_copy,
+            "clone_s": t_clone,
+            "allgather_slice_s": t_ags,
+            "written": written,
+            "received": traffic.received,
+            "sent": traffic.sent,
+            "lower_bound": traffic.lower_bound,
+            "allgather_slice_bytes": traffic.allgather_slice,
+            "local_copy": traffic.local_copy,
+        }
     return out
 
 
@@ -78,7 +92,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=22, help="decoder layers (22: about 100M params)")
     parser.add_argument("--repeat", type=int, default=3, help="best of N timings")
     parser.add_argument("--quick", action="store_true", help="4 layers, best of 2 (well under a minute)")
-    parser.add_argument("--no-thp", action="store_true", help="plain 4 KiB pages for torch's CPU allocations (first-touch page faults dominate)")
+    parser.add_argument(
+        "--no-thp",
+        action="store_true",
+        help="plain 4 KiB pages for torch's CPU allocations (first-touch page faults dominate)",
+    )
     args = parser.parse_args()
     if not args.no_thp:  # torch's CPU allocator backs large tensors with transparent huge pages; the ranks inherit it
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
@@ -86,18 +104,27 @@ def main() -> None:
     with LocalWorld(2, threads=1) as world:
         results = world.run(_rank, layers, repeat, timeout=1800)
     r0 = results[0]
-    print(f"model: Qwen3-style, {layers} layers, {r0['params'] / 1e6:.1f}M params fp32; source: Megatron TP=2 on 2 gloo ranks "
-          f"({r0['train_bytes'] / 2**20:.0f} MiB per rank); figures for rank 0, best of {repeat}; "
-          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}\n")
-    print("| target | received | lower bound | all-gather-then-slice | fewer bytes | reshard | GB/s (written) | memcpy GB/s | share | clone GB/s | share | all-gather-then-slice time |")
+    print(
+        f"model: Qwen3-style, {layers} layers, {r0['params'] / 1e6:.1f}M params fp32; source: Megatron TP=2 on 2 gloo ranks "
+        f"({r0['train_bytes'] / 2**20:.0f} MiB per rank); figures for rank 0, best of {repeat}; "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}\n"
+    )
+    print(
+        "| target | received | lower bound | all-gather-then-slice | fewer bytes | reshard | GB/s (written) | memcpy GB/s | share | clone GB/s | share | all-gather-then-slice time |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ("tp1_replicated", "tp2_fused_qkv", "layer_sharded"):
         x = r0[name]
         ratio = "inf (0 bytes)" if x["received"] == 0 else f"{x['allgather_slice_bytes'] / x['received']:.2f}x"
         gbs, mgbs, cgbs = (x["written"] / x[k] / 1e9 for k in ("time_s", "memcpy_s", "clone_s"))
-        print(f"| {name} | {x['received'] / 2**20:.1f} MiB | {x['lower_bound'] / 2**20:.1f} MiB | {x['allgather_slice_bytes'] / 2**20:.1f} MiB | "
-              f"{ratio} | {x['time_s'] * 1e3:.0f} ms | {gbs:.2f} | {mgbs:.2f} | {gbs / mgbs:.0%} | {cgbs:.2f} | {gbs / cgbs:.0%} | {x['allgather_slice_s'] * 1e3:.0f} ms |")
-    print("\nplan time (pure Python, once per layout pair): " + ", ".join(f"{n} {r0[n]['plan_s']:.2f}s" for n in ("tp1_replicated", "tp2_fused_qkv", "layer_sharded")))
+        print(
+            f"| {name} | {x['received'] / 2**20:.1f} MiB | {x['lower_bound'] / 2**20:.1f} MiB | {x['allgather_slice_bytes'] / 2**20:.1f} MiB | "
+            f"{ratio} | {x['time_s'] * 1e3:.0f} ms | {gbs:.2f} | {mgbs:.2f} | {gbs / mgbs:.0%} | {cgbs:.2f} | {gbs / cgbs:.0%} | {x['allgather_slice_s'] * 1e3:.0f} ms |"
+        )
+    print(
+        "\nplan time (pure Python, once per layout pair): "
+        + ", ".join(f"{n} {r0[n]['plan_s']:.2f}s" for n in ("tp1_replicated", "tp2_fused_qkv", "layer_sharded"))
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ from functional_npu.runtime.launch import LocalWorld
 def _tree(mb: int) -> tuple[dict, dict]:
     rows = 1024
     cols = mb * 2**20 // 4 // rows // 4
-    tree = {"qkv": torch.randn(rows, cols), "gate_up": torch.randn(rows, cols), "o": torch.randn(cols, rows), "down": torch.randn(cols, rows)}
+    tree = {
+        "qkv": torch.randn(rows, cols),
+        "gate_up": torch.randn(rows, cols),
+        "o": torch.randn(cols, rows),
+        "down": torch.randn(cols, rows),
+    }
     specs = {
         "qkv": fused(0, [Block("q", 512, 64), Block("k", 256, 64, True), Block("v", 256, 64, True)], "tp"),
         "gate_up": fused(0, [("gate", 512), ("up", 512)], "tp"),
@@ -60,8 +65,13 @@ def main() -> None:
     print(f"tree: {full_bytes / 2**20:.0f} MiB fp32 (GQA-fused qkv, [gate|up], two row-parallel), tp=2\n")
     print("| transform | bytes written | time | GB/s | memcpy GB/s (same bytes, same run) | share of memcpy |")
     print("|---|---|---|---|---|---|")
-    for name, t, b, tc in [("shard (1 rank's slice)", t_shard, local_bytes, t_copy_half), ("gather over 2 gloo ranks", t_gather, nbytes, t_copy)]:
-        print(f"| {name} | {b / 2**20:.0f} MiB | {t * 1e3:.1f} ms | {b / t / 1e9:.2f} | {b / tc / 1e9:.2f} | {tc / t:.0%} |")
+    for name, t, b, tc in [
+        ("shard (1 rank's slice)", t_shard, local_bytes, t_copy_half),
+        ("gather over 2 gloo ranks", t_gather, nbytes, t_copy),
+    ]:
+        print(
+            f"| {name} | {b / 2**20:.0f} MiB | {t * 1e3:.1f} ms | {b / t / 1e9:.2f} | {b / tc / 1e9:.2f} | {tc / t:.0%} |"
+        )
 
 
 if __name__ == "__main__":

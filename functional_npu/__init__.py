@@ -5,19 +5,38 @@ Parameters are pytrees of local shards; each leaf's placement is a :class:`Layou
 over mesh axes that trace whole under ``torch.compile``.
 """
 
-from .runtime.checkpoint import load_checkpoint, read_config
-from .runtime.compile import CompiledModel, compile_model, greedy_generate
 from .core.collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
-from .parallel.ep_tp import ep_to_tp, expert_layouts, tp_to_ep
-from .parallel.eplb import Move, RankProgram, RebalancePlan, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
-from .parallel.eplb_balance import balanced_placement
 from .core.layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .core.mesh import Mesh, make_mesh
-from .models import Family, MoeConfig, family_of
-from .core.shard import gather, leaf_specs, local_shape, shard, unshard
 from .core.reshard import RankTraffic, ReshardPlan, Transfer, plan_reshard, reshard
-from .interop.megatron import MEGATRON_NAMES, from_megatron, megatron_pipeline_specs, megatron_specs, stack_layers, stacked_specs, to_megatron, unstack_layers
+from .core.shard import gather, leaf_specs, local_shape, shard, unshard
 from .core.tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
+from .interop.megatron import (
+    MEGATRON_NAMES,
+    from_megatron,
+    megatron_pipeline_specs,
+    megatron_specs,
+    stack_layers,
+    stacked_specs,
+    to_megatron,
+    unstack_layers,
+)
+from .models import Family, MoeConfig, family_of
+from .parallel.ep_tp import ep_to_tp, expert_layouts, tp_to_ep
+from .parallel.eplb import (
+    Move,
+    RankProgram,
+    RebalancePlan,
+    default_placement,
+    plan_rebalance,
+    rank_program,
+    rebalance,
+    routing_table,
+    validate_placement,
+)
+from .parallel.eplb_balance import balanced_placement
+from .runtime.checkpoint import load_checkpoint, read_config
+from .runtime.compile import CompiledModel, compile_model, greedy_generate
 
 __version__ = "0.1.0"
 

@@ -47,5 +47,9 @@ def test_no_private_helper_is_borrowed_across_modules():
     for file in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("functional_npu")):
-                bad += [f"{file.relative_to(PACKAGE)}:{node.lineno} imports {a.name}" for a in node.names if a.name.startswith("_")]
+                bad += [
+                    f"{file.relative_to(PACKAGE)}:{node.lineno} imports {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
     assert not bad, "\n".join(bad)

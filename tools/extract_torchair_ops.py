@@ -38,7 +38,11 @@ def _op_name(node: ast.expr) -> str | None:
 
 
 def _is_stub(fn: ast.FunctionDef) -> bool:
-    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str))]
+    body = [
+        s
+        for s in fn.body
+        if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str))
+    ]
     first = body[0] if body else None
     if not isinstance(first, ast.Raise) or first.exc is None:
         return False
@@ -53,11 +57,18 @@ def scan(sources: dict[str, str]) -> dict[str, list[str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef):
                 for dec in node.decorator_list:
-                    if isinstance(dec, ast.Call) and getattr(dec.func, "id", getattr(dec.func, "attr", "")) == "register_fx_node_ge_converter":
+                    if (
+                        isinstance(dec, ast.Call)
+                        and getattr(dec.func, "id", getattr(dec.func, "attr", "")) == "register_fx_node_ge_converter"
+                    ):
                         op = _op_name(dec.args[0]) if dec.args else None
                         if op:
                             (stubs if _is_stub(node) else converters).add(op)
-            if path.endswith("_utils/__init__.py") and isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "update":
+            if (
+                path.endswith("_utils/__init__.py")
+                and isinstance(node, ast.Call)
+                and getattr(node.func, "attr", "") == "update"
+            ):
                 for arg in node.args:
                     if isinstance(arg, ast.Dict):
                         decomps.update(op for op in map(_op_name, arg.keys) if op)
@@ -68,18 +79,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheel", help="a torch_npu wheel already on disk")
     parser.add_argument("--version", default="2.13.0", help="torch-npu version to download")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "functional_npu" / "data" / "torchair_ops.json"))
+    parser.add_argument(
+        "--out", default=str(Path(__file__).resolve().parents[1] / "functional_npu" / "data" / "torchair_ops.json")
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         wheel = args.wheel
         if wheel is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"torch-npu=={args.version}", "-d", tmp], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    f"torch-npu=={args.version}",
+                    "-d",
+                    tmp,
+                ],
+                check=True,
+            )
             wheel = str(next(Path(tmp).glob("torch_npu-*.whl")))
         with zipfile.ZipFile(wheel) as z:
             sources = {n: z.read(n).decode() for n in z.namelist() if n.startswith(TORCHAIR) and n.endswith(".py")}
     result = {"wheel": Path(wheel).name, **scan(sources)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{args.out}: {len(result['converters'])} converters, {len(result['stubs'])} stubs, {len(result['decompositions'])} decompositions")
+    print(
+        f"{args.out}: {len(result['converters'])} converters, {len(result['stubs'])} stubs, {len(result['decompositions'])} decompositions"
+    )
 
 
 if __name__ == "__main__":

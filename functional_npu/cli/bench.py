@@ -23,17 +23,27 @@ from typing import Any
 
 import torch
 
-from ..runtime.checkpoint import load_checkpoint
-from ..runtime.save import save_checkpoint
-from ..runtime.compile import cache_length, compile_model, greedy_generate
-from .bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
-from ..runtime.launch import LocalWorld, RankContext
 from ..core.mesh import Mesh
-from ..models.llama import LlamaConfig, abstract_params, init_params
 from ..core.tree import flatten_with_paths
+from ..models.llama import LlamaConfig, abstract_params, init_params
+from ..runtime.checkpoint import load_checkpoint
+from ..runtime.compile import cache_length, compile_model, greedy_generate
+from ..runtime.launch import LocalWorld, RankContext
+from ..runtime.save import save_checkpoint
+from .bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
 
-_MODEL = dict(architecture="Qwen3ForCausalLM", hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, head_dim=64,
-              rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=2048, qk_norm=True)
+_MODEL = dict(
+    architecture="Qwen3ForCausalLM",
+    hidden_size=512,
+    intermediate_size=1536,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=2048,
+    qk_norm=True,
+)
 FULL = LlamaConfig(vocab_size=32000, num_layers=12, **_MODEL)  # about 70M params, untied, fp32
 QUICK = LlamaConfig(vocab_size=8000, num_layers=4, **_MODEL)
 
@@ -48,7 +58,9 @@ def best_time(fn: Callable[[], Any], repeat: int = 5, *, clock: Callable[[], flo
     return min(times)
 
 
-def _rates(run: Callable[[int], Any], prompt_len: int, new: int, repeat: int, *, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+def _rates(
+    run: Callable[[int], Any], prompt_len: int, new: int, repeat: int, *, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
     """(decode tok/s, prefill tok/s) from generating ``new`` and 1 token(s), timed on ``clock``."""
     t_one = best_time(lambda: run(1), repeat, clock=clock)
     t_all = best_time(lambda: run(new), repeat, clock=clock)
@@ -73,7 +85,9 @@ def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32)
 
 def _fnpu_rank(ctx: RankContext, path: str, prompt: list[int], new: int, repeat: int) -> dict[str, float]:
     mesh = ctx.mesh({"tp": ctx.world_size})
-    model = compile_model(load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(len(prompt) + new))
+    model = compile_model(
+        load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(len(prompt) + new)
+    )
     t0 = time.perf_counter()
     model.generate([prompt], new)
     model.generate([prompt], 1)
@@ -108,16 +122,29 @@ def compile_once(path: str, prompt_len: int, new: int) -> float:
     """Seconds to load, compile and generate once (a child process: the cold/warm compile probe)."""
     mesh = Mesh.abstract({"tp": 1}, 0)
     t0 = time.perf_counter()
-    model = compile_model(load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(prompt_len + new))
+    model = compile_model(
+        load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(prompt_len + new)
+    )
     model.generate([list(range(1, prompt_len + 1))], new)
     return time.perf_counter() - t0
 
 
 def _compile_cold_warm(path: str, prompt_len: int, new: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as cache:
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+        env = os.environ | {
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+            "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+        }
         code = f"from functional_npu.cli.bench import compile_once; print(compile_once({path!r}, {prompt_len}, {new}))"
-        times = [float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()[-1]) for _ in range(2)]
+        times = [
+            float(
+                subprocess.run(
+                    [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+                ).stdout.split()[-1]
+            )
+            for _ in range(2)
+        ]
     return {"cold": times[0], "warm": times[1]}
 
 
@@ -132,9 +159,21 @@ def scoreboard_plot(out: dict[str, Any], path: str) -> bool:
         return False
     names = list(out["decode_tok_s"])
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    ax.barh(names, [out["decode_tok_s"][n] for n in names], color=["tab:blue" if n.startswith("fnpu") else "tab:gray" for n in names])
-    ax.axvline(out["roofline_decode_tok_s"], color="tab:red", ls="--", label=f"roofline {out['roofline_decode_tok_s']:.0f} tok/s")
-    ax.set(xlabel="decode tokens/s (batch 1)", title=f"{out['model']['params'] / 1e6:.0f}M-param {out['model']['architecture']}, fp32, {out['machine']['threads']} threads")
+    ax.barh(
+        names,
+        [out["decode_tok_s"][n] for n in names],
+        color=["tab:blue" if n.startswith("fnpu") else "tab:gray" for n in names],
+    )
+    ax.axvline(
+        out["roofline_decode_tok_s"],
+        color="tab:red",
+        ls="--",
+        label=f"roofline {out['roofline_decode_tok_s']:.0f} tok/s",
+    )
+    ax.set(
+        xlabel="decode tokens/s (batch 1)",
+        title=f"{out['model']['params'] / 1e6:.0f}M-param {out['model']['architecture']}, fp32, {out['machine']['threads']} threads",
+    )
     ax.invert_yaxis()
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -143,14 +182,18 @@ def scoreboard_plot(out: dict[str, Any], path: str) -> bool:
     return True
 
 
-def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int = 3, plot_dir: str | None = None) -> dict[str, Any]:
+def run_bench(
+    *, quick: bool = False, json_path: str | None = None, repeat: int = 3, plot_dir: str | None = None
+) -> dict[str, Any]:
     """Run every system, print a markdown table, optionally write JSON and PNG plots; returns the results."""
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = QUICK if quick else FULL
     prompt_len, new = (16, 16) if quick else (32, 32)
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, prompt_len + 1)]
     n_params = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg)))
-    print(f"bench: {cfg.architecture}-style, {n_params / 1e6:.1f}M params, fp32, batch 1, prompt {prompt_len}, {new} new tokens, {torch.get_num_threads()} threads")
+    print(
+        f"bench: {cfg.architecture}-style, {n_params / 1e6:.1f}M params, fp32, batch 1, prompt {prompt_len}, {new} new tokens, {torch.get_num_threads()} threads"
+    )
     res, compile_s, prefetch = _measure(cfg, prompt, new, repeat, quick)
     out = _summary(cfg, res, compile_s, matvec_bandwidth(), n_params, prompt_len, new)
     _report(cfg, out, prefetch)
@@ -159,7 +202,9 @@ def run_bench(*, quick: bool = False, json_path: str | None = None, repeat: int 
     return out
 
 
-def _measure(cfg: LlamaConfig, prompt: list[int], new: int, repeat: int, quick: bool) -> tuple[dict[str, dict[str, float]], dict[str, float], Any]:
+def _measure(
+    cfg: LlamaConfig, prompt: list[int], new: int, repeat: int, quick: bool
+) -> tuple[dict[str, dict[str, float]], dict[str, float], Any]:
     """On one saved checkpoint: every system's rates, the cold and warm compile times, and the layer-sharded prefetch runs."""
     res: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,7 +229,15 @@ def _measure(cfg: LlamaConfig, prompt: list[int], new: int, repeat: int, quick: 
     return res, compile_s, prefetch
 
 
-def _summary(cfg: LlamaConfig, res: dict[str, dict[str, float]], compile_s: dict[str, float], bw: float, n_params: int, prompt_len: int, new: int) -> dict[str, Any]:
+def _summary(
+    cfg: LlamaConfig,
+    res: dict[str, dict[str, float]],
+    compile_s: dict[str, float],
+    bw: float,
+    n_params: int,
+    prompt_len: int,
+    new: int,
+) -> dict[str, Any]:
     """The results as one JSON-ready dict: tokens/s per system, the roofline from matvec bandwidth ``bw``, the run's setup."""
     return {
         "decode_tok_s": {k: v["decode"] for k, v in res.items()},
@@ -193,9 +246,23 @@ def _summary(cfg: LlamaConfig, res: dict[str, dict[str, float]], compile_s: dict
         "matvec_gb_s": bw / 1e9,
         "compile_s": compile_s,
         "first_call_s": {k: v["compile_s"] for k, v in res.items() if "compile_s" in v},
-        "model": {"architecture": cfg.architecture, "params": n_params, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-                  "vocab": cfg.vocab_size, "dtype": "float32", "prompt": prompt_len, "new_tokens": new, "batch": 1},
-        "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform()},
+        "model": {
+            "architecture": cfg.architecture,
+            "params": n_params,
+            "layers": cfg.num_layers,
+            "hidden": cfg.hidden_size,
+            "vocab": cfg.vocab_size,
+            "dtype": "float32",
+            "prompt": prompt_len,
+            "new_tokens": new,
+            "batch": 1,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
     }
 
 
@@ -206,9 +273,15 @@ def _report(cfg: LlamaConfig, out: dict[str, Any], prefetch: Any) -> None:
     print("|---|---|---|---|")
     for k in d:
         print(f"| {k} | {d[k]:.1f} | {d[k] / roof:.0%} | {out['prefill_tok_s'][k]:.0f} |")
-    print(f"\nroofline: {roof:.1f} tok/s ({out['matvec_gb_s']:.1f} GB/s matvec / {decode_bytes_per_token(cfg) / 1e6:.1f} MB per token)")
-    print(f"compiled decode vs transformers eager: {d['fnpu_compiled'] / d['hf_eager']:.2f}x, vs transformers compiled: {d['fnpu_compiled'] / d['hf_compiled']:.2f}x")
-    print(f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)")
+    print(
+        f"\nroofline: {roof:.1f} tok/s ({out['matvec_gb_s']:.1f} GB/s matvec / {decode_bytes_per_token(cfg) / 1e6:.1f} MB per token)"
+    )
+    print(
+        f"compiled decode vs transformers eager: {d['fnpu_compiled'] / d['hf_eager']:.2f}x, vs transformers compiled: {d['fnpu_compiled'] / d['hf_compiled']:.2f}x"
+    )
+    print(
+        f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)"
+    )
     print("\nlayer-sharded decode (2 gloo ranks, dp = 2, one thread each):\n" + prefetch_table(prefetch))
 
 
@@ -216,7 +289,9 @@ def _write(out: dict[str, Any], json_path: str | None, plot_dir: str | None) -> 
     """The PNG plots under ``plot_dir`` and the JSON at ``json_path``, each if given."""
     if plot_dir:
         Path(plot_dir).mkdir(parents=True, exist_ok=True)
-        if scoreboard_plot(out, str(Path(plot_dir) / "scoreboard.png")) and prefetch_plot(out["prefetch"], str(Path(plot_dir) / "prefetch.png")):
+        if scoreboard_plot(out, str(Path(plot_dir) / "scoreboard.png")) and prefetch_plot(
+            out["prefetch"], str(Path(plot_dir) / "prefetch.png")
+        ):
             print(f"plots: {plot_dir}/scoreboard.png, {plot_dir}/prefetch.png")
         else:
             print("plots: skipped (pip install matplotlib)")

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from ..runtime.checkpoint import load_checkpoint
 from ..core.collectives import broadcast
+from ..models import forward
+from ..parallel.layer_shard import layer_shard, resident_bytes
+from ..parallel.prefetch import drain
+from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import CompiledModel, compile_model
 from ..runtime.launch import RankContext
-from ..parallel.layer_shard import layer_shard, resident_bytes
-from ..models import forward
-from ..parallel.prefetch import drain
 from .timeline import prefetch_timeline
 
 __all__ = ["prefetch_rank"]
@@ -62,7 +62,11 @@ def _comm_alone(params: dict, mesh: Any, repeat: int) -> float:
     """Seconds for one step's broadcasts (every layer of every series) issued back to back, then waited."""
     axis = params["layer_shard"].axis
     n = mesh.axis_size(axis)
-    bufs = [(torch.empty(x.shape[1:], dtype=x.dtype), li % n) for x in params["series"].values() for li in range(len(params["layers"]))]
+    bufs = [
+        (torch.empty(x.shape[1:], dtype=x.dtype), li % n)
+        for x in params["series"].values()
+        for li in range(len(params["layers"]))
+    ]
     best = float("inf")
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
@@ -73,7 +77,9 @@ def _comm_alone(params: dict, mesh: Any, repeat: int) -> float:
     return best
 
 
-def prefetch_rank(ctx: RankContext, model_dir: str, series: str, ks: list[int], batch: int, steps: int, repeat: int) -> dict[str, Any]:
+def prefetch_rank(
+    ctx: RankContext, model_dir: str, series: str, ks: list[int], batch: int, steps: int, repeat: int
+) -> dict[str, Any]:
     """Run on each of 2 ranks: step times, exposed fractions and resident memory per configuration."""
     mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
     cache_len = 64
@@ -83,23 +89,47 @@ def prefetch_rank(ctx: RankContext, model_dir: str, series: str, ks: list[int], 
     per_layer = sum(x[0].numel() * x.element_size() for x in params["series"].values() if len(x))
     owned = resident_bytes(params["series"])
     runs: dict[str, dict[str, float]] = {}
-    for name, k, schedule in [(f"k{k}", k, "prefetch") for k in ks] + [("inductor_k1", 1, "inductor"), ("raise_comms_k1", 1, "raise_comms")]:
+    for name, k, schedule in [(f"k{k}", k, "prefetch") for k in ks] + [
+        ("inductor_k1", 1, "inductor"),
+        ("raise_comms_k1", 1, "raise_comms"),
+    ]:
         torch._dynamo.reset()
         model = compile_model(params, mesh, batch_sizes=[batch], max_seq_len=cache_len, prefetch_step=k)
         if schedule != "prefetch":
             model = _stock(model, SCHEDULES[schedule])
         t, code = _step_time(model, batch, steps, repeat)
         live = prefetch_timeline(code)["live_max"] if code else 0
-        runs[name] = {"k": k, "step_s": t, "live_buffers": live, "resident_bytes": owned + k * per_layer, "peak_bytes": owned + live * per_layer}
+        runs[name] = {
+            "k": k,
+            "step_s": t,
+            "live_buffers": live,
+            "resident_bytes": owned + k * per_layer,
+            "peak_bytes": owned + live * per_layer,
+        }
     t_comm = _comm_alone(params, mesh, repeat)
     for r in runs.values():
         r["exposed"] = (r["step_s"] - t_local) / t_comm
     layers = len(params["layers"])
-    return {"local_step_s": t_local, "comm_alone_s": t_comm, "per_layer_compute_s": t_local / layers, "per_layer_comm_s": t_comm / layers,
-            "replicated_bytes": layers * per_layer, "owned_bytes": owned, "runs": runs}
+    return {
+        "local_step_s": t_local,
+        "comm_alone_s": t_comm,
+        "per_layer_compute_s": t_local / layers,
+        "per_layer_comm_s": t_comm / layers,
+        "replicated_bytes": layers * per_layer,
+        "owned_bytes": owned,
+        "runs": runs,
+    }
 
 
-def run_prefetch_bench(model_dir: str, *, series: str = "o_proj", ks: tuple[int, ...] = (0, 1, 2), batch: int = 1, steps: int = 16, repeat: int = 3) -> dict[str, Any]:
+def run_prefetch_bench(
+    model_dir: str,
+    *,
+    series: str = "o_proj",
+    ks: tuple[int, ...] = (0, 1, 2),
+    batch: int = 1,
+    steps: int = 16,
+    repeat: int = 3,
+) -> dict[str, Any]:
     """Both ranks' measurements on 2 local gloo ranks (one thread each), merged: slowest rank's times."""
     from ..runtime.launch import LocalWorld
 
@@ -123,14 +153,26 @@ def run_prefetch_bench(model_dir: str, *, series: str = "o_proj", ks: tuple[int,
 def prefetch_table(res: dict[str, Any]) -> str:
     """A markdown table of :func:`run_prefetch_bench`'s result."""
     rep = res["replicated_bytes"]
-    rows = [f"| local weights (no communication) | - | {res['local_step_s'] * 1e3:.2f} | - | - | {rep / 2**20:.1f} MiB (100%) |"]
+    rows = [
+        f"| local weights (no communication) | - | {res['local_step_s'] * 1e3:.2f} | - | - | {rep / 2**20:.1f} MiB (100%) |"
+    ]
     for name, r in res["runs"].items():
-        label = {"inductor_k1": "k = 1, inductor's stock scheduling", "raise_comms_k1": "k = 1, inductor raise_comms"}.get(name, f"k = {r['k']}, prefetch schedule")
-        rows.append(f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f} | {r['exposed']:.0%} | {r['resident_bytes'] / 2**20:.1f} MiB | "
-                    f"{r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_bytes'] / rep:.0%}) |")
-    head = ["| decode step | live prefetch buffers | ms / step | exposed comm | resident between steps | peak series bytes |", "|---|---|---|---|---|---|"]
-    tail = (f"\nseries {res['series']!r}, batch {res['batch']}: per layer, compute {res['per_layer_compute_s'] * 1e3:.2f} ms vs broadcast alone "
-            f"{res['per_layer_comm_s'] * 1e3:.2f} ms; all broadcasts alone {res['comm_alone_s'] * 1e3:.2f} ms per step")
+        label = {
+            "inductor_k1": "k = 1, inductor's stock scheduling",
+            "raise_comms_k1": "k = 1, inductor raise_comms",
+        }.get(name, f"k = {r['k']}, prefetch schedule")
+        rows.append(
+            f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f} | {r['exposed']:.0%} | {r['resident_bytes'] / 2**20:.1f} MiB | "
+            f"{r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_bytes'] / rep:.0%}) |"
+        )
+    head = [
+        "| decode step | live prefetch buffers | ms / step | exposed comm | resident between steps | peak series bytes |",
+        "|---|---|---|---|---|---|",
+    ]
+    tail = (
+        f"\nseries {res['series']!r}, batch {res['batch']}: per layer, compute {res['per_layer_compute_s'] * 1e3:.2f} ms vs broadcast alone "
+        f"{res['per_layer_comm_s'] * 1e3:.2f} ms; all broadcasts alone {res['comm_alone_s'] * 1e3:.2f} ms per step"
+    )
     return "\n".join(head + rows) + tail
 
 

@@ -22,26 +22,47 @@ from typing import Any
 
 import torch
 
-from ..parallel import prefetch
-from ..runtime.launch import LocalWorld, RankContext
-from ..parallel.layer_shard import layer_shard, series_specs, stack_series
-from ..models import family_of, forward, init_state, llama, moe
 from ..core.shard import shard
+from ..models import family_of, forward, init_state, llama, moe
+from ..parallel import prefetch
+from ..parallel.layer_shard import layer_shard, series_specs, stack_series
+from ..runtime.launch import LocalWorld, RankContext
 
 __all__ = ["GRAPH_CONFIGS", "capture_artifacts", "write_artifacts", "diff_artifacts", "regenerate"]
 
-_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=256)
+_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    max_position_embeddings=256,
+)
 _MOE = dict(num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1), expert_axes=("tp",))  # experts over tp
 GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig] = {
-    "llama": llama.LlamaConfig(architecture="LlamaForCausalLM", tie_word_embeddings=True, rope_type="llama3", rope_factor=8.0, **_BASE),
+    "llama": llama.LlamaConfig(
+        architecture="LlamaForCausalLM", tie_word_embeddings=True, rope_type="llama3", rope_factor=8.0, **_BASE
+    ),
     "mistral": llama.LlamaConfig(architecture="MistralForCausalLM", sliding_window=8, **_BASE),
     "qwen2": llama.LlamaConfig(architecture="Qwen2ForCausalLM", qkv_bias=True, **_BASE),
     "qwen3": llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
     # prefill (16 tokens per rank) takes the all_to_all dispatch, decode (1 per rank) the gather / reduce-scatter path
-    "qwen3_moe": moe.MoeConfig(architecture="Qwen3MoeForCausalLM", base=llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
-                               norm_topk_prob=True, **_MOE),
-    "mixtral": moe.MoeConfig(architecture="MixtralForCausalLM", base=llama.LlamaConfig(architecture="MistralForCausalLM", **_BASE),
-                             norm_topk_prob=True, **_MOE),
+    "qwen3_moe": moe.MoeConfig(
+        architecture="Qwen3MoeForCausalLM",
+        base=llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
+        norm_topk_prob=True,
+        **_MOE,
+    ),
+    "mixtral": moe.MoeConfig(
+        architecture="MixtralForCausalLM",
+        base=llama.LlamaConfig(architecture="MistralForCausalLM", **_BASE),
+        norm_topk_prob=True,
+        **_MOE,
+    ),
 }
 PHASES = {"prefill": (2, 16), "decode": (2, 1)}  # (batch, tokens per sequence)
 CACHE_LEN = 32
@@ -70,7 +91,12 @@ def _capture(family: str, phase: str, ctx: RankContext, tp: int, series: str | N
     if not mesh.is_abstract:
         mesh.init_groups()
     torch._dynamo.reset()
-    fn = torch.compile(functools.partial(forward, attention="math"), backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
+    fn = torch.compile(
+        functools.partial(forward, attention="math"),
+        backend=aot_autograd(fw_compiler=keep),
+        fullgraph=True,
+        dynamic=False,
+    )
     positions = torch.arange(s).expand(b, s) if phase == "prefill" else torch.full((b, 1), 5)
     state = init_state(cfg, mesh, b, CACHE_LEN)._replace(prefetched=prefetch.start(params, mesh, 1 if series else 0))
     with torch.no_grad():
@@ -105,13 +131,19 @@ def capture_artifacts(ctx: RankContext, tp: int) -> dict[str, dict[str, Any]]:
     """Every family x phase artifact for one tp size, as ``{name: {file: content}}`` (run on each rank)."""
     mesh = ctx.mesh({"tp": tp})
     axis_of_group = {} if mesh.is_abstract else {mesh.group_name("tp"): "tp"}
-    out = {f"{fam}-tp{tp}-{phase}": _summarize(_capture(fam, phase, ctx, tp), axis_of_group) for fam in GRAPH_CONFIGS for phase in PHASES}
+    out = {
+        f"{fam}-tp{tp}-{phase}": _summarize(_capture(fam, phase, ctx, tp), axis_of_group)
+        for fam in GRAPH_CONFIGS
+        for phase in PHASES
+    }
     if tp == 2:
         dp = ctx.mesh({"dp": ctx.world_size, "tp": 1})
         dp.init_groups()
         dp_groups = {dp.group_name("dp"): "dp"}
         for phase in PHASES:
-            out[f"qwen3-dp2-layer_shard-k1-{phase}"] = _summarize(_capture("qwen3", phase, ctx, tp, series=LAYER_SHARD_SERIES), dp_groups)
+            out[f"qwen3-dp2-layer_shard-k1-{phase}"] = _summarize(
+                _capture("qwen3", phase, ctx, tp, series=LAYER_SHARD_SERIES), dp_groups
+            )
     return out
 
 

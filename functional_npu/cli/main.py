@@ -43,32 +43,63 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_positive, default=24)
     demo.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped; default 600")
 
-    gen = sub.add_parser("generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)")
+    gen = sub.add_parser(
+        "generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)"
+    )
     gen.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     gen.add_argument("--dp", type=_positive, default=1, help="data-parallel ranks: prompts are split across them")
     gen.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks")
-    gen.add_argument("--ep", type=_positive, default=1,
-                     help="expert-parallel ranks (MoE models): 1 (experts on every rank) or dp x tp (the flattened dp, tp ranks)")
-    gen.add_argument("--backend", default="auto", choices=["auto", "inductor", "torchair", "eager", "aot_eager", "none"],
-                     help="compiler backend ('none': the plain eager forward, no compile)")
+    gen.add_argument(
+        "--ep",
+        type=_positive,
+        default=1,
+        help="expert-parallel ranks (MoE models): 1 (experts on every rank) or dp x tp (the flattened dp, tp ranks)",
+    )
+    gen.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "inductor", "torchair", "eager", "aot_eager", "none"],
+        help="compiler backend ('none': the plain eager forward, no compile)",
+    )
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", metavar="TEXT", help="prompt texts (needs the model's tokenizer.json)")
-    src.add_argument("--prompt-ids", type=_ids, action="append", metavar="1,2,3", help="a prompt as token ids; repeat for more")
+    src.add_argument(
+        "--prompt-ids", type=_ids, action="append", metavar="1,2,3", help="a prompt as token ids; repeat for more"
+    )
     gen.add_argument("--max-new-tokens", type=_positive, required=True)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     gen.add_argument("--top-k", type=_positive, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--layer-shard", metavar="SERIES", default=None,
-                     help="layer-shard these weight series over --layer-shard-axis: comma-separated from q_proj (qkv), o_proj, gate_up, down_proj, layer (the whole block)")
-    gen.add_argument("--layer-shard-axis", default="dp", choices=["dp", "tp"], help="the mesh axis layer l's weights are spread over (l %% n); default dp")
-    gen.add_argument("--prefetch-step", type=int, default=None, metavar="K", help="with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2); default 1 (0 for a 2-layer model)")
+    gen.add_argument(
+        "--layer-shard",
+        metavar="SERIES",
+        default=None,
+        help="layer-shard these weight series over --layer-shard-axis: comma-separated from q_proj (qkv), o_proj, gate_up, down_proj, layer (the whole block)",
+    )
+    gen.add_argument(
+        "--layer-shard-axis",
+        default="dp",
+        choices=["dp", "tp"],
+        help="the mesh axis layer l's weights are spread over (l %% n); default dp",
+    )
+    gen.add_argument(
+        "--prefetch-step",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2); default 1 (0 for a 2-layer model)",
+    )
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")
-    bench = sub.add_parser("bench", help="the scoreboard: this library vs transformers, eager and compiled (needs transformers)")
+    bench = sub.add_parser(
+        "bench", help="the scoreboard: this library vs transformers, eager and compiled (needs transformers)"
+    )
     bench.add_argument("--quick", action="store_true", help="a 4-layer model and fewer tokens")
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    bench.add_argument("--plots", metavar="DIR", default=None, help="write scoreboard.png and prefetch.png here (needs matplotlib)")
+    bench.add_argument(
+        "--plots", metavar="DIR", default=None, help="write scoreboard.png and prefetch.png here (needs matplotlib)"
+    )
     graphs = sub.add_parser("graphs", help="regenerate (or --check) the golden captured graphs in graphs/")
     graphs.add_argument("--check", action="store_true", help="fail (exit 1) on drift instead of writing")
     graphs.add_argument("--out", default="graphs", help="the artifacts folder; default graphs/")
@@ -80,7 +111,10 @@ def _graphs(args: argparse.Namespace) -> int:
 
     drift = regenerate(Path(args.out), check=args.check)
     if drift:
-        print(f"{len(drift)} graph artifacts drifted (run: python -m functional_npu graphs): " + ", ".join(drift[:10]), file=sys.stderr)
+        print(
+            f"{len(drift)} graph artifacts drifted (run: python -m functional_npu graphs): " + ", ".join(drift[:10]),
+            file=sys.stderr,
+        )
         return 1
     print(f"graphs: {'up to date' if args.check else 'written to ' + args.out}")
     return 0
@@ -99,16 +133,18 @@ def _tokenizer(model: Path) -> Any | None:
 
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
     """Validate everything a rank would trip on, before any rank starts."""
+    from ..core.mesh import Mesh
+    from ..parallel.layer_shard import layer_shard
+    from ..parallel.prefetch import check_prefetch_step
     from ..runtime.checkpoint import read_config
     from ..runtime.plan import check_plan, with_expert_axes
-    from ..parallel.layer_shard import layer_shard
-    from ..core.mesh import Mesh
-    from ..parallel.prefetch import check_prefetch_step
 
     model = Path(args.model)
     if args.ep not in (1, args.dp * args.tp):
-        parser.error(f"--ep {args.ep}: the expert group is the flattened dp x tp ranks, so --ep must be 1 (experts "
-                     f"replicated) or --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
+        parser.error(
+            f"--ep {args.ep}: the expert group is the flattened dp x tp ranks, so --ep must be 1 (experts "
+            f"replicated) or --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}"
+        )
     if args.layer_shard is None and args.prefetch_step is not None:
         parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
     try:
@@ -117,13 +153,17 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model), layer_shard=args.layer_shard)
         if args.layer_shard is not None:
             default = min(1, cfg.num_layers - 2)
-            args.prefetch_step = check_prefetch_step(default if args.prefetch_step is None else args.prefetch_step, cfg.num_layers)
+            args.prefetch_step = check_prefetch_step(
+                default if args.prefetch_step is None else args.prefetch_step, cfg.num_layers
+            )
     except (OSError, ValueError) as e:
         parser.error(" ".join(str(e).split()))  # one line, whatever the message
     tok = _tokenizer(model)
     if args.prompt is not None:
         if tok is None:
-            parser.error(f"--prompt needs {model / 'tokenizer.json'} and the 'tokenizers' package; pass --prompt-ids instead")
+            parser.error(
+                f"--prompt needs {model / 'tokenizer.json'} and the 'tokenizers' package; pass --prompt-ids instead"
+            )
         prompts = [tok.encode(t).ids for t in args.prompt]
     else:
         prompts = args.prompt_ids
@@ -149,8 +189,13 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     axes = {"dp": args.dp, "tp": args.tp}
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     job = (generate_on_rank, str(args.model), axes, prompts, args.max_new_tokens)
-    extra = {"backend": args.backend, "sampling": sampling, "expert_axes": _expert_axes(args),
-             "layer_shard": args.layer_shard, "prefetch_step": args.prefetch_step or 0}
+    extra = {
+        "backend": args.backend,
+        "sampling": sampling,
+        "expert_axes": _expert_axes(args),
+        "layer_shard": args.layer_shard,
+        "prefetch_step": args.prefetch_step or 0,
+    }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist
 

@@ -55,12 +55,20 @@ def generate_on_rank(
     mine = list(range(mesh.axis_index("dp"), len(prompts), dp))
     batch = [prompts[i] for i in mine]
     longest = max(len(p) for p in prompts)
-    model = compile_model(params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens), prefetch_step=prefetch_step)
-    lockstep = Lockstep.over(len(prompts), dp, longest, model.batch_sizes) if _in_lockstep(mesh, expert_axes, layer_shard) else None
+    model = compile_model(
+        params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens), prefetch_step=prefetch_step
+    )
+    lockstep = (
+        Lockstep.over(len(prompts), dp, longest, model.batch_sizes)
+        if _in_lockstep(mesh, expert_axes, layer_shard)
+        else None
+    )
     tokens: list[list[int]] = []
     for r in range(repeat):
         t0 = time.perf_counter()
-        tokens = model.generate(batch, max_new_tokens, **(sampling or {}), lockstep=lockstep) if batch or lockstep else []
+        tokens = (
+            model.generate(batch, max_new_tokens, **(sampling or {}), lockstep=lockstep) if batch or lockstep else []
+        )
         timings["first_generate_s" if r == 0 else "generate_s"] = time.perf_counter() - t0
     timings.setdefault("generate_s", timings["first_generate_s"])
     return {"indices": mine, "tokens": tokens, "timings": timings, "tp_index": mesh.axis_index("tp")}

@@ -36,7 +36,11 @@ def prefetch_timeline(code: str) -> dict[str, Any]:
         if m and (m.group(1) in issue or m.group(1).startswith("arg")):
             wait[m.group(1)] = i
     for b, w in wait.items():
-        later = [i for i in range(w + 1, len(lines)) if re.search(rf"\b{b}\b", lines[i]) and not lines[i].startswith(("del ", "return"))]
+        later = [
+            i
+            for i in range(w + 1, len(lines))
+            if re.search(rf"\b{b}\b", lines[i]) and not lines[i].startswith(("del ", "return"))
+        ]
         if later:
             use[b] = later[0]
     live, peak = {b for b in wait if b.startswith("arg")}, 0
@@ -47,5 +51,9 @@ def prefetch_timeline(code: str) -> dict[str, Any]:
         peak = max(peak, len(live))
         for dead in re.findall(rf"(?:^|; )del {_BUF}", ln):  # "del bufX", or "bufY = ...; del bufX  # reuse"
             live.discard(dead)
-    kernels = [i for i, ln in enumerate(lines) if re.match(r"(extern_kernels\.|cpp_fused|torch\.ops\.|buf\d+ = torch\.ops\.)", ln)]
+    kernels = [
+        i
+        for i, ln in enumerate(lines)
+        if re.match(r"(extern_kernels\.|cpp_fused|torch\.ops\.|buf\d+ = torch\.ops\.)", ln)
+    ]
     return {"issue": issue, "wait": wait, "use": use, "live_max": peak, "kernels": kernels}

@@ -57,7 +57,9 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0, op: st
         return x
     d = _dim(x, dim, "reduce_scatter")
     if x.shape[d] % n:
-        raise ValueError(f"reduce_scatter over mesh axis {axis!r} (size {n}): dim {d} of shape {tuple(x.shape)} is not divisible by {n}")
+        raise ValueError(
+            f"reduce_scatter over mesh axis {axis!r} (size {n}): dim {d} of shape {tuple(x.shape)} is not divisible by {n}"
+        )
     return funcol.reduce_scatter_single(x, _op(op), d, mesh.group_name(axis))
 
 
@@ -86,7 +88,9 @@ def all_to_all(x: torch.Tensor, mesh: Mesh, axis: Axes, split_dim: int = 0, conc
         return x
     sd, cd = _dim(x, split_dim, "all_to_all"), _dim(x, concat_dim, "all_to_all")
     if x.shape[sd] % n:
-        raise ValueError(f"all_to_all over mesh axis {axis!r} (size {n}): split dim {sd} of shape {tuple(x.shape)} is not divisible by {n}")
+        raise ValueError(
+            f"all_to_all over mesh axis {axis!r} (size {n}): split dim {sd} of shape {tuple(x.shape)} is not divisible by {n}"
+        )
     xs = x.movedim(sd, 0)  # [n*m, ...]: chunk j (m rows) goes to index j
     recv = funcol.all_to_all_single(xs.contiguous(), None, None, mesh.group_name(axis))
     recv = recv.reshape(n, -1, *xs.shape[1:]).movedim(1, sd + 1)  # [n, ...x with the split dim cut to m...]
@@ -110,7 +114,9 @@ def permute(x: torch.Tensor, mesh: Mesh, axis: Axes, dst: Sequence[int]) -> torc
     """
     n = mesh.axis_size(axis)
     if sorted(dst) != list(range(n)):
-        raise ValueError(f"permute over mesh axis {axis!r} (size {n}): dst {list(dst)} is not a permutation of range({n})")
+        raise ValueError(
+            f"permute over mesh axis {axis!r} (size {n}): dst {list(dst)} is not a permutation of range({n})"
+        )
     if n == 1:
         return x
     me = mesh.axis_index(axis)

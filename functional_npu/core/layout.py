@@ -213,7 +213,9 @@ def validate(
     """
     where = f"specs[{path!r}]"
     if not isinstance(layout, Layout):
-        raise TypeError(f"{where} is {layout!r} ({type(layout).__name__}); expected a Layout such as replicated() or sharded(0, 'tp')")
+        raise TypeError(
+            f"{where} is {layout!r} ({type(layout).__name__}); expected a Layout such as replicated() or sharded(0, 'tp')"
+        )
     if len(layout.dims) > len(shape):
         raise LayoutError(
             f"{where} = {layout!r} describes {len(layout.dims)} dims but the tensor has {len(shape)} "
@@ -237,9 +239,13 @@ def _validate_axes(where: str, d: int, spec: DimSpec, mesh_shape: Mapping[str, i
     """Dim ``d``'s axes are mesh axes, in mesh order, none already sharding another dim (recorded in ``seen``)."""
     for a in spec.axes:
         if a not in mesh_shape:
-            raise LayoutError(f"{where} dim {d} uses mesh axis {a!r}, which the mesh {dict(mesh_shape)} does not have; use one of {list(mesh_shape)}")
+            raise LayoutError(
+                f"{where} dim {d} uses mesh axis {a!r}, which the mesh {dict(mesh_shape)} does not have; use one of {list(mesh_shape)}"
+            )
         if a in seen:
-            raise LayoutError(f"{where} uses mesh axis {a!r} on dim {seen[a]} and dim {d}; an axis can shard one dim only")
+            raise LayoutError(
+                f"{where} uses mesh axis {a!r} on dim {seen[a]} and dim {d}; an axis can shard one dim only"
+            )
         seen[a] = d
     order = tuple([a for a in mesh_shape if a in spec.axes])
     if order != spec.axes:
@@ -248,9 +254,13 @@ def _validate_axes(where: str, d: int, spec: DimSpec, mesh_shape: Mapping[str, i
 
 def _validate_cyclic(where: str, d: int, spec: Cyclic, shape: Sequence[int], local: bool) -> None:
     if not isinstance(spec.offset, int) or isinstance(spec.offset, bool):
-        raise LayoutError(f"{where} dim {d}: cyclic offset must be an int (the coordinate holding layer 0), got {spec.offset!r}")
+        raise LayoutError(
+            f"{where} dim {d}: cyclic offset must be an int (the coordinate holding layer 0), got {spec.offset!r}"
+        )
     if not local and shape[d] != spec.size:
-        raise LayoutError(f"{where} dim {d} is cyclic over {spec.size} layers but the tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}")
+        raise LayoutError(
+            f"{where} dim {d} is cyclic over {spec.size} layers but the tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}"
+        )
 
 
 def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.dtype, n: int, local: bool) -> None:
@@ -264,7 +274,9 @@ def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.d
                 f"packed weights are stored in an integer dtype (e.g. torch.int32 for 8 int4 values)"
             )
     if spec.groups != 1 and not spec.blocks:
-        raise LayoutError(f"{where} dim {d} has groups={spec.groups} but no blocks; groups interleave fused blocks, e.g. fused(0, [q, k, v], {axis!r}, groups=num_kv_heads)")
+        raise LayoutError(
+            f"{where} dim {d} has groups={spec.groups} but no blocks; groups interleave fused blocks, e.g. fused(0, [q, k, v], {axis!r}, groups=num_kv_heads)"
+        )
     if not spec.blocks:
         if local:
             return
@@ -294,7 +306,9 @@ Piece = tuple[int, int, int]  # (start, stop, step) along the dim, in stored uni
 
 def _block_pieces(where: str, d: int, axis: str, b: Block, offset: int, n: int, c: int, pack: int) -> Piece:
     if b.size < 1 or b.unit < 1 or b.size % b.unit:
-        raise LayoutError(f"{where} dim {d} block {b.name!r}: size {b.size} must be a positive multiple of its unit {b.unit}")
+        raise LayoutError(
+            f"{where} dim {d} block {b.name!r}: size {b.size} must be a positive multiple of its unit {b.unit}"
+        )
     units = b.size // b.unit
     if units % n == 0:
         start, length = offset + c * (b.size // n), b.size // n

@@ -308,8 +308,7 @@ def make_mesh(
     size = math.prod(axes.values()) if axes else 1
     if size != world:
         raise ValueError(
-            f"mesh axes {dict(axes)} hold {size} ranks but the world has {world}; "
-            f"choose sizes whose product is {world}"
+            f"mesh axes {dict(axes)} hold {size} ranks but the world has {world}; choose sizes whose product is {world}"
         )
     return Mesh(
         tuple(axes),

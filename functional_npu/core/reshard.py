@@ -30,7 +30,18 @@ from .mesh import Mesh
 from .shard import check_leaf, full_shape, leaf_specs, positioned
 from .tree import PyTree, flatten_with_paths, map_with_path
 
-__all__ = ["Transfer", "LeafPlan", "ReshardPlan", "RankTraffic", "ReshardProgram", "plan_reshard", "reshard", "pack", "unpack", "simulate"]
+__all__ = [
+    "Transfer",
+    "LeafPlan",
+    "ReshardPlan",
+    "RankTraffic",
+    "ReshardProgram",
+    "plan_reshard",
+    "reshard",
+    "pack",
+    "unpack",
+    "simulate",
+]
 
 Box = tuple[tuple[int, int], ...]  # (start, length) per dim of a local tensor
 _ALIGN = 8  # every peer's section of a flat buffer starts on an 8-byte boundary (so byte chunks view back as any dtype)
@@ -97,9 +108,14 @@ class ReshardPlan:
 
     def report(self) -> str:
         """A markdown table of bytes per rank against the lower bound and all-gather-then-slice."""
-        rows = ["| rank | sent | received | lower bound | local copy | all-gather-then-slice |", "|---|---|---|---|---|---|"]
+        rows = [
+            "| rank | sent | received | lower bound | local copy | all-gather-then-slice |",
+            "|---|---|---|---|---|---|",
+        ]
         for t in self.traffic:
-            rows.append(f"| {t.rank} | {t.sent} | {t.received} | {t.lower_bound} | {t.local_copy} | {t.allgather_slice} |")
+            rows.append(
+                f"| {t.rank} | {t.sent} | {t.received} | {t.lower_bound} | {t.local_copy} | {t.allgather_slice} |"
+            )
         return "\n".join(rows)
 
 
@@ -174,7 +190,9 @@ def _leaf_transfers(leaf: LeafPlan, src: Layout, dst: Layout, mesh: Mesh) -> lis
     return out
 
 
-def _traffic(mesh: Mesh, leaves: Sequence[LeafPlan], transfers: Sequence[Transfer], src: Mapping[str, Layout]) -> tuple[RankTraffic, ...]:
+def _traffic(
+    mesh: Mesh, leaves: Sequence[LeafPlan], transfers: Sequence[Transfer], src: Mapping[str, Layout]
+) -> tuple[RankTraffic, ...]:
     out = []
     for r in range(mesh.size):
         sent = sum(t.nbytes for t in transfers if t.src == r != t.dst)
@@ -185,7 +203,9 @@ def _traffic(mesh: Mesh, leaves: Sequence[LeafPlan], transfers: Sequence[Transfe
             if not src[leaf.path].is_replicated:
                 item = torch.empty((), dtype=leaf.dtype).element_size()
                 gathered += (math.prod(leaf.full_shape) - math.prod(leaf.src_shapes[r])) * item
-        needed = sum(math.prod(leaf.dst_shapes[r]) * torch.empty((), dtype=leaf.dtype).element_size() for leaf in leaves)
+        needed = sum(
+            math.prod(leaf.dst_shapes[r]) * torch.empty((), dtype=leaf.dtype).element_size() for leaf in leaves
+        )
         out.append(RankTraffic(r, sent, received, local, needed - local, gathered))
     return tuple(out)
 
@@ -194,7 +214,12 @@ def _local_shapes(path: str, layout: Layout, shape: tuple[int, ...], mesh: Mesh)
     out = []
     for r in range(mesh.size):
         pieces = local_pieces(path, layout, shape, mesh.at(r))
-        out.append(tuple(n if d >= len(pieces) or pieces[d] is None else sum(len(range(*p)) for p in pieces[d]) for d, n in enumerate(shape)))
+        out.append(
+            tuple(
+                n if d >= len(pieces) or pieces[d] is None else sum(len(range(*p)) for p in pieces[d])
+                for d, n in enumerate(shape)
+            )
+        )
     return tuple(out)
 
 
@@ -224,7 +249,13 @@ def plan_reshard(
         shape = tuple(shape)
         validate(path, src_specs[path], shape, dtype, mesh.shape)
         validate(path, dst_specs[path], shape, dtype, mesh.shape)
-        leaf = LeafPlan(path, dtype, shape, _local_shapes(path, src_specs[path], shape, mesh), _local_shapes(path, dst_specs[path], shape, mesh))
+        leaf = LeafPlan(
+            path,
+            dtype,
+            shape,
+            _local_shapes(path, src_specs[path], shape, mesh),
+            _local_shapes(path, dst_specs[path], shape, mesh),
+        )
         leaves.append(leaf)
         transfers += _leaf_transfers(leaf, src_specs[path], dst_specs[path], mesh)
     order = {leaf.path: i for i, leaf in enumerate(leaves)}
@@ -234,7 +265,14 @@ def plan_reshard(
     crossed = {i for t in transfers for i, (a, b) in enumerate(zip(coords[t.src], coords[t.dst])) if a != b}
     axes = tuple(a for i, a in enumerate(mesh.axis_names) if i in crossed)
     traffic = _traffic(mesh, leaves, transfers, src_specs)
-    return ReshardPlan(tuple(mesh.shape.items()), axes, tuple(leaves), tuple(transfers), traffic, _programs(mesh, axes, leaves, transfers, src_specs, dst_specs))
+    return ReshardPlan(
+        tuple(mesh.shape.items()),
+        axes,
+        tuple(leaves),
+        tuple(transfers),
+        traffic,
+        _programs(mesh, axes, leaves, transfers, src_specs, dst_specs),
+    )
 
 
 # ---- execution ------------------------------------------------------------------------------
@@ -260,22 +298,33 @@ def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _programs(mesh: Mesh, axes: tuple[str, ...], leaves: Sequence[LeafPlan], transfers: Sequence[Transfer], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> tuple[ReshardProgram, ...]:
+def _programs(
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    leaves: Sequence[LeafPlan],
+    transfers: Sequence[Transfer],
+    src: Mapping[str, Layout],
+    dst: Mapping[str, Layout],
+) -> tuple[ReshardProgram, ...]:
     out = []
     for r in range(mesh.size):
         group = mesh.at(r).group_ranks(axes) if axes else (r,)
         sends = [[t for t in transfers if t.src == r != t.dst == peer] for peer in group]
         recvs = [[t for t in transfers if t.dst == r != t.src == peer] for peer in group]
-        out.append(ReshardProgram(
-            group=tuple(group),
-            send=tuple(tuple((t.path, t.src_box) for t in ts) for ts in sends),
-            send_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in sends),
-            recv=tuple(tuple((t.path, t.dst_box, t.nbytes) for t in ts) for ts in recvs),
-            recv_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in recvs),
-            local=tuple((t.path, t.src_box, t.dst_box) for t in transfers if t.src == r == t.dst),
-            dst_shapes=tuple((leaf.path, leaf.dst_shapes[r], leaf.dtype) for leaf in leaves),
-            leaves=tuple((leaf.path, leaf.src_shapes[r], leaf.dtype, src[leaf.path], dst[leaf.path]) for leaf in leaves),
-        ))
+        out.append(
+            ReshardProgram(
+                group=tuple(group),
+                send=tuple(tuple((t.path, t.src_box) for t in ts) for ts in sends),
+                send_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in sends),
+                recv=tuple(tuple((t.path, t.dst_box, t.nbytes) for t in ts) for ts in recvs),
+                recv_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in recvs),
+                local=tuple((t.path, t.src_box, t.dst_box) for t in transfers if t.src == r == t.dst),
+                dst_shapes=tuple((leaf.path, leaf.dst_shapes[r], leaf.dtype) for leaf in leaves),
+                leaves=tuple(
+                    (leaf.path, leaf.src_shapes[r], leaf.dtype, src[leaf.path], dst[leaf.path]) for leaf in leaves
+                ),
+            )
+        )
     return tuple(out)
 
 
@@ -308,7 +357,9 @@ def _device(local: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(local.values())).device if local else torch.device("cpu")
 
 
-def unpack(local: Mapping[str, torch.Tensor], received: torch.Tensor, program: ReshardProgram) -> dict[str, torch.Tensor]:
+def unpack(
+    local: Mapping[str, torch.Tensor], received: torch.Tensor, program: ReshardProgram
+) -> dict[str, torch.Tensor]:
     """The destination leaves of one rank: its local copies from ``local`` plus the boxes in ``received``."""
     out = {path: torch.empty(shape, dtype=dtype, device=received.device) for path, shape, dtype in program.dst_shapes}
     for path, sbox, dbox in program.local:
@@ -380,17 +431,27 @@ def reshard(
     return map_with_path(lambda path, _: out[path], tree)
 
 
-def _plan_for(local: Mapping[str, torch.Tensor], src: Mapping[str, Layout], dst: Mapping[str, Layout], mesh: Mesh, plan: ReshardPlan | None) -> ReshardPlan:
+def _plan_for(
+    local: Mapping[str, torch.Tensor],
+    src: Mapping[str, Layout],
+    dst: Mapping[str, Layout],
+    mesh: Mesh,
+    plan: ReshardPlan | None,
+) -> ReshardPlan:
     """``plan``, checked to be for this mesh, or a new plan for these local shards (which validates every layout)."""
     if plan is None:
         shapes = {path: (full_shape(path, x, src[path], mesh), x.dtype) for path, x in local.items()}
         return plan_reshard(shapes, src, dst, mesh)  # validates every destination layout
     if dict(plan.mesh_shape) != mesh.shape:
-        raise ValueError(f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh")
+        raise ValueError(
+            f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh"
+        )
     return plan
 
 
-def _exchange(local: Mapping[str, torch.Tensor], program: ReshardProgram, axes: tuple[str, ...], mesh: Mesh) -> torch.Tensor:
+def _exchange(
+    local: Mapping[str, torch.Tensor], program: ReshardProgram, axes: tuple[str, ...], mesh: Mesh
+) -> torch.Tensor:
     """The bytes this rank receives: one ``all_to_all_single`` over ``axes`` (none when the plan crosses no axis)."""
     if not axes:
         return torch.empty(0, dtype=torch.uint8, device=_device(local))
@@ -399,11 +460,19 @@ def _exchange(local: Mapping[str, torch.Tensor], program: ReshardProgram, axes: 
     return collectives.all_to_all_single(pack(local, program), mesh, axes, program.recv_sizes, program.send_sizes)
 
 
-def _check_program(program: ReshardProgram, rank: int, local: Mapping[str, torch.Tensor], src: Mapping[str, Layout], dst: Mapping[str, Layout]) -> None:
+def _check_program(
+    program: ReshardProgram,
+    rank: int,
+    local: Mapping[str, torch.Tensor],
+    src: Mapping[str, Layout],
+    dst: Mapping[str, Layout],
+) -> None:
     planned = [p for p, _, _, _, _ in program.leaves]
     if planned != list(local):
         diff = sorted(set(planned) ^ set(local))
-        raise ValueError(f"reshard: the plan covers leaves {diff[:4]} differently from the tree (missing or extra); plan again for this tree")
+        raise ValueError(
+            f"reshard: the plan covers leaves {diff[:4]} differently from the tree (missing or extra); plan again for this tree"
+        )
     for path, shape, dtype, src_layout, dst_layout in program.leaves:
         x = local[path]
         if tuple(x.shape) != shape or x.dtype != dtype:
@@ -412,4 +481,6 @@ def _check_program(program: ReshardProgram, rank: int, local: Mapping[str, torch
                 f"for {src_layout!r}; was it sharded with another layout or mesh? plan again for this tree"
             )
         if src[path] != src_layout or dst[path] != dst_layout:
-            raise ValueError(f"reshard: the plan was made for other layouts of params[{path!r}] ({src_layout!r} -> {dst_layout!r}); plan again for these specs")
+            raise ValueError(
+                f"reshard: the plan was made for other layouts of params[{path!r}] ({src_layout!r} -> {dst_layout!r}); plan again for these specs"
+            )

@@ -18,7 +18,17 @@ from .layout import Layout, LayoutError, Piece, dim_pieces, full_length, local_p
 from .mesh import Mesh
 from .tree import PyTree, expand_prefix, flatten_with_paths, map_with_path
 
-__all__ = ["shard", "local_shape", "gather", "unshard", "leaf_specs", "check_leaf", "positioned", "full_shape", "as_bits"]
+__all__ = [
+    "shard",
+    "local_shape",
+    "gather",
+    "unshard",
+    "leaf_specs",
+    "check_leaf",
+    "positioned",
+    "full_shape",
+    "as_bits",
+]
 
 # same-width carriers that every backend (gloo has no int16) moves byte for byte
 _BITS = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
@@ -32,7 +42,9 @@ def leaf_specs(specs: PyTree, tree: PyTree) -> dict[str, Layout]:
 def check_leaf(path: str, x: object) -> torch.Tensor:
     """``x`` if it is a tensor; else a TypeError naming ``params[path]`` and the fix."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"params[{path!r}] is a {type(x).__name__}, not a torch.Tensor; convert it with torch.as_tensor")
+        raise TypeError(
+            f"params[{path!r}] is a {type(x).__name__}, not a torch.Tensor; convert it with torch.as_tensor"
+        )
     return x
 
 
@@ -41,7 +53,9 @@ def positioned(mesh: Mesh, coordinate: Mapping[str, int] | int | None) -> Mesh:
     if coordinate is not None:
         return mesh.at(coordinate)
     if mesh.rank is None:
-        raise ValueError(f"mesh {mesh.shape} is abstract with no coordinate: pass coordinate={{...}} or use mesh.at(...)")
+        raise ValueError(
+            f"mesh {mesh.shape} is abstract with no coordinate: pass coordinate={{...}} or use mesh.at(...)"
+        )
     return mesh
 
 
@@ -138,7 +152,9 @@ def _assembly_index(path: str, d: int, spec, full_len: int, n: int, pad: int) ->
                     src[pos] = j * pad + offset + k
             offset += piece_len(p)
     if min(src, default=0) < 0:  # pragma: no cover - a layout that loses data is a planning bug
-        raise LayoutError(f"specs[{path!r}] dim {d}: positions {[i for i, s in enumerate(src) if s < 0][:8]} are held by no coordinate")
+        raise LayoutError(
+            f"specs[{path!r}] dim {d}: positions {[i for i, s in enumerate(src) if s < 0][:8]} are held by no coordinate"
+        )
     return src
 
 
@@ -215,16 +231,23 @@ def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:
     The inverse of ``[shard(tree, specs, mesh, coordinate=r) for r in range(mesh.size)]``.
     """
     if len(local_trees) != mesh.size:
-        raise ValueError(f"unshard needs one local tree per rank of mesh {mesh.shape} ({mesh.size}), got {len(local_trees)}")
+        raise ValueError(
+            f"unshard needs one local tree per rank of mesh {mesh.shape} ({mesh.size}), got {len(local_trees)}"
+        )
     layouts = leaf_specs(specs, local_trees[0])
     per_rank = [dict(flatten_with_paths(t)) for t in local_trees]
 
     def assemble(path: str, _: torch.Tensor) -> torch.Tensor:
         layout = layouts[path]
-        seen = {r: (full_shape(path, check_leaf(path, t[path]), layout, mesh.at(r)), t[path].dtype) for r, t in enumerate(per_rank)}
+        seen = {
+            r: (full_shape(path, check_leaf(path, t[path]), layout, mesh.at(r)), t[path].dtype)
+            for r, t in enumerate(per_rank)
+        }
         if len(set(seen.values())) > 1:
             views = ", ".join(f"rank {r}: {s} {dt}" for r, (s, dt) in seen.items())
-            raise LayoutError(f"params[{path!r}]: the local shards imply different full shapes or dtypes ({views}); shard every rank with the same layout")
+            raise LayoutError(
+                f"params[{path!r}]: the local shards imply different full shapes or dtypes ({views}); shard every rank with the same layout"
+            )
         shape = seen[0][0]
         state = {r: per_rank[r][path] for r in range(mesh.size)}
         for d, spec in enumerate(layout.dims):

@@ -102,14 +102,18 @@ def check_structure(tree: PyTree, reference: PyTree, *, what: str = "params", ag
     want = {p for p, _ in flatten_with_paths(reference)}
     missing, unexpected = sorted(want - got), sorted(got - want)
     if missing or unexpected:
-        raise _mismatch(f"{what} do not match the {against} structure:", [("missing", missing), ("unexpected", unexpected)])
+        raise _mismatch(
+            f"{what} do not match the {against} structure:", [("missing", missing), ("unexpected", unexpected)]
+        )
 
 
 def _is_under(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
-def expand_prefix(prefix_tree: PyTree, tree: PyTree, *, is_leaf: Callable[[Any], bool], what: str = "specs") -> dict[str, Any]:
+def expand_prefix(
+    prefix_tree: PyTree, tree: PyTree, *, is_leaf: Callable[[Any], bool], what: str = "specs"
+) -> dict[str, Any]:
     """Map every leaf path of ``tree`` to the leaf of ``prefix_tree`` whose path is its longest prefix.
 
     ``prefix_tree`` may stop above the leaves of ``tree``: a spec at ``layers`` applies to every

@@ -27,10 +27,21 @@ import torch
 
 from ..core.layout import Block, Cyclic, DimSpec, Layout, Shard, fused
 from ..core.mesh import Mesh
-from ..models.llama import LlamaConfig, abstract_params, param_specs, qkv_blocks
 from ..core.shard import local_shape
+from ..models.llama import LlamaConfig, abstract_params, param_specs, qkv_blocks
 
-__all__ = ["MEGATRON_NAMES", "MEGATRON_ALIASES", "megatron_specs", "megatron_pipeline_specs", "pipeline_dim", "stack_layers", "unstack_layers", "stacked_specs", "from_megatron", "to_megatron"]
+__all__ = [
+    "MEGATRON_NAMES",
+    "MEGATRON_ALIASES",
+    "megatron_specs",
+    "megatron_pipeline_specs",
+    "pipeline_dim",
+    "stack_layers",
+    "unstack_layers",
+    "stacked_specs",
+    "from_megatron",
+    "to_megatron",
+]
 
 # Megatron-Core parameter name -> our leaf path ({i}: layer index, local to its pipeline chunk on the Megatron side).
 MEGATRON_NAMES: dict[str, str] = {
@@ -78,7 +89,10 @@ def megatron_specs(cfg: LlamaConfig, *, tp_axis: str = "tp") -> dict[str, Any]:
 
 def _rename_axis(specs: dict[str, Any], axis: str) -> dict[str, Any]:
     def one(lay: Layout) -> Layout:
-        dims = tuple(d if d is None else Shard((axis,), d.blocks, d.pack, d.groups) if isinstance(d, Shard) else d for d in lay.dims)
+        dims = tuple(
+            d if d is None else Shard((axis,), d.blocks, d.pack, d.groups) if isinstance(d, Shard) else d
+            for d in lay.dims
+        )
         return Layout(dims)
 
     out = {k: one(v) for k, v in specs.items() if k != "layers"}
@@ -88,7 +102,9 @@ def _rename_axis(specs: dict[str, Any], axis: str) -> dict[str, Any]:
 def pipeline_dim(num_layers: int, pp_axis: str = "pp", vpp: int = 1) -> DimSpec:
     """The stacked layer dim of a Megatron pipeline: ``vpp`` chunks of ``L/vpp`` layers, each chunk cut over ``pp``."""
     if vpp < 1 or num_layers % vpp:
-        raise ValueError(f"pipeline_dim: {num_layers} layers cannot be cut into vpp={vpp} virtual chunks; use a vpp that divides {num_layers}")
+        raise ValueError(
+            f"pipeline_dim: {num_layers} layers cannot be cut into vpp={vpp} virtual chunks; use a vpp that divides {num_layers}"
+        )
     if vpp == 1:
         return Shard((pp_axis,))
     return Shard((pp_axis,), tuple(Block(f"chunk{v}", num_layers // vpp) for v in range(vpp)))
@@ -103,11 +119,17 @@ def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
         torch.Size([num_layers, (H + 2K) * hd, D])
     """
     layers = params["layers"]
-    out: dict[str, Any] = {k: (v if not isinstance(v, torch.Tensor) else v.unsqueeze(0).clone()) for k, v in params.items() if k != "layers"}
+    out: dict[str, Any] = {
+        k: (v if not isinstance(v, torch.Tensor) else v.unsqueeze(0).clone())
+        for k, v in params.items()
+        if k != "layers"
+    }
     names = list(layers[0]) if layers else []
     for i, layer in enumerate(layers):
         if list(layer) != names:
-            raise ValueError(f"stack_layers: layer {i} has leaves {list(layer)} but layer 0 has {names}; every layer must have the same leaves")
+            raise ValueError(
+                f"stack_layers: layer {i} has leaves {list(layer)} but layer 0 has {names}; every layer must have the same leaves"
+            )
     return out | {"layers": {k: torch.stack([layer[k] for layer in layers]) for k in names}}
 
 
@@ -118,17 +140,23 @@ def unstack_layers(stacked: Mapping[str, Any]) -> dict[str, Any]:
         if k == "layers":
             continue
         if isinstance(v, torch.Tensor) and v.shape[:1] != (1,):
-            raise ValueError(f"unstack_layers: {k!r} has leading dim {tuple(v.shape[:1])}, expected (1,); is this a pipeline stage that does not hold it?")
+            raise ValueError(
+                f"unstack_layers: {k!r} has leading dim {tuple(v.shape[:1])}, expected (1,); is this a pipeline stage that does not hold it?"
+            )
         out[k] = v[0].clone() if isinstance(v, torch.Tensor) else v
     layers = stacked["layers"]
     count = {v.shape[0] for v in layers.values()}
     if len(count) > 1:
-        raise ValueError(f"unstack_layers: the stacked layer leaves disagree on the layer count: { {k: v.shape[0] for k, v in layers.items()} }")
+        raise ValueError(
+            f"unstack_layers: the stacked layer leaves disagree on the layer count: { {k: v.shape[0] for k, v in layers.items()} }"
+        )
     n = count.pop() if count else 0
     return out | {"layers": [{k: v[i].clone() for k, v in layers.items()} for i in range(n)]}
 
 
-def stacked_specs(specs: Mapping[str, Any], layer_dim: DimSpec | None = None, top_dims: Mapping[str, DimSpec | None] | None = None) -> dict[str, Any]:
+def stacked_specs(
+    specs: Mapping[str, Any], layer_dim: DimSpec | None = None, top_dims: Mapping[str, DimSpec | None] | None = None
+) -> dict[str, Any]:
     """The spec tree of the stacked form: each layout shifted by one dim, the new dim 0 being ``layer_dim``
     for layer leaves and ``top_dims[name]`` (default None: whole) for the others.
 
@@ -143,7 +171,9 @@ def stacked_specs(specs: Mapping[str, Any], layer_dim: DimSpec | None = None, to
     return out | {"layers": {k: Layout((layer_dim,) + v.dims) for k, v in (layers[0] if layers else {}).items()}}
 
 
-def megatron_pipeline_specs(cfg: LlamaConfig, *, tp_axis: str = "tp", pp_axis: str = "pp", pp: int = 1, vpp: int = 1) -> dict[str, Any]:
+def megatron_pipeline_specs(
+    cfg: LlamaConfig, *, tp_axis: str = "tp", pp_axis: str = "pp", pp: int = 1, vpp: int = 1
+) -> dict[str, Any]:
     """Megatron TP x PP (x virtual pipeline) layout of the stacked params (see the module docstring).
 
     Args:
@@ -170,7 +200,10 @@ def _pattern(name: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(name).replace(re.escape("{i}"), r"(\d+)") + "$")
 
 
-_TABLE = [(_pattern(m), ours) for m, ours in list(MEGATRON_NAMES.items()) + [(a, MEGATRON_NAMES[t]) for a, t in MEGATRON_ALIASES.items()]]
+_TABLE = [
+    (_pattern(m), ours)
+    for m, ours in list(MEGATRON_NAMES.items()) + [(a, MEGATRON_NAMES[t]) for a, t in MEGATRON_ALIASES.items()]
+]
 
 
 def _our_path(name: str) -> tuple[str, int | None]:
@@ -179,7 +212,9 @@ def _our_path(name: str) -> tuple[str, int | None]:
         m = pat.match(name)
         if m:
             return (ours.split(".")[-1], int(m.group(1))) if m.groups() else (ours, None)
-    raise ValueError(f"from_megatron: no entry for Megatron parameter {name!r} in MEGATRON_NAMES; add it to the table (or drop the key)")
+    raise ValueError(
+        f"from_megatron: no entry for Megatron parameter {name!r} in MEGATRON_NAMES; add it to the table (or drop the key)"
+    )
 
 
 def from_megatron(
@@ -216,7 +251,9 @@ def from_megatron(
     return out
 
 
-def _by_path(chunks: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, dict[Any, tuple[str, torch.Tensor]]], list[int]]:
+def _by_path(
+    chunks: Sequence[Mapping[str, torch.Tensor]],
+) -> tuple[dict[str, dict[Any, tuple[str, torch.Tensor]]], list[int]]:
     """Our path -> {(chunk, local layer), or 0 for a top-level leaf: (Megatron name, tensor)}, and each chunk's layer count."""
     found: dict[str, dict[Any, tuple[str, torch.Tensor]]] = {}
     layers_per_chunk = []
@@ -240,7 +277,9 @@ def _entries(path: str, got: Mapping[Any, tuple[str, torch.Tensor]]) -> list[tup
     return [got[0]] if got else []
 
 
-def _check_entries(path: str, tensors: list[tuple[str, torch.Tensor]], want: tuple[int, ...], mesh: Mesh, layers_per_chunk: list[int]) -> None:
+def _check_entries(
+    path: str, tensors: list[tuple[str, torch.Tensor]], want: tuple[int, ...], mesh: Mesh, layers_per_chunk: list[int]
+) -> None:
     """As many entries as the local stacked shape ``want`` has on dim 0, each of shape ``want[1:]``."""
     if len(tensors) != want[0]:
         raise ValueError(

@@ -15,5 +15,17 @@ from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_st
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
-__all__ = ["llama", "moe", "LlamaConfig", "MoeConfig", "ARCHITECTURES", "Family", "FAMILIES", "family_of", "forward", "init_state",
-           "Blocks", "DecodeState"]
+__all__ = [
+    "llama",
+    "moe",
+    "LlamaConfig",
+    "MoeConfig",
+    "ARCHITECTURES",
+    "Family",
+    "FAMILIES",
+    "family_of",
+    "forward",
+    "init_state",
+    "Blocks",
+    "DecodeState",
+]

@@ -25,8 +25,19 @@ from .norm import rms_norm
 if TYPE_CHECKING:
     from .llama import LlamaConfig
 
-__all__ = ["ATTENTION_KINDS", "Step", "local_heads", "inv_freq", "rope", "rotate", "attention_mask", "attend", "prepare",
-           "gqa", "init_kv"]
+__all__ = [
+    "ATTENTION_KINDS",
+    "Step",
+    "local_heads",
+    "inv_freq",
+    "rope",
+    "rotate",
+    "attention_mask",
+    "attend",
+    "prepare",
+    "gqa",
+    "init_kv",
+]
 
 ATTENTION_KINDS = ("sdpa", "math")
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -54,7 +65,12 @@ def inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     if cfg.rope_type == "linear":
         return freq / cfg.rope_factor
     if cfg.rope_type == "llama3":
-        old, lo, hi, factor = cfg.rope_original_max_positions, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+        old, lo, hi, factor = (
+            cfg.rope_original_max_positions,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_factor,
+        )
         wavelen = 2 * math.pi / freq
         scaled = torch.where(wavelen > old / lo, freq / factor, freq)
         smooth = (old / wavelen - lo) / (hi - lo)
@@ -87,7 +103,9 @@ def attention_mask(positions: torch.Tensor, cache_len: int, window: int | None) 
     return mask
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kind: str = "sdpa") -> torch.Tensor:
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kind: str = "sdpa"
+) -> torch.Tensor:
     """Masked attention ``[B, H, S, hd]``: SDPA, or ``"math"`` (matmul + softmax: every op has a GE converter)."""
     if kind == "sdpa":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
@@ -107,7 +125,9 @@ def prepare(cfg: LlamaConfig, positions: torch.Tensor, kv: KV, dtype: torch.dtyp
     return Step(cos, sin, mask, slot)
 
 
-def gqa(layer: dict, h: torch.Tensor, step: Step, kv: KV, mesh: Mesh, *, cfg: LlamaConfig, tp: str, kind: str) -> torch.Tensor:
+def gqa(
+    layer: dict, h: torch.Tensor, step: Step, kv: KV, mesh: Mesh, *, cfg: LlamaConfig, tp: str, kind: str
+) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's keys and values into ``kv``."""
     b, s, _ = h.shape
     hd = cfg.head_dim
@@ -115,7 +135,9 @@ def gqa(layer: dict, h: torch.Tensor, step: Step, kv: KV, mesh: Mesh, *, cfg: Ll
     qkv = h @ layer["qkv"].T  # column-parallel: [B, S, (nh + 2 nkv) hd]
     if "qkv_bias" in layer:
         qkv = qkv + layer["qkv_bias"]
-    q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1))  # [B, heads, S, hd]
+    q, k, v = (
+        t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    )  # [B, heads, S, hd]
     if "q_norm" in layer:
         q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)

@@ -75,7 +75,14 @@ class Blocks:
 
 
 def decode(
-    params: dict, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, mesh: Mesh, *, blocks: Blocks, attention: str = "sdpa"
+    params: dict,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    state: DecodeState,
+    mesh: Mesh,
+    *,
+    blocks: Blocks,
+    attention: str = "sdpa",
 ) -> torch.Tensor:
     """The forward through ``blocks`` (see the module docstring for the contract)."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]

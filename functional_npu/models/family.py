@@ -51,10 +51,30 @@ class Family:
     derived: Mapping[str, Callable[[Any], Any]] | None = None
 
 
-LLAMA = Family("llama", LlamaConfig, llama.ARCHITECTURES, LlamaConfig.from_hf, lambda cfg: llama.HF_NAMES, llama.abstract_params,
-               llama.param_specs, llama.init_params, llama.blocks)
-MOE = Family("moe", MoeConfig, moe.ARCHITECTURES, MoeConfig.from_hf, moe.hf_names, moe.abstract_params, moe.param_specs,
-             moe.init_params, moe.blocks, frozenset(EXPERT_LEAVES), {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)})
+LLAMA = Family(
+    "llama",
+    LlamaConfig,
+    llama.ARCHITECTURES,
+    LlamaConfig.from_hf,
+    lambda cfg: llama.HF_NAMES,
+    llama.abstract_params,
+    llama.param_specs,
+    llama.init_params,
+    llama.blocks,
+)
+MOE = Family(
+    "moe",
+    MoeConfig,
+    moe.ARCHITECTURES,
+    MoeConfig.from_hf,
+    moe.hf_names,
+    moe.abstract_params,
+    moe.param_specs,
+    moe.init_params,
+    moe.blocks,
+    frozenset(EXPERT_LEAVES),
+    {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
+)
 FAMILIES = (LLAMA, MOE)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 
@@ -70,11 +90,20 @@ def family_of(config_or_architecture: Any) -> Family:
             return f
     if isinstance(config_or_architecture, str) or config_or_architecture is None:
         raise ValueError(f"unsupported architecture {config_or_architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-    raise TypeError(f"{type(config_or_architecture).__name__} is not a model config; expected one of {[f.config.__name__ for f in FAMILIES]}")
+    raise TypeError(
+        f"{type(config_or_architecture).__name__} is not a model config; expected one of {[f.config.__name__ for f in FAMILIES]}"
+    )
 
 
 def forward(
-    params: dict, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, mesh: Mesh, *, attention: str = "sdpa", tp_axis: str = "tp"
+    params: dict,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    state: DecodeState,
+    mesh: Mesh,
+    *,
+    attention: str = "sdpa",
+    tp_axis: str = "tp",
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is :mod:`~functional_npu.models.decoder`'s.
 
@@ -83,9 +112,13 @@ def forward(
         >>> logits = forward(params, tokens, positions, state, mesh)                # doctest: +SKIP
     """
     cfg = params["config"]
-    return decode(params, tokens, positions, state, mesh, blocks=family_of(cfg).blocks(cfg, tp_axis), attention=attention)
+    return decode(
+        params, tokens, positions, state, mesh, blocks=family_of(cfg).blocks(cfg, tp_axis), attention=attention
+    )
 
 
-def init_state(cfg: Any, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32, *, tp_axis: str = "tp") -> DecodeState:
+def init_state(
+    cfg: Any, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32, *, tp_axis: str = "tp"
+) -> DecodeState:
     """A zeroed decode state: the KV cache for ``batch`` sequences of up to ``max_seq_len`` tokens, no prefetch."""
     return DecodeState(family_of(cfg).blocks(cfg, tp_axis).init_kv(mesh, batch, max_seq_len, dtype), [])

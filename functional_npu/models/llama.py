@@ -32,7 +32,16 @@ from .decoder import Blocks
 from .embedding import embed, head
 from .mlp import gated_mlp
 
-__all__ = ["LlamaConfig", "ARCHITECTURES", "HF_NAMES", "abstract_params", "init_params", "param_specs", "qkv_blocks", "blocks"]
+__all__ = [
+    "LlamaConfig",
+    "ARCHITECTURES",
+    "HF_NAMES",
+    "abstract_params",
+    "init_params",
+    "param_specs",
+    "qkv_blocks",
+    "blocks",
+]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -90,11 +99,15 @@ class LlamaConfig:
             if not isinstance(hf.get(key), int):
                 raise ValueError(f"config.json: {key!r} must be an int, got {hf.get(key)!r}")
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
-            raise ValueError(f"config.json: only silu MLPs without bias are supported (hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')!r})")
+            raise ValueError(
+                f"config.json: only silu MLPs without bias are supported (hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')!r})"
+            )
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+            raise ValueError(
+                f"config.json: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            )
         heads = hf["num_attention_heads"]
         sliding = hf.get("sliding_window") if arch == "MistralForCausalLM" or hf.get("use_sliding_window") else None
         return LlamaConfig(
@@ -112,7 +125,9 @@ class LlamaConfig:
             rope_factor=float(rope.get("factor", 1.0)),
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_positions=int(rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))),
+            rope_original_max_positions=int(
+                rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+            ),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
@@ -120,23 +135,39 @@ class LlamaConfig:
             sliding_window=sliding,
         )
 
-
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` dict for this config (read back by :meth:`from_hf`)."""
         rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_type != "default":
             rope["factor"] = self.rope_factor
         if self.rope_type == "llama3":
-            rope |= {"low_freq_factor": self.rope_low_freq_factor, "high_freq_factor": self.rope_high_freq_factor,
-                     "original_max_position_embeddings": self.rope_original_max_positions}
+            rope |= {
+                "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": self.rope_original_max_positions,
+            }
         return {
             "architectures": [self.architecture],
-            "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[self.architecture],
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope, "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.qkv_bias, "sliding_window": self.sliding_window,
+            "model_type": {
+                "LlamaForCausalLM": "llama",
+                "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3",
+            }[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "sliding_window": self.sliding_window,
         }
 
 
@@ -148,7 +179,14 @@ register_static(LlamaConfig)
 def _layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
-    shapes = {"attn_norm": (d,), "qkv": (qkv, d), "o_proj": (d, cfg.num_heads * hd), "mlp_norm": (d,), "gate_up": (2 * f, d), "down": (d, f)}
+    shapes = {
+        "attn_norm": (d,),
+        "qkv": (qkv, d),
+        "o_proj": (d, cfg.num_heads * hd),
+        "mlp_norm": (d,),
+        "gate_up": (2 * f, d),
+        "down": (d, f),
+    }
     if cfg.qkv_bias:
         shapes["qkv_bias"] = (qkv,)
     if cfg.qk_norm:
@@ -156,13 +194,19 @@ def _layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def abstract_params(cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta") -> dict[str, Any]:
+def abstract_params(
+    cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
+) -> dict[str, Any]:
     """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory)."""
 
     def make(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
 
-    top: dict[str, Any] = {"config": cfg, "embed": make((cfg.vocab_size, cfg.hidden_size)), "norm": make((cfg.hidden_size,))}
+    top: dict[str, Any] = {
+        "config": cfg,
+        "embed": make((cfg.vocab_size, cfg.hidden_size)),
+        "norm": make((cfg.hidden_size,)),
+    }
     if not cfg.tie_word_embeddings:
         top["lm_head"] = make((cfg.vocab_size, cfg.hidden_size))
     return top | {"layers": [{k: make(v) for k, v in _layer_shapes(cfg).items()} for _ in range(cfg.num_layers)]}
@@ -182,7 +226,11 @@ def init_params(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.floa
 
 def qkv_blocks(cfg: LlamaConfig) -> list[Block]:
     hd = cfg.head_dim
-    return [Block("q", cfg.num_heads * hd, hd), Block("k", cfg.num_kv_heads * hd, hd, True), Block("v", cfg.num_kv_heads * hd, hd, True)]
+    return [
+        Block("q", cfg.num_heads * hd, hd),
+        Block("k", cfg.num_kv_heads * hd, hd, True),
+        Block("v", cfg.num_kv_heads * hd, hd, True),
+    ]
 
 
 def param_specs(cfg: LlamaConfig, tp_axis: str = "tp") -> dict[str, Any]:

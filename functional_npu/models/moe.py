@@ -25,21 +25,40 @@ from . import llama
 from .decoder import Blocks
 from .experts import moe_ffn
 
-__all__ = ["MoeConfig", "ARCHITECTURES", "hf_names", "abstract_params", "init_params", "param_specs", "blocks", "with_plan", "identity_map"]
+__all__ = [
+    "MoeConfig",
+    "ARCHITECTURES",
+    "hf_names",
+    "abstract_params",
+    "init_params",
+    "param_specs",
+    "blocks",
+    "with_plan",
+    "identity_map",
+]
 
 # architecture -> (the dense sibling whose attention it shares, HF model_type)
-_SIBLING = {"Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "qwen3_moe"), "MixtralForCausalLM": ("MistralForCausalLM", "mixtral")}
+_SIBLING = {
+    "Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "qwen3_moe"),
+    "MixtralForCausalLM": ("MistralForCausalLM", "mixtral"),
+}
 ARCHITECTURES = tuple(_SIBLING)
 
 _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": {
         "router": ["model.layers.{i}.mlp.gate.weight"],
-        "experts_gate_up": ["model.layers.{i}.mlp.experts.{j}.gate_proj.weight", "model.layers.{i}.mlp.experts.{j}.up_proj.weight"],
+        "experts_gate_up": [
+            "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+            "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+        ],
         "experts_down": ["model.layers.{i}.mlp.experts.{j}.down_proj.weight"],
     },
     "MixtralForCausalLM": {
         "router": ["model.layers.{i}.block_sparse_moe.gate.weight"],
-        "experts_gate_up": ["model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", "model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight"],
+        "experts_gate_up": [
+            "model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
+            "model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
+        ],
         "experts_down": ["model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight"],
     },
 }
@@ -100,30 +119,57 @@ class MoeConfig:
         """Build from a parsed HF ``config.json`` (``Qwen3MoeForCausalLM`` or ``MixtralForCausalLM``)."""
         arch = (hf.get("architectures") or [None])[0]
         if arch not in _SIBLING:
-            raise ValueError(f"unsupported architecture {arch!r}; supported MoE architectures: {', '.join(ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported MoE architectures: {', '.join(ARCHITECTURES)}"
+            )
         base = llama.LlamaConfig.from_hf({**hf, "architectures": [_SIBLING[arch][0]]})
         experts = hf.get("num_experts") or hf.get("num_local_experts")
         top_k = hf.get("num_experts_per_tok")
         if not isinstance(experts, int) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
-            raise ValueError(f"config.json: need int num_experts (or num_local_experts) >= num_experts_per_tok >= 1, got {experts!r} and {top_k!r}")
+            raise ValueError(
+                f"config.json: need int num_experts (or num_local_experts) >= num_experts_per_tok >= 1, got {experts!r} and {top_k!r}"
+            )
         if hf.get("shared_expert_intermediate_size"):
             raise ValueError("config.json: shared experts are not supported by this family")
         if arch == "MixtralForCausalLM":
-            return MoeConfig(architecture=arch, base=base, num_experts=experts, top_k=top_k, moe_intermediate_size=base.intermediate_size,
-                             norm_topk_prob=True, moe_layers=tuple(range(base.num_layers)))
+            return MoeConfig(
+                architecture=arch,
+                base=base,
+                num_experts=experts,
+                top_k=top_k,
+                moe_intermediate_size=base.intermediate_size,
+                norm_topk_prob=True,
+                moe_layers=tuple(range(base.num_layers)),
+            )
         step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
         layers = tuple(i for i in range(base.num_layers) if i not in dense and (i + 1) % step == 0)
-        return MoeConfig(architecture=arch, base=base, num_experts=experts, top_k=top_k, moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                         norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
+        return MoeConfig(
+            architecture=arch,
+            base=base,
+            num_experts=experts,
+            top_k=top_k,
+            moe_intermediate_size=int(hf["moe_intermediate_size"]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layers=layers,
+        )
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` dict (read back by :meth:`from_hf`; the plan fields are not part of it)."""
-        out = self.base.to_hf() | {"architectures": [self.architecture], "model_type": _SIBLING[self.architecture][1], "num_experts_per_tok": self.top_k}
+        out = self.base.to_hf() | {
+            "architectures": [self.architecture],
+            "model_type": _SIBLING[self.architecture][1],
+            "num_experts_per_tok": self.top_k,
+        }
         if self.architecture == "MixtralForCausalLM":
             return out | {"num_local_experts": self.num_experts}
         dense = [i for i in range(self.num_layers) if i not in self.moe_layers]
-        return out | {"num_experts": self.num_experts, "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
-                      "decoder_sparse_step": 1, "mlp_only_layers": dense}
+        return out | {
+            "num_experts": self.num_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": dense,
+        }
 
 
 register_static(MoeConfig)
@@ -140,7 +186,9 @@ def _moe_shapes(cfg: MoeConfig) -> dict[str, tuple[int, ...]]:
     return {"router": (cfg.num_experts, d), "experts_gate_up": (s, 2 * f, d), "experts_down": (s, d, f)}
 
 
-def abstract_params(cfg: MoeConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta") -> dict[str, Any]:
+def abstract_params(
+    cfg: MoeConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
+) -> dict[str, Any]:
     """The full (unsharded) params tree with empty tensors (on the meta device by default)."""
     dense = llama.abstract_params(cfg.base, dtype, device)
     layers = []
@@ -161,7 +209,9 @@ def identity_map(num_experts: int) -> torch.Tensor:
 def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Full params with seeded random weights (std 0.02, norms 1) and the identity expert map."""
     if cfg.slots != cfg.num_experts or cfg.max_copies != 1:
-        raise ValueError(f"init_params: makes the identity placement (num_slots={cfg.num_experts}, max_copies=1), got {cfg.slots} and {cfg.max_copies}")
+        raise ValueError(
+            f"init_params: makes the identity placement (num_slots={cfg.num_experts}, max_copies=1), got {cfg.slots} and {cfg.max_copies}"
+        )
     g = torch.Generator().manual_seed(seed)
 
     def fill(path: str, x: torch.Tensor) -> torch.Tensor:
@@ -209,5 +259,7 @@ def with_plan(cfg: MoeConfig, **plan: Any) -> MoeConfig:
     if unknown:
         raise TypeError(f"with_plan: unknown plan fields {sorted(unknown)}; allowed: {sorted(allowed)}")
     if "expert_axes" in plan:
-        plan["expert_axes"] = (plan["expert_axes"],) if isinstance(plan["expert_axes"], str) else tuple(plan["expert_axes"])
+        plan["expert_axes"] = (
+            (plan["expert_axes"],) if isinstance(plan["expert_axes"], str) else tuple(plan["expert_axes"])
+        )
     return dataclasses.replace(cfg, **plan)

@@ -90,9 +90,13 @@ def _check(leaves: list[tuple[str, str, torch.Tensor]], n: int, axis: Axes, to_t
         where = f"params[{path!r}]"
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{where} is {shape}; expected a stacked expert tensor of 3 dims ({'[E, 2F, D]' if name == _GATE_UP else '[E, D, F]'})")
+            raise ValueError(
+                f"{where} is {shape}; expected a stacked expert tensor of 3 dims ({'[E, 2F, D]' if name == _GATE_UP else '[E, D, F]'})"
+            )
         if name == _GATE_UP and x.shape[1] % 2:
-            raise ValueError(f"{where} has {x.shape[1]} rows on dim 1 (shape {tuple(x.shape)}), an odd number, so it is not [gate | up]; expected 2F rows")
+            raise ValueError(
+                f"{where} has {x.shape[1]} rows on dim 1 (shape {tuple(x.shape)}), an odd number, so it is not [gate | up]; expected 2F rows"
+            )
         if to_tp:
             f = x.shape[1] // 2 if name == _GATE_UP else x.shape[2]
             if f % n:
@@ -110,15 +114,21 @@ def _check(leaves: list[tuple[str, str, torch.Tensor]], n: int, axis: Axes, to_t
                 )
         parent = path.rsplit(".", 1)[0] if "." in path else ""
         if parent in ffn and ffn[parent][1] != f:
-            raise ValueError(f"{where} implies expert intermediate size F = {f} but params[{ffn[parent][0]!r}] implies {ffn[parent][1]}; gate_up is [E, 2F, D] and down [E, D, F]")
+            raise ValueError(
+                f"{where} implies expert intermediate size F = {f} but params[{ffn[parent][0]!r}] implies {ffn[parent][1]}; gate_up is [E, 2F, D] and down [E, D, F]"
+            )
         ffn[parent] = (path, f)
 
 
 def _convert(tree: PyTree, mesh: Mesh, axis: Axes, to_tp: bool) -> PyTree:
     n = mesh.axis_size(axis)
-    leaves = [(p, p.rsplit(".", 1)[-1], x) for p, x in flatten_with_paths(tree) if p.rsplit(".", 1)[-1] in (_GATE_UP, _DOWN)]
+    leaves = [
+        (p, p.rsplit(".", 1)[-1], x) for p, x in flatten_with_paths(tree) if p.rsplit(".", 1)[-1] in (_GATE_UP, _DOWN)
+    ]
     if not leaves:
-        raise ValueError(f"{'ep_to_tp' if to_tp else 'tp_to_ep'}: params have no '{_GATE_UP}' or '{_DOWN}' leaf; nothing to convert")
+        raise ValueError(
+            f"{'ep_to_tp' if to_tp else 'tp_to_ep'}: params have no '{_GATE_UP}' or '{_DOWN}' leaf; nothing to convert"
+        )
     _check(leaves, n, axis, to_tp)
 
     def one(path: str, x: Any) -> Any:

@@ -55,17 +55,29 @@ Placement = tuple[tuple[tuple[int, ...], ...], ...]  # [layers][ranks][slots] ->
 def _as_nested(placement: object, what: str) -> list[list[list[int]]]:
     if isinstance(placement, torch.Tensor):
         if placement.dtype.is_floating_point or placement.dtype.is_complex or placement.dtype == torch.bool:
-            raise TypeError(f"{what} has dtype {placement.dtype}; expected an integer tensor of expert ids [layers, ranks, slots]")
+            raise TypeError(
+                f"{what} has dtype {placement.dtype}; expected an integer tensor of expert ids [layers, ranks, slots]"
+            )
         if placement.ndim != 3:
-            raise ValueError(f"{what} has shape {tuple(placement.shape)}; expected 3 dims [layers, ranks, slots] (add a layer dim with placement[None])")
+            raise ValueError(
+                f"{what} has shape {tuple(placement.shape)}; expected 3 dims [layers, ranks, slots] (add a layer dim with placement[None])"
+            )
         return placement.tolist()
-    if isinstance(placement, str) or not isinstance(placement, Sequence) or not all(isinstance(layer, Sequence) for layer in placement):
-        raise TypeError(f"{what} is a {type(placement).__name__}; expected an int tensor or nested lists [layers][ranks][slots] of expert ids")
+    if (
+        isinstance(placement, str)
+        or not isinstance(placement, Sequence)
+        or not all(isinstance(layer, Sequence) for layer in placement)
+    ):
+        raise TypeError(
+            f"{what} is a {type(placement).__name__}; expected an int tensor or nested lists [layers][ranks][slots] of expert ids"
+        )
     out = []
     for li, layer in enumerate(placement):
         ranks = []
         for r, slots in enumerate(layer):
-            if not isinstance(slots, Sequence) or not all(isinstance(e, int) and not isinstance(e, bool) for e in slots):
+            if not isinstance(slots, Sequence) or not all(
+                isinstance(e, int) and not isinstance(e, bool) for e in slots
+            ):
                 raise TypeError(f"{what}[{li}][{r}] is {slots!r}; expected a list of int expert ids (one per slot)")
             ranks.append(list(slots))
         out.append(ranks)
@@ -109,7 +121,9 @@ def _check_sizes(nested: list[list[list[int]]], num_experts: int, num_ranks: int
     ranks, slots = len(nested[0]), len(nested[0][0])
     for li, layer in enumerate(nested):
         if len(layer) != ranks:
-            raise ValueError(f"{what} layer {li} has {len(layer)} ranks but layer 0 has {ranks}; every layer spans the same expert axis")
+            raise ValueError(
+                f"{what} layer {li} has {len(layer)} ranks but layer 0 has {ranks}; every layer spans the same expert axis"
+            )
         for r, row in enumerate(layer):
             if len(row) != slots:
                 raise ValueError(
@@ -119,9 +133,13 @@ def _check_sizes(nested: list[list[list[int]]], num_experts: int, num_ranks: int
     if slots == 0:
         raise ValueError(f"{what} has 0 slots per rank; each rank needs at least one slot")
     if num_ranks is not None and ranks != num_ranks:
-        raise ValueError(f"{what} spans {ranks} ranks but the expert axis has size {num_ranks}; build the map for {num_ranks} ranks")
+        raise ValueError(
+            f"{what} spans {ranks} ranks but the expert axis has size {num_ranks}; build the map for {num_ranks} ranks"
+        )
     if ranks * slots < num_experts:
-        raise ValueError(f"{what} has {ranks} ranks x {slots} slots = {ranks * slots} slots for {num_experts} experts; use at least {-(-num_experts // ranks)} slots per rank")
+        raise ValueError(
+            f"{what} has {ranks} ranks x {slots} slots = {ranks * slots} slots for {num_experts} experts; use at least {-(-num_experts // ranks)} slots per rank"
+        )
 
 
 def _check_experts(nested: list[list[list[int]]], num_experts: int, what: str) -> None:
@@ -130,7 +148,9 @@ def _check_experts(nested: list[list[list[int]]], num_experts: int, what: str) -
         for r, row in enumerate(layer):
             for p, e in enumerate(row):
                 if not 0 <= e < num_experts:
-                    raise ValueError(f"{what}[{li}, {r}, {p}] = {e} is not an expert id in [0, {num_experts}); fix the map or num_experts")
+                    raise ValueError(
+                        f"{what}[{li}, {r}, {p}] = {e} is not an expert id in [0, {num_experts}); fix the map or num_experts"
+                    )
         missing = sorted(set(range(num_experts)) - {e for row in layer for e in row})
         if missing:
             raise ValueError(
@@ -147,7 +167,9 @@ def default_placement(num_layers: int, num_experts: int, num_ranks: int) -> torc
         [[[0, 1], [2, 3]]]
     """
     if num_ranks < 1 or num_experts % num_ranks:
-        raise ValueError(f"{num_experts} experts cannot be split evenly over an expert axis of size {num_ranks}; use a size that divides {num_experts}")
+        raise ValueError(
+            f"{num_experts} experts cannot be split evenly over an expert axis of size {num_ranks}; use a size that divides {num_experts}"
+        )
     return torch.arange(num_experts).reshape(1, num_ranks, -1).repeat(num_layers, 1, 1)
 
 
@@ -267,7 +289,9 @@ def plan_rebalance(old: torch.Tensor | Sequence, new: torch.Tensor | Sequence, n
     o = validate_placement(old, num_experts, what="old placement")
     n = validate_placement(new, num_experts, what="new placement")
     if o.shape != n.shape:
-        raise ValueError(f"old placement has shape {tuple(o.shape)} and new {tuple(n.shape)} [layers, ranks, slots]; a rebalance keeps layers, ranks and slots per rank")
+        raise ValueError(
+            f"old placement has shape {tuple(o.shape)} and new {tuple(n.shape)} [layers, ranks, slots]; a rebalance keeps layers, ranks and slots per rank"
+        )
     old_t, new_t = _to_tuples(o), _to_tuples(n)
     moves = []
     ranks = len(old_t[0])
@@ -293,7 +317,9 @@ def rank_program(plan: RebalancePlan, rank: int) -> RankProgram:
 
 def _program(old: Placement, new: Placement, moves: list[Move], rank: int) -> RankProgram:
     ranks, slots = len(old[0]), len(old[0][0])
-    send = tuple(tuple((m.layer, m.src_slot) for m in moves if m.src_rank == rank and m.dst_rank == j) for j in range(ranks))
+    send = tuple(
+        tuple((m.layer, m.src_slot) for m in moves if m.src_rank == rank and m.dst_rank == j) for j in range(ranks)
+    )
     incoming = [m for j in range(ranks) for m in moves if m.src_rank == j and m.dst_rank == rank]  # arrival order
     arrived = {(m.layer, m.expert): slots + i for i, m in enumerate(incoming)}
     take = []
@@ -309,29 +335,39 @@ def _moe_layers(params: PyTree) -> list[tuple[int, dict[str, Any]]]:
     """(index in params["layers"], layer dict) of every MoE layer, in order."""
     layers = params.get("layers") if isinstance(params, dict) else None
     if not isinstance(layers, (list, tuple)):
-        raise TypeError("rebalance: params must be a dict with a 'layers' list of per-layer dicts (the models/ params tree)")
+        raise TypeError(
+            "rebalance: params must be a dict with a 'layers' list of per-layer dicts (the models/ params tree)"
+        )
     return [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, dict) and EXPERT_LEAVES[0] in layer]
 
 
 def _check_params(moe: list[tuple[int, dict[str, Any]]], plan: RebalancePlan, mesh: Mesh, axis: Axes) -> None:
     layers, ranks, slots = plan.shape
     if mesh.axis_size(axis) != ranks:
-        raise ValueError(f"rebalance: the plan spans {ranks} ranks but mesh axis {axis!r} has size {mesh.axis_size(axis)}; plan for the expert axis the params are sharded over")
+        raise ValueError(
+            f"rebalance: the plan spans {ranks} ranks but mesh axis {axis!r} has size {mesh.axis_size(axis)}; plan for the expert axis the params are sharded over"
+        )
     if len(moe) != layers:
-        raise ValueError(f"rebalance: params have {len(moe)} MoE layers (with 'experts_gate_up') but the plan has {layers}; give one placement layer per MoE layer")
+        raise ValueError(
+            f"rebalance: params have {len(moe)} MoE layers (with 'experts_gate_up') but the plan has {layers}; give one placement layer per MoE layer"
+        )
     for i, layer in moe:
         for name in EXPERT_LEAVES:
             path = f"layers.{i}.{name}"
             x = layer.get(name)
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"params[{path!r}] is {type(x).__name__}; expected the stacked expert tensor [slots, ...]")
+                raise TypeError(
+                    f"params[{path!r}] is {type(x).__name__}; expected the stacked expert tensor [slots, ...]"
+                )
             if x.ndim < 1 or x.shape[0] != slots:
                 raise ValueError(
                     f"params[{path!r}] has local shape {tuple(x.shape)}, {x.shape[0] if x.ndim else 0} slots on this rank, but the "
                     f"placement has {slots} slots per rank over mesh axis {axis!r} (size {ranks}); pass this rank's shard (dim 0 sharded over {axis!r})"
                 )
         if "expert_map" in layer and layer["expert_map"].shape[0] != plan.num_experts:
-            raise ValueError(f"params['layers.{i}.expert_map'] has {layer['expert_map'].shape[0]} experts but the plan has {plan.num_experts}")
+            raise ValueError(
+                f"params['layers.{i}.expert_map'] has {layer['expert_map'].shape[0]} experts but the plan has {plan.num_experts}"
+            )
 
 
 def _send_rows(xs: list[torch.Tensor], prog: RankProgram) -> torch.Tensor:
@@ -383,16 +419,22 @@ def rebalance(params: PyTree, plan: RebalancePlan, mesh: Mesh, axis: Axes, *, co
         >>> params = rebalance(params, plan, mesh, ("dp", "tp"))       # doctest: +SKIP
     """
     if not isinstance(plan, RebalancePlan):
-        raise TypeError(f"rebalance: plan is a {type(plan).__name__}; build it with plan_rebalance(old, new, num_experts)")
+        raise TypeError(
+            f"rebalance: plan is a {type(plan).__name__}; build it with plan_rebalance(old, new, num_experts)"
+        )
     moe = _moe_layers(params)
     _check_params(moe, plan, mesh, axis)
     maps = {i: layer["expert_map"] for i, layer in moe if "expert_map" in layer}
     tables = None
     if maps:
         width = copies if copies is not None else max([m.shape[1] for m in maps.values()])
-        tables = _pad_routes(plan.routes, width, "rebalance (the new expert_map keeps the old width unless copies= is given)")
+        tables = _pad_routes(
+            plan.routes, width, "rebalance (the new expert_map keeps the old width unless copies= is given)"
+        )
     prog = plan.programs[mesh.axis_index(axis)]
-    moved = {name: _move([layer[name] for _, layer in moe], prog, mesh, axis, bool(plan.moves)) for name in EXPERT_LEAVES}
+    moved = {
+        name: _move([layer[name] for _, layer in moe], prog, mesh, axis, bool(plan.moves)) for name in EXPERT_LEAVES
+    }
     new_layers = list(params["layers"])
     for k, (i, layer) in enumerate(moe):  # k: the k-th MoE layer, i: its index in params["layers"]
         new_layers[i] = dict(layer) | {name: moved[name][k] for name in EXPERT_LEAVES}

@@ -28,7 +28,9 @@ def _copies(load: list[float], ranks: int, spare: int) -> list[int]:
     return copies
 
 
-def _assign(load: list[float], copies: list[int], ranks: int, slots: int, previous: list[list[int]] | None) -> list[list[int]]:
+def _assign(
+    load: list[float], copies: list[int], ranks: int, slots: int, previous: list[list[int]] | None
+) -> list[list[int]]:
     held: list[list[int]] = [[] for _ in range(ranks)]
     weight = [0.0] * ranks
     left = list(copies)
@@ -38,7 +40,9 @@ def _assign(load: list[float], copies: list[int], ranks: int, slots: int, previo
                 held[r].append(e)
                 weight[r] += load[e] / copies[e]
                 left[e] -= 1
-    replicas = sorted([(load[e] / copies[e], e) for e in range(len(load)) for _ in range(left[e])], key=lambda w: (-w[0], w[1]))
+    replicas = sorted(
+        [(load[e] / copies[e], e) for e in range(len(load)) for _ in range(left[e])], key=lambda w: (-w[0], w[1])
+    )
     for w, e in replicas:
         free = [r for r in range(ranks) if len(held[r]) < slots and e not in held[r]]
         if not free:
@@ -49,7 +53,9 @@ def _assign(load: list[float], copies: list[int], ranks: int, slots: int, previo
     return [sorted(row) for row in held]
 
 
-def _make_room(held: list[list[int]], weight: list[float], load: list[float], copies: list[int], e: int, slots: int) -> int:
+def _make_room(
+    held: list[list[int]], weight: list[float], load: list[float], copies: list[int], e: int, slots: int
+) -> int:
     """Every rank with a free slot holds ``e``: move some ``x`` from a full rank without ``e`` to a free rank
     without ``x`` (one exists: the full rank holds ``slots`` distinct experts, the free one fewer) and
     return the full rank, which now has room for ``e``."""
@@ -63,7 +69,9 @@ def _make_room(held: list[list[int]], weight: list[float], load: list[float], co
     return full
 
 
-def balanced_placement(load: torch.Tensor, num_ranks: int, slots_per_rank: int, *, previous: torch.Tensor | None = None) -> torch.Tensor:
+def balanced_placement(
+    load: torch.Tensor, num_ranks: int, slots_per_rank: int, *, previous: torch.Tensor | None = None
+) -> torch.Tensor:
     """A placement ``[layers, ranks, slots]`` balancing ``load`` ``[layers, E]`` with redundant copies.
 
     Args:
@@ -85,7 +93,9 @@ def balanced_placement(load: torch.Tensor, num_ranks: int, slots_per_rank: int, 
         [[[0, 1], [0, 2]]]
     """
     if not isinstance(load, torch.Tensor) or load.ndim != 2:
-        raise ValueError(f"balanced_placement: load must be a tensor [layers, experts], got {getattr(load, 'shape', type(load).__name__)}")
+        raise ValueError(
+            f"balanced_placement: load must be a tensor [layers, experts], got {getattr(load, 'shape', type(load).__name__)}"
+        )
     if not bool(torch.isfinite(load).all()) or bool((load < 0).any()):
         raise ValueError("balanced_placement: load must be finite and non-negative (tokens per expert)")
     layers, experts = load.shape
@@ -95,15 +105,21 @@ def balanced_placement(load: torch.Tensor, num_ranks: int, slots_per_rank: int, 
             f"{experts} experts; use at least {-(-experts // max(num_ranks, 1))} slots per rank"
         )
     if slots_per_rank > experts:
-        raise ValueError(f"balanced_placement: {slots_per_rank} slots per rank exceed the {experts} experts (a rank would hold one expert twice); use at most {experts}")
+        raise ValueError(
+            f"balanced_placement: {slots_per_rank} slots per rank exceed the {experts} experts (a rank would hold one expert twice); use at most {experts}"
+        )
     prev = None
     if previous is not None:
         prev = validate_placement(previous, experts, num_ranks=num_ranks, what="previous placement")
         if tuple(prev.shape) != (layers, num_ranks, slots_per_rank):
-            raise ValueError(f"balanced_placement: previous placement has shape {tuple(prev.shape)} but the new one is {(layers, num_ranks, slots_per_rank)} [layers, ranks, slots]; keep the layers and slots per rank")
+            raise ValueError(
+                f"balanced_placement: previous placement has shape {tuple(prev.shape)} but the new one is {(layers, num_ranks, slots_per_rank)} [layers, ranks, slots]; keep the layers and slots per rank"
+            )
         prev = prev.tolist()
     spare = num_ranks * slots_per_rank - experts
     out = []
     for li, row in enumerate(load.double().tolist()):
-        out.append(_assign(row, _copies(row, num_ranks, spare), num_ranks, slots_per_rank, None if prev is None else prev[li]))
+        out.append(
+            _assign(row, _copies(row, num_ranks, spare), num_ranks, slots_per_rank, None if prev is None else prev[li])
+        )
     return validate_placement(out, experts, num_ranks=num_ranks)

@@ -25,7 +25,18 @@ import torch.utils._pytree as pytree
 from ..core.layout import Cyclic, Layout
 from ..core.tree import register_static
 
-__all__ = ["LayerShard", "layer_shard", "SERIES_NAMES", "series_specs", "stack_series", "unstack_series", "owned_layers", "resident_bytes", "series_of", "present"]
+__all__ = [
+    "LayerShard",
+    "layer_shard",
+    "SERIES_NAMES",
+    "series_specs",
+    "stack_series",
+    "unstack_series",
+    "owned_layers",
+    "resident_bytes",
+    "series_of",
+    "present",
+]
 
 # CLI / user names -> the per-layer leaves they take (a leaf absent from a family is skipped)
 LAYER_LEAVES = ("attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_up", "down")
@@ -90,7 +101,9 @@ def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict
     leaves = present(ls, specs["layers"])
     for leaf in leaves:
         if ls.axis in layer[leaf].axes():
-            raise ValueError(f"layer_shard: series {leaf!r} is already sharded over mesh axis {ls.axis!r}; layer-shard it over an axis it is replicated on (dp)")
+            raise ValueError(
+                f"layer_shard: series {leaf!r} is already sharded over mesh axis {ls.axis!r}; layer-shard it over an axis it is replicated on (dp)"
+            )
     stacked = {leaf: Layout((Cyclic(ls.axis, num_layers),) + layer[leaf].dims) for leaf in leaves}
     rest = [{k: v for k, v in spec.items() if k not in leaves} for spec in specs["layers"]]
     return specs | {"layers": rest, "series": stacked}

@@ -47,7 +47,9 @@ def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor]) -> int
     if not n or not prefetched:
         return 0
     if len(prefetched) % n:
-        raise ValueError(f"prefetched holds {len(prefetched)} tensors, not a multiple of the {n} layer-sharded series {list(series_of(params))}")
+        raise ValueError(
+            f"prefetched holds {len(prefetched)} tensors, not a multiple of the {n} layer-sharded series {list(series_of(params))}"
+        )
     return len(prefetched) // n
 
 
@@ -58,7 +60,11 @@ def _issue(params: dict[str, Any], layer: int, mesh: Mesh) -> dict[int, Weights]
     li = layer % len(params["layers"])
     out = {}
     for leaf, stacked in series_of(params).items():
-        mine = stacked[li // n] if li % n == me else torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+        mine = (
+            stacked[li // n]
+            if li % n == me
+            else torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+        )
         out[leaf] = broadcast(mine, mesh, axis, src=li % n)
     return {layer: out}
 
@@ -67,7 +73,10 @@ def _carried(params: dict[str, Any], prefetched: list[torch.Tensor]) -> dict[int
     """The carried weights by layer, each waited on where it is first used (a no-op if already done)."""
     leaves = list(series_of(params))
     flat = [funcol.wait_tensor(t) for t in prefetched]
-    return {j: dict(zip(leaves, flat[j * len(leaves) : (j + 1) * len(leaves)])) for j in range(prefetch_step(params, prefetched))}
+    return {
+        j: dict(zip(leaves, flat[j * len(leaves) : (j + 1) * len(leaves)]))
+        for j in range(prefetch_step(params, prefetched))
+    }
 
 
 def layer_weights(params: dict[str, Any], prefetched: list[torch.Tensor], mesh: Mesh) -> Callable[[int], Weights]:

@@ -144,7 +144,9 @@ def _graph(snodes: list[Any], broadcasts: list[Any], carried_waits: list[Any]) -
     comm_names = {n for s in snodes if _is_wait(s) or _is_collective(s) for n in _names(s)}
     is_prefetch = {id(s) for s in prefetch}
     needs = {
-        id(s): _real_reads(s, comm_names if id(s) in is_prefetch else prefetch_names if _is_wait(s) or _is_collective(s) else set())
+        id(s): _real_reads(
+            s, comm_names if id(s) in is_prefetch else prefetch_names if _is_wait(s) or _is_collective(s) else set()
+        )
         for s in snodes
     }
     consumers: dict[int, list[Any]] = {id(s): [] for s in snodes}
@@ -180,7 +182,14 @@ def _output_rank(w: Any, outputs: list[str]) -> int:
     return min([outputs.index(n) for n in _names(w) if n in outputs], default=len(outputs))
 
 
-def _place(graph: _Graph, issues: list[Any], carried_waits: list[Any], wait_of: dict[int, Any], group: dict[int, list[Any]], carried: int) -> list[Any]:
+def _place(
+    graph: _Graph,
+    issues: list[Any],
+    carried_waits: list[Any],
+    wait_of: dict[int, Any],
+    group: dict[int, list[Any]],
+    carried: int,
+) -> list[Any]:
     """The order: issue ``i`` (its group) and use ``i`` right before that use's first consumer, the rest kept in place,
     the hand-over issues (the last ``carried``) at the end."""
     snodes = graph.snodes
@@ -203,13 +212,17 @@ def _place(graph: _Graph, issues: list[Any], carried_waits: list[Any], wait_of: 
     return order
 
 
-def _check_topological(order: list[Any], snodes: list[Any], producer: dict[str, Any], needs: dict[int, set[str]]) -> None:
+def _check_topological(
+    order: list[Any], snodes: list[Any], producer: dict[str, Any], needs: dict[int, set[str]]
+) -> None:
     done: set[int] = set()
     for s in order:
         for name in needs[id(s)]:
             p = producer.get(name)
             if p is not None and p is not s and id(p) not in done:
-                raise ScheduleError(f"prefetch schedule would run {s.get_name()} before {p.get_name()}, which produces {name}")
+                raise ScheduleError(
+                    f"prefetch schedule would run {s.get_name()} before {p.get_name()}, which produces {name}"
+                )
         done.add(id(s))
     if len(order) != len(snodes) or done != {id(s) for s in snodes}:
         raise ScheduleError("prefetch schedule lost or duplicated a node")

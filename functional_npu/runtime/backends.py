@@ -36,7 +36,9 @@ class Backend:
     mode: str | None = None
     compiler: Any = field(default=None, repr=False)  # the torch.compile backend (callable or name)
 
-    def compile(self, fn: Callable[..., Any], *, inductor_options: dict[str, Any] | None = None, **options: Any) -> Callable[..., Any]:
+    def compile(
+        self, fn: Callable[..., Any], *, inductor_options: dict[str, Any] | None = None, **options: Any
+    ) -> Callable[..., Any]:
         """``torch.compile(fn, fullgraph=True, backend=..., mode=...)`` with extra ``options``.
 
         ``inductor_options`` are inductor config entries for this compile only (ignored by other
@@ -91,7 +93,9 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "torchair" and device_type not in (None, "npu"):
-        raise ValueError(f"backend 'torchair' compiles for an Ascend NPU, but the params are on {device_type!r}; move them to 'npu' or use backend='inductor'")
+        raise ValueError(
+            f"backend 'torchair' compiles for an Ascend NPU, but the params are on {device_type!r}; move them to 'npu' or use backend='inductor'"
+        )
     if name in ("auto", "torchair") and device_type in (None, "npu"):
         ok, why = npu_status()
         if ok:

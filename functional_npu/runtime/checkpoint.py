@@ -117,7 +117,9 @@ def load_checkpoint(
 
 
 # ---- check ------------------------------------------------------------------------------------
-def _check_plan(root: Path, mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None, tp_axis: str) -> _Wanted:
+def _check_plan(
+    root: Path, mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None, tp_axis: str
+) -> _Wanted:
     """The config and what it needs, once the mesh is known to shard it (reads config.json only)."""
     cfg = with_expert_axes(read_config(root), expert_axes, where=str(root))
     if mesh.rank is None:
@@ -156,7 +158,9 @@ def _open(file: Path):
     try:
         return safe_open(str(file), framework="pt")
     except Exception as e:  # safetensors raises its own error type for bad headers
-        raise ValueError(f"{file}: cannot read the safetensors file ({e}); it is truncated or corrupted, download it again") from None
+        raise ValueError(
+            f"{file}: cannot read the safetensors file ({e}); it is truncated or corrupted, download it again"
+        ) from None
 
 
 def _check_names_and_shapes(ckpt: _Checkpoint, wanted: _Wanted) -> None:
@@ -177,7 +181,9 @@ def _expected_tensors(wanted: _Wanted) -> dict[str, tuple[str, tuple[int, ...]]]
     for p, m in wanted.leaves.items():
         for part in stored_parts(wanted.family, wanted.cfg, p, tuple(m.shape), wanted.layouts[p]):
             dim = fused_dim(part.layout)
-            for name, (_, size) in zip(part.names, block_ranges(part.layout, dim, part.shape[dim], len(part.names), path=p)):
+            for name, (_, size) in zip(
+                part.names, block_ranges(part.layout, dim, part.shape[dim], len(part.names), path=p)
+            ):
                 shape = list(part.shape)
                 shape[dim] = size
                 expected[name] = (p, tuple(shape))
@@ -191,21 +197,35 @@ def _check_names(ckpt: _Checkpoint, cfg: Any, expected: Mapping[str, Any]) -> No
     if missing or unexpected:
         lines = [f"{ckpt.root}: the checkpoint does not match its {cfg.architecture} config.json:"]
         if missing:
-            lines.append(f"  missing tensors ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+            lines.append(
+                f"  missing tensors ({len(missing)}): "
+                + ", ".join(missing[:20])
+                + (" ..." if len(missing) > 20 else "")
+            )
         if unexpected:
-            lines.append(f"  unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected[:20]) + (" ..." if len(unexpected) > 20 else ""))
+            lines.append(
+                f"  unexpected tensors ({len(unexpected)}): "
+                + ", ".join(unexpected[:20])
+                + (" ..." if len(unexpected) > 20 else "")
+            )
         raise ValueError("\n".join(lines))
 
 
 def _sizes(cfg: Any) -> str:
     base = getattr(cfg, "base", cfg)  # an MoE config keeps its attention sizes in .base
-    text = (f"hidden_size={base.hidden_size}, heads={base.num_heads}, kv_heads={base.num_kv_heads}, head_dim={base.head_dim}, "
-            f"intermediate_size={base.intermediate_size}, vocab_size={base.vocab_size}")
-    return text + (f", num_experts={cfg.num_experts}, moe_intermediate_size={cfg.moe_intermediate_size}" if base is not cfg else "")
+    text = (
+        f"hidden_size={base.hidden_size}, heads={base.num_heads}, kv_heads={base.num_kv_heads}, head_dim={base.head_dim}, "
+        f"intermediate_size={base.intermediate_size}, vocab_size={base.vocab_size}"
+    )
+    return text + (
+        f", num_experts={cfg.num_experts}, moe_intermediate_size={cfg.moe_intermediate_size}" if base is not cfg else ""
+    )
 
 
 # ---- read -------------------------------------------------------------------------------------
-def _read_leaves(ckpt: _Checkpoint, wanted: _Wanted, mesh: Mesh, skip: set[str], dtype: torch.dtype | None, show: bool) -> dict[str, torch.Tensor]:
+def _read_leaves(
+    ckpt: _Checkpoint, wanted: _Wanted, mesh: Mesh, skip: set[str], dtype: torch.dtype | None, show: bool
+) -> dict[str, torch.Tensor]:
     """This coordinate's shard of every leaf not in ``skip``, converted to ``dtype``; progress on stderr if ``show``."""
     loaded: dict[str, torch.Tensor] = {}
     t0 = time.perf_counter()
@@ -215,7 +235,12 @@ def _read_leaves(ckpt: _Checkpoint, wanted: _Wanted, mesh: Mesh, skip: set[str],
         x = _read_leaf(ckpt, wanted, p, mesh)
         loaded[p] = x.to(dtype) if dtype is not None and x.is_floating_point() else x
         if show:
-            print(f"\rloading {ckpt.root.name}: {k + 1}/{len(wanted.leaves)} tensors, {time.perf_counter() - t0:.1f}s", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rloading {ckpt.root.name}: {k + 1}/{len(wanted.leaves)} tensors, {time.perf_counter() - t0:.1f}s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     if show:
         print(file=sys.stderr)
     return loaded
@@ -241,7 +266,9 @@ def _read_part(ckpt: _Checkpoint, part: StoredPart, pieces: list) -> torch.Tenso
     dim, full_shape = fused_dim(part.layout), part.shape
     chunks = []
     for a, b, step in pieces[dim] or [(0, full_shape[dim], 1)]:
-        for name, (offset, size) in zip(part.names, block_ranges(part.layout, dim, full_shape[dim], len(part.names), path=part.path)):
+        for name, (offset, size) in zip(
+            part.names, block_ranges(part.layout, dim, full_shape[dim], len(part.names), path=part.path)
+        ):
             lo, hi = max(a, offset), min(b, offset + size)
             if lo >= hi:
                 continue
@@ -291,6 +318,9 @@ def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, 
             path = f"layers.0.{leaf}"
             shape = local_shape(meta["layers"][0][leaf].shape, wanted.layouts[path], mesh, path=path)
             series[leaf] = torch.empty((0, *shape), dtype=loaded["embed"].dtype)
-    layers = [{leaf: loaded[f"layers.{i}.{leaf}"] for leaf in layer if leaf not in leaves} for i, layer in enumerate(meta["layers"])]
+    layers = [
+        {leaf: loaded[f"layers.{i}.{leaf}"] for leaf in layer if leaf not in leaves}
+        for i, layer in enumerate(meta["layers"])
+    ]
     top = {k: loaded.get(k, v) for k, v in meta.items() if k != "layers"}
     return top | {"layers": layers, "series": series, "layer_shard": ls}

@@ -68,7 +68,9 @@ class CompiledModel:
     tp_axis: str = "tp"
     # one bucket per graph: more recompiles than dynamo's default limit. Built once: making a
     # config patch costs far more than entering one, and this is entered on every step.
-    _recompiles: Any = field(default_factory=lambda: torch._dynamo.config.patch(recompile_limit=256), repr=False, compare=False)
+    _recompiles: Any = field(
+        default_factory=lambda: torch._dynamo.config.patch(recompile_limit=256), repr=False, compare=False
+    )
 
     @property
     def config(self) -> Any:
@@ -77,17 +79,23 @@ class CompiledModel:
     def _bucket(self, values: Sequence[int], n: int, what: str) -> int:
         i = bisect.bisect_left(values, n)
         if i == len(values):
-            raise ValueError(f"{what} {n} exceeds the largest bucket {values[-1]}; pass larger batch_sizes / max_seq_len to compile_model")
+            raise ValueError(
+                f"{what} {n} exceeds the largest bucket {values[-1]}; pass larger batch_sizes / max_seq_len to compile_model"
+            )
         return values[i]
 
     def _run(self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
         if series_of(self.params) and bool(state.prefetched) != (self.prefetch_step > 0):
-            raise ValueError(f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs a state from new_state()")
+            raise ValueError(
+                f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs a state from new_state()"
+            )
         try:
             with torch.no_grad(), self._recompiles:
                 return self.forward(self.params, tokens, positions, state, self.mesh)
         except torch._dynamo.exc.Unsupported as e:
-            raise GraphBreakError(f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}") from e
+            raise GraphBreakError(
+                f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}"
+            ) from e
 
     def new_state(self, batch: int) -> DecodeState:
         """A fresh decode state for a batch bucket (``batch`` is rounded up to a bucket): a zeroed KV
@@ -96,7 +104,9 @@ class CompiledModel:
         All ranks of the series axis must make the same sequence of calls.
         """
         b = self._bucket(self.batch_sizes, batch, "batch size")
-        state = init_state(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype, tp_axis=self.tp_axis)
+        state = init_state(
+            self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype, tp_axis=self.tp_axis
+        )
         return state._replace(prefetched=prefetch.start(self.params, self.mesh, self.prefetch_step))
 
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
@@ -143,7 +153,16 @@ class CompiledModel:
         (:meth:`Lockstep.over`): each runs as many chunks of the same shapes, with dummy prompts
         where it has fewer. See :func:`functional_npu.runtime.generate.generate`.
         """
-        return generate(self, prompts, max_new_tokens, lockstep=lockstep, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return generate(
+            self,
+            prompts,
+            max_new_tokens,
+            lockstep=lockstep,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+        )
 
 
 def _check_params(params: dict, mesh: Mesh, tp_axis: str, where: str) -> Any:
@@ -152,7 +171,9 @@ def _check_params(params: dict, mesh: Mesh, tp_axis: str, where: str) -> Any:
     try:
         family_of(cfg)
     except (TypeError, ValueError):
-        raise TypeError(f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one") from None
+        raise TypeError(
+            f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one"
+        ) from None
     full, layouts = check_plan(cfg, mesh, where=where, layer_shard=params.get("layer_shard"), tp_axis=tp_axis)
     got = dict(flatten_with_paths(params))
     for path, x in flatten_with_paths(full):
@@ -179,10 +200,15 @@ def _inductor_options(params: dict, mesh: Mesh, k: int) -> dict[str, Any]:
     if not series or mesh.axis_size(params["layer_shard"].axis) == 1:
         return {}
     n, layers = len(series), params["config"].num_layers
-    return {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": [PrefetchSchedule(k * n, layers * n)]}
+    return {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": [PrefetchSchedule(k * n, layers * n)],
+    }
 
 
-def _shape_buckets(cfg: Any, batch_sizes: Sequence[int] | None, max_seq_len: int | None, prefill_lengths: Sequence[int] | None) -> tuple:
+def _shape_buckets(
+    cfg: Any, batch_sizes: Sequence[int] | None, max_seq_len: int | None, prefill_lengths: Sequence[int] | None
+) -> tuple:
     """(batch buckets, cache length, prompt-length buckets), checked."""
     sizes = tuple(sorted(set(batch_sizes or (1, 2, 4, 8))))
     if not sizes or sizes[0] < 1:
@@ -233,7 +259,9 @@ def compile_model(
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     if not mesh.is_abstract:
         mesh.init_groups()  # collectively, before any tracing
-        mesh.init_groups(*_axis_groups(family_of(cfg).param_specs(cfg, tp_axis)))  # and groups over several axes (expert parallelism)
+        mesh.init_groups(
+            *_axis_groups(family_of(cfg).param_specs(cfg, tp_axis))
+        )  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
     options = _inductor_options(params, mesh, k) if chosen.name == "inductor" else {}
     step = functools.partial(decode, blocks=family_of(cfg).blocks(cfg, tp_axis), attention=attention)
@@ -271,7 +299,17 @@ def greedy_generate(
     width = max(len(p) for p in prompts)
     total = max_seq_len or width + max_new_tokens
     if width + max_new_tokens > total:
-        raise ValueError(f"greedy_generate: prompts of {width} tokens + {max_new_tokens} new need max_seq_len >= {width + max_new_tokens}, got {total}")
-    model = compile_model(params, mesh, backend="none", batch_sizes=[len(prompts)], max_seq_len=total, prefill_lengths=[width],
-                          prefetch_step=prefetch_step, tp_axis=tp_axis)
+        raise ValueError(
+            f"greedy_generate: prompts of {width} tokens + {max_new_tokens} new need max_seq_len >= {width + max_new_tokens}, got {total}"
+        )
+    model = compile_model(
+        params,
+        mesh,
+        backend="none",
+        batch_sizes=[len(prompts)],
+        max_seq_len=total,
+        prefill_lengths=[width],
+        prefetch_step=prefetch_step,
+        tp_axis=tp_axis,
+    )
     return model.generate(prompts, max_new_tokens)

@@ -54,10 +54,14 @@ class Lockstep:
         return Lockstep(math.ceil(busiest / width), batch, max(1, longest))
 
 
-def sampler(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+def sampler(
+    temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """Logits ``[B, V]`` -> token ids ``[B]``: argmax when ``temperature == 0``, else seeded top-k / top-p sampling."""
     if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(f"sampling: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+        raise ValueError(
+            f"sampling: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
+        )
     if temperature == 0:
         return lambda logits: logits.argmax(-1)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -77,7 +81,9 @@ def sampler(temperature: float = 0.0, top_k: int | None = None, top_p: float | N
     return sample
 
 
-def _chunk(model: Model, rows: Sequence[Sequence[int]], new: int, pick: Callable[[torch.Tensor], torch.Tensor], length: int) -> list[list[int]]:
+def _chunk(
+    model: Model, rows: Sequence[Sequence[int]], new: int, pick: Callable[[torch.Tensor], torch.Tensor], length: int
+) -> list[list[int]]:
     """``new`` tokens for each row of one batch: one prefill into a fresh state, then ``new - 1`` decode steps."""
     state = model.new_state(len(rows))
     step = pick(model.prefill(rows, state, length=length))
@@ -90,7 +96,14 @@ def _chunk(model: Model, rows: Sequence[Sequence[int]], new: int, pick: Callable
     return torch.stack(steps, dim=1).tolist()
 
 
-def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, lockstep: Lockstep | None = None, **sampling: Any) -> list[list[int]]:
+def generate(
+    model: Model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    lockstep: Lockstep | None = None,
+    **sampling: Any,
+) -> list[list[int]]:
     """``max_new_tokens`` new ids per prompt, in chunks of the largest batch bucket (or ``lockstep.batch``).
 
     ``sampling``: ``temperature``, ``top_k``, ``top_p``, ``seed`` (see :func:`sampler`).
@@ -99,13 +112,17 @@ def generate(model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     longest = max([len(p) for p in prompts] + [lockstep.prompt_len if lockstep else 0])
     if longest + max_new_tokens > model.max_seq_len:
-        raise ValueError(f"generate: {longest} prompt tokens + {max_new_tokens} new exceed max_seq_len {model.max_seq_len}")
+        raise ValueError(
+            f"generate: {longest} prompt tokens + {max_new_tokens} new exceed max_seq_len {model.max_seq_len}"
+        )
     pick = sampler(**sampling)
     width = lockstep.batch if lockstep else model.batch_sizes[-1]
     chunks = [list(prompts[i : i + width]) for i in range(0, len(prompts), width)]
     if lockstep is not None:
         if len(chunks) > lockstep.chunks:
-            raise ValueError(f"generate: {len(prompts)} prompts need {len(chunks)} chunks of {width}, more than the lockstep's {lockstep.chunks}")
+            raise ValueError(
+                f"generate: {len(prompts)} prompts need {len(chunks)} chunks of {width}, more than the lockstep's {lockstep.chunks}"
+            )
         chunks += [[]] * (lockstep.chunks - len(chunks))
     out: list[list[int]] = []
     for chunk in chunks:

@@ -58,7 +58,9 @@ def block_ranges(layout: Layout, dim: int, full: int, n_sources: int, *, path: s
     spec = layout.dims[dim] if dim < len(layout.dims) else None
     if n_sources == 1:
         return [(0, full)]
-    if not (isinstance(spec, Shard) and spec.blocks):  # a fused dim kept whole (experts' [gate|up] without tp): equal blocks
+    if not (
+        isinstance(spec, Shard) and spec.blocks
+    ):  # a fused dim kept whole (experts' [gate|up] without tp): equal blocks
         return [(i * (full // n_sources), full // n_sources) for i in range(n_sources)]
     if len(spec.blocks) != n_sources:
         raise ValueError(

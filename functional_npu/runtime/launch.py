@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.utils._pytree as pytree
 import torch.multiprocessing as mp
+import torch.utils._pytree as pytree
 
 from ..core.mesh import Mesh, make_mesh
 
@@ -207,7 +207,9 @@ class LocalWorld:
         try:  # pickle here, not in the queue's feeder thread, so a bad task fails now, not at the timeout
             task = pickle.dumps((fn, args, kwargs))
         except Exception as e:
-            raise TypeError(f"LocalWorld.run: {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to the ranks ({e}); use a module-level function and picklable arguments") from e
+            raise TypeError(
+                f"LocalWorld.run: {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to the ranks ({e}); use a module-level function and picklable arguments"
+            ) from e
         self.start()
         self._tid += 1
         for q in self._tasks:
@@ -221,7 +223,9 @@ class LocalWorld:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(self.world_size)) - set(got))
-                self._fail(TimeoutError(f"{what}: ranks {missing} gave no answer within {timeout:.0f}s; the world was stopped"))
+                self._fail(
+                    TimeoutError(f"{what}: ranks {missing} gave no answer within {timeout:.0f}s; the world was stopped")
+                )
             try:
                 item_tid, rank, status, payload = self._results.get(timeout=min(left, 0.5))
             except queue.Empty:

@@ -26,7 +26,9 @@ def with_expert_axes(cfg: Any, expert_axes: Sequence[str], *, where: str = "mode
     if not expert_axes:
         return cfg
     if "expert_axes" not in {f.name for f in dataclasses.fields(cfg)}:
-        raise ValueError(f"{where}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, but this is a {cfg.architecture}; drop expert_axes (--ep)")
+        raise ValueError(
+            f"{where}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, but this is a {cfg.architecture}; drop expert_axes (--ep)"
+        )
     return dataclasses.replace(cfg, expert_axes=tuple(expert_axes))
 
 
@@ -48,19 +50,25 @@ def check_plan(
         ``layer_shard``, in the layer-sharded structure (series stacked under ``params["series"]``).
     """
     if tp_axis not in mesh.axis_names:
-        raise ValueError(f"{where}: the mesh {mesh.shape} has no {tp_axis!r} axis; add one (size 1 for no tensor parallelism)")
+        raise ValueError(
+            f"{where}: the mesh {mesh.shape} has no {tp_axis!r} axis; add one (size 1 for no tensor parallelism)"
+        )
     family = family_of(cfg)
     meta, specs = family.abstract_params(cfg), family.param_specs(cfg, tp_axis=tp_axis)
     if layer_shard is not None:
         if layer_shard.axis not in mesh.axis_names:
-            raise ValueError(f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}")
+            raise ValueError(
+                f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}"
+            )
         meta, specs = stack_series(meta, layer_shard), series_specs(specs, layer_shard, cfg.num_layers)
     layouts = leaf_specs(specs, meta)
     for p, m in flatten_with_paths(meta):
         try:
             _check_leaf(p, layouts[p], tuple(m.shape), mesh)
         except ValueError as e:
-            raise ValueError(f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}") from None
+            raise ValueError(
+                f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}"
+            ) from None
     return meta, layouts
 
 

@@ -35,7 +35,9 @@ def save_checkpoint(params: dict[str, Any], path: str | Path) -> Path:
         for part in stored_parts(family, cfg, p, tuple(x.shape), layouts[p]):
             t = x if part.index is None else x[part.index]
             dim = fused_dim(part.layout)
-            for name, (offset, size) in zip(part.names, block_ranges(part.layout, dim, t.shape[dim], len(part.names), path=p)):
+            for name, (offset, size) in zip(
+                part.names, block_ranges(part.layout, dim, t.shape[dim], len(part.names), path=p)
+            ):
                 tensors[name] = t.narrow(dim, offset, size).contiguous()
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))

@@ -46,12 +46,30 @@ def test_generate_with_tokenizer_text(model):
     [
         (["demo", "--tp", "3"], "--tp 3: the demo model has 4 heads; use 1, 2 or 4 ranks"),
         (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive integer, got 0"),
-        (["generate", "--model", "/nonexistent", "--prompt-ids", "1", "--max-new-tokens", "2"], "config.json not found"),
-        (["generate", "--model", "MODEL", "--tp", "3", "--prompt-ids", "1", "--max-new-tokens", "2"], "cannot shard this Qwen2ForCausalLM config"),
-        (["generate", "--model", "MODEL", "--prompt-ids", "1,x", "--max-new-tokens", "2"], "expected comma-separated token ids like 1,2,3, got '1,x'"),
-        (["generate", "--model", "MODEL", "--prompt-ids", "1,500", "--max-new-tokens", "2"], "token ids [500] are outside the vocabulary of 128"),
-        (["generate", "--model", "MODEL", "--prompt-ids", "1", "--max-new-tokens", "2", "--backend", "tvm"], "invalid choice: 'tvm'"),
-        (["generate", "--model", "MODEL", "--max-new-tokens", "2"], "one of the arguments --prompt --prompt-ids is required"),
+        (
+            ["generate", "--model", "/nonexistent", "--prompt-ids", "1", "--max-new-tokens", "2"],
+            "config.json not found",
+        ),
+        (
+            ["generate", "--model", "MODEL", "--tp", "3", "--prompt-ids", "1", "--max-new-tokens", "2"],
+            "cannot shard this Qwen2ForCausalLM config",
+        ),
+        (
+            ["generate", "--model", "MODEL", "--prompt-ids", "1,x", "--max-new-tokens", "2"],
+            "expected comma-separated token ids like 1,2,3, got '1,x'",
+        ),
+        (
+            ["generate", "--model", "MODEL", "--prompt-ids", "1,500", "--max-new-tokens", "2"],
+            "token ids [500] are outside the vocabulary of 128",
+        ),
+        (
+            ["generate", "--model", "MODEL", "--prompt-ids", "1", "--max-new-tokens", "2", "--backend", "tvm"],
+            "invalid choice: 'tvm'",
+        ),
+        (
+            ["generate", "--model", "MODEL", "--max-new-tokens", "2"],
+            "one of the arguments --prompt --prompt-ids is required",
+        ),
         (["nonsense"], "invalid choice: 'nonsense'"),
     ],
 )
@@ -60,7 +78,9 @@ def test_bad_arguments_are_one_clear_line_and_exit_2(model, args, message):
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
     assert "Traceback" not in out.stderr
-    assert len([ln for ln in out.stderr.splitlines() if ln.startswith("python -m functional_npu") and "error" in ln]) == 1
+    assert (
+        len([ln for ln in out.stderr.splitlines() if ln.startswith("python -m functional_npu") and "error" in ln]) == 1
+    )
 
 
 def test_prompt_text_without_tokenizer_is_a_clear_error(model, tmp_path):

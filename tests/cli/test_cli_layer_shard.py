@@ -17,15 +17,37 @@ def qwen3(tmp_path_factory):
 def test_generate_layer_sharded_over_dp_with_prefetch(qwen3):
     """dp 2 with 3 prompts (2 and 1 per rank): the ranks share every broadcast and still return prompt order."""
     path, prompts, ref = qwen3
-    args = ["--dp", "2", "--layer-shard", "o_proj,down_proj", "--prefetch-step", "1", "--backend", "none", "--max-new-tokens", "5"]
+    args = [
+        "--dp",
+        "2",
+        "--layer-shard",
+        "o_proj,down_proj",
+        "--prefetch-step",
+        "1",
+        "--backend",
+        "none",
+        "--max-new-tokens",
+        "5",
+    ]
     assert generate_json(path, prompts, *args)["token_ids"] == ref
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prefetch-step", "1"], "--prefetch-step needs --layer-shard (which weight series to fetch ahead)"),
-    (["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "3"], "prefetch_step must be an int with 0 <= k <= num_layers - 2 = 2 (the model has 4 layers), got 3"),
-    (["--dp", "2", "--layer-shard", "o_proj,mlp"], "layer_shard: unknown series ['mlp']"),
-    (["--tp", "2", "--layer-shard", "o_proj", "--layer-shard-axis", "tp"], "series 'o_proj' is already sharded over mesh axis 'tp'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prefetch-step", "1"], "--prefetch-step needs --layer-shard (which weight series to fetch ahead)"),
+        (
+            ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "3"],
+            "prefetch_step must be an int with 0 <= k <= num_layers - 2 = 2 (the model has 4 layers), got 3",
+        ),
+        (["--dp", "2", "--layer-shard", "o_proj,mlp"], "layer_shard: unknown series ['mlp']"),
+        (
+            ["--tp", "2", "--layer-shard", "o_proj", "--layer-shard-axis", "tp"],
+            "series 'o_proj' is already sharded over mesh axis 'tp'",
+        ),
+    ],
+)
 def test_bad_layer_shard_arguments_are_one_line(qwen3, args, message, capsys):
-    refused(["generate", "--model", str(qwen3[0]), *args, "--prompt-ids", "1", "--max-new-tokens", "2"], message, capsys)
+    refused(
+        ["generate", "--model", str(qwen3[0]), *args, "--prompt-ids", "1", "--max-new-tokens", "2"], message, capsys
+    )

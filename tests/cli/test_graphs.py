@@ -48,7 +48,9 @@ def test_moe_schedule_is_the_expert_parallel_plan(drift, family):
     for phase in PHASES:
         schedule = json.loads((GRAPHS / f"{family}-tp2-{phase}" / "collectives.json").read_text())
         layer = ["all_reduce"] + moe_ops[phase] + ["all_gather_into_tensor"]
-        assert [c["op"].split(".")[1] for c in schedule] == ["all_reduce"] + layer * cfg.num_layers + ["all_gather_into_tensor"], phase
+        assert [c["op"].split(".")[1] for c in schedule] == ["all_reduce"] + layer * cfg.num_layers + [
+            "all_gather_into_tensor"
+        ], phase
         assert json.loads((GRAPHS / f"{family}-tp1-{phase}" / "collectives.json").read_text()) == []
 
 

@@ -57,7 +57,9 @@ def test_size_one_axis_is_identity_and_emits_nothing():
 
 
 def test_collective_on_abstract_mesh_is_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"mesh \{'tp': 2\} is abstract \(no process group\): collectives need a mesh from make_mesh"):
+    with pytest.raises(
+        RuntimeError, match=r"mesh \{'tp': 2\} is abstract \(no process group\): collectives need a mesh from make_mesh"
+    ):
         all_reduce(torch.ones(2), Mesh.abstract({"tp": 2}, 0), "tp")
 
 

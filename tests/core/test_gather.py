@@ -41,12 +41,24 @@ def model_like_leaves(tp_axes):
     """A transformer-shaped tree: GQA-fused qkv (KV heads replicated), [gate|up], row-parallel o/down,
     cyclic stacked layers with a TP dim, an int4-packed weight, a bf16 replicated norm."""
     head_dim = 2
-    qkv = fused(0, [Block("q", 4 * head_dim, head_dim), Block("k", 1 * head_dim, head_dim, True), Block("v", 1 * head_dim, head_dim, True)], tp_axes)
+    qkv = fused(
+        0,
+        [
+            Block("q", 4 * head_dim, head_dim),
+            Block("k", 1 * head_dim, head_dim, True),
+            Block("v", 1 * head_dim, head_dim, True),
+        ],
+        tp_axes,
+    )
     return [
         ((6 * head_dim, 8), torch.float32, qkv),
         ((16, 8), torch.float32, fused(0, [("gate", 8), ("up", 8)], tp_axes)),
         ((8, 8), torch.float32, sharded(1, tp_axes)),
-        ((5, 8, 4), torch.float32, Layout((Cyclic("dp", 5), None, Shard((tp_axes,) if isinstance(tp_axes, str) else tuple(tp_axes))))),
+        (
+            (5, 8, 4),
+            torch.float32,
+            Layout((Cyclic("dp", 5), None, Shard((tp_axes,) if isinstance(tp_axes, str) else tuple(tp_axes)))),
+        ),
         ((4, 8), torch.int32, fused(1, [Block("g", 32, 8), Block("u", 32, 8)], tp_axes, pack=8)),
         ((8,), torch.bfloat16, replicated()),
     ]

@@ -49,7 +49,11 @@ def test_gqa_replication_matches_vllm_rule(tp, num_kv, heads_mult, head_dim):
     mesh = Mesh.abstract({"tp": tp})
     spec = fused(
         0,
-        [Block("q", num_heads * head_dim, head_dim), Block("k", num_kv * head_dim, head_dim, True), Block("v", num_kv * head_dim, head_dim, True)],
+        [
+            Block("q", num_heads * head_dim, head_dim),
+            Block("k", num_kv * head_dim, head_dim, True),
+            Block("v", num_kv * head_dim, head_dim, True),
+        ],
         "tp",
     )
     w = torch.randn((num_heads + 2 * num_kv) * head_dim, 5)
@@ -61,7 +65,9 @@ def test_gqa_replication_matches_vllm_rule(tp, num_kv, heads_mult, head_dim):
         assert torch.equal(shard(w, spec, mesh, coordinate=r), _vllm_qkv_shard(w, num_heads, num_kv, head_dim, tp, r))
 
 
-@given(n=st.sampled_from([1, 2, 3, 4]), sizes=st.lists(st.integers(1, 3), min_size=1, max_size=4), cols=st.integers(1, 3))
+@given(
+    n=st.sampled_from([1, 2, 3, 4]), sizes=st.lists(st.integers(1, 3), min_size=1, max_size=4), cols=st.integers(1, 3)
+)
 def test_fused_sharding_equals_sharding_each_block(n, sizes, cols):
     """nano-vllm MergedColumnParallelLinear: local = cat(block_i.chunk(tp)[rank])."""
     blocks = [Block(f"b{i}", s * n) for i, s in enumerate(sizes)]
@@ -108,7 +114,9 @@ def test_packed_sharding_equals_unpack_shard_repack(n, words_per_block, dim, see
         packed_local = shard(w, fused(dim, blocks, "tp", pack=8), mesh, coordinate=r)
         logical_local = shard(_unpack_int4(w, dim), fused(dim, blocks, "tp"), mesh, coordinate=r)
         assert torch.equal(packed_local, _pack_int4(logical_local, dim))
-        assert local_shape(shape, fused(dim, blocks, "tp", pack=8), mesh, coordinate=r, dtype=torch.int32) == tuple(packed_local.shape)
+        assert local_shape(shape, fused(dim, blocks, "tp", pack=8), mesh, coordinate=r, dtype=torch.int32) == tuple(
+            packed_local.shape
+        )
 
 
 @given(layers=st.integers(1, 13), n=st.integers(1, 5))

@@ -62,7 +62,10 @@ def test_mesh_is_immutable_and_printable():
 
 def test_mesh_errors():
     mesh = Mesh.abstract({"dp": 2, "tp": 4})
-    with pytest.raises(ValueError, match=r"cannot split mesh axis 'dp' \(size 2\) into \('a', 'b'\) of sizes \(2, 2\): the sizes must multiply to 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot split mesh axis 'dp' \(size 2\) into \('a', 'b'\) of sizes \(2, 2\): the sizes must multiply to 2",
+    ):
         mesh.split("dp", ("a", "b"), (2, 2))
     with pytest.raises(ValueError, match=r"split of 'dp': names \['tp'\] are already axes"):
         mesh.split("dp", ("tp", "b"), (1, 2))
@@ -139,12 +142,18 @@ def test_process_groups_are_shared_per_rank_set(world4):
 def test_make_mesh_rejects_wrong_world_size(world4):
     from functional_npu.runtime.launch import RemoteError
 
-    with pytest.raises(RemoteError, match=r"mesh axes \{'dp': 3, 'tp': 2\} hold 6 ranks but the world has 4; choose sizes whose product is 4"):
+    with pytest.raises(
+        RemoteError,
+        match=r"mesh axes \{'dp': 3, 'tp': 2\} hold 6 ranks but the world has 4; choose sizes whose product is 4",
+    ):
         world4.run(_wrong_world)
 
 
 def test_group_creation_while_tracing_is_a_clear_error(world4):
     from functional_npu.runtime.launch import RemoteError
 
-    with pytest.raises(RemoteError, match=r"the process group for mesh axes \('dp', 'a'\) does not exist yet and cannot be created while tracing; call mesh.init_groups"):
+    with pytest.raises(
+        RemoteError,
+        match=r"the process group for mesh axes \('dp', 'a'\) does not exist yet and cannot be created while tracing; call mesh.init_groups",
+    ):
         world4.run(_group_created_while_tracing)

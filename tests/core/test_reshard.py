@@ -8,7 +8,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_npu import Block, Layout, LayoutError, Mesh, cyclic, fused, plan_reshard, replicated, reshard, shard, sharded, unshard
+from functional_npu import (
+    Block,
+    Layout,
+    LayoutError,
+    Mesh,
+    cyclic,
+    fused,
+    plan_reshard,
+    replicated,
+    reshard,
+    shard,
+    sharded,
+    unshard,
+)
 from functional_npu.core.layout import Cyclic, Shard, validate
 from functional_npu.core.reshard import simulate
 
@@ -155,17 +168,29 @@ def test_megatron_grouped_qkv_to_canonical_moves_only_the_rows_that_change_rank(
     # 4 q heads, 2 KV groups, head_dim 2: Megatron tp=2 rank r holds group r = [q_2r, q_2r+1, k_r, v_r]
     blocks = [Block("q", 8, 2), Block("k", 4, 2, True), Block("v", 4, 2, True)]
     mesh = Mesh.abstract({"tp": 2})
-    plan = plan_reshard({"qkv": ((16, 3), torch.float32)}, {"qkv": fused(0, blocks, "tp", groups=2)}, {"qkv": fused(0, blocks, "tp")}, mesh)
+    plan = plan_reshard(
+        {"qkv": ((16, 3), torch.float32)},
+        {"qkv": fused(0, blocks, "tp", groups=2)},
+        {"qkv": fused(0, blocks, "tp")},
+        mesh,
+    )
     assert plan.axes == () and [t.local_copy for t in plan.traffic] == [8 * 3 * 4] * 2  # same heads, other order
-    to_tp1 = plan_reshard({"qkv": ((16, 3), torch.float32)}, {"qkv": fused(0, blocks, "tp", groups=2)}, {"qkv": replicated()}, mesh)
-    assert [t.received for t in to_tp1.traffic] == [8 * 3 * 4] * 2 and [t.allgather_slice for t in to_tp1.traffic] == [8 * 3 * 4] * 2
+    to_tp1 = plan_reshard(
+        {"qkv": ((16, 3), torch.float32)}, {"qkv": fused(0, blocks, "tp", groups=2)}, {"qkv": replicated()}, mesh
+    )
+    assert [t.received for t in to_tp1.traffic] == [8 * 3 * 4] * 2 and [t.allgather_slice for t in to_tp1.traffic] == [
+        8 * 3 * 4
+    ] * 2
 
 
 # ---- real exchanges on gloo ---------------------------------------------------------------------
 CASES = {
-    "grouped_qkv_to_gqa_tp": ((16, 3), torch.bfloat16,
-                              fused(0, [Block("q", 8, 2), Block("k", 4, 2), Block("v", 4, 2)], "tp", groups=2),
-                              fused(0, [Block("q", 8, 2), Block("k", 4, 2, True), Block("v", 4, 2, True)], "tp")),
+    "grouped_qkv_to_gqa_tp": (
+        (16, 3),
+        torch.bfloat16,
+        fused(0, [Block("q", 8, 2), Block("k", 4, 2), Block("v", 4, 2)], "tp", groups=2),
+        fused(0, [Block("q", 8, 2), Block("k", 4, 2, True), Block("v", 4, 2, True)], "tp"),
+    ),
     "stage_to_cyclic": ((4, 6), torch.float32, sharded(0, "tp"), cyclic(0, "tp", 4)),
     "row_to_column": ((4, 8), torch.float16, sharded(1, "tp"), sharded(0, "tp")),
     "sharded_to_replicated": ((6,), torch.int64, sharded(0, "tp"), replicated()),
@@ -217,18 +242,26 @@ MESH = Mesh.abstract({"tp": 2}, 0)
 
 
 def test_error_destination_does_not_fit():
-    with pytest.raises(LayoutError, match=r"specs\['w'\] shards dim 1 \(size 3\) over mesh axis 'tp' \(size 2\): 2 does not divide 3"):
+    with pytest.raises(
+        LayoutError, match=r"specs\['w'\] shards dim 1 \(size 3\) over mesh axis 'tp' \(size 2\): 2 does not divide 3"
+    ):
         reshard({"w": torch.zeros(2, 3)}, sharded(0, "tp"), sharded(1, "tp"), MESH)
 
 
 def test_error_local_shard_of_another_layout():
-    with pytest.raises(LayoutError, match=r"params\['w'\] has local shape \(3,\) but Layout\(dim0=shard\(tp \[a:2\|b:6\]\)\) on mesh \{'tp': 2\}"):
+    with pytest.raises(
+        LayoutError,
+        match=r"params\['w'\] has local shape \(3,\) but Layout\(dim0=shard\(tp \[a:2\|b:6\]\)\) on mesh \{'tp': 2\}",
+    ):
         reshard({"w": torch.zeros(3)}, fused(0, [("a", 2), ("b", 6)], "tp"), replicated(), MESH)
 
 
 def test_error_grouped_qkv_groups_not_divisible_by_tp():
     spec = fused(0, [Block("q", 6, 1), Block("k", 3, 1), Block("v", 3, 1)], "tp", groups=3)
-    with pytest.raises(LayoutError, match=r"dim 0 has 3 interleaved groups sharded over mesh axis 'tp' \(size 2\): 2 must divide 3; use an axis size"):
+    with pytest.raises(
+        LayoutError,
+        match=r"dim 0 has 3 interleaved groups sharded over mesh axis 'tp' \(size 2\): 2 must divide 3; use an axis size",
+    ):
         reshard({"w": torch.zeros(6)}, spec, replicated(), MESH)
 
 
@@ -248,10 +281,18 @@ def test_error_non_tensor_leaf():
 
 
 def test_error_plan_for_another_tree_or_mesh():
-    plan = plan_reshard({"w": ((4,), torch.float32)}, {"w": replicated()}, {"w": sharded(0, "tp")}, Mesh.abstract({"tp": 2}))
-    with pytest.raises(ValueError, match=r"params\['w'\] is \(6,\) torch.float32 on rank 0 but the plan expects \(4,\) torch.float32 for replicated\(\)"):
+    plan = plan_reshard(
+        {"w": ((4,), torch.float32)}, {"w": replicated()}, {"w": sharded(0, "tp")}, Mesh.abstract({"tp": 2})
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"params\['w'\] is \(6,\) torch.float32 on rank 0 but the plan expects \(4,\) torch.float32 for replicated\(\)",
+    ):
         reshard({"w": torch.zeros(6)}, replicated(), sharded(0, "tp"), MESH, plan=plan)
-    with pytest.raises(ValueError, match=r"the plan was made for other layouts of params\['w'\] \(replicated\(\) -> Layout\(dim0=shard\(tp\)\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the plan was made for other layouts of params\['w'\] \(replicated\(\) -> Layout\(dim0=shard\(tp\)\)\)",
+    ):
         reshard({"w": torch.zeros(4)}, replicated(), replicated(), MESH, plan=plan)
     with pytest.raises(ValueError, match=r"the plan covers leaves \['v'\] differently from the tree"):
         reshard({"w": torch.zeros(4), "v": torch.zeros(4)}, replicated(), replicated(), MESH, plan=plan)
@@ -274,7 +315,9 @@ def test_errors_leave_the_source_untouched_and_exchange_nothing():
 
 def test_no_exchange_when_every_rank_holds_what_it_needs():
     w = torch.arange(8.0).reshape(4, 2)
-    out = reshard({"w": w}, replicated(), sharded(0, "tp"), Mesh.abstract({"tp": 2}, 1))  # abstract mesh: no collective possible
+    out = reshard(
+        {"w": w}, replicated(), sharded(0, "tp"), Mesh.abstract({"tp": 2}, 1)
+    )  # abstract mesh: no collective possible
     assert torch.equal(out["w"], w[2:]) and out["w"].untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
 
 

@@ -63,7 +63,9 @@ def test_spec_tree_may_be_a_prefix():
 def test_mesh_coordinate_or_explicit_coordinate():
     w = torch.arange(8.0)
     assert torch.equal(shard(w, sharded(0, "tp"), Mesh.abstract({"tp": 4}, {"tp": 2})), w[4:6])
-    assert torch.equal(shard(w, sharded(0, ("dp", "tp")), Mesh.abstract({"dp": 2, "tp": 2}), coordinate={"dp": 1, "tp": 0}), w[4:6])
+    assert torch.equal(
+        shard(w, sharded(0, ("dp", "tp")), Mesh.abstract({"dp": 2, "tp": 2}), coordinate={"dp": 1, "tp": 0}), w[4:6]
+    )
 
 
 # ---- errors: each names the path, dim, sizes, axis and a fix ------------------------------------
@@ -71,12 +73,18 @@ MESH = Mesh.abstract({"dp": 2, "tp": 4})
 
 
 def test_error_indivisible_dim():
-    with pytest.raises(LayoutError, match=r"specs\['layers.3.mlp.down'\] shards dim 1 \(size 4095\) over mesh axis 'tp' \(size 4\): 4 does not divide 4095; pad"):
+    with pytest.raises(
+        LayoutError,
+        match=r"specs\['layers.3.mlp.down'\] shards dim 1 \(size 4095\) over mesh axis 'tp' \(size 4\): 4 does not divide 4095; pad",
+    ):
         shard({"layers": {"3": {"mlp": {"down": torch.zeros(2, 4095)}}}}, sharded(1, "tp"), MESH, coordinate=0)
 
 
 def test_error_unknown_axis():
-    with pytest.raises(LayoutError, match=r"specs\['w'\] dim 0 uses mesh axis 'ep', which the mesh \{'dp': 2, 'tp': 4\} does not have; use one of \['dp', 'tp'\]"):
+    with pytest.raises(
+        LayoutError,
+        match=r"specs\['w'\] dim 0 uses mesh axis 'ep', which the mesh \{'dp': 2, 'tp': 4\} does not have; use one of \['dp', 'tp'\]",
+    ):
         shard({"w": torch.zeros(8)}, {"w": sharded(0, "ep")}, MESH, coordinate=0)
 
 
@@ -86,12 +94,17 @@ def test_error_structure_mismatch_names_paths():
 
 
 def test_error_spec_rank_greater_than_tensor_rank():
-    with pytest.raises(LayoutError, match=r"specs\['w'\] = Layout\(dim2=shard\(tp\)\) describes 3 dims but the tensor has 2 \(shape \(4, 4\)\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"specs\['w'\] = Layout\(dim2=shard\(tp\)\) describes 3 dims but the tensor has 2 \(shape \(4, 4\)\)",
+    ):
         shard({"w": torch.zeros(4, 4)}, {"w": sharded(2, "tp")}, MESH, coordinate=0)
 
 
 def test_error_non_tensor_leaf():
-    with pytest.raises(TypeError, match=r"params\['w'\] is a float, not a torch.Tensor; convert it with torch.as_tensor"):
+    with pytest.raises(
+        TypeError, match=r"params\['w'\] is a float, not a torch.Tensor; convert it with torch.as_tensor"
+    ):
         shard({"w": 1.5}, {"w": replicated()}, MESH, coordinate=0)
 
 
@@ -101,13 +114,24 @@ def test_error_spec_is_not_a_layout():
 
 
 def test_error_packed_dim_on_float_dtype():
-    with pytest.raises(LayoutError, match=r"dim 0 is packed by 8 but the tensor dtype is torch.float32; packed weights are stored in an integer dtype"):
+    with pytest.raises(
+        LayoutError,
+        match=r"dim 0 is packed by 8 but the tensor dtype is torch.float32; packed weights are stored in an integer dtype",
+    ):
         shard({"w": torch.zeros(8)}, {"w": sharded(0, "tp", pack=8)}, MESH, coordinate=0)
 
 
 def test_error_packed_shard_off_pack_boundary():
-    with pytest.raises(LayoutError, match=r"block 'q': the shard at logical \[0, 4\) on coordinate 0 of mesh axis 'tp' \(size 4\) does not fall on a pack boundary \(pack 8\)"):
-        shard({"w": torch.zeros(2, dtype=torch.int32)}, {"w": fused(0, [Block("q", 16)], "tp", pack=8)}, MESH, coordinate=0)
+    with pytest.raises(
+        LayoutError,
+        match=r"block 'q': the shard at logical \[0, 4\) on coordinate 0 of mesh axis 'tp' \(size 4\) does not fall on a pack boundary \(pack 8\)",
+    ):
+        shard(
+            {"w": torch.zeros(2, dtype=torch.int32)},
+            {"w": fused(0, [Block("q", 16)], "tp", pack=8)},
+            MESH,
+            coordinate=0,
+        )
 
 
 def test_error_axis_used_on_two_dims():
@@ -121,23 +145,34 @@ def test_error_axes_out_of_mesh_order():
 
 
 def test_error_block_sizes_do_not_sum_to_dim():
-    with pytest.raises(LayoutError, match=r"fused from blocks \[gate:8, up:8\] of total size 16 but the tensor dim is 12; fix the block sizes"):
+    with pytest.raises(
+        LayoutError,
+        match=r"fused from blocks \[gate:8, up:8\] of total size 16 but the tensor dim is 12; fix the block sizes",
+    ):
         shard({"w": torch.zeros(12, 2)}, {"w": fused(0, [("gate", 8), ("up", 8)], "tp")}, MESH, coordinate=0)
 
 
 def test_error_gqa_neither_divides():
     spec = fused(0, [Block("q", 8, 1), Block("k", 3, 1, replicate=True)], "tp")
-    with pytest.raises(LayoutError, match=r"block 'k' has 3 units of 1 \(size 3\) sharded over mesh axis 'tp' \(size 4\): either 4 divides 3 or 3 divides 4"):
+    with pytest.raises(
+        LayoutError,
+        match=r"block 'k' has 3 units of 1 \(size 3\) sharded over mesh axis 'tp' \(size 4\): either 4 divides 3 or 3 divides 4",
+    ):
         shard({"w": torch.zeros(11)}, {"w": spec}, MESH, coordinate=0)
 
 
 def test_error_fewer_units_than_ranks_without_replication():
-    with pytest.raises(LayoutError, match=r"block 'q' has 2 units of 2 \(size 4\)(.|\n)*4 must divide 2(.|\n)*mark the block replicate=True"):
+    with pytest.raises(
+        LayoutError,
+        match=r"block 'q' has 2 units of 2 \(size 4\)(.|\n)*4 must divide 2(.|\n)*mark the block replicate=True",
+    ):
         shard({"w": torch.zeros(4)}, {"w": fused(0, [Block("q", 4, 2)], "tp")}, MESH, coordinate=0)
 
 
 def test_error_cyclic_size_mismatch():
-    with pytest.raises(LayoutError, match=r"dim 0 is cyclic over 4 layers but the tensor has 6 \(shape \(6, 2\)\); set size=6"):
+    with pytest.raises(
+        LayoutError, match=r"dim 0 is cyclic over 4 layers but the tensor has 6 \(shape \(6, 2\)\); set size=6"
+    ):
         shard({"w": torch.zeros(6, 2)}, {"w": Layout((Cyclic("dp", 4),))}, MESH, coordinate=0)
 
 
@@ -154,7 +189,10 @@ def test_error_coordinate_outside_mesh():
 def test_error_unshard_wrong_local_shape():
     mesh = Mesh.abstract({"tp": 2})
     locals_ = [torch.zeros(3), torch.zeros(4)]
-    with pytest.raises(LayoutError, match=r"the local shards imply different full shapes or dtypes \(rank 0: \(6,\) torch.float32, rank 1: \(8,\) torch.float32\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"the local shards imply different full shapes or dtypes \(rank 0: \(6,\) torch.float32, rank 1: \(8,\) torch.float32\)",
+    ):
         unshard(locals_, sharded(0, "tp"), mesh)
 
 

@@ -23,8 +23,19 @@ from functional_npu.models.llama import LlamaConfig, init_params, param_specs
 from ..support.hf_models import COMMON, hf_greedy
 from ..support.reshard_workers import megatron_parity
 
-CFG = LlamaConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
-                  num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, qk_norm=True)
+CFG = LlamaConfig(
+    architecture="Qwen3ForCausalLM",
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=8,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    qk_norm=True,
+)
 NEW = 12
 
 
@@ -36,9 +47,13 @@ def _megatron_rank(params, cfg, tp, pp, vpp, t, p):
     for v in range(vpp):
         sd = {}
         for j in range(per_chunk):
-            layer = params["layers"][v * cfg.num_layers // vpp + p * per_chunk + j]  # the interleaved schedule's numbering
+            layer = params["layers"][
+                v * cfg.num_layers // vpp + p * per_chunk + j
+            ]  # the interleaved schedule's numbering
             q, kk, vv = layer["qkv"].split([h * hd, k * hd, k * hd])
-            grouped = torch.cat([q.view(k, h // k * hd, -1), kk.view(k, hd, -1), vv.view(k, hd, -1)], dim=1).reshape(-1, cfg.hidden_size)
+            grouped = torch.cat([q.view(k, h // k * hd, -1), kk.view(k, hd, -1), vv.view(k, hd, -1)], dim=1).reshape(
+                -1, cfg.hidden_size
+            )
             gate, up = layer["gate_up"].split([f, f])
             sd[f"decoder.layers.{j}.self_attention.linear_qkv.weight"] = grouped.chunk(tp)[t]
             sd[f"decoder.layers.{j}.mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp)[t], up.chunk(tp)[t]])
@@ -82,7 +97,11 @@ def test_name_table_covers_every_leaf_and_stacking_round_trips():
     ours = {v.split(".")[-1] for v in MEGATRON_NAMES.values()}
     assert ours >= set(params["layers"][0]) | {k for k in params if k not in ("config", "layers")}
     back = unstack_layers(stack_layers(params))
-    assert all(torch.equal(back["layers"][i][k], params["layers"][i][k]) for i in range(CFG.num_layers) for k in params["layers"][0])
+    assert all(
+        torch.equal(back["layers"][i][k], params["layers"][i][k])
+        for i in range(CFG.num_layers)
+        for k in params["layers"][0]
+    )
     assert torch.equal(back["embed"], params["embed"]) and back["config"] == CFG
     specs = stacked_specs(param_specs(CFG))
     assert specs["layers"]["qkv"].dims[0] is None and specs["embed"].dims == (None, param_specs(CFG)["embed"].dims[0])
@@ -91,9 +110,13 @@ def test_name_table_covers_every_leaf_and_stacking_round_trips():
 def test_from_megatron_errors_name_the_parameter():
     mesh = Mesh.abstract({"pp": 1, "tp": 2}, 0)
     specs = megatron_pipeline_specs(CFG, pp=1)
-    with pytest.raises(ValueError, match=r"no entry for Megatron parameter 'decoder.layers.0.mlp.linear_fc3.weight' in MEGATRON_NAMES"):
+    with pytest.raises(
+        ValueError, match=r"no entry for Megatron parameter 'decoder.layers.0.mlp.linear_fc3.weight' in MEGATRON_NAMES"
+    ):
         from_megatron([{"decoder.layers.0.mlp.linear_fc3.weight": torch.zeros(1)}], CFG, specs, mesh)
-    with pytest.raises(ValueError, match=r"'embed' needs 1 local entries on rank 0 \{'pp': 0, 'tp': 0\} but the state dicts hold 0"):
+    with pytest.raises(
+        ValueError, match=r"'embed' needs 1 local entries on rank 0 \{'pp': 0, 'tp': 0\} but the state dicts hold 0"
+    ):
         from_megatron([{}], CFG, specs, mesh)
 
 
@@ -101,7 +124,9 @@ def test_from_megatron_errors_name_the_parameter():
 def tiny_qwen3(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_4l")
     torch.manual_seed(7)
-    model = T.Qwen3ForCausalLM(T.Qwen3Config(**(COMMON | {"num_hidden_layers": 4}), num_attention_heads=4, num_key_value_heads=2, head_dim=32)).eval()
+    model = T.Qwen3ForCausalLM(
+        T.Qwen3Config(**(COMMON | {"num_hidden_layers": 4}), num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    ).eval()
     model.save_pretrained(path)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (6, 11)]
@@ -123,7 +148,10 @@ def test_stacking_errors_name_the_leaf():
     with pytest.raises(ValueError, match=r"stack_layers: layer 1 has leaves .* but layer 0 has"):
         stack_layers(ragged)
     stage = stack_layers(params) | {"embed": torch.zeros(0, 64, 16)}
-    with pytest.raises(ValueError, match=r"unstack_layers: 'embed' has leading dim \(0,\), expected \(1,\); is this a pipeline stage that does not hold it\?"):
+    with pytest.raises(
+        ValueError,
+        match=r"unstack_layers: 'embed' has leading dim \(0,\), expected \(1,\); is this a pipeline stage that does not hold it\?",
+    ):
         unstack_layers(stage)
     specs = param_specs(CFG)
     with pytest.raises(ValueError, match=r"stacked_specs: every layer must have the same specs"):
@@ -135,7 +163,10 @@ def test_from_megatron_wrong_shape_names_the_leaf():
     specs = megatron_pipeline_specs(CFG, pp=1)
     chunks = to_megatron(shard(stack_layers(init_params(CFG, seed=4)), specs, mesh), 1)
     chunks[0]["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(16, 24)  # a tp=1 shard in a tp=2 run
-    with pytest.raises(ValueError, match=r"from_megatron: 'decoder.layers.0.mlp.linear_fc2.weight' \('layers.down'\) is \(16, 24\) on rank 0 but its layout gives \(16, 12\) per entry"):
+    with pytest.raises(
+        ValueError,
+        match=r"from_megatron: 'decoder.layers.0.mlp.linear_fc2.weight' \('layers.down'\) is \(16, 24\) on rank 0 but its layout gives \(16, 12\) per entry",
+    ):
         from_megatron(chunks, CFG, specs, mesh)
 
 

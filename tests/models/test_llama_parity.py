@@ -13,7 +13,16 @@ NEW = 16
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """{family: (dir, prompts, hf logits per prompt, hf greedy tokens per prompt)}; references computed once."""
-    return hf_references(tmp_path_factory, save_tiny, FAMILIES, seed=0, model_seed=100, prompt_lens=PROMPT_LENS, new=NEW, uncached=("mistral",))
+    return hf_references(
+        tmp_path_factory,
+        save_tiny,
+        FAMILIES,
+        seed=0,
+        model_seed=100,
+        prompt_lens=PROMPT_LENS,
+        new=NEW,
+        uncached=("mistral",),
+    )
 
 
 def _check(result, reference):

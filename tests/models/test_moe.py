@@ -9,12 +9,12 @@ import torch
 import transformers as T
 
 from functional_npu import Mesh, compile_model, local_shape
-from functional_npu.runtime.checkpoint import load_checkpoint, read_config
-from functional_npu.runtime.save import save_checkpoint
-from functional_npu.models import family_of, forward, init_state, moe
-from functional_npu.models.experts import local_experts, route
 from functional_npu.core.shard import leaf_specs, shard
 from functional_npu.core.tree import flatten_with_paths
+from functional_npu.models import family_of, forward, init_state, moe
+from functional_npu.models.experts import local_experts, route
+from functional_npu.runtime.checkpoint import load_checkpoint, read_config
+from functional_npu.runtime.save import save_checkpoint
 
 from ..support.hf_models import MOE_COMMON, MOE_FAMILIES, save_tiny_moe
 from ..support.workers import redundant_placement
@@ -74,7 +74,9 @@ def test_dense_layers_mixed_in_match_transformers(tmp_path):
     assert (got - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("axes,expert_axes", [({"dp": 2, "tp": 2}, ("dp", "tp")), ({"dp": 2, "tp": 2}, ("dp",)), ({"tp": 4}, ())])
+@pytest.mark.parametrize(
+    "axes,expert_axes", [({"dp": 2, "tp": 2}, ("dp", "tp")), ({"dp": 2, "tp": 2}, ("dp",)), ({"tp": 4}, ())]
+)
 def test_each_rank_reads_exactly_its_experts(saved, axes, expert_axes):
     path = saved["mixtral"][0]
     cfg = moe.with_plan(read_config(path), expert_axes=expert_axes)
@@ -106,7 +108,10 @@ def test_save_checkpoint_round_trip(saved, tmp_path):
 
 def test_save_refuses_a_redundant_placement(saved, tmp_path):
     params = redundant_placement(load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 1}, 0)), [0], list(range(8)))
-    with pytest.raises(ValueError, match=r"save_checkpoint: params\['layers.0.expert_map'\] holds an expert placement other than the identity \(shape \(8, 2\)\).*identity placement"):
+    with pytest.raises(
+        ValueError,
+        match=r"save_checkpoint: params\['layers.0.expert_map'\] holds an expert placement other than the identity \(shape \(8, 2\)\).*identity placement",
+    ):
         save_checkpoint(params, tmp_path)
 
 
@@ -116,30 +121,44 @@ def test_config_and_expert_weights_disagree(saved, tmp_path):
     path = shutil.copytree(saved["qwen3_moe"][0], tmp_path / "model")
     hf = json.loads((path / "config.json").read_text()) | {"moe_intermediate_size": 16}
     (path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' \(for params\['layers.0.experts_gate_up'\]\) has shape "
-                                         r"\(32, 64\) but config.json implies \(16, 64\) .*num_experts=8, moe_intermediate_size=16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' \(for params\['layers.0.experts_gate_up'\]\) has shape "
+        r"\(32, 64\) but config.json implies \(16, 64\) .*num_experts=8, moe_intermediate_size=16\)",
+    ):
         load_checkpoint(path, Mesh.abstract({"tp": 1}, 0))
 
 
 def test_expert_axes_on_a_dense_model(tmp_path):
     T.Qwen3ForCausalLM(T.Qwen3Config(**MOE_COMMON, intermediate_size=96, head_dim=16)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"expert_axes=\('tp',\) needs a mixture-of-experts model, but this is a Qwen3ForCausalLM; drop expert_axes"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert_axes=\('tp',\) needs a mixture-of-experts model, but this is a Qwen3ForCausalLM; drop expert_axes",
+    ):
         load_checkpoint(tmp_path, Mesh.abstract({"tp": 2}, 0), expert_axes=("tp",))
 
 
 def test_expert_count_not_divisible(saved):
-    with pytest.raises(ValueError, match=r"cannot shard this MixtralForCausalLM config: specs\['layers.0.experts_gate_up'\] shards dim 0 \(size 8\) "
-                                         r"over mesh axis 'dp' \(size 3\): 3 does not divide 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot shard this MixtralForCausalLM config: specs\['layers.0.experts_gate_up'\] shards dim 0 \(size 8\) "
+        r"over mesh axis 'dp' \(size 3\): 3 does not divide 8",
+    ):
         load_checkpoint(saved["mixtral"][0], Mesh.abstract({"dp": 3, "tp": 1}, 0), expert_axes=("dp",))
 
 
 def test_unknown_expert_axis(saved):
-    with pytest.raises(ValueError, match=r"specs\['layers.0.experts_gate_up'\] dim 0 uses mesh axis 'ep', which the mesh \{'tp': 2\} does not have"):
+    with pytest.raises(
+        ValueError,
+        match=r"specs\['layers.0.experts_gate_up'\] dim 0 uses mesh axis 'ep', which the mesh \{'tp': 2\} does not have",
+    ):
         load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 2}, 0), expert_axes=("ep",))
 
 
 def test_expert_axes_out_of_mesh_order(saved):
-    with pytest.raises(ValueError, match=r"shards over axes \('tp', 'dp'\), which must be in mesh order: write \('dp', 'tp'\)"):
+    with pytest.raises(
+        ValueError, match=r"shards over axes \('tp', 'dp'\), which must be in mesh order: write \('dp', 'tp'\)"
+    ):
         load_checkpoint(saved["mixtral"][0], Mesh.abstract({"dp": 2, "tp": 2}, 0), expert_axes=("tp", "dp"))
 
 
@@ -148,16 +167,25 @@ def test_compile_model_refuses_params_of_another_expert_plan(saved):
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
     params = shard(full, moe.param_specs(full["config"]), mesh)  # experts replicated, config says so
     params["config"] = moe.with_plan(full["config"], expert_axes=("dp",))  # ... but now claims ep over dp
-    with pytest.raises(ValueError, match=r"params\['layers.0.experts_gate_up'\] has shape \(8, 96, 64\) but mesh \{'dp': 2, 'tp': 1\} at \{'dp': 0, 'tp': 0\} expects \(4, 96, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"params\['layers.0.experts_gate_up'\] has shape \(8, 96, 64\) but mesh \{'dp': 2, 'tp': 1\} at \{'dp': 0, 'tp': 0\} expects \(4, 96, 64\)",
+    ):
         compile_model(params, mesh, backend="eager")
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"num_experts_per_tok": 9}, r"need int num_experts \(or num_local_experts\) >= num_experts_per_tok >= 1, got 8 and 9"),
-    ({"num_local_experts": None, "num_experts": None}, r"need int num_experts .* got None and 2"),
-    ({"shared_expert_intermediate_size": 64}, r"shared experts are not supported"),
-    ({"architectures": ["Qwen2MoeForCausalLM"]}, r"unsupported architecture 'Qwen2MoeForCausalLM'"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"num_experts_per_tok": 9},
+            r"need int num_experts \(or num_local_experts\) >= num_experts_per_tok >= 1, got 8 and 9",
+        ),
+        ({"num_local_experts": None, "num_experts": None}, r"need int num_experts .* got None and 2"),
+        ({"shared_expert_intermediate_size": 64}, r"shared experts are not supported"),
+        ({"architectures": ["Qwen2MoeForCausalLM"]}, r"unsupported architecture 'Qwen2MoeForCausalLM'"),
+    ],
+)
 def test_bad_configs(saved, change, message):
     hf = json.loads((saved["qwen3_moe"][0] / "config.json").read_text()) | change
     with pytest.raises(ValueError, match=message):

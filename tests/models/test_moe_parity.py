@@ -20,7 +20,9 @@ NEW = 16
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """{family: (dir, prompts, hf logits per prompt, hf greedy tokens per prompt)}; references computed once."""
-    return hf_references(tmp_path_factory, save_tiny_moe, MOE_FAMILIES, seed=1, model_seed=200, prompt_lens=PROMPT_LENS, new=NEW)
+    return hf_references(
+        tmp_path_factory, save_tiny_moe, MOE_FAMILIES, seed=1, model_seed=200, prompt_lens=PROMPT_LENS, new=NEW
+    )
 
 
 def _check(result, reference):
@@ -72,7 +74,11 @@ def test_parity_ep2_x_tp2(world4, models):
 def test_parity_ep2_over_tp_compiled(world2, models):
     """The CLI's --tp 2 --ep 2 plan (experts over the flattened (dp, tp) ranks, dp = 1), compiled with inductor."""
     ops = _run(world2, models, "qwen3_moe", {"dp": 1, "tp": 2}, ("dp", "tp"), use_compile=True)[0][4]
-    assert {"_c10d_functional.all_to_all_single", "_c10d_functional.reduce_scatter_tensor", "_c10d_functional.all_gather_into_tensor"} <= set(ops)
+    assert {
+        "_c10d_functional.all_to_all_single",
+        "_c10d_functional.reduce_scatter_tensor",
+        "_c10d_functional.all_gather_into_tensor",
+    } <= set(ops)
 
 
 @pytest.mark.parametrize("threshold", [0, 10**6], ids=["all_to_all", "gather"])

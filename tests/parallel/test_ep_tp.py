@@ -32,7 +32,10 @@ def expert_case(draw):
     hidden = draw(st.integers(1, 5))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64]))
     seed = draw(st.integers(0, 2**20))
-    full = {"experts_gate_up": make_tensor((experts, 2 * ffn, hidden), dtype, seed), "experts_down": make_tensor((experts, hidden, ffn), dtype, seed + 1)}
+    full = {
+        "experts_gate_up": make_tensor((experts, 2 * ffn, hidden), dtype, seed),
+        "experts_down": make_tensor((experts, hidden, ffn), dtype, seed + 1),
+    }
     return Mesh.abstract(axes), axis, ffn, full
 
 
@@ -51,7 +54,10 @@ def test_ep_to_tp_equals_shard_tp_of_gather_ep_and_round_trips(case):
     for r in range(mesh.size):
         want = shard(gathered, tp_specs, mesh, coordinate=r)
         for name in NAMES:
-            assert tp[r][name].dtype == want[name].dtype and torch.equal(_bits(tp[r][name]), _bits(want[name])), (r, name)
+            assert tp[r][name].dtype == want[name].dtype and torch.equal(_bits(tp[r][name]), _bits(want[name])), (
+                r,
+                name,
+            )
     back = simulate(tp, mesh.size, to_tp=False)
     for r in range(mesh.size):
         for name in NAMES:
@@ -69,7 +75,11 @@ def test_layouts_are_gate_up_blocks_and_row_parallel_down():
 
 def test_size_one_axis_copies_and_passes_other_leaves():
     mesh = Mesh.abstract({"ep": 1}, 0)
-    tree = {"layers": [{"experts_gate_up": torch.randn(2, 4, 3), "experts_down": torch.randn(2, 3, 2), "router": torch.randn(2, 3)}]}
+    tree = {
+        "layers": [
+            {"experts_gate_up": torch.randn(2, 4, 3), "experts_down": torch.randn(2, 3, 2), "router": torch.randn(2, 3)}
+        ]
+    }
     out = ep_to_tp(tree, mesh, "ep")
     layer, src = out["layers"][0], tree["layers"][0]
     assert layer["router"] is src["router"]
@@ -77,12 +87,36 @@ def test_size_one_axis_copies_and_passes_other_leaves():
 
 
 BAD = [
-    (True, {"experts_gate_up": torch.zeros(2, 5, 3)}, r"params\['experts_gate_up'\] has 5 rows on dim 1 .* odd number, so it is not \[gate \| up\]"),
-    (True, {"experts_gate_up": torch.zeros(2, 6, 3)}, r"params\['experts_gate_up'\] \(shape \(2, 6, 3\)\): the expert intermediate size F = 3 on dim 1 is cut over mesh axis 'ep' \(size 2\).*2 does not divide 3"),
-    (True, {"experts_down": torch.zeros(2, 3, 5)}, r"params\['experts_down'\] \(shape \(2, 3, 5\)\): the expert intermediate size F = 5 on dim 2 .* 'ep' \(size 2\)"),
-    (False, {"experts_down": torch.zeros(3, 3, 2)}, r"params\['experts_down'\] \(shape \(3, 3, 2\)\) holds 3 experts on dim 0, which the EP layout splits over mesh axis 'ep' \(size 2\), but 2 does not divide 3"),
-    (True, {"l": {"experts_gate_up": torch.zeros(2, 8, 3), "experts_down": torch.zeros(2, 3, 2)}}, r"params\['l.experts_down'\] implies expert intermediate size F = 2 but params\['l.experts_gate_up'\] implies 4"),
-    (True, {"experts_gate_up": torch.zeros(8, 3)}, r"params\['experts_gate_up'\] is \(8, 3\); expected a stacked expert tensor of 3 dims \(\[E, 2F, D\]\)"),
+    (
+        True,
+        {"experts_gate_up": torch.zeros(2, 5, 3)},
+        r"params\['experts_gate_up'\] has 5 rows on dim 1 .* odd number, so it is not \[gate \| up\]",
+    ),
+    (
+        True,
+        {"experts_gate_up": torch.zeros(2, 6, 3)},
+        r"params\['experts_gate_up'\] \(shape \(2, 6, 3\)\): the expert intermediate size F = 3 on dim 1 is cut over mesh axis 'ep' \(size 2\).*2 does not divide 3",
+    ),
+    (
+        True,
+        {"experts_down": torch.zeros(2, 3, 5)},
+        r"params\['experts_down'\] \(shape \(2, 3, 5\)\): the expert intermediate size F = 5 on dim 2 .* 'ep' \(size 2\)",
+    ),
+    (
+        False,
+        {"experts_down": torch.zeros(3, 3, 2)},
+        r"params\['experts_down'\] \(shape \(3, 3, 2\)\) holds 3 experts on dim 0, which the EP layout splits over mesh axis 'ep' \(size 2\), but 2 does not divide 3",
+    ),
+    (
+        True,
+        {"l": {"experts_gate_up": torch.zeros(2, 8, 3), "experts_down": torch.zeros(2, 3, 2)}},
+        r"params\['l.experts_down'\] implies expert intermediate size F = 2 but params\['l.experts_gate_up'\] implies 4",
+    ),
+    (
+        True,
+        {"experts_gate_up": torch.zeros(8, 3)},
+        r"params\['experts_gate_up'\] is \(8, 3\); expected a stacked expert tensor of 3 dims \(\[E, 2F, D\]\)",
+    ),
     (True, {"router": torch.zeros(2, 3)}, r"ep_to_tp: params have no 'experts_gate_up' or 'experts_down' leaf"),
 ]
 

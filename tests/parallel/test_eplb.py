@@ -5,9 +5,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_npu import Mesh, default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
-from functional_npu.parallel.eplb import _assemble, _send_rows
+from functional_npu import (
+    Mesh,
+    default_placement,
+    plan_rebalance,
+    rank_program,
+    rebalance,
+    routing_table,
+    validate_placement,
+)
 from functional_npu.core.tree import flatten_with_paths
+from functional_npu.parallel.eplb import _assemble, _send_rows
 
 from ..support.eplb_workers import expert_weights, moe_params, placed
 
@@ -15,7 +23,9 @@ from ..support.eplb_workers import expert_weights, moe_params, placed
 @st.composite
 def placement_layer(draw, experts: int, ranks: int, slots: int) -> list[list[int]]:
     """Every expert once, the spare slots filled with redundant copies, in a random order."""
-    ids = list(range(experts)) + draw(st.lists(st.integers(0, experts - 1), min_size=ranks * slots - experts, max_size=ranks * slots - experts))
+    ids = list(range(experts)) + draw(
+        st.lists(st.integers(0, experts - 1), min_size=ranks * slots - experts, max_size=ranks * slots - experts)
+    )
     ids = draw(st.permutations(ids))
     return [list(ids[r * slots : (r + 1) * slots]) for r in range(ranks)]
 
@@ -152,7 +162,10 @@ def test_physical_routing_through_a_redundant_placement_matches_the_logical_refe
     p = torch.tensor(p)
     gate_up, down = expert_weights(1, experts, 3, 4, torch.float64, seed)
     g = torch.Generator().manual_seed(seed)
-    x, router = torch.randn(11, 4, generator=g, dtype=torch.float64), torch.randn(experts, 4, generator=g, dtype=torch.float64)
+    x, router = (
+        torch.randn(11, 4, generator=g, dtype=torch.float64),
+        torch.randn(experts, 4, generator=g, dtype=torch.float64),
+    )
     local = [placed(gate_up, down, p[:1], r)[0] for r in range(mesh.size)]
     table = routing_table(p[:1], experts)[0]
     got = physical_moe(x, router, [gu for gu, _ in local], [dn for _, dn in local], table, top_k)
@@ -161,14 +174,38 @@ def test_physical_routing_through_a_redundant_placement_matches_the_logical_refe
 
 # ---- bad input ----------------------------------------------------------------------------------
 BAD_PLACEMENTS = [
-    ([[[0, 1], [2]]], 3, None, ValueError, r"placement layer 0 rank 1 has 1 slots but rank 0 of layer 0 has 2; every rank needs the same number of slots"),
+    (
+        [[[0, 1], [2]]],
+        3,
+        None,
+        ValueError,
+        r"placement layer 0 rank 1 has 1 slots but rank 0 of layer 0 has 2; every rank needs the same number of slots",
+    ),
     ([[[0, 1], [2, 0]], [[0, 1]]], 3, None, ValueError, r"placement layer 1 has 1 ranks but layer 0 has 2"),
-    ([[[0, 1], [1, 1]]], 3, None, ValueError, r"placement layer 0 places no copy of experts \[2\]; every expert needs at least one slot"),
+    (
+        [[[0, 1], [1, 1]]],
+        3,
+        None,
+        ValueError,
+        r"placement layer 0 places no copy of experts \[2\]; every expert needs at least one slot",
+    ),
     ([[[0, 1], [2, 5]]], 3, None, ValueError, r"placement\[0, 1, 1\] = 5 is not an expert id in \[0, 3\)"),
     ([[[0, 1], [2, -1]]], 3, None, ValueError, r"placement\[0, 1, 1\] = -1 is not an expert id"),
-    ([[[0, 1, 2]]], 4, None, ValueError, r"placement has 1 ranks x 3 slots = 3 slots for 4 experts; use at least 4 slots per rank"),
+    (
+        [[[0, 1, 2]]],
+        4,
+        None,
+        ValueError,
+        r"placement has 1 ranks x 3 slots = 3 slots for 4 experts; use at least 4 slots per rank",
+    ),
     ([[[0, 1], [2, 0]]], 3, 4, ValueError, r"placement spans 2 ranks but the expert axis has size 4"),
-    (torch.zeros(2, 2, dtype=torch.long), 1, None, ValueError, r"placement has shape \(2, 2\); expected 3 dims \[layers, ranks, slots\]"),
+    (
+        torch.zeros(2, 2, dtype=torch.long),
+        1,
+        None,
+        ValueError,
+        r"placement has shape \(2, 2\); expected 3 dims \[layers, ranks, slots\]",
+    ),
     (torch.zeros(1, 2, 2), 1, None, TypeError, r"placement has dtype torch.float32; expected an integer tensor"),
     ("0,1", 2, None, TypeError, r"placement is a str; expected an int tensor or nested lists"),
 ]
@@ -188,11 +225,16 @@ def test_ragged_or_non_int_slots_are_errors():
 
 
 def test_plan_and_routing_errors():
-    with pytest.raises(ValueError, match=r"old placement has shape \(1, 2, 2\) and new \(1, 1, 4\) \[layers, ranks, slots\]; a rebalance keeps"):
+    with pytest.raises(
+        ValueError,
+        match=r"old placement has shape \(1, 2, 2\) and new \(1, 1, 4\) \[layers, ranks, slots\]; a rebalance keeps",
+    ):
         plan_rebalance([[[0, 1], [2, 0]]], [[[0, 1, 2, 0]]], 3)
     with pytest.raises(ValueError, match=r"new placement layer 0 places no copy of experts \[2\]"):
         plan_rebalance([[[0, 1], [2, 0]]], [[[0, 1], [1, 0]]], 3)
-    with pytest.raises(ValueError, match=r"routing_table: expert 0 has 2 copies in layer 0 but copies=1; raise copies to 2"):
+    with pytest.raises(
+        ValueError, match=r"routing_table: expert 0 has 2 copies in layer 0 but copies=1; raise copies to 2"
+    ):
         routing_table(torch.tensor([[[0, 1], [2, 0]]]), 3, copies=1)
     with pytest.raises(ValueError, match="rank_program: rank 2 is outside the expert axis of size 2"):
         rank_program(plan_rebalance([[[0, 1], [2, 0]]], [[[0, 1], [2, 1]]], 3), 2)
@@ -210,11 +252,33 @@ OLD, NEW = [[[0, 1], [2, 0]]] * 2, [[[0, 1], [2, 1]], [[2, 1], [0, 0]]]
     "mutate,mesh_axes,message,error",
     [
         (lambda p: p, {"ep": 4}, r"rebalance: the plan spans 2 ranks but mesh axis 'ep' has size 4", ValueError),
-        (lambda p: p | {"layers": p["layers"][:1]}, {"ep": 2}, r"rebalance: params have 1 MoE layers \(with 'experts_gate_up'\) but the plan has 2", ValueError),
-        (lambda p: p | {"layers": [p["layers"][0] | {"experts_down": p["layers"][0]["experts_down"][:1]}] + p["layers"][1:]}, {"ep": 2},
-         r"params\['layers.0.experts_down'\] has local shape \(1, 3, 2\), 1 slots on this rank, but the placement has 2 slots per rank over mesh axis 'ep' \(size 2\)", ValueError),
-        (lambda p: p | {"layers": [p["layers"][0] | {"experts_down": None}] + p["layers"][1:]}, {"ep": 2}, r"params\['layers.0.experts_down'\] is NoneType", TypeError),
-        (lambda p: p | {"layers": [p["layers"][0] | {"expert_map": torch.zeros(5, 1)}] + p["layers"][1:]}, {"ep": 2}, r"params\['layers.0.expert_map'\] has 5 experts but the plan has 3", ValueError),
+        (
+            lambda p: p | {"layers": p["layers"][:1]},
+            {"ep": 2},
+            r"rebalance: params have 1 MoE layers \(with 'experts_gate_up'\) but the plan has 2",
+            ValueError,
+        ),
+        (
+            lambda p: (
+                p
+                | {"layers": [p["layers"][0] | {"experts_down": p["layers"][0]["experts_down"][:1]}] + p["layers"][1:]}
+            ),
+            {"ep": 2},
+            r"params\['layers.0.experts_down'\] has local shape \(1, 3, 2\), 1 slots on this rank, but the placement has 2 slots per rank over mesh axis 'ep' \(size 2\)",
+            ValueError,
+        ),
+        (
+            lambda p: p | {"layers": [p["layers"][0] | {"experts_down": None}] + p["layers"][1:]},
+            {"ep": 2},
+            r"params\['layers.0.experts_down'\] is NoneType",
+            TypeError,
+        ),
+        (
+            lambda p: p | {"layers": [p["layers"][0] | {"expert_map": torch.zeros(5, 1)}] + p["layers"][1:]},
+            {"ep": 2},
+            r"params\['layers.0.expert_map'\] has 5 experts but the plan has 3",
+            ValueError,
+        ),
         (lambda p: [p], {"ep": 2}, r"rebalance: params must be a dict with a 'layers' list", TypeError),
     ],
 )
@@ -232,7 +296,10 @@ def test_rebalance_keeps_the_expert_map_width_or_says_why_not():
     old, new = [[[0, 1], [0, 1]]], [[[0, 1], [1, 1]]]  # width 2, then expert 1 three times
     gate_up, down = expert_weights(1, 2, 2, 3, torch.float32, 0)
     params = moe_params(placed(gate_up, down, torch.tensor(old), 0), routing_table(torch.tensor(old), 2))
-    with pytest.raises(ValueError, match=r"rebalance \(the new expert_map keeps the old width unless copies= is given\): expert 1 has 3 copies in layer 0 but copies=2; raise copies to 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"rebalance \(the new expert_map keeps the old width unless copies= is given\): expert 1 has 3 copies in layer 0 but copies=2; raise copies to 3",
+    ):
         rebalance(params, plan_rebalance(old, new, 2), Mesh.abstract({"ep": 2}, 0), "ep")
 
 
@@ -241,6 +308,9 @@ def test_rebalance_without_moves_needs_no_communication_and_copies():
     out = rebalance(params, plan_rebalance(OLD, OLD, 3), Mesh.abstract({"ep": 2}, 0), "ep")
     for a, b in zip(out["layers"], params["layers"]):
         if "experts_gate_up" in a:
-            assert torch.equal(a["experts_gate_up"], b["experts_gate_up"]) and a["experts_gate_up"] is not b["experts_gate_up"]
+            assert (
+                torch.equal(a["experts_gate_up"], b["experts_gate_up"])
+                and a["experts_gate_up"] is not b["experts_gate_up"]
+            )
     with pytest.raises(TypeError, match="rebalance: plan is a list; build it with plan_rebalance"):
         rebalance(params, [], Mesh.abstract({"ep": 2}, 0), "ep")

@@ -14,7 +14,9 @@ def load_case(draw):
     experts = draw(st.integers(1, 12))
     slots = draw(st.integers(-(-experts // ranks), experts))
     layers = draw(st.integers(1, 3))
-    load = draw(st.lists(st.lists(st.integers(0, 1000), min_size=experts, max_size=experts), min_size=layers, max_size=layers))
+    load = draw(
+        st.lists(st.lists(st.integers(0, 1000), min_size=experts, max_size=experts), min_size=layers, max_size=layers)
+    )
     return torch.tensor(load, dtype=torch.float32), ranks, slots
 
 
@@ -40,10 +42,14 @@ def test_hotter_experts_get_at_least_as_many_copies_each_on_its_own_rank(case):
 def test_skewed_load_is_spread_better_than_the_default_map():
     g = torch.Generator().manual_seed(0)
     load = torch.rand(2, 64, generator=g) ** 6 * 1000
+
     def worst(p):
         copies = torch.stack([torch.bincount(row.flatten(), minlength=64) for row in p]).double()
         per_slot = load.double() / copies
-        return max(float(per_slot[li][p[li, r]].sum()) for li in range(2) for r in range(p.shape[1])) / float(load.sum(1).max() / 4)
+        return max(float(per_slot[li][p[li, r]].sum()) for li in range(2) for r in range(p.shape[1])) / float(
+            load.sum(1).max() / 4
+        )
+
     balanced, default = balanced_placement(load, 4, 18), default_placement(2, 64, 4)
     assert worst(balanced) < 1.05 < 1.3 < worst(default)  # near the mean with 8 redundant slots; the default is far off
     assert routing_table(balanced, 64).shape[2] >= 2
@@ -54,7 +60,9 @@ def test_bad_load_is_a_clear_error():
         balanced_placement(torch.ones(4), 2, 2)
     with pytest.raises(ValueError, match="load must be finite and non-negative"):
         balanced_placement(torch.tensor([[1.0, -1.0]]), 2, 1)
-    with pytest.raises(ValueError, match=r"2 ranks x 1 slots = 2 slots cannot hold 3 experts; use at least 2 slots per rank"):
+    with pytest.raises(
+        ValueError, match=r"2 ranks x 1 slots = 2 slots cannot hold 3 experts; use at least 2 slots per rank"
+    ):
         balanced_placement(torch.ones(1, 3), 2, 1)
     with pytest.raises(ValueError, match="4 slots per rank exceed the 3 experts"):
         balanced_placement(torch.ones(1, 3), 2, 4)
@@ -73,7 +81,10 @@ def test_with_the_previous_placement_copies_stay_and_no_rank_holds_an_expert_twi
         for r in range(ranks):
             assert len(set(new[li, r].tolist())) == slots, new[li, r]
         fresh = balanced_placement(shifted[li : li + 1], ranks, slots)[0]
-        assert torch.equal(torch.bincount(new[li].flatten(), minlength=load.shape[1]), torch.bincount(fresh.flatten(), minlength=load.shape[1]))  # same copy counts
+        assert torch.equal(
+            torch.bincount(new[li].flatten(), minlength=load.shape[1]),
+            torch.bincount(fresh.flatten(), minlength=load.shape[1]),
+        )  # same copy counts
 
 
 def test_a_small_load_shift_moves_few_experts_with_the_previous_placement():

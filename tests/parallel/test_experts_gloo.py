@@ -13,10 +13,16 @@ from ..support import torchair_ops
 from ..support.eplb_workers import ep_tp_program, rebalance_program
 
 AXES = {"dp": 2, "tp": 2}
-OLD2, NEW2 = [[[0, 1, 2], [3, 4, 0]]] * 2, [[[0, 1, 3], [3, 4, 2]], [[4, 1, 2], [0, 4, 3]]]  # 0 hot; 2, 3, 4 doubled; local permutes
+OLD2, NEW2 = (
+    [[[0, 1, 2], [3, 4, 0]]] * 2,
+    [[[0, 1, 3], [3, 4, 2]], [[4, 1, 2], [0, 4, 3]]],
+)  # 0 hot; 2, 3, 4 doubled; local permutes
 OLD4 = [[[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3]]] * 2
 NEW4 = [[[0, 1, 7], [3, 4, 5], [6, 7, 0], [0, 2, 3]], [[5, 1, 2], [3, 4, 0], [6, 7, 0], [1, 2, 0]]]
-REBALANCE = {"2-rank-groups": ("tp", OLD2, NEW2, 5, torch.bfloat16), "4-ranks": (("dp", "tp"), OLD4, NEW4, 8, torch.float32)}
+REBALANCE = {
+    "2-rank-groups": ("tp", OLD2, NEW2, 5, torch.bfloat16),
+    "4-ranks": (("dp", "tp"), OLD4, NEW4, 8, torch.float32),
+}
 EP_TP = {"2-rank-groups": ("tp", torch.bfloat16), "4-ranks": (("dp", "tp"), torch.float32)}
 
 

@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
-from functional_npu.runtime.plan import check_plan
+from functional_npu.cli.timeline import prefetch_timeline
+from functional_npu.models import init_state, llama
 from functional_npu.parallel.layer_shard import (
     LayerShard,
     layer_shard,
@@ -19,8 +20,7 @@ from functional_npu.parallel.layer_shard import (
     stack_series,
     unstack_series,
 )
-from functional_npu.models import init_state, llama
-from functional_npu.cli.timeline import prefetch_timeline
+from functional_npu.runtime.plan import check_plan
 
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
 from ..support.prefetch_workers import decode_code, generate_layer_sharded
@@ -43,20 +43,53 @@ def test_series_names_and_errors():
     assert layer_shard("o_proj,down_proj").leaves == ("o_proj", "down")
     assert layer_shard(["q_proj"], "dp").leaves == ("qkv", "qkv_bias")
     assert layer_shard("layer").leaves[0] == "attn_norm"
-    with pytest.raises(ValueError, match=r"layer_shard: unknown series \['mlp'\]; choose from q_proj, qkv, o_proj, gate_up, down_proj, down, layer"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer_shard: unknown series \['mlp'\]; choose from q_proj, qkv, o_proj, gate_up, down_proj, down, layer",
+    ):
         layer_shard("o_proj,mlp")
-    cfg = llama.LlamaConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
-                            num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, qk_norm=True)
-    with pytest.raises(ValueError, match=r"layer_shard: series 'o_proj' is already sharded over mesh axis 'tp'; layer-shard it over an axis it is replicated on \(dp\)"):
+    cfg = llama.LlamaConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        qk_norm=True,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"layer_shard: series 'o_proj' is already sharded over mesh axis 'tp'; layer-shard it over an axis it is replicated on \(dp\)",
+    ):
         check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 2}), layer_shard=layer_shard("o_proj", "tp"))
     with pytest.raises(ValueError, match=r"layer_shard axis 'pp' is not an axis of the mesh \{'dp': 2, 'tp': 1\}"):
         check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 1}), layer_shard=layer_shard("o_proj", "pp"))
 
 
-@given(layers=st.integers(1, 9), n=st.integers(1, 5), tp=st.sampled_from([1, 2]), series=st.sampled_from(["o_proj,down_proj", "layer", "q_proj,gate_up"]))
+@given(
+    layers=st.integers(1, 9),
+    n=st.integers(1, 5),
+    tp=st.sampled_from([1, 2]),
+    series=st.sampled_from(["o_proj,down_proj", "layer", "q_proj,gate_up"]),
+)
 def test_shard_of_stacked_series_holds_layer_l_on_coordinate_l_mod_n(layers, n, tp, series):
-    cfg = llama.LlamaConfig(architecture="Qwen2ForCausalLM", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=layers,
-                            num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, qkv_bias=True)
+    cfg = llama.LlamaConfig(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        qkv_bias=True,
+    )
     ls = layer_shard(series, "dp")
     full = llama.init_params(cfg, seed=layers)
     stacked = stack_series(full, ls)
@@ -108,7 +141,9 @@ CASES = [  # (world, axes, series, k, backend)
 ]
 
 
-@pytest.mark.parametrize("world,axes,series,k,backend", CASES, ids=[f"dp{c[1]['dp']}tp{c[1]['tp']}-{c[2]}-k{c[3]}-{c[4]}" for c in CASES])
+@pytest.mark.parametrize(
+    "world,axes,series,k,backend", CASES, ids=[f"dp{c[1]['dp']}tp{c[1]['tp']}-{c[2]}-k{c[3]}-{c[4]}" for c in CASES]
+)
 def test_layer_sharded_generation_matches_transformers(request, qwen3, world, axes, series, k, backend):
     world_ = request.getfixturevalue(f"world{world}")
     results = world_.run(generate_layer_sharded, qwen3[0], axes, series, k, PROMPTS, NEW, backend)
@@ -135,7 +170,9 @@ def qwen3_moe(tmp_path_factory):
 def test_moe_attention_projections_layer_sharded_match_transformers(world2, qwen3_moe):
     """The MoE families run through the same layer loop: their attention projections layer-shard and prefetch too
     (the dense-MLP series are absent from MoE layers, so "layer" takes only the leaves every layer has)."""
-    results = world2.run(generate_layer_sharded, qwen3_moe[0], {"dp": 2, "tp": 1}, "q_proj,o_proj", 1, PROMPTS, NEW, "none")
+    results = world2.run(
+        generate_layer_sharded, qwen3_moe[0], {"dp": 2, "tp": 1}, "q_proj,o_proj", 1, PROMPTS, NEW, "none"
+    )
     for rank, (tokens, shapes, *_) in enumerate(results):
         assert tokens == qwen3_moe[1], f"rank {rank}"
         assert set(shapes) == {"qkv", "o_proj"} and all(s[0] == 2 for s in shapes.values())
@@ -175,18 +212,37 @@ def _present(series):
 
 
 def _qwen3_cfg():
-    return llama.LlamaConfig(architecture="Qwen3ForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
-                             num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, qk_norm=True)
+    return llama.LlamaConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        qk_norm=True,
+    )
 
 
 def test_prefetch_step_errors(qwen3):
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
     params = load_checkpoint(qwen3[0], mesh, layer_shard=layer_shard("o_proj"))
-    with pytest.raises(ValueError, match=r"prefetch_step must be an int with 0 <= k <= num_layers - 2 = 4 \(the model has 6 layers\), got 5"):
+    with pytest.raises(
+        ValueError,
+        match=r"prefetch_step must be an int with 0 <= k <= num_layers - 2 = 4 \(the model has 6 layers\), got 5",
+    ):
         compile_model(params, mesh, prefetch_step=5)
     with pytest.raises(ValueError, match=r"got -1"):
         compile_model(params, mesh, prefetch_step=-1)
     model = compile_model(params, mesh, prefetch_step=1)
-    with pytest.raises(ValueError, match=r"prefill: a model compiled with prefetch_step=1 needs a state from new_state\(\)"):
+    with pytest.raises(
+        ValueError, match=r"prefill: a model compiled with prefetch_step=1 needs a state from new_state\(\)"
+    ):
         model.prefill([[1, 2]], init_state(model.config, model.mesh, 1, model.max_seq_len))
-    assert resident_bytes({"a": params["series"]["o_proj"], "b": params["series"]["o_proj"][1:]}) == params["series"]["o_proj"].numel() * 4
+    assert (
+        resident_bytes({"a": params["series"]["o_proj"], "b": params["series"]["o_proj"][1:]})
+        == params["series"]["o_proj"].numel() * 4
+    )

@@ -16,7 +16,9 @@ def test_auto_is_inductor_on_cpu():
 
 
 def test_backend_errors():
-    with pytest.raises(ValueError, match=r"unknown backend 'tvm'; choose one of auto, inductor, torchair, eager, aot_eager"):
+    with pytest.raises(
+        ValueError, match=r"unknown backend 'tvm'; choose one of auto, inductor, torchair, eager, aot_eager"
+    ):
         resolve_backend("tvm")
     with pytest.raises(ValueError, match=r"backend 'torchair' compiles for an Ascend NPU, but the params are on 'cpu'"):
         resolve_backend("torchair", device_type="cpu")
@@ -42,7 +44,9 @@ def test_broken_torch_npu_falls_back_with_one_log_line(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "inductor"
     lines = [ln for ln in out.stderr.splitlines() if "functional_npu" in ln]
-    assert lines == ["functional_npu: no usable NPU (torch_npu is not importable (OSError: libhccl.so: cannot open shared object file)); using inductor"]
+    assert lines == [
+        "functional_npu: no usable NPU (torch_npu is not importable (OSError: libhccl.so: cannot open shared object file)); using inductor"
+    ]
 
 
 def test_npu_hints_are_no_ops_elsewhere():

@@ -9,17 +9,24 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 from functional_npu import Mesh, local_shape
-from functional_npu.runtime.checkpoint import load_checkpoint
-from functional_npu.runtime.save import save_checkpoint
-from functional_npu.models import llama
 from functional_npu.core.shard import leaf_specs
 from functional_npu.core.tree import flatten_with_paths
+from functional_npu.models import llama
+from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.save import save_checkpoint
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = T.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg = T.Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     path = tmp_path_factory.mktemp("qwen2")
     T.Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
@@ -76,7 +83,10 @@ def test_progress_is_printed_on_rank_0_only(base, capsys):
 
 def test_missing_tensor(ckpt):
     _edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"does not match its Qwen2ForCausalLM config.json:\n  missing tensors \(1\): model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not match its Qwen2ForCausalLM config.json:\n  missing tensors \(1\): model.layers.1.mlp.up_proj.weight",
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 
@@ -88,19 +98,28 @@ def test_unexpected_tensor(ckpt):
 
 def test_shape_mismatch(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(31, 64)}))
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.self_attn.k_proj.weight' \(for params\['layers.1.qkv'\]\) has shape \(31, 64\) but config.json implies \(32, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'model.layers.1.self_attn.k_proj.weight' \(for params\['layers.1.qkv'\]\) has shape \(31, 64\) but config.json implies \(32, 64\)",
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 
 def test_config_and_weights_disagree(ckpt):
     _edit_config(ckpt, intermediate_size=80)
-    with pytest.raises(ValueError, match=r"has shape \(96, 64\) but config.json implies \(80, 64\) \(.*intermediate_size=80.*\); the config and the weights disagree"):
+    with pytest.raises(
+        ValueError,
+        match=r"has shape \(96, 64\) but config.json implies \(80, 64\) \(.*intermediate_size=80.*\); the config and the weights disagree",
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 
 def test_unsupported_architecture(ckpt):
     _edit_config(ckpt, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 
@@ -113,7 +132,10 @@ def test_unsupported_rope(ckpt):
 def test_truncated_file(ckpt):
     f = ckpt / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
-    with pytest.raises(ValueError, match=r"model.safetensors: cannot read the safetensors file .*; it is truncated or corrupted, download it again"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: cannot read the safetensors file .*; it is truncated or corrupted, download it again",
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 
@@ -125,9 +147,15 @@ def test_corrupted_file(ckpt):
 
 
 def test_mesh_cannot_shard_config(ckpt):
-    with pytest.raises(ValueError, match=r"the mesh \{'tp': 3\} cannot shard this Qwen2ForCausalLM config: .*specs\['embed'\] shards dim 0 \(size 128\) over mesh axis 'tp' \(size 3\): 3 does not divide 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"the mesh \{'tp': 3\} cannot shard this Qwen2ForCausalLM config: .*specs\['embed'\] shards dim 0 \(size 128\) over mesh axis 'tp' \(size 3\): 3 does not divide 128",
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 3}, 0))
-    with pytest.raises(ValueError, match=r"the mesh \{'tp': 8\} cannot shard .*block 'q' has 4 units of 16 \(size 64\) sharded over mesh axis 'tp' \(size 8\): 8 must divide 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"the mesh \{'tp': 8\} cannot shard .*block 'q' has 4 units of 16 \(size 64\) sharded over mesh axis 'tp' \(size 8\): 8 must divide 4",
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 8}, 0))
 
 
@@ -140,16 +168,22 @@ def test_missing_files(ckpt, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config.json not found: expected a HF model directory"):
         load_checkpoint(tmp_path, Mesh.abstract({"tp": 1}, 0))
     (ckpt / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"neither model.safetensors nor model.safetensors.index.json is present"):
+    with pytest.raises(
+        FileNotFoundError, match=r"neither model.safetensors nor model.safetensors.index.json is present"
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 
 def test_index_names_a_missing_shard(ckpt):
     tensors = load_file(ckpt / "model.safetensors")
     (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
-    weight_map = {n: "model-00001-of-00002.safetensors" for n in tensors} | {"model.norm.weight": "model-00002-of-00002.safetensors"}
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in tensors} | {
+        "model.norm.weight": "model-00002-of-00002.safetensors"
+    }
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002.safetensors is named by the index but does not exist"):
+    with pytest.raises(
+        FileNotFoundError, match=r"model-00002-of-00002.safetensors is named by the index but does not exist"
+    ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 

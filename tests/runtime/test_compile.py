@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from functional_npu import Mesh, compile_model, load_checkpoint, shard
-from functional_npu.runtime.compile import GraphBreakError
 from functional_npu.models import forward, llama
+from functional_npu.runtime.compile import GraphBreakError
 
 from ..support.hf_models import hf_greedy, save_tiny
 
@@ -51,7 +51,10 @@ def test_compile_model_errors(compiled, qwen3):
     with pytest.raises(ValueError, match=r"the mesh \{'dp': 1\} has no 'tp' axis"):
         compile_model(params, Mesh.abstract({"dp": 1}, 0))
     tp2 = shard(params, llama.param_specs(params["config"]), Mesh.abstract({"tp": 2}, 0))
-    with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(64, 64\) but mesh \{'tp': 1\} at \{'tp': 0\} expects \(128, 64\); were the params sharded for another mesh\?"):
+    with pytest.raises(
+        ValueError,
+        match=r"params\['embed'\] has shape \(64, 64\) but mesh \{'tp': 1\} at \{'tp': 0\} expects \(128, 64\); were the params sharded for another mesh\?",
+    ):
         compile_model(tp2, mesh)
     with pytest.raises(ValueError, match=r"generate: 11 prompt tokens \+ 60 new exceed max_seq_len 64"):
         compiled.generate(PROMPTS, 60)
@@ -68,7 +71,9 @@ def test_graph_break_is_an_error_naming_its_cause(compiled):
 
     torch._dynamo.reset()
     bad = dataclasses.replace(compiled, forward=compiled.backend.compile(breaks, dynamic=False))
-    with pytest.raises(GraphBreakError, match=r"prefill graph of Qwen3ForCausalLM breaks under fullgraph tracing: .*graph_break"):
+    with pytest.raises(
+        GraphBreakError, match=r"prefill graph of Qwen3ForCausalLM breaks under fullgraph tracing: .*graph_break"
+    ):
         bad.generate(PROMPTS[:1], 2)
 
 

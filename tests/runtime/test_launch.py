@@ -42,7 +42,9 @@ def test_remote_error_names_rank_and_message_then_world_restarts(world2):
 
 def test_hang_times_out_instead_of_hanging(world2):
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"_hang_on_rank0: ranks \[0\] gave no answer within 3s; the world was stopped"):
+    with pytest.raises(
+        TimeoutError, match=r"_hang_on_rank0: ranks \[0\] gave no answer within 3s; the world was stopped"
+    ):
         world2.run(_hang_on_rank0, timeout=3)
     assert time.monotonic() - t0 < 30
 
@@ -60,7 +62,9 @@ def test_world_size_must_be_positive():
 
 def test_unpicklable_task_fails_at_once(world2):
     t0 = time.monotonic()
-    with pytest.raises(TypeError, match=r"cannot be sent to the ranks .*use a module-level function and picklable arguments"):
+    with pytest.raises(
+        TypeError, match=r"cannot be sent to the ranks .*use a module-level function and picklable arguments"
+    ):
         world2.run(lambda ctx: 1)
     assert time.monotonic() - t0 < 5
     assert world2.run(_rank_times, 2) == [0, 2]

@@ -14,7 +14,9 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [100, 3]]
 
 def cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """``python -m functional_npu *args`` in a fresh process (it starts its own ranks)."""
-    return subprocess.run([sys.executable, "-m", "functional_npu", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "functional_npu", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def generate_json(model, prompts, *args: str) -> dict:

@@ -32,10 +32,14 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def expert_weights(layers: int, experts: int, ffn: int, hidden: int, dtype, seed: int):
     """Full per-layer logical expert weights: gate_up [L, E, 2F, D], down [L, E, D, F]."""
-    return make_tensor((layers, experts, 2 * ffn, hidden), dtype, seed), make_tensor((layers, experts, hidden, ffn), dtype, seed + 1)
+    return make_tensor((layers, experts, 2 * ffn, hidden), dtype, seed), make_tensor(
+        (layers, experts, hidden, ffn), dtype, seed + 1
+    )
 
 
-def placed(gate_up: torch.Tensor, down: torch.Tensor, placement: torch.Tensor, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def placed(
+    gate_up: torch.Tensor, down: torch.Tensor, placement: torch.Tensor, rank: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the rows rank ``rank`` holds under ``placement``: each slot gets its expert's weights."""
     return [(gate_up[li, placement[li, rank]], down[li, placement[li, rank]]) for li in range(placement.shape[0])]
 
@@ -44,7 +48,15 @@ def moe_params(local, table: torch.Tensor, dense_every: int = 2) -> dict:
     """A params tree with MoE layers (and a dense layer in between) around the experts of ``local``."""
     layers = []
     for li, (gu, dn) in enumerate(local):
-        layers.append({"attn_norm": torch.ones(4), "router": torch.full((table.shape[1], 4), float(li)), "experts_gate_up": gu, "experts_down": dn, "expert_map": table[li]})
+        layers.append(
+            {
+                "attn_norm": torch.ones(4),
+                "router": torch.full((table.shape[1], 4), float(li)),
+                "experts_gate_up": gu,
+                "experts_down": dn,
+                "expert_map": table[li],
+            }
+        )
         if li % dense_every == 0:
             layers.append({"attn_norm": torch.ones(4), "gate_up": torch.zeros(6, 4)})
     return {"embed": torch.zeros(3, 4), "layers": layers}
@@ -68,10 +80,15 @@ def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, d
     moe = [layer for layer in out["layers"] if "experts_gate_up" in layer]
     table = routing_table(new, experts, copies=width)
     return {
-        "experts": all(_bits_equal(m["experts_gate_up"], gu) and _bits_equal(m["experts_down"], dn) for m, (gu, dn) in zip(moe, want)),
+        "experts": all(
+            _bits_equal(m["experts_gate_up"], gu) and _bits_equal(m["experts_down"], dn)
+            for m, (gu, dn) in zip(moe, want)
+        ),
         "maps": all(torch.equal(m["expert_map"], table[li]) for li, m in enumerate(moe)),
         "layers": len(out["layers"]) == len(params["layers"]) and out["embed"] is params["embed"],
-        "inputs_untouched": all(_bits_equal(v, b) for (k, b), v in zip(before, (v for layer in params["layers"] for v in layer.values()))),
+        "inputs_untouched": all(
+            _bits_equal(v, b) for (k, b), v in zip(before, (v for layer in params["layers"] for v in layer.values()))
+        ),
         "ops": ops,
     }
 
@@ -79,7 +96,10 @@ def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, d
 def ep_tp_program(ctx, axes: dict[str, int], axis, experts: int, ffn: int, hidden: int, dtype, seed: int, mode: str):
     """EP -> TP -> EP over ``axis``: compare each step with ``shard`` of the full tensors (bit for bit)."""
     mesh = ctx.mesh(axes)
-    full = {"experts_gate_up": make_tensor((experts, 2 * ffn, hidden), dtype, seed), "experts_down": make_tensor((experts, hidden, ffn), dtype, seed + 1)}
+    full = {
+        "experts_gate_up": make_tensor((experts, 2 * ffn, hidden), dtype, seed),
+        "experts_down": make_tensor((experts, hidden, ffn), dtype, seed + 1),
+    }
     ep_local = shard(full, expert_layouts("ep", ffn, axis), mesh)
     tp_local = shard(full, expert_layouts("tp", ffn, axis), mesh)
     before = {k: v.clone() for k, v in ep_local.items()}

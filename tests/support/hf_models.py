@@ -7,10 +7,28 @@ import transformers as T
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
 FAMILIES = {
     # llama3 rope scaling, tied embeddings, 2 KV heads (replicated at tp=4)
-    "llama3": (T.LlamaForCausalLM, T.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama3": (
+        T.LlamaForCausalLM,
+        T.LlamaConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
     # sliding window shorter than prompt + generation
-    "mistral": (T.MistralForCausalLM, T.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+    "mistral": (
+        T.MistralForCausalLM,
+        T.MistralConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    ),
     # q/k/v bias, a single KV head (replicated at tp=2 and 4)
     "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=1)),
     # q/k RMSNorm, head_dim != hidden / heads; saved as a sharded index
@@ -26,14 +44,36 @@ def save_tiny(family: str, path, seed: int, **overrides) -> "T.PreTrainedModel":
     model.save_pretrained(path, **({"max_shard_size": "100KB"} if family == "qwen3" else {}))
     return model
 
+
 # Mixture-of-experts families: 8 experts, top-2, hidden 64, 2 layers (expert parallelism tests).
-MOE_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, max_position_embeddings=256, num_attention_heads=4, num_key_value_heads=2)
+MOE_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 MOE_FAMILIES = {
     # softmax, top-2, renormalized (norm_topk_prob), q/k norm
-    "qwen3_moe": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
-                                                              norm_topk_prob=True, head_dim=16)),
+    "qwen3_moe": (
+        T.Qwen3MoeForCausalLM,
+        T.Qwen3MoeConfig,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=96,
+            norm_topk_prob=True,
+            head_dim=16,
+        ),
+    ),
     # softmax, top-2, always renormalized
-    "mixtral": (T.MixtralForCausalLM, T.MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)),
+    "mixtral": (
+        T.MixtralForCausalLM,
+        T.MixtralConfig,
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+    ),
 }
 
 
@@ -52,14 +92,18 @@ def hf_greedy(model: "T.PreTrainedModel", prompt: list[int], new: int, *, use_ca
     ids = torch.tensor([prompt])
     with torch.no_grad():
         if use_cache:
-            return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(prompt) :].tolist()
+            return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
         seq = ids
         for _ in range(new):
             seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         return seq[0, len(prompt) :].tolist()
 
 
-def hf_references(tmp_path_factory, save, families, *, seed: int, model_seed: int, prompt_lens, new: int, uncached=()) -> dict:
+def hf_references(
+    tmp_path_factory, save, families, *, seed: int, model_seed: int, prompt_lens, new: int, uncached=()
+) -> dict:
     """{family: (dir, prompts, hf prefill logits per prompt, hf greedy tokens per prompt)}: each family's tiny
     model saved by ``save(family, dir, model_seed + i)``, random prompts of ``prompt_lens`` drawn from a
     generator seeded with ``seed``; the families in ``uncached`` take their greedy tokens without a KV cache."""

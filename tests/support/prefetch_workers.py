@@ -7,7 +7,9 @@ import math
 import torch
 
 
-def generate_layer_sharded(ctx, model_dir: str, axes: dict, series: str, k: int, prompts, new_tokens: int, backend: str):
+def generate_layer_sharded(
+    ctx, model_dir: str, axes: dict, series: str, k: int, prompts, new_tokens: int, backend: str
+):
     """Load with ``series`` layer-sharded over dp, generate; returns (tokens, series shapes, resident bytes, state bytes)."""
     from functional_npu import compile_model, greedy_generate, load_checkpoint
     from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
@@ -28,7 +30,9 @@ def generate_layer_sharded(ctx, model_dir: str, axes: dict, series: str, k: int,
         drain(state.prefetched)
     shapes = {leaf: tuple(x.shape) for leaf, x in params["series"].items()}
     layers = params["config"].num_layers
-    replicated = layers * sum(math.prod(x.shape[1:]) * x.element_size() for x in params["series"].values())  # this rank's share without layer sharding
+    replicated = layers * sum(
+        math.prod(x.shape[1:]) * x.element_size() for x in params["series"].values()
+    )  # this rank's share without layer sharding
     return tokens, shapes, resident_bytes(params["series"]), state_bytes, replicated
 
 

@@ -38,7 +38,9 @@ def reshard_case(ctx, axes, leaves, seed: int, use_compile: bool, planned: bool 
     equal = {k: out[k].dtype == ref[k].dtype and torch.equal(bits(out[k]), bits(ref[k])) for k in tree}
     round_trip = {k: torch.equal(bits(back[k]), bits(local[k])) for k in tree}
     untouched = all(torch.equal(bits(local[k]), bits(before[k])) for k in tree)
-    aliased = any(out[k].untyped_storage().data_ptr() == local[k].untyped_storage().data_ptr() for k in tree if out[k].numel())
+    aliased = any(
+        out[k].untyped_storage().data_ptr() == local[k].untyped_storage().data_ptr() for k in tree if out[k].numel()
+    )
     return equal, round_trip, untouched, aliased, ops
 
 
@@ -48,19 +50,32 @@ def megatron_parity(ctx, model_dir: str, prompts, new_tokens: int, vpp: int):
     Returns {target: (tokens, bit-equal to shard of the full params, received bytes, all-gather-then-slice bytes)}.
     """
     from functional_npu import Cyclic, Mesh, greedy_generate, leaf_specs, replicated
-    from functional_npu.runtime.checkpoint import load_checkpoint
-    from functional_npu.interop.megatron import from_megatron, megatron_pipeline_specs, stack_layers, stacked_specs, to_megatron, unstack_layers
-    from functional_npu.models.llama import param_specs
     from functional_npu.core.tree import flatten_with_paths
+    from functional_npu.interop.megatron import (
+        from_megatron,
+        megatron_pipeline_specs,
+        stack_layers,
+        stacked_specs,
+        to_megatron,
+        unstack_layers,
+    )
+    from functional_npu.models.llama import param_specs
+    from functional_npu.runtime.checkpoint import load_checkpoint
 
     mesh = ctx.mesh({"pp": 2, "tp": 2})
     full = load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0))
     cfg = full["config"]
     stacked = stack_layers(full)
     src = megatron_pipeline_specs(cfg, pp=2, vpp=vpp)
-    train = from_megatron(to_megatron(shard(stacked, src, mesh), vpp), cfg, src, mesh)  # what a Megatron rank holds, by name
+    train = from_megatron(
+        to_megatron(shard(stacked, src, mesh), vpp), cfg, src, mesh
+    )  # what a Megatron rank holds, by name
     tp2 = stacked_specs(param_specs(cfg))
-    targets = {"tp2": tp2, "tp1": replicated(), "layer_sharded": stacked_specs(param_specs(cfg), Cyclic("pp", cfg.num_layers))}
+    targets = {
+        "tp2": tp2,
+        "tp1": replicated(),
+        "layer_sharded": stacked_specs(param_specs(cfg), Cyclic("pp", cfg.num_layers)),
+    }
     out = {}
     for name, dst in targets.items():
         shapes = {p: (tuple(x.shape), x.dtype) for p, x in flatten_with_paths(stacked)}
@@ -68,7 +83,9 @@ def megatron_parity(ctx, model_dir: str, prompts, new_tokens: int, vpp: int):
         got = reshard(train, src, dst, mesh, plan=plan)
         want = shard(stacked, dst, mesh)
         equal = all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(got), flatten_with_paths(want)))
-        if name == "layer_sharded":  # no forward for layer-sharded params on this branch: reshard on to tp=2 and run that
+        if (
+            name == "layer_sharded"
+        ):  # no forward for layer-sharded params on this branch: reshard on to tp=2 and run that
             got, run_mesh = reshard(got, dst, tp2, mesh), mesh
         else:
             run_mesh = mesh if name == "tp2" else Mesh.abstract({"tp": 1}, 0)
@@ -77,4 +94,3 @@ def megatron_parity(ctx, model_dir: str, prompts, new_tokens: int, vpp: int):
         traffic = plan.traffic[mesh.rank]
         out[name] = (tokens, equal, traffic.received, traffic.allgather_slice)
     return out
-

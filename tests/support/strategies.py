@@ -74,7 +74,9 @@ def leaf_case(draw, axes: dict[str, int]):
         shape.append(length)
     while dims and dims[-1] is None:
         dims.pop()
-    dtype = torch.int32 if packed else draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.float16]))
+    dtype = (
+        torch.int32 if packed else draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.float16]))
+    )
     return tuple(shape), dtype, Layout(tuple(dims))
 
 

@@ -79,10 +79,14 @@ def gather_roundtrip(ctx, axes, leaves, seed: int, use_compile: bool = False):
         mesh.init_groups()
     fn = compiled(lambda t: gather(t, specs, mesh), ops) if use_compile else (lambda t: gather(t, specs, mesh))
     full = fn(local)
-    equal = {k: full[k].dtype == v.dtype and torch.equal(full[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tree.items()}
-    aliased = any(full[k].untyped_storage().data_ptr() == local[k].untyped_storage().data_ptr() for k in tree if local[k].numel())
+    equal = {
+        k: full[k].dtype == v.dtype and torch.equal(full[k].view(torch.uint8), v.view(torch.uint8))
+        for k, v in tree.items()
+    }
+    aliased = any(
+        full[k].untyped_storage().data_ptr() == local[k].untyped_storage().data_ptr() for k in tree if local[k].numel()
+    )
     return equal, aliased, ops
-
 
 
 def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
@@ -98,7 +102,14 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
     state = init_state(params["config"], mesh, len(prompts), width + new_tokens)
-    model = compile_model(params, mesh, backend="none", batch_sizes=[len(prompts)], max_seq_len=width + new_tokens, prefill_lengths=[width])
+    model = compile_model(
+        params,
+        mesh,
+        backend="none",
+        batch_sizes=[len(prompts)],
+        max_seq_len=width + new_tokens,
+        prefill_lengths=[width],
+    )
     with torch.no_grad():
         logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), state, mesh)
         out = dataclasses.replace(model, forward=fwd).generate(prompts, new_tokens)
@@ -108,8 +119,8 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
 def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_compile: bool):
     """Load with tp ranks (the world is tp x dp), run one padded batch: (prefill logits, greedy tokens, bytes read)."""
     from functional_npu import Mesh
-    from functional_npu.runtime.checkpoint import load_checkpoint
     from functional_npu.models import forward
+    from functional_npu.runtime.checkpoint import load_checkpoint
 
     mesh = ctx.mesh({"dp": ctx.world_size // tp, "tp": tp}) if ctx is not None else Mesh.abstract({"tp": 1}, 0)
     read: list[int] = []
@@ -142,22 +153,35 @@ def redundant_placement(params, extra: list[int], order: list[int]):
     layers = []
     for layer in params["layers"]:
         if "router" in layer:
-            layer = layer | {"experts_gate_up": layer["experts_gate_up"][slots], "experts_down": layer["experts_down"][slots], "expert_map": table}
+            layer = layer | {
+                "experts_gate_up": layer["experts_gate_up"][slots],
+                "experts_down": layer["experts_down"][slots],
+                "expert_map": table,
+            }
         layers.append(layer)
     assert moe.param_specs(new_cfg)  # the placement is a valid plan
     return params | {"config": new_cfg, "layers": layers}
 
 
-def moe_generate(ctx, model_dir: str, axes: dict, expert_axes, prompts, new_tokens: int, use_compile: bool,
-                 threshold: int | None = None, placement: tuple | None = None):
+def moe_generate(
+    ctx,
+    model_dir: str,
+    axes: dict,
+    expert_axes,
+    prompts,
+    new_tokens: int,
+    use_compile: bool,
+    threshold: int | None = None,
+    placement: tuple | None = None,
+):
     """Load an MoE checkpoint on a dp x tp mesh with experts over ``expert_axes``; dp index i runs the prompts
     rotated by i. Returns (rotation, prefill logits, greedy tokens, bytes read, dynamo ops)."""
     import dataclasses
 
     from functional_npu import Mesh
-    from functional_npu.runtime.checkpoint import load_checkpoint
     from functional_npu.core.shard import shard
     from functional_npu.models import forward, moe
+    from functional_npu.runtime.checkpoint import load_checkpoint
 
     mesh = ctx.mesh(axes) if ctx is not None else Mesh.abstract(axes, 0)
     read: list[int] = []
