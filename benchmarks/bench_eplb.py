@@ -111,7 +111,8 @@ def main() -> None:
     full_expert = 3 * 2048 * 768 * 2  # gate, up, down of Qwen3-30B-A3B in bf16
     print(
         f"{args.layers} MoE layers, {args.experts} experts, {args.redundant} redundant slots per rank, "
-        f"~{args.moved:.0%} of experts re-placed, half the hot set changed; bytes at {full_expert / 2**20:.1f} MiB per expert\n"
+        f"~{args.moved:.0%} of experts re-placed, half the hot set changed; "
+        f"bytes at {full_expert / 2**20:.1f} MiB per expert\n"
     )
     print(
         "| ranks | slots/rank | experts moved (planned) | bytes moved (planned) | bytes moving every expert | ratio |"
@@ -124,11 +125,13 @@ def main() -> None:
         every = args.layers * ranks * slots * full_expert
         print(
             f"| {ranks} | {slots} | {plan.experts_moved()} of {args.layers * ranks * slots} slots | "
-            f"{plan.bytes_moved(full_expert) / 2**30:.2f} GiB | {every / 2**30:.2f} GiB | {plan.bytes_moved(full_expert) / every:.1%} |"
+            f"{plan.bytes_moved(full_expert) / 2**30:.2f} GiB | {every / 2**30:.2f} GiB | "
+            f"{plan.bytes_moved(full_expert) / every:.1%} |"
         )
     print("\nbalanced_placement after a load shift (~10% of experts change load; same layers and slots):\n")
     print(
-        "| ranks | slots/rank | moved: with previous= | moved: from scratch | bytes with previous= | bytes from scratch |"
+        "| ranks | slots/rank | moved: with previous= | moved: from scratch | "
+        "bytes with previous= | bytes from scratch |"
     )
     print("|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
@@ -147,7 +150,8 @@ def main() -> None:
         )
     small = 3 * args.hidden * args.ffn * 2
     print(
-        f"\ntime on local gloo ranks (bf16 experts of {small / 2**20:.2f} MiB; best of 3, eager; noisy shared machine):\n"
+        f"\ntime on local gloo ranks (bf16 experts of {small / 2**20:.2f} MiB; "
+        f"best of 3, eager; noisy shared machine):\n"
     )
     print("| ranks | planned: moves | planned: time | every expert: moves | every expert: time |")
     print("|---|---|---|---|---|")
@@ -156,7 +160,8 @@ def main() -> None:
         with LocalWorld(ranks, threads=1) as world:
             t = world.run(_time_rank, old, new, args.experts, args.hidden, args.ffn)[0]
         print(
-            f"| {ranks} | {t['planned moves']} | {t['planned'] * 1e3:.0f} ms | {t['every expert moves']} | {t['every expert'] * 1e3:.0f} ms |"
+            f"| {ranks} | {t['planned moves']} | {t['planned'] * 1e3:.0f} ms | "
+            f"{t['every expert moves']} | {t['every expert'] * 1e3:.0f} ms |"
         )
 
 

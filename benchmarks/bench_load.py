@@ -50,7 +50,8 @@ def main() -> None:
         total = sum(x.numel() * 4 for x in full.values())
         replicated = sum(x.numel() * 4 for p, x in full.items() if layouts[p].is_replicated)
         print(
-            f"Qwen3-style model: {sum(x.numel() for x in full.values()) / 1e6:.1f}M params, {total / 2**20:.1f} MiB fp32, "
+            f"Qwen3-style model: {sum(x.numel() for x in full.values()) / 1e6:.1f}M params, "
+            f"{total / 2**20:.1f} MiB fp32, "
             f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, {cfg.num_layers} layers\n"
         )
         print("| tp | rank | bytes read | sharded/tp + replicated | read / full | load time |")

@@ -39,6 +39,13 @@ def _nbytes(tree) -> int:
     return sum(x.numel() * x.element_size() for _, x in flatten_with_paths(tree))
 
 
+def _copy_times(a: torch.Tensor, b: torch.Tensor, repeat: int) -> tuple[float, float]:
+    """Best of ``repeat`` times of ``b.copy_(a)`` and of ``a.clone()``: the memcpy and clone baselines."""
+    t_copy = best_time(lambda: b.copy_(a), repeat)  # into a buffer already touched
+    t_clone = best_time(lambda: a.clone(), repeat)  # into fresh memory, as a functional transform writes
+    return t_copy, t_clone
+
+
 def _rank(ctx, layers: int, repeat: int) -> dict:
     torch.set_num_threads(1)
     cfg = dataclasses.replace(FULL, num_layers=layers)
@@ -66,8 +73,7 @@ def _rank(ctx, layers: int, repeat: int) -> dict:
         del result
         t = best_time(lambda: reshard(train, src, dst, mesh, plan=plan), repeat)
         a, b = torch.empty(written // 4), torch.empty(written // 4)
-        t_copy = best_time(lambda: b.copy_(a), repeat)  # into a buffer already touched
-        t_clone = best_time(lambda: a.clone(), repeat)  # into fresh memory, as a functional transform writes
+        t_copy, t_clone = _copy_times(a, b, repeat)
         del a, b
         t_ags = best_time(lambda: shard(gather(train, src, mesh), dst, mesh), max(1, repeat - 1))
         traffic = plan.traffic[mesh.rank]
@@ -105,12 +111,14 @@ def main() -> None:
         results = world.run(_rank, layers, repeat, timeout=1800)
     r0 = results[0]
     print(
-        f"model: Qwen3-style, {layers} layers, {r0['params'] / 1e6:.1f}M params fp32; source: Megatron TP=2 on 2 gloo ranks "
+        f"model: Qwen3-style, {layers} layers, {r0['params'] / 1e6:.1f}M params fp32; "
+        f"source: Megatron TP=2 on 2 gloo ranks "
         f"({r0['train_bytes'] / 2**20:.0f} MiB per rank); figures for rank 0, best of {repeat}; "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}\n"
     )
     print(
-        "| target | received | lower bound | all-gather-then-slice | fewer bytes | reshard | GB/s (written) | memcpy GB/s | share | clone GB/s | share | all-gather-then-slice time |"
+        "| target | received | lower bound | all-gather-then-slice | fewer bytes | reshard | GB/s (written) | "
+        "memcpy GB/s | share | clone GB/s | share | all-gather-then-slice time |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ("tp1_replicated", "tp2_fused_qkv", "layer_sharded"):
@@ -118,8 +126,10 @@ def main() -> None:
         ratio = "inf (0 bytes)" if x["received"] == 0 else f"{x['allgather_slice_bytes'] / x['received']:.2f}x"
         gbs, mgbs, cgbs = (x["written"] / x[k] / 1e9 for k in ("time_s", "memcpy_s", "clone_s"))
         print(
-            f"| {name} | {x['received'] / 2**20:.1f} MiB | {x['lower_bound'] / 2**20:.1f} MiB | {x['allgather_slice_bytes'] / 2**20:.1f} MiB | "
-            f"{ratio} | {x['time_s'] * 1e3:.0f} ms | {gbs:.2f} | {mgbs:.2f} | {gbs / mgbs:.0%} | {cgbs:.2f} | {gbs / cgbs:.0%} | {x['allgather_slice_s'] * 1e3:.0f} ms |"
+            f"| {name} | {x['received'] / 2**20:.1f} MiB | {x['lower_bound'] / 2**20:.1f} MiB | "
+            f"{x['allgather_slice_bytes'] / 2**20:.1f} MiB | "
+            f"{ratio} | {x['time_s'] * 1e3:.0f} ms | {gbs:.2f} | {mgbs:.2f} | {gbs / mgbs:.0%} | "
+            f"{cgbs:.2f} | {gbs / cgbs:.0%} | {x['allgather_slice_s'] * 1e3:.0f} ms |"
         )
     print(
         "\nplan time (pure Python, once per layout pair): "

@@ -70,7 +70,8 @@ def main() -> None:
         ("gather over 2 gloo ranks", t_gather, nbytes, t_copy),
     ]:
         print(
-            f"| {name} | {b / 2**20:.0f} MiB | {t * 1e3:.1f} ms | {b / t / 1e9:.2f} | {b / tc / 1e9:.2f} | {tc / t:.0%} |"
+            f"| {name} | {b / 2**20:.0f} MiB | {t * 1e3:.1f} ms | "
+            f"{b / t / 1e9:.2f} | {b / tc / 1e9:.2f} | {tc / t:.0%} |"
         )
 
 

@@ -106,7 +106,8 @@ def main() -> None:
     result = {"wheel": Path(wheel).name, **scan(sources)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(
-        f"{args.out}: {len(result['converters'])} converters, {len(result['stubs'])} stubs, {len(result['decompositions'])} decompositions"
+        f"{args.out}: {len(result['converters'])} converters, {len(result['stubs'])} stubs, "
+        f"{len(result['decompositions'])} decompositions"
     )
 
 

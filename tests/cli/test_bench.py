@@ -1,4 +1,5 @@
-"""The scoreboard's arithmetic, timed on a fake clock (real timings are reported by `python -m functional_npu bench`, never asserted)."""
+"""The scoreboard's arithmetic, timed on a fake clock (real timings are reported by
+`python -m functional_npu bench`, never asserted)."""
 
 import torch
 

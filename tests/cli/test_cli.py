@@ -1,4 +1,5 @@
-"""The command line as a user runs it: the README demo, generate (local dp x tp ranks, --json, tokenizer), bad arguments."""
+"""The command line as a user runs it: the README demo, generate (local dp x tp ranks, --json, tokenizer),
+bad arguments."""
 
 import pytest
 

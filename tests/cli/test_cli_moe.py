@@ -30,11 +30,13 @@ def test_generate_ep2_over_dp_in_lockstep(mixtral):
     [
         (
             ["--dp", "2", "--ep", "3"],
-            "--ep 3: the expert group is the flattened dp x tp ranks, so --ep must be 1 (experts replicated) or --dp 2 x --tp 1 = 2",
+            "--ep 3: the expert group is the flattened dp x tp ranks, "
+            "so --ep must be 1 (experts replicated) or --dp 2 x --tp 1 = 2",
         ),
         (
             ["--dp", "3", "--ep", "3"],
-            "cannot shard this MixtralForCausalLM config: specs['layers.0.experts_gate_up'] shards dim 0 (size 8) over mesh axis 'dp,tp' (size 3)",
+            "cannot shard this MixtralForCausalLM config: specs['layers.0.experts_gate_up'] "
+            "shards dim 0 (size 8) over mesh axis 'dp,tp' (size 3)",
         ),
     ],
 )

@@ -1,4 +1,5 @@
-"""Golden captured graphs: regenerate every artifact and compare with graphs/ (drift must be regenerated and reviewed)."""
+"""Golden captured graphs: regenerate every artifact and compare with graphs/
+(drift must be regenerated and reviewed)."""
 
 import json
 

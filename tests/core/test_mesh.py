@@ -64,7 +64,8 @@ def test_mesh_errors():
     mesh = Mesh.abstract({"dp": 2, "tp": 4})
     with pytest.raises(
         ValueError,
-        match=r"cannot split mesh axis 'dp' \(size 2\) into \('a', 'b'\) of sizes \(2, 2\): the sizes must multiply to 2",
+        match=r"cannot split mesh axis 'dp' \(size 2\) into \('a', 'b'\) of sizes \(2, 2\): "
+        r"the sizes must multiply to 2",
     ):
         mesh.split("dp", ("a", "b"), (2, 2))
     with pytest.raises(ValueError, match=r"split of 'dp': names \['tp'\] are already axes"):
@@ -154,6 +155,7 @@ def test_group_creation_while_tracing_is_a_clear_error(world4):
 
     with pytest.raises(
         RemoteError,
-        match=r"the process group for mesh axes \('dp', 'a'\) does not exist yet and cannot be created while tracing; call mesh.init_groups",
+        match=r"the process group for mesh axes \('dp', 'a'\) does not exist yet "
+        r"and cannot be created while tracing; call mesh.init_groups",
     ):
         world4.run(_group_created_while_tracing)

@@ -260,7 +260,8 @@ def test_error_grouped_qkv_groups_not_divisible_by_tp():
     spec = fused(0, [Block("q", 6, 1), Block("k", 3, 1), Block("v", 3, 1)], "tp", groups=3)
     with pytest.raises(
         LayoutError,
-        match=r"dim 0 has 3 interleaved groups sharded over mesh axis 'tp' \(size 2\): 2 must divide 3; use an axis size",
+        match=r"dim 0 has 3 interleaved groups sharded over mesh axis 'tp' \(size 2\): "
+        r"2 must divide 3; use an axis size",
     ):
         reshard({"w": torch.zeros(6)}, spec, replicated(), MESH)
 
@@ -286,7 +287,8 @@ def test_error_plan_for_another_tree_or_mesh():
     )
     with pytest.raises(
         ValueError,
-        match=r"params\['w'\] is \(6,\) torch.float32 on rank 0 but the plan expects \(4,\) torch.float32 for replicated\(\)",
+        match=r"params\['w'\] is \(6,\) torch.float32 on rank 0 "
+        r"but the plan expects \(4,\) torch.float32 for replicated\(\)",
     ):
         reshard({"w": torch.zeros(6)}, replicated(), sharded(0, "tp"), MESH, plan=plan)
     with pytest.raises(

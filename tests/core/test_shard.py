@@ -75,7 +75,8 @@ MESH = Mesh.abstract({"dp": 2, "tp": 4})
 def test_error_indivisible_dim():
     with pytest.raises(
         LayoutError,
-        match=r"specs\['layers.3.mlp.down'\] shards dim 1 \(size 4095\) over mesh axis 'tp' \(size 4\): 4 does not divide 4095; pad",
+        match=r"specs\['layers.3.mlp.down'\] shards dim 1 \(size 4095\) over mesh axis 'tp' \(size 4\): "
+        r"4 does not divide 4095; pad",
     ):
         shard({"layers": {"3": {"mlp": {"down": torch.zeros(2, 4095)}}}}, sharded(1, "tp"), MESH, coordinate=0)
 
@@ -83,7 +84,8 @@ def test_error_indivisible_dim():
 def test_error_unknown_axis():
     with pytest.raises(
         LayoutError,
-        match=r"specs\['w'\] dim 0 uses mesh axis 'ep', which the mesh \{'dp': 2, 'tp': 4\} does not have; use one of \['dp', 'tp'\]",
+        match=r"specs\['w'\] dim 0 uses mesh axis 'ep', which the mesh \{'dp': 2, 'tp': 4\} does not have; "
+        r"use one of \['dp', 'tp'\]",
     ):
         shard({"w": torch.zeros(8)}, {"w": sharded(0, "ep")}, MESH, coordinate=0)
 
@@ -116,7 +118,8 @@ def test_error_spec_is_not_a_layout():
 def test_error_packed_dim_on_float_dtype():
     with pytest.raises(
         LayoutError,
-        match=r"dim 0 is packed by 8 but the tensor dtype is torch.float32; packed weights are stored in an integer dtype",
+        match=r"dim 0 is packed by 8 but the tensor dtype is torch.float32; "
+        r"packed weights are stored in an integer dtype",
     ):
         shard({"w": torch.zeros(8)}, {"w": sharded(0, "tp", pack=8)}, MESH, coordinate=0)
 
@@ -124,7 +127,8 @@ def test_error_packed_dim_on_float_dtype():
 def test_error_packed_shard_off_pack_boundary():
     with pytest.raises(
         LayoutError,
-        match=r"block 'q': the shard at logical \[0, 4\) on coordinate 0 of mesh axis 'tp' \(size 4\) does not fall on a pack boundary \(pack 8\)",
+        match=r"block 'q': the shard at logical \[0, 4\) on coordinate 0 of mesh axis 'tp' \(size 4\) "
+        r"does not fall on a pack boundary \(pack 8\)",
     ):
         shard(
             {"w": torch.zeros(2, dtype=torch.int32)},
@@ -156,7 +160,8 @@ def test_error_gqa_neither_divides():
     spec = fused(0, [Block("q", 8, 1), Block("k", 3, 1, replicate=True)], "tp")
     with pytest.raises(
         LayoutError,
-        match=r"block 'k' has 3 units of 1 \(size 3\) sharded over mesh axis 'tp' \(size 4\): either 4 divides 3 or 3 divides 4",
+        match=r"block 'k' has 3 units of 1 \(size 3\) sharded over mesh axis 'tp' \(size 4\): "
+        r"either 4 divides 3 or 3 divides 4",
     ):
         shard({"w": torch.zeros(11)}, {"w": spec}, MESH, coordinate=0)
 
@@ -191,7 +196,8 @@ def test_error_unshard_wrong_local_shape():
     locals_ = [torch.zeros(3), torch.zeros(4)]
     with pytest.raises(
         LayoutError,
-        match=r"the local shards imply different full shapes or dtypes \(rank 0: \(6,\) torch.float32, rank 1: \(8,\) torch.float32\)",
+        match=r"the local shards imply different full shapes or dtypes "
+        r"\(rank 0: \(6,\) torch.float32, rank 1: \(8,\) torch.float32\)",
     ):
         unshard(locals_, sharded(0, "tp"), mesh)
 

@@ -150,7 +150,8 @@ def test_stacking_errors_name_the_leaf():
     stage = stack_layers(params) | {"embed": torch.zeros(0, 64, 16)}
     with pytest.raises(
         ValueError,
-        match=r"unstack_layers: 'embed' has leading dim \(0,\), expected \(1,\); is this a pipeline stage that does not hold it\?",
+        match=r"unstack_layers: 'embed' has leading dim \(0,\), expected \(1,\); "
+        r"is this a pipeline stage that does not hold it\?",
     ):
         unstack_layers(stage)
     specs = param_specs(CFG)
@@ -165,7 +166,8 @@ def test_from_megatron_wrong_shape_names_the_leaf():
     chunks[0]["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(16, 24)  # a tp=1 shard in a tp=2 run
     with pytest.raises(
         ValueError,
-        match=r"from_megatron: 'decoder.layers.0.mlp.linear_fc2.weight' \('layers.down'\) is \(16, 24\) on rank 0 but its layout gives \(16, 12\) per entry",
+        match=r"from_megatron: 'decoder.layers.0.mlp.linear_fc2.weight' \('layers.down'\) is \(16, 24\) on rank 0 "
+        r"but its layout gives \(16, 12\) per entry",
     ):
         from_megatron(chunks, CFG, specs, mesh)
 

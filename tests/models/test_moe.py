@@ -110,7 +110,8 @@ def test_save_refuses_a_redundant_placement(saved, tmp_path):
     params = redundant_placement(load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 1}, 0)), [0], list(range(8)))
     with pytest.raises(
         ValueError,
-        match=r"save_checkpoint: params\['layers.0.expert_map'\] holds an expert placement other than the identity \(shape \(8, 2\)\).*identity placement",
+        match=r"save_checkpoint: params\['layers.0.expert_map'\] holds an expert placement other than the identity "
+        r"\(shape \(8, 2\)\).*identity placement",
     ):
         save_checkpoint(params, tmp_path)
 
@@ -123,7 +124,8 @@ def test_config_and_expert_weights_disagree(saved, tmp_path):
     (path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(
         ValueError,
-        match=r"tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' \(for params\['layers.0.experts_gate_up'\]\) has shape "
+        match=r"tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' "
+        r"\(for params\['layers.0.experts_gate_up'\]\) has shape "
         r"\(32, 64\) but config.json implies \(16, 64\) .*num_experts=8, moe_intermediate_size=16\)",
     ):
         load_checkpoint(path, Mesh.abstract({"tp": 1}, 0))
@@ -133,7 +135,8 @@ def test_expert_axes_on_a_dense_model(tmp_path):
     T.Qwen3ForCausalLM(T.Qwen3Config(**MOE_COMMON, intermediate_size=96, head_dim=16)).save_pretrained(tmp_path)
     with pytest.raises(
         ValueError,
-        match=r"expert_axes=\('tp',\) needs a mixture-of-experts model, but this is a Qwen3ForCausalLM; drop expert_axes",
+        match=r"expert_axes=\('tp',\) needs a mixture-of-experts model, "
+        r"but this is a Qwen3ForCausalLM; drop expert_axes",
     ):
         load_checkpoint(tmp_path, Mesh.abstract({"tp": 2}, 0), expert_axes=("tp",))
 
@@ -141,7 +144,8 @@ def test_expert_axes_on_a_dense_model(tmp_path):
 def test_expert_count_not_divisible(saved):
     with pytest.raises(
         ValueError,
-        match=r"cannot shard this MixtralForCausalLM config: specs\['layers.0.experts_gate_up'\] shards dim 0 \(size 8\) "
+        match=r"cannot shard this MixtralForCausalLM config: "
+        r"specs\['layers.0.experts_gate_up'\] shards dim 0 \(size 8\) "
         r"over mesh axis 'dp' \(size 3\): 3 does not divide 8",
     ):
         load_checkpoint(saved["mixtral"][0], Mesh.abstract({"dp": 3, "tp": 1}, 0), expert_axes=("dp",))
@@ -150,7 +154,8 @@ def test_expert_count_not_divisible(saved):
 def test_unknown_expert_axis(saved):
     with pytest.raises(
         ValueError,
-        match=r"specs\['layers.0.experts_gate_up'\] dim 0 uses mesh axis 'ep', which the mesh \{'tp': 2\} does not have",
+        match=r"specs\['layers.0.experts_gate_up'\] dim 0 uses mesh axis 'ep', "
+        r"which the mesh \{'tp': 2\} does not have",
     ):
         load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 2}, 0), expert_axes=("ep",))
 
@@ -169,7 +174,8 @@ def test_compile_model_refuses_params_of_another_expert_plan(saved):
     params["config"] = moe.with_plan(full["config"], expert_axes=("dp",))  # ... but now claims ep over dp
     with pytest.raises(
         ValueError,
-        match=r"params\['layers.0.experts_gate_up'\] has shape \(8, 96, 64\) but mesh \{'dp': 2, 'tp': 1\} at \{'dp': 0, 'tp': 0\} expects \(4, 96, 64\)",
+        match=r"params\['layers.0.experts_gate_up'\] has shape \(8, 96, 64\) "
+        r"but mesh \{'dp': 2, 'tp': 1\} at \{'dp': 0, 'tp': 0\} expects \(4, 96, 64\)",
     ):
         compile_model(params, mesh, backend="eager")
 

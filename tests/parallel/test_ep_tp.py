@@ -95,22 +95,26 @@ BAD = [
     (
         True,
         {"experts_gate_up": torch.zeros(2, 6, 3)},
-        r"params\['experts_gate_up'\] \(shape \(2, 6, 3\)\): the expert intermediate size F = 3 on dim 1 is cut over mesh axis 'ep' \(size 2\).*2 does not divide 3",
+        r"params\['experts_gate_up'\] \(shape \(2, 6, 3\)\): the expert intermediate size F = 3 on dim 1 "
+        r"is cut over mesh axis 'ep' \(size 2\).*2 does not divide 3",
     ),
     (
         True,
         {"experts_down": torch.zeros(2, 3, 5)},
-        r"params\['experts_down'\] \(shape \(2, 3, 5\)\): the expert intermediate size F = 5 on dim 2 .* 'ep' \(size 2\)",
+        r"params\['experts_down'\] \(shape \(2, 3, 5\)\): "
+        r"the expert intermediate size F = 5 on dim 2 .* 'ep' \(size 2\)",
     ),
     (
         False,
         {"experts_down": torch.zeros(3, 3, 2)},
-        r"params\['experts_down'\] \(shape \(3, 3, 2\)\) holds 3 experts on dim 0, which the EP layout splits over mesh axis 'ep' \(size 2\), but 2 does not divide 3",
+        r"params\['experts_down'\] \(shape \(3, 3, 2\)\) holds 3 experts on dim 0, "
+        r"which the EP layout splits over mesh axis 'ep' \(size 2\), but 2 does not divide 3",
     ),
     (
         True,
         {"l": {"experts_gate_up": torch.zeros(2, 8, 3), "experts_down": torch.zeros(2, 3, 2)}},
-        r"params\['l.experts_down'\] implies expert intermediate size F = 2 but params\['l.experts_gate_up'\] implies 4",
+        r"params\['l.experts_down'\] implies expert intermediate size F = 2 "
+        r"but params\['l.experts_gate_up'\] implies 4",
     ),
     (
         True,

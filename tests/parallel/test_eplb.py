@@ -264,7 +264,8 @@ OLD, NEW = [[[0, 1], [2, 0]]] * 2, [[[0, 1], [2, 1]], [[2, 1], [0, 0]]]
                 | {"layers": [p["layers"][0] | {"experts_down": p["layers"][0]["experts_down"][:1]}] + p["layers"][1:]}
             ),
             {"ep": 2},
-            r"params\['layers.0.experts_down'\] has local shape \(1, 3, 2\), 1 slots on this rank, but the placement has 2 slots per rank over mesh axis 'ep' \(size 2\)",
+            r"params\['layers.0.experts_down'\] has local shape \(1, 3, 2\), 1 slots on this rank, "
+            r"but the placement has 2 slots per rank over mesh axis 'ep' \(size 2\)",
             ValueError,
         ),
         (
@@ -298,7 +299,8 @@ def test_rebalance_keeps_the_expert_map_width_or_says_why_not():
     params = moe_params(placed(gate_up, down, torch.tensor(old), 0), routing_table(torch.tensor(old), 2))
     with pytest.raises(
         ValueError,
-        match=r"rebalance \(the new expert_map keeps the old width unless copies= is given\): expert 1 has 3 copies in layer 0 but copies=2; raise copies to 3",
+        match=r"rebalance \(the new expert_map keeps the old width unless copies= is given\): "
+        r"expert 1 has 3 copies in layer 0 but copies=2; raise copies to 3",
     ):
         rebalance(params, plan_rebalance(old, new, 2), Mesh.abstract({"ep": 2}, 0), "ep")
 

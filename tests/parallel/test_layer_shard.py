@@ -45,7 +45,8 @@ def test_series_names_and_errors():
     assert layer_shard("layer").leaves[0] == "attn_norm"
     with pytest.raises(
         ValueError,
-        match=r"layer_shard: unknown series \['mlp'\]; choose from q_proj, qkv, o_proj, gate_up, down_proj, down, layer",
+        match=r"layer_shard: unknown series \['mlp'\]; "
+        r"choose from q_proj, qkv, o_proj, gate_up, down_proj, down, layer",
     ):
         layer_shard("o_proj,mlp")
     cfg = llama.LlamaConfig(
@@ -63,7 +64,8 @@ def test_series_names_and_errors():
     )
     with pytest.raises(
         ValueError,
-        match=r"layer_shard: series 'o_proj' is already sharded over mesh axis 'tp'; layer-shard it over an axis it is replicated on \(dp\)",
+        match=r"layer_shard: series 'o_proj' is already sharded over mesh axis 'tp'; "
+        r"layer-shard it over an axis it is replicated on \(dp\)",
     ):
         check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 2}), layer_shard=layer_shard("o_proj", "tp"))
     with pytest.raises(ValueError, match=r"layer_shard axis 'pp' is not an axis of the mesh \{'dp': 2, 'tp': 1\}"):

@@ -45,7 +45,8 @@ def test_broken_torch_npu_falls_back_with_one_log_line(tmp_path):
     assert out.stdout.strip() == "inductor"
     lines = [ln for ln in out.stderr.splitlines() if "functional_npu" in ln]
     assert lines == [
-        "functional_npu: no usable NPU (torch_npu is not importable (OSError: libhccl.so: cannot open shared object file)); using inductor"
+        "functional_npu: no usable NPU "
+        "(torch_npu is not importable (OSError: libhccl.so: cannot open shared object file)); using inductor"
     ]
 
 

@@ -85,7 +85,8 @@ def test_missing_tensor(ckpt):
     _edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(
         ValueError,
-        match=r"does not match its Qwen2ForCausalLM config.json:\n  missing tensors \(1\): model.layers.1.mlp.up_proj.weight",
+        match=r"does not match its Qwen2ForCausalLM config.json:\n"
+        r"  missing tensors \(1\): model.layers.1.mlp.up_proj.weight",
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
@@ -100,7 +101,8 @@ def test_shape_mismatch(ckpt):
     _edit_tensors(ckpt, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(31, 64)}))
     with pytest.raises(
         ValueError,
-        match=r"tensor 'model.layers.1.self_attn.k_proj.weight' \(for params\['layers.1.qkv'\]\) has shape \(31, 64\) but config.json implies \(32, 64\)",
+        match=r"tensor 'model.layers.1.self_attn.k_proj.weight' \(for params\['layers.1.qkv'\]\) "
+        r"has shape \(31, 64\) but config.json implies \(32, 64\)",
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
@@ -109,7 +111,8 @@ def test_config_and_weights_disagree(ckpt):
     _edit_config(ckpt, intermediate_size=80)
     with pytest.raises(
         ValueError,
-        match=r"has shape \(96, 64\) but config.json implies \(80, 64\) \(.*intermediate_size=80.*\); the config and the weights disagree",
+        match=r"has shape \(96, 64\) but config.json implies \(80, 64\) \(.*intermediate_size=80.*\); "
+        r"the config and the weights disagree",
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
@@ -118,7 +121,8 @@ def test_unsupported_architecture(ckpt):
     _edit_config(ckpt, architectures=["GPT2LMHeadModel"])
     with pytest.raises(
         ValueError,
-        match=r"unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        match=r"unsupported architecture 'GPT2LMHeadModel'; "
+        r"supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
@@ -134,7 +138,8 @@ def test_truncated_file(ckpt):
     f.write_bytes(f.read_bytes()[:-1000])
     with pytest.raises(
         ValueError,
-        match=r"model.safetensors: cannot read the safetensors file .*; it is truncated or corrupted, download it again",
+        match=r"model.safetensors: cannot read the safetensors file .*; "
+        r"it is truncated or corrupted, download it again",
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
@@ -149,12 +154,14 @@ def test_corrupted_file(ckpt):
 def test_mesh_cannot_shard_config(ckpt):
     with pytest.raises(
         ValueError,
-        match=r"the mesh \{'tp': 3\} cannot shard this Qwen2ForCausalLM config: .*specs\['embed'\] shards dim 0 \(size 128\) over mesh axis 'tp' \(size 3\): 3 does not divide 128",
+        match=r"the mesh \{'tp': 3\} cannot shard this Qwen2ForCausalLM config: "
+        r".*specs\['embed'\] shards dim 0 \(size 128\) over mesh axis 'tp' \(size 3\): 3 does not divide 128",
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 3}, 0))
     with pytest.raises(
         ValueError,
-        match=r"the mesh \{'tp': 8\} cannot shard .*block 'q' has 4 units of 16 \(size 64\) sharded over mesh axis 'tp' \(size 8\): 8 must divide 4",
+        match=r"the mesh \{'tp': 8\} cannot shard .*block 'q' has 4 units of 16 \(size 64\) "
+        r"sharded over mesh axis 'tp' \(size 8\): 8 must divide 4",
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 8}, 0))
 

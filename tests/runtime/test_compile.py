@@ -53,7 +53,8 @@ def test_compile_model_errors(compiled, qwen3):
     tp2 = shard(params, llama.param_specs(params["config"]), Mesh.abstract({"tp": 2}, 0))
     with pytest.raises(
         ValueError,
-        match=r"params\['embed'\] has shape \(64, 64\) but mesh \{'tp': 1\} at \{'tp': 0\} expects \(128, 64\); were the params sharded for another mesh\?",
+        match=r"params\['embed'\] has shape \(64, 64\) but mesh \{'tp': 1\} at \{'tp': 0\} expects \(128, 64\); "
+        r"were the params sharded for another mesh\?",
     ):
         compile_model(tp2, mesh)
     with pytest.raises(ValueError, match=r"generate: 11 prompt tokens \+ 60 new exceed max_seq_len 64"):

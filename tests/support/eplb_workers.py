@@ -11,7 +11,8 @@ from .workers import compiled
 
 
 def _compiled(fn, mode: str, ops: list[str]):
-    """``fn`` as run: "eager"; "inductor" (records the dynamo graph's ops); "aten" (records the aten graph, aot_autograd)."""
+    """``fn`` as run: "eager"; "inductor" (records the dynamo graph's ops);
+    "aten" (records the aten graph, aot_autograd)."""
     if mode == "eager":
         return fn
     if mode == "inductor":

@@ -10,7 +10,8 @@ import torch
 def generate_layer_sharded(
     ctx, model_dir: str, axes: dict, series: str, k: int, prompts, new_tokens: int, backend: str
 ):
-    """Load with ``series`` layer-sharded over dp, generate; returns (tokens, series shapes, resident bytes, state bytes)."""
+    """Load with ``series`` layer-sharded over dp, generate;
+    returns (tokens, series shapes, resident bytes, state bytes)."""
     from functional_npu import compile_model, greedy_generate, load_checkpoint
     from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
 
