@@ -172,7 +172,10 @@ def scoreboard_plot(out: dict[str, Any], path: str) -> bool:
     )
     ax.set(
         xlabel="decode tokens/s (batch 1)",
-        title=f"{out['model']['params'] / 1e6:.0f}M-param {out['model']['architecture']}, fp32, {out['machine']['threads']} threads",
+        title=(
+            f"{out['model']['params'] / 1e6:.0f}M-param {out['model']['architecture']}, fp32, "
+            f"{out['machine']['threads']} threads"
+        ),
     )
     ax.invert_yaxis()
     ax.legend(fontsize=8)
@@ -192,7 +195,8 @@ def run_bench(
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, prompt_len + 1)]
     n_params = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg)))
     print(
-        f"bench: {cfg.architecture}-style, {n_params / 1e6:.1f}M params, fp32, batch 1, prompt {prompt_len}, {new} new tokens, {torch.get_num_threads()} threads"
+        f"bench: {cfg.architecture}-style, {n_params / 1e6:.1f}M params, fp32, batch 1, "
+        f"prompt {prompt_len}, {new} new tokens, {torch.get_num_threads()} threads"
     )
     res, compile_s, prefetch = _measure(cfg, prompt, new, repeat, quick)
     out = _summary(cfg, res, compile_s, matvec_bandwidth(), n_params, prompt_len, new)
@@ -205,7 +209,8 @@ def run_bench(
 def _measure(
     cfg: LlamaConfig, prompt: list[int], new: int, repeat: int, quick: bool
 ) -> tuple[dict[str, dict[str, float]], dict[str, float], Any]:
-    """On one saved checkpoint: every system's rates, the cold and warm compile times, and the layer-sharded prefetch runs."""
+    """On one saved checkpoint: every system's rates, the cold and warm compile times, and the layer-sharded
+    prefetch runs."""
     res: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(init_params(cfg, seed=0), tmp)
@@ -238,7 +243,8 @@ def _summary(
     prompt_len: int,
     new: int,
 ) -> dict[str, Any]:
-    """The results as one JSON-ready dict: tokens/s per system, the roofline from matvec bandwidth ``bw``, the run's setup."""
+    """The results as one JSON-ready dict: tokens/s per system, the roofline from matvec bandwidth ``bw``,
+    the run's setup."""
     return {
         "decode_tok_s": {k: v["decode"] for k, v in res.items()},
         "prefill_tok_s": {k: v["prefill"] for k, v in res.items()},
@@ -274,13 +280,16 @@ def _report(cfg: LlamaConfig, out: dict[str, Any], prefetch: Any) -> None:
     for k in d:
         print(f"| {k} | {d[k]:.1f} | {d[k] / roof:.0%} | {out['prefill_tok_s'][k]:.0f} |")
     print(
-        f"\nroofline: {roof:.1f} tok/s ({out['matvec_gb_s']:.1f} GB/s matvec / {decode_bytes_per_token(cfg) / 1e6:.1f} MB per token)"
+        f"\nroofline: {roof:.1f} tok/s ({out['matvec_gb_s']:.1f} GB/s "
+        f"matvec / {decode_bytes_per_token(cfg) / 1e6:.1f} MB per token)"
     )
     print(
-        f"compiled decode vs transformers eager: {d['fnpu_compiled'] / d['hf_eager']:.2f}x, vs transformers compiled: {d['fnpu_compiled'] / d['hf_compiled']:.2f}x"
+        f"compiled decode vs transformers eager: {d['fnpu_compiled'] / d['hf_eager']:.2f}x, "
+        f"vs transformers compiled: {d['fnpu_compiled'] / d['hf_compiled']:.2f}x"
     )
     print(
-        f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)"
+        f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, "
+        f"warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)"
     )
     print("\nlayer-sharded decode (2 gloo ranks, dp = 2, one thread each):\n" + prefetch_table(prefetch))
 

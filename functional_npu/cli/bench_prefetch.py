@@ -154,7 +154,8 @@ def prefetch_table(res: dict[str, Any]) -> str:
     """A markdown table of :func:`run_prefetch_bench`'s result."""
     rep = res["replicated_bytes"]
     rows = [
-        f"| local weights (no communication) | - | {res['local_step_s'] * 1e3:.2f} | - | - | {rep / 2**20:.1f} MiB (100%) |"
+        f"| local weights (no communication) | - | "
+        f"{res['local_step_s'] * 1e3:.2f} | - | - | {rep / 2**20:.1f} MiB (100%) |"
     ]
     for name, r in res["runs"].items():
         label = {
@@ -162,16 +163,18 @@ def prefetch_table(res: dict[str, Any]) -> str:
             "raise_comms_k1": "k = 1, inductor raise_comms",
         }.get(name, f"k = {r['k']}, prefetch schedule")
         rows.append(
-            f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f} | {r['exposed']:.0%} | {r['resident_bytes'] / 2**20:.1f} MiB | "
-            f"{r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_bytes'] / rep:.0%}) |"
+            f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f} | {r['exposed']:.0%} | "
+            f"{r['resident_bytes'] / 2**20:.1f} MiB | {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_bytes'] / rep:.0%}) |"
         )
     head = [
-        "| decode step | live prefetch buffers | ms / step | exposed comm | resident between steps | peak series bytes |",
+        "| decode step | live prefetch buffers | ms / step | "
+        "exposed comm | resident between steps | peak series bytes |",
         "|---|---|---|---|---|---|",
     ]
     tail = (
-        f"\nseries {res['series']!r}, batch {res['batch']}: per layer, compute {res['per_layer_compute_s'] * 1e3:.2f} ms vs broadcast alone "
-        f"{res['per_layer_comm_s'] * 1e3:.2f} ms; all broadcasts alone {res['comm_alone_s'] * 1e3:.2f} ms per step"
+        f"\nseries {res['series']!r}, batch {res['batch']}: per layer, compute "
+        f"{res['per_layer_compute_s'] * 1e3:.2f} ms vs broadcast alone {res['per_layer_comm_s'] * 1e3:.2f} ms; "
+        f"all broadcasts alone {res['comm_alone_s'] * 1e3:.2f} ms per step"
     )
     return "\n".join(head + rows) + tail
 

@@ -38,8 +38,9 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> in
     cfg = DEMO_CONFIG
     params_m = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg))) / 1e6
     print(
-        f"functional-npu demo: embedded {cfg.architecture}-style model ({params_m:.1f}M params, {cfg.num_layers} layers, "
-        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads), {len(DEMO_PROMPTS)} prompts, {new_tokens} new tokens each"
+        f"functional-npu demo: embedded {cfg.architecture}-style model ({params_m:.1f}M params, "
+        f"{cfg.num_layers} layers, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads), "
+        f"{len(DEMO_PROMPTS)} prompts, {new_tokens} new tokens each"
     )
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(init_params(cfg, seed=0), tmp)
@@ -71,7 +72,8 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> in
         same = toks == want
         ok &= same
         print(
-            f"| {name} | {ranks} | {sum(map(len, toks))} | {tps:.1f} | {'' if comp is None else f'{comp:.1f}'} | {same} |"
+            f"| {name} | {ranks} | {sum(map(len, toks))} | {tps:.1f} "
+            f"| {'' if comp is None else f'{comp:.1f}'} | {same} |"
         )
     print(f"\nfirst prompt -> {want[0][:12]} ...")
     print("demo: OK" if ok else "demo: FAILED (tokens differ)")

@@ -75,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--layer-shard",
         metavar="SERIES",
         default=None,
-        help="layer-shard these weight series over --layer-shard-axis: comma-separated from q_proj (qkv), o_proj, gate_up, down_proj, layer (the whole block)",
+        help=(
+            "layer-shard these weight series over --layer-shard-axis: comma-separated from q_proj (qkv), o_proj, "
+            "gate_up, down_proj, layer (the whole block)"
+        ),
     )
     gen.add_argument(
         "--layer-shard-axis",
@@ -88,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="K",
-        help="with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2); default 1 (0 for a 2-layer model)",
+        help=(
+            "with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2); "
+            "default 1 (0 for a 2-layer model)"
+        ),
     )
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")

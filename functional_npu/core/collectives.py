@@ -58,7 +58,8 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0, op: st
     d = _dim(x, dim, "reduce_scatter")
     if x.shape[d] % n:
         raise ValueError(
-            f"reduce_scatter over mesh axis {axis!r} (size {n}): dim {d} of shape {tuple(x.shape)} is not divisible by {n}"
+            f"reduce_scatter over mesh axis {axis!r} (size {n}): "
+            f"dim {d} of shape {tuple(x.shape)} is not divisible by {n}"
         )
     return funcol.reduce_scatter_single(x, _op(op), d, mesh.group_name(axis))
 
@@ -89,7 +90,8 @@ def all_to_all(x: torch.Tensor, mesh: Mesh, axis: Axes, split_dim: int = 0, conc
     sd, cd = _dim(x, split_dim, "all_to_all"), _dim(x, concat_dim, "all_to_all")
     if x.shape[sd] % n:
         raise ValueError(
-            f"all_to_all over mesh axis {axis!r} (size {n}): split dim {sd} of shape {tuple(x.shape)} is not divisible by {n}"
+            f"all_to_all over mesh axis {axis!r} (size {n}): "
+            f"split dim {sd} of shape {tuple(x.shape)} is not divisible by {n}"
         )
     xs = x.movedim(sd, 0)  # [n*m, ...]: chunk j (m rows) goes to index j
     recv = funcol.all_to_all_single(xs.contiguous(), None, None, mesh.group_name(axis))

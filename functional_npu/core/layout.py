@@ -214,7 +214,8 @@ def validate(
     where = f"specs[{path!r}]"
     if not isinstance(layout, Layout):
         raise TypeError(
-            f"{where} is {layout!r} ({type(layout).__name__}); expected a Layout such as replicated() or sharded(0, 'tp')"
+            f"{where} is {layout!r} ({type(layout).__name__}); "
+            f"expected a Layout such as replicated() or sharded(0, 'tp')"
         )
     if len(layout.dims) > len(shape):
         raise LayoutError(
@@ -240,7 +241,8 @@ def _validate_axes(where: str, d: int, spec: DimSpec, mesh_shape: Mapping[str, i
     for a in spec.axes:
         if a not in mesh_shape:
             raise LayoutError(
-                f"{where} dim {d} uses mesh axis {a!r}, which the mesh {dict(mesh_shape)} does not have; use one of {list(mesh_shape)}"
+                f"{where} dim {d} uses mesh axis {a!r}, which the mesh "
+                f"{dict(mesh_shape)} does not have; use one of {list(mesh_shape)}"
             )
         if a in seen:
             raise LayoutError(
@@ -259,7 +261,8 @@ def _validate_cyclic(where: str, d: int, spec: Cyclic, shape: Sequence[int], loc
         )
     if not local and shape[d] != spec.size:
         raise LayoutError(
-            f"{where} dim {d} is cyclic over {spec.size} layers but the tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}"
+            f"{where} dim {d} is cyclic over {spec.size} layers but the "
+            f"tensor has {shape[d]} (shape {tuple(shape)}); set size={shape[d]}"
         )
 
 
@@ -275,7 +278,8 @@ def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.d
             )
     if spec.groups != 1 and not spec.blocks:
         raise LayoutError(
-            f"{where} dim {d} has groups={spec.groups} but no blocks; groups interleave fused blocks, e.g. fused(0, [q, k, v], {axis!r}, groups=num_kv_heads)"
+            f"{where} dim {d} has groups={spec.groups} but no blocks; "
+            f"groups interleave fused blocks, e.g. fused(0, [q, k, v], {axis!r}, groups=num_kv_heads)"
         )
     if not spec.blocks:
         if local:

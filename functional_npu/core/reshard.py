@@ -240,7 +240,12 @@ def plan_reshard(
         A :class:`ReshardPlan`; ``plan.traffic`` holds the bytes per rank and the lower bound.
 
     Example:
-        >>> plan = plan_reshard({"w": ((8, 4), torch.float32)}, {"w": sharded(0, "tp")}, {"w": sharded(1, "tp")}, Mesh.abstract({"tp": 2}))
+        >>> plan = plan_reshard(
+        ...     {"w": ((8, 4), torch.float32)},
+        ...     {"w": sharded(0, "tp")},
+        ...     {"w": sharded(1, "tp")},
+        ...     Mesh.abstract({"tp": 2}),
+        ... )
         >>> [t.received for t in plan.traffic]
         [32, 32]
     """
@@ -444,7 +449,8 @@ def _plan_for(
         return plan_reshard(shapes, src, dst, mesh)  # validates every destination layout
     if dict(plan.mesh_shape) != mesh.shape:
         raise ValueError(
-            f"reshard: the plan is for mesh {dict(plan.mesh_shape)} but the mesh is {mesh.shape}; plan again with this mesh"
+            f"reshard: the plan is for mesh {dict(plan.mesh_shape)} "
+            f"but the mesh is {mesh.shape}; plan again with this mesh"
         )
     return plan
 
@@ -471,16 +477,18 @@ def _check_program(
     if planned != list(local):
         diff = sorted(set(planned) ^ set(local))
         raise ValueError(
-            f"reshard: the plan covers leaves {diff[:4]} differently from the tree (missing or extra); plan again for this tree"
+            f"reshard: the plan covers leaves {diff[:4]} differently "
+            f"from the tree (missing or extra); plan again for this tree"
         )
     for path, shape, dtype, src_layout, dst_layout in program.leaves:
         x = local[path]
         if tuple(x.shape) != shape or x.dtype != dtype:
             raise ValueError(
-                f"reshard: params[{path!r}] is {tuple(x.shape)} {x.dtype} on rank {rank} but the plan expects {shape} {dtype} "
-                f"for {src_layout!r}; was it sharded with another layout or mesh? plan again for this tree"
+                f"reshard: params[{path!r}] is {tuple(x.shape)} {x.dtype} on rank {rank} but the plan expects {shape} "
+                f"{dtype} for {src_layout!r}; was it sharded with another layout or mesh? plan again for this tree"
             )
         if src[path] != src_layout or dst[path] != dst_layout:
             raise ValueError(
-                f"reshard: the plan was made for other layouts of params[{path!r}] ({src_layout!r} -> {dst_layout!r}); plan again for these specs"
+                f"reshard: the plan was made for other layouts of params[{path!r}] "
+                f"({src_layout!r} -> {dst_layout!r}); plan again for these specs"
             )

@@ -49,7 +49,8 @@ def check_leaf(path: str, x: object) -> torch.Tensor:
 
 
 def positioned(mesh: Mesh, coordinate: Mapping[str, int] | int | None) -> Mesh:
-    """``mesh`` at ``coordinate`` if given, else ``mesh`` itself, which must then have a coordinate (ValueError if not)."""
+    """``mesh`` at ``coordinate`` if given, else ``mesh`` itself, which must then have a coordinate
+    (ValueError if not)."""
     if coordinate is not None:
         return mesh.at(coordinate)
     if mesh.rank is None:
@@ -153,7 +154,8 @@ def _assembly_index(path: str, d: int, spec, full_len: int, n: int, pad: int) ->
             offset += piece_len(p)
     if min(src, default=0) < 0:  # pragma: no cover - a layout that loses data is a planning bug
         raise LayoutError(
-            f"specs[{path!r}] dim {d}: positions {[i for i, s in enumerate(src) if s < 0][:8]} are held by no coordinate"
+            f"specs[{path!r}] dim {d}: positions "
+            f"{[i for i, s in enumerate(src) if s < 0][:8]} are held by no coordinate"
         )
     return src
 
@@ -166,7 +168,8 @@ def _pad_to(x: torch.Tensor, d: int, length: int) -> torch.Tensor:
 
 
 def as_bits(x: torch.Tensor) -> torch.Tensor:
-    """``x`` viewed as a same-width carrier dtype (see ``_BITS``), so every backend's collectives move any dtype bit for bit."""
+    """``x`` viewed as a same-width carrier dtype (see ``_BITS``), so every backend's collectives move any
+    dtype bit for bit."""
     return x.view(_BITS[x.element_size()]) if x.element_size() in _BITS else x
 
 
@@ -246,7 +249,8 @@ def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:
         if len(set(seen.values())) > 1:
             views = ", ".join(f"rank {r}: {s} {dt}" for r, (s, dt) in seen.items())
             raise LayoutError(
-                f"params[{path!r}]: the local shards imply different full shapes or dtypes ({views}); shard every rank with the same layout"
+                f"params[{path!r}]: the local shards imply different full shapes "
+                f"or dtypes ({views}); shard every rank with the same layout"
             )
         shape = seen[0][0]
         state = {r: per_rank[r][path] for r in range(mesh.size)}

@@ -103,7 +103,8 @@ def pipeline_dim(num_layers: int, pp_axis: str = "pp", vpp: int = 1) -> DimSpec:
     """The stacked layer dim of a Megatron pipeline: ``vpp`` chunks of ``L/vpp`` layers, each chunk cut over ``pp``."""
     if vpp < 1 or num_layers % vpp:
         raise ValueError(
-            f"pipeline_dim: {num_layers} layers cannot be cut into vpp={vpp} virtual chunks; use a vpp that divides {num_layers}"
+            f"pipeline_dim: {num_layers} layers cannot be cut into "
+            f"vpp={vpp} virtual chunks; use a vpp that divides {num_layers}"
         )
     if vpp == 1:
         return Shard((pp_axis,))
@@ -128,7 +129,8 @@ def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
     for i, layer in enumerate(layers):
         if list(layer) != names:
             raise ValueError(
-                f"stack_layers: layer {i} has leaves {list(layer)} but layer 0 has {names}; every layer must have the same leaves"
+                f"stack_layers: layer {i} has leaves {list(layer)} but "
+                f"layer 0 has {names}; every layer must have the same leaves"
             )
     return out | {"layers": {k: torch.stack([layer[k] for layer in layers]) for k in names}}
 
@@ -141,14 +143,16 @@ def unstack_layers(stacked: Mapping[str, Any]) -> dict[str, Any]:
             continue
         if isinstance(v, torch.Tensor) and v.shape[:1] != (1,):
             raise ValueError(
-                f"unstack_layers: {k!r} has leading dim {tuple(v.shape[:1])}, expected (1,); is this a pipeline stage that does not hold it?"
+                f"unstack_layers: {k!r} has leading dim {tuple(v.shape[:1])}, "
+                f"expected (1,); is this a pipeline stage that does not hold it?"
             )
         out[k] = v[0].clone() if isinstance(v, torch.Tensor) else v
     layers = stacked["layers"]
     count = {v.shape[0] for v in layers.values()}
     if len(count) > 1:
         raise ValueError(
-            f"unstack_layers: the stacked layer leaves disagree on the layer count: { {k: v.shape[0] for k, v in layers.items()} }"
+            f"unstack_layers: the stacked layer leaves disagree on the layer count: "
+            f"{ {k: v.shape[0] for k, v in layers.items()} }"
         )
     n = count.pop() if count else 0
     return out | {"layers": [{k: v[i].clone() for k, v in layers.items()} for i in range(n)]}
@@ -213,7 +217,8 @@ def _our_path(name: str) -> tuple[str, int | None]:
         if m:
             return (ours.split(".")[-1], int(m.group(1))) if m.groups() else (ours, None)
     raise ValueError(
-        f"from_megatron: no entry for Megatron parameter {name!r} in MEGATRON_NAMES; add it to the table (or drop the key)"
+        f"from_megatron: no entry for Megatron parameter {name!r} "
+        f"in MEGATRON_NAMES; add it to the table (or drop the key)"
     )
 
 
@@ -229,7 +234,8 @@ def from_megatron(
     matching :func:`pipeline_dim`. Leaves this stage does not hold come out with a leading dim of 0.
 
     Args:
-        chunks: ``model[v].state_dict()`` of this rank for each virtual chunk ``v`` (names as in :data:`MEGATRON_NAMES`).
+        chunks: ``model[v].state_dict()`` of this rank for each virtual chunk ``v`` (names as in
+            :data:`MEGATRON_NAMES`).
         cfg: the model config.
         specs: the Megatron layout (from :func:`megatron_pipeline_specs`), for the local shapes.
         mesh: a mesh at this rank's coordinate.
@@ -254,7 +260,8 @@ def from_megatron(
 def _by_path(
     chunks: Sequence[Mapping[str, torch.Tensor]],
 ) -> tuple[dict[str, dict[Any, tuple[str, torch.Tensor]]], list[int]]:
-    """Our path -> {(chunk, local layer), or 0 for a top-level leaf: (Megatron name, tensor)}, and each chunk's layer count."""
+    """Our path -> {(chunk, local layer), or 0 for a top-level leaf: (Megatron name, tensor)}, and each
+    chunk's layer count."""
     found: dict[str, dict[Any, tuple[str, torch.Tensor]]] = {}
     layers_per_chunk = []
     for v, sd in enumerate(chunks):
@@ -271,7 +278,8 @@ def _by_path(
 
 
 def _entries(path: str, got: Mapping[Any, tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """A leaf's (Megatron name, tensor) entries in stacking order: layers by (chunk, layer); a top-level leaf has one or none."""
+    """A leaf's (Megatron name, tensor) entries in stacking order: layers by (chunk, layer); a top-level
+    leaf has one or none."""
     if path.startswith("layers."):
         return [got[k] for k in sorted(got)]
     return [got[0]] if got else []
@@ -283,8 +291,9 @@ def _check_entries(
     """As many entries as the local stacked shape ``want`` has on dim 0, each of shape ``want[1:]``."""
     if len(tensors) != want[0]:
         raise ValueError(
-            f"from_megatron: {path!r} needs {want[0]} local entries on rank {mesh.rank} {mesh.coordinate} but the state dicts "
-            f"hold {len(tensors)} (chunks with {layers_per_chunk} layers); check the Megatron names, pp/vpp and the layout"
+            f"from_megatron: {path!r} needs {want[0]} local entries on rank {mesh.rank} "
+            f"{mesh.coordinate} but the state dicts hold {len(tensors)} (chunks with "
+            f"{layers_per_chunk} layers); check the Megatron names, pp/vpp and the layout"
         )
     for name, t in tensors:
         if tuple(t.shape) != want[1:]:
@@ -295,7 +304,8 @@ def _check_entries(
 
 
 def to_megatron(local: Mapping[str, Any], vpp: int = 1) -> list[dict[str, torch.Tensor]]:
-    """The inverse of :func:`from_megatron`: one Megatron-named state dict per virtual chunk (layers numbered from 0)."""
+    """The inverse of :func:`from_megatron`: one Megatron-named state dict per virtual chunk (layers
+    numbered from 0)."""
     chunks: list[dict[str, torch.Tensor]] = [{} for _ in range(vpp)]
     reverse = {ours: m for m, ours in MEGATRON_NAMES.items()}
     for k, x in local.items():

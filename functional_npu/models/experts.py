@@ -61,7 +61,8 @@ def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) ->
 def local_experts(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    """``sum_k weights[:, k] * expert[ids[:, k]](x)`` over this rank's slots; ``ids`` -1 (another rank's slot) adds nothing.
+    """``sum_k weights[:, k] * expert[ids[:, k]](x)`` over this rank's slots; ``ids`` -1 (another rank's slot)
+    adds nothing.
 
     x: [N, D]; ids, weights: [N, k]; gate_up: [S_local, 2F, D]; down: [S_local, D, F] -> [N, D]. Static shapes
     either way (chosen by size): with fewer routed rows than local experts (decode) each row reads only its

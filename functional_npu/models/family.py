@@ -91,7 +91,8 @@ def family_of(config_or_architecture: Any) -> Family:
     if isinstance(config_or_architecture, str) or config_or_architecture is None:
         raise ValueError(f"unsupported architecture {config_or_architecture!r}; supported: {', '.join(ARCHITECTURES)}")
     raise TypeError(
-        f"{type(config_or_architecture).__name__} is not a model config; expected one of {[f.config.__name__ for f in FAMILIES]}"
+        f"{type(config_or_architecture).__name__} is not a model config; "
+        f"expected one of {[f.config.__name__ for f in FAMILIES]}"
     )
 
 
@@ -105,7 +106,8 @@ def forward(
     attention: str = "sdpa",
     tp_axis: str = "tp",
 ) -> torch.Tensor:
-    """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is :mod:`~functional_npu.models.decoder`'s.
+    """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is
+    :mod:`~functional_npu.models.decoder`'s.
 
     Example:
         >>> state = init_state(params["config"], mesh, batch=1, max_seq_len=64)     # doctest: +SKIP

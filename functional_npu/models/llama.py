@@ -100,7 +100,8 @@ class LlamaConfig:
                 raise ValueError(f"config.json: {key!r} must be an int, got {hf.get(key)!r}")
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
             raise ValueError(
-                f"config.json: only silu MLPs without bias are supported (hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')!r})"
+                f"config.json: only silu MLPs without bias are supported "
+                f"(hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')!r})"
             )
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))

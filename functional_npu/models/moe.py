@@ -127,7 +127,8 @@ class MoeConfig:
         top_k = hf.get("num_experts_per_tok")
         if not isinstance(experts, int) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
             raise ValueError(
-                f"config.json: need int num_experts (or num_local_experts) >= num_experts_per_tok >= 1, got {experts!r} and {top_k!r}"
+                f"config.json: need int num_experts (or num_local_experts) "
+                f">= num_experts_per_tok >= 1, got {experts!r} and {top_k!r}"
             )
         if hf.get("shared_expert_intermediate_size"):
             raise ValueError("config.json: shared experts are not supported by this family")
@@ -210,7 +211,8 @@ def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float3
     """Full params with seeded random weights (std 0.02, norms 1) and the identity expert map."""
     if cfg.slots != cfg.num_experts or cfg.max_copies != 1:
         raise ValueError(
-            f"init_params: makes the identity placement (num_slots={cfg.num_experts}, max_copies=1), got {cfg.slots} and {cfg.max_copies}"
+            f"init_params: makes the identity placement (num_slots={cfg.num_experts}, "
+            f"max_copies=1), got {cfg.slots} and {cfg.max_copies}"
         )
     g = torch.Generator().manual_seed(seed)
 
@@ -225,7 +227,8 @@ def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float3
 
 
 def param_specs(cfg: MoeConfig, tp_axis: str = "tp") -> dict[str, Any]:
-    """The plan: attention and dense MLPs as in ``llama.param_specs``; experts over ``expert_axes`` (and ``tp_axis`` inside)."""
+    """The plan: attention and dense MLPs as in ``llama.param_specs``; experts over ``expert_axes``
+    (and ``tp_axis`` inside)."""
     dense = llama.param_specs(cfg.base, tp_axis)
     f = cfg.moe_intermediate_size
     slot = Shard(cfg.expert_axes) if cfg.expert_axes else None

@@ -91,31 +91,34 @@ def _check(leaves: list[tuple[str, str, torch.Tensor]], n: int, axis: Axes, to_t
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
-                f"{where} is {shape}; expected a stacked expert tensor of 3 dims ({'[E, 2F, D]' if name == _GATE_UP else '[E, D, F]'})"
+                f"{where} is {shape}; "
+                f"expected a stacked expert tensor of 3 dims ({'[E, 2F, D]' if name == _GATE_UP else '[E, D, F]'})"
             )
         if name == _GATE_UP and x.shape[1] % 2:
             raise ValueError(
-                f"{where} has {x.shape[1]} rows on dim 1 (shape {tuple(x.shape)}), an odd number, so it is not [gate | up]; expected 2F rows"
+                f"{where} has {x.shape[1]} rows on dim 1 (shape {tuple(x.shape)}), "
+                f"an odd number, so it is not [gate | up]; expected 2F rows"
             )
         if to_tp:
             f = x.shape[1] // 2 if name == _GATE_UP else x.shape[2]
             if f % n:
                 dim = 1 if name == _GATE_UP else 2
                 raise ValueError(
-                    f"{where} (shape {tuple(x.shape)}): the expert intermediate size F = {f} on dim {dim} is cut over mesh axis "
-                    f"{axis!r} (size {n}) in the TP layout, but {n} does not divide {f}; {fix}"
+                    f"{where} (shape {tuple(x.shape)}): the expert intermediate size F = {f} on dim {dim} is "
+                    f"cut over mesh axis {axis!r} (size {n}) in the TP layout, but {n} does not divide {f}; {fix}"
                 )
         else:
             f = n * (x.shape[1] // 2 if name == _GATE_UP else x.shape[2])
             if x.shape[0] % n:
                 raise ValueError(
-                    f"{where} (shape {tuple(x.shape)}) holds {x.shape[0]} experts on dim 0, which the EP layout splits over mesh "
-                    f"axis {axis!r} (size {n}), but {n} does not divide {x.shape[0]}; {fix}"
+                    f"{where} (shape {tuple(x.shape)}) holds {x.shape[0]} experts on dim 0, which the EP layout "
+                    f"splits over mesh axis {axis!r} (size {n}), but {n} does not divide {x.shape[0]}; {fix}"
                 )
         parent = path.rsplit(".", 1)[0] if "." in path else ""
         if parent in ffn and ffn[parent][1] != f:
             raise ValueError(
-                f"{where} implies expert intermediate size F = {f} but params[{ffn[parent][0]!r}] implies {ffn[parent][1]}; gate_up is [E, 2F, D] and down [E, D, F]"
+                f"{where} implies expert intermediate size F = {f} but params[{ffn[parent][0]!r}] "
+                f"implies {ffn[parent][1]}; gate_up is [E, 2F, D] and down [E, D, F]"
             )
         ffn[parent] = (path, f)
 

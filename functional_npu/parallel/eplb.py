@@ -60,7 +60,8 @@ def _as_nested(placement: object, what: str) -> list[list[list[int]]]:
             )
         if placement.ndim != 3:
             raise ValueError(
-                f"{what} has shape {tuple(placement.shape)}; expected 3 dims [layers, ranks, slots] (add a layer dim with placement[None])"
+                f"{what} has shape {tuple(placement.shape)}; "
+                f"expected 3 dims [layers, ranks, slots] (add a layer dim with placement[None])"
             )
         return placement.tolist()
     if (
@@ -69,7 +70,8 @@ def _as_nested(placement: object, what: str) -> list[list[list[int]]]:
         or not all(isinstance(layer, Sequence) for layer in placement)
     ):
         raise TypeError(
-            f"{what} is a {type(placement).__name__}; expected an int tensor or nested lists [layers][ranks][slots] of expert ids"
+            f"{what} is a {type(placement).__name__}; expected an int "
+            f"tensor or nested lists [layers][ranks][slots] of expert ids"
         )
     out = []
     for li, layer in enumerate(placement):
@@ -122,7 +124,8 @@ def _check_sizes(nested: list[list[list[int]]], num_experts: int, num_ranks: int
     for li, layer in enumerate(nested):
         if len(layer) != ranks:
             raise ValueError(
-                f"{what} layer {li} has {len(layer)} ranks but layer 0 has {ranks}; every layer spans the same expert axis"
+                f"{what} layer {li} has {len(layer)} ranks but layer 0 has {ranks}; "
+                f"every layer spans the same expert axis"
             )
         for r, row in enumerate(layer):
             if len(row) != slots:
@@ -138,7 +141,8 @@ def _check_sizes(nested: list[list[list[int]]], num_experts: int, num_ranks: int
         )
     if ranks * slots < num_experts:
         raise ValueError(
-            f"{what} has {ranks} ranks x {slots} slots = {ranks * slots} slots for {num_experts} experts; use at least {-(-num_experts // ranks)} slots per rank"
+            f"{what} has {ranks} ranks x {slots} slots = {ranks * slots} slots for "
+            f"{num_experts} experts; use at least {-(-num_experts // ranks)} slots per rank"
         )
 
 
@@ -149,13 +153,14 @@ def _check_experts(nested: list[list[list[int]]], num_experts: int, what: str) -
             for p, e in enumerate(row):
                 if not 0 <= e < num_experts:
                     raise ValueError(
-                        f"{what}[{li}, {r}, {p}] = {e} is not an expert id in [0, {num_experts}); fix the map or num_experts"
+                        f"{what}[{li}, {r}, {p}] = {e} is not an expert id in [0, {num_experts}); "
+                        f"fix the map or num_experts"
                     )
         missing = sorted(set(range(num_experts)) - {e for row in layer for e in row})
         if missing:
             raise ValueError(
-                f"{what} layer {li} places no copy of experts {missing[:16]}{' ...' if len(missing) > 16 else ''}; every "
-                f"expert needs at least one slot (replace a redundant copy with it)"
+                f"{what} layer {li} places no copy of experts {missing[:16]}{' ...' if len(missing) > 16 else ''}; "
+                f"every expert needs at least one slot (replace a redundant copy with it)"
             )
 
 
@@ -168,7 +173,8 @@ def default_placement(num_layers: int, num_experts: int, num_ranks: int) -> torc
     """
     if num_ranks < 1 or num_experts % num_ranks:
         raise ValueError(
-            f"{num_experts} experts cannot be split evenly over an expert axis of size {num_ranks}; use a size that divides {num_experts}"
+            f"{num_experts} experts cannot be split evenly over an expert "
+            f"axis of size {num_ranks}; use a size that divides {num_experts}"
         )
     return torch.arange(num_experts).reshape(1, num_ranks, -1).repeat(num_layers, 1, 1)
 
@@ -290,7 +296,8 @@ def plan_rebalance(old: torch.Tensor | Sequence, new: torch.Tensor | Sequence, n
     n = validate_placement(new, num_experts, what="new placement")
     if o.shape != n.shape:
         raise ValueError(
-            f"old placement has shape {tuple(o.shape)} and new {tuple(n.shape)} [layers, ranks, slots]; a rebalance keeps layers, ranks and slots per rank"
+            f"old placement has shape {tuple(o.shape)} and new {tuple(n.shape)} [layers, ranks, slots]; "
+            f"a rebalance keeps layers, ranks and slots per rank"
         )
     old_t, new_t = _to_tuples(o), _to_tuples(n)
     moves = []
@@ -345,11 +352,13 @@ def _check_params(moe: list[tuple[int, dict[str, Any]]], plan: RebalancePlan, me
     layers, ranks, slots = plan.shape
     if mesh.axis_size(axis) != ranks:
         raise ValueError(
-            f"rebalance: the plan spans {ranks} ranks but mesh axis {axis!r} has size {mesh.axis_size(axis)}; plan for the expert axis the params are sharded over"
+            f"rebalance: the plan spans {ranks} ranks but mesh axis {axis!r} has size "
+            f"{mesh.axis_size(axis)}; plan for the expert axis the params are sharded over"
         )
     if len(moe) != layers:
         raise ValueError(
-            f"rebalance: params have {len(moe)} MoE layers (with 'experts_gate_up') but the plan has {layers}; give one placement layer per MoE layer"
+            f"rebalance: params have {len(moe)} MoE layers (with 'experts_gate_up') "
+            f"but the plan has {layers}; give one placement layer per MoE layer"
         )
     for i, layer in moe:
         for name in EXPERT_LEAVES:
@@ -361,12 +370,14 @@ def _check_params(moe: list[tuple[int, dict[str, Any]]], plan: RebalancePlan, me
                 )
             if x.ndim < 1 or x.shape[0] != slots:
                 raise ValueError(
-                    f"params[{path!r}] has local shape {tuple(x.shape)}, {x.shape[0] if x.ndim else 0} slots on this rank, but the "
-                    f"placement has {slots} slots per rank over mesh axis {axis!r} (size {ranks}); pass this rank's shard (dim 0 sharded over {axis!r})"
+                    f"params[{path!r}] has local shape {tuple(x.shape)}, {x.shape[0] if x.ndim else 0} "
+                    f"slots on this rank, but the placement has {slots} slots per rank over mesh axis "
+                    f"{axis!r} (size {ranks}); pass this rank's shard (dim 0 sharded over {axis!r})"
                 )
         if "expert_map" in layer and layer["expert_map"].shape[0] != plan.num_experts:
             raise ValueError(
-                f"params['layers.{i}.expert_map'] has {layer['expert_map'].shape[0]} experts but the plan has {plan.num_experts}"
+                f"params['layers.{i}.expert_map'] has {layer['expert_map'].shape[0]} "
+                f"experts but the plan has {plan.num_experts}"
             )
 
 

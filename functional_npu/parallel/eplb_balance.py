@@ -94,26 +94,29 @@ def balanced_placement(
     """
     if not isinstance(load, torch.Tensor) or load.ndim != 2:
         raise ValueError(
-            f"balanced_placement: load must be a tensor [layers, experts], got {getattr(load, 'shape', type(load).__name__)}"
+            f"balanced_placement: load must be a tensor [layers, experts], "
+            f"got {getattr(load, 'shape', type(load).__name__)}"
         )
     if not bool(torch.isfinite(load).all()) or bool((load < 0).any()):
         raise ValueError("balanced_placement: load must be finite and non-negative (tokens per expert)")
     layers, experts = load.shape
     if num_ranks < 1 or slots_per_rank < 1 or num_ranks * slots_per_rank < experts:
         raise ValueError(
-            f"balanced_placement: {num_ranks} ranks x {slots_per_rank} slots = {num_ranks * slots_per_rank} slots cannot hold "
-            f"{experts} experts; use at least {-(-experts // max(num_ranks, 1))} slots per rank"
+            f"balanced_placement: {num_ranks} ranks x {slots_per_rank} slots = {num_ranks * slots_per_rank} "
+            f"slots cannot hold {experts} experts; use at least {-(-experts // max(num_ranks, 1))} slots per rank"
         )
     if slots_per_rank > experts:
         raise ValueError(
-            f"balanced_placement: {slots_per_rank} slots per rank exceed the {experts} experts (a rank would hold one expert twice); use at most {experts}"
+            f"balanced_placement: {slots_per_rank} slots per rank exceed the {experts} "
+            f"experts (a rank would hold one expert twice); use at most {experts}"
         )
     prev = None
     if previous is not None:
         prev = validate_placement(previous, experts, num_ranks=num_ranks, what="previous placement")
         if tuple(prev.shape) != (layers, num_ranks, slots_per_rank):
             raise ValueError(
-                f"balanced_placement: previous placement has shape {tuple(prev.shape)} but the new one is {(layers, num_ranks, slots_per_rank)} [layers, ranks, slots]; keep the layers and slots per rank"
+                f"balanced_placement: previous placement has shape {tuple(prev.shape)} but the new one is "
+                f"{(layers, num_ranks, slots_per_rank)} [layers, ranks, slots]; keep the layers and slots per rank"
             )
         prev = prev.tolist()
     spare = num_ranks * slots_per_rank - experts

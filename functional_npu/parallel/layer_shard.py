@@ -102,7 +102,8 @@ def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict
     for leaf in leaves:
         if ls.axis in layer[leaf].axes():
             raise ValueError(
-                f"layer_shard: series {leaf!r} is already sharded over mesh axis {ls.axis!r}; layer-shard it over an axis it is replicated on (dp)"
+                f"layer_shard: series {leaf!r} is already sharded over mesh axis {ls.axis!r}; "
+                f"layer-shard it over an axis it is replicated on (dp)"
             )
     stacked = {leaf: Layout((Cyclic(ls.axis, num_layers),) + layer[leaf].dims) for leaf in leaves}
     rest = [{k: v for k, v in spec.items() if k not in leaves} for spec in specs["layers"]]

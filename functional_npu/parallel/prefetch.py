@@ -35,8 +35,8 @@ def check_prefetch_step(k: int, num_layers: int) -> int:
     """Validate a prefetch distance: ``0 <= k <= num_layers - 2`` (a ring of ``k + 1`` buffers)."""
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= max(0, num_layers - 2):
         raise ValueError(
-            f"prefetch_step must be an int with 0 <= k <= num_layers - 2 = {num_layers - 2} (the model has {num_layers} layers), "
-            f"got {k!r}; k = 0 is synchronous, k = 1 overlaps one layer"
+            f"prefetch_step must be an int with 0 <= k <= num_layers - 2 = {num_layers - 2} (the "
+            f"model has {num_layers} layers), got {k!r}; k = 0 is synchronous, k = 1 overlaps one layer"
         )
     return k
 
@@ -48,13 +48,15 @@ def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor]) -> int
         return 0
     if len(prefetched) % n:
         raise ValueError(
-            f"prefetched holds {len(prefetched)} tensors, not a multiple of the {n} layer-sharded series {list(series_of(params))}"
+            f"prefetched holds {len(prefetched)} tensors, "
+            f"not a multiple of the {n} layer-sharded series {list(series_of(params))}"
         )
     return len(prefetched) // n
 
 
 def _issue(params: dict[str, Any], layer: int, mesh: Mesh) -> dict[int, Weights]:
-    """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's): ``{layer: {leaf: tensor}}``."""
+    """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's):
+    ``{layer: {leaf: tensor}}``."""
     axis = params["layer_shard"].axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = layer % len(params["layers"])
@@ -80,7 +82,8 @@ def _carried(params: dict[str, Any], prefetched: list[torch.Tensor]) -> dict[int
 
 
 def layer_weights(params: dict[str, Any], prefetched: list[torch.Tensor], mesh: Mesh) -> Callable[[int], Weights]:
-    """The loop's source of weights: ``weights(i)`` is layer ``i``'s full weight dict; ask for ``i = 0, 1, ...`` in order.
+    """The loop's source of weights: ``weights(i)`` is layer ``i``'s full weight dict; ask for
+    ``i = 0, 1, ...`` in order.
 
     Without layer-sharded series it is ``params["layers"][i]``. With them, asking for layer ``i``
     issues the broadcasts of layer ``i + k``; asking for the last layer also hands the next step's

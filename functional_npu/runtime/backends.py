@@ -94,7 +94,8 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "torchair" and device_type not in (None, "npu"):
         raise ValueError(
-            f"backend 'torchair' compiles for an Ascend NPU, but the params are on {device_type!r}; move them to 'npu' or use backend='inductor'"
+            f"backend 'torchair' compiles for an Ascend NPU, but the params are "
+            f"on {device_type!r}; move them to 'npu' or use backend='inductor'"
         )
     if name in ("auto", "torchair") and device_type in (None, "npu"):
         ok, why = npu_status()

@@ -214,8 +214,8 @@ def _check_names(ckpt: _Checkpoint, cfg: Any, expected: Mapping[str, Any]) -> No
 def _sizes(cfg: Any) -> str:
     base = getattr(cfg, "base", cfg)  # an MoE config keeps its attention sizes in .base
     text = (
-        f"hidden_size={base.hidden_size}, heads={base.num_heads}, kv_heads={base.num_kv_heads}, head_dim={base.head_dim}, "
-        f"intermediate_size={base.intermediate_size}, vocab_size={base.vocab_size}"
+        f"hidden_size={base.hidden_size}, heads={base.num_heads}, kv_heads={base.num_kv_heads}, "
+        f"head_dim={base.head_dim}, intermediate_size={base.intermediate_size}, vocab_size={base.vocab_size}"
     )
     return text + (
         f", num_experts={cfg.num_experts}, moe_intermediate_size={cfg.moe_intermediate_size}" if base is not cfg else ""

@@ -80,7 +80,8 @@ class CompiledModel:
         i = bisect.bisect_left(values, n)
         if i == len(values):
             raise ValueError(
-                f"{what} {n} exceeds the largest bucket {values[-1]}; pass larger batch_sizes / max_seq_len to compile_model"
+                f"{what} {n} exceeds the largest bucket {values[-1]}; "
+                f"pass larger batch_sizes / max_seq_len to compile_model"
             )
         return values[i]
 
@@ -300,7 +301,8 @@ def greedy_generate(
     total = max_seq_len or width + max_new_tokens
     if width + max_new_tokens > total:
         raise ValueError(
-            f"greedy_generate: prompts of {width} tokens + {max_new_tokens} new need max_seq_len >= {width + max_new_tokens}, got {total}"
+            f"greedy_generate: prompts of {width} tokens + {max_new_tokens} "
+            f"new need max_seq_len >= {width + max_new_tokens}, got {total}"
         )
     model = compile_model(
         params,

@@ -121,7 +121,8 @@ def generate(
     if lockstep is not None:
         if len(chunks) > lockstep.chunks:
             raise ValueError(
-                f"generate: {len(prompts)} prompts need {len(chunks)} chunks of {width}, more than the lockstep's {lockstep.chunks}"
+                f"generate: {len(prompts)} prompts need {len(chunks)} chunks of {width}, "
+                f"more than the lockstep's {lockstep.chunks}"
             )
         chunks += [[]] * (lockstep.chunks - len(chunks))
     out: list[list[int]] = []

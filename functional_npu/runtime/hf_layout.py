@@ -64,8 +64,8 @@ def block_ranges(layout: Layout, dim: int, full: int, n_sources: int, *, path: s
         return [(i * (full // n_sources), full // n_sources) for i in range(n_sources)]
     if len(spec.blocks) != n_sources:
         raise ValueError(
-            f"specs[{path!r}] dim {dim} is fused from {len(spec.blocks)} blocks {list(spec.blocks)} but the leaf is stored as "
-            f"{n_sources} HF tensors; the family's param_specs and hf_names must list the same blocks"
+            f"specs[{path!r}] dim {dim} is fused from {len(spec.blocks)} blocks {list(spec.blocks)} but the leaf "
+            f"is stored as {n_sources} HF tensors; the family's param_specs and hf_names must list the same blocks"
         )
     out, offset = [], 0
     for b in spec.blocks:

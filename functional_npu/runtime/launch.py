@@ -122,7 +122,8 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, threads:
 
 
 class LocalWorld:
-    """``world_size`` local gloo ranks; ``run(fn, *args)`` calls ``fn(ctx, *args)`` on each and returns the results by rank.
+    """``world_size`` local gloo ranks; ``run(fn, *args)`` calls ``fn(ctx, *args)`` on each and returns the
+    results by rank.
 
     Args:
         world_size: number of processes.
@@ -208,7 +209,8 @@ class LocalWorld:
             task = pickle.dumps((fn, args, kwargs))
         except Exception as e:
             raise TypeError(
-                f"LocalWorld.run: {getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to the ranks ({e}); use a module-level function and picklable arguments"
+                f"LocalWorld.run: {getattr(fn, '__qualname__', fn)!r} or its arguments cannot "
+                f"be sent to the ranks ({e}); use a module-level function and picklable arguments"
             ) from e
         self.start()
         self._tid += 1

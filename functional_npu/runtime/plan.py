@@ -27,7 +27,8 @@ def with_expert_axes(cfg: Any, expert_axes: Sequence[str], *, where: str = "mode
         return cfg
     if "expert_axes" not in {f.name for f in dataclasses.fields(cfg)}:
         raise ValueError(
-            f"{where}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, but this is a {cfg.architecture}; drop expert_axes (--ep)"
+            f"{where}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, "
+            f"but this is a {cfg.architecture}; drop expert_axes (--ep)"
         )
     return dataclasses.replace(cfg, expert_axes=tuple(expert_axes))
 
@@ -58,7 +59,8 @@ def check_plan(
     if layer_shard is not None:
         if layer_shard.axis not in mesh.axis_names:
             raise ValueError(
-                f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}"
+                f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis "
+                f"of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}"
             )
         meta, specs = stack_series(meta, layer_shard), series_specs(specs, layer_shard, cfg.num_layers)
     layouts = leaf_specs(specs, meta)

@@ -50,6 +50,7 @@ def _check_savable(family: Family, cfg: Any, params: dict[str, Any]) -> None:
         make = (family.derived or {}).get(p.split(".")[-1])
         if make is not None and not torch.equal(x, make(cfg)):
             raise ValueError(
-                f"save_checkpoint: params[{p!r}] holds an expert placement other than the identity (shape {tuple(x.shape)}); "
-                f"HF checkpoints store each logical expert once: move the experts back to the identity placement before saving"
+                f"save_checkpoint: params[{p!r}] holds an expert placement other than the identity "
+                f"(shape {tuple(x.shape)}); HF checkpoints store each logical expert once: "
+                f"move the experts back to the identity placement before saving"
             )
