@@ -5,9 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from functional_npu import Mesh, compile_model, load_checkpoint, shard
+from functional_npu import Mesh, compile_model, greedy_generate, load_checkpoint, shard
 from functional_npu.models import forward, llama
 from functional_npu.runtime.compile import GraphBreakError
+from functional_npu.runtime.generate import Lockstep
 
 from ..support.hf_models import hf_greedy, save_tiny
 
@@ -83,3 +84,34 @@ def test_cache_length_is_the_smallest_power_of_two_that_fits():
 
     assert [cache_length(n) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
     assert cache_length(5, minimum=1) == 8
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3):
+    """The same model on backend 'none': the plain forward through the same generation path."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    return compile_model(load_checkpoint(qwen3[0], mesh), mesh, backend="none", batch_sizes=[1, 4], max_seq_len=64)
+
+
+def test_plain_backend_honours_every_option(plain, qwen3):
+    assert plain.generate(PROMPTS, NEW) == qwen3[1]
+    sampled = plain.generate(PROMPTS, NEW, temperature=1.5, seed=1)
+    assert sampled == plain.generate(PROMPTS, NEW, temperature=1.5, seed=1) != qwen3[1]
+    assert plain.generate(PROMPTS, NEW, temperature=0.7, top_k=1, seed=5) == qwen3[1]
+    assert greedy_generate(plain.params, PROMPTS, NEW, plain.mesh) == qwen3[1]
+
+
+def test_lockstep_pads_chunks_and_rows_and_keeps_results(plain, qwen3):
+    assert Lockstep.over(5, 2, 11, (1, 2, 4, 8)) == Lockstep(chunks=1, batch=4, prompt_len=11)
+    assert Lockstep.over(20, 2, 3, (1, 2, 4, 8)) == Lockstep(chunks=2, batch=8, prompt_len=3)
+    assert Lockstep.over(1, 4, 2, (1, 2, 4, 8)) == Lockstep(chunks=1, batch=1, prompt_len=2)
+    assert plain.generate([], NEW, lockstep=Lockstep(2, 2, 11)) == []  # an idle rank still steps with its group
+    assert plain.generate(PROMPTS, NEW, lockstep=Lockstep(2, 2, 11)) == qwen3[1]  # 2 + 1 rows, then a dummy row
+    with pytest.raises(ValueError, match=r"generate: 3 prompts need 2 chunks of 2, more than the lockstep's 1"):
+        plain.generate(PROMPTS, NEW, lockstep=Lockstep(1, 2, 11))
+
+
+def test_greedy_generate_names_params_sharded_for_another_mesh(plain):
+    tp2 = shard(plain.params, llama.param_specs(plain.config), Mesh.abstract({"tp": 2}, 0))
+    with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(64, 64\) but mesh \{'tp': 1\}"):
+        greedy_generate(tp2, PROMPTS, 2, plain.mesh)
