@@ -107,8 +107,14 @@ def check_structure(tree: PyTree, reference: PyTree, *, what: str = "params", ag
         )
 
 
-def _is_under(path: str, prefix: str) -> bool:
-    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+def _longest_prefix(path: str, prefixes: Mapping[str, Any]) -> str | None:
+    """The longest of ``path``'s dotted prefixes (itself, ..., its first key, then "") in ``prefixes``."""
+    parts = path.split(".") if path else []
+    for n in range(len(parts), -1, -1):
+        candidate = ".".join(parts[:n])
+        if candidate in prefixes:
+            return candidate
+    return None
 
 
 def expand_prefix(
@@ -124,13 +130,11 @@ def expand_prefix(
             cover no leaf.
     """
     prefixes = dict(flatten_with_paths(prefix_tree, is_leaf=is_leaf))
-    by_depth = sorted(prefixes, key=lambda p: -len(p))
     out: dict[str, Any] = {}
     uncovered = []
     used = set()
     for path, _ in flatten_with_paths(tree):
-        matches = [p for p in by_depth if _is_under(path, p)]
-        match = matches[0] if matches else None
+        match = _longest_prefix(path, prefixes)
         if match is None:
             uncovered.append(path)
         else:
