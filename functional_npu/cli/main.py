@@ -126,15 +126,19 @@ def _graphs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokenizer(model: Path) -> Any | None:
+def _tokenizer(model: Path) -> tuple[Any | None, str]:
+    """(the model's tokenizer or None, why it is None): a broken file is a reason, not a crash."""
     file = model / "tokenizer.json"
     if not file.is_file():
-        return None
+        return None, f"{file} does not exist"
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        return None
-    return Tokenizer.from_file(str(file))
+        return None, "the 'tokenizers' package is not installed"
+    try:
+        return Tokenizer.from_file(str(file)), ""
+    except Exception as e:  # tokenizers raises its own exception type for a malformed file
+        return None, f"{file} cannot be read ({' '.join(str(e).split())[:120]})"
 
 
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
@@ -143,6 +147,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     from ..parallel.layer_shard import layer_shard
     from ..parallel.prefetch import check_prefetch_step
     from ..runtime.checkpoint import read_config
+    from ..runtime.generate import check_token_ids
     from ..runtime.plan import check_plan, with_expert_axes
 
     model = Path(args.model)
@@ -164,20 +169,19 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
             )
     except (OSError, ValueError) as e:
         parser.error(" ".join(str(e).split()))  # one line, whatever the message
-    tok = _tokenizer(model)
+    tok, why = _tokenizer(model)
     if args.prompt is not None:
         if tok is None:
-            parser.error(
-                f"--prompt needs {model / 'tokenizer.json'} and the 'tokenizers' package; pass --prompt-ids instead"
-            )
+            parser.error(f"--prompt needs the model's tokenizer, but {why}; pass --prompt-ids instead")
         prompts = [tok.encode(t).ids for t in args.prompt]
-    else:
+    else:  # ids need no tokenizer: without one the output is ids only
         prompts = args.prompt_ids
-    bad = sorted({i for p in prompts for i in p if i >= cfg.vocab_size})
-    if bad:
-        parser.error(f"token ids {bad[:5]} are outside the vocabulary of {cfg.vocab_size}")
-    if any(not p for p in prompts):
-        parser.error("every prompt needs at least one token")
+        if tok is None and (model / "tokenizer.json").is_file():
+            print(f"warning: {why}; printing token ids only", file=sys.stderr)
+    try:
+        check_token_ids(prompts, cfg.vocab_size)  # the API's own check, before any rank starts
+    except ValueError as e:
+        parser.error(str(e))
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return prompts, tok

@@ -23,7 +23,7 @@ import torch
 from ..models.decoder import DecodeState
 from ..parallel.prefetch import drain
 
-__all__ = ["Lockstep", "generate", "sampler"]
+__all__ = ["Lockstep", "generate", "sampler", "check_token_ids"]
 
 
 class Model(Protocol):
@@ -31,6 +31,7 @@ class Model(Protocol):
 
     batch_sizes: tuple[int, ...]
     max_seq_len: int
+    config: Any
 
     def new_state(self, batch: int) -> DecodeState: ...
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor: ...
@@ -81,6 +82,19 @@ def sampler(
     return sample
 
 
+def check_token_ids(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Raise a ValueError naming the first prompt with a token id outside ``[0, vocab_size)`` (or no tokens)."""
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
+        bad = [t for t in p if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(
+                f"generate: prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+                "tokenize with this model's tokenizer"
+            )
+
+
 def _chunk(
     model: Model, rows: Sequence[Sequence[int]], new: int, pick: Callable[[torch.Tensor], torch.Tensor], length: int
 ) -> list[list[int]]:
@@ -110,6 +124,7 @@ def generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_token_ids(prompts, model.config.vocab_size)
     longest = max([len(p) for p in prompts] + [lockstep.prompt_len if lockstep else 0])
     if longest + max_new_tokens > model.max_seq_len:
         raise ValueError(

@@ -1,6 +1,8 @@
 """The command line as a user runs it: the README demo, generate (local dp x tp ranks, --json, tokenizer),
 bad arguments."""
 
+import json
+
 import pytest
 
 from ..support.cli import PROMPTS, cli, generate_json
@@ -61,7 +63,7 @@ def test_generate_with_tokenizer_text(model):
         ),
         (
             ["generate", "--model", "MODEL", "--prompt-ids", "1,500", "--max-new-tokens", "2"],
-            "token ids [500] are outside the vocabulary of 128",
+            "generate: prompt 0 has token ids [500] outside the vocabulary [0, 128)",
         ),
         (
             ["generate", "--model", "MODEL", "--prompt-ids", "1", "--max-new-tokens", "2", "--backend", "tvm"],
@@ -91,3 +93,20 @@ def test_prompt_text_without_tokenizer_is_a_clear_error(model, tmp_path):
     (bare / "tokenizer.json").unlink()
     out = cli("generate", "--model", str(bare), "--prompt", "hello", "--max-new-tokens", "2", timeout=120)
     assert out.returncode == 2 and "--prompt needs" in out.stderr and "pass --prompt-ids instead" in out.stderr
+
+
+def test_a_broken_tokenizer_matters_only_where_it_is_needed(model, tmp_path):
+    import shutil
+
+    path, prompts, ref = model
+    broken = shutil.copytree(path, tmp_path / "broken_tok")
+    (broken / "tokenizer.json").write_text("{not json")
+    ids = ",".join(map(str, prompts[0]))
+    argv = ["generate", "--model", str(broken), "--backend", "none", "--prompt-ids", ids, "--max-new-tokens", "6"]
+    out = cli(*argv, "--json", timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["token_ids"] == [ref[0]]
+    assert f"{broken / 'tokenizer.json'} cannot be read" in out.stderr and "Traceback" not in out.stderr
+    out = cli("generate", "--model", str(broken), "--prompt", "w5", "--max-new-tokens", "2", timeout=120)
+    assert out.returncode == 2 and "tokenizer.json cannot be read" in out.stderr, out.stderr
+    assert "pass --prompt-ids instead" in out.stderr and "Traceback" not in out.stderr

@@ -115,3 +115,10 @@ def test_greedy_generate_names_params_sharded_for_another_mesh(plain):
     tp2 = shard(plain.params, llama.param_specs(plain.config), Mesh.abstract({"tp": 2}, 0))
     with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(64, 64\) but mesh \{'tp': 1\}"):
         greedy_generate(tp2, PROMPTS, 2, plain.mesh)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_on_every_path(plain, compiled):
+    paths = [plain.generate, compiled.generate, lambda p, n: greedy_generate(plain.params, p, n, plain.mesh)]
+    for generate in paths:
+        with pytest.raises(ValueError, match=r"prompt 1 has token ids \[128, -1\] outside the vocabulary \[0, 128\)"):
+            generate([[1, 2], [128, 3, -1]], 2)
