@@ -31,6 +31,9 @@ from .plan import check_plan, with_expert_axes
 
 __all__ = ["load_checkpoint", "read_config"]
 
+# safetensors dtype names of the weights a model may hold, and their torch dtypes
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
 # Tensors some checkpoints carry that the forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -89,7 +92,8 @@ def load_checkpoint(
         path: a HF model directory: ``config.json`` and ``model.safetensors`` or a sharded index.
         mesh: a mesh with a ``tp_axis`` axis (other axes hold replicas), from ``make_mesh`` or
             ``Mesh.abstract(...).at(...)`` to load one coordinate's shards in one process.
-        dtype: convert to this dtype (default: as stored).
+        dtype: read floating weights in this dtype (default: the embedding's stored dtype, so a
+            checkpoint holding a stray fp16 tensor among fp32 ones loads in one dtype).
         progress: print progress on rank 0 (default: when stderr is a terminal).
         on_read: called as ``on_read(tensor_name, bytes_read)`` for every slice read.
         expert_axes: MoE models only: the mesh axes the experts are sharded over (expert
@@ -108,9 +112,9 @@ def load_checkpoint(
     root = Path(path)
     wanted = _check_plan(root, mesh, expert_axes, layer_shard, tp_axis)
     ckpt = _open_checkpoint(root, on_read)
-    _check_names_and_shapes(ckpt, wanted)
+    stored_dtype = _check_names_and_shapes(ckpt, wanted)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
-    loaded = _read_leaves(ckpt, wanted, mesh, _not_owned(wanted, mesh, layer_shard), dtype, show)
+    loaded = _read_leaves(ckpt, wanted, mesh, _not_owned(wanted, mesh, layer_shard), dtype or stored_dtype, show)
     if layer_shard is None:
         return map_with_path(lambda p, _: loaded[p], wanted.meta)
     return _stack_owned(wanted, mesh, layer_shard, loaded)
@@ -163,16 +167,29 @@ def _open(file: Path):
         ) from None
 
 
-def _check_names_and_shapes(ckpt: _Checkpoint, wanted: _Wanted) -> None:
+def _check_names_and_shapes(ckpt: _Checkpoint, wanted: _Wanted) -> torch.dtype:
+    """Check every tensor the config needs is there, with its shape and a floating dtype; returns the
+    embedding's dtype, which every float leaf is read in unless the caller asks for another."""
     expected = _expected_tensors(wanted)
     _check_names(ckpt, wanted.cfg, expected)
+    embed_dtype = torch.float32
     for name, (p, shape) in expected.items():
-        got = tuple(ckpt.get_slice(name).get_shape())
+        stored = ckpt.get_slice(name)
+        got = tuple(stored.get_shape())
         if got != shape:
             raise ValueError(
                 f"{ckpt.root}: tensor {name!r} (for params[{p!r}]) has shape {got} but config.json implies {shape} "
                 f"({_sizes(wanted.cfg)}); the config and the weights disagree"
             )
+        kind = stored.get_dtype()
+        if kind not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"{ckpt.root}: tensor {name!r} (for params[{p!r}]) is stored as {kind}, but weights are floating point "
+                f"({', '.join(_FLOAT_DTYPES)}); the file was not written from this model's weights"
+            )
+        if p == "embed":
+            embed_dtype = _FLOAT_DTYPES[kind]
+    return embed_dtype
 
 
 def _expected_tensors(wanted: _Wanted) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -8,12 +8,14 @@ import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
-from functional_npu import Mesh, local_shape
+from functional_npu import Mesh, greedy_generate, local_shape
 from functional_npu.core.shard import leaf_specs
 from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import llama
 from functional_npu.runtime.checkpoint import load_checkpoint
 from functional_npu.runtime.save import save_checkpoint
+
+from ..support.hf_models import hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +212,26 @@ def test_save_checkpoint_roundtrips_through_transformers(base, tmp_path):
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, ref(ids).logits)
+
+
+def test_a_mixed_dtype_checkpoint_loads_in_the_embeddings_dtype_and_matches_transformers(ckpt):
+    down = "model.layers.0.mlp.down_proj.weight"
+    _edit_tensors(ckpt, lambda t: t.update({down: t[down].half()}))  # one fp16 tensor among fp32 ones
+    params = load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+    assert {x.dtype for _, x in flatten_with_paths(params)} == {torch.float32}
+    assert torch.equal(params["layers"][0]["down"], load_file(ckpt / "model.safetensors")[down].float())
+    hf = T.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    assert greedy_generate(params, [[3, 1, 4, 1, 5]], 6, Mesh.abstract({"tp": 1}, 0)) == [
+        hf_greedy(hf, [3, 1, 4, 1, 5], 6)
+    ]
+    assert load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0), dtype=torch.bfloat16)["norm"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", [torch.int32, torch.bool])
+def test_non_float_weights_are_refused_naming_the_tensor(ckpt, bad):
+    name = "model.layers.1.self_attn.o_proj.weight"
+    _edit_tensors(ckpt, lambda t: t.update({name: t[name].to(bad)}))
+    with pytest.raises(
+        ValueError, match=rf"tensor '{name}' \(for params\['layers.1.o_proj'\]\) is stored as (I32|BOOL), "
+    ):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
