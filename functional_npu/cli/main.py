@@ -222,7 +222,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             with LocalWorld(args.dp * args.tp, timeout=args.timeout) as world_:
                 results = world_.run(*job, **extra)
-        except (RemoteError, TimeoutError, RuntimeError) as e:
+        except RemoteError as e:  # the rank's whole message (a mismatch report spans lines), not its traceback
+            print(f"error: rank {e.rank} raised {e.summary}", file=sys.stderr)
+            return 1
+        except (TimeoutError, RuntimeError) as e:
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1
     tokens = in_prompt_order(results, len(prompts))

@@ -21,6 +21,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -39,13 +40,20 @@ __all__ = ["LocalWorld", "RankContext", "RemoteError", "free_port"]
 
 
 class RemoteError(RuntimeError):
-    """A function raised on a rank; carries the rank and the remote traceback text."""
+    """A function raised on a rank; carries the rank, the exception as text (``summary``: its type and its
+    whole message, every line of it) and the remote traceback."""
 
-    def __init__(self, rank: int, remote_traceback: str):
+    def __init__(self, rank: int, remote_traceback: str, summary: str = ""):
         self.rank = rank
         self.remote_traceback = remote_traceback
-        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else "?"
-        super().__init__(f"rank {rank} raised: {last}\n--- remote traceback (rank {rank}) ---\n{remote_traceback}")
+        self.summary = summary or (remote_traceback.strip().splitlines() or ["?"])[-1]
+        where = f"--- remote traceback (rank {rank}) ---"
+        super().__init__(f"rank {rank} raised: {self.summary}\n{where}\n{remote_traceback}")
+
+
+def _failure() -> tuple[str, str]:
+    """(the exception being handled as ``Type: message``, with every line of its message; its traceback)."""
+    return "".join(traceback.format_exception_only(*sys.exc_info()[:2])).strip(), traceback.format_exc()
 
 
 @dataclass
@@ -104,7 +112,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, threads:
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
     except BaseException:
-        results.put((0, rank, "err", traceback.format_exc()))
+        results.put((0, rank, "err", _failure()))
         return
     results.put((0, rank, "ok", _encode(None)))
     ctx = RankContext(rank, world)
@@ -117,7 +125,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, threads:
             fn, args, kwargs = pickle.loads(payload)
             results.put((tid, rank, "ok", _encode(fn(ctx, *args, **kwargs))))
         except BaseException:
-            results.put((tid, rank, "err", traceback.format_exc()))
+            results.put((tid, rank, "err", _failure()))
     dist.destroy_process_group()
 
 
@@ -238,7 +246,8 @@ class LocalWorld:
             if item_tid != tid:
                 continue  # a late answer to an earlier call
             if status == "err":
-                self._fail(RemoteError(rank, payload))
+                summary, remote_traceback = payload
+                self._fail(RemoteError(rank, remote_traceback, summary))
             got[rank] = _decode(payload)
         return [got[r] for r in range(self.world_size)]
 

@@ -110,3 +110,19 @@ def test_a_broken_tokenizer_matters_only_where_it_is_needed(model, tmp_path):
     out = cli("generate", "--model", str(broken), "--prompt", "w5", "--max-new-tokens", "2", timeout=120)
     assert out.returncode == 2 and "tokenizer.json cannot be read" in out.stderr, out.stderr
     assert "pass --prompt-ids instead" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_error_raised_on_a_rank_reaches_the_command_line_whole(model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = shutil.copytree(model[0], tmp_path / "missing_tensor")
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    out = cli("generate", "--model", str(broken), "--backend", "none", "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert out.returncode == 1, out.stderr
+    assert "error: rank 0 raised ValueError: " in out.stderr
+    assert "does not match its Qwen2ForCausalLM config.json:" in out.stderr
+    assert "missing tensors (1): model.layers.1.mlp.up_proj.weight" in out.stderr and "Traceback" not in out.stderr
