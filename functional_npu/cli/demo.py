@@ -50,7 +50,7 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> in
         )
         print(f"eager, 1 rank: done in {time.perf_counter() - t0:.1f}s; starting {tp} local ranks ...")
         axes = {"dp": 1, "tp": tp}
-        with LocalWorld(tp, timeout=timeout) as world:
+        with LocalWorld(tp, timeout=timeout, remove_when_orphaned=(tmp,)) as world:
             eager = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="none", repeat=2)
             compiled = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="inductor", repeat=2)
     want = ref["tokens"]

@@ -10,7 +10,9 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -240,9 +242,27 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _terminated(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds like an error: local ranks are stopped, temporary files removed
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a SIGTERM stops the run cleanly (exit 143), a Ctrl-C too, in one line (exit 130)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        return _run(args, parser)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.command == "demo":
         if args.tp > 2 * (os.cpu_count() or 1) or 4 % args.tp:
             parser.error(f"--tp {args.tp}: the demo model has 4 heads; use 1, 2 or 4 ranks")

@@ -15,16 +15,20 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
 import pickle
 import queue
+import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +103,33 @@ def _decode(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, threads: int, pg_timeout: float) -> None:
+def _watch_parent(parent: int, remove: tuple[str, ...]) -> None:
+    """End this rank as soon as the process that started it is gone, whatever ended it (SIGKILL included):
+    remove the paths the run owns, then exit. Polls the parent pid, which works on every platform."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    for path in remove:
+        shutil.rmtree(path, ignore_errors=True)
+    os._exit(1)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while processes are started (a spawned process keeps an ignored signal ignored)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _worker(
+    rank: int, world: int, port: int, tasks: Any, results: Any, threads: int, pg_timeout: float, orphan: tuple
+) -> None:
+    threading.Thread(target=_watch_parent, args=orphan, daemon=True, name="parent-watchdog").start()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool per rank
     torch.set_num_threads(threads)
@@ -139,6 +169,8 @@ class LocalWorld:
         start_timeout: seconds to wait for the processes to start and join the process group.
         threads: torch intra-op threads per rank (default: cores // world_size, at least 1).
         pg_timeout: seconds a collective may block inside a rank before it fails there.
+        remove_when_orphaned: paths (e.g. the run's temporary directory) the ranks delete if this process
+            dies without closing the world; a rank ends within a fraction of a second of its parent.
     """
 
     def __init__(
@@ -149,6 +181,7 @@ class LocalWorld:
         start_timeout: float = 180.0,
         threads: int | None = None,
         pg_timeout: float = 120.0,
+        remove_when_orphaned: tuple[str, ...] = (),
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -157,6 +190,7 @@ class LocalWorld:
         self.start_timeout = start_timeout
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self.pg_timeout = pg_timeout
+        self.remove_when_orphaned = tuple(str(p) for p in remove_when_orphaned)
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
         self._results: Any = None
@@ -168,19 +202,21 @@ class LocalWorld:
             return self
         ctx = mp.get_context("spawn")
         port = free_port()
+        orphan = (os.getpid(), self.remove_when_orphaned)  # what a rank watches, and removes if the parent dies
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads, self.pg_timeout),
+                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads, self.pg_timeout, orphan),
                 daemon=True,
                 name=f"fnpu-rank{r}",
             )
             for r in range(self.world_size)
         ]
-        for p in self._procs:
-            p.start()
+        with _sigint_ignored():  # inherited from the start: a Ctrl-C during a rank's imports is the parent's to handle
+            for p in self._procs:
+                p.start()
         self._collect(0, self.start_timeout, "start")
         return self
 

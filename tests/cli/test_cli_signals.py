@@ -1,0 +1,72 @@
+"""A run ends with its parent: SIGTERM, SIGKILL or Ctrl-C to `python -m functional_npu demo` leaves no rank,
+no helper process and no temporary directory behind. Processes are found by process group (the run gets a
+session of its own), never by name; every wait has a deadline."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _group(pgid: int) -> list[int]:
+    """Pids of the live processes in process group ``pgid`` (from /proc; zombies are not alive)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def _wait_for(predicate, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"gave up after {seconds:.0f}s waiting for {what}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process groups are read from /proc (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_the_parent_ends_the_whole_run(tmp_path, sig):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "functional_npu", "demo", "--tp", "2", "--timeout", "120"],
+            env=os.environ | {"TMPDIR": str(tmp)},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,  # its own process group: the run's processes are exactly that group
+        )
+        try:
+            _wait_for(lambda: len(_group(run.pid)) >= 3, 180, "the demo's two ranks to start")
+            time.sleep(4)  # into the run: the ranks are loading, generating or compiling
+            if sig == signal.SIGINT:
+                os.killpg(run.pid, sig)  # Ctrl-C reaches the whole foreground group
+            else:
+                os.kill(run.pid, sig)  # only the parent
+            code = run.wait(timeout=60)
+            _wait_for(lambda: not _group(run.pid), 15, f"the processes of the run to end: {_group(run.pid)}")
+            _wait_for(lambda: not list(tmp.iterdir()), 15, f"the temporary files to go: {list(tmp.iterdir())}")
+        finally:
+            if _group(run.pid):
+                os.killpg(run.pid, signal.SIGKILL)
+            run.wait(timeout=30)
+    stderr = log.read_text()
+    assert code == {signal.SIGTERM: 143, signal.SIGKILL: -9, signal.SIGINT: 130}[sig], stderr
+    assert "Traceback" not in stderr, stderr
+    if sig == signal.SIGINT:
+        assert stderr.strip().splitlines()[-1] == "interrupted"
