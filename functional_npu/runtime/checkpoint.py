@@ -60,7 +60,14 @@ class _Checkpoint:
 
     def get_slice(self, name: str) -> Any:
         """The lazily read safetensors slice of one HF tensor."""
-        return self.handles[self.files[name]].get_slice(name)
+        file = self.files[name]
+        try:
+            return self.handles[file].get_slice(name)
+        except Exception as e:  # safetensors raises its own error type for a name the file lacks
+            raise ValueError(
+                f"{self.root}: the index says tensor {name!r} is in {file.name}, but that file does not hold it "
+                f"({' '.join(str(e).split())}); the index and the shards disagree, download them again"
+            ) from None
 
 
 def read_config(path: str | Path) -> Any:

@@ -196,6 +196,21 @@ def test_index_names_a_missing_shard(ckpt):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 
+def test_index_names_a_shard_that_lacks_the_tensor(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    norm = tensors.pop("model.norm.weight")
+    save_file(tensors, ckpt / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file({"other.weight": norm}, ckpt / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    (ckpt / "model.safetensors").unlink()
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in tensors} | {
+        "model.norm.weight": "model-00002-of-00002.safetensors"
+    }
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    message = r"the index says tensor 'model.norm.weight' is in model-00002-of-00002.safetensors, but that file"
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
 def test_invalid_config_json(ckpt):
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
