@@ -149,7 +149,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     from ..parallel.layer_shard import layer_shard
     from ..parallel.prefetch import check_prefetch_step
     from ..runtime.checkpoint import read_config
-    from ..runtime.generate import check_token_ids
+    from ..runtime.generate import check_length, check_token_ids
     from ..runtime.plan import check_plan, with_expert_axes
 
     model = Path(args.model)
@@ -180,10 +180,11 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         prompts = args.prompt_ids
         if tok is None and (model / "tokenizer.json").is_file():
             print(f"warning: {why}; printing token ids only", file=sys.stderr)
-    try:
-        check_token_ids(prompts, cfg.vocab_size)  # the API's own check, before any rank starts
+    try:  # the API's own checks, before any rank starts or any cache is allocated
+        check_token_ids(prompts, cfg.vocab_size)
+        check_length(max(len(p) for p in prompts), args.max_new_tokens, cfg.max_position_embeddings)
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(str(e).replace("max_new_tokens", "--max-new-tokens"))
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return prompts, tok

@@ -23,7 +23,7 @@ import torch
 from ..models.decoder import DecodeState
 from ..parallel.prefetch import drain
 
-__all__ = ["Lockstep", "generate", "sampler", "check_token_ids"]
+__all__ = ["Lockstep", "generate", "sampler", "check_token_ids", "check_length"]
 
 
 class Model(Protocol):
@@ -82,6 +82,15 @@ def sampler(
     return sample
 
 
+def check_length(prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
+    """Raise a ValueError when a generation would run past the positions the model was built for."""
+    if prompt_len + max_new_tokens > max_positions:
+        raise ValueError(
+            f"generate: {prompt_len} prompt tokens + {max_new_tokens} new exceed the model's {max_positions} positions "
+            f"(max_position_embeddings); lower max_new_tokens to at most {max(0, max_positions - prompt_len)}"
+        )
+
+
 def check_token_ids(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
     """Raise a ValueError naming the first prompt with a token id outside ``[0, vocab_size)`` (or no tokens)."""
     for i, p in enumerate(prompts):
@@ -100,13 +109,22 @@ def _chunk(
 ) -> list[list[int]]:
     """``new`` tokens for each row of one batch: one prefill into a fresh state, then ``new - 1`` decode steps."""
     state = model.new_state(len(rows))
-    step = pick(model.prefill(rows, state, length=length))
+    logits = model.prefill(rows, state, length=length)
+    finite = torch.isfinite(logits).all()  # checked once per chunk: no sync per step
+    step = pick(logits)
     pos, steps = torch.tensor([len(p) for p in rows]), [step]
     for _ in range(new - 1):
-        step = pick(model.decode(step, pos, state))
+        logits = model.decode(step, pos, state)
+        finite &= torch.isfinite(logits).all()
+        step = pick(logits)
         pos = pos + 1
         steps.append(step)
     drain(state.prefetched)
+    if not bool(finite):
+        raise FloatingPointError(
+            "generate: the model produced non-finite logits (NaN or Inf), so its tokens are meaningless; "
+            "check the checkpoint's weights for NaN / Inf, or load them in a wider dtype (load_checkpoint(dtype=))"
+        )
     return torch.stack(steps, dim=1).tolist()
 
 
@@ -130,6 +148,7 @@ def generate(
         raise ValueError(
             f"generate: {longest} prompt tokens + {max_new_tokens} new exceed max_seq_len {model.max_seq_len}"
         )
+    check_length(longest, max_new_tokens, model.config.max_position_embeddings)
     pick = sampler(**sampling)
     width = lockstep.batch if lockstep else model.batch_sizes[-1]
     chunks = [list(prompts[i : i + width]) for i in range(0, len(prompts), width)]

@@ -122,3 +122,16 @@ def test_token_ids_outside_the_vocabulary_are_refused_on_every_path(plain, compi
     for generate in paths:
         with pytest.raises(ValueError, match=r"prompt 1 has token ids \[128, -1\] outside the vocabulary \[0, 128\)"):
             generate([[1, 2], [128, 3, -1]], 2)
+
+
+def test_generation_past_the_models_positions_is_refused_before_allocating(plain):
+    with pytest.raises(ValueError, match=r"250 prompt tokens \+ 10 new exceed the model's 256 positions .* at most 6"):
+        greedy_generate(plain.params, [[1] * 250], 10, plain.mesh)
+
+
+def test_non_finite_logits_are_reported_not_turned_into_tokens(plain):
+    layers = [dict(layer) for layer in plain.params["layers"]]
+    layers[1]["down"] = layers[1]["down"].clone()
+    layers[1]["down"][0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"generate: the model produced non-finite logits \(NaN or Inf\)"):
+        greedy_generate(plain.params | {"layers": layers}, PROMPTS, 2, plain.mesh)
