@@ -126,6 +126,19 @@ def _sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+def _loopback_store(rank: int, world: int, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store on 127.0.0.1 only: rank 0 binds the listening socket itself (the store's own
+    server would listen on every interface) and hands it to the store; the other ranks connect to it."""
+    if rank:
+        return dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    # the store serves on this socket from now on: detached, so Python never closes it under the store
+    return dist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, master_listen_fd=listener.detach())
+
+
 def _worker(
     rank: int, world: int, port: int, tasks: Any, results: Any, threads: int, pg_timeout: float, orphan: tuple
 ) -> None:
@@ -134,13 +147,9 @@ def _worker(
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool per rank
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout)
+        store = _loopback_store(rank, world, port, timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except BaseException:
         results.put((0, rank, "err", _failure()))
         return

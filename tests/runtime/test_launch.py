@@ -7,6 +7,8 @@ import pytest
 
 from functional_npu.runtime.launch import LocalWorld, RemoteError
 
+from ..support.workers import listening_addresses
+
 
 def _rank_times(ctx, x):
     return ctx.rank * x
@@ -68,3 +70,11 @@ def test_unpicklable_task_fails_at_once(world2):
         world2.run(lambda ctx: 1)
     assert time.monotonic() - t0 < 5
     assert world2.run(_rank_times, 2) == [0, 2]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="socket tables are read from /proc (Linux)")
+def test_every_socket_a_local_world_listens_on_is_loopback(world2):
+    loopback = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and ::1 as /proc/net writes them
+    for rank, addresses in enumerate(world2.run(listening_addresses)):
+        assert addresses, f"rank {rank} listens on nothing?"
+        assert all(a.startswith(loopback) for a in addresses), (rank, addresses)
