@@ -27,6 +27,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
 def _ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
@@ -43,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="embedded model: eager on 1 rank vs compiled on tp ranks (no network)")
     demo.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks for the compiled run; default 2")
     demo.add_argument("--max-new-tokens", type=_positive, default=24)
-    demo.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped; default 600")
+    demo.add_argument(
+        "--timeout", type=_seconds, default=600.0, help="seconds before the ranks are stopped; default 600"
+    )
 
     gen = sub.add_parser(
         "generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)"
@@ -99,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
-    gen.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")
+    gen.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before local ranks are stopped")
     bench = sub.add_parser(
         "bench", help="the scoreboard: this library vs transformers, eager and compiled (needs transformers)"
     )

@@ -213,10 +213,14 @@ def _shape_buckets(
 ) -> tuple:
     """(batch buckets, cache length, prompt-length buckets), checked."""
     sizes = tuple(sorted(set(batch_sizes or (1, 2, 4, 8))))
-    if not sizes or sizes[0] < 1:
+    if not sizes or not all(isinstance(b, int) and b >= 1 for b in sizes):
         raise ValueError(f"compile_model: batch_sizes must be positive ints, got {batch_sizes}")
+    if max_seq_len is not None and not (isinstance(max_seq_len, int) and max_seq_len >= 1):
+        raise ValueError(f"compile_model: max_seq_len must be a positive int (None: the default), got {max_seq_len!r}")
     seq = max_seq_len or min(cfg.max_position_embeddings, 2048)
     lengths = tuple(sorted(set(prefill_lengths))) if prefill_lengths else _buckets(seq, min(16, seq))
+    if not all(isinstance(n, int) and n >= 1 for n in lengths):
+        raise ValueError(f"compile_model: prefill_lengths must be positive ints, got {prefill_lengths}")
     if lengths[-1] > seq:
         raise ValueError(f"compile_model: prefill length bucket {lengths[-1]} exceeds max_seq_len {seq}")
     return sizes, seq, lengths

@@ -66,6 +66,11 @@ def test_generate_with_tokenizer_text(model):
             "generate: prompt 0 has token ids [500] outside the vocabulary [0, 128)",
         ),
         (
+            ["generate", "--model", "MODEL", "--prompt-ids", "1", "--max-new-tokens", "2", "--timeout", "-5"],
+            "argument --timeout: expected a positive number of seconds, got -5",
+        ),
+        (["demo", "--timeout", "nan"], "argument --timeout: expected a positive number of seconds, got nan"),
+        (
             ["generate", "--model", "MODEL", "--prompt-ids", "1,2", "--max-new-tokens", "100000"],
             "exceed the model's 256 positions (max_position_embeddings); lower --max-new-tokens to at most 254",
         ),

@@ -124,6 +124,19 @@ def test_token_ids_outside_the_vocabulary_are_refused_on_every_path(plain, compi
             generate([[1, 2], [128, 3, -1]], 2)
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_seq_len": -4}, r"max_seq_len must be a positive int \(None: the default\), got -4"),
+        ({"batch_sizes": [0, 2]}, r"batch_sizes must be positive ints, got \[0, 2\]"),
+        ({"prefill_lengths": [-1, 8]}, r"prefill_lengths must be positive ints, got \[-1, 8\]"),
+    ],
+)
+def test_compile_model_refuses_bad_shape_options(plain, options, message):
+    with pytest.raises(ValueError, match=message):
+        compile_model(plain.params, plain.mesh, backend="none", **options)
+
+
 def test_generation_past_the_models_positions_is_refused_before_allocating(plain):
     with pytest.raises(ValueError, match=r"250 prompt tokens \+ 10 new exceed the model's 256 positions .* at most 6"):
         greedy_generate(plain.params, [[1] * 250], 10, plain.mesh)
