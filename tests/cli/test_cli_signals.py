@@ -46,7 +46,8 @@ def test_a_signal_to_the_parent_ends_the_whole_run(tmp_path, sig):
     with open(log, "w") as err:
         run = subprocess.Popen(
             [sys.executable, "-m", "functional_npu", "demo", "--tp", "2", "--timeout", "120"],
-            env=os.environ | {"TMPDIR": str(tmp)},
+            # inductor's compile cache is meant to outlive runs: kept apart from the run's temporary files
+            env=os.environ | {"TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")},
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,  # its own process group: the run's processes are exactly that group
