@@ -27,6 +27,10 @@ def _group(pgid: int) -> list[int]:
     return out
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background job's ignored SIGINT would be inherited
+
+
 def _left(tmp: Path) -> list[Path]:
     """What the run left in its TMPDIR, but inductor's compile cache (``torchinductor_<user>``), which is
     meant to outlive runs and which inductor itself may place there."""
@@ -56,6 +60,7 @@ def test_a_signal_to_the_parent_ends_the_whole_run(tmp_path, sig):
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,  # its own process group: the run's processes are exactly that group
+            preexec_fn=_default_sigint,  # as from a terminal, even where this test runs with SIGINT ignored
         )
         try:
             _wait_for(lambda: len(_group(run.pid)) >= 3, 180, "the demo's two ranks to start")
