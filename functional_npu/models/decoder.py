@@ -36,6 +36,7 @@ import torch
 
 from ..core.mesh import Mesh
 from ..parallel.prefetch import layer_weights
+from ..parallel.streams import INLINE, Streams
 from .norm import rms_norm
 
 __all__ = ["Blocks", "DecodeState", "decode"]
@@ -83,13 +84,15 @@ def decode(
     *,
     blocks: Blocks,
     attention: str = "sdpa",
+    streams: Streams = INLINE,
 ) -> torch.Tensor:
-    """The forward through ``blocks`` (see the module docstring for the contract)."""
+    """The forward through ``blocks`` (see the module docstring for the contract); ``streams`` are the
+    compiler's ordering hints (:mod:`functional_npu.parallel.streams`)."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]
     step = blocks.prepare(positions, state.kv[0], x.dtype)
-    weights = layer_weights(params, state.prefetched, mesh)
+    weights = layer_weights(params, state.prefetched, mesh, streams)
     for i, kv in enumerate(state.kv):
-        layer = weights(i)
+        layer = weights(i, x)
         x = x + blocks.attention(layer, rms_norm(x, layer["attn_norm"], blocks.eps), step, kv, mesh, kind=attention)
         x = x + blocks.ffn[i](layer, rms_norm(x, layer["mlp_norm"], blocks.eps), mesh)
     return blocks.head(params, x, mesh)

@@ -16,6 +16,7 @@ import torch
 
 from ..core.mesh import Mesh
 from ..parallel.eplb import EXPERT_LEAVES
+from ..parallel.streams import INLINE, Streams
 from . import llama, moe
 from .decoder import Blocks, DecodeState, decode
 from .llama import LlamaConfig
@@ -105,9 +106,11 @@ def forward(
     *,
     attention: str = "sdpa",
     tp_axis: str = "tp",
+    streams: Streams = INLINE,
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is
-    :mod:`~functional_npu.models.decoder`'s.
+    :mod:`~functional_npu.models.decoder`'s. ``streams`` are the compiler's ordering hints
+    (:mod:`functional_npu.parallel.streams`; the backend supplies them).
 
     Example:
         >>> state = init_state(params["config"], mesh, batch=1, max_seq_len=64)     # doctest: +SKIP
@@ -115,7 +118,14 @@ def forward(
     """
     cfg = params["config"]
     return decode(
-        params, tokens, positions, state, mesh, blocks=family_of(cfg).blocks(cfg, tp_axis), attention=attention
+        params,
+        tokens,
+        positions,
+        state,
+        mesh,
+        blocks=family_of(cfg).blocks(cfg, tp_axis),
+        attention=attention,
+        streams=streams,
     )
 
 

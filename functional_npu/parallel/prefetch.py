@@ -12,6 +12,11 @@ state) is synchronous.
 
 In eager mode the broadcasts return async tensors that are waited on at first use, so they overlap;
 under inductor the order is kept by :class:`functional_npu.parallel.schedule.PrefetchSchedule`.
+For compilers that order the graph themselves (torchair's GE), the ordering is stated in the graph
+with :class:`functional_npu.parallel.streams.Streams`: the broadcasts run on a side stream, and the
+issue of layer ``i + k`` waits for the residual stream entering layer ``i`` (so for every use of
+layer ``i - 1``'s weights): at most ``k + 1`` buffers per series are live, and nothing makes a
+broadcast wait for more than that.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed._functional_collectives as funcol
 from ..core.collectives import broadcast
 from ..core.mesh import Mesh
 from .layer_shard import series_of
+from .streams import INLINE, PREFETCH_STREAM, Streams
 
 __all__ = ["layer_weights", "prefetch_step", "start", "drain", "check_prefetch_step"]
 
@@ -54,20 +60,27 @@ def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor]) -> int
     return len(prefetched) // n
 
 
-def _issue(params: dict[str, Any], layer: int, mesh: Mesh) -> dict[int, Weights]:
+def _issue(
+    params: dict[str, Any],
+    layer: int,
+    mesh: Mesh,
+    after: torch.Tensor | None = None,
+    streams: Streams = INLINE,
+) -> dict[int, Weights]:
     """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's):
-    ``{layer: {leaf: tensor}}``."""
+    ``{layer: {leaf: tensor}}``, on the prefetch stream and, given ``after``, not before it exists."""
     axis = params["layer_shard"].axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = layer % len(params["layers"])
     out = {}
-    for leaf, stacked in series_of(params).items():
-        mine = (
-            stacked[li // n]
-            if li % n == me
-            else torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
-        )
-        out[leaf] = broadcast(mine, mesh, axis, src=li % n)
+    with streams.side(PREFETCH_STREAM):
+        for leaf, stacked in series_of(params).items():
+            mine = (
+                stacked[li // n]
+                if li % n == me
+                else torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+            )
+            out[leaf] = broadcast(mine if after is None else streams.after(mine, after), mesh, axis, src=li % n)
     return {layer: out}
 
 
@@ -81,22 +94,24 @@ def _carried(params: dict[str, Any], prefetched: list[torch.Tensor]) -> dict[int
     }
 
 
-def layer_weights(params: dict[str, Any], prefetched: list[torch.Tensor], mesh: Mesh) -> Callable[[int], Weights]:
-    """The loop's source of weights: ``weights(i)`` is layer ``i``'s full weight dict; ask for
-    ``i = 0, 1, ...`` in order.
+def layer_weights(
+    params: dict[str, Any], prefetched: list[torch.Tensor], mesh: Mesh, streams: Streams = INLINE
+) -> Callable[[int, torch.Tensor], Weights]:
+    """The loop's source of weights: ``weights(i, x)`` is layer ``i``'s full weight dict, where ``x``
+    is the residual stream entering layer ``i``; ask for ``i = 0, 1, ...`` in order.
 
     Without layer-sharded series it is ``params["layers"][i]``. With them, asking for layer ``i``
-    issues the broadcasts of layer ``i + k``; asking for the last layer also hands the next step's
-    first ``k`` layers over into ``prefetched`` (in place).
+    issues the broadcasts of layer ``i + k`` (after ``x``, under ``streams``); asking for the last
+    layer also hands the next step's first ``k`` layers over into ``prefetched`` (in place).
     """
     layers = params["layers"]
     if not series_of(params):
-        return lambda i: layers[i]
+        return lambda i, x: layers[i]
     k = prefetch_step(params, prefetched)
     ahead = _carried(params, prefetched)
 
-    def weights(i: int) -> Weights:
-        ahead.update(_issue(params, i + k, mesh))
+    def weights(i: int, x: torch.Tensor) -> Weights:
+        ahead.update(_issue(params, i + k, mesh, x, streams))
         layer = layers[i] | ahead.pop(i)
         if i == len(layers) - 1 and prefetched:  # the next step's first k layers, issued as layers L .. L+k-1
             prefetched[:] = [w for j in sorted(ahead) for w in ahead[j].values()]

@@ -4,22 +4,24 @@
 CUDA graphs, on CUDA); ``"eager"`` and ``"aot_eager"`` are for debugging; ``"none"`` runs the plain
 Python forward with no ``torch.compile`` at all. NPU detection imports
 ``torch_npu`` inside a try that catches anything (torch-npu without CANN fails at import) and
-never trusts ``"npu" in torch._dynamo.list_backends()``. NPU-only scheduling hints go through
-the shims at the bottom, which do nothing elsewhere.
+never trusts ``"npu" in torch._dynamo.list_backends()``. A backend also carries the ordering hints
+the forward states in the graph (:class:`functional_npu.parallel.streams.Streams`): torchair's
+multi-stream scopes for torchair, none elsewhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["Backend", "BACKENDS", "resolve_backend", "npu_status", "npu_stream_switch", "npu_wait_tensor"]
+from ..parallel.streams import INLINE, Streams
+
+__all__ = ["Backend", "BACKENDS", "resolve_backend", "npu_status", "torchair_streams"]
 
 log = logging.getLogger("functional_npu")
 
@@ -35,6 +37,7 @@ class Backend:
     device_type: str  # "npu" | "cuda" | "cpu"
     mode: str | None = None
     compiler: Any = field(default=None, repr=False)  # the torch.compile backend (callable or name)
+    streams: Streams = field(default=INLINE, repr=False)  # ordering hints the forward puts in the graph
 
     def compile(
         self, fn: Callable[..., Any], *, inductor_options: dict[str, Any] | None = None, **options: Any
@@ -70,6 +73,15 @@ def npu_status() -> tuple[bool, str]:
         return False, f"torch.npu.is_available() failed ({type(e).__name__}: {e})"
 
 
+def torchair_streams() -> Streams:
+    """torchair's multi-stream scopes as :class:`~functional_npu.parallel.streams.Streams`: ``side`` is
+    ``torchair.scope.npu_stream_switch`` (a ``_user_stream_label`` on the enclosed GE ops) and
+    ``after`` is ``torchair.scope.npu_wait_tensor`` (an ``Identity`` with a control edge)."""
+    from torchair import scope  # type: ignore[import-not-found]  # only importable with torchair
+
+    return Streams("torchair", scope.npu_stream_switch, scope.npu_wait_tensor)
+
+
 def _torchair(mode: str | None) -> Any:
     import torchair  # only importable after torch_npu
 
@@ -102,7 +114,10 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
         if ok:
             if mode is not None and mode not in TORCHAIR_MODES:
                 raise ValueError(f"torchair mode {mode!r} is not one of {TORCHAIR_MODES}")
-            return Backend("torchair", "npu", mode or "max-autotune", _torchair(mode))
+            mode = mode or "max-autotune"
+            # the scopes are GE graph-mode ops; captured (aclgraph) mode orders by capture, with no hints
+            streams = torchair_streams() if mode == "max-autotune" else INLINE
+            return Backend("torchair", "npu", mode, _torchair(mode), streams)
         if name == "torchair":
             raise ValueError(f"backend 'torchair' needs a working Ascend NPU: {why}")
         if device_type == "npu":
@@ -114,25 +129,3 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
     if name in ("eager", "aot_eager", "none"):
         return Backend(name, device_type, None, None if name == "none" else name)
     return Backend("inductor", device_type, mode or ("reduce-overhead" if device_type == "cuda" else None), "inductor")
-
-
-# ---- NPU scheduling hints: torchair's multi-stream scopes on NPU, no-ops elsewhere -------------
-@contextlib.contextmanager
-def npu_stream_switch(tag: str, priority: int = 0, *, backend: Backend | None = None) -> Iterator[None]:
-    """Run the enclosed ops on a secondary NPU stream under torchair; nothing elsewhere."""
-    if backend is not None and backend.name == "torchair":
-        from torchair.scope import npu_stream_switch as switch  # type: ignore[import-not-found]
-
-        with switch(tag, priority):
-            yield
-    else:
-        yield
-
-
-def npu_wait_tensor(waiting: torch.Tensor, waited: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
-    """Make ``waiting``'s consumers wait for ``waited`` on NPU streams; returns ``waiting`` unchanged elsewhere."""
-    if backend is not None and backend.name == "torchair":
-        from torchair.scope import npu_wait_tensor as wait  # type: ignore[import-not-found]
-
-        return wait(waiting, waited)
-    return waiting

@@ -252,7 +252,9 @@ def compile_model(
         prefetch_step: for layer-sharded params (``load_checkpoint(..., layer_shard=...)``), fetch
             layer ``l + k``'s weights while layer ``l`` computes (``0 <= k <= num_layers - 2``;
             0 is synchronous). Under inductor a scheduling pass keeps that order with ``k + 1``
-            live buffers (:class:`functional_npu.parallel.schedule.PrefetchSchedule`).
+            live buffers (:class:`functional_npu.parallel.schedule.PrefetchSchedule`); under torchair
+            the graph itself states it (a side stream and control edges, see
+            :mod:`functional_npu.parallel.streams`), since GE orders the graph.
         tp_axis: the mesh axis the params are tensor-parallel over (as given to ``load_checkpoint``).
 
     Example:
@@ -270,7 +272,9 @@ def compile_model(
         )  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
     options = _inductor_options(params, mesh, k) if chosen.name == "inductor" else {}
-    step = functools.partial(decode, blocks=family_of(cfg).blocks(cfg, tp_axis), attention=attention)
+    step = functools.partial(
+        decode, blocks=family_of(cfg).blocks(cfg, tp_axis), attention=attention, streams=chosen.streams
+    )
     fwd = chosen.compile(step, dynamic=False, inductor_options=options)
     # the plain forward never recompiles: no config patch to make (making one costs about a third of a millisecond)
     recompiles = contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=256)

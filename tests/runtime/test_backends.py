@@ -6,7 +6,8 @@ import textwrap
 
 import pytest
 
-from functional_npu.runtime.backends import npu_stream_switch, npu_wait_tensor, resolve_backend
+from functional_npu.parallel.streams import INLINE
+from functional_npu.runtime.backends import BACKENDS, resolve_backend
 
 
 def test_auto_is_inductor_on_cpu():
@@ -50,10 +51,13 @@ def test_broken_torch_npu_falls_back_with_one_log_line(tmp_path):
     ]
 
 
-def test_npu_hints_are_no_ops_elsewhere():
+def test_ordering_hints_add_nothing_off_torchair():
     import torch
 
+    for name in BACKENDS:
+        if name not in ("torchair",):
+            assert resolve_backend(name).streams is INLINE
     x, y = torch.ones(2), torch.zeros(2)
-    with npu_stream_switch("prefetch", backend=resolve_backend("eager")):
+    with INLINE.side("prefetch"):
         z = x + 1
-    assert npu_wait_tensor(z, y) is z
+    assert INLINE.after(z, y) is z

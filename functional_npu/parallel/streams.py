@@ -1,0 +1,47 @@
+"""Ordering hints for graph compilers that schedule the graph themselves.
+
+Inductor keeps the prefetch order through :class:`functional_npu.parallel.schedule.PrefetchSchedule`.
+torchair does not run inductor's scheduler: in GE graph mode the graph goes to GE, which sorts it
+itself and may issue a broadcast at any point its inputs allow. The prefetch therefore says what
+must hold with two hints, as torchair's multi-stream scopes do:
+
+- ``side(tag)``: a context in which the enclosed ops run on a secondary stream named ``tag``;
+- ``after(t, dep)``: ``t``, with every consumer made to wait for ``dep`` (a control edge).
+
+:data:`INLINE` (every backend but torchair) adds nothing to the graph. The torchair backend supplies
+``torchair.scope.npu_stream_switch`` and ``torchair.scope.npu_wait_tensor`` (see
+:func:`functional_npu.runtime.backends.resolve_backend`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Streams", "INLINE", "PREFETCH_STREAM"]
+
+PREFETCH_STREAM = "prefetch"  # the stream tag the layer-shard broadcasts run on
+
+
+def _no_scope(tag: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def _no_edge(t: torch.Tensor, dep: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class Streams:
+    """The two ordering hints (see the module docstring); ``name`` says whose they are."""
+
+    name: str
+    side: Callable[[str], contextlib.AbstractContextManager[Any]]
+    after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+INLINE = Streams("inline", _no_scope, _no_edge)
