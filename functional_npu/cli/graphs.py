@@ -13,22 +13,39 @@ regenerates them; ``--check`` (and the test suite) fails on drift that was not r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gzip
 import json
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 
+from ..core.mesh import Mesh
 from ..core.shard import shard
 from ..models import family_of, forward, init_state, llama, moe
 from ..parallel import prefetch
 from ..parallel.layer_shard import layer_shard, series_specs, stack_series
 from ..runtime.launch import LocalWorld, RankContext
 
-__all__ = ["GRAPH_CONFIGS", "capture_artifacts", "write_artifacts", "diff_artifacts", "regenerate"]
+__all__ = [
+    "GRAPH_CONFIGS",
+    "CASES",
+    "Case",
+    "case_inputs",
+    "case_mesh",
+    "capture_artifacts",
+    "write_artifacts",
+    "diff_artifacts",
+    "read_artifact",
+    "regenerate",
+    "Report",
+]
 
 _BASE = dict(
     vocab_size=256,
@@ -68,20 +85,75 @@ PHASES = {"prefill": (2, 16), "decode": (2, 1)}  # (batch, tokens per sequence)
 CACHE_LEN = 32
 TP_SIZES = (1, 2)
 LAYER_SHARD_SERIES = "o_proj,down_proj"
+LAYER_SHARD_LAYERS = 4  # enough layers for every prefetch step k = 0, 1, 2 (k <= num_layers - 2)
+LAYER_SHARD_STEPS = (0, 1, 2)
 
 
-def _capture(family: str, phase: str, ctx: RankContext, tp: int, series: str | None = None) -> torch.fx.GraphModule:
-    from torch._dynamo.backends.common import aot_autograd
+@dataclass(frozen=True)
+class Case:
+    """One golden graph: a family at one mesh config and phase; ``series`` layer-shards those leaves
+    over ``dp`` = 2 (then ``tp`` is 1) with prefetch step ``k``."""
 
-    mesh = ctx.mesh({"tp": tp} if series is None else {"dp": ctx.world_size, "tp": 1})
-    cfg = GRAPH_CONFIGS[family]
+    family: str
+    phase: str
+    tp: int = 1
+    series: str | None = None
+    k: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.series is not None:
+            return f"{self.family}-dp2-layer_shard-k{self.k}-{self.phase}"
+        return f"{self.family}-tp{self.tp}-{self.phase}"
+
+    @property
+    def world(self) -> int:
+        """Ranks the case runs on (its graph is rank 0's)."""
+        return 2 if self.series is not None else self.tp
+
+    @property
+    def config(self) -> llama.LlamaConfig | moe.MoeConfig:
+        cfg = GRAPH_CONFIGS[self.family]
+        return cfg if self.series is None else dataclasses.replace(cfg, num_layers=LAYER_SHARD_LAYERS)
+
+
+CASES: tuple[Case, ...] = tuple(
+    Case(fam, phase, tp) for tp in TP_SIZES for fam in GRAPH_CONFIGS for phase in PHASES
+) + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, k) for k in LAYER_SHARD_STEPS for phase in PHASES)
+
+
+def case_mesh(case: Case, ctx: RankContext) -> Mesh:
+    """The case's mesh on this rank (abstract for one-rank cases, whatever world this process is in)."""
+    if case.world == 1:
+        return Mesh.abstract({"tp": 1}, 0)
+    return ctx.mesh({"tp": case.tp} if case.series is None else {"dp": case.world, "tp": 1})
+
+
+def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -> tuple[Any, ...]:
+    """``(params, tokens, positions, state, mesh)`` for the case's forward, on ``device`` ("meta" for
+    shapes only). Starting the carried prefetch issues broadcasts: run it on every rank of the world."""
+    cfg = case.config
     model = family_of(cfg)
-    full, specs = model.init_params(cfg, seed=0), model.param_specs(cfg)
-    if series is not None:
-        ls = layer_shard(series, "dp")
+    full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg)
+    specs = model.param_specs(cfg)
+    if case.series is not None:
+        ls = layer_shard(case.series, "dp")
         full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
     params = shard(full, specs, mesh)
-    b, s = PHASES[phase]
+    b, s = PHASES[case.phase]
+    positions = torch.arange(s).expand(b, s) if case.phase == "prefill" else torch.full((b, 1), 5)
+    tokens = torch.ones(b, s, dtype=torch.long)
+    state = init_state(cfg, mesh, b, CACHE_LEN)
+    if device == "meta":
+        tokens, positions, state = pytree.tree_map(lambda t: t.to("meta"), (tokens, positions, state))
+    state = state._replace(prefetched=prefetch.start(params, mesh, case.k))
+    return params, tokens, positions, state, mesh
+
+
+def _capture(case: Case, ctx: RankContext) -> torch.fx.GraphModule:
+    from torch._dynamo.backends.common import aot_autograd
+
+    mesh = case_mesh(case, ctx)
     graphs: list[torch.fx.GraphModule] = []
 
     def keep(gm: torch.fx.GraphModule, _: Any) -> Any:
@@ -90,6 +162,7 @@ def _capture(family: str, phase: str, ctx: RankContext, tp: int, series: str | N
 
     if not mesh.is_abstract:
         mesh.init_groups()
+    args = case_inputs(case, mesh)
     torch._dynamo.reset()
     fn = torch.compile(
         functools.partial(forward, attention="math"),
@@ -97,13 +170,11 @@ def _capture(family: str, phase: str, ctx: RankContext, tp: int, series: str | N
         fullgraph=True,
         dynamic=False,
     )
-    positions = torch.arange(s).expand(b, s) if phase == "prefill" else torch.full((b, 1), 5)
-    state = init_state(cfg, mesh, b, CACHE_LEN)._replace(prefetched=prefetch.start(params, mesh, 1 if series else 0))
     with torch.no_grad():
-        fn(params, torch.ones(b, s, dtype=torch.long), positions, state, mesh)
-    prefetch.drain(state.prefetched)
+        fn(*args)
+    prefetch.drain(args[3].prefetched)
     if len(graphs) != 1:  # pragma: no cover - fullgraph=True makes a break an error first
-        raise RuntimeError(f"{family} {phase}: expected one graph, captured {len(graphs)}")
+        raise RuntimeError(f"{case.name}: expected one graph, captured {len(graphs)}")
     return graphs[0]
 
 
@@ -127,23 +198,15 @@ def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[
     }
 
 
-def capture_artifacts(ctx: RankContext, tp: int) -> dict[str, dict[str, Any]]:
-    """Every family x phase artifact for one tp size, as ``{name: {file: content}}`` (run on each rank)."""
-    mesh = ctx.mesh({"tp": tp})
-    axis_of_group = {} if mesh.is_abstract else {mesh.group_name("tp"): "tp"}
-    out = {
-        f"{fam}-tp{tp}-{phase}": _summarize(_capture(fam, phase, ctx, tp), axis_of_group)
-        for fam in GRAPH_CONFIGS
-        for phase in PHASES
-    }
-    if tp == 2:
-        dp = ctx.mesh({"dp": ctx.world_size, "tp": 1})
-        dp.init_groups()
-        dp_groups = {dp.group_name("dp"): "dp"}
-        for phase in PHASES:
-            out[f"qwen3-dp2-layer_shard-k1-{phase}"] = _summarize(
-                _capture("qwen3", phase, ctx, tp, series=LAYER_SHARD_SERIES), dp_groups
-            )
+def capture_artifacts(ctx: RankContext, world: int) -> dict[str, dict[str, Any]]:
+    """Every artifact of the cases that run on ``world`` ranks, as ``{name: {file: content}}`` (run on each rank)."""
+    out = {}
+    for case in CASES:
+        if case.world != world:
+            continue
+        mesh = case_mesh(case, ctx)
+        axes = {} if mesh.is_abstract else {mesh.group_name(a): a for a in mesh.axis_names if mesh.axis_size(a) > 1}
+        out[case.name] = _summarize(_capture(case, ctx), axes)
     return out
 
 
@@ -151,40 +214,76 @@ def _render(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content, indent=1) + "\n"
 
 
+def _write(path: Path, text: str) -> None:
+    if path.suffix == ".gz":  # deterministic bytes: no name, no mtime
+        path.write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
+    else:
+        path.write_text(text)
+
+
+def _read(path: Path) -> str:
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def write_artifacts(artifacts: dict[str, dict[str, Any]], root: Path) -> None:
     for name, files in artifacts.items():
         (root / name).mkdir(parents=True, exist_ok=True)
         for file, content in files.items():
-            (root / name / file).write_text(_render(content))
+            _write(root / name / file, _render(content))
 
 
 def diff_artifacts(artifacts: dict[str, dict[str, Any]], root: Path) -> list[str]:
-    """The artifact files that differ from (or are missing in) ``root``."""
+    """The artifact files that differ from (or are missing in) ``root`` (gzipped ones compared unzipped)."""
     out = []
     for name, files in artifacts.items():
         for file, content in files.items():
             path = root / name / file
-            if not path.is_file() or path.read_text() != _render(content):
+            if not path.is_file() or _read(path) != _render(content):
                 out.append(f"{name}/{file}")
     return out
 
 
+def read_artifact(root: Path, name: str, file: str) -> Any:
+    """One artifact file's content (JSON parsed, gzip undone)."""
+    text = _read(root / name / file)
+    return json.loads(text) if file.endswith(".json") else text
+
+
 def _all_artifacts(world: LocalWorld | None) -> dict[str, dict[str, Any]]:
     out = capture_artifacts(RankContext(0, 1), 1)
-    for tp in TP_SIZES[1:]:
-        own = world or LocalWorld(tp)
+    for size in sorted({c.world for c in CASES} - {1}):
+        own = world or LocalWorld(size)
         try:
-            out |= own.run(capture_artifacts, tp)[0]
+            out |= own.run(capture_artifacts, size)[0]
         finally:
             if world is None:
                 own.close()
     return out
 
 
-def regenerate(root: Path, *, check: bool = False, world: LocalWorld | None = None) -> list[str]:
-    """Capture every artifact; write them under ``root`` or, with ``check``, return the drifted files."""
+class Report(NamedTuple):
+    """What :func:`regenerate` found: ``drift`` (files that differ, with ``check``), ``problems``
+    (GE conversion failures and failed checks) and ``skipped`` (one line when no GE conversion ran)."""
+
+    drift: list[str]
+    problems: list[str]
+    skipped: str | None
+
+
+def regenerate(root: Path, *, check: bool = False, world: LocalWorld | None = None, ge: bool = True) -> Report:
+    """Capture every artifact (and, with ``ge``, convert every case to a GE graph); write them under
+    ``root`` or, with ``check``, report the drifted files."""
+    from .ge_graphs import ge_artifacts
+
     artifacts = _all_artifacts(world)
+    problems: list[str] = []
+    skipped = "GE conversion not requested" if not ge else None
+    if ge:
+        schedules = {name: files["collectives.json"] for name, files in artifacts.items()}
+        converted, problems, skipped = ge_artifacts(schedules)
+        for name, files in converted.items():
+            artifacts[name] = artifacts.get(name, {}) | files
     if check:
-        return diff_artifacts(artifacts, root)
+        return Report(diff_artifacts(artifacts, root), problems, skipped)
     write_artifacts(artifacts, root)
-    return []
+    return Report([], problems, skipped)

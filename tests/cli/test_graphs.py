@@ -1,23 +1,56 @@
-"""Golden captured graphs: regenerate every artifact and compare with graphs/
-(drift must be regenerated and reviewed)."""
+"""Golden captured graphs: regenerate every artifact -- the aten graphs and, through torchair's own
+converters, the GE graphs -- and compare with graphs/ (drift must be regenerated and reviewed)."""
 
 import json
 
 import pytest
 
-from functional_npu.cli.graphs import GRAPH_CONFIGS, PHASES, TP_SIZES, regenerate
+from functional_npu.cli.ge_graphs import CONTROL, compare_schedules
+from functional_npu.cli.graphs import (
+    CASES,
+    GRAPH_CONFIGS,
+    LAYER_SHARD_LAYERS,
+    LAYER_SHARD_STEPS,
+    PHASES,
+    TP_SIZES,
+    read_artifact,
+    regenerate,
+)
 from functional_npu.models import llama, moe
 
 from ..support import GRAPHS
 
 
 @pytest.fixture(scope="module")
-def drift(world2):
+def report(world2):
     return regenerate(GRAPHS, check=True, world=world2)
 
 
-def test_graphs_match_the_committed_artifacts(drift):
-    assert drift == [], f"graphs/ drifted from the code; run `python -m functional_npu graphs` and review: {drift}"
+@pytest.fixture(scope="module")
+def drift(report):
+    return report.drift
+
+
+def test_graphs_match_the_committed_artifacts(report):
+    assert report.skipped is None, f"the GE conversion must run here: {report.skipped}"
+    assert report.drift == [], (
+        f"graphs/ drifted from the code; run `python -m functional_npu graphs` and review: {report.drift}"
+    )
+
+
+def test_every_case_converts_to_a_ge_graph_with_its_aten_collective_schedule(report):
+    """Zero missing converters, and GE's Hcom ops are the aten collectives, in order, over the same
+    ranks and bytes (broadcasts from the same root)."""
+    assert report.problems == [], "\n".join(report.problems)
+    for case in CASES:
+        hcom = read_artifact(GRAPHS, case.name, "ge_hcom.json")
+        assert compare_schedules(read_artifact(GRAPHS, case.name, "collectives.json"), hcom) == [], case.name
+        census = read_artifact(GRAPHS, case.name, "ge_census.json")
+        assert census["NetOutput"] == 1 and census["Data"] > 0, case.name
+        text = read_artifact(GRAPHS, case.name, "ge_graph.pbtxt.gz")
+        assert 'device_type: "NPU"' in text and 'device_type: "CPU"' not in text, case.name  # meta inputs read NPU
+        tp_ops = [h for h in hcom if h["op"] != "HcomBroadcast"]
+        assert all("stream" not in h for h in tp_ops), case.name  # only the prefetch takes a side stream
 
 
 DENSE = [f for f, c in GRAPH_CONFIGS.items() if isinstance(c, llama.LlamaConfig)]
@@ -55,21 +88,49 @@ def test_moe_schedule_is_the_expert_parallel_plan(drift, family):
         assert json.loads((GRAPHS / f"{family}-tp1-{phase}" / "collectives.json").read_text()) == []
 
 
-def test_layer_sharded_schedule_prefetches_one_layer_ahead(drift):
-    """o_proj and down over dp = 2 with k = 1: layer l + 1's two broadcasts issued before layer l, layer 0's
-    weights carried in; src alternates with the owner l % 2; the last two fetch the next step's layer 0."""
+@pytest.mark.parametrize("k", LAYER_SHARD_STEPS)
+def test_layer_sharded_schedule_prefetches_k_layers_ahead(drift, k):
+    """o_proj and down over dp = 2: layer l + k's two broadcasts issued as layer l starts, layers 0 .. k-1
+    carried in; src alternates with the owner l % 2; the last k layers' broadcasts fetch the next step's."""
     from functional_npu.cli.graphs import LAYER_SHARD_SERIES
 
-    cfg = GRAPH_CONFIGS["qwen3"]
+    cfg, layers = GRAPH_CONFIGS["qwen3"], LAYER_SHARD_LAYERS
     assert LAYER_SHARD_SERIES == "o_proj,down_proj"
     d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     for phase in PHASES:
-        schedule = json.loads((GRAPHS / f"qwen3-dp2-layer_shard-k1-{phase}" / "collectives.json").read_text())
-        fetched = [(li + 1) % cfg.num_layers for li in range(cfg.num_layers)]  # the layer issued during layer li
+        name = f"qwen3-dp2-layer_shard-k{k}-{phase}"
+        schedule = read_artifact(GRAPHS, name, "collectives.json")
+        fetched = [(li + k) % layers for li in range(layers)]  # the layer issued as layer li starts
         assert [c["src"] for c in schedule] == [li % 2 for li in fetched for _ in range(2)]  # from its owner
-        assert [c["op"] for c in schedule] == ["_c10d_functional.broadcast.default"] * (2 * cfg.num_layers)
-        assert [c["bytes"] for c in schedule] == [4 * d * h, 4 * d * f] * cfg.num_layers
+        assert [c["op"] for c in schedule] == ["_c10d_functional.broadcast.default"] * (2 * layers)
+        assert [c["bytes"] for c in schedule] == [4 * d * h, 4 * d * f] * layers
         assert {c["axis"] for c in schedule} == {"dp"}
-        graph = (GRAPHS / f"qwen3-dp2-layer_shard-k1-{phase}" / "graph.txt").read_text()
-        # one wait per broadcast, and one per carried weight (layer 0's two)
-        assert graph.count("= torch.ops._c10d_functional.wait_tensor.default(") == 2 * cfg.num_layers + 2
+        graph = read_artifact(GRAPHS, name, "graph.txt")
+        # one wait per broadcast, and one per carried weight (layers 0 .. k-1, two each)
+        assert graph.count("= torch.ops._c10d_functional.wait_tensor.default(") == 2 * layers + 2 * k
+
+
+@pytest.mark.parametrize("k", LAYER_SHARD_STEPS)
+def test_ge_graph_keeps_the_prefetch_bounds_in_every_order(report, k):
+    """Read from the GE graph's partial order: every broadcast on the prefetch stream, the broadcast of
+    layer j made to wait for the uses of layer j - k - 1 and nothing later, and no order GE may choose
+    with more than k + 1 buffers of a series live."""
+    for phase in PHASES:
+        order = read_artifact(GRAPHS, f"qwen3-dp2-layer_shard-k{k}-{phase}", "ge_prefetch.json")
+        assert order["ok"], order["problems"]
+        assert order["max_live_per_series"] == [k + 1, k + 1] and order["max_live"] == 2 * (k + 1)
+        rows = order["broadcasts"]
+        assert [r["layer"] for r in rows] == [j for j in range(k, LAYER_SHARD_LAYERS + k) for _ in range(2)]
+        for r in rows:
+            assert r["stream"] == "prefetch" and r["root"] == r["layer"] % LAYER_SHARD_LAYERS % 2
+            assert r["waits_for_layer"] == (r["layer"] - k - 1 if r["layer"] - k - 1 >= 0 else None)
+
+
+def test_without_the_hints_ge_may_break_the_bounds(report):
+    """The same graph converted with no ordering hints fails the check: GE could hoist every broadcast
+    (all L + k buffers of a series live) and issue any of them as late as its use."""
+    order = read_artifact(GRAPHS, CONTROL, "ge_prefetch_no_hints.json")
+    k = int(CONTROL.split("-k")[1][0])
+    assert not order["ok"]
+    assert order["max_live_per_series"] == [LAYER_SHARD_LAYERS + k] * 2
+    assert all(r["waits_for_layer"] is None and r["stream"] is None for r in order["broadcasts"])

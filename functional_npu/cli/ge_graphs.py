@@ -1,0 +1,250 @@
+"""The golden cases as NPU graphs: torchair's own FX-to-GE conversion, run on this host.
+
+Every case of :mod:`functional_npu.cli.graphs` is compiled with ``torch.compile(backend=
+torchair.get_npu_backend())`` in GE graph mode (max-autotune), from meta inputs (so every input's
+placement reads ``NPU``, as on a device), with the torchair backend's ordering hints
+(:func:`functional_npu.runtime.backends.torchair_streams`), rank 0 of a two-rank world of torch's
+fake process group. Conversion ends where torchair hands the serialized graph to GE
+(:mod:`functional_npu.npu.host`); that graph is the artifact:
+
+- ``ge_graph.pbtxt.gz``: the GE graph in protobuf text format (sorted map keys), gzipped;
+- ``ge_census.json``: GE op type -> count;
+- ``ge_hcom.json``: the ordered Hcom ops with their group's ranks and mesh axis, bytes, root, stream;
+- ``ge_prefetch.json`` (layer-sharded cases): :func:`functional_npu.npu.ge_graph.prefetch_order`'s
+  findings over the graph's partial order.
+
+The conversion runs in a subprocess (``python -m functional_npu.cli.ge_graphs SOURCES OUT``) that
+never imports ``torch_npu``; :func:`ge_artifacts` starts it and turns its output into artifacts and
+problems (a missing converter, an Hcom schedule that differs from the aten one, a prefetch bound
+GE could break).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..npu import ge_graph
+from ..npu.wheel import TorchairUnavailable, torchair_sources
+
+__all__ = ["ge_artifacts", "compare_schedules", "convert", "CONTROL", "FIXES"]
+
+CONTROL = "qwen3-dp2-layer_shard-k1-decode"  # also converted without hints: the check must fail there
+FIXES = (
+    "decompose it into ops that have GE converters, or register a converter "
+    "(torchair.register_fx_node_ge_converter) that maps it to a known GE op"
+)
+
+
+# ---- in the conversion subprocess ---------------------------------------------------------------
+def convert(fn: Any, args: tuple[Any, ...]) -> Any:
+    """Compile ``fn(*args)`` with torchair's backend (GE graph mode) and return the GE GraphDef it
+    hands to GE. Run only in a process set up by :func:`functional_npu.npu.host.install`."""
+    import torch
+    import torchair  # type: ignore[import-not-found]
+
+    from ..npu import host
+
+    config = torchair.CompilerConfig()
+    config.mode = "max-autotune"
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        fn, backend=torchair.get_npu_backend(compiler_config=config), fullgraph=True, dynamic=False
+    )
+    before = len(host.handed())
+    try:
+        with torch.no_grad():
+            compiled(*args)
+    except host.HandedToGE:
+        pass
+    graphs = host.handed()[before:]
+    if len(graphs) != 1:
+        raise RuntimeError(f"expected one graph handed to GE, got {len(graphs)}")
+    from torchair._ge_concrete_graph.ge_ir_pb2 import ModelDef  # type: ignore[import-not-found]
+
+    model = ModelDef()
+    model.ParseFromString(graphs[0][1])
+    return model.graph[0]
+
+
+def _convert(case: Any, streams: Any, ctx: Any) -> Any:
+    from ..models import forward
+    from .graphs import case_inputs, case_mesh
+
+    mesh = case_mesh(case, ctx)
+    if not mesh.is_abstract:
+        mesh.init_groups()
+    args = case_inputs(case, mesh, device="meta")
+    return convert(functools.partial(forward, attention="math", streams=streams), args)
+
+
+def _error(e: BaseException) -> dict[str, str]:
+    """The first line of the message (torchair appends tracebacks), and the FX op being converted
+    when it failed (torchair's converter frames hold it), if any."""
+    out: dict[str, str] = {}
+    seen: set[int] = set()
+    chain: BaseException | None = e
+    while chain is not None and id(chain) not in seen:  # torchair and dynamo re-raise: the cause is the first
+        seen.add(id(chain))
+        text = str(chain).strip().splitlines()
+        out["error"] = f"{type(chain).__name__}: {text[0] if text else ''}"
+        tb = chain.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            node = frame.f_locals.get("n") if frame.f_code.co_name == "run_node" else None
+            if node is not None and "torchair" in frame.f_code.co_filename and hasattr(node, "target"):
+                out["op"] = str(node.target)
+            tb = tb.tb_next
+        chain = chain.__cause__ or chain.__context__
+    return out
+
+
+def _run(sources: Path, out: Path) -> None:
+    from ..npu import host
+
+    host.install(sources)
+    import torch.distributed as dist
+    from google.protobuf import text_format
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchair._ge_concrete_graph.ge_ir_pb2 import DataType  # type: ignore[import-not-found]
+
+    from ..parallel.streams import INLINE
+    from ..runtime.backends import torchair_streams
+    from ..runtime.launch import RankContext
+    from .graphs import CASES
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    hints = torchair_streams()
+    ctxs = {1: RankContext(0, 1), 2: RankContext(0, 2)}
+    results: dict[str, Any] = {}
+    runs = [(case.name, case, hints) for case in CASES]
+    runs += [(CONTROL + "-no-hints", c, INLINE) for c in CASES if c.name == CONTROL]
+    for name, case, streams in runs:
+        ctx = ctxs[case.world]
+        try:
+            graph = _convert(case, streams, ctx)
+        except Exception as e:  # noqa: BLE001 - reported per case, the rest still converts
+            results[name] = _error(e)
+            continue
+        if case.world == 1:
+            axes: dict[str, str] = {}
+        else:
+            mesh = ctx.mesh({"tp": case.tp} if case.series is None else {"dp": case.world, "tp": 1})
+            axes = {",".join(map(str, mesh.group_ranks(a))): a for a in mesh.axis_names if mesh.axis_size(a) > 1}
+        results[name] = {
+            "pbtxt": text_format.MessageToString(graph),
+            "ops": ge_graph.records(graph, DataType.Name),
+            "axes": axes,
+        }
+    out.write_text(json.dumps(results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    sources, out = (argv if argv is not None else sys.argv[1:])[:2]
+    _run(Path(sources), Path(out))
+    return 0
+
+
+# ---- in the parent ------------------------------------------------------------------------------
+def _aten_op(target: str) -> str:
+    return target.split(".")[1]  # "_c10d_functional.all_reduce.default" -> "all_reduce"
+
+
+def compare_schedules(aten: list[dict[str, Any]], hcom: list[dict[str, Any]]) -> list[str]:
+    """Where GE's Hcom schedule differs from the aten collective schedule (op, axis, bytes, root)."""
+    out = []
+    if len(aten) != len(hcom):
+        out.append(f"{len(aten)} aten collectives but {len(hcom)} Hcom ops")
+    for i, (a, h) in enumerate(zip(aten, hcom)):
+        want = ge_graph.HCOM_OF.get(_aten_op(a["op"]), "?")
+        got = (h["op"], h["axis"], h["bytes"], h.get("root"))
+        if (want, a["axis"], a["bytes"], a.get("src")) != got:
+            out.append(f"#{i}: aten {_aten_op(a['op'])} over {a['axis']}, {a['bytes']} B, src {a.get('src')}; GE {got}")
+    return out
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
+def ge_artifacts(
+    aten: dict[str, list[dict[str, Any]]], *, timeout: float = 900.0
+) -> tuple[dict[str, dict[str, Any]], list[str], str | None]:
+    """Convert every case; returns ``(artifacts, problems, skipped)``.
+
+    ``aten`` is each case's aten collective schedule (its ``collectives.json``). ``skipped`` is one line
+    when torchair's sources cannot be had (then nothing is converted); ``problems`` name the case,
+    family, phase and what to do.
+    """
+    from .graphs import CASES, LAYER_SHARD_SERIES
+
+    missing = [m for m in ("google.protobuf", "packaging") if not _installed(m)]
+    if missing:
+        return {}, [], f"GE conversion skipped: {', '.join(missing)} not installed (pip install 'functional-npu[ge]')"
+    try:
+        sources = torchair_sources()
+    except TorchairUnavailable as e:
+        return {}, [], f"GE conversion skipped: {e}"
+    with tempfile.TemporaryDirectory(prefix="functional-npu-ge.") as tmp:
+        out = Path(tmp) / "ge.json"
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+        cmd = [sys.executable, "-m", "functional_npu.cli.ge_graphs", str(sources), str(out)]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {}, [f"GE conversion did not finish in {timeout:.0f} s"], None
+        if done.returncode != 0 or not out.is_file():
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            return {}, [f"the GE conversion process failed (exit {done.returncode}):\n{tail}"], None
+        results = json.loads(out.read_text())
+    artifacts: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    series = LAYER_SHARD_SERIES.split(",")
+    for case in CASES:
+        got = results.get(case.name, {"error": "not converted"})
+        where = f"{case.name} ({case.family}, {case.phase})"
+        if "error" in got and "op" in got:
+            problems.append(f"{where}: torchair could not convert {got['op']} ({got['error']}); {FIXES}")
+            continue
+        if "error" in got:
+            problems.append(f"{where}: GE conversion failed: {got['error']}")
+            continue
+        axes = {tuple(int(r) for r in key.split(",")): axis for key, axis in got["axes"].items()}
+        hcom = ge_graph.hcom_schedule(got["ops"], axes)
+        files: dict[str, Any] = {
+            "ge_graph.pbtxt.gz": got["pbtxt"],
+            "ge_census.json": ge_graph.census(got["ops"]),
+            "ge_hcom.json": hcom,
+        }
+        problems += [f"{where}: Hcom schedule != aten schedule: {d}" for d in compare_schedules(aten[case.name], hcom)]
+        if case.series is not None:
+            order = ge_graph.prefetch_order(
+                got["ops"], k=case.k, num_layers=case.config.num_layers, series=series, axis_size=case.world
+            )
+            files["ge_prefetch.json"] = order
+            problems += [f"{where}: prefetch order: {p}" for p in order["problems"]]
+        artifacts[case.name] = files
+    control = results.get(CONTROL + "-no-hints", {})
+    if "ops" in control:
+        case = next(c for c in CASES if c.name == CONTROL)
+        order = ge_graph.prefetch_order(
+            control["ops"], k=case.k, num_layers=case.config.num_layers, series=series, axis_size=case.world
+        )
+        if order["ok"]:
+            problems.append(f"{CONTROL} without ordering hints passes the prefetch check: the check proves nothing")
+        artifacts.setdefault(CONTROL, {})["ge_prefetch_no_hints.json"] = order
+    return artifacts, problems, None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""NPU graphs without an NPU: torchair's own FX-to-GE converters, run on this host.
+
+- :mod:`.wheel`: torchair's Python sources from the torch-npu wheel, unpacked into a cache.
+- :mod:`.host`: the set-up of a conversion process (no ``torch_npu``, a stand-in for the native module).
+- :mod:`.ge_graph`: what a converted GE graph says: op census, Hcom schedule, streams, and whether
+  its partial order keeps the prefetch bounds.
+
+The conversion itself runs in a subprocess (``python -m functional_npu.cli.ge_graphs``), never in a
+process that imports torch for anything else.
+"""
