@@ -34,7 +34,7 @@ from typing import Any
 from ..npu import ge_graph
 from ..npu.wheel import TorchairUnavailable, torchair_sources
 
-__all__ = ["ge_artifacts", "compare_schedules", "convert", "CONTROL", "FIXES"]
+__all__ = ["ge_artifacts", "case_artifacts", "compare_schedules", "convert", "CONTROL", "FIXES"]
 
 CONTROL = "qwen3-dp2-layer_shard-k1-decode"  # also converted without hints: the check must fail there
 FIXES = (
@@ -170,6 +170,39 @@ def compare_schedules(aten: list[dict[str, Any]], hcom: list[dict[str, Any]]) ->
     return out
 
 
+def _prefetch_order(case: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
+    from .graphs import LAYER_SHARD_SERIES
+
+    return ge_graph.prefetch_order(
+        ops, k=case.k, num_layers=case.config.num_layers, series=LAYER_SHARD_SERIES.split(","), axis_size=case.world
+    )
+
+
+def case_artifacts(
+    case: Any, got: dict[str, Any], aten_schedule: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[str]]:
+    """One case's GE artifact files and problems, from the conversion process's result ``got``
+    (``{"pbtxt", "ops", "axes"}``, or ``{"error"[, "op"]}``)."""
+    where = f"{case.name} (family {case.family}, {case.phase})"
+    if "error" in got and "op" in got:
+        return {}, [f"{where}: torchair cannot convert {got['op']} ({got['error']}); {FIXES}"]
+    if "error" in got:
+        return {}, [f"{where}: GE conversion failed: {got['error']}"]
+    axes = {tuple(int(r) for r in key.split(",")): axis for key, axis in got["axes"].items()}
+    hcom = ge_graph.hcom_schedule(got["ops"], axes)
+    files: dict[str, Any] = {
+        "ge_graph.pbtxt.gz": got["pbtxt"],
+        "ge_census.json": ge_graph.census(got["ops"]),
+        "ge_hcom.json": hcom,
+    }
+    problems = [f"{where}: Hcom schedule != aten schedule: {d}" for d in compare_schedules(aten_schedule, hcom)]
+    if case.series is not None:
+        order = _prefetch_order(case, got["ops"])
+        files["ge_prefetch.json"] = order
+        problems += [f"{where}: prefetch order: {p}" for p in order["problems"]]
+    return files, problems
+
+
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -186,7 +219,7 @@ def ge_artifacts(
     when torchair's sources cannot be had (then nothing is converted); ``problems`` name the case,
     family, phase and what to do.
     """
-    from .graphs import CASES, LAYER_SHARD_SERIES
+    from .graphs import CASES
 
     missing = [m for m in ("google.protobuf", "packaging") if not _installed(m)]
     if missing:
@@ -209,37 +242,15 @@ def ge_artifacts(
         results = json.loads(out.read_text())
     artifacts: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
-    series = LAYER_SHARD_SERIES.split(",")
     for case in CASES:
-        got = results.get(case.name, {"error": "not converted"})
-        where = f"{case.name} ({case.family}, {case.phase})"
-        if "error" in got and "op" in got:
-            problems.append(f"{where}: torchair could not convert {got['op']} ({got['error']}); {FIXES}")
-            continue
-        if "error" in got:
-            problems.append(f"{where}: GE conversion failed: {got['error']}")
-            continue
-        axes = {tuple(int(r) for r in key.split(",")): axis for key, axis in got["axes"].items()}
-        hcom = ge_graph.hcom_schedule(got["ops"], axes)
-        files: dict[str, Any] = {
-            "ge_graph.pbtxt.gz": got["pbtxt"],
-            "ge_census.json": ge_graph.census(got["ops"]),
-            "ge_hcom.json": hcom,
-        }
-        problems += [f"{where}: Hcom schedule != aten schedule: {d}" for d in compare_schedules(aten[case.name], hcom)]
-        if case.series is not None:
-            order = ge_graph.prefetch_order(
-                got["ops"], k=case.k, num_layers=case.config.num_layers, series=series, axis_size=case.world
-            )
-            files["ge_prefetch.json"] = order
-            problems += [f"{where}: prefetch order: {p}" for p in order["problems"]]
-        artifacts[case.name] = files
+        files, found = case_artifacts(case, results.get(case.name, {"error": "not converted"}), aten[case.name])
+        if files:
+            artifacts[case.name] = files
+        problems += found
     control = results.get(CONTROL + "-no-hints", {})
     if "ops" in control:
         case = next(c for c in CASES if c.name == CONTROL)
-        order = ge_graph.prefetch_order(
-            control["ops"], k=case.k, num_layers=case.config.num_layers, series=series, axis_size=case.world
-        )
+        order = _prefetch_order(case, control["ops"])
         if order["ok"]:
             problems.append(f"{CONTROL} without ordering hints passes the prefetch check: the check proves nothing")
         artifacts.setdefault(CONTROL, {})["ge_prefetch_no_hints.json"] = order

@@ -1,0 +1,162 @@
+"""The conversion process's set-up: torch_npu refused without a trace, torchair's native module served
+by the stand-in that ends conversion where GE would take the graph; and the wheel cache."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+
+from functional_npu.cli.ge_graphs import FIXES, case_artifacts, ge_artifacts
+from functional_npu.cli.graphs import CASES
+from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources, unpack
+
+from ..support import ROOT
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", **env),
+    )
+
+
+def test_install_blocks_torch_npu_and_serves_the_standin(tmp_path):
+    (tmp_path / "torchair" / "core").mkdir(parents=True)
+    (tmp_path / "torchair" / "__init__.py").write_text("")
+    (tmp_path / "torchair" / "core" / "__init__.py").write_text("")
+    done = _python(
+        f"""
+        import sys
+        from pathlib import Path
+        from functional_npu.npu import host
+        host.install(Path({str(tmp_path)!r}))
+        for name in ("torch_npu", "torch_npu.npu", "torchair.core._npu_utils"):
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+            else:
+                raise SystemExit(name + " imported")
+        assert not any(m == "torch_npu" or m.startswith("torch_npu.") for m in sys.modules)
+        from torchair.core import _torchair
+        assert _torchair.check_cann_compat("MatMul", [], []) == ""
+        graph = _torchair.TorchNpuGraphBase("g")
+        try:
+            graph.load(b"model", {{}}, [], [], 0)
+        except host.HandedToGE as e:
+            print("handed:", e)
+        assert host.handed() == [("g", b"model")]
+        try:
+            graph.run(())
+        except RuntimeError as e:
+            print("run:", e)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "handed: GE graph 'g' (5 bytes) handed to GE" in done.stdout
+    assert "run: GE is not available on this host" in done.stdout
+
+
+def test_install_refuses_a_folder_without_torchair(tmp_path):
+    from functional_npu.npu import host
+
+    with pytest.raises(FileNotFoundError, match="holds no torchair package"):
+        host.install(tmp_path)
+
+
+def _wheel(path, files):
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return path
+
+
+def test_unpack_takes_the_python_sources_only_and_once(tmp_path):
+    wheel = _wheel(
+        tmp_path / "torch_npu-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl",
+        {
+            "torch_npu/__init__.py": "raise ImportError('needs CANN')",
+            "torch_npu/dynamo/torchair/__init__.py": "",
+            "torch_npu/dynamo/torchair/core/_torchair.so": b"\x7fELF",
+            "torch_npu/dynamo/torchair/ge/ge_ir.proto": "syntax = 'proto3';",
+        },
+    )
+    dest = tmp_path / "cache" / "torchair-2.13.0"
+    root = unpack(wheel, dest)
+    assert root == dest / "torch_npu" / "dynamo"
+    assert (root / "torchair" / "__init__.py").is_file() and (root / "torchair" / "ge" / "ge_ir.proto").is_file()
+    assert not (root / "torchair" / "core" / "_torchair.so").exists()
+    assert not (dest / "torch_npu" / "__init__.py").exists()
+    wheel.unlink()
+    assert unpack(wheel, dest) == root  # cached: the wheel is not read again
+
+
+def test_a_bad_or_missing_wheel_is_one_line(tmp_path, monkeypatch):
+    not_torch_npu = _wheel(tmp_path / "other.whl", {"other/__init__.py": ""})
+    with pytest.raises(TorchairUnavailable, match="holds no torch_npu/dynamo/torchair package"):
+        unpack(not_torch_npu, tmp_path / "a")
+    broken = tmp_path / "broken.whl"
+    broken.write_bytes(b"not a zip")
+    with pytest.raises(TorchairUnavailable, match="cannot unpack"):
+        unpack(broken, tmp_path / "b")
+    monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FUNCTIONAL_NPU_TORCH_NPU_WHEEL", str(tmp_path / "missing.whl"))
+    with pytest.raises(TorchairUnavailable, match="missing.whl is not a file"):
+        torchair_sources()
+    artifacts, problems, skipped = ge_artifacts({})
+    assert (artifacts, problems) == ({}, [])
+    assert skipped.startswith("GE conversion skipped: ") and "\n" not in skipped
+
+
+def test_a_case_torchair_cannot_convert_names_the_op_family_and_phase():
+    case = next(c for c in CASES if c.family == "qwen3_moe" and c.phase == "decode")
+    got = {"error": "RuntimeError: Failed to auto-generated converter", "op": "aten._weight_int8pack_mm.default"}
+    files, problems = case_artifacts(case, got, [])
+    assert files == {} and len(problems) == 1
+    assert problems[0].startswith(f"{case.name} (family qwen3_moe, decode): torchair cannot convert ")
+    assert "aten._weight_int8pack_mm.default" in problems[0] and problems[0].endswith(FIXES)
+
+
+def test_torchair_names_the_op_it_has_no_converter_for():
+    """Through torchair itself: an op with no GE converter fails conversion, and the error names it."""
+    sources = torchair_sources()
+    done = _python(
+        f"""
+        import json
+        from pathlib import Path
+        from functional_npu.npu import host
+        host.install(Path({str(sources)!r}))
+        import torch
+        from functional_npu.cli.ge_graphs import convert, _error
+
+        def uses_a_cpu_kernel(x, w, scale):
+            return torch.ops.aten._weight_int8pack_mm(x, w, scale) + 1
+
+        def fine(x, w):
+            return torch.nn.functional.silu(x @ w)
+
+        meta = dict(device="meta")
+        graph = convert(fine, (torch.randn(4, 8, **meta), torch.randn(8, 8, **meta)))
+        print(json.dumps([op.type for op in graph.op]))
+        try:
+            convert(uses_a_cpu_kernel, (torch.randn(4, 64, **meta), torch.zeros(32, 64, dtype=torch.int8, **meta),
+                                        torch.randn(32, **meta)))
+        except Exception as e:
+            print(json.dumps(_error(e)))
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert json.loads(lines[-2]) == ["Data", "Data", "MatMul", "Swish", "NetOutput"]
+    error = json.loads(lines[-1])
+    assert error["op"] == "aten._weight_int8pack_mm.default"
+    assert "converter" in error["error"]
