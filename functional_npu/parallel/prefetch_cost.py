@@ -1,0 +1,159 @@
+"""How far ahead to prefetch: a cost model of the layer-shard schedule, and the choice of ``k``.
+
+The schedule (:mod:`functional_npu.parallel.prefetch`) issues layer ``j``'s broadcast as layer
+``j - k`` starts, after every use of layer ``j - k - 1``, and layer ``j`` waits for it. Broadcasts
+share one link and run one after another; compute runs layer after layer. :func:`step_time`
+simulates exactly that for a few steps (the first ``k`` layers of a step are fetched during the last
+``k`` of the previous one) and returns the steady per-step time, so the predicted exposed fraction is
+``(T - L * compute) / (L * comm)``, the benchmark's definition.
+
+:func:`choose_k` is ``prefetch_step="auto"``: the smallest ``k`` whose predicted exposure is within
+``margin`` of the best any ``k`` can reach, among those whose ``k + 1`` live buffers fit the byte
+budget. Inputs are plain numbers: bytes per layer (all layer-sharded series, fetched together), an
+alpha-beta :class:`Link`, and per-layer compute time, from :func:`roofline_layer_s` with a
+:class:`Device`'s published figures or from a measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Link", "Device", "step_time", "exposed", "choose_k", "roofline_layer_s"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: a broadcast of ``b`` bytes takes ``alpha_s + b / bytes_per_s``."""
+
+    bytes_per_s: float
+    alpha_s: float = 0.0
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device's roofline and link, with where the figures come from."""
+
+    name: str
+    memory_bytes_per_s: float
+    flop_per_s: float
+    link: Link
+    source: str = ""
+
+
+def roofline_layer_s(device: Device, weight_bytes: float, flops: float) -> float:
+    """One layer's compute time at the roofline: reading its weights once or doing its FLOPs, whichever
+    takes longer (decode is the first, large prefill the second)."""
+    return max(weight_bytes / device.memory_bytes_per_s, flops / device.flop_per_s)
+
+
+def _check(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float) -> None:
+    if num_layers < 1 or k < 0 or min(compute_s, occupy_s, latency_s) < 0 or latency_s < occupy_s:
+        raise ValueError(
+            f"step_time: needs num_layers >= 1, k >= 0, times >= 0 and latency >= occupancy; got "
+            f"L={num_layers}, k={k}, compute={compute_s}, occupy={occupy_s}, latency={latency_s}"
+        )
+
+
+def simulate(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float, steps: int) -> list[float]:
+    """When each layer of ``steps`` consecutive steps ends, event by event.
+
+    A broadcast holds the link for ``occupy_s`` (bytes over bandwidth) and arrives ``latency_s`` after it
+    starts (``alpha`` more). Layer ``g`` (counting across steps) starts when layer ``g - 1`` ended and
+    its broadcast arrived; the broadcast of ``g`` starts when the link is free and layer ``g - k - 1``
+    ended (``k = 0``: as layer ``g - 1`` ends). The first step's first ``k`` layers are in place at 0.
+    """
+    _check(num_layers, k, compute_s, occupy_s, latency_s)
+    end = [0.0] * (num_layers * steps)
+    link_free = done = 0.0
+    for g in range(len(end)):
+        arrive = 0.0
+        if g >= k:
+            start = max(link_free, end[g - k - 1] if g - k - 1 >= 0 else 0.0)
+            link_free = start + occupy_s
+            arrive = start + latency_s
+        done = end[g] = max(done, arrive) + compute_s
+    return end
+
+
+def step_time(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float | None = None) -> float:
+    """Steady per-step time of the schedule with prefetch distance ``k`` (see :func:`simulate`).
+
+    The schedule is a max-plus system whose steady time per layer is its largest cycle mean:
+    ``max(compute, occupy, (latency + compute) / (k + 1))`` -- the compute chain, the link, and the
+    loop from the end of layer ``g - k - 1`` through the broadcast of ``g`` to the end of layer ``g``,
+    which spans ``k + 1`` layers. ``latency_s`` defaults to ``occupy_s`` (no alpha).
+    """
+    latency_s = occupy_s if latency_s is None else latency_s
+    _check(num_layers, k, compute_s, occupy_s, latency_s)
+    if latency_s == 0:
+        return num_layers * compute_s
+    return num_layers * max(compute_s, occupy_s, (latency_s + compute_s) / (k + 1))
+
+
+def exposed(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float | None = None) -> float:
+    """Predicted exposed fraction ``(T - L * compute) / (L * latency)`` (0 without communication): the
+    benchmark's ``(T - T_local) / T_comm_alone`` with broadcasts alone taking their latency each."""
+    latency_s = occupy_s if latency_s is None else latency_s
+    if latency_s == 0:
+        return 0.0
+    t = step_time(num_layers, k, compute_s, occupy_s, latency_s)
+    return (t - num_layers * compute_s) / (num_layers * latency_s)
+
+
+def choose_k(
+    layer_bytes: int,
+    *,
+    num_layers: int,
+    compute_s: float,
+    link: Link,
+    budget_bytes: float | None = None,
+    margin: float = 0.25,
+    series: str = "the layer-sharded series",
+) -> int:
+    """The prefetch distance for ``prefetch_step="auto"``.
+
+    Where the link keeps up (a broadcast holds it no longer than a layer computes) this is the
+    smallest ``k`` whose window of ``k`` layers covers a broadcast's latency with ``margin`` to
+    spare, ``ceil((1 + margin) * latency / compute)``. Where it does not, no ``k`` hides the
+    difference and the smallest ``k`` that reaches the link's bound is chosen.
+
+    Args:
+        layer_bytes: bytes one layer's broadcast moves (every layer-sharded series, coalesced).
+        num_layers: ``L``; ``k`` ranges over ``0 .. L - 2``.
+        compute_s: one layer's compute time.
+        link: the link the broadcasts run on.
+        budget_bytes: the most bytes the ``k + 1`` live prefetch buffers may take (None: no limit).
+        margin: how much slower than modelled the link may be (0.25: 25%).
+        series: names for the error message.
+
+    Returns:
+        The smallest ``k`` within the budget with the least predicted exposure when every broadcast
+        takes ``1 + margin`` times its modelled time.
+
+    Raises:
+        ValueError: the budget does not hold even ``k = 0``'s single buffer.
+    """
+    if layer_bytes < 0 or num_layers < 1 or compute_s < 0 or margin < 0:
+        raise ValueError(
+            f"choose_k: needs layer_bytes >= 0, num_layers >= 1, compute_s >= 0 and margin >= 0; "
+            f"got {layer_bytes}, {num_layers}, {compute_s}, {margin}"
+        )
+    top = max(0, num_layers - 2)
+    if budget_bytes is not None:
+        if budget_bytes < layer_bytes:
+            raise ValueError(
+                f"prefetch_step='auto': the live-buffer budget of {budget_bytes:.0f} bytes does not hold one "
+                f"layer of {series} ({layer_bytes} bytes, needed even at k = 0); raise the budget or "
+                f"layer-shard fewer series"
+            )
+        top = min(top, int(budget_bytes // layer_bytes) - 1 if layer_bytes else top)
+    if layer_bytes == 0:
+        return 0
+    occupy = (1 + margin) * layer_bytes / link.bytes_per_s
+    latency = occupy + (1 + margin) * link.alpha_s
+    costs = [exposed(num_layers, k, compute_s, occupy, latency) for k in range(top + 1)]
+    best = min(costs)
+    return next(k for k, c in enumerate(costs) if c <= best + 1e-9)

@@ -1,0 +1,98 @@
+"""The prefetch cost model and ``prefetch_step="auto"``: properties of the simulated schedule and of the choice."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from functional_npu.parallel.prefetch_cost import Device, Link, choose_k, exposed, roofline_layer_s, simulate, step_time
+
+times = st.floats(0.01, 10.0)
+layers = st.integers(2, 16)
+
+
+@st.composite
+def links(draw):
+    occupy = draw(times)
+    return occupy, occupy + draw(st.floats(0.0, 10.0))  # latency >= occupancy
+
+
+@settings(max_examples=200, deadline=None)
+@given(layers, times, links())
+def test_exposure_is_a_fraction_that_never_grows_with_k(n, compute, link):
+    occupy, latency = link
+    costs = [exposed(n, k, compute, occupy, latency) for k in range(n - 1)]
+    assert costs[0] == pytest.approx(1.0)  # k = 0: every broadcast waited for in full
+    assert all(-1e-9 <= c <= 1 + 1e-9 for c in costs)
+    assert all(b <= a + 1e-9 for a, b in zip(costs, costs[1:]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), times, links(), st.integers(0, 7))
+def test_the_closed_form_is_the_simulated_steady_state(n, compute, link, k):
+    """Event by event, the per-step time converges to the max-plus cycle mean."""
+    occupy, latency = link
+    window = 6 * (k + 1)  # steps: a multiple of the k + 1 layers the critical loop may span
+    end = simulate(n, k, compute, occupy, latency, 4 * window)
+    tail = (end[-1] - end[-1 - window * n]) / window
+    assert tail == pytest.approx(step_time(n, k, compute, occupy, latency), rel=2e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(layers, times, links())
+def test_step_time_bounds(n, compute, link):
+    occupy, latency = link
+    for k in range(n - 1):
+        t = step_time(n, k, compute, occupy, latency)
+        assert t >= n * compute - 1e-9 and t >= n * occupy - 1e-9  # compute and link both must fit
+        assert t <= n * (compute + latency) + 1e-9  # never worse than synchronous
+
+
+@settings(max_examples=200, deadline=None)
+@given(layers, times, times, st.floats(0.0, 10.0))
+def test_where_the_link_keeps_up_k_is_the_window_that_covers_latency(n, compute, occupy_frac, alpha):
+    occupy = min(occupy_frac, compute)  # the link keeps up: a broadcast holds it no longer than a layer
+    latency = occupy + alpha
+    k = math.ceil(latency / compute - 1e-9)
+    if 1 <= k <= n - 2:
+        assert exposed(n, k, compute, occupy, latency) == pytest.approx(0.0, abs=1e-9)
+        assert exposed(n, k - 1, compute, occupy, latency) > 1e-9 or latency <= (k - 1) * compute + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 10**8), layers, st.floats(1e-5, 1e-1), st.floats(1e6, 1e12), st.floats(0, 1e-3))
+def test_choose_k_is_the_smallest_best_k_within_the_budget(nbytes, n, compute, bandwidth, alpha):
+    link = Link(bandwidth, alpha)
+    occupy = 1.25 * nbytes / bandwidth
+    latency = occupy + 1.25 * alpha
+    for budget in (None, 2 * nbytes, 3.5 * nbytes):
+        k = choose_k(nbytes, num_layers=n, compute_s=compute, link=link, budget_bytes=budget)
+        top = n - 2 if budget is None else min(n - 2, int(budget // nbytes) - 1)
+        assert 0 <= k <= max(0, top)
+        costs = [exposed(n, j, compute, occupy, latency) for j in range(max(0, top) + 1)]
+        assert costs[k] <= min(costs) + 1e-9
+        assert all(c > costs[k] + 1e-9 for c in costs[:k])
+
+
+def test_a_budget_below_one_layer_is_refused_naming_the_series_and_bytes():
+    with pytest.raises(ValueError, match=r"1000 bytes does not hold one layer of o_proj,down_proj \(4096 bytes"):
+        choose_k(4096, num_layers=8, compute_s=1e-3, link=Link(1e9), budget_bytes=1000, series="o_proj,down_proj")
+
+
+def test_no_communication_needs_no_prefetch():
+    assert choose_k(0, num_layers=8, compute_s=1e-3, link=Link(1e9)) == 0
+    assert exposed(8, 0, 1.0, 0.0) == 0.0
+
+
+def test_roofline_is_the_slower_of_memory_and_flops():
+    d = Device("x", memory_bytes_per_s=1e12, flop_per_s=1e15, link=Link(1e11))
+    assert roofline_layer_s(d, 2e9, 4e9) == pytest.approx(2e-3)  # decode: weights dominate
+    assert roofline_layer_s(d, 2e9, 4e13) == pytest.approx(4e-2)  # prefill: flops dominate
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="latency >= occupancy"):
+        step_time(4, 1, 1.0, 2.0, 1.0)
+    with pytest.raises(ValueError, match="num_layers >= 1"):
+        choose_k(10, num_layers=0, compute_s=1.0, link=Link(1.0))
