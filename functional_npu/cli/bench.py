@@ -30,7 +30,8 @@ from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import cache_length, compile_model, greedy_generate
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
-from .bench_prefetch import prefetch_plot, prefetch_table, run_prefetch_bench
+from .bench_link import run_link_bench
+from .bench_prefetch import prefetch_plot, prefetch_table
 
 _MODEL = dict(
     architecture="Qwen3ForCausalLM",
@@ -200,8 +201,9 @@ def run_bench(
     )
     res, compile_s, prefetch = _measure(cfg, prompt, new, repeat, quick)
     out = _summary(cfg, res, compile_s, matvec_bandwidth(), n_params, prompt_len, new)
+    out["prefetch"] = prefetch["loopback"]
+    out["emulated_link"] = {k: prefetch[k] for k in ("emulated", "rate_bits", "skipped")}
     _report(cfg, out, prefetch)
-    out["prefetch"] = prefetch
     _write(out, json_path, plot_dir)
     return out
 
@@ -229,8 +231,9 @@ def _measure(
             res["fnpu_compiled_tp2"] = world.run(_fnpu_rank, tmp, prompt, new, repeat)[0]
         print("  fnpu compiled tp=2 done", flush=True)
         compile_s = _compile_cold_warm(tmp, len(prompt), new)
-        prefetch = run_prefetch_bench(tmp, steps=4 if quick else 16, repeat=2 if quick else 3)
-        print("  layer-sharded prefetch done", flush=True)
+        ks = (0, 1, 2) if quick else (0, 1, 2, 3)
+        prefetch = run_link_bench(tmp, ks=ks, steps=4 if quick else 16, repeat=2 if quick else 3)
+        print("  layer-sharded prefetch done (loopback" + ("" if prefetch["skipped"] else ", emulated link") + ")")
     return res, compile_s, prefetch
 
 
@@ -291,15 +294,24 @@ def _report(cfg: LlamaConfig, out: dict[str, Any], prefetch: Any) -> None:
         f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, "
         f"warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)"
     )
-    print("\nlayer-sharded decode (2 gloo ranks, dp = 2, one thread each):\n" + prefetch_table(prefetch))
+    print("\nlayer-sharded decode, plain loopback (2 gloo ranks, dp = 2, one thread each):")
+    print(prefetch_table(prefetch["loopback"]))
+    if prefetch["emulated"] is None:
+        print(f"\n{prefetch['skipped']}")
+    else:
+        print(
+            f"\nthe same on an emulated link of {prefetch['rate_bits'] / 1e9:.2f} Gbit/s (tc tbf, private namespace):"
+        )
+        print(prefetch_table(prefetch["emulated"]))
 
 
 def _write(out: dict[str, Any], json_path: str | None, plot_dir: str | None) -> None:
     """The PNG plots under ``plot_dir`` and the JSON at ``json_path``, each if given."""
     if plot_dir:
         Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        emulated = out["emulated_link"]["emulated"]
         if scoreboard_plot(out, str(Path(plot_dir) / "scoreboard.png")) and prefetch_plot(
-            out["prefetch"], str(Path(plot_dir) / "prefetch.png")
+            out["prefetch"], str(Path(plot_dir) / "prefetch.png"), emulated
         ):
             print(f"plots: {plot_dir}/scoreboard.png, {plot_dir}/prefetch.png")
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Any
 
@@ -22,15 +23,25 @@ import torch.distributed._functional_collectives as funcol
 from ..core.collectives import broadcast
 from ..models import forward
 from ..parallel.layer_shard import layer_shard, resident_bytes
-from ..parallel.prefetch import drain
+from ..parallel.prefetch import coalesced, drain
 from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import CompiledModel, compile_model
 from ..runtime.launch import RankContext
 from .timeline import prefetch_timeline
 
-__all__ = ["prefetch_rank"]
+__all__ = ["prefetch_rank", "run_prefetch_bench", "prefetch_table", "prefetch_plot", "main"]
 
-SCHEDULES = {"inductor": [], "raise_comms": ["raise_comms"]}
+SCHEDULES = {  # inductor's own comm scheduling, for comparison with the prefetch pass
+    "inductor": [],
+    "raise_comms": ["raise_comms"],
+    # torch 2.13's recommended memory-aware passes (see torch._inductor.config)
+    "memory_preserving": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
+STOCK = {"inductor_k1": "inductor", "raise_comms_k1": "raise_comms", "memory_preserving_k1": "memory_preserving"}
 
 
 def _stock(model: CompiledModel, passes: list[str]) -> CompiledModel:
@@ -59,13 +70,15 @@ def _step_time(model: CompiledModel, batch: int, steps: int, repeat: int) -> tup
 
 
 def _comm_alone(params: dict, mesh: Any, repeat: int) -> float:
-    """Seconds for one step's broadcasts (every layer of every series) issued back to back, then waited."""
+    """Seconds for one step's broadcasts (one per layer and coalesced group, as the forward issues them)
+    issued back to back, then waited."""
     axis = params["layer_shard"].axis
     n = mesh.axis_size(axis)
+    series = params["series"]
     bufs = [
-        (torch.empty(x.shape[1:], dtype=x.dtype), li % n)
-        for x in params["series"].values()
+        (torch.empty(sum(math.prod(series[leaf].shape[1:]) for leaf in group), dtype=series[group[0]].dtype), li % n)
         for li in range(len(params["layers"]))
+        for group in coalesced(params)
     ]
     best = float("inf")
     for _ in range(repeat + 1):
@@ -89,10 +102,7 @@ def prefetch_rank(
     per_layer = sum(x[0].numel() * x.element_size() for x in params["series"].values() if len(x))
     owned = resident_bytes(params["series"])
     runs: dict[str, dict[str, float]] = {}
-    for name, k, schedule in [(f"k{k}", k, "prefetch") for k in ks] + [
-        ("inductor_k1", 1, "inductor"),
-        ("raise_comms_k1", 1, "raise_comms"),
-    ]:
+    for name, k, schedule in [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items()]:
         torch._dynamo.reset()
         model = compile_model(params, mesh, batch_sizes=[batch], max_seq_len=cache_len, prefetch_step=k)
         if schedule != "prefetch":
@@ -116,6 +126,8 @@ def prefetch_rank(
         "per_layer_compute_s": t_local / layers,
         "per_layer_comm_s": t_comm / layers,
         "replicated_bytes": layers * per_layer,
+        "per_layer_bytes": per_layer,
+        "layers": layers,
         "owned_bytes": owned,
         "runs": runs,
     }
@@ -161,6 +173,7 @@ def prefetch_table(res: dict[str, Any]) -> str:
         label = {
             "inductor_k1": "k = 1, inductor's stock scheduling",
             "raise_comms_k1": "k = 1, inductor raise_comms",
+            "memory_preserving_k1": "k = 1, inductor memory-preserving passes",
         }.get(name, f"k = {r['k']}, prefetch schedule")
         rows.append(
             f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f} | {r['exposed']:.0%} | "
@@ -179,8 +192,10 @@ def prefetch_table(res: dict[str, Any]) -> str:
     return "\n".join(head + rows) + tail
 
 
-def prefetch_plot(res: dict[str, Any], path: str) -> bool:
-    """Step time and peak series memory against k (PNG); False when matplotlib is not installed."""
+def prefetch_plot(res: dict[str, Any], path: str, emulated: dict[str, Any] | None = None) -> bool:
+    """Step time, exposed fraction and peak series memory against k, for the prefetch schedule and
+    inductor's own scheduling choices, on the plain loopback and (if given) the emulated link (PNG);
+    False when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -188,20 +203,53 @@ def prefetch_plot(res: dict[str, Any], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    runs = {n: r for n, r in res["runs"].items() if n.startswith("k")}
-    ks = [r["k"] for r in runs.values()]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
-    ax[0].plot(ks, [r["step_s"] * 1e3 for r in runs.values()], "o-", label="prefetch schedule")
-    ax[0].axhline(res["local_step_s"] * 1e3, color="gray", ls="--", label="local weights")
-    ax[0].axhline(res["runs"]["inductor_k1"]["step_s"] * 1e3, color="tab:red", ls=":", label="k=1, stock inductor")
-    ax[0].set(xlabel="prefetch step k", ylabel="ms per decode step", xticks=ks)
-    ax[0].legend(fontsize=8)
-    ax[1].plot(ks, [r["peak_bytes"] / 2**20 for r in runs.values()], "o-", label="peak (owned + live buffers)")
-    ax[1].axhline(res["replicated_bytes"] / 2**20, color="gray", ls="--", label="replicated")
-    ax[1].axhline(res["runs"]["raise_comms_k1"]["peak_bytes"] / 2**20, color="tab:red", ls=":", label="raise_comms")
-    ax[1].set(xlabel="prefetch step k", ylabel="series MiB per rank", xticks=ks)
-    ax[1].legend(fontsize=8)
+    links = [("loopback", res)] + ([("emulated link", emulated)] if emulated else [])
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    for (label, r), style in zip(links, ("-", "--")):
+        runs = {n: x for n, x in r["runs"].items() if n.startswith("k")}
+        ks = [x["k"] for x in runs.values()]
+        ax[0].plot(ks, [x["step_s"] * 1e3 for x in runs.values()], "o" + style, label=f"prefetch schedule, {label}")
+        ax[0].axhline(r["local_step_s"] * 1e3, color="gray", ls=style, lw=0.8, label=f"local weights, {label}")
+        ax[1].plot(ks, [x["exposed"] for x in runs.values()], "o" + style, label=f"prefetch schedule, {label}")
+        for (name, stock), color in zip(STOCK.items(), ("tab:red", "tab:purple", "tab:green")):
+            if name in r["runs"]:
+                ax[1].plot([1], [r["runs"][name]["exposed"]], "x", color=color, label=f"k=1 {stock}, {label}")
+        ax[2].plot(ks, [x["peak_bytes"] / 2**20 for x in runs.values()], "o" + style, label=f"peak, {label}")
+    ax[2].axhline(res["replicated_bytes"] / 2**20, color="gray", ls="--", label="replicated")
+    ax[0].set(xlabel="prefetch step k", ylabel="ms per decode step")
+    ax[1].set(xlabel="prefetch step k", ylabel="exposed communication (fraction)")
+    ax[2].set(xlabel="prefetch step k", ylabel="series MiB per rank")
+    for a in ax:
+        a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m functional_npu.cli.bench_prefetch MODEL_DIR OUT_JSON [--ks 0,1,2] ...``: one run, as JSON
+    (how the emulated-link benchmark runs it inside its network namespace)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m functional_npu.cli.bench_prefetch")
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--series", default="o_proj")
+    parser.add_argument("--ks", default="0,1,2")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    ks = tuple(int(k) for k in args.ks.split(","))
+    res = run_prefetch_bench(
+        args.model_dir, series=args.series, ks=ks, batch=args.batch, steps=args.steps, repeat=args.repeat
+    )
+    Path(args.out).write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -173,8 +173,9 @@ def compare_schedules(aten: list[dict[str, Any]], hcom: list[dict[str, Any]]) ->
 def _prefetch_order(case: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
     from .graphs import LAYER_SHARD_SERIES
 
+    # one coalesced broadcast per layer carries every layer-sharded leaf (they share a dtype)
     return ge_graph.prefetch_order(
-        ops, k=case.k, num_layers=case.config.num_layers, series=LAYER_SHARD_SERIES.split(","), axis_size=case.world
+        ops, k=case.k, num_layers=case.config.num_layers, series=[LAYER_SHARD_SERIES], axis_size=case.world
     )
 
 

@@ -37,6 +37,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _step(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer or 'auto', got {text!r}") from None
+
+
 def _ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
@@ -102,12 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--prefetch-step",
-        type=int,
+        type=_step,
         default=None,
         metavar="K",
         help=(
-            "with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2); "
-            "default 1 (0 for a 2-layer model)"
+            "with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2), or "
+            "'auto' (the cost model picks K); default 1 (0 for a 2-layer model)"
         ),
     )
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
@@ -186,7 +195,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         cfg = with_expert_axes(read_config(model), _expert_axes(args), where=str(model))
         args.layer_shard = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
         check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model), layer_shard=args.layer_shard)
-        if args.layer_shard is not None:
+        if args.layer_shard is not None and args.prefetch_step != "auto":
             default = min(1, cfg.num_layers - 2)
             args.prefetch_step = check_prefetch_step(
                 default if args.prefetch_step is None else args.prefetch_step, cfg.num_layers
@@ -256,11 +265,15 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tokens = in_prompt_order(results, len(prompts))
     text = [tok.decode(t) for t in tokens] if tok is not None else [None] * len(tokens)
     timings = {k: max(r["timings"][k] for r in results) for k in results[0]["timings"]}
+    step = results[0].get("prefetch_step", 0) if args.layer_shard is not None else None
     if args.json:
-        print(json.dumps({"token_ids": tokens, "text": text, "timings": timings}))
+        out = {"token_ids": tokens, "text": text, "timings": timings}
+        print(json.dumps(out if step is None else out | {"prefetch_step": step}))
     else:
         for i, (t, s) in enumerate(zip(tokens, text)):
             print(f"[{i}] {t}" + (f"  {s!r}" if s is not None else ""))
+        if step is not None and args.prefetch_step == "auto":
+            print(f"prefetch step: {step} (chosen by the cost model)")
         print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     return 0
 

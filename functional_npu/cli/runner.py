@@ -39,13 +39,14 @@ def generate_on_rank(
     repeat: int = 1,
     expert_axes: Sequence[str] = (),
     layer_shard: LayerShard | None = None,
-    prefetch_step: int = 0,
+    prefetch_step: int | str = 0,
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
     ``backend``: any of :data:`functional_npu.runtime.backends.BACKENDS` (``"none"``: the plain forward).
     ``expert_axes``: shard an MoE model's experts over these mesh axes (expert parallelism).
-    ``layer_shard``: layer-shard these weight series, fetched ``prefetch_step`` layers ahead.
+    ``layer_shard``: layer-shard these weight series, fetched ``prefetch_step`` layers ahead (``"auto"``:
+    the cost model's choice, reported as ``prefetch_step`` in the result).
     """
     mesh = ctx.mesh(axes)
     t0 = time.perf_counter()
@@ -71,7 +72,13 @@ def generate_on_rank(
         )
         timings["first_generate_s" if r == 0 else "generate_s"] = time.perf_counter() - t0
     timings.setdefault("generate_s", timings["first_generate_s"])
-    return {"indices": mine, "tokens": tokens, "timings": timings, "tp_index": mesh.axis_index("tp")}
+    return {
+        "indices": mine,
+        "tokens": tokens,
+        "timings": timings,
+        "tp_index": mesh.axis_index("tp"),
+        "prefetch_step": model.prefetch_step,
+    }
 
 
 def in_prompt_order(results: Sequence[Mapping[str, Any]], n: int) -> list[list[int]]:

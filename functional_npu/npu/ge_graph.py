@@ -40,7 +40,24 @@ HCOM_OF = {  # aten functional collective -> the GE op torchair converts it to
     "broadcast": "HcomBroadcast",
 }
 _ITEMSIZE = {"DT_FLOAT": 4, "DT_FLOAT16": 2, "DT_BF16": 2, "DT_INT64": 8, "DT_INT32": 4, "DT_INT8": 1, "DT_BOOL": 1}
-_VIEWS = {"Identity", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "ExpandDims", "TransData"}
+# ops a buffer's value passes through to its uses; the splits that unpack a coalesced buffer count too, so
+# the buffer stays live until the last use of any part (GE may alias the parts, or copy them)
+_VIEWS = {
+    "Identity",
+    "Reshape",
+    "Transpose",
+    "Unsqueeze",
+    "Squeeze",
+    "ExpandDims",
+    "TransData",
+    "SplitV",
+    "SplitVD",
+    "Split",
+    "SplitD",
+    "Slice",
+    "StridedSlice",
+    "StridedSliceV2",
+}
 _WAIT = "_c10d_functional.wait_tensor"
 _SHAPE = re.compile(r"shape=torch\.Size\(\[([^\]]*)\]\)")
 
@@ -229,7 +246,8 @@ def prefetch_order(
     """Check a layer-sharded graph's prefetch over its partial order; returns the findings and ``ok``.
 
     The carried inputs are layers ``0 .. k-1``; the broadcasts, in program order, layers ``k ..
-    L + k - 1`` (the last ``k`` are the next step's, handed out), each ``len(series)`` in a row.
+    L + k - 1`` (the last ``k`` are the next step's, handed out), each ``len(series)`` in a row
+    (``series`` names what one layer's broadcasts carry: one entry per coalesced buffer).
     Checked: the number of buffers; each broadcast's stream and root (``layer % axis_size``); the
     latest layer whose uses every broadcast must wait for (expected ``layer - k - 1``, ``None`` for
     none); and the most buffers live at once, per series and in all (expected ``k + 1`` and

@@ -17,10 +17,15 @@ with :class:`functional_npu.parallel.streams.Streams`: the broadcasts run on a s
 issue of layer ``i + k`` waits for the residual stream entering layer ``i`` (so for every use of
 layer ``i - 1``'s weights): at most ``k + 1`` buffers per series are live, and nothing makes a
 broadcast wait for more than that.
+
+One layer's weights travel together: the layer-sharded leaves of one dtype are packed into one flat
+buffer (a copy on the owner, views on every rank), one broadcast per layer (:func:`coalesced`), and
+the carried state holds those flat buffers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +37,7 @@ from ..core.mesh import Mesh
 from .layer_shard import series_of
 from .streams import INLINE, PREFETCH_STREAM, Streams
 
-__all__ = ["layer_weights", "prefetch_step", "start", "drain", "check_prefetch_step"]
+__all__ = ["layer_weights", "prefetch_step", "coalesced", "start", "drain", "check_prefetch_step"]
 
 Weights = dict[str, torch.Tensor]
 
@@ -42,20 +47,30 @@ def check_prefetch_step(k: int, num_layers: int) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= max(0, num_layers - 2):
         raise ValueError(
             f"prefetch_step must be an int with 0 <= k <= num_layers - 2 = {num_layers - 2} (the "
-            f"model has {num_layers} layers), got {k!r}; k = 0 is synchronous, k = 1 overlaps one layer"
+            f"model has {num_layers} layers), got {k!r}; k = 0 is synchronous, k = 1 overlaps one layer, "
+            f"'auto' lets the cost model choose"
         )
     return k
 
 
+def coalesced(params: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The layer-sharded leaves grouped so that one layer's weights travel in one broadcast per group:
+    one group per dtype (a flat buffer of that dtype), leaves in series order."""
+    groups: dict[torch.dtype, list[str]] = {}
+    for leaf, stacked in series_of(params).items():
+        groups.setdefault(stacked.dtype, []).append(leaf)
+    return [tuple(g) for g in groups.values()]
+
+
 def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor]) -> int:
     """The prefetch distance the carried state implies (0 with no state or no series)."""
-    n = len(series_of(params))
+    n = len(coalesced(params))
     if not n or not prefetched:
         return 0
     if len(prefetched) % n:
         raise ValueError(
-            f"prefetched holds {len(prefetched)} tensors, "
-            f"not a multiple of the {n} layer-sharded series {list(series_of(params))}"
+            f"prefetched holds {len(prefetched)} tensors, not a multiple of the {n} coalesced broadcasts "
+            f"per layer of the layer-sharded series {list(series_of(params))}"
         )
     return len(prefetched) // n
 
@@ -66,32 +81,44 @@ def _issue(
     mesh: Mesh,
     after: torch.Tensor | None = None,
     streams: Streams = INLINE,
-) -> dict[int, Weights]:
-    """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's):
-    ``{layer: {leaf: tensor}}``, on the prefetch stream and, given ``after``, not before it exists."""
+) -> dict[int, list[torch.Tensor]]:
+    """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's), one flat
+    buffer per :func:`coalesced` group: ``{layer: [flat, ...]}``, on the prefetch stream and, given
+    ``after``, not before it exists."""
     axis = params["layer_shard"].axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = layer % len(params["layers"])
-    out = {}
+    series = series_of(params)
+    out = []
     with streams.side(PREFETCH_STREAM):
-        for leaf, stacked in series_of(params).items():
-            mine = (
-                stacked[li // n]
-                if li % n == me
-                else torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
-            )
-            out[leaf] = broadcast(mine if after is None else streams.after(mine, after), mesh, axis, src=li % n)
+        for leaves in coalesced(params):
+            first = series[leaves[0]]
+            if li % n == me:
+                parts = [series[leaf][li // n].reshape(-1) for leaf in leaves]
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+            else:
+                size = sum(math.prod(series[leaf].shape[1:]) for leaf in leaves)
+                flat = torch.empty(size, dtype=first.dtype, device=first.device)
+            out.append(broadcast(flat if after is None else streams.after(flat, after), mesh, axis, src=li % n))
     return {layer: out}
 
 
-def _carried(params: dict[str, Any], prefetched: list[torch.Tensor]) -> dict[int, Weights]:
-    """The carried weights by layer, each waited on where it is first used (a no-op if already done)."""
-    leaves = list(series_of(params))
+def _unpack(params: dict[str, Any], flats: list[torch.Tensor]) -> Weights:
+    """The per-leaf views of one layer's coalesced buffers."""
+    series = series_of(params)
+    out = {}
+    for leaves, flat in zip(coalesced(params), flats):
+        shapes = [series[leaf].shape[1:] for leaf in leaves]
+        parts = flat.split([math.prod(s) for s in shapes]) if len(leaves) > 1 else [flat]
+        out |= {leaf: part.view(shape) for leaf, part, shape in zip(leaves, parts, shapes)}
+    return out
+
+
+def _carried(params: dict[str, Any], prefetched: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """The carried buffers by layer, each waited on where it is first used (a no-op if already done)."""
+    n = len(coalesced(params))
     flat = [funcol.wait_tensor(t) for t in prefetched]
-    return {
-        j: dict(zip(leaves, flat[j * len(leaves) : (j + 1) * len(leaves)]))
-        for j in range(prefetch_step(params, prefetched))
-    }
+    return {j: flat[j * n : (j + 1) * n] for j in range(prefetch_step(params, prefetched))}
 
 
 def layer_weights(
@@ -112,9 +139,9 @@ def layer_weights(
 
     def weights(i: int, x: torch.Tensor) -> Weights:
         ahead.update(_issue(params, i + k, mesh, x, streams))
-        layer = layers[i] | ahead.pop(i)
+        layer = layers[i] | _unpack(params, ahead.pop(i))
         if i == len(layers) - 1 and prefetched:  # the next step's first k layers, issued as layers L .. L+k-1
-            prefetched[:] = [w for j in sorted(ahead) for w in ahead[j].values()]
+            prefetched[:] = [flat for j in sorted(ahead) for flat in ahead[j]]
         return layer
 
     return weights
@@ -124,8 +151,7 @@ def start(params: dict[str, Any], mesh: Mesh, k: int) -> list[torch.Tensor]:
     """The carried state for the first step: layers ``0 .. k-1`` issued now (run on every rank of the axis)."""
     if not series_of(params):
         return []
-    fetched = [_issue(params, j, mesh)[j] for j in range(k)]
-    return [w[leaf] for w in fetched for leaf in w]
+    return [flat for j in range(k) for flat in _issue(params, j, mesh)[j]]
 
 
 def drain(prefetched: list[torch.Tensor]) -> None:

@@ -16,9 +16,21 @@ alpha-beta :class:`Link`, and per-layer compute time, from :func:`roofline_layer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["Link", "Device", "step_time", "exposed", "choose_k", "roofline_layer_s"]
+__all__ = [
+    "Link",
+    "Device",
+    "DEVICES",
+    "step_time",
+    "simulate",
+    "exposed",
+    "choose_k",
+    "roofline_layer_s",
+    "auto_step",
+    "layer_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -157,3 +169,85 @@ def choose_k(
     costs = [exposed(num_layers, k, compute_s, occupy, latency) for k in range(top + 1)]
     best = min(costs)
     return next(k for k, c in enumerate(costs) if c <= best + 1e-9)
+
+
+# ---- prefetch_step="auto" on real params --------------------------------------------------------
+# Named devices: a roofline (memory bandwidth, dense FLOP/s of the weights' dtype) and the link a
+# layer-shard broadcast runs on. Sources are in each record; "host" is this project's CI-class
+# machine, measured (see the README's prefetch section).
+DEVICES: dict[str, Device] = {
+    "ascend-910b": Device(
+        "ascend-910b",
+        memory_bytes_per_s=1.6e12,  # HBM 64 GB, 1600 GB/s
+        flop_per_s=313e12,  # FP16 dense, 910B3 (376 on 910B2)
+        # HCCS full mesh of 8: 7 links, 392 GB/s per NPU, so 56 GB/s from the owner to each peer; the
+        # direction is not stated. alpha is assumed (no published small-message HCCL latency found)
+        link=Link(bytes_per_s=56e9, alpha_s=20e-6),
+        source=(
+            "Huawei Atlas 800T A2 white paper (e.huawei.com/cn/documents/products/computing/"
+            "b0b253c4d5da4e05ba80a39e3dc65fd2): 313 TFLOPS FP16 (910B3), HBM 1600 GB/s, 7 HCCS links, 392 GB/s; "
+            "alpha 20 us assumed"
+        ),
+    ),
+    "h100-sxm": Device(
+        "h100-sxm",
+        memory_bytes_per_s=3.35e12,  # HBM3
+        flop_per_s=989e12,  # BF16 dense (1979 with sparsity)
+        # NVLink 4: 900 GB/s both directions, 450 one way; NCCL's app-level target 370 GB/s one way
+        link=Link(bytes_per_s=370e9, alpha_s=10e-6),
+        source=(
+            "nvidia.com/en-us/data-center/h100 (3.35 TB/s, 1979 TFLOPS BF16 sparse, NVLink 900 GB/s); "
+            "github.com/NVIDIA/nccl/issues/1442 (370 GB/s each direction); alpha 10 us assumed"
+        ),
+    ),
+    "host": Device(
+        "host",
+        memory_bytes_per_s=17.5e9,  # fp32 matvec streaming rate measured by `bench` on a 2-core host
+        flop_per_s=1.0e11,
+        link=Link(bytes_per_s=1.0e9, alpha_s=1e-4),  # gloo over loopback TCP, two ranks on two cores
+        source="measured on this project's 2-core CI-class host (python -m functional_npu bench)",
+    ),
+}
+DEFAULT_DEVICE = {"cpu": "host", "npu": "ascend-910b", "cuda": "h100-sxm"}
+
+
+def layer_bytes(params: dict) -> int:
+    """Bytes one layer's layer-sharded weights move per step (every series, at this rank's shard size)."""
+    series = params.get("series") or {}
+    return sum(math.prod(x.shape[1:]) * x.element_size() for x in series.values())
+
+
+def layer_weight_bytes(params: dict) -> int:
+    """Bytes of one layer's weights at this rank's shard size (local leaves plus its layer-sharded ones)."""
+    layers = params["layers"]
+    local = sum(t.numel() * t.element_size() for t in layers[0].values()) if layers else 0
+    return local + layer_bytes(params)
+
+
+def auto_step(
+    params: dict, *, device: Device | str | None = None, budget_bytes: float | None = None, batch: int = 1
+) -> int:
+    """``prefetch_step="auto"`` for layer-sharded ``params``: :func:`choose_k` with one layer's compute
+    from ``device``'s roofline (decode at ``batch`` tokens) and its link.
+
+    Raises:
+        ValueError: an unknown device name, or a budget that does not hold one layer (see :func:`choose_k`).
+    """
+    if isinstance(device, str) or device is None:
+        name = device or DEFAULT_DEVICE.get(params["embed"].device.type, "host")
+        if name not in DEVICES:
+            raise ValueError(
+                f"prefetch device {name!r} is not known; choose one of {', '.join(DEVICES)} or pass a Device"
+            )
+        device = DEVICES[name]
+    weights = layer_weight_bytes(params)
+    elements = weights / params["embed"].element_size()
+    compute = roofline_layer_s(device, weights, 2.0 * batch * elements)
+    return choose_k(
+        layer_bytes(params),
+        num_layers=params["config"].num_layers,
+        compute_s=compute,
+        link=device.link,
+        budget_bytes=budget_bytes,
+        series=",".join(params["layer_shard"].leaves) if "layer_shard" in params else "the layer-sharded series",
+    )

@@ -28,7 +28,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["PrefetchSchedule", "ScheduleError"]
+__all__ = ["PrefetchSchedule", "ScheduleError", "BUILT_FOR", "IR_NEEDS"]
+
+BUILT_FOR = "2.13"  # the torch line whose scheduler IR this pass reads
+# what the pass reads from inductor: scheduler-node methods and attributes, and the module functions
+IR_NEEDS = {
+    "torch._inductor.scheduler.BaseSchedulerNode": (
+        "get_buffer_names",
+        "get_outputs",
+        "get_name",
+        "unmet_dependencies",
+        "read_writes",
+        "node",
+    ),
+    "torch._inductor.utils": ("is_collective", "is_wait"),
+    "torch._inductor.graph.GraphLowering": ("graph_inputs", "get_output_names"),
+    "torch._inductor.config": ("reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes"),
+}
 
 
 class ScheduleError(RuntimeError):
@@ -84,9 +100,16 @@ class PrefetchSchedule:
     def __call__(self, snodes: Sequence[Any]) -> list[Any]:
         from torch._inductor.virtualized import V
 
-        inputs = set(V.graph.graph_inputs)
-        outputs = list(V.graph.get_output_names())
-        return reorder(list(snodes), inputs, outputs, self.carried, self.issues)
+        try:
+            inputs = set(V.graph.graph_inputs)
+            outputs = list(V.graph.get_output_names())
+            return reorder(list(snodes), inputs, outputs, self.carried, self.issues)
+        except (AttributeError, TypeError) as e:  # the scheduler IR is a prototype: say which torch moved it
+            raise ScheduleError(
+                f"the prefetch pass reads inductor's scheduler IR as torch {BUILT_FOR} has it; torch "
+                f"{torch.__version__} changed it ({type(e).__name__}: {e}). Pin torch {BUILT_FOR}.* or update "
+                f"functional_npu.parallel.schedule"
+            ) from e
 
 
 def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: int, n_issues: int) -> list[Any]:
@@ -170,11 +193,22 @@ def _wait_of(graph: _Graph, broadcasts: list[Any]) -> dict[int, Any]:
 
 
 def _issue_group(graph: _Graph, b: Any) -> list[Any]:
-    """The kernels that only feed broadcast ``b`` (its send-buffer copy), in order, then ``b``: they travel together."""
+    """The kernels that only feed broadcast ``b`` (its send buffer: a copy of the owned layer, or the
+    concatenation a coalesced buffer is built by, step by step), in order, then ``b``: they travel together."""
     producer = graph.producer
-    feeders = {id(producer[n]): producer[n] for n in graph.needs[id(b)] if n in producer and producer[n] is not b}
-    own = [f for f in feeders.values() if not _is_wait(f) and all(c is b for c in graph.consumers[id(f)])]
-    return sorted(own, key=lambda s: graph.position[id(s)]) + [b]
+    group = {id(b): b}
+    grew = True
+    while grew:  # add every producer whose consumers all lie in the group already
+        grew = False
+        for member in list(group.values()):
+            for name in graph.needs[id(member)]:
+                f = producer.get(name)
+                if f is None or id(f) in group or _is_wait(f) or _is_collective(f):
+                    continue
+                if all(id(c) in group for c in graph.consumers[id(f)]):
+                    group[id(f)] = f
+                    grew = True
+    return sorted((s for s in group.values() if s is not b), key=lambda s: graph.position[id(s)]) + [b]
 
 
 def _output_rank(w: Any, outputs: list[str]) -> int:

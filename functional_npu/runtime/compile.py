@@ -24,7 +24,8 @@ from ..models import family_of, init_state
 from ..models.decoder import DecodeState, decode
 from ..parallel import prefetch
 from ..parallel.layer_shard import series_of
-from ..parallel.prefetch import check_prefetch_step
+from ..parallel.prefetch import check_prefetch_step, coalesced
+from ..parallel.prefetch_cost import auto_step
 from ..parallel.schedule import PrefetchSchedule
 from .backends import Backend, resolve_backend
 from .generate import Lockstep, generate
@@ -201,7 +202,7 @@ def _inductor_options(params: dict, mesh: Mesh, k: int) -> dict[str, Any]:
     series = series_of(params)
     if not series or mesh.axis_size(params["layer_shard"].axis) == 1:
         return {}
-    n, layers = len(series), params["config"].num_layers
+    n, layers = len(coalesced(params)), params["config"].num_layers
     return {
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": [PrefetchSchedule(k * n, layers * n)],
@@ -235,8 +236,10 @@ def compile_model(
     batch_sizes: Sequence[int] | None = None,
     max_seq_len: int | None = None,
     prefill_lengths: Sequence[int] | None = None,
-    prefetch_step: int = 0,
+    prefetch_step: int | str = 0,
     tp_axis: str = "tp",
+    prefetch_device: Any = None,
+    prefetch_budget: float | None = None,
 ) -> CompiledModel:
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
@@ -254,8 +257,13 @@ def compile_model(
             0 is synchronous). Under inductor a scheduling pass keeps that order with ``k + 1``
             live buffers (:class:`functional_npu.parallel.schedule.PrefetchSchedule`); under torchair
             the graph itself states it (a side stream and control edges, see
-            :mod:`functional_npu.parallel.streams`), since GE orders the graph.
+            :mod:`functional_npu.parallel.streams`), since GE orders the graph. ``"auto"`` picks
+            ``k`` with the cost model (:func:`functional_npu.parallel.prefetch_cost.auto_step`).
         tp_axis: the mesh axis the params are tensor-parallel over (as given to ``load_checkpoint``).
+        prefetch_device: for ``prefetch_step="auto"``: a device name of
+            :data:`functional_npu.parallel.prefetch_cost.DEVICES` or a ``Device`` (default: by the
+            params' device type).
+        prefetch_budget: for ``"auto"``: the most bytes the ``k + 1`` live prefetch buffers may take.
 
     Example:
         >>> model = compile_model(load_checkpoint(path, mesh), mesh)     # doctest: +SKIP
@@ -263,6 +271,10 @@ def compile_model(
     """
     cfg = _check_params(params, mesh, tp_axis, "compile_model")
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
+    if prefetch_step == "auto":
+        prefetch_step = (
+            auto_step(params, device=prefetch_device, budget_bytes=prefetch_budget) if series_of(params) else 0
+        )
     k = check_prefetch_step(prefetch_step, cfg.num_layers)
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     if not mesh.is_abstract:

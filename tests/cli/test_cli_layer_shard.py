@@ -14,22 +14,15 @@ def qwen3(tmp_path_factory):
     return path, PROMPTS, [hf_greedy(hf, p, 5) for p in PROMPTS]
 
 
-def test_generate_layer_sharded_over_dp_with_prefetch(qwen3):
-    """dp 2 with 3 prompts (2 and 1 per rank): the ranks share every broadcast and still return prompt order."""
+@pytest.mark.parametrize("step", ["1", "auto"])
+def test_generate_layer_sharded_over_dp_with_prefetch(qwen3, step):
+    """dp 2 with 3 prompts (2 and 1 per rank): the ranks share every broadcast and still return prompt order;
+    ``auto`` reports the step the cost model chose."""
     path, prompts, ref = qwen3
-    args = [
-        "--dp",
-        "2",
-        "--layer-shard",
-        "o_proj,down_proj",
-        "--prefetch-step",
-        "1",
-        "--backend",
-        "none",
-        "--max-new-tokens",
-        "5",
-    ]
-    assert generate_json(path, prompts, *args)["token_ids"] == ref
+    args = ["--dp", "2", "--layer-shard", "o_proj,down_proj", "--prefetch-step", step]
+    out = generate_json(path, prompts, *args, "--backend", "none", "--max-new-tokens", "5")
+    assert out["token_ids"] == ref
+    assert out["prefetch_step"] == 1 if step == "1" else 0 <= out["prefetch_step"] <= 2
 
 
 @pytest.mark.parametrize(
@@ -41,6 +34,10 @@ def test_generate_layer_sharded_over_dp_with_prefetch(qwen3):
             "prefetch_step must be an int with 0 <= k <= num_layers - 2 = 2 (the model has 4 layers), got 3",
         ),
         (["--dp", "2", "--layer-shard", "o_proj,mlp"], "layer_shard: unknown series ['mlp']"),
+        (
+            ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "soon"],
+            "expected a non-negative integer or 'auto', got 'soon'",
+        ),
         (
             ["--tp", "2", "--layer-shard", "o_proj", "--layer-shard-axis", "tp"],
             "series 'o_proj' is already sharded over mesh axis 'tp'",

@@ -90,8 +90,9 @@ def test_moe_schedule_is_the_expert_parallel_plan(drift, family):
 
 @pytest.mark.parametrize("k", LAYER_SHARD_STEPS)
 def test_layer_sharded_schedule_prefetches_k_layers_ahead(drift, k):
-    """o_proj and down over dp = 2: layer l + k's two broadcasts issued as layer l starts, layers 0 .. k-1
-    carried in; src alternates with the owner l % 2; the last k layers' broadcasts fetch the next step's."""
+    """o_proj and down over dp = 2: layer l + k's broadcast (both leaves in one buffer) issued as layer l
+    starts, layers 0 .. k-1 carried in; src alternates with the owner l % 2; the last k broadcasts fetch
+    the next step's."""
     from functional_npu.cli.graphs import LAYER_SHARD_SERIES
 
     cfg, layers = GRAPH_CONFIGS["qwen3"], LAYER_SHARD_LAYERS
@@ -101,13 +102,14 @@ def test_layer_sharded_schedule_prefetches_k_layers_ahead(drift, k):
         name = f"qwen3-dp2-layer_shard-k{k}-{phase}"
         schedule = read_artifact(GRAPHS, name, "collectives.json")
         fetched = [(li + k) % layers for li in range(layers)]  # the layer issued as layer li starts
-        assert [c["src"] for c in schedule] == [li % 2 for li in fetched for _ in range(2)]  # from its owner
-        assert [c["op"] for c in schedule] == ["_c10d_functional.broadcast.default"] * (2 * layers)
-        assert [c["bytes"] for c in schedule] == [4 * d * h, 4 * d * f] * layers
+        assert [c["src"] for c in schedule] == [li % 2 for li in fetched]  # from its owner
+        # one broadcast per layer: o_proj and down coalesced into one flat buffer
+        assert [c["op"] for c in schedule] == ["_c10d_functional.broadcast.default"] * layers
+        assert [c["bytes"] for c in schedule] == [4 * (d * h + d * f)] * layers
         assert {c["axis"] for c in schedule} == {"dp"}
         graph = read_artifact(GRAPHS, name, "graph.txt")
-        # one wait per broadcast, and one per carried weight (layers 0 .. k-1, two each)
-        assert graph.count("= torch.ops._c10d_functional.wait_tensor.default(") == 2 * layers + 2 * k
+        # one wait per broadcast, and one per carried buffer (layers 0 .. k-1)
+        assert graph.count("= torch.ops._c10d_functional.wait_tensor.default(") == layers + k
 
 
 @pytest.mark.parametrize("k", LAYER_SHARD_STEPS)
@@ -118,9 +120,9 @@ def test_ge_graph_keeps_the_prefetch_bounds_in_every_order(report, k):
     for phase in PHASES:
         order = read_artifact(GRAPHS, f"qwen3-dp2-layer_shard-k{k}-{phase}", "ge_prefetch.json")
         assert order["ok"], order["problems"]
-        assert order["max_live_per_series"] == [k + 1, k + 1] and order["max_live"] == 2 * (k + 1)
+        assert order["max_live_per_series"] == [k + 1] and order["max_live"] == k + 1
         rows = order["broadcasts"]
-        assert [r["layer"] for r in rows] == [j for j in range(k, LAYER_SHARD_LAYERS + k) for _ in range(2)]
+        assert [r["layer"] for r in rows] == list(range(k, LAYER_SHARD_LAYERS + k))
         for r in rows:
             assert r["stream"] == "prefetch" and r["root"] == r["layer"] % LAYER_SHARD_LAYERS % 2
             assert r["waits_for_layer"] == (r["layer"] - k - 1 if r["layer"] - k - 1 >= 0 else None)
@@ -132,5 +134,5 @@ def test_without_the_hints_ge_may_break_the_bounds(report):
     order = read_artifact(GRAPHS, CONTROL, "ge_prefetch_no_hints.json")
     k = int(CONTROL.split("-k")[1][0])
     assert not order["ok"]
-    assert order["max_live_per_series"] == [LAYER_SHARD_LAYERS + k] * 2
+    assert order["max_live_per_series"] == [LAYER_SHARD_LAYERS + k]
     assert all(r["waits_for_layer"] is None and r["stream"] is None for r in order["broadcasts"])

@@ -186,10 +186,13 @@ def test_moe_attention_projections_layer_sharded_match_transformers(world2, qwen
 
 @pytest.mark.parametrize("series,k", [("o_proj", 0), ("o_proj", 1), ("o_proj,down_proj", 2), ("layer", 1)])
 def test_compiled_schedule_issues_k_layers_ahead_with_k_plus_1_buffers(world2, qwen3, series, k):
+    """One broadcast per layer (all its layer-sharded leaves in one flat buffer), issued k layers ahead,
+    waited right before first use, at most k + 1 buffers live -- read from inductor's generated code."""
     code = world2.run(decode_code, qwen3[0], {"dp": 2, "tp": 1}, series, k)
+    assert _present(series)  # every layer-sharded leaf of a layer travels in its one broadcast
     for rank, text in enumerate(code):
         ev = prefetch_timeline(text)
-        s = len(_present(series))
+        s = 1  # broadcasts per layer: the layer's series, coalesced into one flat buffer
         issues = sorted(ev["issue"], key=ev["issue"].get)
         uses = sorted(ev["use"], key=ev["use"].get)
         assert len(issues) == LAYERS * s and len(uses) == LAYERS * s, (rank, len(issues), len(uses))

@@ -96,3 +96,39 @@ def test_bad_inputs_are_named():
         step_time(4, 1, 1.0, 2.0, 1.0)
     with pytest.raises(ValueError, match="num_layers >= 1"):
         choose_k(10, num_layers=0, compute_s=1.0, link=Link(1.0))
+
+
+def test_auto_on_layer_sharded_params(qwen3_params):
+    """``prefetch_step="auto"``: the cost model on the params' own sizes, through compile_model; errors name
+    the series, the bytes and the devices."""
+    from functional_npu.parallel.prefetch_cost import DEVICES, auto_step, layer_bytes
+    from functional_npu.runtime.compile import compile_model
+
+    params, mesh = qwen3_params
+    o, down = params["series"]["o_proj"], params["series"]["down"]
+    assert layer_bytes(params) == (o[0].numel() + down[0].numel()) * 4
+    for name in DEVICES:
+        k = auto_step(params, device=name)
+        assert 0 <= k <= params["config"].num_layers - 2
+        assert (
+            compile_model(params, mesh, backend="none", prefetch_step="auto", prefetch_device=name).prefetch_step == k
+        )
+    assert auto_step(params, device=DEVICES["host"], budget_bytes=layer_bytes(params)) == 0  # one buffer: k = 0
+    with pytest.raises(ValueError, match=r"does not hold one layer of o_proj,down \(\d+ bytes"):
+        auto_step(params, budget_bytes=layer_bytes(params) - 1)
+    with pytest.raises(ValueError, match="prefetch device 'tpu' is not known; choose one of ascend-910b"):
+        auto_step(params, device="tpu")
+
+
+@pytest.fixture(scope="module")
+def qwen3_params(tmp_path_factory):
+    from functional_npu.core.mesh import Mesh
+    from functional_npu.parallel.layer_shard import layer_shard
+    from functional_npu.runtime.checkpoint import load_checkpoint
+
+    from ..support.hf_models import save_tiny
+
+    path = tmp_path_factory.mktemp("qwen3_auto")
+    save_tiny("qwen3", path, 3, num_hidden_layers=6)
+    mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
+    return load_checkpoint(str(path), mesh, layer_shard=layer_shard("o_proj,down_proj")), mesh
