@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..parallel.prefetch_cost import Link, choose_k, exposed
 from .bench_prefetch import run_prefetch_bench
 
-__all__ = ["link_unavailable", "rate_for", "run_emulated", "run_link_bench", "shaped_command"]
+__all__ = ["link_unavailable", "rate_for", "run_emulated", "run_link_bench", "shaped_command", "model_check"]
 
 _QUEUE = "200ms"  # tbf latency: how long a packet may wait in the queue before it is dropped
 
@@ -31,8 +32,9 @@ def shaped_command(rate_bits: int, argv: list[str]) -> list[str]:
     """``argv`` run in a new network namespace whose loopback is up and limited to ``rate_bits`` per second."""
     if not isinstance(rate_bits, int) or rate_bits < 1_000_000:
         raise ValueError(f"link rate must be an integer of at least 1 Mbit/s (in bit/s), got {rate_bits!r}")
-    # above the largest loopback packet (64 KiB, with segmentation offload) and one 10 ms slice of the rate
-    burst = max(512 * 1024, rate_bits // 8 // 100)
+    # the bucket refills while the ranks compute, so a large one lets every broadcast start with a free
+    # burst; it must still hold the largest loopback packet (64 KiB with segmentation offload, plus headers)
+    burst = 96 * 1024
     setup = (
         f"ip link set lo up && tc qdisc add dev lo root tbf rate {rate_bits}bit burst {burst} latency {_QUEUE}"
         ' && exec "$0" "$@"'
@@ -122,3 +124,20 @@ def run_link_bench(
         out["rate_bits"] = rate
         out["emulated"] = run_emulated(model_dir, rate, series=series, ks=ks, batch=batch, steps=steps, repeat=repeat)
     return out
+
+
+def model_check(res: dict[str, Any]) -> dict[str, Any]:
+    """The cost model against one run's own measurements: per prefetch-schedule run, the exposed
+    fraction :func:`functional_npu.parallel.prefetch_cost.exposed` predicts from the measured
+    per-layer compute and broadcast time, the measured one, and their difference; and the ``k`` that
+    ``prefetch_step="auto"`` picks from those two inputs (no budget)."""
+    layers, compute, comm = res["layers"], res["per_layer_compute_s"], res["per_layer_comm_s"]
+    rows = []
+    for r in res["runs"].values():
+        if not str(r.get("schedule", "prefetch")) == "prefetch":
+            continue
+        predicted = exposed(layers, r["k"], compute, comm, comm)
+        rows.append({"k": r["k"], "predicted": predicted, "measured": r["exposed"], "error": r["exposed"] - predicted})
+    link = Link(bytes_per_s=res["per_layer_bytes"] / comm) if comm > 0 else Link(float("inf"))
+    auto = choose_k(res["per_layer_bytes"], num_layers=layers, compute_s=compute, link=link)
+    return {"rows": rows, "auto_k": auto, "max_abs_error": max((abs(r["error"]) for r in rows), default=0.0)}

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,84 +53,118 @@ def _stock(model: CompiledModel, passes: list[str]) -> CompiledModel:
     return dataclasses.replace(model, forward=fwd)
 
 
-def _step_time(model: CompiledModel, batch: int, steps: int, repeat: int) -> tuple[float, str]:
-    """Best per-step decode time, and the generated code of the decode graph."""
+def _stepper(model: CompiledModel, batch: int) -> tuple[Callable[[int], float], str, list[torch.Tensor]]:
+    """Warm ``model``'s decode graph; returns (seconds per step over ``n`` steps, its code, its carried state)."""
     from torch._inductor.utils import run_and_get_code
 
     state = model.new_state(batch)
     tok, pos = torch.arange(batch) + 3, torch.full((batch,), 5)
     with torch.no_grad():
         _, code = run_and_get_code(model.decode, tok, pos, state)
-    best = float("inf")
-    for _ in range(repeat):
+
+    def per_step(n: int) -> float:
         t0 = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(n):
             model.decode(tok, pos, state)
-        best = min(best, (time.perf_counter() - t0) / steps)
-    drain(state.prefetched)
-    return best, code[0] if code else ""
+        return (time.perf_counter() - t0) / n
+
+    return per_step, code[0] if code else "", state.prefetched
 
 
-def _comm_alone(params: dict, mesh: Any, repeat: int) -> float:
+def _interleaved(steppers: dict[str, Callable[[int], float]], steps: int, rounds: int) -> dict[str, list[float]]:
+    """Per-step seconds of every configuration, ``rounds`` times, each round visiting all of them in turn
+    (so a noisy moment on a shared machine touches every configuration alike)."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for r in range(rounds + 1):  # round 0 is untimed: the first call after other graphs compiled may be slow
+        for name, per_step in steppers.items():
+            t = per_step(steps)
+            if r:
+                times[name].append(t)
+    return times
+
+
+def _comm_alone(params: dict, mesh: Any, n: int) -> float:
     """Seconds for one step's broadcasts (one per layer and coalesced group, as the forward issues them)
-    issued back to back, then waited."""
+    issued back to back, then waited; the mean over ``n`` steps."""
     axis = params["layer_shard"].axis
-    n = mesh.axis_size(axis)
+    size = mesh.axis_size(axis)
     series = params["series"]
     bufs = [
-        (torch.empty(sum(math.prod(series[leaf].shape[1:]) for leaf in group), dtype=series[group[0]].dtype), li % n)
+        (torch.empty(sum(math.prod(series[leaf].shape[1:]) for leaf in group), dtype=series[group[0]].dtype), li % size)
         for li in range(len(params["layers"]))
         for group in coalesced(params)
     ]
-    best = float("inf")
-    for _ in range(repeat + 1):
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    for _ in range(n):
         out = [broadcast(b, mesh, axis, src=src) for b, src in bufs]
         for t in out:
             funcol.wait_tensor(t)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return (time.perf_counter() - t0) / n
 
 
 def prefetch_rank(
     ctx: RankContext, model_dir: str, series: str, ks: list[int], batch: int, steps: int, repeat: int
 ) -> dict[str, Any]:
-    """Run on each of 2 ranks: step times, exposed fractions and resident memory per configuration."""
+    """Run on each of 2 ranks: step times (median and spread of interleaved rounds), exposed fractions and
+    resident memory per configuration."""
     mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
     cache_len = 64
+    torch._dynamo.reset()
     local = compile_model(load_checkpoint(model_dir, mesh), mesh, batch_sizes=[batch], max_seq_len=cache_len)
-    t_local, _ = _step_time(local, batch, steps, repeat)
+    steppers, codes, states = {}, {}, []
+    steppers["local"], _, _ = _stepper(local, batch)
     params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))
     per_layer = sum(x[0].numel() * x.element_size() for x in params["series"].values() if len(x))
     owned = resident_bytes(params["series"])
-    runs: dict[str, dict[str, float]] = {}
-    for name, k, schedule in [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items()]:
-        torch._dynamo.reset()
+    configs = [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items()]
+    for name, k, schedule in configs:  # every graph compiled and warm before any timing
         model = compile_model(params, mesh, batch_sizes=[batch], max_seq_len=cache_len, prefetch_step=k)
         if schedule != "prefetch":
             model = _stock(model, SCHEDULES[schedule])
-        t, code = _step_time(model, batch, steps, repeat)
-        live = prefetch_timeline(code)["live_max"] if code else 0
+        steppers[name], codes[name], carried = _stepper(model, batch)
+        states.append(carried)
+    steppers["comm_alone"] = functools.partial(_comm_alone, params, mesh)
+    times = _interleaved(steppers, steps, repeat)
+    for carried in states:
+        drain(carried)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    t_local, t_comm = med["local"], med["comm_alone"]
+    runs: dict[str, dict[str, Any]] = {}
+    for name, k, schedule in configs:
+        live = prefetch_timeline(codes[name])["live_max"] if codes[name] else 0
         runs[name] = {
             "k": k,
-            "step_s": t,
+            "schedule": schedule,
+            "step_s": med[name],
+            "step_s_min": min(times[name]),
+            "step_s_max": max(times[name]),
             "live_buffers": live,
             "resident_bytes": owned + k * per_layer,
             "peak_bytes": owned + live * per_layer,
+            "exposed": (med[name] - t_local) / t_comm,
         }
-    t_comm = _comm_alone(params, mesh, repeat)
-    for r in runs.values():
-        r["exposed"] = (r["step_s"] - t_local) / t_comm
     layers = len(params["layers"])
+    # one layer's share of the step: its weights' share of all the weights read per token (the
+    # embedding row is one row; the lm_head is read whole)
+    full = load_checkpoint(model_dir, mesh)
+    layer_w = sum(t.numel() for t in full["layers"][0].values())
+    total_w = (
+        layers * layer_w + full["norm"].numel() + (full["lm_head"] if "lm_head" in full else full["embed"]).numel()
+    )
     return {
+        "layer_share": layer_w / total_w,
         "local_step_s": t_local,
+        "local_step_s_spread": [min(times["local"]), max(times["local"])],
         "comm_alone_s": t_comm,
-        "per_layer_compute_s": t_local / layers,
+        "comm_alone_s_spread": [min(times["comm_alone"]), max(times["comm_alone"])],
+        "per_layer_compute_s": t_local * layer_w / total_w,
         "per_layer_comm_s": t_comm / layers,
         "replicated_bytes": layers * per_layer,
         "per_layer_bytes": per_layer,
         "layers": layers,
         "owned_bytes": owned,
+        "rounds": repeat,
+        "steps_per_round": steps,
         "runs": runs,
     }
 
@@ -142,7 +178,9 @@ def run_prefetch_bench(
     steps: int = 16,
     repeat: int = 3,
 ) -> dict[str, Any]:
-    """Both ranks' measurements on 2 local gloo ranks (one thread each), merged: slowest rank's times."""
+    """Both ranks' measurements on 2 local gloo ranks (one thread each), merged: the slower rank's medians
+    (and spreads); every configuration is compiled first, then timed in ``repeat`` interleaved rounds of
+    ``steps`` decode steps."""
     from ..runtime.launch import LocalWorld
 
     with LocalWorld(2, threads=1, timeout=1800) as world:
@@ -150,10 +188,13 @@ def run_prefetch_bench(
     out = dict(ranks[0])
     out["local_step_s"] = max(r["local_step_s"] for r in ranks)
     out["comm_alone_s"] = max(r["comm_alone_s"] for r in ranks)
+    out["per_layer_compute_s"] = out["local_step_s"] * out["layer_share"]
+    out["per_layer_comm_s"] = out["comm_alone_s"] / out["layers"]
     out["runs"] = {}
     for name in ranks[0]["runs"]:
         merged = dict(ranks[0]["runs"][name])
-        merged["step_s"] = max(r["runs"][name]["step_s"] for r in ranks)
+        for key in ("step_s", "step_s_min", "step_s_max"):
+            merged[key] = max(r["runs"][name][key] for r in ranks)
         merged["resident_bytes"] = max(r["runs"][name]["resident_bytes"] for r in ranks)
         merged["peak_bytes"] = max(r["runs"][name]["peak_bytes"] for r in ranks)
         merged["exposed"] = (merged["step_s"] - out["local_step_s"]) / out["comm_alone_s"]
@@ -175,12 +216,13 @@ def prefetch_table(res: dict[str, Any]) -> str:
             "raise_comms_k1": "k = 1, inductor raise_comms",
             "memory_preserving_k1": "k = 1, inductor memory-preserving passes",
         }.get(name, f"k = {r['k']}, prefetch schedule")
+        spread = f" ({r['step_s_min'] * 1e3:.2f}-{r['step_s_max'] * 1e3:.2f})" if "step_s_min" in r else ""
         rows.append(
-            f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f} | {r['exposed']:.0%} | "
+            f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f}{spread} | {r['exposed']:.0%} | "
             f"{r['resident_bytes'] / 2**20:.1f} MiB | {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_bytes'] / rep:.0%}) |"
         )
     head = [
-        "| decode step | live prefetch buffers | ms / step | "
+        "| decode step | live prefetch buffers | ms / step, median (min-max) | "
         "exposed comm | resident between steps | peak series bytes |",
         "|---|---|---|---|---|---|",
     ]

@@ -27,7 +27,8 @@ def test_demo_runs_and_verifies():
     out = cli("demo", "--tp", "2", "--max-new-tokens", "8")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo: OK" in out.stdout
-    assert out.stdout.count("| True |") == 3
+    assert out.stdout.count("| True |") == 4  # eager 1 and 2 ranks, compiled tp 2, compiled layer-sharded dp 2
+    assert "layer-sharded: each rank holds" in out.stdout
 
 
 def test_generate_dp2_json_in_prompt_order(model):
