@@ -169,15 +169,25 @@ def qwen3_moe(tmp_path_factory):
     return str(path), [hf_greedy(model, p, NEW) for p in PROMPTS]
 
 
-def test_moe_attention_projections_layer_sharded_match_transformers(world2, qwen3_moe):
-    """The MoE families run through the same layer loop: their attention projections layer-shard and prefetch too
-    (the dense-MLP series are absent from MoE layers, so "layer" takes only the leaves every layer has)."""
-    results = world2.run(
-        generate_layer_sharded, qwen3_moe[0], {"dp": 2, "tp": 1}, "q_proj,o_proj", 1, PROMPTS, NEW, "none"
-    )
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A 4-layer tiny Mixtral saved by transformers, and its greedy tokens for PROMPTS."""
+    path = tmp_path_factory.mktemp("mixtral_ls")
+    model = save_tiny_moe("mixtral", path, 13, num_hidden_layers=4)
+    return str(path), [hf_greedy(model, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family,backend", [("qwen3_moe", "none"), ("mixtral", "inductor")])
+def test_moe_attention_projections_layer_sharded_match_transformers(request, world2, family, backend):
+    """The MoE families run through the same layer loop: their attention projections layer-shard and prefetch too,
+    eager and compiled (the dense-MLP series are absent from MoE layers, so "layer" takes only the leaves every
+    layer has)."""
+    path, ref = request.getfixturevalue(family)
+    results = world2.run(generate_layer_sharded, path, {"dp": 2, "tp": 1}, "q_proj,o_proj", 1, PROMPTS, NEW, backend)
     for rank, (tokens, shapes, *_) in enumerate(results):
-        assert tokens == qwen3_moe[1], f"rank {rank}"
+        assert tokens == ref, f"rank {rank}"
         assert set(shapes) == {"qkv", "o_proj"} and all(s[0] == 2 for s in shapes.values())
+    qwen3_moe = request.getfixturevalue("qwen3_moe")
     ls = layer_shard("layer", "dp")
     moe_cfg = load_checkpoint(qwen3_moe[0], Mesh.abstract({"tp": 1}, 0))["config"]
     meta, _ = check_plan(moe_cfg, Mesh.abstract({"dp": 2, "tp": 1}), layer_shard=ls)
