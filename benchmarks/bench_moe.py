@@ -11,33 +11,20 @@ MoE layer exchanges tokens (decode batches take the all_gather / reduce_scatter 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 
-from functional_npu.cli.bench import best_time
-from functional_npu.models import llama, moe
+from functional_npu.cli.bench import QUICK, best_time
+from functional_npu.models import moe
 from functional_npu.runtime.checkpoint import load_checkpoint
-from functional_npu.runtime.compile import cache_length, compile_model
-from functional_npu.runtime.generate import greedy_generate
+from functional_npu.runtime.compile import cache_length, compile_model, greedy_generate
 from functional_npu.runtime.launch import LocalWorld
 from functional_npu.runtime.save import save_checkpoint
 
 
 def config(layers: int) -> moe.MoeConfig:
-    base = llama.LlamaConfig(
-        architecture="Qwen3ForCausalLM",
-        vocab_size=8000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_layers=layers,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=64,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=2048,
-        qk_norm=True,
-    )
+    base = dataclasses.replace(QUICK, num_layers=layers)  # the scoreboard's dense model, as the MoE's base
     return moe.MoeConfig(
         architecture="Qwen3MoeForCausalLM",
         base=base,
