@@ -91,10 +91,8 @@ def run_emulated(
         try:
             log, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
             raise TimeoutError(f"the emulated-link benchmark did not finish in {timeout:.0f} s") from None
-        finally:
+        finally:  # a timeout or an interrupt: the namespace's ranks go with it
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
@@ -134,7 +132,7 @@ def model_check(res: dict[str, Any]) -> dict[str, Any]:
     layers, compute, comm = res["layers"], res["per_layer_compute_s"], res["per_layer_comm_s"]
     rows = []
     for r in res["runs"].values():
-        if not str(r.get("schedule", "prefetch")) == "prefetch":
+        if r.get("schedule", "prefetch") != "prefetch":
             continue
         predicted = exposed(layers, r["k"], compute, comm, comm)
         rows.append({"k": r["k"], "predicted": predicted, "measured": r["exposed"], "error": r["exposed"] - predicted})

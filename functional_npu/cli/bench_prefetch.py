@@ -26,6 +26,7 @@ from ..core.collectives import broadcast
 from ..models import forward
 from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.prefetch import coalesced, drain
+from ..parallel.prefetch_cost import layer_bytes
 from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import CompiledModel, compile_model
 from ..runtime.launch import RankContext
@@ -110,11 +111,12 @@ def prefetch_rank(
     mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
     cache_len = 64
     torch._dynamo.reset()
-    local = compile_model(load_checkpoint(model_dir, mesh), mesh, batch_sizes=[batch], max_seq_len=cache_len)
+    full = load_checkpoint(model_dir, mesh)
+    local = compile_model(full, mesh, batch_sizes=[batch], max_seq_len=cache_len)
     steppers, codes, states = {}, {}, []
     steppers["local"], _, _ = _stepper(local, batch)
     params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))
-    per_layer = sum(x[0].numel() * x.element_size() for x in params["series"].values() if len(x))
+    per_layer = layer_bytes(params)
     owned = resident_bytes(params["series"])
     configs = [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items()]
     for name, k, schedule in configs:  # every graph compiled and warm before any timing
@@ -146,7 +148,6 @@ def prefetch_rank(
     layers = len(params["layers"])
     # one layer's share of the step: its weights' share of all the weights read per token (the
     # embedding row is one row; the lm_head is read whole)
-    full = load_checkpoint(model_dir, mesh)
     layer_w = sum(t.numel() for t in full["layers"][0].values())
     total_w = (
         layers * layer_w + full["norm"].numel() + (full["lm_head"] if "lm_head" in full else full["embed"]).numel()

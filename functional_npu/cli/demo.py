@@ -20,6 +20,7 @@ import torch
 from ..core.tree import flatten_with_paths
 from ..models.llama import LlamaConfig, abstract_params, init_params
 from ..parallel.layer_shard import layer_shard, resident_bytes
+from ..parallel.prefetch_cost import layer_bytes
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
@@ -59,7 +60,7 @@ def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, tim
     )
     mesh = ctx.mesh(axes)
     params = load_checkpoint(model_dir, mesh, layer_shard=ls)
-    per_layer = sum(x[0].numel() * x.element_size() for x in params["series"].values())
+    per_layer = layer_bytes(params)
     model = compile_model(params, mesh, batch_sizes=[1], max_seq_len=64, prefetch_step=1)
     state = model.new_state(1)
     with torch.no_grad():

@@ -118,26 +118,26 @@ def _run(sources: Path, out: Path) -> None:
     from ..parallel.streams import INLINE
     from ..runtime.backends import torchair_streams
     from ..runtime.launch import RankContext
-    from .graphs import CASES
+    from .graphs import CASES, case_mesh
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     hints = torchair_streams()
-    ctxs = {1: RankContext(0, 1), 2: RankContext(0, 2)}
+    ctx = RankContext(0, 2)  # one-rank cases take an abstract mesh (case_mesh)
     results: dict[str, Any] = {}
     runs = [(case.name, case, hints) for case in CASES]
     runs += [(CONTROL + "-no-hints", c, INLINE) for c in CASES if c.name == CONTROL]
     for name, case, streams in runs:
-        ctx = ctxs[case.world]
         try:
             graph = _convert(case, streams, ctx)
         except Exception as e:  # noqa: BLE001 - reported per case, the rest still converts
             results[name] = _error(e)
             continue
-        if case.world == 1:
-            axes: dict[str, str] = {}
-        else:
-            mesh = ctx.mesh({"tp": case.tp} if case.series is None else {"dp": case.world, "tp": 1})
-            axes = {",".join(map(str, mesh.group_ranks(a))): a for a in mesh.axis_names if mesh.axis_size(a) > 1}
+        mesh = case_mesh(case, ctx)
+        axes = (
+            {}
+            if mesh.is_abstract
+            else {",".join(map(str, mesh.group_ranks(a))): a for a in mesh.axis_names if mesh.axis_size(a) > 1}
+        )
         results[name] = {
             "pbtxt": text_format.MessageToString(graph),
             "ops": ge_graph.records(graph, DataType.Name),

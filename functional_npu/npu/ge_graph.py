@@ -273,7 +273,8 @@ def prefetch_order(
         for u in b["uses"]:
             uses_of_layer[layer] = uses_of_layer.get(layer, 0) | (1 << u)
     rows = []
-    for b, layer in zip(buffers[n * k :], layer_of[n * k :]):
+    for j in range(n * k, len(buffers)):
+        b, layer = buffers[j], layer_of[j]
         op = ops[b["start"]]
         must = below[b["start"]]
         waits = [m for m in range(num_layers) if uses_of_layer.get(m, 0) & must]
@@ -284,7 +285,7 @@ def prefetch_order(
             {
                 "broadcast": op["name"],
                 "layer": layer,
-                "leaf": series[buffers.index(b) % n],
+                "leaf": series[j % n],
                 "root": op["attrs"].get("root_rank"),
                 "stream": op["stream"],
                 "waits_for_layer": after,
