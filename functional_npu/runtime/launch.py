@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -41,6 +42,11 @@ import torch.utils._pytree as pytree
 from ..core.mesh import Mesh, make_mesh
 
 __all__ = ["LocalWorld", "RankContext", "RemoteError", "free_port"]
+
+
+_GRACE_S = 2.0  # how long the other ranks' answers are awaited once one rank failed
+# what a rank says when a peer, not it, went away: reported only when no rank says more
+_ECHO = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Socket Timeout", re.IGNORECASE)
 
 
 class RemoteError(RuntimeError):
@@ -291,10 +297,38 @@ class LocalWorld:
             if item_tid != tid:
                 continue  # a late answer to an earlier call
             if status == "err":
-                summary, remote_traceback = payload
-                self._fail(RemoteError(rank, remote_traceback, summary))
+                self._fail(self._cause(tid, rank, payload, set(got)))
             got[rank] = _decode(payload)
         return [got[r] for r in range(self.world_size)]
+
+    def _cause(self, tid: int, rank: int, payload: Any, answered: set[int]) -> BaseException:
+        """The error to report once ``rank`` failed: the other ranks' answers are awaited for a moment,
+        since a rank whose peer died reports only "connection closed by peer"; the first error that is
+        not such an echo is the cause, and the others are listed after it."""
+        errors = {rank: payload}
+        grace = time.monotonic() + _GRACE_S
+        while len(answered) + len(errors) < self.world_size and time.monotonic() < grace:
+            try:
+                item_tid, r, status, p = self._results.get(timeout=0.1)
+            except queue.Empty:
+                if any(not proc.is_alive() for proc in self._procs):
+                    break
+                continue
+            if item_tid != tid:
+                continue
+            if status == "err":
+                errors[r] = p
+            else:
+                answered.add(r)
+        dead = {p.name: p.exitcode for p in self._procs if not p.is_alive() and p.exitcode not in (0, None)}
+        causes = [r for r, (summary, _) in errors.items() if not _ECHO.search(summary)]
+        first = causes[0] if causes else rank
+        summary, remote_traceback = errors[first]
+        others = [f"rank {r}: {errors[r][0].splitlines()[0]}" for r in errors if r != first]
+        others += [f"{name} exited with {code}" for name, code in dead.items()]
+        if others:
+            summary += "\n(also: " + "; ".join(others) + ")"
+        return RemoteError(first, remote_traceback, summary)
 
     def _fail(self, error: BaseException) -> None:
         self.close(kill=True)

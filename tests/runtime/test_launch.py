@@ -42,6 +42,25 @@ def test_remote_error_names_rank_and_message_then_world_restarts(world2):
     assert world2.run(_rank_times, 3) == [0, 3]
 
 
+def _echo_on_rank1_cause_on_rank0(ctx):
+    if ctx.rank == 1:  # what gloo says on a rank whose peer went away
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:21694")
+    time.sleep(0.5)
+    raise ValueError("the real cause, on rank 0")
+
+
+def test_the_cause_is_reported_not_its_echo_on_the_peers(world2):
+    """The first answer is rank 1's "connection closed by peer"; rank 0's own error, a moment later, is the
+    one reported, with the echo listed after it."""
+    with pytest.raises(
+        RemoteError,
+        match=r"rank 0 raised: ValueError: the real cause, on rank 0\n\(also: rank 1: "
+        r"RuntimeError: \[pair.cc:553\] Connection closed by peer",
+    ):
+        world2.run(_echo_on_rank1_cause_on_rank0)
+    assert world2.run(_rank_times, 2) == [0, 2]
+
+
 def test_hang_times_out_instead_of_hanging(world2):
     t0 = time.monotonic()
     with pytest.raises(
