@@ -19,7 +19,16 @@ import torch.distributed._functional_collectives as funcol
 
 from .mesh import Axes, Mesh
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_single", "broadcast", "permute"]
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_in_flight",
+    "permute",
+]
 
 _REDUCE_OPS = ("sum", "max", "min", "product", "avg")
 
@@ -107,6 +116,20 @@ def broadcast(x: torch.Tensor, mesh: Mesh, axis: Axes, src: int = 0) -> torch.Te
     if n == 1:
         return x
     return funcol.broadcast(x, src, mesh.group_name(axis))
+
+
+def broadcast_in_flight(x: torch.Tensor, mesh: Mesh, axis: Axes, src: int = 0) -> torch.Tensor:
+    """:func:`broadcast`, returned still in flight: a plain tensor whose bytes may not have arrived, in eager
+    mode and under ``torch.compile`` alike. It may leave a compiled graph unwaited (as carried state, so
+    the transfer overlaps whatever runs between two graphs and the start of the next one); whoever reads
+    it first passes it through ``funcol.wait_tensor``, which waits for it (and does nothing for a tensor
+    with no transfer pending)."""
+    n = mesh.axis_size(axis)
+    if not 0 <= src < n:
+        raise ValueError(f"broadcast: src {src} is outside mesh axis {axis!r} of size {n}")
+    if n == 1:
+        return x
+    return torch.ops._c10d_functional.broadcast(x, src, mesh.group_name(axis))
 
 
 def permute(x: torch.Tensor, mesh: Mesh, axis: Axes, dst: Sequence[int]) -> torch.Tensor:

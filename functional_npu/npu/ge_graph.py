@@ -11,12 +11,13 @@ else here works on those records, so it needs neither torchair nor protobuf:
   the issue of layer ``j`` waiting for the uses of layer ``j - k - 1`` and for nothing later, and at
   most ``k + 1`` buffers per series live in *any* order.
 
-A prefetch buffer is a value that reaches a ``_c10d_functional.wait_tensor`` (an in-flight
-collective's result): the output of an ``HcomBroadcast``, or a graph input carried from the previous
-step. Its uses are the first non-view ops its value reaches (a matmul), or the graph output (the
-next step's). Buffer ``i`` is dead before buffer ``j`` starts only if every use of ``i`` is an
-ancestor of ``j``'s start; a set of buffers can be live together in some order exactly when that
-holds for no pair taken from the set's down-set of starts (see :func:`max_live`).
+A prefetch buffer is the output of an ``HcomBroadcast``, or a graph input carried from the previous
+step that reaches a ``_c10d_functional.wait_tensor`` (a collective still in flight when the previous
+step handed it over; the next step's broadcasts leave this graph unwaited the same way). Its uses
+are the first non-view ops its value reaches (a matmul), or the graph output (the next step's).
+Buffer ``i`` is dead before buffer ``j`` starts only if every use of ``i`` is an ancestor of
+``j``'s start; a set of buffers can be live together in some order exactly when that holds for no
+pair taken from the set's down-set of starts (see :func:`max_live`).
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def _buffers(ops: Sequence[Op]) -> list[dict[str, Any]]:
     out = []
     for i, op in enumerate(ops):
         waited = any(_WAIT in d["fx"] for c in consumers[i] for d in ops[c]["out"] if ops[c]["type"] == "Identity")
-        if waited and op["type"] in ("HcomBroadcast", "Data"):
+        if op["type"] == "HcomBroadcast" or (waited and op["type"] == "Data"):
             out.append({"start": i, "source": op["name"], "broadcast": op["type"] == "HcomBroadcast", "uses": uses(i)})
     return out
 

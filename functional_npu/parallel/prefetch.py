@@ -7,8 +7,10 @@ broadcasts (``_c10d_functional.broadcast``) issued ``k`` layers ahead. Asking fo
 the broadcast of layer ``i + k`` and returns layer ``i``'s weights, to be waited on at first use.
 The first ``k`` layers of the next step are issued during the last ``k`` layers of this one and
 handed over as carried state, ``prefetched``: a list replaced in place, like the KV cache written in
-place. ``k = len(prefetched) // len(series)``, so the state fixes the schedule; ``k = 0`` (empty
-state) is synchronous.
+place. They are handed over in flight (a compiled step returns them unwaited), so they keep
+arriving between steps and are waited on where the next step first reads them.
+``k = len(prefetched) // len(series)``, so the state fixes the schedule; ``k = 0`` (empty state)
+is synchronous.
 
 In eager mode the broadcasts return async tensors that are waited on at first use, so they overlap;
 under inductor the order is kept by :class:`functional_npu.parallel.schedule.PrefetchSchedule`.
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from ..core.collectives import broadcast
+from ..core.collectives import broadcast, broadcast_in_flight
 from ..core.mesh import Mesh
 from .layer_shard import series_of
 from .streams import INLINE, PREFETCH_STREAM, Streams
@@ -81,13 +83,17 @@ def _issue(
     mesh: Mesh,
     after: torch.Tensor | None = None,
     streams: Streams = INLINE,
+    carry: bool = False,
 ) -> dict[int, list[torch.Tensor]]:
     """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's), one flat
     buffer per :func:`coalesced` group: ``{layer: [flat, ...]}``, on the prefetch stream and, given
-    ``after``, not before it exists."""
+    ``after``, not before it exists. The next step's layers are left in flight
+    (:func:`functional_npu.core.collectives.broadcast_in_flight`): a compiled step hands them over
+    unwaited, so they keep arriving until the next step first reads them."""
     axis = params["layer_shard"].axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = layer % len(params["layers"])
+    carried = carry or layer >= len(params["layers"])
     series = series_of(params)
     out = []
     with streams.side(PREFETCH_STREAM):
@@ -99,7 +105,8 @@ def _issue(
             else:
                 size = sum(math.prod(series[leaf].shape[1:]) for leaf in leaves)
                 flat = torch.empty(size, dtype=first.dtype, device=first.device)
-            out.append(broadcast(flat if after is None else streams.after(flat, after), mesh, axis, src=li % n))
+            fetch = broadcast_in_flight if carried else broadcast
+            out.append(fetch(flat if after is None else streams.after(flat, after), mesh, axis, src=li % n))
     return {layer: out}
 
 
@@ -151,7 +158,7 @@ def start(params: dict[str, Any], mesh: Mesh, k: int) -> list[torch.Tensor]:
     """The carried state for the first step: layers ``0 .. k-1`` issued now (run on every rank of the axis)."""
     if not series_of(params):
         return []
-    return [flat for j in range(k) for flat in _issue(params, j, mesh)[j]]
+    return [flat for j in range(k) for flat in _issue(params, j, mesh, carry=True)[j]]
 
 
 def drain(prefetched: list[torch.Tensor]) -> None:

@@ -11,7 +11,8 @@ every layer's buffer live at once). This pass rebuilds the order from the depend
   position of its first consumer; uses ``U[0], U[1], ...`` are the layer weights in order of need;
 * an *issue* is a broadcast together with the kernels that only feed it (the copy of the owned
   layer into the send buffer), ordered the same way; broadcasts whose result is only returned (the
-  next step's first ``k`` layers) come last, in output order;
+  next step's first ``k`` layers, handed over in flight, with no wait in this graph) come last, in
+  output order;
 * issue ``i`` is placed right before use ``i``, and each wait right before its first consumer.
 
 With ``k`` carried weights, issue ``i`` serves use ``i + k``: each broadcast is in flight while
@@ -118,9 +119,17 @@ def reorder(snodes: list[Any], inputs: set[str], outputs: list[str], carried: in
     graph = _graph(snodes, broadcasts, carried_waits)
     wait_of = _wait_of(graph, broadcasts)
     group = {id(b): _issue_group(graph, b) for b in broadcasts}
+
     # issues in order of need; the last ``carried`` are the next step's, handed over (returned, or
     # only copied into an output at the end)
-    issues = sorted(broadcasts, key=lambda b: (graph.first_use(wait_of[id(b)]), _output_rank(wait_of[id(b)], outputs)))
+    def need(b: Any) -> tuple[int, int]:
+        w = wait_of[id(b)]
+        return (len(snodes), _output_rank(b, outputs)) if w is None else (graph.first_use(w), _output_rank(w, outputs))
+
+    issues = sorted(broadcasts, key=need)
+    unwaited = [b.get_name() for b in issues[: len(issues) - carried] if wait_of[id(b)] is None]
+    if unwaited:
+        raise ScheduleError(f"broadcasts {unwaited} are never waited on, yet only {carried} are handed over")
     order = _place(graph, issues, carried_waits, wait_of, group, carried)
     _check_topological(order, snodes, graph.producer, graph.needs)
     return order
@@ -182,13 +191,14 @@ def _graph(snodes: list[Any], broadcasts: list[Any], carried_waits: list[Any]) -
 
 
 def _wait_of(graph: _Graph, broadcasts: list[Any]) -> dict[int, Any]:
-    """Each broadcast's wait (by the broadcast's id); a ScheduleError unless it has exactly one."""
+    """Each broadcast's wait (by the broadcast's id), None for one handed over in flight; a ScheduleError
+    for more than one."""
     wait_of = {}
     for b in broadcasts:
         waits = [c for c in graph.consumers[id(b)] if _is_wait(c)]
-        if len(waits) != 1:
-            raise ScheduleError(f"broadcast {b.get_name()} has {len(waits)} waits; expected exactly one")
-        wait_of[id(b)] = waits[0]
+        if len(waits) > 1:
+            raise ScheduleError(f"broadcast {b.get_name()} has {len(waits)} waits; expected at most one")
+        wait_of[id(b)] = waits[0] if waits else None
     return wait_of
 
 
@@ -234,15 +244,16 @@ def _place(
         before.setdefault(id(snodes[graph.first_use(w)]), []).extend(group[id(issues[i])] + [w])
     for b in issues[len(issues) - carried :]:  # a hand-over wait read by an output copy goes right before it
         w = wait_of[id(b)]
-        if graph.consumers[id(w)]:
+        if w is not None and graph.consumers[id(w)]:
             before.setdefault(id(snodes[graph.first_use(w)]), []).append(w)
-    moved = {id(s) for b in issues for s in group[id(b)] + [wait_of[id(b)]]} | {id(w) for w in carried_waits}
+    with_wait = {id(b): group[id(b)] + [w for w in [wait_of[id(b)]] if w is not None] for b in issues}
+    moved = {id(s) for b in issues for s in with_wait[id(b)]} | {id(w) for w in carried_waits}
     order: list[Any] = []
     for s in snodes:
         if id(s) not in moved:
             order += before.get(id(s), []) + [s]
     placed = {id(s) for s in order}
-    order += [s for b in issues for s in group[id(b)] + [wait_of[id(b)]] if id(s) not in placed]  # the hand-over
+    order += [s for b in issues for s in with_wait[id(b)] if id(s) not in placed]  # the hand-over
     return order
 
 
