@@ -103,11 +103,39 @@ def _comm_alone(params: dict, mesh: Any, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _match_link(local: Callable[[int], float], steps: int, per_layer_bytes: int, layer_share: float) -> int:
+    """Set the emulated link's rate to one layer's bytes over one layer's compute (the local-weights step
+    times the layer's share of it, the slower rank's); every rank calls this together. Returns the rate."""
+    import torch.distributed as dist
+
+    from .shaped_link import rate_for, set_rate
+
+    local(steps)  # untimed, as in the rounds: the first steps after compiling run slow
+    step = torch.tensor([statistics.median(local(steps) for _ in range(3))], dtype=torch.float64)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    rate = rate_for(per_layer_bytes, step.item() * layer_share)
+    if dist.get_rank() == 0:
+        set_rate(rate)
+    dist.barrier()
+    return rate
+
+
 def prefetch_rank(
-    ctx: RankContext, model_dir: str, series: str, ks: list[int], batch: int, steps: int, repeat: int
+    ctx: RankContext,
+    model_dir: str,
+    series: str,
+    ks: list[int],
+    batch: int,
+    steps: int,
+    repeat: int,
+    stock: bool = True,
+    match_link: bool = False,
 ) -> dict[str, Any]:
     """Run on each of 2 ranks: step times (median and spread of interleaved rounds), exposed fractions and
-    resident memory per configuration."""
+    resident memory per configuration (the prefetch schedule at each of ``ks``, and with ``stock``
+    inductor's own scheduling choices at k = 1). With ``match_link`` (inside a namespace made by
+    :func:`functional_npu.cli.shaped_link.shaped_command`) the ranks first time the local-weights step,
+    and set the link's rate so that one layer's broadcast takes one layer's compute on the slower rank."""
     mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
     cache_len = 64
     torch._dynamo.reset()
@@ -118,13 +146,21 @@ def prefetch_rank(
     params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))
     per_layer = layer_bytes(params)
     owned = resident_bytes(params["series"])
-    configs = [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items()]
+    configs = [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items() if stock]
     for name, k, schedule in configs:  # every graph compiled and warm before any timing
         model = compile_model(params, mesh, batch_sizes=[batch], max_seq_len=cache_len, prefetch_step=k)
         if schedule != "prefetch":
             model = _stock(model, SCHEDULES[schedule])
         steppers[name], codes[name], carried = _stepper(model, batch)
         states.append(carried)
+    layers = len(params["layers"])
+    # one layer's share of the step: its weights' share of all the weights read per token (the
+    # embedding row is one row; the lm_head is read whole)
+    layer_w = sum(t.numel() for t in full["layers"][0].values())
+    total_w = (
+        layers * layer_w + full["norm"].numel() + (full["lm_head"] if "lm_head" in full else full["embed"]).numel()
+    )
+    rate = _match_link(steppers["local"], steps, per_layer, layer_w / total_w) if match_link else None
     steppers["comm_alone"] = functools.partial(_comm_alone, params, mesh)
     times = _interleaved(steppers, steps, repeat)
     for carried in states:
@@ -145,13 +181,6 @@ def prefetch_rank(
             "peak_bytes": owned + live * per_layer,
             "exposed": (med[name] - t_local) / t_comm,
         }
-    layers = len(params["layers"])
-    # one layer's share of the step: its weights' share of all the weights read per token (the
-    # embedding row is one row; the lm_head is read whole)
-    layer_w = sum(t.numel() for t in full["layers"][0].values())
-    total_w = (
-        layers * layer_w + full["norm"].numel() + (full["lm_head"] if "lm_head" in full else full["embed"]).numel()
-    )
     return {
         "layer_share": layer_w / total_w,
         "local_step_s": t_local,
@@ -166,6 +195,7 @@ def prefetch_rank(
         "owned_bytes": owned,
         "rounds": repeat,
         "steps_per_round": steps,
+        "rate_bits": rate,
         "runs": runs,
     }
 
@@ -178,6 +208,8 @@ def run_prefetch_bench(
     batch: int = 1,
     steps: int = 16,
     repeat: int = 3,
+    stock: bool = True,
+    match_link: bool = False,
 ) -> dict[str, Any]:
     """Both ranks' measurements on 2 local gloo ranks (one thread each), merged: the slower rank's medians
     (and spreads); every configuration is compiled first, then timed in ``repeat`` interleaved rounds of
@@ -185,7 +217,7 @@ def run_prefetch_bench(
     from ..runtime.launch import LocalWorld
 
     with LocalWorld(2, threads=1, timeout=1800) as world:
-        ranks = world.run(prefetch_rank, model_dir, series, list(ks), batch, steps, repeat)
+        ranks = world.run(prefetch_rank, model_dir, series, list(ks), batch, steps, repeat, stock, match_link)
     out = dict(ranks[0])
     out["local_step_s"] = max(r["local_step_s"] for r in ranks)
     out["comm_alone_s"] = max(r["comm_alone_s"] for r in ranks)
@@ -285,10 +317,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-stock", action="store_true", help="only the prefetch schedule, not inductor's own")
+    parser.add_argument(
+        "--match-link", action="store_true", help="set the emulated link's rate from the measured compute first"
+    )
     args = parser.parse_args(argv)
     ks = tuple(int(k) for k in args.ks.split(","))
     res = run_prefetch_bench(
-        args.model_dir, series=args.series, ks=ks, batch=args.batch, steps=args.steps, repeat=args.repeat
+        args.model_dir,
+        series=args.series,
+        ks=ks,
+        batch=args.batch,
+        steps=args.steps,
+        repeat=args.repeat,
+        stock=not args.no_stock,
+        match_link=args.match_link,
     )
     Path(args.out).write_text(json.dumps(res))
     return 0

@@ -1,5 +1,5 @@
-"""The emulated link: a private network namespace whose loopback is rate-limited (where permitted), the rate
-chosen from the measured compute, and one clear line where it cannot be made."""
+"""The emulated link: a private network namespace whose loopback is rate-limited (where permitted), its rate
+changed from inside, and one clear line where it cannot be made."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from functional_npu.cli.bench_link import link_unavailable, rate_for, shaped_command
+from functional_npu.cli.shaped_link import link_unavailable, rate_for, set_rate, shaped_command
 
 SEND = textwrap.dedent(
     """
@@ -32,18 +32,28 @@ SEND = textwrap.dedent(
 )
 
 
-def test_the_emulated_link_runs_at_its_rate():
-    """2 MiB over loopback at 32 Mbit/s takes about half a second in the namespace; without it, milliseconds."""
+def _send_seconds(rate_bits: int, before: str = "") -> float:
     why = link_unavailable()
     if why is not None:
         assert why.startswith("emulated link skipped: ") and "\n" not in why
         pytest.skip(why)  # a machine without namespaces or tc: the benchmark reports this line instead
     done = subprocess.run(
-        shaped_command(32_000_000, [sys.executable, "-c", SEND]), capture_output=True, text=True, timeout=60
+        shaped_command(rate_bits, [sys.executable, "-c", before + SEND]), capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    seconds = float(done.stdout.strip().splitlines()[-1])
-    assert 0.3 < seconds < 3.0  # 2**21 * 8 / 32e6 = 0.52 s of wire time, plus the burst allowance
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_emulated_link_runs_at_its_rate():
+    """2 MiB over loopback at 32 Mbit/s takes about half a second in the namespace; without it, milliseconds."""
+    assert 0.3 < _send_seconds(32_000_000) < 3.0  # 2**21 * 8 / 32e6 = 0.52 s of wire time, plus the burst
+
+
+def test_the_rate_changes_from_inside():
+    """A run started at 10 Gbit/s that sets 32 Mbit/s (as the benchmark does once it has measured its
+    compute) then sends at 32 Mbit/s."""
+    before = "from functional_npu.cli.shaped_link import set_rate\nset_rate(32_000_000)\n"
+    assert 0.3 < _send_seconds(10**10, before) < 3.0
 
 
 def test_rate_and_bad_rates():
@@ -53,3 +63,5 @@ def test_rate_and_bad_rates():
             shaped_command(bad, ["true"])
     with pytest.raises(ValueError, match="positive bytes and seconds"):
         rate_for(0, 1.0)
+    with pytest.raises(ValueError, match="link rate must be an integer"):
+        set_rate(True)

@@ -1,0 +1,38 @@
+"""The cost model checked against a benchmark result: which runs it reads, and what it predicts for them."""
+
+import pytest
+
+from functional_npu.cli.bench_link import model_check
+
+
+def _result(compute_s, comm_s, measured):
+    runs = {f"k{k}": {"k": k, "schedule": "prefetch", "exposed": e} for k, e in measured.items()}
+    runs["raise_comms_k1"] = {"k": 1, "schedule": "raise_comms", "exposed": 0.5}  # not the model's schedule
+    return {
+        "layers": 6,
+        "per_layer_compute_s": compute_s,
+        "per_layer_comm_s": comm_s,
+        "per_layer_bytes": 2**20,
+        "runs": runs,
+    }
+
+
+def test_model_check_on_a_link_that_keeps_up():
+    """A broadcast shorter than a layer: the model predicts everything exposed without prefetch and nothing
+    from k = 1 on; the errors are the measurements' distance from that, and auto picks k = 1."""
+    check = model_check(_result(0.010, 0.007, {0: 0.9, 1: 0.1, 2: 0.04}))
+    assert [r["k"] for r in check["rows"]] == [0, 1, 2]  # inductor's own schedules are not the model's
+    assert [r["predicted"] for r in check["rows"]] == pytest.approx([1.0, 0.0, 0.0])
+    assert [r["error"] for r in check["rows"]] == pytest.approx([-0.1, 0.1, 0.04])
+    assert check["max_abs_error"] == pytest.approx(0.1)
+    assert check["auto_k"] == 1
+
+
+def test_model_check_on_a_link_slower_than_compute():
+    """Broadcasts twice a layer's compute: half of each stays exposed at any k, and auto takes the
+    smallest k that reaches that (with its 25% margin)."""
+    check = model_check(_result(0.010, 0.020, {0: 1.0, 1: 0.6, 2: 0.5, 3: 0.5}))
+    predicted = {r["k"]: r["predicted"] for r in check["rows"]}
+    assert predicted[0] == pytest.approx(1.0)
+    assert predicted[3] == pytest.approx(0.5) and predicted[1] >= predicted[2] >= predicted[3]
+    assert check["auto_k"] >= 2
