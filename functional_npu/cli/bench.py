@@ -30,7 +30,7 @@ from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import cache_length, compile_model, greedy_generate
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
-from .bench_link import run_link_bench
+from .bench_link import model_check, run_link_bench
 from .bench_prefetch import prefetch_plot, prefetch_table
 
 _MODEL = dict(
@@ -203,6 +203,10 @@ def run_bench(
     out = _summary(cfg, res, compile_s, matvec_bandwidth(), n_params, prompt_len, new)
     out["prefetch"] = prefetch["loopback"]
     out["emulated_link"] = {k: prefetch[k] for k in ("emulated", "rate_bits", "skipped")}
+    # the cost model's predicted exposure against this run's measurements, on both links
+    out["emulated_link"]["model_check"] = {
+        link: model_check(prefetch[link]) for link in ("loopback", "emulated") if prefetch[link] is not None
+    }
     _report(cfg, out, prefetch)
     _write(out, json_path, plot_dir)
     return out

@@ -49,7 +49,7 @@ def run_emulated(
         argv = [sys.executable, "-m", "functional_npu.cli.bench_prefetch", model_dir, str(out)]
         argv += ["--series", series, "--ks", ",".join(map(str, ks)), "--batch", str(batch)]
         argv += ["--steps", str(steps), "--repeat", str(repeat)] + ([] if stock else ["--no-stock"])
-        argv += [] if rate_bits else ["--match-link"]
+        argv += ([] if rate_bits else ["--match-link"]) + ["--parent", str(os.getpid())]
         proc = subprocess.Popen(
             shaped_command(rate_bits or _START_RATE, argv),
             start_new_session=True,

@@ -304,10 +304,14 @@ def prefetch_plot(res: dict[str, Any], path: str, emulated: dict[str, Any] | Non
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m functional_npu.cli.bench_prefetch MODEL_DIR OUT_JSON [--ks 0,1,2] ...``: one run, as JSON
-    (how the emulated-link benchmark runs it inside its network namespace)."""
+    (how the emulated-link benchmark runs it inside its network namespace). Given ``--parent PID``, it ends
+    when that process does, and its ranks with it."""
     import argparse
     import json
+    import threading
     from pathlib import Path
+
+    from ..runtime.launch import watch_parent
 
     parser = argparse.ArgumentParser(prog="python -m functional_npu.cli.bench_prefetch")
     parser.add_argument("model_dir")
@@ -321,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--match-link", action="store_true", help="set the emulated link's rate from the measured compute first"
     )
+    parser.add_argument("--parent", type=int, default=None, help="end when this process (the caller) is gone")
     args = parser.parse_args(argv)
+    if args.parent is not None:
+        threading.Thread(target=watch_parent, args=(args.parent,), daemon=True, name="parent-watchdog").start()
     ks = tuple(int(k) for k in args.ks.split(","))
     res = run_prefetch_bench(
         args.model_dir,

@@ -6,7 +6,10 @@ decode with inductor, and generate; the tokens must equal the eager single-rank 
 two ranks run it data-parallel with ``o_proj`` and ``down`` layer-sharded (each rank holds half the
 layers of those weights and prefetches the others one layer ahead, in the compiled graph): the
 tokens must agree again, and the demo shows the bytes each rank holds and the broadcasts in flight,
-read back from inductor's generated code.
+read back from inductor's generated code. Where the host permits a private network namespace with
+``tc``, the same layer-sharded decode runs once more on an emulated link whose rate makes one layer's
+broadcast take one layer's compute, and the demo shows how much of the communication stays exposed
+with and without prefetch.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.prefetch_cost import layer_bytes
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
+from .bench_link import run_emulated
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
+from .shaped_link import link_unavailable
 from .timeline import prefetch_timeline
 
 DEMO_CONFIG = LlamaConfig(
@@ -42,6 +47,7 @@ DEMO_CONFIG = LlamaConfig(
 )
 DEMO_PROMPTS = [[11, 42, 7, 300, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 99], [256, 17]]
 DEMO_SERIES = "o_proj,down_proj"
+LINK_BATCH = 256  # decode batch on the emulated link: a layer computes long enough for a link to match it
 
 
 def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, timeout: float) -> dict[str, Any]:
@@ -75,6 +81,28 @@ def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, tim
     }
 
 
+def emulated_link(model_dir: str, timeout: float) -> str:
+    """The layer-sharded decode at batch ``LINK_BATCH`` on an emulated link whose rate makes one layer's
+    broadcast take one layer's compute: the exposed communication at k = 0 and k = 1, as a few lines
+    (or one saying why the host cannot make the link)."""
+    why = link_unavailable()
+    if why is not None:
+        return why
+    res = run_emulated(
+        model_dir, series=DEMO_SERIES, ks=(0, 1), batch=LINK_BATCH, steps=6, repeat=5, stock=False, timeout=timeout
+    )
+    k0, k1 = res["runs"]["k0"], res["runs"]["k1"]
+    return (
+        f"emulated link of {res['rate_bits'] / 1e6:.0f} Mbit/s (tc tbf in a private network namespace), batch "
+        f"{LINK_BATCH}: one layer's broadcast {res['per_layer_comm_s'] * 1e3:.1f} ms, its compute "
+        f"{res['per_layer_compute_s'] * 1e3:.1f} ms; decode step, median of {res['rounds']} rounds:\n"
+        f"  local weights {res['local_step_s'] * 1e3:.1f} ms | layer-sharded, no prefetch "
+        f"{k0['step_s'] * 1e3:.1f} ms ({k0['exposed']:.0%} of the communication exposed) | prefetch 1 layer ahead "
+        f"{k1['step_s'] * 1e3:.1f} ms ({k1['exposed']:.0%} exposed)\n"
+        "  every schedule and k: python benchmarks/bench_prefetch.py"
+    )
+
+
 def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> int:
     """Print a table of tokens/s (eager vs compiled) and compile time; return 0 if all runs agree."""
     cfg = DEMO_CONFIG
@@ -96,6 +124,7 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> in
             eager = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="none", repeat=2)
             compiled = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="inductor", repeat=2)
             sharded = world.run(layer_sharded_on_rank, tmp, new_tokens, timeout) if tp == 2 else None
+        link = emulated_link(tmp, timeout) if tp == 2 else ""
     want = ref["tokens"]
     rows = [
         ("eager (plain forward)", 1, want, tokens_per_s([ref], new_tokens), None),
@@ -134,9 +163,9 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> in
             f"\nlayer-sharded: each rank holds {r['held'] / 2**10:.0f} KiB of {DEMO_SERIES} (its layers and the "
             f"one carried ahead) instead of {r['replicated'] / 2**10:.0f} KiB replicated "
             f"({r['held'] / r['replicated']:.0%}); its compiled decode step issues {r['broadcasts']} broadcasts "
-            f"(one per layer) with at most {r['live_max']} in flight, read from inductor's code. Overlap figures on "
-            f"an emulated link: python benchmarks/bench_prefetch.py"
+            f"(one per layer) with at most {r['live_max']} in flight, read from inductor's code."
         )
+        print(link)
     print(f"\nfirst prompt -> {want[0][:12]} ...")
     print("demo: OK" if ok else "demo: FAILED (tokens differ)")
     return 0 if ok else 1

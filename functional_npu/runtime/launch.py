@@ -41,7 +41,7 @@ import torch.utils._pytree as pytree
 
 from ..core.mesh import Mesh, make_mesh
 
-__all__ = ["LocalWorld", "RankContext", "RemoteError", "free_port"]
+__all__ = ["LocalWorld", "RankContext", "RemoteError", "free_port", "watch_parent"]
 
 
 _GRACE_S = 2.0  # how long the other ranks' answers are awaited once one rank failed
@@ -109,8 +109,8 @@ def _decode(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _watch_parent(parent: int, remove: tuple[str, ...]) -> None:
-    """End this rank as soon as the process that started it is gone, whatever ended it (SIGKILL included):
+def watch_parent(parent: int, remove: tuple[str, ...] = ()) -> None:
+    """End this process as soon as the process that started it is gone, whatever ended it (SIGKILL included):
     remove the paths the run owns, then exit. Polls the parent pid, which works on every platform."""
     while os.getppid() == parent:
         time.sleep(0.2)
@@ -148,7 +148,7 @@ def _loopback_store(rank: int, world: int, port: int, timeout: datetime.timedelt
 def _worker(
     rank: int, world: int, port: int, tasks: Any, results: Any, threads: int, pg_timeout: float, orphan: tuple
 ) -> None:
-    threading.Thread(target=_watch_parent, args=orphan, daemon=True, name="parent-watchdog").start()
+    threading.Thread(target=watch_parent, args=orphan, daemon=True, name="parent-watchdog").start()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool per rank
     torch.set_num_threads(threads)

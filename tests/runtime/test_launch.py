@@ -97,3 +97,47 @@ def test_every_socket_a_local_world_listens_on_is_loopback(world2):
     for rank, addresses in enumerate(world2.run(listening_addresses)):
         assert addresses, f"rank {rank} listens on nothing?"
         assert all(a.startswith(loopback) for a in addresses), (rank, addresses)
+
+
+def test_a_watched_process_ends_with_its_parent(tmp_path):
+    """watch_parent (what every rank and the emulated-link benchmark run) ends a process whose parent was
+    SIGKILLed, and removes the paths it was given."""
+    import signal
+    import subprocess
+    import sys
+
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    child = (
+        "import os, threading, time\n"
+        "from functional_npu.runtime.launch import watch_parent\n"
+        "parent = int(os.environ['WATCHED_BY'])\n"
+        f"threading.Thread(target=watch_parent, args=(parent, ({str(owned)!r},)), daemon=True).start()\n"
+        "print('watching', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = (
+        "import os, subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], env=os.environ | {{'WATCHED_BY': str(os.getpid())}}, "
+        "stdout=subprocess.PIPE, text=True)\n"
+        "assert p.stdout.readline().strip() == 'watching'\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    pid = int(run.stdout.readline())
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", "the child outlived its parent"
+    assert not owned.exists()
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
