@@ -110,6 +110,7 @@ def _match_link(local: Callable[[int], float], steps: int, per_layer_bytes: int,
 
     from .shaped_link import rate_for, set_rate
 
+    dist.barrier()  # both ranks done compiling: a compiler on the other core would slow this one's steps
     local(steps)  # untimed, as in the rounds: the first steps after compiling run slow
     step = torch.tensor([statistics.median(local(steps) for _ in range(3))], dtype=torch.float64)
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
