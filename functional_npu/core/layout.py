@@ -9,8 +9,10 @@ every rank) or one of:
   each block's local piece (fused column-parallel weights). A block with ``replicate=True``
   whose unit count (e.g. KV heads) is smaller than the axis size is replicated on
   ``axis_size // units`` consecutive ranks (GQA with tp > num_kv_heads). ``pack`` says how many
-  logical elements one stored element holds along the dim (int4 packed in int32: 8); block
-  sizes are logical, shard offsets and lengths are in stored units. ``groups=G`` interleaves
+  logical elements one stored element holds along the dim (int4 packed in int32: 8), and
+  ``group_size`` how many one stored element stands for (a quantization scale per group of 128
+  inputs: 128); block sizes are logical, shard offsets and lengths are in stored units, and a
+  shard must hold whole stored elements. ``groups=G`` interleaves
   the blocks: the stored dim is G groups, group ``g`` being the concatenation of every block's
   g-th 1/G slice, and the groups are cut contiguously over the axes (Megatron's grouped QKV,
   ``[q heads of group g, k_g, v_g]`` per KV group ``g``, with ``G = num_kv_heads``).
@@ -82,10 +84,16 @@ class Shard:
     blocks: tuple[Block, ...] = ()
     pack: int = 1
     groups: int = 1
+    group_size: int = 1
 
     def __post_init__(self) -> None:  # accept "tp" and lists; store hashable tuples
         object.__setattr__(self, "axes", _axes(self.axes))
         object.__setattr__(self, "blocks", tuple(self.blocks))
+
+    @property
+    def stored_unit(self) -> int:
+        """Logical elements per stored element: ``pack * group_size``."""
+        return self.pack * self.group_size
 
     def __repr__(self) -> str:
         parts = [",".join(self.axes)]
@@ -95,6 +103,8 @@ class Shard:
             parts.append(f"pack={self.pack}")
         if self.groups != 1:
             parts.append(f"groups={self.groups}")
+        if self.group_size != 1:
+            parts.append(f"group_size={self.group_size}")
         return "shard(" + " ".join(parts) + ")"
 
 
@@ -276,6 +286,8 @@ def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.d
                 f"{where} dim {d} is packed by {spec.pack} but the tensor dtype is {dtype}; "
                 f"packed weights are stored in an integer dtype (e.g. torch.int32 for 8 int4 values)"
             )
+    if spec.group_size != 1 and not (isinstance(spec.group_size, int) and spec.group_size > 1):
+        raise LayoutError(f"{where} dim {d}: group_size must be a positive int, got {spec.group_size!r}")
     if spec.groups != 1 and not spec.blocks:
         raise LayoutError(
             f"{where} dim {d} has groups={spec.groups} but no blocks; "
@@ -285,6 +297,13 @@ def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.d
         if local:
             return
         if length % n:
+            if spec.group_size > 1:
+                raise LayoutError(
+                    f"{where} dim {d} holds {length} groups of {spec.group_size} (logical size "
+                    f"{length * spec.stored_unit}) sharded over mesh axis {axis!r} (size {n}): {n} does not divide "
+                    f"{length}, so a shard would cut a group; use an axis size that divides {length}, or a group "
+                    f"size that divides each shard's {length * spec.stored_unit // n} values"
+                )
             packed = f" packed units (pack {spec.pack})" if spec.pack > 1 else ""
             raise LayoutError(
                 f"{where} shards dim {d} (size {length}{packed}) over mesh axis {axis!r} (size {n}): "
@@ -292,23 +311,23 @@ def _validate_shard(where: str, d: int, spec: Shard, length: int, dtype: torch.d
             )
         return
     total = sum([b.size for b in spec.blocks])
-    if not local and total != length * spec.pack:
+    if not local and total != length * spec.stored_unit:
         raise LayoutError(
             f"{where} dim {d} is fused from blocks {list(spec.blocks)} of total size {total} but the tensor "
-            f"dim is {length * spec.pack}{' logical' if spec.pack > 1 else ''}; fix the block sizes"
+            f"dim is {length * spec.stored_unit}{' logical' if spec.stored_unit > 1 else ''}; fix the block sizes"
         )
     if spec.groups != 1:
         _grouped_pieces(where, d, axis, spec, n, 0)  # raises if the groups do not fit
         return
     for b in spec.blocks:
-        _block_pieces(where, d, axis, b, 0, n, 0, spec.pack)  # raises if no coordinate can be placed
+        _block_pieces(where, d, axis, b, 0, n, 0, spec)  # raises if no coordinate can be placed
 
 
 # ---- planning -------------------------------------------------------------------------------
 Piece = tuple[int, int, int]  # (start, stop, step) along the dim, in stored units
 
 
-def _block_pieces(where: str, d: int, axis: str, b: Block, offset: int, n: int, c: int, pack: int) -> Piece:
+def _block_pieces(where: str, d: int, axis: str, b: Block, offset: int, n: int, c: int, spec: Shard) -> Piece:
     if b.size < 1 or b.unit < 1 or b.size % b.unit:
         raise LayoutError(
             f"{where} dim {d} block {b.name!r}: size {b.size} must be a positive multiple of its unit {b.unit}"
@@ -329,13 +348,17 @@ def _block_pieces(where: str, d: int, axis: str, b: Block, offset: int, n: int, 
             f"axis {axis!r} (size {n}): {rule}; use an axis size that fits"
             + ("" if b.replicate else " or mark the block replicate=True (KV heads)")
         )
-    if start % pack or length % pack:
+    unit = spec.stored_unit
+    if start % unit or length % unit:
+        what = " x ".join(
+            [f"pack {spec.pack}"] * (spec.pack > 1) + [f"group size {spec.group_size}"] * (spec.group_size > 1)
+        )
         raise LayoutError(
             f"{where} dim {d} block {b.name!r}: the shard at logical [{start}, {start + length}) on coordinate {c} "
-            f"of mesh axis {axis!r} (size {n}) does not fall on a pack boundary (pack {pack}); use an axis size "
-            f"whose shards are multiples of {pack}"
+            f"of mesh axis {axis!r} (size {n}) does not fall on a stored-element boundary ({what}); use an axis "
+            f"size whose shards are multiples of {unit}"
         )
-    return (start // pack, (start + length) // pack, 1)
+    return (start // unit, (start + length) // unit, 1)
 
 
 def _grouped_pieces(where: str, d: int, axis: str, spec: Shard, n: int, c: int) -> list[Piece]:
@@ -351,13 +374,15 @@ def _grouped_pieces(where: str, d: int, axis: str, spec: Shard, n: int, c: int) 
         offset = 0
         for b in spec.blocks:
             part = b.size // g_count
-            if b.size % (g_count * b.unit) or part % spec.pack:
+            unit = spec.stored_unit
+            if b.size % (g_count * b.unit) or part % unit:
                 raise LayoutError(
                     f"{where} dim {d} block {b.name!r} (size {b.size}, unit {b.unit}) cannot be cut into {g_count} "
-                    f"groups of whole units on a pack boundary (pack {spec.pack}); fix groups= or the block sizes"
+                    f"groups of whole units on a stored-element boundary (pack {spec.pack}, group size "
+                    f"{spec.group_size}); fix groups= or the block sizes"
                 )
             start = offset + g * part
-            pieces.append((start // spec.pack, (start + part) // spec.pack, 1))
+            pieces.append((start // unit, (start + part) // unit, 1))
             offset += b.size
     return pieces
 
@@ -378,7 +403,7 @@ def dim_pieces(spec: DimSpec, full_len: int, n: int, c: int, where: str = "spec"
     pieces: list[Piece] = []
     offset = 0
     for b in spec.blocks:
-        start, stop, step = _block_pieces(where, d, ",".join(spec.axes), b, offset, n, c, spec.pack)
+        start, stop, step = _block_pieces(where, d, ",".join(spec.axes), b, offset, n, c, spec)
         if pieces and pieces[-1][1] == start and pieces[-1][2] == 1:
             pieces[-1] = (pieces[-1][0], stop, 1)  # merge touching pieces
         else:
@@ -408,5 +433,5 @@ def full_length(spec: DimSpec, local_len: int, n: int) -> int:
     if isinstance(spec, Cyclic):
         return spec.size
     if spec.blocks:
-        return sum([b.size for b in spec.blocks]) // spec.pack
+        return sum([b.size for b in spec.blocks]) // spec.stored_unit
     return local_len * n

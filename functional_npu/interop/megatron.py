@@ -90,7 +90,7 @@ def megatron_specs(cfg: LlamaConfig, *, tp_axis: str = "tp") -> dict[str, Any]:
 def _rename_axis(specs: dict[str, Any], axis: str) -> dict[str, Any]:
     def one(lay: Layout) -> Layout:
         dims = tuple(
-            d if d is None else Shard((axis,), d.blocks, d.pack, d.groups) if isinstance(d, Shard) else d
+            d if d is None else Shard((axis,), d.blocks, d.pack, d.groups, d.group_size) if isinstance(d, Shard) else d
             for d in lay.dims
         )
         return Layout(dims)

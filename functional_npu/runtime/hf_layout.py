@@ -69,8 +69,8 @@ def block_ranges(layout: Layout, dim: int, full: int, n_sources: int, *, path: s
         )
     out, offset = [], 0
     for b in spec.blocks:
-        out.append((offset, b.size // spec.pack))
-        offset += b.size // spec.pack
+        out.append((offset, b.size // spec.stored_unit))
+        offset += b.size // spec.stored_unit
     return out
 
 

@@ -128,7 +128,7 @@ def test_error_packed_shard_off_pack_boundary():
     with pytest.raises(
         LayoutError,
         match=r"block 'q': the shard at logical \[0, 4\) on coordinate 0 of mesh axis 'tp' \(size 4\) "
-        r"does not fall on a pack boundary \(pack 8\)",
+        r"does not fall on a stored-element boundary \(pack 8\)",
     ):
         shard(
             {"w": torch.zeros(2, dtype=torch.int32)},
