@@ -1,11 +1,13 @@
 """Prefetch benchmark: decode step time with layer-sharded weights, local vs synchronous vs prefetched.
 
 On two gloo ranks (dp = 2), the same model and batch: (a) local weights, no communication; (b)
-layer-sharded, k = 0 (synchronous); (c) layer-sharded, k = 1, 2 under
-:class:`functional_npu.schedule.PrefetchSchedule`; (d) k = 1 under inductor's stock scheduling, and
-under its ``raise_comms`` pass. The exposed communication is ``(T - T_local) / T_comm_alone``, where
-``T_comm_alone`` is the same broadcasts issued back to back with nothing else running. Resident
-series memory comes from tensor storage (owned layers + carried state) plus the live prefetch
+layer-sharded, k = 0 (synchronous); (c) layer-sharded, k = 1, 2, ... under
+:class:`functional_npu.parallel.schedule.PrefetchSchedule`; (d) k = 1 under inductor's stock
+scheduling, its ``raise_comms`` pass and its memory-preserving passes. Every configuration is
+compiled and warm before any is timed, then all are timed in interleaved rounds. The exposed
+communication is ``(T - T_local) / T_comm_alone``, where ``T_comm_alone`` is the same broadcasts
+issued back to back with nothing else running. Resident series memory comes from tensor storage
+(owned layers + carried state) plus the live prefetch
 buffers read from the compiled code.
 """
 
