@@ -4,14 +4,15 @@ reference quantization that writes them.
 A quantized linear ``[out, in]`` is a small tree instead of one tensor, under compressed-tensors'
 names (what llm-compressor writes and vLLM reads):
 
-- ``weight``: int8 ``[out, in]`` at 8 bits; at 4 bits int32 words packed along ``in``, eight
-  values a word, value ``i`` of word ``j`` (element ``8j + i``) in bits ``[4i, 4i + 4)``, stored
-  unsigned as ``q + 8``: ``[out, in // 8]``;
+- ``weight``: int8 ``[out, in]`` (compressed-tensors' ``int-quantized`` and ``naive-quantized``), or
+  int32 words packed along ``in`` (``pack-quantized``, the only form at 4 bits; at 8 bits what it
+  writes for weight-only schemes): ``32 // bits`` values a word, value ``i`` of word ``j`` in bits
+  ``[bits * i, bits * (i + 1))``, stored unsigned as ``q + 2**(bits - 1)``: ``[out, in * bits // 32]``;
 - ``weight_scale``: per tensor ``[blocks]`` (one per logical matrix of a fused leaf: ``[q|k|v]``
   has three, ``[gate|up]`` two), per channel ``[out, 1]``, per group ``[out, in // G]``, per block
   ``[out // Bo, in // Bi]``;
-- ``weight_zero_point``, asymmetric schemes only (per channel or group): signed zero points
-  packed like the weight but along ``out``: ``[out // 8, 1 or in // G]`` at 4 bits, int8 at 8.
+- ``weight_zero_point``, asymmetric schemes only (per channel or group): signed zero points, int8,
+  or packed like the weight but along ``out``: ``[out * bits // 32, 1 or in // G]``.
 
 Any leading dims (experts, stacked layers) come first and are shared by all three. :class:`Quant`
 names a scheme. :func:`quant_layouts` derives each stored tensor's layout from the float weight's
@@ -42,12 +43,14 @@ class Quant:
     """A weight quantization scheme.
 
     Attributes:
-        bits: 8 (int8 weights) or 4 (int4, packed eight to an int32 word along ``in``).
+        bits: 8 or 4.
         strategy: ``"tensor"``, ``"channel"``, ``"group"`` or ``"block"``: what one scale covers.
         group_size: values of ``in`` per scale, for ``"group"``.
         block: ``(Bo, Bi)`` rows and columns per scale, for ``"block"``.
         symmetric: no zero points; else a zero point per scale (``"channel"`` and ``"group"`` only).
         activations: ``"token"`` for dynamic per-token int8 activations (W8A8), None for weight-only.
+        packed: values packed into int32 words (compressed-tensors' ``pack-quantized``); default: at
+            4 bits only (int4 has no unpacked form here).
     """
 
     bits: int = 8
@@ -56,8 +59,11 @@ class Quant:
     block: tuple[int, int] | None = None
     symmetric: bool = True
     activations: str | None = None
+    packed: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.packed is None:
+            object.__setattr__(self, "packed", self.bits < 8)
         if self.bits not in (4, 8) or isinstance(self.bits, bool):
             raise ValueError(f"Quant: bits must be 4 or 8, got {self.bits!r}")
         if self.strategy not in STRATEGIES:
@@ -78,6 +84,8 @@ class Quant:
             raise ValueError(
                 f"Quant: zero points (symmetric=False) exist for 'channel' and 'group', not {self.strategy!r}"
             )
+        if not self.packed and self.bits < 8:
+            raise ValueError("Quant: 4-bit weights are stored packed (packed=True), eight to an int32 word")
         if self.activations not in (None, "token"):
             raise ValueError(
                 f"Quant: activations must be None or 'token' (dynamic per-token), got {self.activations!r}"
@@ -86,11 +94,11 @@ class Quant:
     @property
     def pack(self) -> int:
         """Values per stored element of ``weight`` along ``in`` (and of ``weight_zero_point`` along ``out``)."""
-        return 32 // self.bits if self.bits < 8 else 1
+        return 32 // self.bits if self.packed else 1
 
     @property
     def storage(self) -> torch.dtype:
-        return torch.int32 if self.bits < 8 else torch.int8
+        return torch.int32 if self.packed else torch.int8
 
     def __repr__(self) -> str:
         what = self.strategy
@@ -164,7 +172,8 @@ def quant_shapes(shape: Sequence[int], quant: Quant, blocks: int = 1) -> dict[st
             raise ValueError(f"a quantized weight of shape {tuple(shape)}: {what} {by} does not divide {n}")
         return n // by
 
-    shapes = {"weight": (*lead, out, div(inn, q.pack, "the int4 pack factor (values per int32) along in"))}
+    packing = f"the pack factor (int{q.bits} values per int32)"
+    shapes = {"weight": (*lead, out, div(inn, q.pack, f"{packing} along in"))}
     if q.strategy == "tensor":
         shapes["weight_scale"] = (*lead, blocks)
     elif q.strategy == "channel":
@@ -180,7 +189,7 @@ def quant_shapes(shape: Sequence[int], quant: Quant, blocks: int = 1) -> dict[st
         )
     if not q.symmetric:
         groups = 1 if q.strategy == "channel" else shapes["weight_scale"][-1]
-        shapes["weight_zero_point"] = (*lead, div(out, q.pack, "the int4 pack factor along out (zero points)"), groups)
+        shapes["weight_zero_point"] = (*lead, div(out, q.pack, f"{packing} along out (zero points)"), groups)
     return shapes
 
 
@@ -264,22 +273,22 @@ def quantize(
     if zero is not None:
         scaled = scaled + _expand(zero, w.shape, q, blocks).to(dt)
     values = torch.clamp(torch.round(scaled), lo, hi).to(torch.int8)
-    out = {"weight": values if q.bits == 8 else pack_int32(values, q.bits, -1)}
+    out = {"weight": pack_int32(values, q.bits, -1) if q.packed else values}
     out["weight_scale"] = scale.reshape(shapes["weight_scale"])
     if zero is not None:
         z = zero.to(torch.int8)
-        out["weight_zero_point"] = z if q.bits == 8 else pack_int32(z, q.bits, -2)
+        out["weight_zero_point"] = pack_int32(z, q.bits, -2) if q.packed else z
     return out
 
 
 def dequantize(stored: dict[str, torch.Tensor], quant: Quant, *, blocks: Sequence[Block] | None = None) -> torch.Tensor:
     """The float weight of :func:`quantize`'s stored tensors: ``(q - zero_point) * scale`` in the scale's dtype."""
     q = quant
-    values = stored["weight"] if q.bits == 8 else unpack_int32(stored["weight"], q.bits, -1)
+    values = unpack_int32(stored["weight"], q.bits, -1) if q.packed else stored["weight"]
     scale = stored["weight_scale"]
     shape = values.shape
     zero = stored.get("weight_zero_point")
-    if zero is not None and q.bits < 8:
+    if zero is not None and q.packed:
         zero = unpack_int32(zero, q.bits, -2)
     full_s = _expand(scale, shape, q, blocks)
     full_z = 0 if zero is None else _expand(zero.to(scale.dtype), shape, q, blocks)

@@ -69,10 +69,11 @@ def prepare(stored: dict[str, torch.Tensor], quant: Quant, dtype: torch.dtype) -
     """A kernel's form of one quantized weight (this rank's shard, as stored), for activations in ``dtype``;
     a dense ``dtype`` weight where no kernel covers the scheme (see the module docstring)."""
     out_features = stored["weight"].shape[-2]
-    if quant.activations == "token" and quant.bits == 8 and quant.strategy == "channel" and quant.symmetric:
-        return {"w8a8": stored["weight"].contiguous(), "scale": stored["weight_scale"].reshape(-1).float()}
     if quant.bits == 8 and quant.strategy == "channel" and quant.symmetric:
-        return {"w8": stored["weight"].contiguous(), "scale": stored["weight_scale"].reshape(-1).to(dtype)}
+        w8 = (unpack_int32(stored["weight"], 8, -1) if quant.packed else stored["weight"]).contiguous()
+        if quant.activations == "token":
+            return {"w8a8": w8, "scale": stored["weight_scale"].reshape(-1).float()}
+        return {"w8": w8, "scale": stored["weight_scale"].reshape(-1).to(dtype)}
     if quant.bits == 4 and quant.strategy in ("group", "channel") and out_features % _INT4_TILE == 0:
         in_features = stored["weight"].shape[-1] * quant.pack
         group = quant.group_size if quant.strategy == "group" else _channel_group(in_features)

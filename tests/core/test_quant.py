@@ -13,6 +13,7 @@ from functional_npu.core.shard import shard
 
 SCHEMES = [
     Quant(8, "channel"),
+    Quant(8, "channel", packed=True),  # weight-only int8, as compressed-tensors' pack-quantized writes it
     Quant(4, "group", group_size=32),
     Quant(4, "group", group_size=32, symmetric=False),
     Quant(4, "channel", symmetric=False),
@@ -47,7 +48,7 @@ def _compressed_tensors(w: torch.Tensor, quant: Quant) -> dict[str, torch.Tensor
         b = x.unflatten(0, (-1, quant.block[0])).unflatten(-1, (-1, quant.block[1]))
         mn, mx = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))
     scale, zero = calculate_qparams(mn, mx, args)
-    fmt = "int-quantized" if quant.bits == 8 else "pack-quantized"
+    fmt = "pack-quantized" if quant.packed else "int-quantized"
     scheme = QuantizationScheme(targets=["Linear"], weights=args, format=fmt)
     stored = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero}
     return BaseCompressor.get_value_from_registry(fmt).compress(stored, scheme)
@@ -212,6 +213,7 @@ def test_a_packed_word_cut_by_a_fused_block_shard_is_named():
         ({"strategy": "block", "block": (128,)}, "needs block=\\(rows, cols\\)"),
         ({"strategy": "tensor", "symmetric": False}, "zero points"),
         ({"activations": "tensor"}, "activations must be None or 'token'"),
+        ({"bits": 4, "packed": False}, "4-bit weights are stored packed"),
     ],
 )
 def test_bad_schemes(kwargs, message):
@@ -222,5 +224,5 @@ def test_bad_schemes(kwargs, message):
 def test_shapes_that_a_scheme_does_not_divide():
     with pytest.raises(ValueError, match=r"shape \(64, 104\): the group size along in 32 does not divide 104"):
         quant_shapes((64, 104), Quant(4, "group", group_size=32))
-    with pytest.raises(ValueError, match="int4 pack factor"):
+    with pytest.raises(ValueError, match=r"the pack factor \(int4 values per int32\) along in 8 does not divide 12"):
         quant_shapes((64, 12), Quant(4, "channel"))

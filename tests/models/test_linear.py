@@ -9,6 +9,7 @@ from functional_npu.models.linear import kernel_of, linear, prepare
 
 CASES = [
     (Quant(8, "channel"), "w8"),
+    (Quant(8, "channel", packed=True), "w8"),
     (Quant(8, "channel", activations="token"), "w8a8"),
     (Quant(4, "group", group_size=32), "w4"),
     (Quant(4, "group", group_size=128, symmetric=False), "w4"),
