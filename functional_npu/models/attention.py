@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
+from .linear import linear
 from .norm import rms_norm
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def gqa(
     b, s, _ = h.shape
     hd = cfg.head_dim
     nh, nkv = local_heads(cfg, mesh.axis_size(tp))
-    qkv = h @ layer["qkv"].T  # column-parallel: [B, S, (nh + 2 nkv) hd]
+    qkv = linear(h, layer["qkv"])  # column-parallel: [B, S, (nh + 2 nkv) hd]
     if "qkv_bias" in layer:
         qkv = qkv + layer["qkv_bias"]
     q, k, v = (
@@ -145,7 +146,7 @@ def gqa(
     kv[1].scatter_(2, step.slot, v)
     keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
     attn = attend(q, keys, values, step.mask, kind).transpose(1, 2).reshape(b, s, nh * hd)  # [B, S, nh hd]
-    return all_reduce(attn @ layer["o_proj"].T, mesh, tp)  # row-parallel
+    return all_reduce(linear(attn, layer["o_proj"]), mesh, tp)  # row-parallel
 
 
 def init_kv(cfg: LlamaConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..core.collectives import all_gather, all_reduce
 from ..core.mesh import Mesh
+from .linear import linear
 from .norm import rms_norm
 
 __all__ = ["embed", "head"]
@@ -30,4 +31,4 @@ def head(params: dict, x: torch.Tensor, mesh: Mesh, *, tp: str, eps: float, tied
     """``x [B, S, D]`` -> logits ``[B, S, V]``: final norm, this rank's vocab slice, all_gather over ``tp``."""
     x = rms_norm(x, params["norm"], eps)
     table = params["embed"] if tied else params["lm_head"]
-    return all_gather(x @ table.T, mesh, tp, dim=-1)
+    return all_gather(linear(x, table), mesh, tp, dim=-1)

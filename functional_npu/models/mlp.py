@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
+from .linear import linear
 
 __all__ = ["gated_mlp"]
 
 
 def gated_mlp(layer: dict, h: torch.Tensor, mesh: Mesh, *, tp: str) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp``."""
-    gate, up = (h @ layer["gate_up"].T).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
-    return all_reduce((F.silu(gate) * up) @ layer["down"].T, mesh, tp)  # row-parallel
+    gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
+    return all_reduce(linear(F.silu(gate) * up, layer["down"]), mesh, tp)  # row-parallel
