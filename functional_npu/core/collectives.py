@@ -108,12 +108,17 @@ def all_to_all(x: torch.Tensor, mesh: Mesh, axis: Axes, split_dim: int = 0, conc
     return torch.cat(recv.unbind(0), dim=cd)
 
 
-def broadcast(x: torch.Tensor, mesh: Mesh, axis: Axes, src: int = 0) -> torch.Tensor:
-    """Every rank of the group gets ``x`` of index ``src`` along ``axis``."""
+def _broadcast_size(mesh: Mesh, axis: Axes, src: int) -> int:
+    """The size of ``axis``, after checking that ``src`` is an index along it."""
     n = mesh.axis_size(axis)
     if not 0 <= src < n:
         raise ValueError(f"broadcast: src {src} is outside mesh axis {axis!r} of size {n}")
-    if n == 1:
+    return n
+
+
+def broadcast(x: torch.Tensor, mesh: Mesh, axis: Axes, src: int = 0) -> torch.Tensor:
+    """Every rank of the group gets ``x`` of index ``src`` along ``axis``."""
+    if _broadcast_size(mesh, axis, src) == 1:
         return x
     return funcol.broadcast(x, src, mesh.group_name(axis))
 
@@ -124,10 +129,7 @@ def broadcast_in_flight(x: torch.Tensor, mesh: Mesh, axis: Axes, src: int = 0) -
     the transfer overlaps whatever runs between two graphs and the start of the next one); whoever reads
     it first passes it through ``funcol.wait_tensor``, which waits for it (and does nothing for a tensor
     with no transfer pending)."""
-    n = mesh.axis_size(axis)
-    if not 0 <= src < n:
-        raise ValueError(f"broadcast: src {src} is outside mesh axis {axis!r} of size {n}")
-    if n == 1:
+    if _broadcast_size(mesh, axis, src) == 1:
         return x
     return torch.ops._c10d_functional.broadcast(x, src, mesh.group_name(axis))
 
