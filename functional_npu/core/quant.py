@@ -5,8 +5,8 @@ A quantized linear ``[out, in]`` is a small tree instead of one tensor, under co
 names (what llm-compressor writes and vLLM reads):
 
 - ``weight``: int8 ``[out, in]`` (compressed-tensors' ``int-quantized`` and ``naive-quantized``), or
-  int32 words packed along ``in`` (``pack-quantized``, the only form at 4 bits; at 8 bits what it
-  writes for weight-only schemes): ``32 // bits`` values a word, value ``i`` of word ``j`` in bits
+  ``weight_packed``: int32 words packed along ``in`` (``pack-quantized``, the only form at 4 bits; at
+  8 bits what it writes for weight-only schemes): ``32 // bits`` values a word, value ``i`` of word ``j`` in bits
   ``[bits * i, bits * (i + 1))``, stored unsigned as ``q + 2**(bits - 1)``: ``[out, in * bits // 32]``;
 - ``weight_scale``: per tensor ``[blocks]`` (one per logical matrix of a fused leaf: ``[q|k|v]``
   has three, ``[gate|up]`` two), per channel ``[out, 1]``, per group ``[out, in // G]``, per block
@@ -97,6 +97,11 @@ class Quant:
         return 32 // self.bits if self.packed else 1
 
     @property
+    def weight_name(self) -> str:
+        """The stored name of the quantized values: ``weight_packed`` when packed, else ``weight``."""
+        return "weight_packed" if self.packed else "weight"
+
+    @property
     def storage(self) -> torch.dtype:
         return torch.int32 if self.packed else torch.int8
 
@@ -144,7 +149,7 @@ def quant_layouts(layout: Layout, quant: Quant, ndim: int = 2) -> dict[str, Layo
     dims = _dims(layout, ndim)
     lead, out, inn = dims[: ndim - 2], dims[ndim - 2], dims[ndim - 1]
     q = quant
-    tree = {"weight": _layout(lead + [out, _coarser(inn, pack=q.pack)])}
+    tree = {q.weight_name: _layout(lead + [out, _coarser(inn, pack=q.pack)])}
     if q.strategy == "tensor":
         tree["weight_scale"] = _layout(lead + [None])
     elif q.strategy == "channel":
@@ -173,7 +178,7 @@ def quant_shapes(shape: Sequence[int], quant: Quant, blocks: int = 1) -> dict[st
         return n // by
 
     packing = f"the pack factor (int{q.bits} values per int32)"
-    shapes = {"weight": (*lead, out, div(inn, q.pack, f"{packing} along in"))}
+    shapes = {q.weight_name: (*lead, out, div(inn, q.pack, f"{packing} along in"))}
     if q.strategy == "tensor":
         shapes["weight_scale"] = (*lead, blocks)
     elif q.strategy == "channel":
@@ -273,7 +278,7 @@ def quantize(
     if zero is not None:
         scaled = scaled + _expand(zero, w.shape, q, blocks).to(dt)
     values = torch.clamp(torch.round(scaled), lo, hi).to(torch.int8)
-    out = {"weight": pack_int32(values, q.bits, -1) if q.packed else values}
+    out = {q.weight_name: pack_int32(values, q.bits, -1) if q.packed else values}
     out["weight_scale"] = scale.reshape(shapes["weight_scale"])
     if zero is not None:
         z = zero.to(torch.int8)
@@ -284,7 +289,7 @@ def quantize(
 def dequantize(stored: dict[str, torch.Tensor], quant: Quant, *, blocks: Sequence[Block] | None = None) -> torch.Tensor:
     """The float weight of :func:`quantize`'s stored tensors: ``(q - zero_point) * scale`` in the scale's dtype."""
     q = quant
-    values = unpack_int32(stored["weight"], q.bits, -1) if q.packed else stored["weight"]
+    values = unpack_int32(stored[q.weight_name], q.bits, -1) if q.packed else stored[q.weight_name]
     scale = stored["weight_scale"]
     shape = values.shape
     zero = stored.get("weight_zero_point")

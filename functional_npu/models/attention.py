@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
-from .linear import linear
+from .linear import linear, row_parallel
 from .norm import rms_norm
 
 if TYPE_CHECKING:
@@ -146,7 +145,7 @@ def gqa(
     kv[1].scatter_(2, step.slot, v)
     keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
     attn = attend(q, keys, values, step.mask, kind).transpose(1, 2).reshape(b, s, nh * hd)  # [B, S, nh hd]
-    return all_reduce(linear(attn, layer["o_proj"]), mesh, tp)  # row-parallel
+    return row_parallel(attn, layer["o_proj"], mesh, tp)
 
 
 def init_kv(cfg: LlamaConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:

@@ -22,13 +22,14 @@ first split over it and gathered back after.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
 from ..core.mesh import Mesh
+from .linear import expert_weights, linear, quantized_activations, slot_count
 
 if TYPE_CHECKING:
     from .moe import MoeConfig
@@ -50,7 +51,7 @@ def route(logits: torch.Tensor, cfg: MoeConfig) -> tuple[torch.Tensor, torch.Ten
 
 def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, physical slots), both [T, k], for tokens ``x [T, D]`` with dispatch indices ``index [T]``."""
-    weights, experts = route(x @ layer["router"].T, cfg)
+    weights, experts = route(linear(x, layer["router"]), cfg)
     table = layer["expert_map"]
     if table.shape[1] == 1:
         return weights, table[experts, 0]
@@ -58,9 +59,7 @@ def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) ->
     return weights, table[experts, index[:, None] % copies[experts]]
 
 
-def local_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
+def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Any, down: Any) -> torch.Tensor:
     """``sum_k weights[:, k] * expert[ids[:, k]](x)`` over this rank's slots; ``ids`` -1 (another rank's slot)
     adds nothing.
 
@@ -68,18 +67,23 @@ def local_experts(
     either way (chosen by size): with fewer routed rows than local experts (decode) each row reads only its
     k experts' weights; otherwise every local expert runs on every row as one batched matmul, a row's
     weight being 0 for the slots it was not routed to. Neither graph grows with the expert count.
+    Quantized experts (:func:`functional_npu.models.linear.prepare`) are dequantized as they are read.
     """
     n, k = ids.shape
-    if n * k < gate_up.shape[0]:
+    slots = slot_count(gate_up)
+    xq = quantized_activations(x, gate_up)
+    if n * k < slots:
         chosen = ids.clamp(min=0)  # a -1 reads slot 0 and is weighted 0
         w = torch.where(ids >= 0, weights, 0.0).to(x.dtype)  # [N, k]
-        gate, up = torch.einsum("nd,nkfd->nkf", x, gate_up[chosen]).chunk(2, dim=-1)  # [N, k, F] each
-        y = torch.einsum("nkf,nkdf->nkd", F.silu(gate) * up, down[chosen])  # [N, k, D]
+        gate, up = torch.einsum("nd,nkfd->nkf", xq, expert_weights(gate_up, chosen)).chunk(2, dim=-1)  # [N, k, F]
+        h = quantized_activations(F.silu(gate) * up, down)
+        y = torch.einsum("nkf,nkdf->nkd", h, expert_weights(down, chosen))  # [N, k, D]
         return (y * w[..., None]).sum(1)
-    slots = torch.arange(gate_up.shape[0], device=x.device)
-    w = (weights[None] * (ids[None] == slots[:, None, None])).sum(-1).to(x.dtype)  # [S_local, N]
-    gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [S_local, N, F] each
-    y = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))  # [S_local, N, D]
+    index = torch.arange(slots, device=x.device)
+    w = (weights[None] * (ids[None] == index[:, None, None])).sum(-1).to(x.dtype)  # [S_local, N]
+    gate, up = torch.matmul(xq, expert_weights(gate_up).transpose(1, 2)).chunk(2, dim=-1)  # [S_local, N, F] each
+    h = quantized_activations(F.silu(gate) * up, down)
+    y = torch.matmul(h, expert_weights(down).transpose(1, 2))  # [S_local, N, D]
     return (y * w[..., None]).sum(0)
 
 
@@ -88,7 +92,7 @@ def _gathered(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int) 
     t = x.shape[0]
     xa = all_gather(x, mesh, cfg.expert_axes, dim=0)  # [n t, D]
     weights, slots = _slots(xa, layer, cfg, torch.arange(n * t, device=x.device) % t)
-    per = layer["experts_gate_up"].shape[0]
+    per = slot_count(layer["experts_gate_up"])
     ids = torch.where(slots // per == mesh.axis_index(cfg.expert_axes), slots % per, -1)
     part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
     return reduce_scatter(part, mesh, cfg.expert_axes, dim=0)  # [t, D]
@@ -103,7 +107,7 @@ def _dispatched(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int
     """
     (t, d), k = x.shape, cfg.top_k
     weights, slots = _slots(x, layer, cfg, torch.arange(t, device=x.device))
-    per = layer["experts_gate_up"].shape[0]
+    per = slot_count(layer["experts_gate_up"])
     owner = torch.arange(n, device=x.device)[:, None, None]
     ids = torch.where(slots[None] // per == owner, slots[None] % per, -1)  # [n, t, k]: slot ids on rank j
     meta = torch.cat([ids.float(), weights[None].expand(n, t, k)], dim=-1)  # [n, t, 2k], ids exact in float32

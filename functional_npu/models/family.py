@@ -37,6 +37,8 @@ class Family:
         blocks: ``(cfg, tp_axis) ->`` the decoder's :class:`Blocks`.
         stacked: leaves whose dim 0 indexes experts, stored by HF as one tensor per expert ``{j}``.
         derived: leaf name -> function of the config giving a leaf that is computed, not stored.
+        linears: leaves holding a linear layer's weight ``[..., out, in]`` (a quantized checkpoint may
+            store them quantized; see :mod:`functional_npu.runtime.quant_plan`).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Family:
     blocks: Callable[..., Blocks]
     stacked: frozenset[str] = frozenset()
     derived: Mapping[str, Callable[[Any], Any]] | None = None
+    linears: frozenset[str] = frozenset()
 
 
 LLAMA = Family(
@@ -62,6 +65,7 @@ LLAMA = Family(
     llama.param_specs,
     llama.init_params,
     llama.blocks,
+    linears=frozenset(llama.LINEARS),
 )
 MOE = Family(
     "moe",
@@ -75,6 +79,7 @@ MOE = Family(
     moe.blocks,
     frozenset(EXPERT_LEAVES),
     {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
+    frozenset(llama.LINEARS + moe.LINEARS),
 )
 FAMILIES = (LLAMA, MOE)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)

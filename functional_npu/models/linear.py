@@ -20,13 +20,27 @@ correct, and as slow as a float model.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
+from ..core.collectives import all_reduce
+from ..core.mesh import Mesh
 from ..core.quant import Quant, dequantize, unpack_int32
 
-__all__ = ["linear", "prepare", "kernel_of"]
+__all__ = [
+    "linear",
+    "row_parallel",
+    "token_amax",
+    "prepare",
+    "prepare_params",
+    "kernel_of",
+    "expert_weights",
+    "quantized_activations",
+    "slot_count",
+]
 
 _INT4_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 _INT4_TILE = 16  # it needs out_features divisible by this
@@ -45,8 +59,26 @@ def kernel_of(w: Any) -> str:
     )
 
 
-def linear(x: torch.Tensor, w: Any) -> torch.Tensor:
-    """``x [..., in]`` times the weight ``[out, in]`` transposed: ``[..., out]``."""
+def token_amax(x: torch.Tensor) -> torch.Tensor:
+    """Each token's largest magnitude ``[..., 1]`` (float32): what its int8 scale is made of."""
+    return x.abs().amax(-1, keepdim=True).float()
+
+
+def row_parallel(x: torch.Tensor, w: Any, mesh: Mesh, tp: str) -> torch.Tensor:
+    """A row-parallel linear: this rank's slice of the inputs times its slice of ``w``, summed over ``tp``.
+
+    With int8 activations (W8A8) each token is rounded with the scale of its whole row, as in the
+    unsharded model: the per-token magnitudes are reduced (max) over ``tp`` first.
+    """
+    amax = None
+    if kernel_of(w) == "w8a8" and mesh.axis_size(tp) > 1:
+        amax = all_reduce(token_amax(x), mesh, tp, op="max")
+    return all_reduce(linear(x, w, amax=amax), mesh, tp)
+
+
+def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., in]`` times the weight ``[out, in]`` transposed: ``[..., out]``. ``amax``: W8A8 only, each
+    token's magnitude ``[..., 1]`` to take its int8 scale from (default: ``x``'s own, :func:`token_amax`)."""
     kind = kernel_of(w)
     if kind == "dense":
         return x @ w.T
@@ -57,25 +89,36 @@ def linear(x: torch.Tensor, w: Any) -> torch.Tensor:
         group = x.shape[-1] // w["scales_zeros"].shape[0]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w["w4"], group, w["scales_zeros"])
     else:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5), int32 accumulation
-        amax = flat.abs().amax(-1, keepdim=True).float().clamp(min=torch.finfo(torch.float32).eps)
-        x_scale = amax / 127.5
+        big = token_amax(flat) if amax is None else amax.reshape(-1, 1)
+        x_scale = big.clamp(min=torch.finfo(torch.float32).eps) / 127.5
         xq = torch.clamp(torch.round(flat.float() / x_scale), -128, 127).to(torch.int8)
         acc = torch.ops.aten._int_mm(xq, w["w8a8"].T)
         y = (acc.float() * x_scale * w["scale"].float()).to(x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def prepare(stored: dict[str, torch.Tensor], quant: Quant, dtype: torch.dtype) -> Any:
+def prepare(stored: dict[str, torch.Tensor], quant: Quant, dtype: torch.dtype, blocks: list[int] | None = None) -> Any:
     """A kernel's form of one quantized weight (this rank's shard, as stored), for activations in ``dtype``;
-    a dense ``dtype`` weight where no kernel covers the scheme (see the module docstring)."""
-    out_features = stored["weight"].shape[-2]
+    a dense ``dtype`` weight where no kernel covers the scheme (see the module docstring). ``blocks``: the
+    local sizes along ``out`` of the matrices a per-tensor scale each covers (a fused leaf's q, k, v).
+
+    Experts stacked on dim 0 (``[S, out, in]``) take the form :func:`expert_weights` reads."""
+    values = stored[quant.weight_name]
+    if quant.strategy == "tensor":  # one scale per block: the same as a scale per channel, for kernels
+        scale = stored["weight_scale"]
+        sizes = torch.tensor(blocks or [values.shape[-2]])
+        channel = scale.repeat_interleave(sizes, -1).unsqueeze(-1)  # [..., out, 1]
+        stored, quant = stored | {"weight_scale": channel}, replace(quant, strategy="channel")
+    if values.ndim == 3:
+        return _experts(stored, quant, dtype)
+    out_features = values.shape[-2]
     if quant.bits == 8 and quant.strategy == "channel" and quant.symmetric:
-        w8 = (unpack_int32(stored["weight"], 8, -1) if quant.packed else stored["weight"]).contiguous()
+        w8 = (unpack_int32(values, 8, -1) if quant.packed else values).contiguous()
         if quant.activations == "token":
             return {"w8a8": w8, "scale": stored["weight_scale"].reshape(-1).float()}
         return {"w8": w8, "scale": stored["weight_scale"].reshape(-1).to(dtype)}
     if quant.bits == 4 and quant.strategy in ("group", "channel") and out_features % _INT4_TILE == 0:
-        in_features = stored["weight"].shape[-1] * quant.pack
+        in_features = values.shape[-1] * quant.pack
         group = quant.group_size if quant.strategy == "group" else _channel_group(in_features)
         if group in _INT4_GROUPS and in_features % group == 0:
             return _int4(stored, quant, group, in_features, dtype)
@@ -91,7 +134,7 @@ def _int4(stored: dict[str, torch.Tensor], quant: Quant, group: int, in_features
     """int4 weights in ``aten._weight_int4pack_mm_for_cpu``'s packing (built by its own op: the byte layout
     depends on the CPU), with ``scales_zeros [in / group, out, 2]``: ``w = (u - 8) * scale + zero``, so an
     asymmetric zero point ``zp`` becomes ``zero = -zp * scale``."""
-    unsigned = (unpack_int32(stored["weight"], 4, -1).to(torch.int32) + 8).contiguous()
+    unsigned = (unpack_int32(stored["weight_packed"], 4, -1).to(torch.int32) + 8).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2)
     scale = stored["weight_scale"].float()  # [out, in / G], or [out, 1] per channel
     per = in_features // group // scale.shape[-1]  # kernel groups per stored scale
@@ -102,3 +145,81 @@ def _int4(stored: dict[str, torch.Tensor], quant: Quant, group: int, in_features
         zero = -zp * scale
     scales_zeros = torch.stack([scale.T, zero.T], -1).to(dtype).contiguous()
     return {"w4": packed, "scales_zeros": scales_zeros}
+
+
+def _experts(stored: dict[str, torch.Tensor], quant: Quant, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Experts ``[S, out, in]`` as int8 values, a ``dtype`` scale per group of inputs ``[S, out, in / G]`` and,
+    if asymmetric, int8 zero points of the same shape: dequantized per expert as :func:`expert_weights` picks
+    them (no CPU kernel takes a stack of weights; int4 values are held one to a byte). With dynamic int8
+    activations (W8A8) the key is ``q8a8`` and the activations are rounded per token as the kernel would."""
+    q = quant
+    values = unpack_int32(stored[q.weight_name], q.bits, -1) if q.packed else stored[q.weight_name]
+    scale = stored["weight_scale"]
+    if q.strategy == "block":  # one scale per block of rows: per row, for the dequantizing matmul
+        scale = scale.repeat_interleave(q.block[0], -2)
+    out = {"q8a8" if q.activations else "q": values.contiguous(), "scale": scale.to(dtype).contiguous()}
+    if not q.symmetric:
+        zero = stored["weight_zero_point"]
+        out["zero"] = (unpack_int32(zero, q.bits, -2) if q.packed else zero).contiguous()
+    return out
+
+
+def expert_weights(w: Any, index: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense weights of a stack of experts (``[S, out, in]``), or of those at ``index`` (``w[index]``)."""
+    if isinstance(w, torch.Tensor):
+        return w if index is None else w[index]
+    values = w["q"] if "q" in w else w["q8a8"]
+    scale, zero = w["scale"], w.get("zero")
+    if index is not None:
+        values, scale, zero = values[index], scale[index], None if zero is None else zero[index]
+    x = values.to(scale.dtype)
+    if zero is not None:
+        x = x - zero.to(scale.dtype).repeat_interleave(x.shape[-1] // zero.shape[-1], -1)
+    return x * scale.repeat_interleave(x.shape[-1] // scale.shape[-1], -1)
+
+
+def slot_count(w: Any) -> int:
+    """The number of experts in a stack (dense or quantized)."""
+    return w.shape[0] if isinstance(w, torch.Tensor) else w["scale"].shape[0]
+
+
+def quantized_activations(x: torch.Tensor, w: Any) -> torch.Tensor:
+    """``x`` rounded to int8 per token and back (W8A8 experts: what the int8 matmul sees); else ``x``."""
+    if isinstance(w, torch.Tensor) or "q8a8" not in w:
+        return x
+    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=torch.finfo(torch.float32).eps) / 127.5
+    return (torch.clamp(torch.round(x.float() / scale), -128, 127) * scale).to(x.dtype)
+
+
+def prepare_params(params: dict[str, Any], blocks: Any = None) -> dict[str, Any]:
+    """``params`` with every stored quantized leaf (a dict of ``weight``/``weight_packed``, ``weight_scale``,
+    ...; see :mod:`functional_npu.runtime.quant_plan`) in its kernel's form, for activations in the
+    embedding's dtype. ``blocks(path) -> [local sizes]``: the blocks of a per-tensor scale. Pure."""
+    qc = params.get("quant")
+    if qc is None:
+        return params
+    dtype = params["embed"].dtype
+
+    def one(path: str, node: dict[str, torch.Tensor]) -> Any:
+        return prepare(node, qc.quant, dtype, blocks(path) if blocks and qc.quant.strategy == "tensor" else None)
+
+    def walk(path: str, node: Any) -> Any:
+        if isinstance(node, dict) and "weight_scale" in node and path.startswith("series."):
+            # a layer-sharded series: each owned layer prepared, then stacked again (none owned: empty)
+            n = node["weight_scale"].shape[0]
+            layer = (
+                (lambda i: {k: v[i] for k, v in node.items()})
+                if n
+                else lambda i: {k: v.new_zeros(v.shape[1:]) for k, v in node.items()}
+            )
+            layers = [one(path, layer(i)) for i in range(max(n, 1))]
+            return pytree.tree_map(lambda *xs: torch.stack(xs)[:n], *layers)
+        if isinstance(node, dict) and "weight_scale" in node:
+            return one(path, node)
+        if isinstance(node, dict):
+            return {k: walk(f"{path}.{k}" if path else k, v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(f"{path}.{i}", v) for i, v in enumerate(node)]
+        return node
+
+    return walk("", params)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, fused, replicated, sharded
 from ..core.tree import map_with_path, register_static
 from .attention import gqa, init_kv, prepare
@@ -36,6 +37,7 @@ __all__ = [
     "LlamaConfig",
     "ARCHITECTURES",
     "HF_NAMES",
+    "LINEARS",
     "abstract_params",
     "init_params",
     "param_specs",
@@ -61,6 +63,9 @@ HF_NAMES: dict[str, list[str]] = {
     "gate_up": ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
     "down": ["model.layers.{i}.mlp.down_proj.weight"],
 }
+
+# the leaves that are linear layers' weights [out, in]
+LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -215,6 +220,7 @@ def abstract_params(
 
 def init_params(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Full params with seeded random weights (std 0.02, norms 1): an embedded model needing no download."""
+    dtype = float_dtype(dtype, "init_params")
     g = torch.Generator().manual_seed(seed)
 
     def fill(path: str, x: torch.Tensor) -> torch.Tensor:

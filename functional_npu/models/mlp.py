@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
-from .linear import linear
+from .linear import linear, row_parallel
 
 __all__ = ["gated_mlp"]
 
@@ -19,4 +18,4 @@ __all__ = ["gated_mlp"]
 def gated_mlp(layer: dict, h: torch.Tensor, mesh: Mesh, *, tp: str) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp``."""
     gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
-    return all_reduce(linear(F.silu(gate) * up, layer["down"]), mesh, tp)  # row-parallel
+    return row_parallel(F.silu(gate) * up, layer["down"], mesh, tp)

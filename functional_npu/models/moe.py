@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, Shard, replicated
 from ..core.tree import map_with_path, register_static
 from . import llama
@@ -29,6 +30,7 @@ __all__ = [
     "MoeConfig",
     "ARCHITECTURES",
     "hf_names",
+    "LINEARS",
     "abstract_params",
     "init_params",
     "param_specs",
@@ -43,6 +45,9 @@ _SIBLING = {
     "MixtralForCausalLM": ("MistralForCausalLM", "mixtral"),
 }
 ARCHITECTURES = tuple(_SIBLING)
+
+# the leaves that are linear layers' weights ([..., out, in]; the experts stacked on dim 0)
+LINEARS = ("router", "experts_gate_up", "experts_down")
 
 _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": {
@@ -209,6 +214,7 @@ def identity_map(num_experts: int) -> torch.Tensor:
 
 def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Full params with seeded random weights (std 0.02, norms 1) and the identity expert map."""
+    dtype = float_dtype(dtype, "init_params")
     if cfg.slots != cfg.num_experts or cfg.max_copies != 1:
         raise ValueError(
             f"init_params: makes the identity placement (num_slots={cfg.num_experts}, "

@@ -20,22 +20,28 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..core.dtypes import float_dtype
 from ..core.layout import Layout, local_pieces
 from ..core.mesh import Mesh
 from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths, map_with_path
 from ..models import Family, family_of
 from ..parallel.layer_shard import LayerShard, owned_layers, present
-from .hf_layout import StoredPart, block_ranges, fused_dim, stored_parts
+from .hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts
 from .plan import check_plan, with_expert_axes
+from .quant_config import QuantConfig, read_quant_config
+from .quant_plan import quantize_plan
 
-__all__ = ["load_checkpoint", "read_config"]
+__all__ = ["load_checkpoint", "read_config", "read_quant"]
 
 # safetensors dtype names of the weights a model may hold, and their torch dtypes
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
-# Tensors some checkpoints carry that the forward recomputes.
+_INT_DTYPES = {"I8": torch.int8, "I32": torch.int32}
+
+# Tensors some checkpoints carry that the forward recomputes; a packed weight's logical shape.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_QUANT_IGNORED_SUFFIXES = (".weight_shape",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +53,7 @@ class _Wanted:
     meta: dict[str, Any]
     leaves: dict[str, torch.Tensor]
     layouts: dict[str, Layout]
+    quant: QuantConfig | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +77,28 @@ class _Checkpoint:
             ) from None
 
 
-def read_config(path: str | Path) -> Any:
-    """The model config of a HF directory (``config.json``), parsed by its architecture's family."""
+def _read_hf(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: expected a HF model directory (config.json + *.safetensors)")
     try:
-        hf = json.loads(file.read_text())
+        return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON ({e})") from None
+
+
+def read_config(path: str | Path) -> Any:
+    """The model config of a HF directory (``config.json``), parsed by its architecture's family."""
+    hf = _read_hf(path)
     return family_of((hf.get("architectures") or [None])[0]).from_hf(hf)
+
+
+def read_quant(path: str | Path) -> QuantConfig | None:
+    """The quantization of a HF directory's weights (``config.json``'s ``quantization_config``), None if float."""
+    try:
+        return read_quant_config(_read_hf(path))
+    except ValueError as e:
+        raise ValueError(f"{Path(path) / 'config.json'}: {e}") from None
 
 
 def load_checkpoint(
@@ -100,7 +119,8 @@ def load_checkpoint(
         mesh: a mesh with a ``tp_axis`` axis (other axes hold replicas), from ``make_mesh`` or
             ``Mesh.abstract(...).at(...)`` to load one coordinate's shards in one process.
         dtype: read floating weights in this dtype (default: the embedding's stored dtype, so a
-            checkpoint holding a stray fp16 tensor among fp32 ones loads in one dtype).
+            checkpoint holding a stray fp16 tensor among fp32 ones loads in one dtype). A quantized
+            checkpoint's integer tensors keep theirs; its scales take this one.
         progress: print progress on rank 0 (default: when stderr is a terminal).
         on_read: called as ``on_read(tensor_name, bytes_read)`` for every slice read.
         expert_axes: MoE models only: the mesh axes the experts are sharded over (expert
@@ -110,6 +130,11 @@ def load_checkpoint(
             under ``params["series"]``; the forward fetches them with broadcasts.
         tp_axis: the mesh axis of tensor parallelism (the family's ``param_specs(cfg, tp_axis=...)``).
 
+    A compressed-tensors checkpoint (``quantization_config`` in ``config.json``; see
+    :mod:`functional_npu.runtime.quant_config`) loads its quantized linears as the dicts of their stored
+    tensors, sharded like any leaf (:mod:`functional_npu.runtime.quant_plan`), with ``params["quant"]``;
+    :func:`functional_npu.compile_model` puts them in their kernels' forms.
+
     Returns:
         Params for the family's ``forward``: the local shards plus ``params["config"]``.
 
@@ -117,14 +142,16 @@ def load_checkpoint(
         ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis.
     """
     root = Path(path)
+    dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
     wanted = _check_plan(root, mesh, expert_axes, layer_shard, tp_axis)
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
     loaded = _read_leaves(ckpt, wanted, mesh, _not_owned(wanted, mesh, layer_shard), dtype or stored_dtype, show)
+    quant = {"quant": wanted.quant} if wanted.quant else {}
     if layer_shard is None:
-        return map_with_path(lambda p, _: loaded[p], wanted.meta)
-    return _stack_owned(wanted, mesh, layer_shard, loaded)
+        return map_with_path(lambda p, _: loaded[p], wanted.meta) | quant
+    return _stack_owned(wanted, mesh, layer_shard, loaded) | quant
 
 
 # ---- check ------------------------------------------------------------------------------------
@@ -133,14 +160,17 @@ def _check_plan(
 ) -> _Wanted:
     """The config and what it needs, once the mesh is known to shard it (reads config.json only)."""
     cfg = with_expert_axes(read_config(root), expert_axes, where=str(root))
+    quant = read_quant(root)
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
-    meta, layouts = check_plan(cfg, mesh, where=str(root), layer_shard=layer_shard, tp_axis=tp_axis)
+    meta, layouts = check_plan(cfg, mesh, where=str(root), layer_shard=layer_shard, tp_axis=tp_axis, quant=quant)
     family = family_of(cfg)
     if layer_shard is not None:  # checked in the layer-sharded form; the files hold the per-layer one
-        meta = family.abstract_params(cfg)
-        layouts = leaf_specs(family.param_specs(cfg, tp_axis=tp_axis), meta)
-    return _Wanted(family, cfg, meta, dict(flatten_with_paths(meta)), layouts)
+        meta, specs = family.abstract_params(cfg), family.param_specs(cfg, tp_axis=tp_axis)
+        if quant is not None:
+            meta, specs = quantize_plan(family, cfg, quant, meta, specs, where=str(root))
+        layouts = leaf_specs(specs, meta)
+    return _Wanted(family, cfg, meta, dict(flatten_with_paths(meta)), layouts, quant)
 
 
 def _open_checkpoint(root: Path, on_read: Callable[[str, int], None] | None) -> _Checkpoint:
@@ -175,24 +205,31 @@ def _open(file: Path):
 
 
 def _check_names_and_shapes(ckpt: _Checkpoint, wanted: _Wanted) -> torch.dtype:
-    """Check every tensor the config needs is there, with its shape and a floating dtype; returns the
-    embedding's dtype, which every float leaf is read in unless the caller asks for another."""
+    """Check every tensor the config needs is there, with its shape and dtype (floating point, or the integer
+    type of a quantized weight); returns the embedding's dtype, which every float leaf is read in unless the
+    caller asks for another."""
     expected = _expected_tensors(wanted)
-    _check_names(ckpt, wanted.cfg, expected)
+    _check_names(ckpt, wanted, expected)
     embed_dtype = torch.float32
     for name, (p, shape) in expected.items():
         stored = ckpt.get_slice(name)
         got = tuple(stored.get_shape())
+        as_quant = f", stored as {wanted.quant.quant!r}" if family_leaf(p)[1] else ""
         if got != shape:
             raise ValueError(
-                f"{ckpt.root}: tensor {name!r} (for params[{p!r}]) has shape {got} but config.json implies {shape} "
-                f"({_sizes(wanted.cfg)}); the config and the weights disagree"
+                f"{ckpt.root}: tensor {name!r} (for params[{p!r}]{as_quant}) has shape {got} but config.json implies "
+                f"{shape} ({_sizes(wanted.cfg)}); the config and the weights disagree"
             )
-        kind = stored.get_dtype()
-        if kind not in _FLOAT_DTYPES:
+        kind, want = stored.get_dtype(), wanted.leaves[p].dtype
+        if want.is_floating_point and kind not in _FLOAT_DTYPES:
             raise ValueError(
                 f"{ckpt.root}: tensor {name!r} (for params[{p!r}]) is stored as {kind}, but weights are floating point "
                 f"({', '.join(_FLOAT_DTYPES)}); the file was not written from this model's weights"
+            )
+        if not want.is_floating_point and _INT_DTYPES.get(kind) != want:
+            raise ValueError(
+                f"{ckpt.root}: tensor {name!r} (for params[{p!r}]{as_quant}) is stored as {kind}, but "
+                f"quantization_config implies {want}; the config and the weights disagree"
             )
         if p == "embed":
             embed_dtype = _FLOAT_DTYPES[kind]
@@ -214,12 +251,15 @@ def _expected_tensors(wanted: _Wanted) -> dict[str, tuple[str, tuple[int, ...]]]
     return expected
 
 
-def _check_names(ckpt: _Checkpoint, cfg: Any, expected: Mapping[str, Any]) -> None:
+def _check_names(ckpt: _Checkpoint, wanted: _Wanted, expected: Mapping[str, Any]) -> None:
+    cfg = wanted.cfg
     missing = sorted(set(expected) - set(ckpt.files))
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    unexpected = sorted(n for n in set(ckpt.files) - set(expected) - ignorable if not n.endswith(_IGNORED_SUFFIXES))
+    suffixes = _IGNORED_SUFFIXES + (_QUANT_IGNORED_SUFFIXES if wanted.quant else ())
+    unexpected = sorted(n for n in set(ckpt.files) - set(expected) - ignorable if not n.endswith(suffixes))
     if missing or unexpected:
-        lines = [f"{ckpt.root}: the checkpoint does not match its {cfg.architecture} config.json:"]
+        scheme = f" ({wanted.quant.quant!r})" if wanted.quant else ""
+        lines = [f"{ckpt.root}: the checkpoint does not match its {cfg.architecture} config.json{scheme}:"]
         if missing:
             lines.append(
                 f"  missing tensors ({len(missing)}): "
@@ -272,7 +312,7 @@ def _read_leaves(
 
 def _read_leaf(ckpt: _Checkpoint, wanted: _Wanted, path: str, mesh: Mesh) -> torch.Tensor:
     """This coordinate's shard of one param: read slice by slice from its HF tensors, or derived from the config."""
-    family, leaf = wanted.family, path.split(".")[-1]
+    family, (leaf, _) = wanted.family, family_leaf(path)
     if leaf in (family.derived or {}):
         return family.derived[leaf](wanted.cfg)
     full_shape, layout = tuple(wanted.leaves[path].shape), wanted.layouts[path]

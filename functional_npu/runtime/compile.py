@@ -22,6 +22,7 @@ from ..core.shard import local_shape
 from ..core.tree import flatten_with_paths
 from ..models import family_of, init_state
 from ..models.decoder import DecodeState, decode
+from ..models.linear import prepare_params
 from ..parallel import prefetch
 from ..parallel.layer_shard import series_of
 from ..parallel.prefetch import check_prefetch_step, coalesced
@@ -30,6 +31,7 @@ from ..parallel.schedule import PrefetchSchedule
 from .backends import Backend, resolve_backend
 from .generate import Lockstep, generate
 from .plan import check_plan
+from .quant_plan import tensor_blocks
 
 __all__ = ["CompiledModel", "compile_model", "greedy_generate", "cache_length", "GraphBreakError"]
 
@@ -168,8 +170,9 @@ class CompiledModel:
         )
 
 
-def _check_params(params: dict, mesh: Mesh, tp_axis: str, where: str) -> Any:
-    """The config, after checking that ``params`` are this coordinate's shards of it for ``mesh``."""
+def _check_params(params: dict, mesh: Mesh, tp_axis: str, where: str) -> tuple[Any, dict, dict]:
+    """The config, and the full params (meta) and layouts by path, after checking that ``params`` are this
+    coordinate's shards of it for ``mesh``."""
     cfg = params.get("config") if isinstance(params, dict) else None
     try:
         family_of(cfg)
@@ -177,9 +180,12 @@ def _check_params(params: dict, mesh: Mesh, tp_axis: str, where: str) -> Any:
         raise TypeError(
             f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one"
         ) from None
-    full, layouts = check_plan(cfg, mesh, where=where, layer_shard=params.get("layer_shard"), tp_axis=tp_axis)
+    full, layouts = check_plan(
+        cfg, mesh, where=where, layer_shard=params.get("layer_shard"), tp_axis=tp_axis, quant=params.get("quant")
+    )
     got = dict(flatten_with_paths(params))
-    for path, x in flatten_with_paths(full):
+    full = dict(flatten_with_paths(full))
+    for path, x in full.items():
         if path not in got:
             raise ValueError(f"{where}: params[{path!r}] is missing")
         want = local_shape(x.shape, layouts[path], mesh, path=path)
@@ -188,7 +194,11 @@ def _check_params(params: dict, mesh: Mesh, tp_axis: str, where: str) -> Any:
                 f"{where}: params[{path!r}] has shape {tuple(got[path].shape)} but mesh {mesh.shape} at "
                 f"{mesh.coordinate} expects {want}; were the params sharded for another mesh?"
             )
-    return cfg
+        if not x.dtype.is_floating_point and got[path].dtype != x.dtype:
+            raise ValueError(
+                f"{where}: params[{path!r}] is {got[path].dtype} but {params['quant'].quant!r} stores it as {x.dtype}"
+            )
+    return cfg, full, layouts
 
 
 def _axis_groups(specs: Any) -> list[tuple[str, ...]]:
@@ -244,7 +254,9 @@ def compile_model(
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
     Args:
-        params: this rank's params with ``params["config"]`` (from ``load_checkpoint``).
+        params: this rank's params with ``params["config"]`` (from ``load_checkpoint``); quantized weights
+            as stored (``params["quant"]``) are put in their kernels' forms here
+            (:func:`functional_npu.models.linear.prepare_params`), once.
         mesh: the mesh they were sharded for (a ``tp_axis`` axis; other axes hold replicas).
         backend: "auto" (torchair on NPU, inductor elsewhere), "inductor", "torchair", "eager",
             "aot_eager", or "none" (the plain Python forward, no ``torch.compile``).
@@ -269,7 +281,10 @@ def compile_model(
         >>> model = compile_model(load_checkpoint(path, mesh), mesh)     # doctest: +SKIP
         >>> model.generate([[1, 2, 3]], max_new_tokens=16)               # doctest: +SKIP
     """
-    cfg = _check_params(params, mesh, tp_axis, "compile_model")
+    cfg, full, layouts = _check_params(params, mesh, tp_axis, "compile_model")
+    if params.get("quant") is not None:  # stored quantized weights -> the kernels' forms, once
+        weight = params["quant"].quant.weight_name
+        params = prepare_params(params, lambda path: tensor_blocks(path, weight, layouts, full, mesh))
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     if prefetch_step == "auto":
         prefetch_step = (

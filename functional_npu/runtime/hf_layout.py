@@ -3,6 +3,9 @@
 A leaf is stored as one or more *parts*: a plain leaf is one part, a leaf stacked over experts is
 one part per expert, a derived leaf (an MoE expert map) is none. A part whose layout fuses blocks
 (``[q|k|v]``, ``[gate|up]``) is stored as one HF tensor per block, side by side along its fused dim.
+A quantized linear leaf is a dict of stored tensors (:mod:`functional_npu.core.quant`), each stored
+as the float weight would be, under its own name: ``q_proj.weight`` becomes ``q_proj.weight_packed``,
+``q_proj.weight_scale`` and ``q_proj.weight_zero_point``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,19 @@ from typing import Any
 from ..core.layout import Layout, Shard
 from ..models import Family
 
-__all__ = ["StoredPart", "hf_sources", "stored_parts", "block_ranges", "fused_dim"]
+__all__ = ["StoredPart", "QUANT_NAMES", "family_leaf", "hf_sources", "stored_parts", "block_ranges", "fused_dim"]
+
+# the stored tensors of a quantized linear (compressed-tensors' names), keys of its leaf's dict
+QUANT_NAMES = ("weight", "weight_packed", "weight_scale", "weight_zero_point")
+
+
+def family_leaf(path: str) -> tuple[str, str | None]:
+    """``(the family's leaf name, the stored tensor of a quantized leaf or None)`` of a param path:
+    ``layers.0.qkv`` -> ``("qkv", None)``, ``layers.0.qkv.weight_scale`` -> ``("qkv", "weight_scale")``."""
+    *parents, last = path.split(".")
+    if last in QUANT_NAMES and parents:
+        return parents[-1], last
+    return last, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +44,11 @@ class StoredPart:
 
 def hf_sources(family: Family, cfg: Any, path: str, j: int | None = None) -> list[str]:
     """The HF tensor names of the leaf at ``path`` (of expert ``j`` for a stacked leaf), in block order."""
-    *parents, leaf = path.split(".")
+    parents = path.split(".")
     layer = parents[1] if parents[:1] == ["layers"] else None
-    return [name.format(i=layer, j=j) for name in family.hf_names(cfg)[leaf]]
+    leaf, sub = family_leaf(path)
+    names = [name.format(i=layer, j=j) for name in family.hf_names(cfg)[leaf]]
+    return names if sub is None else [name.removesuffix(".weight") + "." + sub for name in names]
 
 
 def stored_parts(family: Family, cfg: Any, path: str, shape: tuple[int, ...], layout: Layout) -> list[StoredPart]:
@@ -40,7 +57,7 @@ def stored_parts(family: Family, cfg: Any, path: str, shape: tuple[int, ...], la
     A plain leaf is one part; a leaf stacked over experts has one part per expert ``j`` (its dims
     past 0); a derived leaf has none.
     """
-    leaf = path.split(".")[-1]
+    leaf, _ = family_leaf(path)
     if leaf in (family.derived or {}):
         return []
     if leaf not in family.stacked:

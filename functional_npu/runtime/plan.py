@@ -17,6 +17,8 @@ from ..core.shard import leaf_specs
 from ..core.tree import flatten_with_paths
 from ..models import family_of
 from ..parallel.layer_shard import LayerShard, series_specs, stack_series
+from .quant_config import QuantConfig
+from .quant_plan import quantize_plan
 
 __all__ = ["check_plan", "with_expert_axes"]
 
@@ -34,7 +36,13 @@ def with_expert_axes(cfg: Any, expert_axes: Sequence[str], *, where: str = "mode
 
 
 def check_plan(
-    cfg: Any, mesh: Mesh, *, where: str = "model", layer_shard: LayerShard | None = None, tp_axis: str = "tp"
+    cfg: Any,
+    mesh: Mesh,
+    *,
+    where: str = "model",
+    layer_shard: LayerShard | None = None,
+    tp_axis: str = "tp",
+    quant: QuantConfig | None = None,
 ) -> tuple[dict[str, Any], dict[str, Layout]]:
     """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O).
 
@@ -45,6 +53,8 @@ def check_plan(
         layer_shard: also check layer-sharding these series over ``layer_shard.axis`` (any family:
             the series are the leaves every layer has).
         tp_axis: the mesh axis of tensor parallelism (the family's ``param_specs(cfg, tp_axis=...)``).
+        quant: a quantized checkpoint's scheme: the linear leaves it covers are the dicts of their
+            stored tensors (:func:`functional_npu.runtime.quant_plan.quantize_plan`).
 
     Returns:
         The full params on the meta device and each leaf's layout, for the caller to reuse; with
@@ -56,6 +66,8 @@ def check_plan(
         )
     family = family_of(cfg)
     meta, specs = family.abstract_params(cfg), family.param_specs(cfg, tp_axis=tp_axis)
+    if quant is not None:
+        meta, specs = quantize_plan(family, cfg, quant, meta, specs, where=where)
     if layer_shard is not None:
         if layer_shard.axis not in mesh.axis_names:
             raise ValueError(
@@ -66,7 +78,7 @@ def check_plan(
     layouts = leaf_specs(specs, meta)
     for p, m in flatten_with_paths(meta):
         try:
-            _check_leaf(p, layouts[p], tuple(m.shape), mesh)
+            _check_leaf(p, layouts[p], tuple(m.shape), m.dtype, mesh)
         except ValueError as e:
             raise ValueError(
                 f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}"
@@ -74,9 +86,9 @@ def check_plan(
     return meta, layouts
 
 
-def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> None:
+def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> None:
     """Validate one leaf's layout and place its pieces at every coordinate of every sharded dim."""
-    validate(path, layout, shape, torch.float32, mesh.shape)
+    validate(path, layout, shape, dtype, mesh.shape)
     for d, s in enumerate(layout.dims):
         if s is not None:
             n = mesh.axis_size(s.axes)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.quant import Quant
+from ..core.tree import register_static
 
 __all__ = ["QuantConfig", "read_quant_config"]
 
@@ -37,12 +38,58 @@ class QuantConfig:
     targets: tuple[str, ...]
     ignore: tuple[str, ...]
 
+    @staticmethod
+    def of(quant: Quant, ignore: tuple[str, ...] = ("lm_head",)) -> QuantConfig:
+        """The config compressed-tensors writes for ``quant`` over every linear module except ``ignore``."""
+        fmt = "pack-quantized" if quant.packed else "int-quantized" if quant.activations else "naive-quantized"
+        return QuantConfig(quant, fmt, ("Linear",), tuple(ignore))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``quantization_config`` dict of ``config.json`` (read back by :func:`read_quant_config`, and by
+        compressed-tensors, transformers and vLLM)."""
+        q = self.quant
+        weights: dict[str, Any] = {
+            "num_bits": q.bits,
+            "type": "int",
+            "symmetric": q.symmetric,
+            "strategy": q.strategy,
+            "group_size": q.group_size,
+            "dynamic": False,
+            "actorder": None,
+        }
+        if q.block:
+            weights["block_structure"] = list(q.block)
+        acts = None
+        if q.activations:
+            acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+        group = {
+            "targets": list(self.targets),
+            "weights": weights,
+            "input_activations": acts,
+            "output_activations": None,
+            "format": self.format,
+        }
+        return {
+            "quant_method": "compressed-tensors",
+            "format": self.format,
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": group},
+            "ignore": list(self.ignore),
+            "kv_cache_scheme": None,
+            "sparsity_config": {},
+            "transform_config": {},
+        }
+
     def applies_to(self, module: str, kind: str = "Linear") -> bool:
         """Whether ``module`` (a checkpoint module name, e.g. ``model.layers.0.mlp.gate_proj``) of class
         ``kind`` is quantized."""
         return any(_match(module, kind, t) for t in self.targets) and not any(
             _match(module, kind, i) for i in self.ignore
         )
+
+
+# the config rides in the params as a node with no leaves, like the model config
+register_static(QuantConfig)
 
 
 def _match(module: str, kind: str, pattern: str) -> bool:

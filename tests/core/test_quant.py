@@ -60,12 +60,12 @@ def test_quantize_is_compressed_tensors_bit_for_bit(quant, dtype):
     w = (torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.05).to(dtype)
     ref = _compressed_tensors(w, quant)
     ours = quantize(w, quant)
-    assert set(ours) == {k.replace("weight_packed", "weight") for k in ref if k != "weight_shape"}
+    assert set(ours) == {k for k in ref if k != "weight_shape"}
     for name, want in ref.items():
         if name == "weight_shape":
             assert want.tolist() == list(w.shape)
             continue
-        got = ours[name.replace("weight_packed", "weight")]
+        got = ours[name]
         assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
@@ -174,8 +174,8 @@ def test_per_tensor_scales_one_per_fused_block_are_replicated():
 def test_stacked_leading_dims_keep_their_layout():
     """Experts or stacked layers ([E, out, in], dim 0 sharded over ep): the scales share the leading dims."""
     layouts = quant_layouts(sharded(0, "ep").with_dim(2, sharded(0, "tp").dims[0]), Quant(4, "group", group_size=32), 3)
-    assert layouts["weight_scale"].dims[0] == layouts["weight"].dims[0] == sharded(0, "ep").dims[0]
-    assert layouts["weight_scale"].dims[2].group_size == 32 and layouts["weight"].dims[2].pack == 8
+    assert layouts["weight_scale"].dims[0] == layouts["weight_packed"].dims[0] == sharded(0, "ep").dims[0]
+    assert layouts["weight_scale"].dims[2].group_size == 32 and layouts["weight_packed"].dims[2].pack == 8
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
@@ -183,7 +183,9 @@ def test_a_group_cut_by_a_shard_is_named():
     quant = Quant(4, "group", group_size=128)
     shapes = quant_shapes((64, 384), quant)  # 3 groups of 128 along in
     layouts = quant_layouts(sharded(1, "tp"), quant)
-    stored = {k: torch.zeros(s, dtype=torch.int32 if k == "weight" else torch.float32) for k, s in shapes.items()}
+    stored = {
+        k: torch.zeros(s, dtype=torch.int32 if k == "weight_packed" else torch.float32) for k, s in shapes.items()
+    }
     with pytest.raises(LayoutError) as e:
         shard(stored, layouts, Mesh.abstract({"tp": 2}), coordinate={"tp": 0})
     msg = str(e.value)

@@ -110,8 +110,8 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
         max_seq_len=width + new_tokens,
         prefill_lengths=[width],
     )
-    with torch.no_grad():
-        logits = fwd(params, tokens, torch.arange(width).expand(len(prompts), width), state, mesh)
+    with torch.no_grad():  # model.params: quantized weights in their kernels' forms
+        logits = fwd(model.params, tokens, torch.arange(width).expand(len(prompts), width), state, mesh)
         out = dataclasses.replace(model, forward=fwd).generate(prompts, new_tokens)
     return logits, out
 

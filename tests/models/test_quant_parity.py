@@ -1,0 +1,139 @@
+"""Parity on quantized checkpoints written by compressed-tensors (tests/support/ct_models.py) from tiny random
+transformers models: int8 per channel with dynamic per-token int8 activations (W8A8, ``int-quantized``),
+int8 weight-only (``pack-quantized``, four to a word), int4 with groups of 32, symmetric and with zero points.
+
+The reference is transformers on the same checkpoint: decompressed by compressed-tensors' own code into a float
+checkpoint (weight-only schemes), or for W8A8 transformers' compressed-tensors forward, which rounds the
+activations per token. fp32 checkpoints: prefill logits to 1e-4 and 16 greedy tokens, at tp 1 and 2 (dense),
+experts replicated and expert-parallel over 2 ranks (MoE), eager, and compiled (inductor) for a few. bf16:
+a float checkpoint stored in bf16 and a bf16 int4 one (what llm-compressor writes), both against transformers
+in bf16."""
+
+import pytest
+import torch
+
+from ..support.ct_models import dequantized_checkpoint, quantize_checkpoint
+from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
+from ..support.workers import llama_generate, moe_generate
+
+PROMPT_LENS = (5, 12, 9)
+NEW = 16
+DENSE = ("w8a8", "w8a16", "w4a16", "w4a16_asym")
+MOE = ("w8a16", "w4a16", "w4a16_asym")
+
+
+def _reference(model_dir, prompts, dtype=torch.float32):
+    """transformers' prefill logits and greedy tokens for each prompt (a compressed-tensors checkpoint runs
+    through transformers' compressed-tensors integration)."""
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        logits = [model(torch.tensor([p])).logits[0].float() for p in prompts]
+        tokens = [hf_greedy(model, p, NEW) for p in prompts]
+        margins = []  # the gap between the best two logits at each greedy step
+        for p, t in zip(prompts, tokens):
+            top = model(torch.tensor([p + t])).logits[0, len(p) - 1 : -1].float().topk(2, -1).values
+            margins.append((top[:, 0] - top[:, 1]).tolist())
+    return logits, tokens, margins
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{name: (quantized dir, prompts, reference logits, reference tokens)} for every case, built once."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    out = {}
+    root = tmp_path_factory.mktemp("quant")
+    save_tiny("qwen3", root / "qwen3", 300, intermediate_size=128)  # groups of 32 split at tp 2
+    save_tiny_moe("qwen3_moe", root / "qwen3_moe", 301)
+    for family, schemes in (("qwen3", DENSE), ("qwen3_moe", MOE)):
+        for scheme in schemes:
+            path = quantize_checkpoint(root / family, root / f"{family}-{scheme}", scheme)
+            if scheme == "w8a8":  # transformers runs it with compressed-tensors' per-token activation rounding
+                ref = _reference(path, prompts)
+            else:
+                ref = _reference(dequantized_checkpoint(path, root / f"{family}-{scheme}-ref"), prompts)
+            out[f"{family}-{scheme}"] = (str(path), prompts, *ref)
+    return out
+
+
+def _check(logits, tokens, reference, order=None):
+    path, prompts, ref_logits, ref_tokens, margins = reference
+    # W8A8: an activation on a rounding boundary may land one int8 step apart (about 1e-4 in the logits), so
+    # greedy decoding may part where transformers' best two tokens are that close (each logit off by up to
+    # the tolerance: a gap of twice it), and only there
+    w8a8 = path.endswith("w8a8")
+    tol = 5e-4 if w8a8 else 1e-4
+    for row, i in enumerate(order or range(len(prompts))):
+        n = len(prompts[i])
+        diff = (logits[row, :n].float() - ref_logits[i]).abs().max().item()
+        assert diff < tol, f"prompt {i}: prefill logits differ by {diff}"
+        parted = next((j for j, (a, b) in enumerate(zip(tokens[row], ref_tokens[i])) if a != b), None)
+        if parted is not None:
+            assert w8a8 and margins[i][parted] < 2 * tol, (
+                f"prompt {i}: greedy tokens differ from step {parted} (transformers' margin there: "
+                f"{margins[i][parted]:.2e}): {tokens[row]} != {ref_tokens[i]}"
+            )
+
+
+def _check_moe(result, reference):
+    rot, logits, tokens, _, _ = result
+    order = list(range(len(reference[1])))
+    _check(logits, tokens, reference, order[rot:] + order[:rot])
+
+
+@pytest.mark.parametrize("scheme", DENSE)
+def test_dense_tp1(models, scheme):
+    ref = models[f"qwen3-{scheme}"]
+    logits, tokens, _, _ = llama_generate(None, ref[0], 1, ref[1], NEW, False)
+    _check(logits, tokens, ref)
+
+
+@pytest.mark.parametrize("scheme", DENSE)
+def test_dense_tp2(world2, models, scheme):
+    """Each rank reads only its slices: the bytes read equal the bytes of its shards."""
+    from safetensors import safe_open
+
+    from functional_npu import Mesh
+    from functional_npu.core.tree import flatten_with_paths
+    from functional_npu.runtime.checkpoint import load_checkpoint
+
+    ref = models[f"qwen3-{scheme}"]
+    results = world2.run(llama_generate, ref[0], 2, ref[1], NEW, False)
+    with safe_open(f"{ref[0]}/model.safetensors", "pt") as f:
+        total = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    for rank, (logits, tokens, read, _) in enumerate(results):
+        _check(logits, tokens, ref)
+        local = load_checkpoint(ref[0], Mesh.abstract({"dp": 1, "tp": 2}, rank))
+        held = sum(x.numel() * x.element_size() for _, x in flatten_with_paths(local))
+        assert read == held < 0.7 * total, (read, held, total)
+
+
+@pytest.mark.parametrize("scheme", ("w8a8", "w4a16"))
+def test_dense_compiled(models, scheme):
+    ref = models[f"qwen3-{scheme}"]
+    logits, tokens, _, ops = llama_generate(None, ref[0], 1, ref[1], NEW, True)
+    _check(logits, tokens, ref)
+    kernel = "_int_mm" if scheme == "w8a8" else "_weight_int4pack_mm_for_cpu"
+    assert any(kernel in op for op in ops), f"the compiled graph does not call {kernel}: {sorted(set(ops))[:20]}"
+
+
+@pytest.mark.parametrize("scheme", MOE)
+def test_moe_replicated(models, scheme):
+    ref = models[f"qwen3_moe-{scheme}"]
+    _check_moe(moe_generate(None, ref[0], {"tp": 1}, (), ref[1], NEW, False), ref)
+
+
+@pytest.mark.parametrize("scheme", MOE)
+def test_moe_ep2(world2, models, scheme):
+    ref = models[f"qwen3_moe-{scheme}"]
+    for r in world2.run(moe_generate, ref[0], {"dp": 2, "tp": 1}, ("dp",), ref[1], NEW, False):
+        _check_moe(r, ref)
+
+
+def test_w8a8_rounds_the_activations(models, tmp_path):
+    """The W8A8 reference is not the weight-only one: the per-token activation rounding is what parity checks."""
+    ref = models["qwen3-w8a8"]
+    weight_only, *_ = _reference(dequantized_checkpoint(ref[0], tmp_path / "ref"), ref[1])
+    assert max((a - b).abs().max().item() for a, b in zip(weight_only, ref[2])) > 2e-3
