@@ -87,34 +87,48 @@ def present(ls: LayerShard, layers: Sequence[dict[str, Any]]) -> tuple[str, ...]
     return tuple([leaf for leaf in ls.leaves if all(leaf in layer for layer in layers)])
 
 
-def series_of(params: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The layer-sharded series of a params tree, ``{leaf: stacked owned layers}`` (empty when none)."""
+def series_of(params: dict[str, Any]) -> dict[str, Any]:
+    """The layer-sharded series of a params tree, ``{leaf: stacked owned layers}`` (empty when none); a
+    quantized leaf's is the dict of its stacked tensors."""
     return params.get("series") or {}
+
+
+def _layouts(spec: Any) -> list[Layout]:
+    """The layouts of a leaf's spec: one, or those of a quantized leaf's stored tensors (a dict)."""
+    return list(spec.values()) if isinstance(spec, dict) else [spec]
 
 
 def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict[str, Any]:
     """A family's spec tree with the series moved to stacked, cyclic leaves under ``specs["series"]``.
 
-    The per-layer spec must be given per leaf (a dict), as every family's ``param_specs`` does.
+    The per-layer spec must be given per leaf (a dict), as every family's ``param_specs`` does; a
+    quantized leaf's spec is the dict of its stored tensors' layouts, each stacked alike.
     """
     layer = specs["layers"][0]
     leaves = present(ls, specs["layers"])
     for leaf in leaves:
-        if ls.axis in layer[leaf].axes():
+        if any(ls.axis in lay.axes() for lay in _layouts(layer[leaf])):
             raise ValueError(
                 f"layer_shard: series {leaf!r} is already sharded over mesh axis {ls.axis!r}; "
                 f"layer-shard it over an axis it is replicated on (dp)"
             )
-    stacked = {leaf: Layout((Cyclic(ls.axis, num_layers),) + layer[leaf].dims) for leaf in leaves}
+
+    def stacked(lay: Layout) -> Layout:
+        return Layout((Cyclic(ls.axis, num_layers),) + lay.dims)
+
+    series = {
+        leaf: {k: stacked(v) for k, v in layer[leaf].items()} if isinstance(layer[leaf], dict) else stacked(layer[leaf])
+        for leaf in leaves
+    }
     rest = [{k: v for k, v in spec.items() if k not in leaves} for spec in specs["layers"]]
-    return specs | {"layers": rest, "series": stacked}
+    return specs | {"layers": rest, "series": series}
 
 
 def stack_series(params: dict[str, Any], ls: LayerShard) -> dict[str, Any]:
     """Full params (a list of per-layer dicts) -> params with the series stacked ``[L, ...]``. Pure."""
     layers = params["layers"]
     leaves = present(ls, layers)
-    series = {leaf: torch.stack([layer[leaf] for layer in layers]) for leaf in leaves}
+    series = {leaf: pytree.tree_map(lambda *xs: torch.stack(xs), *[layer[leaf] for layer in layers]) for leaf in leaves}
     rest = [{k: v for k, v in layer.items() if k not in leaves} for layer in layers]
     return params | {"layers": rest, "series": series, "layer_shard": ls}
 
@@ -124,7 +138,10 @@ def unstack_series(params: dict[str, Any]) -> dict[str, Any]:
     if "series" not in params:
         return params
     series = params["series"]
-    layers = [layer | {leaf: series[leaf][i].clone() for leaf in series} for i, layer in enumerate(params["layers"])]
+    layers = [
+        layer | {leaf: pytree.tree_map(lambda x, i=i: x[i].clone(), series[leaf]) for leaf in series}
+        for i, layer in enumerate(params["layers"])
+    ]
     return {k: v for k, v in params.items() if k not in ("series", "layer_shard")} | {"layers": layers}
 
 

@@ -36,6 +36,7 @@ import torch.distributed._functional_collectives as funcol
 
 from ..core.collectives import broadcast, broadcast_in_flight
 from ..core.mesh import Mesh
+from ..core.tree import flatten_with_paths, tree_from_paths
 from .layer_shard import series_of
 from .streams import INLINE, PREFETCH_STREAM, Streams
 
@@ -55,11 +56,16 @@ def check_prefetch_step(k: int, num_layers: int) -> int:
     return k
 
 
+def _flat_series(params: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The series' tensors by dotted path (``o_proj``, or ``o_proj.w8`` and ``o_proj.scale`` when quantized)."""
+    return dict(flatten_with_paths(series_of(params)))
+
+
 def coalesced(params: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The layer-sharded leaves grouped so that one layer's weights travel in one broadcast per group:
-    one group per dtype (a flat buffer of that dtype), leaves in series order."""
+    """The layer-sharded tensors (dotted paths in the series) grouped so that one layer's weights travel in
+    one broadcast per group: one group per dtype (a flat buffer of that dtype), in series order."""
     groups: dict[torch.dtype, list[str]] = {}
-    for leaf, stacked in series_of(params).items():
+    for leaf, stacked in _flat_series(params).items():
         groups.setdefault(stacked.dtype, []).append(leaf)
     return [tuple(g) for g in groups.values()]
 
@@ -94,7 +100,7 @@ def _issue(
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = layer % len(params["layers"])
     carried = carry or layer >= len(params["layers"])
-    series = series_of(params)
+    series = _flat_series(params)
     out = []
     with streams.side(PREFETCH_STREAM):
         for leaves in coalesced(params):
@@ -111,14 +117,14 @@ def _issue(
 
 
 def _unpack(params: dict[str, Any], flats: list[torch.Tensor]) -> Weights:
-    """The per-leaf views of one layer's coalesced buffers."""
-    series = series_of(params)
+    """The per-leaf views of one layer's coalesced buffers (a quantized leaf's as the dict of its tensors)."""
+    series = _flat_series(params)
     out = {}
     for leaves, flat in zip(coalesced(params), flats):
         shapes = [series[leaf].shape[1:] for leaf in leaves]
         parts = flat.split([math.prod(s) for s in shapes]) if len(leaves) > 1 else [flat]
         out |= {leaf: part.view(shape) for leaf, part, shape in zip(leaves, parts, shapes)}
-    return out
+    return tree_from_paths(out)
 
 
 def _carried(params: dict[str, Any], prefetched: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:

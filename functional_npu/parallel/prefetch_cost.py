@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch.utils._pytree as pytree
+
 __all__ = [
     "Link",
     "Device",
@@ -213,7 +215,7 @@ DEFAULT_DEVICE = {"cpu": "host", "npu": "ascend-910b", "cuda": "h100-sxm"}
 def layer_bytes(params: dict) -> int:
     """Bytes one layer's layer-sharded weights move per step (every series, at this rank's shard size)."""
     series = params.get("series") or {}
-    return sum(math.prod(x.shape[1:]) * x.element_size() for x in series.values())
+    return sum(math.prod(x.shape[1:]) * x.element_size() for x in pytree.tree_leaves(series))
 
 
 def layer_weight_bytes(params: dict) -> int:

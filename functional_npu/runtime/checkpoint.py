@@ -360,12 +360,14 @@ def _read_box(tensor_slice, index: list[list[slice]], on_read, name: str) -> tor
 
 # ---- assemble (layer sharding) ----------------------------------------------------------------
 def _not_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard | None) -> set[str]:
-    """Paths of the series leaves of layers this coordinate does not own (never read)."""
+    """Paths of the series leaves (and a quantized leaf's stored tensors) of layers this coordinate does not
+    own (never read)."""
     if ls is None:
         return set()
     num_layers, series = wanted.cfg.num_layers, present(ls, wanted.meta["layers"])
     mine = set(owned_layers(num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis)))
-    return {f"layers.{i}.{leaf}" for i in range(num_layers) if i not in mine for leaf in series}
+    skip = {f"layers.{i}.{leaf}" for i in range(num_layers) if i not in mine for leaf in series}
+    return {p for p in wanted.leaves if p in skip or p.rpartition(".")[0] in skip}
 
 
 def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -373,18 +375,30 @@ def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, 
     meta = wanted.meta
     mine = owned_layers(wanted.cfg.num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis))
     leaves = present(ls, meta["layers"])  # the series: leaves every layer has (MoE: attention, not experts)
+
+    def leaf_of(i: int, leaf: str) -> Any:
+        return _assembled(loaded, f"layers.{i}.{leaf}", meta["layers"][i][leaf])
+
+    def empty(sub: str, m: torch.Tensor) -> torch.Tensor:  # more ranks on the axis than layers: none held
+        path = f"layers.0.{leaf}.{sub}" if sub else f"layers.0.{leaf}"
+        shape = local_shape(m.shape, wanted.layouts[path], mesh, path=path)
+        return torch.empty((0, *shape), dtype=loaded["embed"].dtype if m.is_floating_point() else m.dtype)
+
     series = {}
     for leaf in leaves:
-        owned = [loaded[f"layers.{i}.{leaf}"] for i in mine]
+        owned = [leaf_of(i, leaf) for i in mine]
         if owned:
-            series[leaf] = torch.stack(owned)
-        else:  # more ranks on the axis than layers: this one holds none
-            path = f"layers.0.{leaf}"
-            shape = local_shape(meta["layers"][0][leaf].shape, wanted.layouts[path], mesh, path=path)
-            series[leaf] = torch.empty((0, *shape), dtype=loaded["embed"].dtype)
+            series[leaf] = map_with_path(lambda _, *xs: torch.stack(xs), *owned)
+        else:
+            series[leaf] = map_with_path(empty, meta["layers"][0][leaf])
     layers = [
-        {leaf: loaded[f"layers.{i}.{leaf}"] for leaf in layer if leaf not in leaves}
-        for i, layer in enumerate(meta["layers"])
+        {leaf: leaf_of(i, leaf) for leaf in layer if leaf not in leaves} for i, layer in enumerate(meta["layers"])
     ]
-    top = {k: loaded.get(k, v) for k, v in meta.items() if k != "layers"}
+    top = {k: _assembled(loaded, k, v) for k, v in meta.items() if k != "layers"}
     return top | {"layers": layers, "series": series, "layer_shard": ls}
+
+
+def _assembled(loaded: dict[str, torch.Tensor], path: str, structure: Any) -> Any:
+    """The loaded tensor at ``path``, or the tree of them shaped like ``structure`` (a quantized leaf's dict;
+    static nodes such as the config come back as they are)."""
+    return map_with_path(lambda sub, _: loaded[f"{path}.{sub}" if sub else path], structure)

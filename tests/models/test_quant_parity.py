@@ -137,3 +137,15 @@ def test_w8a8_rounds_the_activations(models, tmp_path):
     ref = models["qwen3-w8a8"]
     weight_only, *_ = _reference(dequantized_checkpoint(ref[0], tmp_path / "ref"), ref[1])
     assert max((a - b).abs().max().item() for a, b in zip(weight_only, ref[2])) > 2e-3
+
+
+@pytest.mark.parametrize("backend", ["none", "inductor"], ids=["eager", "compiled"])
+def test_dense_layer_sharded(world2, models, backend):
+    """o_proj and down layer-sharded over dp = 2 (int4 weights, scales and packed words broadcast per layer)."""
+    from functional_npu.cli.runner import generate_on_rank, in_prompt_order
+    from functional_npu.parallel.layer_shard import layer_shard
+
+    path, prompts, _, ref_tokens, _ = models["qwen3-w4a16"]
+    ls = layer_shard("o_proj,down_proj", "dp")
+    results = world2.run(generate_on_rank, path, {"dp": 2, "tp": 1}, prompts, NEW, backend=backend, layer_shard=ls)
+    assert in_prompt_order(results, len(prompts)) == ref_tokens
