@@ -1,6 +1,8 @@
 """A linear layer's matmul, chosen by what its weight leaf holds.
 
-- a float tensor ``[out, in]``: ``x @ w.T``;
+- a float tensor ``[out, in]``: ``x @ w.T`` (one row of bf16 / fp16 under ``torch.compile``: a
+  multiply-and-sum reduction inductor fuses, which streams the weight about 1.5x faster than the CPU
+  matmul's 16-bit path);
 - a quantized weight prepared for the CPU kernels by :func:`prepare` (a dict; its keys name the form):
 
   - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``;
@@ -15,7 +17,13 @@ form, once, after loading. The kernels take activations and scales in one dtype 
 path on CPU; fp32 activations run far slower), so :func:`prepare` casts the scales to the dtype the
 model computes in. A scheme no kernel covers (int8 group or block scales, int4 groups the kernel
 does not take, output sizes it does not tile) is dequantized to a dense weight in that dtype:
-correct, and as slow as a float model.
+correct, and as slow as a float model. Per-tensor scales become per-channel ones (the same numbers).
+
+Experts stacked on dim 0 (``[S, out, in]``) have no CPU kernel: they are held as int8 values (int4
+ones one to a byte) with their scales and zero points per group, ``{"q" | "q8a8", "scale"[, "zero"]}``,
+and :func:`expert_weights` dequantizes the experts a token is routed to as they are read.
+:func:`row_parallel` is a row-parallel linear over a tensor-parallel axis: with W8A8 each token's
+int8 scale is taken over its whole row (a max over the axis), as in the unsharded model.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ __all__ = [
     "slot_count",
 ]
 
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
 _INT4_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 _INT4_TILE = 16  # it needs out_features divisible by this
 
@@ -81,6 +90,10 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
     token's magnitude ``[..., 1]`` to take its int8 scale from (default: ``x``'s own, :func:`token_amax`)."""
     kind = kernel_of(w)
     if kind == "dense":
+        if w.dtype in _GEMV_DTYPES and x.numel() == x.shape[-1] and torch.compiler.is_compiling():
+            # one row of 16-bit floats: a reduction inductor fuses streams the weight about 1.5x faster
+            # than the CPU matmul's 16-bit path (fp32 accumulation, as the matmul's)
+            return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)
         return x @ w.T
     flat = x.reshape(-1, x.shape[-1])
     if kind == "w8":
