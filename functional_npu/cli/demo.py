@@ -10,6 +10,11 @@ read back from inductor's generated code. Where the host permits a private netwo
 ``tc``, the same layer-sharded decode runs once more on an emulated link whose rate makes one layer's
 broadcast take one layer's compute, and the demo shows how much of the communication stays exposed
 with and without prefetch.
+
+With ``--quant int8|int4`` the checkpoint is written quantized instead, as compressed-tensors writes it
+(every linear layer but ``lm_head``, int8 per channel or int4 in groups of 32, weight-only, fp32 scales
+and activations so that every run must give the same tokens), and the runs load it and use the CPU's
+quantized matmuls; the demo shows the bytes each rank holds against the float model.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..core.quant import Quant
 from ..core.tree import flatten_with_paths
 from ..models.llama import LlamaConfig, abstract_params, init_params
 from ..parallel.layer_shard import layer_shard, resident_bytes
@@ -48,6 +54,19 @@ DEMO_CONFIG = LlamaConfig(
 DEMO_PROMPTS = [[11, 42, 7, 300, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 99], [256, 17]]
 DEMO_SERIES = "o_proj,down_proj"
 LINK_BATCH = 256  # decode batch on the emulated link: a layer computes long enough for a link to match it
+DEMO_QUANT = {"int8": Quant(8, "channel"), "int4": Quant(4, "group", group_size=32)}
+
+
+def held_bytes(ctx: RankContext, model_dir: str, tp: int) -> tuple[int, int]:
+    """(bytes of this rank's weights as the compiled model holds them, of the same weights in fp32)."""
+    from ..core.mesh import Mesh
+    from ..runtime.checkpoint import load_checkpoint
+    from ..runtime.compile import compile_model
+
+    mesh = Mesh.abstract({"dp": 1, "tp": tp}, ctx.rank)
+    model = compile_model(load_checkpoint(model_dir, mesh), mesh, backend="none")
+    held = sum(x.numel() * x.element_size() for _, x in flatten_with_paths(model.params))
+    return held, sum(x.numel() * 4 for _, x in flatten_with_paths(abstract_params(DEMO_CONFIG))) // tp
 
 
 def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, timeout: float) -> dict[str, Any]:
@@ -103,17 +122,21 @@ def emulated_link(model_dir: str, timeout: float) -> str:
     )
 
 
-def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> int:
-    """Print a table of tokens/s (eager vs compiled) and compile time; return 0 if all runs agree."""
+def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant: str | None = None) -> int:
+    """Print a table of tokens/s (eager vs compiled) and compile time; return 0 if all runs agree.
+
+    ``quant``: ``"int8"`` or ``"int4"`` to run a quantized checkpoint of the same model (see the module
+    docstring) instead of the layer-sharded part."""
     cfg = DEMO_CONFIG
     params_m = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg))) / 1e6
     print(
         f"functional-npu demo: embedded {cfg.architecture}-style model ({params_m:.1f}M params, "
         f"{cfg.num_layers} layers, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads), "
         f"{len(DEMO_PROMPTS)} prompts, {new_tokens} new tokens each"
+        + (f", weights quantized as {DEMO_QUANT[quant]!r} (compressed-tensors checkpoint)" if quant else "")
     )
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(init_params(cfg, seed=0), tmp)
+        save_checkpoint(init_params(cfg, seed=0), tmp, quant=DEMO_QUANT[quant] if quant else None)
         t0 = time.perf_counter()
         ref = generate_on_rank(
             RankContext(0, 1), tmp, {"dp": 1, "tp": 1}, DEMO_PROMPTS, new_tokens, backend="none", repeat=2
@@ -123,8 +146,10 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> in
         with LocalWorld(tp, timeout=timeout, remove_when_orphaned=(tmp,)) as world:
             eager = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="none", repeat=2)
             compiled = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="inductor", repeat=2)
-            sharded = world.run(layer_sharded_on_rank, tmp, new_tokens, timeout) if tp == 2 else None
-        link = emulated_link(tmp, timeout) if tp == 2 else ""
+            layered = tp == 2 and quant is None
+            sharded = world.run(layer_sharded_on_rank, tmp, new_tokens, timeout) if layered else None
+            held = world.run(held_bytes, tmp, tp) if quant else None
+        link = emulated_link(tmp, timeout) if layered else ""
     want = ref["tokens"]
     rows = [
         ("eager (plain forward)", 1, want, tokens_per_s([ref], new_tokens), None),
@@ -166,6 +191,12 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0) -> in
             f"(one per layer) with at most {r['live_max']} in flight, read from inductor's code."
         )
         print(link)
+    if held is not None:
+        mine, fp32 = max(held)
+        print(
+            f"\n{quant}: each rank holds {mine / 2**10:.0f} KiB of weights as its kernels read them, against "
+            f"{fp32 / 2**10:.0f} KiB in fp32 ({mine / fp32:.0%}; lm_head and the embedding stay fp32)"
+        )
     print(f"\nfirst prompt -> {want[0][:12]} ...")
     print("demo: OK" if ok else "demo: FAILED (tokens differ)")
     return 0 if ok else 1

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--timeout", type=_seconds, default=600.0, help="seconds before the ranks are stopped; default 600"
     )
+    demo.add_argument(
+        "--quant",
+        choices=("int8", "int4"),
+        help="run the model from a compressed-tensors checkpoint: int8 per channel or int4 in groups of 32 "
+        "(weight-only), instead of the layer-sharded part",
+    )
 
     gen = sub.add_parser(
         "generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)"
@@ -304,7 +310,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--tp {args.tp}: the demo model has 4 heads; use 1, 2 or 4 ranks")
         from .demo import run_demo
 
-        return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout)
+        return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout, quant=args.quant)
     if args.command == "graphs":
         return _graphs(args)
     if args.command == "bench":
