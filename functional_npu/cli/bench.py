@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import cache_length, compile_model, greedy_generate
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
+from .bench_formats import format_table, formats_plot, interleaved, pin_threads, run_formats, stats
 from .bench_link import model_check, run_link_bench
 from .bench_prefetch import prefetch_plot, prefetch_table
 
@@ -59,15 +61,6 @@ def best_time(fn: Callable[[], Any], repeat: int = 5, *, clock: Callable[[], flo
     return min(times)
 
 
-def _rates(
-    run: Callable[[int], Any], prompt_len: int, new: int, repeat: int, *, clock: Callable[[], float] = time.perf_counter
-) -> tuple[float, float]:
-    """(decode tok/s, prefill tok/s) from generating ``new`` and 1 token(s), timed on ``clock``."""
-    t_one = best_time(lambda: run(1), repeat, clock=clock)
-    t_all = best_time(lambda: run(new), repeat, clock=clock)
-    return (new - 1) / max(t_all - t_one, 1e-9), prompt_len / t_one
-
-
 def matvec_bandwidth(dtype: torch.dtype = torch.float32, mib: int = 256, repeat: int = 10) -> float:
     """Bytes/s of a matrix-vector product streaming a ``mib`` MiB weight (the decode bottleneck)."""
     cols = 4096
@@ -84,7 +77,14 @@ def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32)
     return (total + cfg.hidden_size) * size
 
 
-def _fnpu_rank(ctx: RankContext, path: str, prompt: list[int], new: int, repeat: int) -> dict[str, float]:
+def _fnpu_rank(ctx: RankContext, path: str, prompt: list[int], new: int, repeat: int) -> dict[str, Any]:
+    """This library compiled on ``ctx.world_size`` tp ranks: first-call time, then ``repeat`` rounds."""
+    run, compile_s = _fnpu_compiled(ctx, path, prompt, new)
+    runs = interleaved({"tp": run}, (1,), new, len(prompt), repeat)["tp"][1]
+    return {"decode": runs["decode"], "prefill": runs["prefill"], "compile_s": compile_s}
+
+
+def _fnpu_compiled(ctx: RankContext, path: str, prompt: list[int], new: int) -> tuple[Callable[[int, int], Any], float]:
     mesh = ctx.mesh({"tp": ctx.world_size})
     model = compile_model(
         load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(len(prompt) + new)
@@ -92,12 +92,10 @@ def _fnpu_rank(ctx: RankContext, path: str, prompt: list[int], new: int, repeat:
     t0 = time.perf_counter()
     model.generate([prompt], new)
     model.generate([prompt], 1)
-    compile_s = time.perf_counter() - t0
-    decode, prefill = _rates(lambda n: model.generate([prompt], n), len(prompt), new, repeat)
-    return {"decode": decode, "prefill": prefill, "compile_s": compile_s}
+    return (lambda b, n: model.generate([prompt] * b, n)), time.perf_counter() - t0
 
 
-def _hf(path: str, prompt: list[int], new: int, repeat: int, compiled: bool) -> dict[str, float]:
+def _hf(path: str, prompt: list[int], new: int, compiled: bool) -> tuple[Callable[[int, int], Any], float]:
     import transformers as T
 
     model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -108,15 +106,13 @@ def _hf(path: str, prompt: list[int], new: int, repeat: int, compiled: bool) -> 
         model.generation_config.compile_config = cc
         model.generation_config.cache_implementation = "static"
 
-    def run(n: int) -> Any:
+    def run(b: int, n: int) -> Any:
         with torch.no_grad():
-            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return model.generate(ids.expand(b, -1), max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
     t0 = time.perf_counter()
-    run(new)
-    warm = time.perf_counter() - t0
-    decode, prefill = _rates(run, len(prompt), new, repeat)
-    return {"decode": decode, "prefill": prefill, "compile_s": warm}
+    run(1, new)
+    return run, time.perf_counter() - t0
 
 
 def compile_once(path: str, prompt_len: int, new: int) -> float:
@@ -187,11 +183,24 @@ def scoreboard_plot(out: dict[str, Any], path: str) -> bool:
 
 
 def run_bench(
-    *, quick: bool = False, json_path: str | None = None, repeat: int = 3, plot_dir: str | None = None
+    *,
+    quick: bool = False,
+    json_path: str | None = None,
+    repeat: int = 3,
+    plot_dir: str | None = None,
+    formats_only: bool = False,
 ) -> dict[str, Any]:
-    """Run every system, print a markdown table, optionally write JSON and PNG plots; returns the results."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    """Run every system, print a markdown table, optionally write JSON and PNG plots; returns the results.
+
+    The process is pinned to its cores with as many torch threads; every figure is the median of ``repeat``
+    interleaved rounds, with its spread in the JSON. ``formats_only``: only the weight formats
+    (:mod:`functional_npu.cli.bench_formats`, JSON key ``formats``)."""
+    cores = pin_threads(None)
     cfg = QUICK if quick else FULL
+    if formats_only:
+        out = {"formats": _formats(cfg, 16 if quick else 32, repeat), "machine": _machine(cores)}
+        _write(out, json_path, plot_dir)
+        return out
     prompt_len, new = (16, 16) if quick else (32, 32)
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, prompt_len + 1)]
     n_params = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg)))
@@ -207,9 +216,41 @@ def run_bench(
     out["emulated_link"]["model_check"] = {
         link: model_check(prefetch[link]) for link in ("loopback", "emulated") if prefetch[link] is not None
     }
+    out["machine"] = _machine(cores)
     _report(cfg, out, prefetch)
+    out["formats"] = _formats(cfg, new, repeat)
     _write(out, json_path, plot_dir)
     return out
+
+
+def _formats(cfg: LlamaConfig, new: int, repeat: int) -> dict[str, Any]:
+    print(f"\nweight formats ({cfg.num_layers} layers, every linear layer quantized, lm_head included):", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_formats(cfg, Path(tmp), new=new, repeat=repeat)
+    print(format_table(res))
+    return res
+
+
+def _machine(cores: list[int]) -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "cores_pinned": cores,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 def _measure(
@@ -217,20 +258,25 @@ def _measure(
 ) -> tuple[dict[str, dict[str, float]], dict[str, float], Any]:
     """On one saved checkpoint: every system's rates, the cold and warm compile times, and the layer-sharded
     prefetch runs."""
-    res: dict[str, dict[str, float]] = {}
+    res: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(init_params(cfg, seed=0), tmp)
         mesh = Mesh.abstract({"tp": 1}, 0)
         params = load_checkpoint(tmp, mesh)
-        decode, prefill = _rates(lambda n: greedy_generate(params, [prompt], n, mesh), len(prompt), new, repeat)
-        res["fnpu_eager"] = {"decode": decode, "prefill": prefill}
-        print("  fnpu eager done", flush=True)
-        res["fnpu_compiled"] = _fnpu_rank(RankContext(0, 1), tmp, prompt, new, repeat)
-        print("  fnpu compiled done", flush=True)
-        res["hf_eager"] = _hf(tmp, prompt, new, repeat, compiled=False)
-        print("  transformers eager done", flush=True)
-        res["hf_compiled"] = _hf(tmp, prompt, new, repeat, compiled=True)
-        print("  transformers compiled done", flush=True)
+        systems: dict[str, Callable[[int, int], Any]] = {
+            "fnpu_eager": lambda b, n: greedy_generate(params, [prompt] * b, n, mesh)
+        }
+        first: dict[str, float] = {}
+        systems["fnpu_compiled"], first["fnpu_compiled"] = _fnpu_compiled(RankContext(0, 1), tmp, prompt, new)
+        systems["hf_eager"], first["hf_eager"] = _hf(tmp, prompt, new, compiled=False)
+        systems["hf_compiled"], first["hf_compiled"] = _hf(tmp, prompt, new, compiled=True)
+        print("  every system built; interleaved rounds ...", flush=True)
+        runs = interleaved(systems, (1,), new, len(prompt), repeat)
+        for name, per in runs.items():
+            res[name] = {"decode": per[1]["decode"], "prefill": per[1]["prefill"]}
+            if name in first:
+                res[name]["compile_s"] = first[name]
+        print("  in-process systems done", flush=True)
         with LocalWorld(2, threads=max(1, (os.cpu_count() or 2) // 2)) as world:
             res["fnpu_compiled_tp2"] = world.run(_fnpu_rank, tmp, prompt, new, repeat)[0]
         print("  fnpu compiled tp=2 done", flush=True)
@@ -254,8 +300,10 @@ def _summary(
     """The results as one JSON-ready dict: tokens/s per system, the roofline from matvec bandwidth ``bw``,
     the run's setup."""
     return {
-        "decode_tok_s": {k: v["decode"] for k, v in res.items()},
-        "prefill_tok_s": {k: v["prefill"] for k, v in res.items()},
+        "decode_tok_s": {k: statistics.median(v["decode"]) for k, v in res.items()},
+        "prefill_tok_s": {k: statistics.median(v["prefill"]) for k, v in res.items()},
+        "decode_runs": {k: stats(v["decode"]) for k, v in res.items()},
+        "prefill_runs": {k: stats(v["prefill"]) for k, v in res.items()},
         "roofline_decode_tok_s": bw / decode_bytes_per_token(cfg),
         "matvec_gb_s": bw / 1e9,
         "compile_s": compile_s,
@@ -270,12 +318,6 @@ def _summary(
             "prompt": prompt_len,
             "new_tokens": new,
             "batch": 1,
-        },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
         },
     }
 
@@ -314,12 +356,12 @@ def _write(out: dict[str, Any], json_path: str | None, plot_dir: str | None) -> 
     """The PNG plots under ``plot_dir`` and the JSON at ``json_path``, each if given."""
     if plot_dir:
         Path(plot_dir).mkdir(parents=True, exist_ok=True)
-        emulated = out["emulated_link"]["emulated"]
-        if scoreboard_plot(out, str(Path(plot_dir) / "scoreboard.png")) and prefetch_plot(
-            out["prefetch"], str(Path(plot_dir) / "prefetch.png"), emulated
-        ):
-            print(f"plots: {plot_dir}/scoreboard.png, {plot_dir}/prefetch.png")
-        else:
-            print("plots: skipped (pip install matplotlib)")
+        made = [formats_plot(out["formats"], str(Path(plot_dir) / "formats.png"))]
+        if "prefetch" in out:
+            made.append(scoreboard_plot(out, str(Path(plot_dir) / "scoreboard.png")))
+            made.append(
+                prefetch_plot(out["prefetch"], str(Path(plot_dir) / "prefetch.png"), out["emulated_link"]["emulated"])
+            )
+        print(f"plots: {plot_dir}/ ({len(made)} PNG)" if all(made) else "plots: skipped (pip install matplotlib)")
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=1))

@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="the scoreboard: this library vs transformers, eager and compiled (needs transformers)"
     )
+    bench.add_argument(
+        "--formats-only",
+        action="store_true",
+        help="only decode tokens/s by weight format (fp32, bf16, int8, int4; JSON key formats)",
+    )
     bench.add_argument("--quick", action="store_true", help="a 4-layer model and fewer tokens")
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bench.add_argument(
@@ -320,6 +325,6 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("bench compares against transformers: pip install -e '.[bench]'")
         from .bench import run_bench
 
-        run_bench(quick=args.quick, json_path=args.json, plot_dir=args.plots)
+        run_bench(quick=args.quick, json_path=args.json, plot_dir=args.plots, formats_only=args.formats_only)
         return 0
     return _generate(args, parser)
