@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     gen.add_argument("--dp", type=_positive, default=1, help="data-parallel ranks: prompts are split across them")
+    gen.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="read floating weights in this dtype (default: as stored; a quantized checkpoint's integer "
+        "tensors keep theirs, its scales and activations take this one)",
+    )
     gen.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks")
     gen.add_argument(
         "--ep",
@@ -190,7 +196,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     from ..core.mesh import Mesh
     from ..parallel.layer_shard import layer_shard
     from ..parallel.prefetch import check_prefetch_step
-    from ..runtime.checkpoint import read_config
+    from ..runtime.checkpoint import read_config, read_quant
     from ..runtime.generate import check_length, check_token_ids
     from ..runtime.plan import check_plan, with_expert_axes
 
@@ -205,7 +211,13 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     try:
         cfg = with_expert_axes(read_config(model), _expert_axes(args), where=str(model))
         args.layer_shard = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
-        check_plan(cfg, Mesh.abstract({"dp": args.dp, "tp": args.tp}), where=str(model), layer_shard=args.layer_shard)
+        check_plan(
+            cfg,
+            Mesh.abstract({"dp": args.dp, "tp": args.tp}),
+            where=str(model),
+            layer_shard=args.layer_shard,
+            quant=read_quant(model),
+        )
         if args.layer_shard is not None and args.prefetch_step != "auto":
             default = min(1, cfg.num_layers - 2)
             args.prefetch_step = check_prefetch_step(
@@ -250,6 +262,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "expert_axes": _expert_axes(args),
         "layer_shard": args.layer_shard,
         "prefetch_step": args.prefetch_step or 0,
+        "dtype": args.dtype,
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist

@@ -12,6 +12,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from ..core.mesh import Mesh
 from ..parallel.layer_shard import LayerShard
 from ..runtime.checkpoint import load_checkpoint
@@ -40,6 +42,7 @@ def generate_on_rank(
     expert_axes: Sequence[str] = (),
     layer_shard: LayerShard | None = None,
     prefetch_step: int | str = 0,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
@@ -47,10 +50,12 @@ def generate_on_rank(
     ``expert_axes``: shard an MoE model's experts over these mesh axes (expert parallelism).
     ``layer_shard``: layer-shard these weight series, fetched ``prefetch_step`` layers ahead (``"auto"``:
     the cost model's choice, reported as ``prefetch_step`` in the result).
+    ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
     """
     mesh = ctx.mesh(axes)
     t0 = time.perf_counter()
-    params = load_checkpoint(model_dir, mesh, expert_axes=expert_axes, layer_shard=layer_shard)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype] if dtype else None
+    params = load_checkpoint(model_dir, mesh, expert_axes=expert_axes, layer_shard=layer_shard, dtype=dt)
     timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
     dp = mesh.axis_size("dp")
     mine = list(range(mesh.axis_index("dp"), len(prompts), dp))

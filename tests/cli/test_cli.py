@@ -155,3 +155,34 @@ def test_an_error_raised_on_a_rank_reaches_the_command_line_whole(model, tmp_pat
     assert "error: rank 0 raised ValueError: " in out.stderr
     assert "does not match its Qwen2ForCausalLM config.json:" in out.stderr
     assert "missing tensors (1): model.layers.1.mlp.up_proj.weight" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.fixture(scope="module")
+def int4_model(tmp_path_factory):
+    """The tiny Qwen2 model as a compressed-tensors int4 checkpoint (groups of 32), written by save_checkpoint."""
+    from functional_npu import Mesh, Quant, load_checkpoint
+    from functional_npu.runtime.save import save_checkpoint
+
+    float_dir = tmp_path_factory.mktemp("qwen2-float")
+    save_tiny("qwen2", float_dir, 3)
+    full = load_checkpoint(float_dir, Mesh.abstract({"tp": 1}, 0))
+    return save_checkpoint(full, tmp_path_factory.mktemp("qwen2-int4"), quant=Quant(4, "group", group_size=32))
+
+
+def test_generate_quantized_checkpoint_in_any_dtype(int4_model):
+    """generate --model on a quantized checkpoint, as stored (fp32 scales) and with --dtype bfloat16."""
+    prompts = PROMPTS[:2]
+    stored = generate_json(int4_model, prompts, "--backend", "none", "--max-new-tokens", "4")
+    cast = generate_json(int4_model, prompts, "--backend", "none", "--max-new-tokens", "4", "--dtype", "bfloat16")
+    assert [len(t) for t in stored["token_ids"]] == [len(t) for t in cast["token_ids"]] == [4, 4]
+
+
+def test_generate_refuses_a_tp_that_cuts_a_quantization_group(int4_model, capsys):
+    """intermediate 96 holds 3 groups of 32 along down_proj's input: tp 2 would cut one; refused before any rank."""
+    from functional_npu.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(int4_model), "--tp", "2", "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "3 groups of 32" in err and "'tp' (size 2)" in err
+    assert len([ln for ln in err.splitlines() if "error" in ln]) == 1

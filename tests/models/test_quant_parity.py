@@ -20,6 +20,7 @@ PROMPT_LENS = (5, 12, 9)
 NEW = 16
 DENSE = ("w8a8", "w8a16", "w4a16", "w4a16_asym")
 MOE = ("w8a16", "w4a16", "w4a16_asym")
+BF16_TOL = 2e-2  # bf16 end to end: both sides round every activation to 8 bits of mantissa
 
 
 def _reference(model_dir, prompts, dtype=torch.float32):
@@ -38,6 +39,22 @@ def _reference(model_dir, prompts, dtype=torch.float32):
     return logits, tokens, margins
 
 
+def _as_bf16(src, dst):
+    """A copy of the HF directory ``src`` with every tensor stored in bf16 (and config.json saying so)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    state = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state |= load_file(f)
+    save_file({k: v.bfloat16() for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((src / "config.json").read_text()) | {"dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    (dst / "config.json").write_text(json.dumps(hf))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """{name: (quantized dir, prompts, reference logits, reference tokens)} for every case, built once."""
@@ -47,6 +64,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     save_tiny("qwen3", root / "qwen3", 300, intermediate_size=128)  # groups of 32 split at tp 2
     save_tiny_moe("qwen3_moe", root / "qwen3_moe", 301)
+    for family in ("qwen3", "qwen3_moe"):  # the same weights stored in bf16, run by transformers in bf16
+        path = _as_bf16(root / family, root / f"{family}-bf16")
+        out[f"{family}-bf16"] = (str(path), prompts, *_reference(path, prompts, torch.bfloat16))
     for family, schemes in (("qwen3", DENSE), ("qwen3_moe", MOE)):
         for scheme in schemes:
             path = quantize_checkpoint(root / family, root / f"{family}-{scheme}", scheme)
@@ -63,15 +83,15 @@ def _check(logits, tokens, reference, order=None):
     # W8A8: an activation on a rounding boundary may land one int8 step apart (about 1e-4 in the logits), so
     # greedy decoding may part where transformers' best two tokens are that close (each logit off by up to
     # the tolerance: a gap of twice it), and only there
-    w8a8 = path.endswith("w8a8")
-    tol = 5e-4 if w8a8 else 1e-4
+    w8a8, bf16 = path.endswith("w8a8"), path.endswith("bf16")
+    tol = 5e-4 if w8a8 else BF16_TOL if bf16 else 1e-4
     for row, i in enumerate(order or range(len(prompts))):
         n = len(prompts[i])
         diff = (logits[row, :n].float() - ref_logits[i]).abs().max().item()
         assert diff < tol, f"prompt {i}: prefill logits differ by {diff}"
         parted = next((j for j, (a, b) in enumerate(zip(tokens[row], ref_tokens[i])) if a != b), None)
         if parted is not None:
-            assert w8a8 and margins[i][parted] < 2 * tol, (
+            assert (w8a8 or bf16) and margins[i][parted] < 2 * tol, (
                 f"prompt {i}: greedy tokens differ from step {parted} (transformers' margin there: "
                 f"{margins[i][parted]:.2e}): {tokens[row]} != {ref_tokens[i]}"
             )
@@ -149,3 +169,23 @@ def test_dense_layer_sharded(world2, models, backend):
     ls = layer_shard("o_proj,down_proj", "dp")
     results = world2.run(generate_on_rank, path, {"dp": 2, "tp": 1}, prompts, NEW, backend=backend, layer_shard=ls)
     assert in_prompt_order(results, len(prompts)) == ref_tokens
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_dense(world2, models, tp):
+    ref = models["qwen3-bf16"]
+    runs = (
+        [llama_generate(None, ref[0], 1, ref[1], NEW, False)]
+        if tp == 1
+        else world2.run(llama_generate, ref[0], 2, ref[1], NEW, False)
+    )
+    for logits, tokens, _, _ in runs:
+        assert logits.dtype == torch.bfloat16
+        _check(logits, tokens, ref)
+
+
+def test_bf16_moe_ep2(world2, models):
+    ref = models["qwen3_moe-bf16"]
+    _check_moe(moe_generate(None, ref[0], {"tp": 1}, (), ref[1], NEW, False), ref)
+    for r in world2.run(moe_generate, ref[0], {"dp": 2, "tp": 1}, ("dp",), ref[1], NEW, False):
+        _check_moe(r, ref)

@@ -101,7 +101,7 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
     tokens = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
-    state = init_state(params["config"], mesh, len(prompts), width + new_tokens)
+    state = init_state(params["config"], mesh, len(prompts), width + new_tokens, params["embed"].dtype)
     model = compile_model(
         params,
         mesh,
