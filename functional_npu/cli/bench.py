@@ -31,7 +31,7 @@ from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import cache_length, compile_model, greedy_generate
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
-from .bench_formats import format_table, formats_plot, interleaved, pin_threads, run_formats, stats
+from .bench_formats import format_table, formats_plot, interleaved, pin_threads, pyplot, run_formats, stats
 from .bench_link import model_check, run_link_bench
 from .bench_prefetch import prefetch_plot, prefetch_table
 
@@ -147,12 +147,8 @@ def _compile_cold_warm(path: str, prompt_len: int, new: int) -> dict[str, float]
 
 def scoreboard_plot(out: dict[str, Any], path: str) -> bool:
     """Decode tokens/s of every system against the roofline (PNG); False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     names = list(out["decode_tok_s"])
     fig, ax = plt.subplots(figsize=(7, 3.4))

@@ -48,6 +48,7 @@ __all__ = [
     "rates",
     "stats",
     "pin_threads",
+    "pyplot",
 ]
 
 # format -> (activation / float dtype, quantization of every linear layer or None)
@@ -287,15 +288,23 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def formats_plot(res: dict[str, Any], path: str, batch: str = "1") -> bool:
-    """Decode tokens/s per format at ``batch``: ours (median, spread as an error bar), the peer, the roofline
-    (PNG); False when matplotlib is missing."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def formats_plot(res: dict[str, Any], path: str, batch: str = "1") -> bool:
+    """Decode tokens/s per format at ``batch``: ours (median, spread as an error bar), the peer, the roofline
+    (PNG); False when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return False
     fmts = list(res["formats"])
     fig, ax = plt.subplots(figsize=(7, 3.4))

@@ -11,6 +11,8 @@ from functional_npu.core.layout import LayoutError
 from functional_npu.core.quant import Quant, dequantize, pack_int32, quant_layouts, quant_shapes, quantize, unpack_int32
 from functional_npu.core.shard import shard
 
+from ..support.ct_models import weight_qparams
+
 SCHEMES = [
     Quant(8, "channel"),
     Quant(8, "channel", packed=True),  # weight-only int8, as compressed-tensors' pack-quantized writes it
@@ -27,7 +29,6 @@ def _compressed_tensors(w: torch.Tensor, quant: Quant) -> dict[str, torch.Tensor
     """What compressed-tensors stores for ``w``: its observer statistics, its qparams, its compressor."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     args = QuantizationArgs(
         num_bits=quant.bits,
@@ -36,18 +37,7 @@ def _compressed_tensors(w: torch.Tensor, quant: Quant) -> dict[str, torch.Tensor
         block_structure=list(quant.block) if quant.block else None,
         symmetric=quant.symmetric,
     )
-    x = w.float()
-    if quant.strategy == "channel":
-        mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    elif quant.strategy == "group":
-        g = x.unflatten(-1, (-1, quant.group_size))
-        mn, mx = g.amin(-1), g.amax(-1)
-    elif quant.strategy == "tensor":
-        mn, mx = x.amin().reshape(1), x.amax().reshape(1)
-    else:
-        b = x.unflatten(0, (-1, quant.block[0])).unflatten(-1, (-1, quant.block[1]))
-        mn, mx = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))
-    scale, zero = calculate_qparams(mn, mx, args)
+    scale, zero = weight_qparams(w, args)
     fmt = "pack-quantized" if quant.packed else "int-quantized"
     scheme = QuantizationScheme(targets=["Linear"], weights=args, format=fmt)
     stored = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero}

@@ -26,18 +26,23 @@ SCHEMES = {
 IGNORE = ["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$"]
 
 
-def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """A min/max observer over the weight, then compressed-tensors' scale and zero point."""
+def weight_qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """A min/max observer over the weight ``[out, in]`` per ``args.strategy`` (channel, group, tensor or block),
+    then compressed-tensors' scale and zero point."""
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    w = w.float()
+    x = w.float()
     if args.strategy == "channel":
-        mn, mx = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     elif args.strategy == "group":
-        g = w.unflatten(-1, (-1, args.group_size))
+        g = x.unflatten(-1, (-1, args.group_size))
         mn, mx = g.amin(-1), g.amax(-1)
+    elif args.strategy == "tensor":
+        mn, mx = x.amin().reshape(1), x.amax().reshape(1)
     else:
-        mn, mx = w.amin().reshape(1), w.amax().reshape(1)
+        rows, cols = args.block_structure
+        b = x.unflatten(0, (-1, rows)).unflatten(-1, (-1, cols))
+        mn, mx = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))
     return calculate_qparams(mn, mx, args)
 
 
@@ -73,7 +78,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str, ignore=IG
         if not _is_linear(name, t) or any(match_name(module, i) for i in ignore):
             out[name] = t
             continue
-        scale, zero = _qparams(t, qs.weights)
+        scale, zero = weight_qparams(t, qs.weights)
         local = {"weight": t, "weight_scale": scale.to(t.dtype), "weight_zero_point": zero}
         out |= {f"{module}.{k}": v.contiguous() for k, v in compressor.compress(local, qs).items()}
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
