@@ -42,3 +42,25 @@ def test_a_stored_quantized_weight_must_be_prepared():
     stored = quantize(torch.randn(16, 32), Quant(8, "channel"))
     with pytest.raises(TypeError, match="go through functional_npu.models.linear.prepare first"):
         linear(torch.randn(2, 32), stored)
+
+
+def test_one_bf16_row_compiled_is_a_fused_reduction():
+    """Under torch.compile one row of bf16 weights on a CPU is a multiply-and-sum (no matmul in the graph), as
+    exact as the matmul: fp32 accumulation, one rounding to bf16."""
+    from functional_npu.models.linear import linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g).bfloat16()
+    x = torch.randn(1, 1, 128, generator=g).bfloat16()
+    targets = []
+
+    def backend(gm, inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes)
+        return gm
+
+    torch._dynamo.reset()
+    y = torch.compile(linear, backend=backend, fullgraph=True)(x, w)
+    assert targets and not any("matmul" in t or "linear" in t for t in targets), targets
+    want = (x.float() @ w.float().T).bfloat16()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    assert torch.equal(linear(x, w), x @ w.T)  # eager: the matmul
