@@ -22,6 +22,7 @@ first split over it and gathered back after.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
 from ..core.mesh import Mesh
-from .linear import expert_weights, linear, quantized_activations, slot_count
+from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
 
 if TYPE_CHECKING:
     from .moe import MoeConfig
@@ -59,7 +60,14 @@ def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) ->
     return weights, table[experts, index[:, None] % copies[experts]]
 
 
-def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Any, down: Any) -> torch.Tensor:
+def local_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: Any,
+    down: Any,
+    row_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``sum_k weights[:, k] * expert[ids[:, k]](x)`` over this rank's slots; ``ids`` -1 (another rank's slot)
     adds nothing.
 
@@ -67,7 +75,9 @@ def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     either way (chosen by size): with fewer routed rows than local experts (decode) each row reads only its
     k experts' weights; otherwise every local expert runs on every row as one batched matmul, a row's
     weight being 0 for the slots it was not routed to. Neither graph grows with the expert count.
-    Quantized experts (:func:`functional_npu.models.linear.prepare`) are dequantized as they are read.
+    Quantized experts (:func:`functional_npu.models.linear.prepare`) are dequantized as they are read;
+    ``row_amax(h)``: W8A8 experts whose ``down`` is row-parallel, each row's magnitude over the whole row
+    (reduced over tp), so the activations round as in the unsharded model.
     """
     n, k = ids.shape
     slots = slot_count(gate_up)
@@ -76,29 +86,31 @@ def local_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         chosen = ids.clamp(min=0)  # a -1 reads slot 0 and is weighted 0
         w = torch.where(ids >= 0, weights, 0.0).to(x.dtype)  # [N, k]
         gate, up = torch.einsum("nd,nkfd->nkf", xq, expert_weights(gate_up, chosen)).chunk(2, dim=-1)  # [N, k, F]
-        h = quantized_activations(F.silu(gate) * up, down)
+        h = F.silu(gate) * up
+        h = quantized_activations(h, down, row_amax(h) if row_amax else None)
         y = torch.einsum("nkf,nkdf->nkd", h, expert_weights(down, chosen))  # [N, k, D]
         return (y * w[..., None]).sum(1)
     index = torch.arange(slots, device=x.device)
     w = (weights[None] * (ids[None] == index[:, None, None])).sum(-1).to(x.dtype)  # [S_local, N]
     gate, up = torch.matmul(xq, expert_weights(gate_up).transpose(1, 2)).chunk(2, dim=-1)  # [S_local, N, F] each
-    h = quantized_activations(F.silu(gate) * up, down)
+    h = F.silu(gate) * up
+    h = quantized_activations(h, down, row_amax(h) if row_amax else None)
     y = torch.matmul(h, expert_weights(down).transpose(1, 2))  # [S_local, N, D]
     return (y * w[..., None]).sum(0)
 
 
-def _gathered(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int) -> torch.Tensor:
+def _gathered(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int, row_amax=None) -> torch.Tensor:
     """Small batches: all_gather the tokens, each rank computes its slots' share, reduce_scatter back."""
     t = x.shape[0]
     xa = all_gather(x, mesh, cfg.expert_axes, dim=0)  # [n t, D]
     weights, slots = _slots(xa, layer, cfg, torch.arange(n * t, device=x.device) % t)
     per = slot_count(layer["experts_gate_up"])
     ids = torch.where(slots // per == mesh.axis_index(cfg.expert_axes), slots % per, -1)
-    part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
+    part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"], row_amax)
     return reduce_scatter(part, mesh, cfg.expert_axes, dim=0)  # [t, D]
 
 
-def _dispatched(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int) -> torch.Tensor:
+def _dispatched(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int, row_amax=None) -> torch.Tensor:
     """Larger batches: route here, all_to_all tokens + routing to the expert ranks, inverse all_to_all back.
 
     Static shapes with no dropped token mean a capacity of all ``t`` tokens per destination, so the tokens
@@ -113,20 +125,21 @@ def _dispatched(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int
     meta = torch.cat([ids.float(), weights[None].expand(n, t, k)], dim=-1)  # [n, t, 2k], ids exact in float32
     rx = all_to_all_single(x[None].expand(n, t, d).reshape(n * t, d), mesh, cfg.expert_axes)  # [n t, D] by source
     rmeta = all_to_all_single(meta.reshape(n * t, 2 * k), mesh, cfg.expert_axes)
-    part = local_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], layer["experts_gate_up"], layer["experts_down"])
+    gate_up, down = layer["experts_gate_up"], layer["experts_down"]
+    part = local_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down, row_amax)
     back = all_to_all_single(part, mesh, cfg.expert_axes)  # [n t, D]: each expert rank's share of my tokens
     return back.view(n, t, d).sum(0)
 
 
-def _exchange(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh) -> torch.Tensor:
+def _exchange(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, row_amax=None) -> torch.Tensor:
     """The experts' output for tokens ``x [T, D]``: local, or exchanged over the expert axes by batch size."""
     n = mesh.axis_size(cfg.expert_axes) if cfg.expert_axes else 1
     if n == 1:
         weights, slots = _slots(x, layer, cfg, torch.arange(x.shape[0], device=x.device))
-        return local_experts(x, slots, weights, layer["experts_gate_up"], layer["experts_down"])
+        return local_experts(x, slots, weights, layer["experts_gate_up"], layer["experts_down"], row_amax)
     if x.shape[0] <= cfg.dispatch_threshold:
-        return _gathered(x, layer, cfg, mesh, n)
-    return _dispatched(x, layer, cfg, mesh, n)
+        return _gathered(x, layer, cfg, mesh, n, row_amax)
+    return _dispatched(x, layer, cfg, mesh, n, row_amax)
 
 
 def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: MoeConfig, tp: str) -> torch.Tensor:
@@ -139,7 +152,14 @@ def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: MoeConfig, tp: str
         size, total = mesh.axis_size(tp), x.shape[0]
         per = -(-total // size)
         x = F.pad(x, (0, 0, 0, per * size - total)).narrow(0, mesh.axis_index(tp) * per, per)
-    y = _exchange(x, layer, cfg, mesh)
+    row_amax = None
+    down = layer["experts_down"]
+    if expert_tp and mesh.axis_size(tp) > 1 and isinstance(down, dict) and "q8a8" in down:
+        # W8A8 experts: down is row-parallel over tp, so a row's int8 scale is reduced over tp
+        def row_amax(h: torch.Tensor) -> torch.Tensor:
+            return all_reduce(token_amax(h), mesh, tp, op="max")
+
+    y = _exchange(x, layer, cfg, mesh, row_amax)
     if split:
         y = all_gather(y, mesh, tp, dim=0)[:total]
     if expert_tp:

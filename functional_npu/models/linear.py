@@ -200,11 +200,13 @@ def slot_count(w: Any) -> int:
     return w.shape[0] if isinstance(w, torch.Tensor) else w["scale"].shape[0]
 
 
-def quantized_activations(x: torch.Tensor, w: Any) -> torch.Tensor:
-    """``x`` rounded to int8 per token and back (W8A8 experts: what the int8 matmul sees); else ``x``."""
+def quantized_activations(x: torch.Tensor, w: Any, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` rounded to int8 per token and back (W8A8 experts: what the int8 matmul sees); else ``x``.
+    ``amax``: each row's magnitude to take the scale from (default: ``x``'s own)."""
     if isinstance(w, torch.Tensor) or "q8a8" not in w:
         return x
-    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=torch.finfo(torch.float32).eps) / 127.5
+    big = token_amax(x) if amax is None else amax
+    scale = big.clamp(min=torch.finfo(torch.float32).eps) / 127.5
     return (torch.clamp(torch.round(x.float() / scale), -128, 127) * scale).to(x.dtype)
 
 

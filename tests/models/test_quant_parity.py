@@ -189,3 +189,15 @@ def test_bf16_moe_ep2(world2, models):
     _check_moe(moe_generate(None, ref[0], {"tp": 1}, (), ref[1], NEW, False), ref)
     for r in world2.run(moe_generate, ref[0], {"dp": 2, "tp": 1}, ("dp",), ref[1], NEW, False):
         _check_moe(r, ref)
+
+
+def test_moe_w8a8_tp2_rounds_as_tp1(world2, tmp_path_factory, models):
+    """W8A8 experts tensor-parallel over tp = 2 (down row-parallel): each row's int8 scale is reduced over tp, so
+    the logits equal the unsharded model's (transformers has no W8A8 MoE forward to compare with)."""
+    root = tmp_path_factory.mktemp("moe-w8a8")
+    save_tiny_moe("qwen3_moe", root / "float", 301)
+    path = str(quantize_checkpoint(root / "float", root / "w8a8", "w8a8"))
+    prompts = models["qwen3_moe-w4a16"][1]
+    _, one, _, _, _ = moe_generate(None, path, {"tp": 1}, (), prompts, 4, False)
+    for _, logits, _, _, _ in world2.run(moe_generate, path, {"dp": 1, "tp": 2}, (), prompts, 4, False):
+        assert (logits - one).abs().max().item() < 1e-5
