@@ -28,10 +28,20 @@ from ..core.mesh import Mesh
 from ..core.tree import flatten_with_paths
 from ..models.llama import LlamaConfig, abstract_params, init_params
 from ..runtime.checkpoint import load_checkpoint
-from ..runtime.compile import cache_length, compile_model, greedy_generate
+from ..runtime.compile import greedy_generate
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
-from .bench_formats import format_table, formats_plot, interleaved, pin_threads, pyplot, run_formats, stats
+from .bench_formats import (
+    fnpu_runner,
+    format_table,
+    formats_plot,
+    interleaved,
+    pin_threads,
+    pyplot,
+    run_formats,
+    stats,
+    transformers_runner,
+)
 from .bench_link import model_check, run_link_bench
 from .bench_prefetch import prefetch_plot, prefetch_table
 
@@ -85,31 +95,15 @@ def _fnpu_rank(ctx: RankContext, path: str, prompt: list[int], new: int, repeat:
 
 
 def _fnpu_compiled(ctx: RankContext, path: str, prompt: list[int], new: int) -> tuple[Callable[[int, int], Any], float]:
-    mesh = ctx.mesh({"tp": ctx.world_size})
-    model = compile_model(
-        load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(len(prompt) + new)
-    )
+    run, _ = fnpu_runner(path, ctx.mesh({"tp": ctx.world_size}), prompt, new)
     t0 = time.perf_counter()
-    model.generate([prompt], new)
-    model.generate([prompt], 1)
-    return (lambda b, n: model.generate([prompt] * b, n)), time.perf_counter() - t0
+    run(1, new)
+    run(1, 1)
+    return run, time.perf_counter() - t0
 
 
 def _hf(path: str, prompt: list[int], new: int, compiled: bool) -> tuple[Callable[[int, int], Any], float]:
-    import transformers as T
-
-    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    if compiled:
-        cc = T.CompileConfig(fullgraph=True)
-        cc._compile_all_devices = True  # transformers compiles generate on CUDA only unless told
-        model.generation_config.compile_config = cc
-        model.generation_config.cache_implementation = "static"
-
-    def run(b: int, n: int) -> Any:
-        with torch.no_grad():
-            return model.generate(ids.expand(b, -1), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-
+    run = transformers_runner(path, prompt, torch.float32, compile_config={} if compiled else None)
     t0 = time.perf_counter()
     run(1, new)
     return run, time.perf_counter() - t0
@@ -119,10 +113,8 @@ def compile_once(path: str, prompt_len: int, new: int) -> float:
     """Seconds to load, compile and generate once (a child process: the cold/warm compile probe)."""
     mesh = Mesh.abstract({"tp": 1}, 0)
     t0 = time.perf_counter()
-    model = compile_model(
-        load_checkpoint(path, mesh), mesh, batch_sizes=[1], max_seq_len=cache_length(prompt_len + new)
-    )
-    model.generate([list(range(1, prompt_len + 1))], new)
+    run, _ = fnpu_runner(path, mesh, list(range(1, prompt_len + 1)), new)
+    run(1, new)
     return time.perf_counter() - t0
 
 

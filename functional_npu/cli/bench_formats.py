@@ -49,6 +49,8 @@ __all__ = [
     "stats",
     "pin_threads",
     "pyplot",
+    "fnpu_runner",
+    "transformers_runner",
 ]
 
 # format -> (activation / float dtype, quantization of every linear layer or None)
@@ -59,6 +61,7 @@ FORMATS: dict[str, tuple[torch.dtype, Quant | None]] = {
     "int4": (torch.bfloat16, Quant(4, "group", group_size=128)),
 }
 BATCHES = (1, 8)
+CPP_WRAPPER = {"mode": None, "options": {"cpp_wrapper": True}}  # the peers' compile, as ours on CPU
 
 
 def write_formats(cfg: LlamaConfig, root: Path, seed: int = 0) -> dict[str, Path]:
@@ -78,30 +81,48 @@ def decode_bytes(params: dict[str, Any]) -> int:
     return total + embed.shape[-1] * embed.element_size()
 
 
-def _ours(path: Path, prompt: list[int], max_new: int) -> tuple[Callable[[int, int], Any], int]:
-    mesh = Mesh.abstract({"tp": 1}, 0)
+def fnpu_runner(
+    path: str | Path,
+    mesh: Mesh,
+    prompt: list[int],
+    max_new: int,
+    *,
+    batch_sizes: tuple[int, ...] = (1,),
+    mode: str | None = None,
+) -> tuple[Callable[[int, int], Any], CompiledModel]:
+    """This library's compiled model of the checkpoint at ``path`` on ``mesh``, and ``run(b, n)``: ``n`` new
+    tokens for ``b`` copies of ``prompt``."""
     model: CompiledModel = compile_model(
         load_checkpoint(path, mesh),
         mesh,
-        mode="reduce-overhead",
-        batch_sizes=list(BATCHES),
+        mode=mode,
+        batch_sizes=list(batch_sizes),
         max_seq_len=cache_length(len(prompt) + max_new),
     )
-    return (lambda b, n: model.generate([prompt] * b, n)), decode_bytes(model.params)
+    return (lambda b, n: model.generate([prompt] * b, n)), model
 
 
-def _transformers(
-    path: Path, prompt: list[int], dtype: torch.dtype, quantize: Callable[[Any], Any] | None = None
+def transformers_runner(
+    path: str | Path,
+    prompt: list[int],
+    dtype: torch.dtype = torch.float32,
+    *,
+    compile_config: dict[str, Any] | None = None,
+    quantize: Callable[[Any], Any] | None = None,
 ) -> Callable[[int, int], Any]:
+    """transformers' ``run(b, n)`` on the checkpoint at ``path`` in ``dtype``: ``generate`` eager, or compiled with
+    a static cache when ``compile_config`` (``CompileConfig`` arguments besides ``fullgraph``) is given;
+    ``quantize(model)`` first, if given."""
     import transformers as T
 
     model = T.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     if quantize is not None:
         quantize(model)
-    cc = T.CompileConfig(fullgraph=True, mode=None, options={"cpp_wrapper": True})
-    cc._compile_all_devices = True  # transformers compiles generate on CUDA only unless told
-    model.generation_config.compile_config = cc
-    model.generation_config.cache_implementation = "static"
+    if compile_config is not None:
+        cc = T.CompileConfig(fullgraph=True, **compile_config)
+        cc._compile_all_devices = True  # transformers compiles generate on CUDA only unless told
+        model.generation_config.compile_config = cc
+        model.generation_config.cache_implementation = "static"
     ids = torch.tensor([prompt])
 
     def run(b: int, n: int) -> Any:
@@ -198,16 +219,22 @@ def run_formats(
     paths = write_formats(cfg, root)
     systems: dict[str, Callable[[int, int], Any]] = {}
     bytes_per_token, skipped = {}, {}
+    mesh = Mesh.abstract({"tp": 1}, 0)
     for name in FORMATS:
-        systems[f"fnpu_{name}"], bytes_per_token[name] = _ours(paths[name], prompt, new)
-    systems["hf_fp32"] = _transformers(paths["fp32"], prompt, torch.float32)
-    systems["hf_bf16"] = _transformers(paths["bf16"], prompt, torch.bfloat16)
+        systems[f"fnpu_{name}"], model = fnpu_runner(
+            paths[name], mesh, prompt, new, batch_sizes=BATCHES, mode="reduce-overhead"
+        )
+        bytes_per_token[name] = decode_bytes(model.params)
+    systems["hf_fp32"] = transformers_runner(paths["fp32"], prompt, torch.float32, compile_config=CPP_WRAPPER)
+    systems["hf_bf16"] = transformers_runner(paths["bf16"], prompt, torch.bfloat16, compile_config=CPP_WRAPPER)
     for bits in (8, 4):
         quantize, why = _torchao(bits)
         if quantize is None:
             skipped[f"torchao_int{bits}"] = why
         else:
-            systems[f"torchao_int{bits}"] = _transformers(paths["bf16"], prompt, torch.bfloat16, quantize)
+            systems[f"torchao_int{bits}"] = transformers_runner(
+                paths["bf16"], prompt, torch.bfloat16, compile_config=CPP_WRAPPER, quantize=quantize
+            )
     for name, run in systems.items():  # compile and warm every shape before any timing
         for b in BATCHES:
             run(b, new)
