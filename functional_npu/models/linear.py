@@ -42,6 +42,7 @@ __all__ = [
     "linear",
     "row_parallel",
     "token_amax",
+    "int8_tokens",
     "prepare",
     "prepare_params",
     "kernel_of",
@@ -68,13 +69,17 @@ def kernel_of(w: Any) -> str:
     )
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def token_amax(x: torch.Tensor) -> torch.Tensor:
     """Each token's largest magnitude ``[..., 1]`` (float32): what its int8 scale is made of."""
     return x.abs().amax(-1, keepdim=True).float()
+
+
+def int8_tokens(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., in]`` as symmetric int8 per token, compressed-tensors' rule (scale ``amax / 127.5``, round half
+    to even): ``(values int8, scale [..., 1] float32)``. ``amax``: each token's magnitude, if not ``x``'s own."""
+    big = token_amax(x) if amax is None else amax
+    scale = big.clamp(min=torch.finfo(torch.float32).eps) / 127.5
+    return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8), scale
 
 
 def row_parallel(x: torch.Tensor, w: Any, mesh: Mesh, tp: str) -> torch.Tensor:
@@ -94,7 +99,8 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
     token's magnitude ``[..., 1]`` to take its int8 scale from (default: ``x``'s own, :func:`token_amax`)."""
     kind = kernel_of(w)
     if kind == "dense":
-        if w.dtype in _GEMV_DTYPES and w.device.type == "cpu" and x.numel() == x.shape[-1] and _compiling():
+        one_row = x.numel() == x.shape[-1]
+        if w.dtype in _GEMV_DTYPES and w.device.type == "cpu" and one_row and torch.compiler.is_compiling():
             # one row of 16-bit floats on a CPU: a reduction inductor fuses streams the weight about 1.5x
             # faster than the CPU matmul's 16-bit path (fp32 accumulation, as the matmul's); an NPU keeps MatMul
             return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)
@@ -106,9 +112,7 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
         group = x.shape[-1] // w["scales_zeros"].shape[0]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w["w4"], group, w["scales_zeros"])
     else:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5), int32 accumulation
-        big = token_amax(flat) if amax is None else amax.reshape(-1, 1)
-        x_scale = big.clamp(min=torch.finfo(torch.float32).eps) / 127.5
-        xq = torch.clamp(torch.round(flat.float() / x_scale), -128, 127).to(torch.int8)
+        xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
         acc = torch.ops.aten._int_mm(xq, w["w8a8"].T)
         y = (acc.float() * x_scale * w["scale"].float()).to(x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -205,9 +209,8 @@ def quantized_activations(x: torch.Tensor, w: Any, amax: torch.Tensor | None = N
     ``amax``: each row's magnitude to take the scale from (default: ``x``'s own)."""
     if isinstance(w, torch.Tensor) or "q8a8" not in w:
         return x
-    big = token_amax(x) if amax is None else amax
-    scale = big.clamp(min=torch.finfo(torch.float32).eps) / 127.5
-    return (torch.clamp(torch.round(x.float() / scale), -128, 127) * scale).to(x.dtype)
+    values, scale = int8_tokens(x, amax)
+    return (values * scale).to(x.dtype)
 
 
 def prepare_params(params: dict[str, Any], blocks: Any = None) -> dict[str, Any]:
