@@ -93,11 +93,6 @@ def series_of(params: dict[str, Any]) -> dict[str, Any]:
     return params.get("series") or {}
 
 
-def _layouts(spec: Any) -> list[Layout]:
-    """The layouts of a leaf's spec: one, or those of a quantized leaf's stored tensors (a dict)."""
-    return list(spec.values()) if isinstance(spec, dict) else [spec]
-
-
 def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict[str, Any]:
     """A family's spec tree with the series moved to stacked, cyclic leaves under ``specs["series"]``.
 
@@ -107,7 +102,7 @@ def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict
     layer = specs["layers"][0]
     leaves = present(ls, specs["layers"])
     for leaf in leaves:
-        if any(ls.axis in lay.axes() for lay in _layouts(layer[leaf])):
+        if any(ls.axis in lay.axes() for lay in pytree.tree_leaves(layer[leaf])):
             raise ValueError(
                 f"layer_shard: series {leaf!r} is already sharded over mesh axis {ls.axis!r}; "
                 f"layer-shard it over an axis it is replicated on (dp)"
@@ -116,10 +111,7 @@ def series_specs(specs: dict[str, Any], ls: LayerShard, num_layers: int) -> dict
     def stacked(lay: Layout) -> Layout:
         return Layout((Cyclic(ls.axis, num_layers),) + lay.dims)
 
-    series = {
-        leaf: {k: stacked(v) for k, v in layer[leaf].items()} if isinstance(layer[leaf], dict) else stacked(layer[leaf])
-        for leaf in leaves
-    }
+    series = {leaf: pytree.tree_map(stacked, layer[leaf]) for leaf in leaves}
     rest = [{k: v for k, v in spec.items() if k not in leaves} for spec in specs["layers"]]
     return specs | {"layers": rest, "series": series}
 
