@@ -116,6 +116,7 @@ def _run(sources: Path, out: Path) -> None:
     from torchair._ge_concrete_graph.ge_ir_pb2 import DataType  # type: ignore[import-not-found]
 
     from ..parallel.streams import INLINE
+    from ..runtime import ge_converters  # noqa: F401 - registers the converters of this library's ops
     from ..runtime.backends import torchair_streams
     from ..runtime.launch import RankContext
     from .graphs import CASES, case_mesh
@@ -158,15 +159,18 @@ def _aten_op(target: str) -> str:
 
 
 def compare_schedules(aten: list[dict[str, Any]], hcom: list[dict[str, Any]]) -> list[str]:
-    """Where GE's Hcom schedule differs from the aten collective schedule (op, axis, bytes, root)."""
+    """Where GE's Hcom schedule differs from the aten collective schedule (op, axis, bytes, root, reduction)."""
     out = []
     if len(aten) != len(hcom):
         out.append(f"{len(aten)} aten collectives but {len(hcom)} Hcom ops")
     for i, (a, h) in enumerate(zip(aten, hcom)):
         want = ge_graph.HCOM_OF.get(_aten_op(a["op"]), "?")
-        got = (h["op"], h["axis"], h["bytes"], h.get("root"))
-        if (want, a["axis"], a["bytes"], a.get("src")) != got:
-            out.append(f"#{i}: aten {_aten_op(a['op'])} over {a['axis']}, {a['bytes']} B, src {a.get('src')}; GE {got}")
+        got = (h["op"], h["axis"], h["bytes"], h.get("root"), h.get("reduce"))
+        if (want, a["axis"], a["bytes"], a.get("src"), a.get("reduce")) != got:
+            out.append(
+                f"#{i}: aten {_aten_op(a['op'])} over {a['axis']}, {a['bytes']} B, src {a.get('src')}, "
+                f"reduce {a.get('reduce')}; GE {got}"
+            )
     return out
 
 

@@ -3,7 +3,9 @@
 The graphs are captured as the torchair path traces them (math attention, see ``compile_model``),
 so the op census is what torchair must convert. Besides each family at tp 1 and 2, a layer-sharded
 Qwen3 (``o_proj`` and ``down`` over dp = 2, prefetch step 1, rank 0's graph) shows the prefetch
-broadcasts and the carried weights in program order.
+broadcasts and the carried weights in program order, and a bf16 Qwen3 at tp 2 with quantized weights
+(:data:`GRAPH_QUANTS`: W8A8, and int4 with group scales), prepared for Ascend's kernels, shows their
+ops (``functional_npu.quant_matmul`` / ``weight_quant_matmul``) where the matmuls were.
 
 For every artifact ``graphs/<family>-tp<N>-<phase>/``: ``census.json`` (op -> count),
 ``collectives.json`` (the ordered collective schedule: op, mesh axis, bytes), ``summary.json``
@@ -27,14 +29,19 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..core.mesh import Mesh
+from ..core.quant import Quant, quantize
 from ..core.shard import shard
 from ..models import family_of, forward, init_state, llama, moe
+from ..models.linear import prepare_params
 from ..parallel import prefetch
 from ..parallel.layer_shard import layer_shard, series_specs, stack_series
 from ..runtime.launch import LocalWorld, RankContext
+from ..runtime.quant_config import QuantConfig
+from ..runtime.quant_plan import quantize_plan
 
 __all__ = [
     "GRAPH_CONFIGS",
+    "GRAPH_QUANTS",
     "CASES",
     "Case",
     "case_inputs",
@@ -87,23 +94,31 @@ TP_SIZES = (1, 2)
 LAYER_SHARD_SERIES = "o_proj,down_proj"
 LAYER_SHARD_LAYERS = 4  # enough layers for every prefetch step k = 0, 1, 2 (k <= num_layers - 2)
 LAYER_SHARD_STEPS = (0, 1, 2)
+GRAPH_QUANTS = {  # every linear but lm_head, as compressed-tensors stores them; the model in bf16
+    "w8a8": Quant(8, "channel", activations="token"),
+    "w4a16": Quant(4, "group", group_size=32, symmetric=False),
+}
 
 
 @dataclass(frozen=True)
 class Case:
     """One golden graph: a family at one mesh config and phase; ``series`` layer-shards those leaves
-    over ``dp`` = 2 (then ``tp`` is 1) with prefetch step ``k``."""
+    over ``dp`` = 2 (then ``tp`` is 1) with prefetch step ``k``; ``quant`` names a scheme of
+    :data:`GRAPH_QUANTS` (bf16 activations, weights in Ascend's kernels' forms)."""
 
     family: str
     phase: str
     tp: int = 1
     series: str | None = None
     k: int = 0
+    quant: str | None = None
 
     @property
     def name(self) -> str:
         if self.series is not None:
             return f"{self.family}-dp2-layer_shard-k{self.k}-{self.phase}"
+        if self.quant is not None:
+            return f"{self.family}-tp{self.tp}-{self.quant}-{self.phase}"
         return f"{self.family}-tp{self.tp}-{self.phase}"
 
     @property
@@ -117,9 +132,11 @@ class Case:
         return cfg if self.series is None else dataclasses.replace(cfg, num_layers=LAYER_SHARD_LAYERS)
 
 
-CASES: tuple[Case, ...] = tuple(
-    Case(fam, phase, tp) for tp in TP_SIZES for fam in GRAPH_CONFIGS for phase in PHASES
-) + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, k) for k in LAYER_SHARD_STEPS for phase in PHASES)
+CASES: tuple[Case, ...] = (
+    tuple(Case(fam, phase, tp) for tp in TP_SIZES for fam in GRAPH_CONFIGS for phase in PHASES)
+    + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, k) for k in LAYER_SHARD_STEPS for phase in PHASES)
+    + tuple(Case("qwen3", phase, 2, quant=q) for q in GRAPH_QUANTS for phase in PHASES)
+)
 
 
 def case_mesh(case: Case, ctx: RankContext) -> Mesh:
@@ -134,20 +151,43 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
     shapes only). Starting the carried prefetch issues broadcasts: run it on every rank of the world."""
     cfg = case.config
     model = family_of(cfg)
-    full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg)
     specs = model.param_specs(cfg)
-    if case.series is not None:
-        ls = layer_shard(case.series, "dp")
-        full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
-    params = shard(full, specs, mesh)
+    if case.quant is not None:
+        params = _quantized(case, mesh)
+        device = "cpu" if device != "meta" else device  # built on the CPU (quantized), then moved
+        if device == "meta":
+            params = pytree.tree_map(lambda t: t.to("meta"), params)
+    else:
+        full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg)
+        if case.series is not None:
+            ls = layer_shard(case.series, "dp")
+            full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
+        params = shard(full, specs, mesh)
     b, s = PHASES[case.phase]
     positions = torch.arange(s).expand(b, s) if case.phase == "prefill" else torch.full((b, 1), 5)
     tokens = torch.ones(b, s, dtype=torch.long)
-    state = init_state(cfg, mesh, b, CACHE_LEN)
+    state = init_state(cfg, mesh, b, CACHE_LEN, params["embed"].dtype)
     if device == "meta":
         tokens, positions, state = pytree.tree_map(lambda t: t.to("meta"), (tokens, positions, state))
     state = state._replace(prefetched=prefetch.start(params, mesh, case.k))
     return params, tokens, positions, state, mesh
+
+
+def _quantized(case: Case, mesh: Mesh) -> dict[str, Any]:
+    """The case's bf16 params with every linear but ``lm_head`` quantized (compressed-tensors' stored tensors,
+    bit for bit), this rank's shard of them, prepared for Ascend's kernels."""
+    cfg = case.config
+    model = family_of(cfg)
+    full = model.init_params(cfg, seed=0, dtype=torch.bfloat16)
+    qc = QuantConfig.of(GRAPH_QUANTS[case.quant], ("lm_head",))
+    stored, specs = quantize_plan(model, cfg, qc, full, model.param_specs(cfg))
+    full = pytree.tree_map(  # a stored leaf (a dict of meta tensors) gets its weight's quantized tensors
+        lambda w, s: quantize(w, qc.quant) if isinstance(s, dict) else w,
+        full,
+        stored,
+        is_leaf=lambda x: isinstance(x, dict) and "weight_scale" in x,
+    )
+    return prepare_params(shard(full, specs, mesh) | {"quant": qc}, target="npu")
 
 
 def _capture(case: Case, ctx: RankContext) -> torch.fx.GraphModule:
@@ -187,7 +227,11 @@ def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[
             group = next(a for a in reversed(n.args) if isinstance(a, str))
             val = n.args[0].meta["val"]
             entry = {"op": target, "axis": axis_of_group.get(group, group), "bytes": val.numel() * val.element_size()}
-            schedule.append(entry | ({"src": n.args[1]} if "broadcast" in target else {}))
+            if "broadcast" in target:
+                entry["src"] = n.args[1]
+            if "all_reduce" in target or "reduce_scatter" in target:
+                entry["reduce"] = n.args[1]  # "sum", "max", ...
+            schedule.append(entry)
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
     text = re.sub(r"# File: \S+:\d+ in ", "# in ", text)  # no checkout paths or line numbers: stable across machines
     return {

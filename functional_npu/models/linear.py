@@ -9,7 +9,17 @@
   - ``{"w4", "scales_zeros"}``: int4 weights with a scale (and zero) per group of inputs, in the
     kernel's own packing, ``aten._weight_int4pack_mm_for_cpu``;
   - ``{"w8a8", "scale"}``: int8 weights and int8 activations quantized per token as they arrive
-    (W8A8), ``aten._int_mm`` with int32 accumulation, then both scales.
+    (W8A8), ``aten._int_mm`` with int32 accumulation, then both scales;
+
+- a quantized weight prepared for Ascend's kernels (``prepare(..., target="npu")``), input-major as they
+  take it, each called through a torch op that torchair converts to that kernel's GE op
+  (:mod:`functional_npu.models.ascend_ops`):
+
+  - ``{"qbmm", "scale"}``: W8A8, int8 ``[in, out]``, ``QuantBatchMatmulV3`` after the same per-token
+    rounding as on CPU (compressed-tensors' ``absmax / 127.5``, written in aten ops GE converts; Ascend's
+    ``DynamicQuant`` divides by 127, which would not reproduce the checkpoint's reference);
+  - ``{"wqbmm", "scale"[, "offset"]}``: weight-only int8 ``[in, out]`` or int4 ``[in, out / 8]`` words with
+    a scale (and offset) per channel ``[out]`` or per group ``[in / G, out]``, ``WeightQuantBatchMatmulV2``.
 
 The stored form (:mod:`functional_npu.core.quant`: ``weight``, ``weight_scale``, ...) is what
 layouts, loaders and resharding see; :func:`prepare` turns one local shard of it into a kernel's
@@ -17,7 +27,11 @@ form, once, after loading. The kernels take activations and scales in one dtype 
 path on CPU; fp32 activations run far slower), so :func:`prepare` casts the scales to the dtype the
 model computes in. A scheme no kernel covers (int8 group or block scales, int4 groups the kernel
 does not take, output sizes it does not tile) is dequantized to a dense weight in that dtype:
-correct, and as slow as a float model. Per-tensor scales become per-channel ones (the same numbers).
+correct, and as slow as a float model (with int8 activations, ``{"a8": weight}``: the activations are
+still rounded per token). Per-tensor scales become per-channel ones (the same numbers).
+Ascend's kernels take 16-bit activations only: with float32 ones, and for group sizes that are not a
+multiple of 32, the NPU target dequantizes too; ``target="dense"`` always does (CUDA, whose int8 and
+int4 kernels take other packings).
 
 Experts stacked on dim 0 (``[S, out, in]``) have no CPU kernel: they are held as int8 values (int4
 ones one to a byte) with their scales and zero points per group, ``{"q" | "q8a8", "scale"[, "zero"]}``,
@@ -37,6 +51,7 @@ import torch.utils._pytree as pytree
 from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
 from ..core.quant import Quant, dequantize, unpack_int32
+from .ascend_ops import pack_int4, quant_matmul, weight_quant_matmul
 
 __all__ = [
     "linear",
@@ -45,6 +60,7 @@ __all__ = [
     "int8_tokens",
     "prepare",
     "prepare_params",
+    "TARGETS",
     "kernel_of",
     "expert_weights",
     "quantized_activations",
@@ -54,24 +70,30 @@ __all__ = [
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 _INT4_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 _INT4_TILE = 16  # it needs out_features divisible by this
+_NPU_GROUP = 32  # WeightQuantBatchMatmulV2 takes group sizes that are multiples of this
+TARGETS = ("cpu", "npu", "dense")  # whose kernels prepare() aims at
+_KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8")
+_INT8_ACTIVATIONS = ("w8a8", "qbmm", "a8")
 
 
 def kernel_of(w: Any) -> str:
-    """The form of a weight leaf: ``"dense"``, ``"w8"``, ``"w4"`` or ``"w8a8"``."""
+    """The form of a weight leaf: ``"dense"`` or one of ``w8``, ``w4``, ``w8a8``, ``qbmm``, ``wqbmm``, ``a8``."""
     if isinstance(w, torch.Tensor):
         return "dense"
-    for kind in ("w8", "w4", "w8a8"):
+    for kind in _KINDS:
         if kind in w:
             return kind
     raise TypeError(
-        f"a linear weight is a tensor or a prepared quantized weight (keys w8 / w4 / w8a8), got keys {sorted(w)}; "
+        f"a linear weight is a tensor or a prepared quantized weight (keys {' / '.join(_KINDS)}), "
+        f"got keys {sorted(w)}; "
         f"stored quantized weights go through functional_npu.models.linear.prepare first"
     )
 
 
 def token_amax(x: torch.Tensor) -> torch.Tensor:
-    """Each token's largest magnitude ``[..., 1]`` (float32): what its int8 scale is made of."""
-    return x.abs().amax(-1, keepdim=True).float()
+    """Each token's largest magnitude ``[..., 1]`` (float32): what its int8 scale is made of. (``max`` over a
+    dim, not ``amax``: torchair has no GE converter for ``aten.amax``.)"""
+    return x.abs().max(-1, keepdim=True).values.float()
 
 
 def int8_tokens(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +111,7 @@ def row_parallel(x: torch.Tensor, w: Any, mesh: Mesh, tp: str) -> torch.Tensor:
     unsharded model: the per-token magnitudes are reduced (max) over ``tp`` first.
     """
     amax = None
-    if kernel_of(w) == "w8a8" and mesh.axis_size(tp) > 1:
+    if kernel_of(w) in _INT8_ACTIVATIONS and mesh.axis_size(tp) > 1:
         amax = all_reduce(token_amax(x), mesh, tp, op="max")
     return all_reduce(linear(x, w, amax=amax), mesh, tp)
 
@@ -111,6 +133,16 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
     elif kind == "w4":
         group = x.shape[-1] // w["scales_zeros"].shape[0]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w["w4"], group, w["scales_zeros"])
+    elif kind == "wqbmm":
+        scale = w["scale"]
+        group = x.shape[-1] // scale.shape[0] if scale.ndim == 2 else 0
+        y = weight_quant_matmul(flat, w["wqbmm"], scale, w.get("offset"), group)
+    elif kind == "a8":  # a dequantized weight, activations rounded to int8 per token and back (W8A8)
+        xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
+        y = (xq * x_scale).to(x.dtype) @ w["a8"].T
+    elif kind == "qbmm":
+        xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
+        y = quant_matmul(xq, w["qbmm"], w["scale"], x_scale.reshape(-1), x.dtype)
     else:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5), int32 accumulation
         xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
         acc = torch.ops.aten._int_mm(xq, w["w8a8"].T)
@@ -118,12 +150,22 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def prepare(stored: dict[str, torch.Tensor], quant: Quant, dtype: torch.dtype, blocks: list[int] | None = None) -> Any:
+def prepare(
+    stored: dict[str, torch.Tensor],
+    quant: Quant,
+    dtype: torch.dtype,
+    blocks: list[int] | None = None,
+    target: str = "cpu",
+) -> Any:
     """A kernel's form of one quantized weight (this rank's shard, as stored), for activations in ``dtype``;
     a dense ``dtype`` weight where no kernel covers the scheme (see the module docstring). ``blocks``: the
     local sizes along ``out`` of the matrices a per-tensor scale each covers (a fused leaf's q, k, v).
+    ``target``: whose kernels (:data:`TARGETS`): ``"cpu"`` (torch's CPU kernels), ``"npu"`` (Ascend's, via
+    :mod:`functional_npu.models.ascend_ops`) or ``"dense"``.
 
     Experts stacked on dim 0 (``[S, out, in]``) take the form :func:`expert_weights` reads."""
+    if target not in TARGETS:
+        raise ValueError(f"prepare: target {target!r} is not one of {TARGETS}")
     values = stored[quant.weight_name]
     if quant.strategy == "tensor":  # one scale per block: the same as a scale per channel, for kernels
         scale = stored["weight_scale"]
@@ -132,18 +174,64 @@ def prepare(stored: dict[str, torch.Tensor], quant: Quant, dtype: torch.dtype, b
         stored, quant = stored | {"weight_scale": channel}, replace(quant, strategy="channel")
     if values.ndim == 3:
         return _experts(stored, quant, dtype)
+    if target == "npu":
+        return _ascend(stored, quant, dtype)
     out_features = values.shape[-2]
-    if quant.bits == 8 and quant.strategy == "channel" and quant.symmetric:
+    if target == "cpu" and quant.bits == 8 and quant.strategy == "channel" and quant.symmetric:
         w8 = (unpack_int32(values, 8, -1) if quant.packed else values).contiguous()
         if quant.activations == "token":
             return {"w8a8": w8, "scale": stored["weight_scale"].reshape(-1).float()}
         return {"w8": w8, "scale": stored["weight_scale"].reshape(-1).to(dtype)}
-    if quant.bits == 4 and quant.strategy in ("group", "channel") and out_features % _INT4_TILE == 0:
+    int4_tiles = out_features % _INT4_TILE == 0
+    if target == "cpu" and quant.bits == 4 and quant.strategy in ("group", "channel") and int4_tiles:
         in_features = values.shape[-1] * quant.pack
         group = quant.group_size if quant.strategy == "group" else _channel_group(in_features)
         if group in _INT4_GROUPS and in_features % group == 0:
             return _int4(stored, quant, group, in_features, dtype)
-    return dequantize(stored, quant).to(dtype)
+    return _dense(stored, quant, dtype)
+
+
+def _ascend(stored: dict[str, torch.Tensor], quant: Quant, dtype: torch.dtype) -> Any:
+    """Ascend's form of one weight ``[out, in]`` (module docstring): ``qbmm`` for W8A8 per channel, ``wqbmm``
+    for weight-only int8 / int4 per channel, group or block (a block's scale repeated over its rows is a
+    group scale), sym or asym; else dense. Weights, scales and offsets are transposed to input-major."""
+    q = quant
+    values = unpack_int32(stored[q.weight_name], q.bits, -1) if q.packed else stored[q.weight_name]  # [out, in]
+    out_features, in_features = values.shape
+    scale = stored["weight_scale"]  # [out, 1] per channel, [out, in / G] per group, [out / B0, in / B1] per block
+    group = {"channel": 0, "group": q.group_size, "block": q.block[1] if q.block else 0}.get(q.strategy)
+    fits = (
+        dtype in _GEMV_DTYPES
+        and group is not None
+        and (q.activations is None or (q.bits == 8 and q.strategy == "channel" and q.symmetric))
+        and (group == 0 or (group % _NPU_GROUP == 0 and in_features % group == 0))
+        and (q.bits == 8 or out_features % 8 == 0)
+    )
+    if not fits:
+        return _dense(stored, quant, dtype)
+    if q.activations == "token":
+        return {"qbmm": values.T.contiguous(), "scale": scale.reshape(-1).float()}
+    if q.strategy == "block":
+        scale = scale.repeat_interleave(q.block[0], 0)[:out_features]
+    weight = values.T.contiguous() if q.bits == 8 else pack_int4(values.T.contiguous())
+    out = {"wqbmm": weight, "scale": _input_major(scale, group).to(dtype)}
+    if not q.symmetric:  # zero points exist per channel or group only
+        zero = stored["weight_zero_point"]
+        zero = unpack_int32(zero, q.bits, -2)[:out_features] if q.packed else zero
+        out["offset"] = -_input_major(zero, group).to(dtype)
+    return out
+
+
+def _dense(stored: dict[str, torch.Tensor], quant: Quant, dtype: torch.dtype) -> Any:
+    """The dequantized weight in ``dtype``; with int8 activations (W8A8) ``{"a8": weight}``, so that the
+    activations are still rounded per token as the scheme says."""
+    w = dequantize(stored, quant).to(dtype)
+    return {"a8": w} if quant.activations == "token" else w
+
+
+def _input_major(per_out: torch.Tensor, group: int) -> torch.Tensor:
+    """A scale or zero point ``[out, 1]`` (per channel: ``[out]``) or ``[out, in / G]`` -> ``[in / G, out]``."""
+    return per_out.reshape(-1) if group == 0 else per_out.T.contiguous()
 
 
 def _channel_group(in_features: int) -> int | None:
@@ -213,17 +301,19 @@ def quantized_activations(x: torch.Tensor, w: Any, amax: torch.Tensor | None = N
     return (values * scale).to(x.dtype)
 
 
-def prepare_params(params: dict[str, Any], blocks: Any = None) -> dict[str, Any]:
+def prepare_params(params: dict[str, Any], blocks: Any = None, target: str = "cpu") -> dict[str, Any]:
     """``params`` with every stored quantized leaf (a dict of ``weight``/``weight_packed``, ``weight_scale``,
-    ...; see :mod:`functional_npu.runtime.quant_plan`) in its kernel's form, for activations in the
-    embedding's dtype. ``blocks(path) -> [local sizes]``: the blocks of a per-tensor scale. Pure."""
+    ...; see :mod:`functional_npu.runtime.quant_plan`) in its kernel's form for ``target`` (:func:`prepare`),
+    for activations in the embedding's dtype. ``blocks(path) -> [local sizes]``: the blocks of a per-tensor
+    scale. Pure."""
     qc = params.get("quant")
     if qc is None:
         return params
     dtype = params["embed"].dtype
 
     def one(path: str, node: dict[str, torch.Tensor]) -> Any:
-        return prepare(node, qc.quant, dtype, blocks(path) if blocks and qc.quant.strategy == "tensor" else None)
+        tensor_blocks = blocks(path) if blocks and qc.quant.strategy == "tensor" else None
+        return prepare(node, qc.quant, dtype, tensor_blocks, target)
 
     def walk(path: str, node: Any) -> Any:
         if isinstance(node, dict) and "weight_scale" in node and path.startswith("series."):

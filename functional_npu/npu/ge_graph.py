@@ -128,7 +128,8 @@ def group_ranks(group: str) -> list[int]:
 
 
 def hcom_schedule(ops: Sequence[Op], axis_of_ranks: Mapping[tuple[int, ...], str]) -> list[dict[str, Any]]:
-    """The Hcom ops in graph (= program) order: op, mesh axis, group ranks, input bytes, root, stream."""
+    """The Hcom ops in graph (= program) order: op, mesh axis, group ranks, input bytes, root, reduction,
+    stream."""
     out = []
     for op in ops:
         if not op["type"].startswith("Hcom"):
@@ -142,6 +143,8 @@ def hcom_schedule(ops: Sequence[Op], axis_of_ranks: Mapping[tuple[int, ...], str
         }
         if "root_rank" in op["attrs"]:
             entry["root"] = op["attrs"]["root_rank"]
+        if "reduction" in op["attrs"]:
+            entry["reduce"] = op["attrs"]["reduction"]
         if op["stream"] is not None:
             entry["stream"] = op["stream"]
         out.append(entry)

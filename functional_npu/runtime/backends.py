@@ -39,6 +39,15 @@ class Backend:
     compiler: Any = field(default=None, repr=False)  # the torch.compile backend (callable or name)
     streams: Streams = field(default=INLINE, repr=False)  # ordering hints the forward puts in the graph
 
+    @property
+    def kernels(self) -> str:
+        """Whose quantized matmuls the weights are prepared for (:func:`functional_npu.models.linear.prepare`):
+        ``"npu"`` (Ascend's, which torchair converts to their GE ops), ``"cpu"`` (torch's CPU kernels), or
+        ``"dense"`` (dequantized: torch's CUDA int8 / int4 kernels take other packings)."""
+        if self.name == "torchair" or self.device_type == "npu":
+            return "npu"
+        return "cpu" if self.device_type == "cpu" else "dense"
+
     def compile(
         self, fn: Callable[..., Any], *, inductor_options: dict[str, Any] | None = None, **options: Any
     ) -> Callable[..., Any]:
@@ -88,6 +97,8 @@ def torchair_streams() -> Streams:
 
 def _torchair(mode: str | None) -> Any:
     import torchair  # only importable after torch_npu
+
+    from . import ge_converters  # noqa: F401 - registers the GE converters of this library's ops
 
     config = torchair.CompilerConfig()
     config.mode = mode or "max-autotune"

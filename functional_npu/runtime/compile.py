@@ -22,7 +22,7 @@ from ..core.shard import local_shape
 from ..core.tree import flatten_with_paths
 from ..models import family_of, init_state
 from ..models.decoder import DecodeState, decode
-from ..models.linear import prepare_params
+from ..models.linear import TARGETS, prepare_params
 from ..parallel import prefetch
 from ..parallel.layer_shard import series_of
 from ..parallel.prefetch import check_prefetch_step, coalesced
@@ -250,6 +250,7 @@ def compile_model(
     tp_axis: str = "tp",
     prefetch_device: Any = None,
     prefetch_budget: float | None = None,
+    kernels: str | None = None,
 ) -> CompiledModel:
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
@@ -276,22 +277,29 @@ def compile_model(
             :data:`functional_npu.parallel.prefetch_cost.DEVICES` or a ``Device`` (default: by the
             params' device type).
         prefetch_budget: for ``"auto"``: the most bytes the ``k + 1`` live prefetch buffers may take.
+        kernels: whose quantized matmuls the weights are prepared for (``"cpu"``, ``"npu"`` or ``"dense"``,
+            see :func:`functional_npu.models.linear.prepare`); default: the backend's
+            (:attr:`functional_npu.runtime.backends.Backend.kernels`). ``"npu"`` off an NPU runs Ascend's
+            kernels' CPU references (:mod:`functional_npu.models.ascend_ops`): the NPU's numerics, checked here.
 
     Example:
         >>> model = compile_model(load_checkpoint(path, mesh), mesh)     # doctest: +SKIP
         >>> model.generate([[1, 2, 3]], max_new_tokens=16)               # doctest: +SKIP
     """
+    if kernels not in (None, *TARGETS):
+        raise ValueError(f"compile_model: kernels={kernels!r} is not one of {TARGETS} (or None: the backend's)")
     cfg, full, layouts = _check_params(params, mesh, tp_axis, "compile_model")
+    chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     if params.get("quant") is not None:  # stored quantized weights -> the kernels' forms, once
         weight = params["quant"].quant.weight_name
-        params = prepare_params(params, lambda path: tensor_blocks(path, weight, layouts, full, mesh))
+        blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)
+        params = prepare_params(params, blocks, kernels or chosen.kernels)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     if prefetch_step == "auto":
         prefetch_step = (
             auto_step(params, device=prefetch_device, budget_bytes=prefetch_budget) if series_of(params) else 0
         )
     k = check_prefetch_step(prefetch_step, cfg.num_layers)
-    chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     if not mesh.is_abstract:
         mesh.init_groups()  # collectively, before any tracing
         mesh.init_groups(

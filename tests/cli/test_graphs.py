@@ -2,6 +2,7 @@
 converters, the GE graphs -- and compare with graphs/ (drift must be regenerated and reviewed)."""
 
 import json
+import re
 
 import pytest
 
@@ -9,6 +10,7 @@ from functional_npu.cli.ge_graphs import CONTROL, compare_schedules
 from functional_npu.cli.graphs import (
     CASES,
     GRAPH_CONFIGS,
+    GRAPH_QUANTS,
     LAYER_SHARD_LAYERS,
     LAYER_SHARD_STEPS,
     PHASES,
@@ -139,3 +141,43 @@ def test_without_the_hints_ge_may_break_the_bounds(report):
     assert not order["ok"]
     assert order["max_live_per_series"] == [LAYER_SHARD_LAYERS + k]
     assert all(r["waits_for_layer"] is None and r["stream"] is None for r in order["broadcasts"])
+
+
+def _ge_ops(text, op_type):
+    """The text of each GE op of ``op_type`` in a graph's protobuf text."""
+    return [block for block in text.split("\nop {") if f'\n  type: "{op_type}"\n' in block]  # the op's own type
+
+
+@pytest.mark.parametrize("quant", GRAPH_QUANTS)
+def test_quantized_linears_are_ascends_quantized_matmuls(report, quant):
+    """bf16 Qwen3 at tp 2 with every linear but lm_head quantized: each of the 4 linears per layer is one
+    Ascend quantized matmul in the GE graph (the dense MatMul left is lm_head), with int8 (W8A8) or int4
+    (weight-only, groups of 32) weights; W8A8 rounds each token with the scale of its whole row, so the
+    row-parallel o_proj and down take a max all_reduce of the token magnitudes before their sum."""
+    cfg = GRAPH_CONFIGS["qwen3"]
+    linears = 4 * cfg.num_layers
+    op, aten_op = (
+        ("QuantBatchMatmulV3", "quant_matmul")
+        if quant == "w8a8"
+        else ("WeightQuantBatchMatmulV2", "weight_quant_matmul")
+    )
+    for phase in PHASES:
+        name = f"qwen3-tp2-{quant}-{phase}"
+        assert read_artifact(GRAPHS, name, "census.json")[f"functional_npu.{aten_op}.default"] == linears
+        census = read_artifact(GRAPHS, name, "ge_census.json")
+        assert census[op] == linears and census["MatMul"] == 1, census
+        text = read_artifact(GRAPHS, name, "ge_graph.pbtxt.gz")
+        blocks = _ge_ops(text, op)
+        assert len(blocks) == linears
+        for block in blocks:
+            dtypes = re.findall(r"dtype: (DT_\w+)", block)
+            if quant == "w8a8":  # x1, x2 int8 -> bf16 output, the scales float32
+                assert dtypes[:2] == ["DT_INT8", "DT_INT8"] and dtypes[-1] == "DT_BF16", dtypes
+                assert "DT_FLOAT" in dtypes
+            else:  # bf16 x, int4 weight (bitcast from the packed words), bf16 scale and offset
+                assert dtypes[:4] == ["DT_BF16", "DT_INT4", "DT_BF16", "DT_BF16"] and dtypes[-1] == "DT_BF16", dtypes
+                assert re.search(r'key: "antiquant_group_size"\s+value \{\s+i: 32', block)
+        schedule = read_artifact(GRAPHS, name, "collectives.json")
+        reduces = [c.get("reduce") for c in schedule if "all_reduce" in c["op"]]
+        row_parallel = ["max", "sum"] if quant == "w8a8" else ["sum"]
+        assert reduces == ["sum"] + row_parallel * (2 * cfg.num_layers), reduces

@@ -1,32 +1,38 @@
-"""A linear layer's matmul by its weight's form: the CPU kernels against the dequantized weight, eager and
-compiled whole."""
+"""A linear layer's matmul by its weight's form: the CPU kernels and the Ascend kernels' references against
+the dequantized weight, eager and compiled whole."""
 
 import pytest
 import torch
 
 from functional_npu.core.quant import Quant, dequantize, quantize
+from functional_npu.models.ascend_ops import pack_int4, unpack_int4
 from functional_npu.models.linear import kernel_of, linear, prepare
 
-CASES = [
-    (Quant(8, "channel"), "w8"),
-    (Quant(8, "channel", packed=True), "w8"),
-    (Quant(8, "channel", activations="token"), "w8a8"),
-    (Quant(4, "group", group_size=32), "w4"),
-    (Quant(4, "group", group_size=128, symmetric=False), "w4"),
-    (Quant(4, "channel", symmetric=False), "w4"),
-    (Quant(4, "group", group_size=16), "dense"),  # a group size the int4 kernel does not take
-    (Quant(8, "block", block=(32, 64)), "dense"),  # no int8 kernel with block scales
+CASES = [  # (scheme, the form for CPU kernels, the form for Ascend's)
+    (Quant(8, "channel"), "w8", "wqbmm"),
+    (Quant(8, "channel", packed=True), "w8", "wqbmm"),
+    (Quant(8, "tensor"), "w8", "wqbmm"),
+    (Quant(8, "channel", activations="token"), "w8a8", "qbmm"),
+    (Quant(4, "group", group_size=32), "w4", "wqbmm"),
+    (Quant(4, "group", group_size=128, symmetric=False), "w4", "wqbmm"),
+    (Quant(4, "channel", symmetric=False), "w4", "wqbmm"),
+    (Quant(8, "group", group_size=64, symmetric=False), "dense", "wqbmm"),
+    (Quant(4, "group", group_size=16), "dense", "dense"),  # a group size neither kernel takes
+    (Quant(8, "block", block=(32, 64)), "dense", "wqbmm"),  # Ascend: a block's scale is a group scale per row
+    (Quant(8, "group", group_size=64, activations="token"), "a8", "a8"),  # int8 activations: kernels per channel only
+    (Quant(4, "group", group_size=16, activations="token"), "a8", "a8"),
 ]
 
 
-@pytest.mark.parametrize("quant, kind", CASES, ids=[repr(q) for q, _ in CASES])
-def test_kernels_match_the_dequantized_weight(quant, kind):
+@pytest.mark.parametrize("target", ["cpu", "npu"])
+@pytest.mark.parametrize("quant, cpu, npu", CASES, ids=[repr(q) for q, *_ in CASES])
+def test_kernels_match_the_dequantized_weight(quant, cpu, npu, target):
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(96, 256, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(3, 5, 256, generator=g).to(torch.bfloat16)
     stored = quantize(w, quant)
-    prepared = prepare(stored, quant, torch.bfloat16)
-    assert kernel_of(prepared) == kind
+    prepared = prepare(stored, quant, torch.bfloat16, target=target)
+    assert kernel_of(prepared) == (cpu if target == "cpu" else npu)
     want = x.float() @ dequantize(stored, quant).float().T
     if quant.activations == "token":  # the activations are quantized too: compare with them quantized alike
         xs = x.float().abs().amax(-1, keepdim=True) / 127.5
@@ -34,8 +40,39 @@ def test_kernels_match_the_dequantized_weight(quant, kind):
     got = linear(x, prepared)
     assert got.shape == (3, 5, 96) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.02, rtol=0.02)
+    torch._dynamo.reset()  # a fresh graph per form (22 forms would pass dynamo's recompile limit)
     compiled = torch.compile(linear, fullgraph=True, dynamic=False)(x, prepared)
     torch.testing.assert_close(compiled.float(), want, atol=0.02, rtol=0.02)
+
+
+def test_ascend_forms_are_input_major_and_need_16_bit_activations():
+    stored = quantize(torch.randn(96, 256) * 0.05, Quant(4, "group", group_size=32, symmetric=False))
+    w = prepare(stored, Quant(4, "group", group_size=32, symmetric=False), torch.float16, target="npu")
+    assert w["wqbmm"].shape == (256, 96 // 8) and w["wqbmm"].dtype == torch.int32
+    assert w["scale"].shape == w["offset"].shape == (256 // 32, 96) and w["scale"].dtype == torch.float16
+    w8a8 = prepare(
+        quantize(torch.randn(96, 256), Quant(8, "channel", activations="token")),
+        Quant(8, "channel", activations="token"),
+        torch.bfloat16,
+        target="npu",
+    )
+    assert w8a8["qbmm"].shape == (256, 96) and w8a8["scale"].shape == (96,) and w8a8["scale"].dtype == torch.float32
+    # QuantBatchMatmulV3 / WeightQuantBatchMatmulV2 take no float32 activations: dequantized instead
+    assert (
+        kernel_of(prepare(stored, Quant(4, "group", group_size=32, symmetric=False), torch.float32, target="npu"))
+        == "dense"
+    )
+    with pytest.raises(ValueError, match="target 'gpu' is not one of"):
+        prepare(stored, Quant(4, "group", group_size=32, symmetric=False), torch.bfloat16, target="gpu")
+
+
+def test_ascend_int4_packing_is_twos_complement_low_nibble_first():
+    q = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [-1] * 8, [-8, 7, -8, 7, -8, 7, -8, 7]], dtype=torch.int8)
+    words = pack_int4(q)
+    assert words.dtype == torch.int32 and words.shape == (3, 1)
+    assert [w & 0xFFFFFFFF for w in words.reshape(-1).tolist()] == [0x76543210, 0xFFFFFFFF, 0x78787878]
+    r = torch.randint(-8, 8, (5, 64), dtype=torch.int8)
+    assert torch.equal(unpack_int4(pack_int4(r)), r)
 
 
 def test_a_stored_quantized_weight_must_be_prepared():

@@ -6,8 +6,8 @@ The reference is transformers on the same checkpoint: decompressed by compressed
 checkpoint (weight-only schemes), or for W8A8 transformers' compressed-tensors forward, which rounds the
 activations per token. fp32 checkpoints: prefill logits to 1e-4 and 16 greedy tokens, at tp 1 and 2 (dense),
 experts replicated and expert-parallel over 2 ranks (MoE), eager, and compiled (inductor) for a few. bf16:
-a float checkpoint stored in bf16 and a bf16 int4 one (what llm-compressor writes), both against transformers
-in bf16."""
+a float checkpoint stored in bf16, and bf16 W8A8 and int4 ones (what llm-compressor writes) run with the
+weights in Ascend's kernels' forms (their CPU references), all against transformers in bf16."""
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ PROMPT_LENS = (5, 12, 9)
 NEW = 16
 DENSE = ("w8a8", "w8a16", "w4a16", "w4a16_asym")
 MOE = ("w8a16", "w4a16", "w4a16_asym")
+ASCEND = ("w8a8", "w4a16_asym")  # QuantBatchMatmulV3, WeightQuantBatchMatmulV2 with offsets
 BF16_TOL = 2e-2  # bf16 end to end: both sides round every activation to 8 bits of mantissa
 
 
@@ -67,6 +68,10 @@ def models(tmp_path_factory):
     for family in ("qwen3", "qwen3_moe"):  # the same weights stored in bf16, run by transformers in bf16
         path = _as_bf16(root / family, root / f"{family}-bf16")
         out[f"{family}-bf16"] = (str(path), prompts, *_reference(path, prompts, torch.bfloat16))
+    for scheme in ASCEND:  # bf16 quantized checkpoints, for Ascend's kernels (16-bit activations only)
+        path = quantize_checkpoint(root / "qwen3-bf16", root / f"qwen3-bf16-{scheme}", scheme)
+        src = path if scheme == "w8a8" else dequantized_checkpoint(path, root / f"qwen3-bf16-{scheme}-ref")
+        out[f"qwen3-bf16-{scheme}"] = (str(path), prompts, *_reference(src, prompts, torch.bfloat16))
     for family, schemes in (("qwen3", DENSE), ("qwen3_moe", MOE)):
         for scheme in schemes:
             path = quantize_checkpoint(root / family, root / f"{family}-{scheme}", scheme)
@@ -83,8 +88,8 @@ def _check(logits, tokens, reference, order=None):
     # W8A8: an activation on a rounding boundary may land one int8 step apart (about 1e-4 in the logits), so
     # greedy decoding may part where transformers' best two tokens are that close (each logit off by up to
     # the tolerance: a gap of twice it), and only there
-    w8a8, bf16 = path.endswith("w8a8"), path.endswith("bf16")
-    tol = 5e-4 if w8a8 else BF16_TOL if bf16 else 1e-4
+    w8a8, bf16 = path.endswith("w8a8"), "bf16" in path.rsplit("/", 1)[-1]
+    tol = BF16_TOL if bf16 else 5e-4 if w8a8 else 1e-4
     for row, i in enumerate(order or range(len(prompts))):
         n = len(prompts[i])
         diff = (logits[row, :n].float() - ref_logits[i]).abs().max().item()
@@ -201,3 +206,21 @@ def test_moe_w8a8_tp2_rounds_as_tp1(world2, tmp_path_factory, models):
     _, one, _, _, _ = moe_generate(None, path, {"tp": 1}, (), prompts, 4, False)
     for _, logits, _, _, _ in world2.run(moe_generate, path, {"dp": 1, "tp": 2}, (), prompts, 4, False):
         assert (logits - one).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("scheme", ASCEND)
+def test_ascend_kernels_tp2(world2, models, scheme):
+    """Weights prepared for Ascend's kernels (input-major, int4 as two's complement words, offsets for zero
+    points), run through the ops' CPU references at tp 2, as a GE graph would call the kernels."""
+    from functional_npu import Mesh, compile_model
+    from functional_npu.models.linear import kernel_of
+    from functional_npu.runtime.checkpoint import load_checkpoint
+
+    ref = models[f"qwen3-bf16-{scheme}"]
+    mesh = Mesh.abstract({"dp": 1, "tp": 2}, 1)
+    held = compile_model(load_checkpoint(ref[0], mesh), mesh, backend="none", kernels="npu").params
+    kinds = {kernel_of(held["layers"][0][leaf]) for leaf in ("qkv", "o_proj", "gate_up", "down")}
+    assert kinds == {"qbmm" if scheme == "w8a8" else "wqbmm"}
+    for logits, tokens, _, _ in world2.run(llama_generate, ref[0], 2, ref[1], NEW, False, "npu"):
+        assert logits.dtype == torch.bfloat16
+        _check(logits, tokens, ref)

@@ -58,6 +58,8 @@ def test_compile_model_errors(compiled, qwen3):
         r"were the params sharded for another mesh\?",
     ):
         compile_model(tp2, mesh)
+    with pytest.raises(ValueError, match=r"kernels='gpu' is not one of \('cpu', 'npu', 'dense'\)"):
+        compile_model(params, mesh, kernels="gpu")
     with pytest.raises(ValueError, match=r"generate: 11 prompt tokens \+ 60 new exceed max_seq_len 64"):
         compiled.generate(PROMPTS, 60)
     with pytest.raises(ValueError, match=r"sampling: need temperature >= 0"):

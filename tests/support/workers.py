@@ -89,7 +89,7 @@ def gather_roundtrip(ctx, axes, leaves, seed: int, use_compile: bool = False):
     return equal, aliased, ops
 
 
-def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
+def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh, kernels=None):
     """The logits of one right-padded prefill ``[B, S, V]`` and the greedy tokens, both through ``fwd``
     (a forward with ``models.forward``'s signature), the tokens by the library's one generation path."""
     import dataclasses
@@ -109,6 +109,7 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
         batch_sizes=[len(prompts)],
         max_seq_len=width + new_tokens,
         prefill_lengths=[width],
+        kernels=kernels,
     )
     with torch.no_grad():  # model.params: quantized weights in their kernels' forms
         logits = fwd(model.params, tokens, torch.arange(width).expand(len(prompts), width), state, mesh)
@@ -116,8 +117,9 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh):
     return logits, out
 
 
-def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_compile: bool):
-    """Load with tp ranks (the world is tp x dp), run one padded batch: (prefill logits, greedy tokens, bytes read)."""
+def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_compile: bool, kernels=None):
+    """Load with tp ranks (the world is tp x dp), run one padded batch: (prefill logits, greedy tokens, bytes read,
+    the compiled graph's ops); ``kernels``: whose quantized matmuls (``compile_model``'s)."""
     from functional_npu import Mesh
     from functional_npu.models import forward
     from functional_npu.runtime.checkpoint import load_checkpoint
@@ -131,7 +133,7 @@ def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_c
         mesh.init_groups() if not mesh.is_abstract else None
         torch._dynamo.reset()
         fwd = torch.compile(forward, fullgraph=True, dynamic=False, backend=recording_inductor(ops))
-    logits, out = prefill_and_greedy(fwd, params, prompts, new_tokens, mesh)
+    logits, out = prefill_and_greedy(fwd, params, prompts, new_tokens, mesh, kernels)
     return logits, out, sum(read), ops
 
 
