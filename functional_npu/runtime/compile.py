@@ -256,8 +256,9 @@ def compile_model(
 
     Args:
         params: this rank's params with ``params["config"]`` (from ``load_checkpoint``); quantized weights
-            as stored (``params["quant"]``) are put in their kernels' forms here
-            (:func:`functional_npu.models.linear.prepare_params`), once.
+            as stored (``params["quant"]``) are put in their kernels' forms here, and float32 linear
+            weights input-major on the CPU (:func:`functional_npu.models.linear.prepare_params`), once:
+            the model's ``params`` are then its own, and the loaded ones may be dropped.
         mesh: the mesh they were sharded for (a ``tp_axis`` axis; other axes hold replicas).
         backend: "auto" (torchair on NPU, inductor elsewhere), "inductor", "torchair", "eager",
             "aot_eager", or "none" (the plain Python forward, no ``torch.compile``).
@@ -290,10 +291,10 @@ def compile_model(
         raise ValueError(f"compile_model: kernels={kernels!r} is not one of {TARGETS} (or None: the backend's)")
     cfg, full, layouts = _check_params(params, mesh, tp_axis, "compile_model")
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
-    if params.get("quant") is not None:  # stored quantized weights -> the kernels' forms, once
-        weight = params["quant"].quant.weight_name
-        blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)
-        params = prepare_params(params, blocks, kernels or chosen.kernels)
+    # stored quantized weights -> the kernels' forms, float32 linears -> the layout that streams fastest; once
+    weight = params["quant"].quant.weight_name if params.get("quant") is not None else None
+    blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)
+    params = prepare_params(params, blocks, kernels or chosen.kernels, family_of(cfg).linears)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     if prefetch_step == "auto":
         prefetch_step = (

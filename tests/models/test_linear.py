@@ -101,3 +101,22 @@ def test_one_bf16_row_compiled_is_a_fused_reduction():
     want = (x.float() @ w.float().T).bfloat16()
     assert y.dtype == torch.bfloat16 and torch.equal(y, want)
     assert torch.equal(linear(x, w), x @ w.T)  # eager: the matmul
+
+
+def test_float32_linears_are_held_input_major_on_the_cpu():
+    """The same [out, in] tensor in input-major memory order: w.T is a contiguous [in, out] for the matmul."""
+    from functional_npu.models.linear import prepare_dense, prepare_params
+
+    w = torch.randn(96, 256)
+    x = torch.randn(2, 3, 256)
+    held = prepare_dense(w)
+    assert held.shape == w.shape and torch.equal(held, w) and held.T.is_contiguous() and not held.is_contiguous()
+    torch.testing.assert_close(linear(x, held), x @ w.T)
+    assert prepare_dense(w.bfloat16()).is_contiguous()  # a 16-bit row streams faster [out, in]
+    assert prepare_dense(w, "npu") is w and prepare_dense(torch.randn(4, 96, 256)).is_contiguous()  # experts stay
+    params = {"embed": torch.randn(8, 256), "lm_head": w, "layers": [{"down": w, "norm": torch.ones(256)}]}
+    params["series"] = {"down": w[None]}  # layer-sharded leaves are broadcast as stored
+    out = prepare_params(params, target="cpu", linears=("down", "lm_head"))
+    assert out["lm_head"].T.is_contiguous() and out["layers"][0]["down"].T.is_contiguous()
+    assert out["series"]["down"] is params["series"]["down"] and out["embed"] is params["embed"]
+    assert params["lm_head"] is w and w.is_contiguous()  # pure
