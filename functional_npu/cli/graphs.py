@@ -153,8 +153,7 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
     model = family_of(cfg)
     specs = model.param_specs(cfg)
     if case.quant is not None:
-        params = _quantized(case, mesh)
-        device = "cpu" if device != "meta" else device  # built on the CPU (quantized), then moved
+        params = _quantized(case, mesh)  # quantizing needs values: built on the CPU, then moved for shapes only
         if device == "meta":
             params = pytree.tree_map(lambda t: t.to("meta"), params)
     else:
