@@ -44,6 +44,63 @@ def test_split_is_vllm_ascend_module_tp_over_dp():
         assert split.at(r).group_ranks(("dp_outer", "otp")) == mesh.at(r).group_ranks("dp")
 
 
+def _seed_module_tp_groups(pp, dp, tp, n):
+    """seed 003's fine-grained TP groups (o_proj / lm_head / embedding / MLP), re-expressed: over a (pp, dp, tp)
+    grid of ranks, each group is ``n`` consecutive DP ranks at one pp stage and one TP index."""
+    grid = torch.arange(pp * dp * tp).reshape(pp, dp, tp)
+    return sorted(
+        tuple(grid[s, c * n : (c + 1) * n, t].tolist()) for s in range(pp) for c in range(dp // n) for t in range(tp)
+    )
+
+
+def _seed_flashcomm2_groups(dp, pp, tp, otp):
+    """seed 003's flashcomm2 groups over a (dp, pp, tp) grid: o_proj TP groups of ``otp`` ranks strided by
+    ``tp / otp`` inside each TP group, and the "odp" groups of the ranks at one position in them."""
+    groups = tp // otp
+    otp_groups, odp_groups = [], {}
+    for base in range(0, dp * pp * tp, tp):
+        for i in range(groups):
+            ranks = [base + i + j * groups for j in range(otp)]
+            otp_groups.append(tuple(ranks))
+            for j, r in enumerate(ranks):
+                odp_groups.setdefault((base, j), []).append(r)
+    return sorted(otp_groups), sorted(tuple(g) for g in odp_groups.values())
+
+
+def _seed_shard_weight_groups(module_groups, world):
+    """seed 003's layer-sharding group for a module-TP'd weight (pp = 1): the ranks at one position of
+    their module TP group, across all such groups."""
+    by_position = torch.tensor(module_groups).T  # [group size, groups]
+    return sorted(tuple(row.tolist()) for row in by_position.reshape(-1, world // by_position.shape[0]))
+
+
+@pytest.mark.parametrize("pp, dp, tp, n", [(1, 4, 1, 2), (1, 4, 2, 2), (1, 8, 2, 4), (2, 4, 2, 2), (1, 6, 1, 3)])
+def test_module_tp_groups_are_a_split_of_dp(pp, dp, tp, n):
+    mesh = Mesh.abstract({"pp": pp, "dp": dp, "tp": tp}).split("dp", ("dp_outer", "otp"), (dp // n, n))
+    assert sorted(mesh.all_group_ranks("otp")) == _seed_module_tp_groups(pp, dp, tp, n)
+
+
+@pytest.mark.parametrize("dp, tp, otp", [(1, 4, 2), (2, 4, 2), (2, 8, 4), (1, 8, 2), (4, 2, 2)])
+def test_flashcomm2_groups_are_a_split_of_tp(dp, tp, otp):
+    """flashcomm2's o_proj TP inside the TP group is the major part of tp (strided ranks); "odp" the minor."""
+    mesh = Mesh.abstract({"dp": dp, "tp": tp}).split("tp", ("fc2_otp", "fc2_odp"), (otp, tp // otp))
+    want_otp, want_odp = _seed_flashcomm2_groups(dp, 1, tp, otp)
+    assert sorted(mesh.all_group_ranks("fc2_otp")) == want_otp
+    assert sorted(mesh.all_group_ranks("fc2_odp")) == want_odp
+
+
+@pytest.mark.parametrize("dp, tp, otp", [(2, 4, 2), (4, 2, 2), (2, 8, 4)])
+def test_layer_sharding_a_module_tp_weight_runs_over_the_axes_it_is_replicated_on(dp, tp, otp):
+    """seed 003's shard-weight group for a flashcomm2 o_proj: every axis but the module's TP axis."""
+    mesh = Mesh.abstract({"dp": dp, "tp": tp}).split("tp", ("fc2_otp", "fc2_odp"), (otp, tp // otp))
+    want = _seed_shard_weight_groups(_seed_flashcomm2_groups(dp, 1, tp, otp)[0], dp * tp)
+    assert sorted(mesh.all_group_ranks(("dp", "fc2_odp"))) == want
+    # and for the standard TP group: the dp ranks at one tp index
+    plain = Mesh.abstract({"dp": dp, "tp": tp})
+    tp_groups = [tuple(range(r, r + tp)) for r in range(0, dp * tp, tp)]
+    assert sorted(plain.all_group_ranks("dp")) == _seed_shard_weight_groups(tp_groups, dp * tp)
+
+
 def test_flatten_is_ep_over_dp_and_tp():
     mesh = Mesh.abstract({"pp": 2, "dp": 2, "tp": 2})
     flat = mesh.flatten(("dp", "tp"), "ep")
