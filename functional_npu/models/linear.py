@@ -131,6 +131,8 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
             return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)
         return x @ w.T
     flat = x.reshape(-1, x.shape[-1])
+    if kind in _INT8_ACTIVATIONS:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5)
+        xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
     if kind == "w8":
         y = torch.ops.aten._weight_int8pack_mm(flat, w["w8"], w["scale"])
     elif kind == "w4":
@@ -140,14 +142,11 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
         scale = w["scale"]
         group = x.shape[-1] // scale.shape[0] if scale.ndim == 2 else 0
         y = weight_quant_matmul(flat, w["wqbmm"], scale, w.get("offset"), group)
-    elif kind == "a8":  # a dequantized weight, activations rounded to int8 per token and back (W8A8)
-        xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
+    elif kind == "a8":  # a dequantized weight, the activations rounded to int8 and back
         y = (xq * x_scale).to(x.dtype) @ w["a8"].T
     elif kind == "qbmm":
-        xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
         y = quant_matmul(xq, w["qbmm"], w["scale"], x_scale.reshape(-1), x.dtype)
-    else:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5), int32 accumulation
-        xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
+    else:  # w8a8: int32 accumulation, then both scales
         acc = torch.ops.aten._int_mm(xq, w["w8a8"].T)
         y = (acc.float() * x_scale * w["scale"].float()).to(x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -325,7 +324,7 @@ def prepare_params(
     ``blocks(path) -> [local sizes]``: the blocks of a per-tensor scale. Pure."""
     qc = params.get("quant")
     dtype = params["embed"].dtype
-    if qc is None and (target != "cpu" or dtype != torch.float32 or not linears):
+    if qc is None and not linears:
         return params
 
     def one(path: str, node: dict[str, torch.Tensor]) -> Any:
