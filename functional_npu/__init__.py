@@ -22,7 +22,7 @@ from .interop.megatron import (
     to_megatron,
     unstack_layers,
 )
-from .models import Family, MoeConfig, family_of
+from .models import Family, MoeConfig, family_of, with_module_tp
 from .parallel.ep_tp import ep_to_tp, expert_layouts, tp_to_ep
 from .parallel.eplb import (
     Move,
@@ -36,6 +36,7 @@ from .parallel.eplb import (
     validate_placement,
 )
 from .parallel.eplb_balance import balanced_placement
+from .parallel.module_tp import ModuleTP, split_dp
 from .runtime.checkpoint import load_checkpoint, read_config
 from .runtime.compile import CompiledModel, compile_model, greedy_generate
 
@@ -90,6 +91,9 @@ __all__ = [
     "MoeConfig",
     "Family",
     "family_of",
+    "with_module_tp",
+    "ModuleTP",
+    "split_dp",
     "flatten_with_paths",
     "map_with_path",
     "tree_from_paths",

@@ -11,7 +11,7 @@
 
 from . import llama, moe
 from .decoder import Blocks, DecodeState
-from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state
+from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, with_module_tp
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -26,6 +26,7 @@ __all__ = [
     "family_of",
     "forward",
     "init_state",
+    "with_module_tp",
     "Blocks",
     "DecodeState",
 ]

@@ -13,13 +13,14 @@ by :func:`prepare` before the layer loop.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
-from .linear import linear, row_parallel
+from .linear import int8_activations, linear, row_parallel, token_amax
 from .norm import rms_norm
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ __all__ = [
     "attend",
     "prepare",
     "gqa",
+    "output_projection",
     "init_kv",
 ]
 
@@ -145,7 +147,29 @@ def gqa(
     kv[1].scatter_(2, step.slot, v)
     keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
     attn = attend(q, keys, values, step.mask, kind).transpose(1, 2).reshape(b, s, nh * hd)  # [B, S, nh hd]
-    return row_parallel(attn, layer["o_proj"], mesh, tp)
+    return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=cfg.module_tp.o_proj)
+
+
+def output_projection(attn: torch.Tensor, w: Any, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:
+    """o_proj: ``attn [B, S, H hd / tp]`` (this rank's heads) -> ``[B, S, D]``, row-parallel over ``tp``.
+
+    With module TP over data-parallel ``axes`` (``n`` ranks; o_proj's input dim cut over ``axes + (tp,)``,
+    block ``j * tp + t`` at group index ``j``, tp index ``t``): every head of this rank's rows is gathered
+    over tp, each group rank is sent its block of them (all_to_all), multiplies the group's ``n B`` rows,
+    and the partial sums go back to their rows' rank (reduce_scatter), then are summed over tp.
+    """
+    n = mesh.axis_size(axes)
+    if n == 1:
+        return row_parallel(attn, w, mesh, tp)
+    b, s, _ = attn.shape
+    full = all_gather(attn, mesh, tp, dim=-1)  # [B, S, H hd]
+    t, nt = mesh.axis_index(tp), mesh.axis_size(tp)
+    width = full.shape[-1] // (n * nt)
+    send = full.reshape(b, s, n, nt, width)[:, :, :, t].permute(2, 0, 1, 3).contiguous()  # [n, B, S, w]: j's block
+    rows = all_to_all(send, mesh, axes).reshape(n * b, s, width)  # the group's rows, this rank's block
+    amax = all_gather(token_amax(full), mesh, axes) if int8_activations(w) else None  # W8A8: whole-row scales
+    y = linear(rows, w, amax=amax)  # [n B, S, D], partial over the blocks
+    return all_reduce(reduce_scatter(y, mesh, axes), mesh, tp)
 
 
 def init_kv(cfg: LlamaConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:

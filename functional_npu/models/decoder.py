@@ -62,6 +62,8 @@ class Blocks:
         attention: ``(layer, h, step, kv, mesh, kind) -> residual update``; writes ``kv`` in place.
         ffn: per layer, ``(layer, h, mesh) -> residual update`` (a dense MLP, an MoE, ...).
         head: ``(params, x, mesh) -> logits [B, S, V]``.
+        argmax: ``(params, x, mesh) -> greedy tokens [B, S]``: the head reduced to its argmax where the
+            logits live, so a vocab-parallel head moves (max, index) pairs, not logits.
         init_kv: ``(mesh, batch, max_seq_len, dtype) -> kv``: the attention kind's zeroed cache.
         eps: the pre-norms' epsilon (``attn_norm`` before attention, ``mlp_norm`` before the FFN).
     """
@@ -71,6 +73,7 @@ class Blocks:
     attention: Callable[..., torch.Tensor]
     ffn: Sequence[Callable[..., torch.Tensor]]
     head: Callable[..., torch.Tensor]
+    argmax: Callable[..., torch.Tensor]
     init_kv: Callable[..., list[KV]]
     eps: float
 
@@ -85,9 +88,11 @@ def decode(
     blocks: Blocks,
     attention: str = "sdpa",
     streams: Streams = INLINE,
+    greedy: bool = False,
 ) -> torch.Tensor:
     """The forward through ``blocks`` (see the module docstring for the contract); ``streams`` are the
-    compiler's ordering hints (:mod:`functional_npu.parallel.streams`)."""
+    compiler's ordering hints (:mod:`functional_npu.parallel.streams`). ``greedy``: return the greedy
+    tokens ``[B, S]`` (``blocks.argmax``) instead of the logits."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]
     step = blocks.prepare(positions, state.kv[0], x.dtype)
     weights = layer_weights(params, state.prefetched, mesh, streams)
@@ -95,4 +100,4 @@ def decode(
         layer = weights(i, x)
         x = x + blocks.attention(layer, rms_norm(x, layer["attn_norm"], blocks.eps), step, kv, mesh, kind=attention)
         x = x + blocks.ffn[i](layer, rms_norm(x, layer["mlp_norm"], blocks.eps), mesh)
-    return blocks.head(params, x, mesh)
+    return (blocks.argmax if greedy else blocks.head)(params, x, mesh)

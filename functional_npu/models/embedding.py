@@ -1,7 +1,10 @@
 """The ends of the decoder: a vocab-parallel embedding and the head (final norm, lm_head, all_gather).
 
 Both tables are sharded on the vocab dim over the tensor-parallel axis: this rank holds rows
-``[start, start + V / tp)``.
+``[start, start + V / tp)``. With module TP over data-parallel axes ``axes``
+(:mod:`functional_npu.parallel.module_tp`) a table is cut over ``axes + (tp,)`` instead, and the
+rows of the group's ``n`` ranks are gathered first (ids for the embedding, hidden states for the head),
+so each rank looks up or multiplies its ``V / (n tp)`` rows for all of them.
 """
 
 from __future__ import annotations
@@ -9,26 +12,70 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.collectives import all_gather, all_reduce
+from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
 from .linear import linear
 from .norm import rms_norm
 
-__all__ = ["embed", "head"]
+__all__ = ["embed", "head", "head_argmax"]
 
 
-def embed(params: dict, tokens: torch.Tensor, mesh: Mesh, *, tp: str) -> torch.Tensor:
-    """``tokens [B, S]`` -> ``[B, S, D]``: masked lookup of this rank's rows (others are zero), then all_reduce."""
+def embed(params: dict, tokens: torch.Tensor, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:
+    """``tokens [B, S]`` -> ``[B, S, D]``: masked lookup of this rank's rows (others are zero), then summed over
+    ``tp``; with module TP over ``axes``, the group's ids are gathered and the sums scattered back."""
     table = params["embed"]
-    rows = table.shape[0]
-    local = tokens - mesh.axis_index(tp) * rows
+    rows, n = table.shape[0], mesh.axis_size(axes)
+    ids = all_gather(tokens, mesh, axes) if n > 1 else tokens  # [n B, S]
+    local = ids - mesh.axis_index(axes + (tp,)) * rows
     hit = (local >= 0) & (local < rows)
     x = F.embedding(local.clamp(0, rows - 1), table) * hit[..., None].to(table.dtype)
+    if n > 1:
+        x = reduce_scatter(x, mesh, axes)  # [B, S, D]: this rank's rows, summed over the group's slices
     return all_reduce(x, mesh, tp)
 
 
-def head(params: dict, x: torch.Tensor, mesh: Mesh, *, tp: str, eps: float, tied: bool) -> torch.Tensor:
-    """``x [B, S, D]`` -> logits ``[B, S, V]``: final norm, this rank's vocab slice, all_gather over ``tp``."""
+def _local_logits(params: dict, x: torch.Tensor, mesh: Mesh, eps: float, tied: bool, axes: tuple[str, ...]):
     x = rms_norm(x, params["norm"], eps)
-    table = params["embed"] if tied else params["lm_head"]
-    return all_gather(linear(x, table), mesh, tp, dim=-1)
+    if mesh.axis_size(axes) > 1:
+        x = all_gather(x, mesh, axes)  # [n B, S, D]: the group's rows
+    return linear(x, params["embed"] if tied else params["lm_head"])  # [(n) B, S, V / (n tp)]
+
+
+def head(
+    params: dict, x: torch.Tensor, mesh: Mesh, *, tp: str, eps: float, tied: bool, axes: tuple[str, ...] = ()
+) -> torch.Tensor:
+    """``x [B, S, D]`` -> logits ``[B, S, V]``: final norm, this rank's vocab slice, all_gather over ``tp``.
+
+    With module TP over ``axes`` (``n`` ranks): this rank's slice for the group's ``n B`` rows, each row's
+    slices routed back to its rank (all_to_all), then gathered over ``tp``; slice ``j * tp + t`` is
+    held by group index ``j`` at tp index ``t`` (mesh order).
+    """
+    logits = _local_logits(params, x, mesh, eps, tied, axes)
+    n = mesh.axis_size(axes)
+    if n == 1:
+        return all_gather(logits, mesh, tp, dim=-1)
+    b, s, v = x.shape[0], x.shape[1], logits.shape[-1]
+    mine = all_to_all(logits, mesh, axes)  # [n B, S, v]: my rows' slice j from group index j
+    full = all_gather(mine, mesh, tp)  # [tp n B, S, v] ordered (t, j)
+    full = full.view(mesh.axis_size(tp), n, b, s, v).permute(2, 3, 1, 0, 4)  # [B, S, j, t, v]
+    return full.reshape(b, s, n * mesh.axis_size(tp) * v)
+
+
+def head_argmax(
+    params: dict, x: torch.Tensor, mesh: Mesh, *, tp: str, eps: float, tied: bool, axes: tuple[str, ...] = ()
+) -> torch.Tensor:
+    """Greedy tokens ``[B, S]`` (int64) without moving logits: each rank's vocab slice reduced to its (max,
+    argmax) first, then only those pairs are routed (all_to_all over ``axes``, all_gather over ``tp``) and
+    the first largest wins, as ``head(...).argmax(-1)`` picks it."""
+    logits = _local_logits(params, x, mesh, eps, tied, axes)  # [(n) B, S, v]
+    v = logits.shape[-1]
+    best, idx = logits.float().max(-1, keepdim=True)  # the first largest of this slice
+    pair = torch.cat([best, (idx + mesh.axis_index(axes + (tp,)) * v).float()], dim=-1)  # [(n) B, S, 2]
+    n, t = mesh.axis_size(axes), mesh.axis_size(tp)
+    if n > 1:
+        pair = all_to_all(pair, mesh, axes)  # [n B, S, 2]: my rows' pair from group index j
+    pairs = all_gather(pair, mesh, tp)  # [t n B, S, 2] ordered (t, j)
+    b, s = x.shape[0], x.shape[1]
+    pairs = pairs.view(t, n, b, s, 2).permute(2, 3, 1, 0, 4).reshape(b, s, n * t, 2)  # slices in vocab order
+    pick = pairs[..., 0].argmax(-1, keepdim=True)  # the first slice holding the largest value
+    return pairs[..., 1].gather(-1, pick).squeeze(-1).long()

@@ -9,20 +9,21 @@ those functions, so no code outside ``models/`` names a family. :func:`forward` 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..core.mesh import Mesh
 from ..parallel.eplb import EXPERT_LEAVES
+from ..parallel.module_tp import ModuleTP
 from ..parallel.streams import INLINE, Streams
 from . import llama, moe
 from .decoder import Blocks, DecodeState, decode
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
-__all__ = ["Family", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state"]
+__all__ = ["Family", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state", "with_module_tp"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,15 @@ def family_of(config_or_architecture: Any) -> Family:
         f"{type(config_or_architecture).__name__} is not a model config; "
         f"expected one of {[f.config.__name__ for f in FAMILIES]}"
     )
+
+
+def with_module_tp(cfg: Any, plan: ModuleTP) -> Any:
+    """``cfg`` with modules tensor-parallel over data-parallel axes (:mod:`functional_npu.parallel.module_tp`);
+    an MoE config carries it in its attention / dense-MLP config."""
+    family_of(cfg)
+    if isinstance(cfg, MoeConfig):
+        return replace(cfg, base=replace(cfg.base, module_tp=plan))
+    return replace(cfg, module_tp=plan)
 
 
 def forward(

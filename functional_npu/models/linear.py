@@ -51,13 +51,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..core.collectives import all_reduce
-from ..core.mesh import Mesh
+from ..core.mesh import Axes, Mesh
 from ..core.quant import Quant, dequantize, unpack_int32
 from .ascend_ops import pack_int4, quant_matmul, weight_quant_matmul
 
 __all__ = [
     "linear",
     "row_parallel",
+    "row_amax",
+    "int8_activations",
     "token_amax",
     "int8_tokens",
     "prepare",
@@ -107,16 +109,26 @@ def int8_tokens(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torc
     return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8), scale
 
 
+def int8_activations(w: Any) -> bool:
+    """Whether the weight's kernel rounds its activations to int8 per token (W8A8 forms)."""
+    return kernel_of(w) in _INT8_ACTIVATIONS
+
+
+def row_amax(x: torch.Tensor, w: Any, mesh: Mesh, axes: Axes) -> torch.Tensor | None:
+    """For a row-parallel ``w`` with int8 activations (W8A8), each token's magnitude over its whole row, a max
+    over ``axes`` (the ranks holding the row's slices); None otherwise (the kernel takes ``x``'s own)."""
+    if int8_activations(w) and mesh.axis_size(axes) > 1:
+        return all_reduce(token_amax(x), mesh, axes, op="max")
+    return None
+
+
 def row_parallel(x: torch.Tensor, w: Any, mesh: Mesh, tp: str) -> torch.Tensor:
     """A row-parallel linear: this rank's slice of the inputs times its slice of ``w``, summed over ``tp``.
 
     With int8 activations (W8A8) each token is rounded with the scale of its whole row, as in the
     unsharded model: the per-token magnitudes are reduced (max) over ``tp`` first.
     """
-    amax = None
-    if kernel_of(w) in _INT8_ACTIVATIONS and mesh.axis_size(tp) > 1:
-        amax = all_reduce(token_amax(x), mesh, tp, op="max")
-    return all_reduce(linear(x, w, amax=amax), mesh, tp)
+    return all_reduce(linear(x, w, amax=row_amax(x, w, mesh, tp)), mesh, tp)
 
 
 def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torch.Tensor:

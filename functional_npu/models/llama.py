@@ -28,9 +28,10 @@ import torch
 from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, fused, replicated, sharded
 from ..core.tree import map_with_path, register_static
+from ..parallel.module_tp import ModuleTP
 from .attention import gqa, init_kv, prepare
 from .decoder import Blocks
-from .embedding import embed, head
+from .embedding import embed, head, head_argmax
 from .mlp import gated_mlp
 
 __all__ = [
@@ -92,6 +93,7 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    module_tp: ModuleTP = ModuleTP()  # the plan: modules tensor-parallel over data-parallel axes too
 
     @staticmethod
     def from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
@@ -241,36 +243,51 @@ def qkv_blocks(cfg: LlamaConfig) -> list[Block]:
 
 
 def param_specs(cfg: LlamaConfig, tp_axis: str = "tp") -> dict[str, Any]:
-    """The tensor-parallel plan over mesh axis ``tp_axis`` as a tree of layouts (a prefix of the params)."""
-    tp = tp_axis
+    """The tensor-parallel plan over mesh axis ``tp_axis`` as a tree of layouts (a prefix of the params).
+
+    A module with module TP (``cfg.module_tp``) is cut over its data-parallel axes and ``tp_axis``.
+    """
+    tp, mtp = tp_axis, cfg.module_tp
     qkv = fused(0, qkv_blocks(cfg), tp)
+    mlp = mtp.mlp + (tp,)
     layer: dict[str, Layout] = {
         "attn_norm": replicated(),
         "qkv": qkv,
-        "o_proj": sharded(1, tp),
+        "o_proj": sharded(1, mtp.o_proj + (tp,)),
         "mlp_norm": replicated(),
-        "gate_up": fused(0, [Block("gate", cfg.intermediate_size), Block("up", cfg.intermediate_size)], tp),
-        "down": sharded(1, tp),
+        "gate_up": fused(0, [Block("gate", cfg.intermediate_size), Block("up", cfg.intermediate_size)], mlp),
+        "down": sharded(1, mlp),
     }
     if cfg.qkv_bias:
         layer["qkv_bias"] = qkv
     if cfg.qk_norm:
         layer |= {"q_norm": replicated(), "k_norm": replicated()}
-    top: dict[str, Any] = {"embed": sharded(0, tp), "norm": replicated(), "layers": [layer] * cfg.num_layers}
+    top: dict[str, Any] = {
+        "embed": sharded(0, mtp.embed + (tp,)),
+        "norm": replicated(),
+        "layers": [layer] * cfg.num_layers,
+    }
     if not cfg.tie_word_embeddings:
-        top["lm_head"] = sharded(0, tp)
+        top["lm_head"] = sharded(0, mtp.lm_head + (tp,))
     return top
+
+
+def _head_axes(cfg: LlamaConfig) -> tuple[str, ...]:
+    """The head's module-TP axes: a tied head multiplies the embedding table, cut as the embedding's."""
+    return cfg.module_tp.embed if cfg.tie_word_embeddings else cfg.module_tp.lm_head
 
 
 def blocks(cfg: LlamaConfig, tp_axis: str = "tp") -> Blocks:
     """The decoder's blocks for this config: grouped-query attention and a gated MLP in every layer."""
-    mlp = functools.partial(gated_mlp, tp=tp_axis)
+    mlp = functools.partial(gated_mlp, tp=tp_axis, axes=cfg.module_tp.mlp)
+    head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": _head_axes(cfg)}
     return Blocks(
-        embed=functools.partial(embed, tp=tp_axis),
+        embed=functools.partial(embed, tp=tp_axis, axes=cfg.module_tp.embed),
         prepare=functools.partial(prepare, cfg),
         attention=functools.partial(gqa, cfg=cfg, tp=tp_axis),
         ffn=(mlp,) * cfg.num_layers,
-        head=functools.partial(head, tp=tp_axis, eps=cfg.rms_norm_eps, tied=cfg.tie_word_embeddings),
+        head=functools.partial(head, **head_args),
+        argmax=functools.partial(head_argmax, **head_args),
         init_kv=functools.partial(init_kv, cfg, tp=tp_axis),
         eps=cfg.rms_norm_eps,
     )

@@ -1,7 +1,10 @@
 """The dense feed-forward block: a gated SiLU MLP, tensor-parallel.
 
 ``gate_up [2F, D]`` is column-parallel with fused blocks ``[gate_r | up_r]`` on each rank, ``down [D, F]``
-row-parallel, followed by an all_reduce over the tensor-parallel axis.
+row-parallel, followed by an all_reduce over the tensor-parallel axis. With module TP over
+data-parallel axes ``axes`` (:mod:`functional_npu.parallel.module_tp`) ``F`` is cut over
+``axes + (tp,)``: the group's rows are all-gathered, multiplied, and the partial sums reduce-scattered
+back to their rank before the all_reduce over tp.
 """
 
 from __future__ import annotations
@@ -9,13 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.collectives import all_gather, all_reduce, reduce_scatter
 from ..core.mesh import Mesh
-from .linear import linear, row_parallel
+from .linear import linear, row_amax, row_parallel
 
 __all__ = ["gated_mlp"]
 
 
-def gated_mlp(layer: dict, h: torch.Tensor, mesh: Mesh, *, tp: str) -> torch.Tensor:
+def gated_mlp(layer: dict, h: torch.Tensor, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp``."""
-    gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
-    return row_parallel(F.silu(gate) * up, layer["down"], mesh, tp)
+    if mesh.axis_size(axes) == 1:
+        gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
+        return row_parallel(F.silu(gate) * up, layer["down"], mesh, tp)
+    x = all_gather(h, mesh, axes)  # [n B, S, D]: the group's rows
+    gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
+    act = F.silu(gate) * up  # [n B, S, F / (n tp)]
+    y = linear(act, layer["down"], amax=row_amax(act, layer["down"], mesh, axes + (tp,)))
+    return all_reduce(reduce_scatter(y, mesh, axes), mesh, tp)

@@ -22,6 +22,7 @@ import torch
 from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, Shard, replicated
 from ..core.tree import map_with_path, register_static
+from ..parallel.module_tp import ModuleTP
 from . import llama
 from .decoder import Blocks
 from .experts import moe_ffn
@@ -114,6 +115,10 @@ class MoeConfig:
     @property
     def max_position_embeddings(self) -> int:
         return self.base.max_position_embeddings
+
+    @property
+    def module_tp(self) -> ModuleTP:
+        return self.base.module_tp
 
     @property
     def slots(self) -> int:

@@ -25,8 +25,9 @@ from ..core.layout import Layout, local_pieces
 from ..core.mesh import Mesh
 from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths, map_with_path
-from ..models import Family, family_of
+from ..models import Family, family_of, with_module_tp
 from ..parallel.layer_shard import LayerShard, owned_layers, present
+from ..parallel.module_tp import ModuleTP
 from .hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts
 from .plan import check_plan, with_expert_axes
 from .quant_config import QuantConfig, read_quant_config
@@ -111,6 +112,7 @@ def load_checkpoint(
     expert_axes: Sequence[str] = (),
     layer_shard: LayerShard | None = None,
     tp_axis: str = "tp",
+    module_tp: ModuleTP | None = None,
 ) -> dict[str, Any]:
     """Load a HF checkpoint of any supported family into this rank's local params.
 
@@ -129,6 +131,8 @@ def load_checkpoint(
             layer ``l``'s weights are read only by coordinate ``l % n`` of its axis and stacked
             under ``params["series"]``; the forward fetches them with broadcasts.
         tp_axis: the mesh axis of tensor parallelism (the family's ``param_specs(cfg, tp_axis=...)``).
+        module_tp: modules tensor-parallel over data-parallel axes too (o_proj, lm_head, embed, mlp; see
+            :mod:`functional_npu.parallel.module_tp`); each rank reads its slices of them.
 
     A compressed-tensors checkpoint (``quantization_config`` in ``config.json``; see
     :mod:`functional_npu.runtime.quant_config`) loads its quantized linears as the dicts of their stored
@@ -143,7 +147,7 @@ def load_checkpoint(
     """
     root = Path(path)
     dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
-    wanted = _check_plan(root, mesh, expert_axes, layer_shard, tp_axis)
+    wanted = _check_plan(root, mesh, expert_axes, layer_shard, tp_axis, module_tp)
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
@@ -156,10 +160,17 @@ def load_checkpoint(
 
 # ---- check ------------------------------------------------------------------------------------
 def _check_plan(
-    root: Path, mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None, tp_axis: str
+    root: Path,
+    mesh: Mesh,
+    expert_axes: Sequence[str],
+    layer_shard: LayerShard | None,
+    tp_axis: str,
+    module_tp: ModuleTP | None,
 ) -> _Wanted:
     """The config and what it needs, once the mesh is known to shard it (reads config.json only)."""
     cfg = with_expert_axes(read_config(root), expert_axes, where=str(root))
+    if module_tp is not None:
+        cfg = with_module_tp(cfg, module_tp)
     quant = read_quant(root)
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")

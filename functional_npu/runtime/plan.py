@@ -17,6 +17,7 @@ from ..core.shard import leaf_specs
 from ..core.tree import flatten_with_paths
 from ..models import family_of
 from ..parallel.layer_shard import LayerShard, series_specs, stack_series
+from ..parallel.module_tp import check_module_tp
 from .quant_config import QuantConfig
 from .quant_plan import quantize_plan
 
@@ -65,6 +66,7 @@ def check_plan(
             f"{where}: the mesh {mesh.shape} has no {tp_axis!r} axis; add one (size 1 for no tensor parallelism)"
         )
     family = family_of(cfg)
+    _check_module_tp(cfg, mesh, tp_axis, where)
     meta, specs = family.abstract_params(cfg), family.param_specs(cfg, tp_axis=tp_axis)
     if quant is not None:
         meta, specs = quantize_plan(family, cfg, quant, meta, specs, where=where)
@@ -84,6 +86,22 @@ def check_plan(
                 f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}"
             ) from None
     return meta, layouts
+
+
+def _check_module_tp(cfg: Any, mesh: Mesh, tp_axis: str, where: str) -> None:
+    """The module-TP plan's axes fit the mesh, and what this config cannot serve is refused."""
+    plan = cfg.module_tp
+    check_module_tp(plan, mesh, tp_axis=tp_axis, taken=getattr(cfg, "expert_axes", ()), where=where)
+    if cfg.tie_word_embeddings and plan.lm_head != plan.embed:
+        raise ValueError(
+            f"{where}: lm_head TP over {plan.lm_head} with tied embeddings: the head multiplies the embedding "
+            f"table, which is cut over embed TP's axes {plan.embed}; give both the same size"
+        )
+    if plan.mlp and all(i in getattr(cfg, "moe_layers", ()) for i in range(cfg.num_layers)):
+        raise ValueError(
+            f"{where}: mlp TP over {plan.mlp}, but every layer of this {cfg.architecture} is an MoE layer "
+            f"(no dense MLP to split); drop mlp TP (experts are split with expert parallelism)"
+        )
 
 
 def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> None:

@@ -1,0 +1,61 @@
+"""Rank jobs for module-TP tests: one world runs several plans of one checkpoint."""
+
+import torch
+
+
+def module_tp_generate(
+    ctx, model_dir: str, dp: int, tp: int, plans, prompts, new: int, *, backend="none", series=None, k=0
+):
+    """For each plan (module -> size): load with ``dp`` split for it (``layer_shard`` the ``series`` over the
+    outer dp, fetched ``k`` ahead), then on this rank's prompts (dealt by dp index, in lockstep):
+    a dict of the prompt indices, each prompt's prefill logits ``[len, V]``, the greedy tokens (generate),
+    the greedy head's tokens over the prefill (``decode(greedy=True)``), bytes read and local shapes."""
+    from functional_npu import compile_model, flatten_with_paths, load_checkpoint, split_dp
+    from functional_npu.models import family_of
+    from functional_npu.models.decoder import decode
+    from functional_npu.parallel.layer_shard import layer_shard
+    from functional_npu.parallel.module_tp import dp_axes
+    from functional_npu.parallel.prefetch import drain
+    from functional_npu.runtime.generate import Lockstep
+
+    out = []
+    for sizes in plans:
+        axes, plan = split_dp({"dp": dp, "tp": tp}, sizes)
+        mesh = ctx.mesh(axes)
+        read: list[int] = []
+        ls = layer_shard(series, "dp") if series else None
+        params = load_checkpoint(model_dir, mesh, module_tp=plan, layer_shard=ls, on_read=lambda _, n: read.append(n))
+        d = dp_axes(mesh)
+        mine = list(range(mesh.axis_index(d), len(prompts), mesh.axis_size(d)))
+        rows, width = [prompts[i] for i in mine], max(len(p) for p in prompts)
+        model = compile_model(
+            params,
+            mesh,
+            backend=backend,
+            batch_sizes=[len(rows)],
+            max_seq_len=width + new,
+            prefill_lengths=[width],
+            prefetch_step=k,
+        )
+        lock = Lockstep.over(len(prompts), mesh.axis_size(d), width, model.batch_sizes)
+        tokens = model.generate(rows, new, lockstep=lock)
+        result = {"indices": mine, "tokens": tokens, "read": sum(read), "axes": axes}
+        leaves = flatten_with_paths(params)
+        result["shapes"] = {p: tuple(x.shape) for p, x in leaves}
+        result["bytes"] = sum(x.numel() * x.element_size() for _, x in leaves)
+        cfg = params["config"]
+        result["full"] = {p: tuple(x.shape) for p, x in flatten_with_paths(family_of(cfg).abstract_params(cfg))}
+        if backend == "none":  # the whole prefill's logits, and the greedy head over it
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, p in enumerate(rows):
+                ids[i, : len(p)] = torch.tensor(p)
+            cfg, pos = model.config, torch.arange(width).expand(len(rows), width)
+            blocks = family_of(cfg).blocks(cfg)
+            with torch.no_grad():
+                for greedy in (False, True):
+                    state = model.new_state(len(rows))
+                    y = decode(model.params, ids, pos, state, mesh, blocks=blocks, greedy=greedy)
+                    drain(state.prefetched)
+                    result["argmax" if greedy else "logits"] = y
+        out.append(result)
+    return out
