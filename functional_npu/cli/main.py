@@ -56,6 +56,9 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+_MODULE_FLAGS = {"o_proj": "--otp", "lm_head": "--lmhead-tp", "embed": "--embed-tp", "mlp": "--mlp-tp"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m functional_npu", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="expert-parallel ranks (MoE models): 1 (experts on every rank) or dp x tp (the flattened dp, tp ranks)",
     )
+    for module, flag in _MODULE_FLAGS.items():
+        gen.add_argument(
+            flag,
+            type=_positive,
+            default=1,
+            dest=f"{module}_tp",
+            metavar="N",
+            help=f"{module} tensor-parallel over this many consecutive dp ranks too (module TP; divides --dp)",
+        )
     gen.add_argument(
         "--backend",
         default="auto",
@@ -119,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--layer-shard-axis",
         default="dp",
         choices=["dp", "tp"],
-        help="the mesh axis layer l's weights are spread over (l %% n); default dp",
+        help="the mesh axis layer l's weights are spread over (l %% n); default dp (with module TP: the dp "
+        "ranks outside the module TP groups, so a module-TP'd weight is layer-sharded over its replicas)",
     )
     gen.add_argument(
         "--prefetch-step",
@@ -194,13 +207,33 @@ def _tokenizer(model: Path) -> tuple[Any | None, str]:
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
     """Validate everything a rank would trip on, before any rank starts."""
     from ..core.mesh import Mesh
+    from ..models import with_module_tp
     from ..parallel.layer_shard import layer_shard
+    from ..parallel.module_tp import MODULES, split_dp
     from ..parallel.prefetch import check_prefetch_step
     from ..runtime.checkpoint import read_config, read_quant
     from ..runtime.generate import check_length, check_token_ids
     from ..runtime.plan import check_plan, with_expert_axes
 
     model = Path(args.model)
+    sizes = {m: getattr(args, f"{m}_tp") for m in MODULES if getattr(args, f"{m}_tp") > 1}
+    for m, n in sizes.items():
+        flag = _MODULE_FLAGS[m]
+        if n > args.dp or args.dp % n:
+            divisors = [d for d in range(1, args.dp + 1) if args.dp % d == 0]
+            parser.error(
+                f"{flag} {n}: the {m} TP group is a chunk of dp ranks, so it must divide --dp {args.dp}; "
+                f"use one of {divisors}"
+            )
+    if sizes and args.ep > 1:
+        parser.error(
+            f"--ep {args.ep} with module TP ({', '.join(_MODULE_FLAGS[m] for m in sizes)}): experts and module TP "
+            "over the same dp ranks is not supported; drop one of them"
+        )
+    try:
+        args.axes, args.module_tp = split_dp({"dp": args.dp, "tp": args.tp}, sizes)
+    except ValueError as e:
+        parser.error(str(e))
     if args.ep not in (1, args.dp * args.tp):
         parser.error(
             f"--ep {args.ep}: the expert group is the flattened dp x tp ranks, so --ep must be 1 (experts "
@@ -209,11 +242,11 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     if args.layer_shard is None and args.prefetch_step is not None:
         parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
     try:
-        cfg = with_expert_axes(read_config(model), _expert_axes(args), where=str(model))
+        cfg = with_module_tp(with_expert_axes(read_config(model), _expert_axes(args), where=str(model)), args.module_tp)
         args.layer_shard = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
         check_plan(
             cfg,
-            Mesh.abstract({"dp": args.dp, "tp": args.tp}),
+            Mesh.abstract(args.axes),
             where=str(model),
             layer_shard=args.layer_shard,
             quant=read_quant(model),
@@ -253,7 +286,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .runner import generate_on_rank, in_prompt_order
 
     prompts, tok = _prepare(args, parser)
-    axes = {"dp": args.dp, "tp": args.tp}
+    axes = args.axes  # dp split for module TP, if any
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     job = (generate_on_rank, str(args.model), axes, prompts, args.max_new_tokens)
     extra = {
@@ -263,6 +296,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "layer_shard": args.layer_shard,
         "prefetch_step": args.prefetch_step or 0,
         "dtype": args.dtype,
+        "module_tp": args.module_tp,
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist

@@ -16,15 +16,18 @@ import torch
 
 from ..core.mesh import Mesh
 from ..parallel.layer_shard import LayerShard
+from ..parallel.module_tp import ModuleTP, dp_axes
 from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import cache_length, compile_model
 from ..runtime.generate import Lockstep
 from ..runtime.launch import RankContext
 
 
-def _in_lockstep(mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None) -> bool:
+def _in_lockstep(mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None, plan: ModuleTP) -> bool:
     """Whether the dp ranks share collective steps (their prompts differ, so their steps must be aligned)."""
     if layer_shard is not None and mesh.axis_size(layer_shard.axis) > 1:
+        return True
+    if any(mesh.axis_size(axes) > 1 for _, axes in plan.items()):
         return True
     return "dp" in expert_axes and mesh.axis_size("dp") > 1
 
@@ -43,6 +46,7 @@ def generate_on_rank(
     layer_shard: LayerShard | None = None,
     prefetch_step: int | str = 0,
     dtype: str | None = None,
+    module_tp: ModuleTP | None = None,
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
@@ -51,14 +55,18 @@ def generate_on_rank(
     ``layer_shard``: layer-shard these weight series, fetched ``prefetch_step`` layers ahead (``"auto"``:
     the cost model's choice, reported as ``prefetch_step`` in the result).
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
+    ``module_tp``: modules tensor-parallel over data-parallel axes of ``axes`` (a split of ``dp``, see
+    :func:`functional_npu.parallel.module_tp.split_dp`); every axis but ``tp`` is data-parallel.
     """
     mesh = ctx.mesh(axes)
     t0 = time.perf_counter()
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype] if dtype else None
-    params = load_checkpoint(model_dir, mesh, expert_axes=expert_axes, layer_shard=layer_shard, dtype=dt)
+    params = load_checkpoint(
+        model_dir, mesh, expert_axes=expert_axes, layer_shard=layer_shard, dtype=dt, module_tp=module_tp
+    )
     timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
-    dp = mesh.axis_size("dp")
-    mine = list(range(mesh.axis_index("dp"), len(prompts), dp))
+    dp = mesh.axis_size(dp_axes(mesh))
+    mine = list(range(mesh.axis_index(dp_axes(mesh)), len(prompts), dp))
     batch = [prompts[i] for i in mine]
     longest = max(len(p) for p in prompts)
     model = compile_model(
@@ -66,7 +74,7 @@ def generate_on_rank(
     )
     lockstep = (
         Lockstep.over(len(prompts), dp, longest, model.batch_sizes)
-        if _in_lockstep(mesh, expert_axes, layer_shard)
+        if _in_lockstep(mesh, expert_axes, layer_shard, module_tp or ModuleTP())
         else None
     )
     tokens: list[list[int]] = []
