@@ -121,13 +121,18 @@ def _run(sources: Path, out: Path) -> None:
     from ..runtime.launch import RankContext
     from .graphs import CASES, case_mesh
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     hints = torchair_streams()
-    ctx = RankContext(0, 2)  # one-rank cases take an abstract mesh (case_mesh)
     results: dict[str, Any] = {}
     runs = [(case.name, case, hints) for case in CASES]
     runs += [(CONTROL + "-no-hints", c, INLINE) for c in CASES if c.name == CONTROL]
-    for name, case, streams in runs:
+    world, ctx = 0, None
+    for name, case, streams in sorted(runs, key=lambda r: max(2, r[1].world)):
+        if max(2, case.world) != world:  # rank 0 of a fake world of the case's size (one-rank cases: abstract)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            world = max(2, case.world)
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+            ctx = RankContext(0, world)
         try:
             graph = _convert(case, streams, ctx)
         except Exception as e:  # noqa: BLE001 - reported per case, the rest still converts
@@ -179,7 +184,7 @@ def _prefetch_order(case: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
 
     # one coalesced broadcast per layer carries every layer-sharded leaf (they share a dtype)
     return ge_graph.prefetch_order(
-        ops, k=case.k, num_layers=case.config.num_layers, series=[LAYER_SHARD_SERIES], axis_size=case.world
+        ops, k=case.k, num_layers=case.config.num_layers, series=[LAYER_SHARD_SERIES], axis_size=case.axes["dp"]
     )
 
 

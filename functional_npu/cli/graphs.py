@@ -31,10 +31,11 @@ import torch.utils._pytree as pytree
 from ..core.mesh import Mesh
 from ..core.quant import Quant, quantize
 from ..core.shard import shard
-from ..models import family_of, forward, init_state, llama, moe
+from ..models import family_of, forward, init_state, llama, moe, with_module_tp
 from ..models.linear import prepare_params
 from ..parallel import prefetch
 from ..parallel.layer_shard import layer_shard, series_specs, stack_series
+from ..parallel.module_tp import split_dp
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.quant_config import QuantConfig
 from ..runtime.quant_plan import quantize_plan
@@ -94,6 +95,8 @@ TP_SIZES = (1, 2)
 LAYER_SHARD_SERIES = "o_proj,down_proj"
 LAYER_SHARD_LAYERS = 4  # enough layers for every prefetch step k = 0, 1, 2 (k <= num_layers - 2)
 LAYER_SHARD_STEPS = (0, 1, 2)
+MODULE_TP = {"o_proj": 2, "lm_head": 2, "embed": 2, "mlp": 2}  # the composed case: every module over 2 dp ranks
+MODULE_TP_DP = 4  # of 4: dp -> (dp 2, dp2 2), o_proj and down also layer-sharded over the outer dp
 GRAPH_QUANTS = {  # every linear but lm_head, as compressed-tensors stores them; the model in bf16
     "w8a8": Quant(8, "channel", activations="token"),
     "w4a16": Quant(4, "group", group_size=32, symmetric=False),
@@ -104,7 +107,8 @@ GRAPH_QUANTS = {  # every linear but lm_head, as compressed-tensors stores them;
 class Case:
     """One golden graph: a family at one mesh config and phase; ``series`` layer-shards those leaves
     over ``dp`` = 2 (then ``tp`` is 1) with prefetch step ``k``; ``quant`` names a scheme of
-    :data:`GRAPH_QUANTS` (bf16 activations, weights in Ascend's kernels' forms)."""
+    :data:`GRAPH_QUANTS` (bf16 activations, weights in Ascend's kernels' forms); ``module_tp``: dp is
+    :data:`MODULE_TP_DP` ranks split for :data:`MODULE_TP`, and ``series`` are layer-sharded over the outer dp."""
 
     family: str
     phase: str
@@ -112,9 +116,12 @@ class Case:
     series: str | None = None
     k: int = 0
     quant: str | None = None
+    module_tp: bool = False
 
     @property
     def name(self) -> str:
+        if self.module_tp:
+            return f"{self.family}-dp{MODULE_TP_DP}-module_tp-layer_shard-k{self.k}-{self.phase}"
         if self.series is not None:
             return f"{self.family}-dp2-layer_shard-k{self.k}-{self.phase}"
         if self.quant is not None:
@@ -124,11 +131,22 @@ class Case:
     @property
     def world(self) -> int:
         """Ranks the case runs on (its graph is rank 0's)."""
+        if self.module_tp:
+            return MODULE_TP_DP * self.tp
         return 2 if self.series is not None else self.tp
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The mesh axes (a world of one rank: none)."""
+        if self.module_tp:
+            return split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[0]
+        return {"tp": self.tp} if self.series is None else {"dp": self.world, "tp": 1}
 
     @property
     def config(self) -> llama.LlamaConfig | moe.MoeConfig:
         cfg = GRAPH_CONFIGS[self.family]
+        if self.module_tp:
+            cfg = with_module_tp(cfg, split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1])
         return cfg if self.series is None else dataclasses.replace(cfg, num_layers=LAYER_SHARD_LAYERS)
 
 
@@ -136,6 +154,7 @@ CASES: tuple[Case, ...] = (
     tuple(Case(fam, phase, tp) for tp in TP_SIZES for fam in GRAPH_CONFIGS for phase in PHASES)
     + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, k) for k in LAYER_SHARD_STEPS for phase in PHASES)
     + tuple(Case("qwen3", phase, 2, quant=q) for q in GRAPH_QUANTS for phase in PHASES)
+    + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, 1, module_tp=True) for phase in PHASES)
 )
 
 
@@ -143,7 +162,7 @@ def case_mesh(case: Case, ctx: RankContext) -> Mesh:
     """The case's mesh on this rank (abstract for one-rank cases, whatever world this process is in)."""
     if case.world == 1:
         return Mesh.abstract({"tp": 1}, 0)
-    return ctx.mesh({"tp": case.tp} if case.series is None else {"dp": case.world, "tp": 1})
+    return ctx.mesh(case.axes)
 
 
 def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -> tuple[Any, ...]:
@@ -295,11 +314,11 @@ def read_artifact(root: Path, name: str, file: str) -> Any:
 def _all_artifacts(world: LocalWorld | None) -> dict[str, dict[str, Any]]:
     out = capture_artifacts(RankContext(0, 1), 1)
     for size in sorted({c.world for c in CASES} - {1}):
-        own = world or LocalWorld(size)
+        own = world if world is not None and world.world_size == size else LocalWorld(size)
         try:
             out |= own.run(capture_artifacts, size)[0]
         finally:
-            if world is None:
+            if own is not world:
                 own.close()
     return out
 

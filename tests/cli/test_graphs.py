@@ -181,3 +181,39 @@ def test_quantized_linears_are_ascends_quantized_matmuls(report, quant):
         reduces = [c.get("reduce") for c in schedule if "all_reduce" in c["op"]]
         row_parallel = ["max", "sum"] if quant == "w8a8" else ["sum"]
         assert reduces == ["sum"] + row_parallel * (2 * cfg.num_layers), reduces
+
+
+def test_module_tp_composed_with_layer_sharding_schedule(report):
+    """dp 4 split (dp 2, dp2 2), every module TP'd over dp2, o_proj and down also layer-sharded over the outer
+    dp (prefetch k = 1): in program order the embedding's id gather and reduce-scatter; per layer o_proj's
+    head-slice all_to_all and reduce-scatter, the MLP's gather and reduce-scatter; the head's gather and
+    vocab-slice all_to_all, all over dp2 and moving only the bytes the plan says; the prefetch broadcasts over dp;
+    and GE keeps the prefetch bounds (k + 1 buffers)."""
+    from functional_npu.cli.graphs import MODULE_TP, MODULE_TP_DP
+
+    cfg, layers = GRAPH_CONFIGS["qwen3"], LAYER_SHARD_LAYERS
+    assert MODULE_TP == dict.fromkeys(("o_proj", "lm_head", "embed", "mlp"), 2) and MODULE_TP_DP == 4
+    for phase, (b, s) in PHASES.items():
+        name = f"qwen3-dp4-module_tp-layer_shard-k1-{phase}"
+        schedule = read_artifact(GRAPHS, name, "collectives.json")
+        module_ops = [(c["op"].split(".")[1], c["axis"], c["bytes"]) for c in schedule if "broadcast" not in c["op"]]
+        act, heads = 4 * b * s, cfg.num_heads * cfg.head_dim  # fp32 bytes per feature of this rank's rows
+        layer = [
+            ("all_to_all_single", "dp2", act * heads),  # o_proj: 2 head slices of this rank's rows
+            ("reduce_scatter_tensor", "dp2", 2 * act * cfg.hidden_size),  # the group's rows' partial sums
+            ("all_gather_into_tensor", "dp2", act * cfg.hidden_size),  # mlp
+            ("reduce_scatter_tensor", "dp2", 2 * act * cfg.hidden_size),
+        ]
+        assert module_ops == [
+            ("all_gather_into_tensor", "dp2", 8 * b * s),  # the ids
+            ("reduce_scatter_tensor", "dp2", 2 * act * cfg.hidden_size),
+            *layer * layers,
+            ("all_gather_into_tensor", "dp2", act * cfg.hidden_size),  # head: hidden states, then vocab slices
+            ("all_to_all_single", "dp2", 2 * act * cfg.vocab_size // 2),
+        ], name
+        broadcasts = [c for c in schedule if "broadcast" in c["op"]]
+        assert len(broadcasts) == layers and {c["axis"] for c in broadcasts} == {"dp"}
+        order = read_artifact(GRAPHS, name, "ge_prefetch.json")
+        assert order["ok"] and order["max_live"] == 2, order["problems"]
+        census = read_artifact(GRAPHS, name, "ge_census.json")
+        assert census["HcomAllToAllV"] == layers + 1 and census["HcomReduceScatter"] == 2 * layers + 1
