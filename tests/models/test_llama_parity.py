@@ -58,8 +58,12 @@ def test_parity_tp2(world2, models, family, use_compile):
         assert "_c10d_functional.all_reduce" in ops and "_c10d_functional.all_gather_into_tensor" in ops
 
 
-@pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+# compiled at tp 4 only for qwen2, whose one KV head is replicated on every rank (compiling costs CI time)
+@pytest.mark.parametrize(
+    "family,use_compile",
+    [(f, False) for f in FAMILIES] + [("qwen2", True)],
+    ids=lambda x: {False: "eager", True: "compiled"}.get(x, x),
+)
 def test_parity_tp4(world4, models, family, use_compile):
     path, prompts, _, _ = models[family]
     for r in world4.run(llama_generate, path, 4, prompts, NEW, use_compile):

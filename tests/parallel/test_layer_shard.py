@@ -132,13 +132,14 @@ def test_load_reads_only_owned_layers(qwen3, n, tp):
 
 
 # ---- multi-rank: parity with transformers, schedule, memory ------------------------------------------
-CASES = [  # (world, axes, series, k, backend)
+CASES = [  # (world, axes, series, k, backend): compiled where the graph differs (tp inside, prefetch); the
+    # whole-layer series compiles in the schedule test below, and compiling costs CI time
     (2, {"dp": 2, "tp": 1}, "o_proj,down_proj", 1, "inductor"),
-    (2, {"dp": 2, "tp": 1}, "layer", 2, "inductor"),
+    (2, {"dp": 2, "tp": 1}, "layer", 2, "none"),
     (2, {"dp": 2, "tp": 1}, "o_proj,down_proj", 0, "none"),
     (4, {"dp": 2, "tp": 2}, "q_proj,down_proj", 1, "inductor"),
-    (4, {"dp": 4, "tp": 1}, "o_proj,down_proj", 2, "inductor"),
-    (4, {"dp": 4, "tp": 1}, "gate_up", 0, "inductor"),
+    (4, {"dp": 4, "tp": 1}, "o_proj,down_proj", 2, "none"),
+    (4, {"dp": 4, "tp": 1}, "gate_up", 0, "none"),
     (4, {"dp": 4, "tp": 1}, "layer", 1, "none"),
 ]
 
