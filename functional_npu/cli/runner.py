@@ -70,7 +70,12 @@ def generate_on_rank(
     batch = [prompts[i] for i in mine]
     longest = max(len(p) for p in prompts)
     model = compile_model(
-        params, mesh, backend=backend, max_seq_len=cache_length(longest + max_new_tokens), prefetch_step=prefetch_step
+        params,
+        mesh,
+        backend=backend,
+        max_seq_len=cache_length(longest + max_new_tokens),
+        prefetch_step=prefetch_step,
+        greedy_head=not (sampling or {}).get("temperature"),  # greedy decode steps move tokens, not logits
     )
     lockstep = (
         Lockstep.over(len(prompts), dp, longest, model.batch_sizes)

@@ -66,7 +66,8 @@ def head_argmax(
 ) -> torch.Tensor:
     """Greedy tokens ``[B, S]`` (int64) without moving logits: each rank's vocab slice reduced to its (max,
     argmax) first, then only those pairs are routed (all_to_all over ``axes``, all_gather over ``tp``) and
-    the first largest wins, as ``head(...).argmax(-1)`` picks it."""
+    the first largest wins, as ``head(...).argmax(-1)`` picks it; -1 where that largest is NaN or infinite.
+    (Indices travel as float32: exact for vocabularies below 2**24.)"""
     logits = _local_logits(params, x, mesh, eps, tied, axes)  # [(n) B, S, v]
     v = logits.shape[-1]
     best, idx = logits.float().max(-1, keepdim=True)  # the first largest of this slice
@@ -78,4 +79,5 @@ def head_argmax(
     b, s = x.shape[0], x.shape[1]
     pairs = pairs.view(t, n, b, s, 2).permute(2, 3, 1, 0, 4).reshape(b, s, n * t, 2)  # slices in vocab order
     pick = pairs[..., 0].argmax(-1, keepdim=True)  # the first slice holding the largest value
-    return pairs[..., 1].gather(-1, pick).squeeze(-1).long()
+    token = pairs[..., 1].gather(-1, pick).squeeze(-1).long()
+    return torch.where(torch.isfinite(pairs[..., 0].gather(-1, pick).squeeze(-1)), token, -1)

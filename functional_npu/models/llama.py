@@ -13,7 +13,9 @@ The full params (see the decoder for the general form)::
 The plan over the tensor-parallel axis (``tp_axis``, default ``"tp"``): ``[q|k|v]`` and ``[gate|up]``
 column-parallel (KV heads replicated when tp > num_kv_heads), ``o_proj`` and ``down`` row-parallel
 followed by ``all_reduce``, a vocab-parallel embedding (masked lookup + ``all_reduce``) and lm_head
-(local logits + ``all_gather``).
+(local logits + ``all_gather``). With module TP (``LlamaConfig.module_tp``, see
+:mod:`functional_npu.parallel.module_tp`) o_proj, the MLP, the embedding and lm_head are cut over
+data-parallel axes too, and their blocks exchange the group's rows.
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ class CompiledModel:
     forward: Callable[..., torch.Tensor] = field(repr=False)
     prefetch_step: int = 0
     tp_axis: str = "tp"
+    greedy_forward: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
     # one bucket per graph: more recompiles than dynamo's default limit. Built once: making a
     # config patch costs far more than entering one, and this is entered on every step.
     _recompiles: Any = field(
@@ -89,14 +90,21 @@ class CompiledModel:
             )
         return values[i]
 
-    def _run(self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    @property
+    def greedy_head(self) -> bool:
+        """Whether greedy decode steps run the head reduced to its argmax (``compile_model(greedy_head=True)``)."""
+        return self.greedy_forward is not None
+
+    def _run(
+        self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any = None
+    ) -> torch.Tensor:
         if series_of(self.params) and bool(state.prefetched) != (self.prefetch_step > 0):
             raise ValueError(
                 f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs a state from new_state()"
             )
         try:
             with torch.no_grad(), self._recompiles:
-                return self.forward(self.params, tokens, positions, state, self.mesh)
+                return (forward or self.forward)(self.params, tokens, positions, state, self.mesh)
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(
                 f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}"
@@ -132,13 +140,23 @@ class CompiledModel:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """One step: ``tokens [n]`` at ``positions [n]`` (n <= the state's batch); returns logits ``[n, V]``."""
+        return self._step("decode", tokens, positions, state, self.forward)
+
+    def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """One greedy step through the argmax head: the next ``tokens [n]`` (-1 where the largest logit is
+        not finite), no logits moved between the ranks of a vocab-parallel head."""
+        if self.greedy_forward is None:
+            raise ValueError("decode_greedy: compile the model with compile_model(..., greedy_head=True)")
+        return self._step("decode", tokens, positions, state, self.greedy_forward)
+
+    def _step(self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any):
         b, n = state.kv[0][0].shape[0], tokens.shape[0]
         if int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"decode: position {int(positions.max())} is past max_seq_len {self.max_seq_len}")
         pad = b - n
         tok = (torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens)[:, None]
         pos = (torch.cat([positions, positions.new_zeros(pad)]) if pad else positions)[:, None]
-        return self._run("decode", tok, pos, state)[:n, -1]
+        return self._run(phase, tok, pos, state, forward)[:n, -1]
 
     def generate(
         self,
@@ -251,6 +269,7 @@ def compile_model(
     prefetch_device: Any = None,
     prefetch_budget: float | None = None,
     kernels: str | None = None,
+    greedy_head: bool = False,
 ) -> CompiledModel:
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
@@ -282,6 +301,10 @@ def compile_model(
             see :func:`functional_npu.models.linear.prepare`); default: the backend's
             (:attr:`functional_npu.runtime.backends.Backend.kernels`). ``"npu"`` off an NPU runs Ascend's
             kernels' CPU references (:mod:`functional_npu.models.ascend_ops`): the NPU's numerics, checked here.
+        greedy_head: greedy generation's decode steps run the head reduced to its argmax where the logits are
+            computed (the family's ``Blocks.argmax``): a vocab-parallel head (tp, lm_head module TP) then moves
+            a (max, index) pair per rank and token instead of its logits. The first token still comes from
+            the prefill's logits; a step whose largest logit is not finite still raises.
 
     Example:
         >>> model = compile_model(load_checkpoint(path, mesh), mesh)     # doctest: +SKIP
@@ -312,9 +335,14 @@ def compile_model(
         decode, blocks=family_of(cfg).blocks(cfg, tp_axis), attention=attention, streams=chosen.streams
     )
     fwd = chosen.compile(step, dynamic=False, inductor_options=options)
+    greedy = (
+        chosen.compile(functools.partial(step, greedy=True), dynamic=False, inductor_options=options)
+        if greedy_head
+        else None
+    )
     # the plain forward never recompiles: no config patch to make (making one costs about a third of a millisecond)
     recompiles = contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=256)
-    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, k, tp_axis, recompiles)
+    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, k, tp_axis, greedy, recompiles)
 
 
 def greedy_generate(

@@ -36,6 +36,9 @@ class Model(Protocol):
     def new_state(self, batch: int) -> DecodeState: ...
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor: ...
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor: ...
+    @property
+    def greedy_head(self) -> bool: ...
+    def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -105,18 +108,27 @@ def check_token_ids(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
 
 
 def _chunk(
-    model: Model, rows: Sequence[Sequence[int]], new: int, pick: Callable[[torch.Tensor], torch.Tensor], length: int
+    model: Model,
+    rows: Sequence[Sequence[int]],
+    new: int,
+    pick: Callable[[torch.Tensor], torch.Tensor] | None,
+    length: int,
 ) -> list[list[int]]:
-    """``new`` tokens for each row of one batch: one prefill into a fresh state, then ``new - 1`` decode steps."""
+    """``new`` tokens for each row of one batch: one prefill into a fresh state, then ``new - 1`` decode steps
+    (``pick`` None: greedy steps through the model's greedy head, which returns tokens, -1 where non-finite)."""
     state = model.new_state(len(rows))
     logits = model.prefill(rows, state, length=length)
     finite = torch.isfinite(logits).all()  # checked once per chunk: no sync per step
-    step = pick(logits)
+    step = logits.argmax(-1) if pick is None else pick(logits)
     pos, steps = torch.tensor([len(p) for p in rows]), [step]
     for _ in range(new - 1):
-        logits = model.decode(step, pos, state)
-        finite &= torch.isfinite(logits).all()
-        step = pick(logits)
+        if pick is None:
+            step = model.decode_greedy(step, pos, state)
+            finite &= (step >= 0).all()
+        else:
+            logits = model.decode(step, pos, state)
+            finite &= torch.isfinite(logits).all()
+            step = pick(logits)
         pos = pos + 1
         steps.append(step)
     drain(state.prefetched)
@@ -150,6 +162,8 @@ def generate(
         )
     check_length(longest, max_new_tokens, model.config.max_position_embeddings)
     pick = sampler(**sampling)
+    if model.greedy_head and not sampling.get("temperature"):  # decode steps move tokens, not logits
+        pick = None
     width = lockstep.batch if lockstep else model.batch_sizes[-1]
     chunks = [list(prompts[i : i + width]) for i in range(0, len(prompts), width)]
     if lockstep is not None:

@@ -150,3 +150,25 @@ def test_non_finite_logits_are_reported_not_turned_into_tokens(plain):
     layers[1]["down"][0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match=r"generate: the model produced non-finite logits \(NaN or Inf\)"):
         greedy_generate(plain.params | {"layers": layers}, PROMPTS, 2, plain.mesh)
+
+
+@pytest.mark.parametrize("greedy_head", [False, True], ids=["logits", "argmax-head"])
+def test_a_nan_raised_in_a_decode_step_is_reported(plain, greedy_head):
+    """The greedy head returns tokens, not logits: a step whose largest logit is NaN is still caught (-1)."""
+    model = compile_model(plain.params, plain.mesh, backend="none", batch_sizes=[len(PROMPTS)], greedy_head=greedy_head)
+    assert model.greedy_head is greedy_head
+    state = model.new_state(len(PROMPTS))
+    tokens = model.prefill(PROMPTS, state).argmax(-1)
+    state.kv[0][0].fill_(float("nan"))  # the cache turns every later step's logits NaN
+    pos = torch.tensor([len(p) for p in PROMPTS])
+    if greedy_head:
+        assert (model.decode_greedy(tokens, pos, state) == -1).all()
+    else:
+        assert torch.isnan(model.decode(tokens, pos, state)).all()
+        with pytest.raises(ValueError, match=r"compile_model\(\.\.\., greedy_head=True\)"):
+            model.decode_greedy(tokens, pos, state)
+
+
+def test_the_greedy_head_generates_the_logits_paths_tokens(plain):
+    want = compile_model(plain.params, plain.mesh, backend="none").generate(PROMPTS, 6)
+    assert compile_model(plain.params, plain.mesh, backend="none", greedy_head=True).generate(PROMPTS, 6) == want

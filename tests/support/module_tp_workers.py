@@ -8,7 +8,8 @@ def module_tp_generate(
 ):
     """For each plan (module -> size): load with ``dp`` split for it (``layer_shard`` the ``series`` over the
     outer dp, fetched ``k`` ahead), then on this rank's prompts (dealt by dp index, in lockstep):
-    a dict of the prompt indices, each prompt's prefill logits ``[len, V]``, the greedy tokens (generate),
+    a dict of the prompt indices, each prompt's prefill logits ``[len, V]``, the greedy tokens (generate, decoding
+    through the greedy head),
     the greedy head's tokens over the prefill (``decode(greedy=True)``), bytes read and local shapes."""
     from functional_npu import compile_model, flatten_with_paths, load_checkpoint, split_dp
     from functional_npu.models import family_of
@@ -36,6 +37,7 @@ def module_tp_generate(
             max_seq_len=width + new,
             prefill_lengths=[width],
             prefetch_step=k,
+            greedy_head=True,  # decode steps through the argmax head: (max, index) pairs cross the ranks
         )
         lock = Lockstep.over(len(prompts), mesh.axis_size(d), width, model.batch_sizes)
         tokens = model.generate(rows, new, lockstep=lock)
