@@ -176,6 +176,21 @@ def test_dense_layer_sharded(world2, models, backend):
     assert in_prompt_order(results, len(prompts)) == ref_tokens
 
 
+@pytest.mark.parametrize("scheme", ("w8a8", "w4a16"))
+def test_dense_module_tp(world2, models, scheme):
+    """o_proj, the MLP, the embedding and lm_head TP'd over both dp ranks: quantized shards of the group's
+    slices (int4 groups of 32 split over the ranks); W8A8 rounds each token with its whole row's scale."""
+    from functional_npu import split_dp
+    from functional_npu.cli.runner import generate_on_rank, in_prompt_order
+
+    path, prompts, _, ref_tokens, margins = models[f"qwen3-{scheme}"]
+    axes, plan = split_dp({"dp": 2, "tp": 1}, dict.fromkeys(("o_proj", "mlp", "embed", "lm_head"), 2))
+    results = world2.run(generate_on_rank, path, axes, prompts, NEW, backend="none", module_tp=plan)
+    for i, (got, want) in enumerate(zip(in_prompt_order(results, len(prompts)), ref_tokens)):
+        parted = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        assert parted is None or (scheme == "w8a8" and margins[i][parted] < 1e-3), (i, got, want)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bf16_dense(world2, models, tp):
     ref = models["qwen3-bf16"]
