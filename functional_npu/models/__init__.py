@@ -9,17 +9,20 @@
 * :mod:`.family`: :func:`family_of` and the :func:`forward` every family runs through.
 """
 
-from . import llama, moe
+from . import deepseek, llama, moe
 from .decoder import Blocks, DecodeState
+from .deepseek import DeepseekConfig
 from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, with_module_tp
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
 __all__ = [
+    "deepseek",
     "llama",
     "moe",
     "LlamaConfig",
     "MoeConfig",
+    "DeepseekConfig",
     "ARCHITECTURES",
     "Family",
     "FAMILIES",

@@ -106,14 +106,20 @@ def attention_mask(positions: torch.Tensor, cache_len: int, window: int | None) 
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, kind: str = "sdpa"
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "sdpa",
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Masked attention ``[B, H, S, hd]``: SDPA, or ``"math"`` (matmul + softmax: every op has a GE converter)."""
+    """Masked attention ``[B, H, S, dv]``: SDPA, or ``"math"`` (matmul + softmax: every op has a GE converter).
+    ``scale``: of the scores (default ``hd ** -0.5``)."""
     if kind == "sdpa":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     if kind != "math":
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {kind!r}")
-    scores = (q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, H, S, C]
+    scores = (q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, H, S, C]
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
 

@@ -23,6 +23,7 @@ first split over it and gathered back after.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,28 +32,65 @@ import torch.nn.functional as F
 from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
 from ..core.mesh import Mesh
 from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
+from .mlp import gated_mlp
 
 if TYPE_CHECKING:
     from .moe import MoeConfig
 
-__all__ = ["route", "local_experts", "moe_ffn"]
+__all__ = ["Routing", "route", "local_experts", "moe_ffn"]
 
 
-def route(logits: torch.Tensor, cfg: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, logical experts [T, k]) from router logits [T, E].
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Routing:
+    """How router logits pick experts, beyond top-k and ``norm_topk_prob`` (transformers' semantics).
 
-    Both families: softmax over all experts in float32, top-k; then renormalize over the k when
-    ``norm_topk_prob`` (Qwen3-MoE's flag; Mixtral always, which equals a softmax over the top-k logits).
+    Attributes:
+        scoring: ``"softmax"`` over all experts, or ``"sigmoid"`` per expert (DeepSeek-V3).
+        group_limit: ``"none"``; ``"max"`` (DeepSeek-V2's ``group_limited_greedy``: experts come from the
+            ``topk_group`` groups with the best single score); ``"top2"`` (DeepSeek-V3's ``noaux_tc``: groups
+            ranked by the sum of their best two bias-corrected scores).
+        n_group, topk_group: experts split into ``n_group`` equal groups, ``topk_group`` of them eligible.
+        scale: ``routed_scaling_factor``, on the final weights.
     """
-    weights, experts = logits.float().softmax(-1).topk(cfg.top_k, dim=-1)
+
+    scoring: str = "softmax"
+    group_limit: str = "none"
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+
+def route(logits: torch.Tensor, cfg: Any, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, logical experts [T, k]) from router logits [T, E], by ``cfg.routing``.
+
+    Scores (softmax or sigmoid, float32) plus ``bias`` (DeepSeek-V3's ``e_score_correction_bias``: it only
+    chooses, the weights are the uncorrected scores); experts outside the chosen groups excluded; top-k;
+    renormalized over the k when ``norm_topk_prob`` (Qwen3-MoE's flag; Mixtral always, which equals a
+    softmax over the top-k logits); times ``routing.scale``.
+    """
+    routing = cfg.routing
+    scores = logits.float().softmax(-1) if routing.scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if routing.group_limit != "none" and routing.n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, routing.n_group, e // routing.n_group)
+        rank = grouped.topk(2, dim=-1).values.sum(-1) if routing.group_limit == "top2" else grouped.max(-1).values
+        keep = torch.zeros_like(rank).scatter(1, rank.topk(routing.topk_group, dim=-1).indices, 1.0).bool()
+        fill = float("-inf") if routing.group_limit == "top2" else 0.0
+        choice = choice.masked_fill(~keep.repeat_interleave(e // routing.n_group, dim=1), fill)
+    if bias is None:  # every kept choice is its score
+        weights, experts = choice.topk(cfg.top_k, dim=-1)
+    else:
+        experts = choice.topk(cfg.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights, experts
+    return weights * routing.scale if routing.scale != 1.0 else weights, experts
 
 
 def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, physical slots), both [T, k], for tokens ``x [T, D]`` with dispatch indices ``index [T]``."""
-    weights, experts = route(linear(x, layer["router"]), cfg)
+    weights, experts = route(linear(x, layer["router"]), cfg, layer.get("router_bias"))
     table = layer["expert_map"]
     if table.shape[1] == 1:
         return weights, table[experts, 0]
@@ -143,7 +181,22 @@ def _exchange(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, row_amax
 
 
 def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: MoeConfig, tp: str) -> torch.Tensor:
-    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp`` like a dense MLP's."""
+    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp`` like a dense MLP's.
+
+    With shared experts (``shared_gate_up`` / ``shared_down``: a dense gated MLP every token runs, tensor-parallel
+    over ``tp``), their output is added, scaled by ``sigmoid(h @ shared_gate.T)`` when the layer has a
+    ``shared_gate [1, D]`` (Qwen2-MoE)."""
+    routed = _routed(layer, h, mesh, cfg=cfg, tp=tp)
+    if "shared_gate_up" not in layer:
+        return routed
+    shared = gated_mlp({"gate_up": layer["shared_gate_up"], "down": layer["shared_down"]}, h, mesh, tp=tp)
+    if "shared_gate" in layer:
+        shared = shared * torch.sigmoid(linear(h, layer["shared_gate"]))
+    return routed + shared
+
+
+def _routed(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: MoeConfig, tp: str) -> torch.Tensor:
+    """The routed experts' share of :func:`moe_ffn`."""
     b, s, d = h.shape
     x = h.reshape(b * s, d)
     expert_tp = tp not in cfg.expert_axes

@@ -18,8 +18,9 @@ from ..core.mesh import Mesh
 from ..parallel.eplb import EXPERT_LEAVES
 from ..parallel.module_tp import ModuleTP
 from ..parallel.streams import INLINE, Streams
-from . import llama, moe
+from . import deepseek, llama, moe
 from .decoder import Blocks, DecodeState, decode
+from .deepseek import DeepseekConfig
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -82,7 +83,21 @@ MOE = Family(
     {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
     frozenset(llama.LINEARS + moe.LINEARS),
 )
-FAMILIES = (LLAMA, MOE)
+DEEPSEEK = Family(
+    "deepseek",
+    DeepseekConfig,
+    deepseek.ARCHITECTURES,
+    DeepseekConfig.from_hf,
+    deepseek.hf_names,
+    deepseek.abstract_params,
+    deepseek.param_specs,
+    deepseek.init_params,
+    deepseek.blocks,
+    frozenset(EXPERT_LEAVES),
+    {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
+    frozenset(deepseek.LINEARS),
+)
+FAMILIES = (LLAMA, MOE, DEEPSEEK)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 
 

@@ -25,7 +25,7 @@ from ..core.tree import map_with_path, register_static
 from ..parallel.module_tp import ModuleTP
 from . import llama
 from .decoder import Blocks
-from .experts import moe_ffn
+from .experts import Routing, moe_ffn
 
 __all__ = [
     "MoeConfig",
@@ -98,6 +98,7 @@ class MoeConfig:
     max_copies: int = 1
     expert_axes: tuple[str, ...] = ()
     dispatch_threshold: int = 8
+    routing: Routing = Routing()  # softmax top-k (both families)
 
     # fields generic code reads from any family's config
     @property

@@ -118,3 +118,81 @@ def hf_references(
         tokens = [hf_greedy(model, p, new, use_cache=name not in uncached) for p in prompts]
         out[name] = (str(path), prompts, logits, tokens)
     return out
+
+
+# DeepSeek-V2/V3 (MLA, shared experts, group-limited routing): init std 0.2 so rope layout, routing groups and
+# the correction bias move the logits far past the parity tolerance
+DEEPSEEK_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+DEEPSEEK_FAMILIES = {
+    # low-rank query, 2 groups of 4 experts (1 eligible), the first layer dense, interleaved rope
+    "deepseek_v3": (
+        T.DeepseekV3ForCausalLM,
+        T.DeepseekV3Config,
+        dict(q_lora_rank=32, n_group=2, topk_group=1, first_k_dense_replace=1),
+    ),
+    # plain q_proj, 4 groups (2 eligible), every layer MoE, yarn rope with mscale, halves rope layout
+    "deepseek_v3_yarn": (
+        T.DeepseekV3ForCausalLM,
+        T.DeepseekV3Config,
+        dict(
+            q_lora_rank=None,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=0,
+            rope_interleave=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+    ),
+    # softmax scores, group_limited_greedy, routed_scaling_factor, no renormalization
+    "deepseek_v2": (
+        T.DeepseekV2ForCausalLM,
+        T.DeepseekV2Config,
+        dict(
+            q_lora_rank=32,
+            n_group=2,
+            topk_group=1,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+        ),
+    ),
+}
+
+
+def save_tiny_deepseek(family: str, path, seed: int, **overrides) -> "T.PreTrainedModel":
+    """The DeepSeek family's tiny model with a fixed seed (V3: a random nonzero ``e_score_correction_bias``),
+    saved to ``path``, in eval mode."""
+    cls, cfg_cls, extra = DEEPSEEK_FAMILIES[family]
+    torch.manual_seed(seed)
+    model = cls(cfg_cls(**(DEEPSEEK_COMMON | extra | overrides))).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model

@@ -1,0 +1,419 @@
+"""DeepSeek-V2 / V3: multi-head latent attention, MoE with shared experts, group-limited routing.
+
+A family is a config, a HF name table, a parallel plan and a choice of blocks for the one decoder:
+here MLA (:mod:`functional_npu.models.mla`, latent KV cache, absorbed decode) in every layer, a dense
+gated MLP in the first ``first_k_dense_replace`` layers and the experts block
+(:mod:`functional_npu.models.experts`) with shared experts in the others. Routing as transformers:
+
+- V3: sigmoid scores; ``e_score_correction_bias`` added to choose; groups ranked by their best two;
+  ``topk_group`` of ``n_group`` eligible; weights the uncorrected scores, renormalized
+  (``norm_topk_prob``), times ``routed_scaling_factor``;
+- V2: softmax scores; ``greedy`` or ``group_limited_greedy`` (groups ranked by their best score);
+  times ``routed_scaling_factor``.
+
+The plan over ``tp_axis``: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` column-parallel over heads,
+``o_proj`` row-parallel; ``q_a_proj``, ``kv_a_proj`` (``kv_a_proj_with_mqa``), their norms and the
+latent cache replicated; experts over ``expert_axes`` (tensor-parallel over tp otherwise), shared experts
+and dense MLPs column / row parallel; module TP (``module_tp``) as in the Llama family.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.dtypes import float_dtype
+from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
+from ..core.tree import map_with_path, register_static
+from ..parallel.module_tp import ModuleTP
+from . import mla
+from .decoder import Blocks
+from .embedding import embed, head, head_argmax
+from .experts import Routing, moe_ffn
+from .mlp import gated_mlp
+
+__all__ = [
+    "DeepseekConfig",
+    "ARCHITECTURES",
+    "LINEARS",
+    "hf_names",
+    "abstract_params",
+    "init_params",
+    "param_specs",
+    "blocks",
+]
+
+ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+_MODEL_TYPE = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
+ROPE_TYPES = ("default", "yarn")
+LINEARS = (
+    "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "gate_up", "down", "lm_head",
+    "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down",
+)  # fmt: skip
+
+_LAYER = "model.layers.{i}."
+HF_NAMES: dict[str, list[str]] = {
+    "embed": ["model.embed_tokens.weight"],
+    "norm": ["model.norm.weight"],
+    "lm_head": ["lm_head.weight"],
+    "attn_norm": [_LAYER + "input_layernorm.weight"],
+    "mlp_norm": [_LAYER + "post_attention_layernorm.weight"],
+    "q_proj": [_LAYER + "self_attn.q_proj.weight"],
+    "q_a_proj": [_LAYER + "self_attn.q_a_proj.weight"],
+    "q_a_norm": [_LAYER + "self_attn.q_a_layernorm.weight"],
+    "q_b_proj": [_LAYER + "self_attn.q_b_proj.weight"],
+    "kv_a_proj": [_LAYER + "self_attn.kv_a_proj_with_mqa.weight"],
+    "kv_a_norm": [_LAYER + "self_attn.kv_a_layernorm.weight"],
+    "kv_b_proj": [_LAYER + "self_attn.kv_b_proj.weight"],
+    "o_proj": [_LAYER + "self_attn.o_proj.weight"],
+    "gate_up": [_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"],
+    "down": [_LAYER + "mlp.down_proj.weight"],
+    "router": [_LAYER + "mlp.gate.weight"],
+    "router_bias": [_LAYER + "mlp.gate.e_score_correction_bias"],
+    "experts_gate_up": [_LAYER + "mlp.experts.{j}.gate_proj.weight", _LAYER + "mlp.experts.{j}.up_proj.weight"],
+    "experts_down": [_LAYER + "mlp.experts.{j}.down_proj.weight"],
+    "shared_gate_up": [_LAYER + "mlp.shared_experts.gate_proj.weight", _LAYER + "mlp.shared_experts.up_proj.weight"],
+    "shared_down": [_LAYER + "mlp.shared_experts.down_proj.weight"],
+    "expert_map": [],
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeepseekConfig:
+    """Static config of a DeepSeek-V2 / V3 model plus its plan (experts, module TP, absorbed decode).
+
+    ``absorb``: decode steps (one token) attend in the latent space (:mod:`functional_npu.models.mla`).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_positions: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: float | None = None
+    rope_truncate: bool = True
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    norm_topk_prob: bool
+    routing: Routing = Routing()
+    # the plan
+    num_slots: int | None = None
+    max_copies: int = 1
+    expert_axes: tuple[str, ...] = ()
+    dispatch_threshold: int = 8
+    module_tp: ModuleTP = ModuleTP()
+    absorb: bool = True
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.first_k_dense_replace, self.num_layers))
+
+    @property
+    def slots(self) -> int:
+        return self.num_slots or self.num_experts
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache elements per token and layer: the latent and the rope key (all heads share them)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def from_hf(hf: Mapping[str, Any]) -> DeepseekConfig:
+        """Build from a parsed HF ``config.json``; one clear line for an option this family does not run."""
+        arch = (hf.get("architectures") or [None])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        _refuse(hf)
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        v3 = arch == "DeepseekV3ForCausalLM"
+        experts = hf.get("n_routed_experts")
+        n_group = int(hf.get("n_group") or 1)
+        method = hf.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        if method not in ("noaux_tc", "greedy", "group_limited_greedy") or (method == "noaux_tc") != v3:
+            raise ValueError(f"config.json: topk_method {method!r} is not supported for {arch}")
+        limit = {"noaux_tc": "top2", "group_limited_greedy": "max", "greedy": "none"}[method]
+        return DeepseekConfig(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=int(hf["num_attention_heads"]),
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+            v_head_dim=int(hf["v_head_dim"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_original_max_positions=int(
+                rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+            ),
+            rope_beta_fast=float(rope.get("beta_fast") or 32),
+            rope_beta_slow=float(rope.get("beta_slow") or 1),
+            rope_mscale=float(rope.get("mscale") or 0),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+            rope_attention_factor=rope.get("attention_factor"),
+            rope_truncate=bool(rope.get("truncate", True)),
+            rope_interleave=bool(hf.get("rope_interleave", True)) if v3 else True,  # V2 rotates adjacent pairs
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            num_experts=int(experts),
+            top_k=int(hf["num_experts_per_tok"]),
+            moe_intermediate_size=int(hf["moe_intermediate_size"]),
+            n_shared_experts=int(hf.get("n_shared_experts") or 0),
+            first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+            norm_topk_prob=bool(hf.get("norm_topk_prob")) if v3 else False,  # V2's router never renormalizes
+            routing=Routing(
+                scoring="sigmoid" if v3 else "softmax",
+                group_limit=limit,
+                n_group=n_group,
+                topk_group=int(hf.get("topk_group") or 1),
+                scale=float(hf.get("routed_scaling_factor") or 1.0),
+            ),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict (read back by :meth:`from_hf`; the plan fields are not part of it)."""
+        rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_type == "yarn":
+            rope |= {
+                "factor": self.rope_factor,
+                "original_max_position_embeddings": self.rope_original_max_positions,
+                "beta_fast": self.rope_beta_fast,
+                "beta_slow": self.rope_beta_slow,
+                "mscale": self.rope_mscale,
+                "mscale_all_dim": self.rope_mscale_all_dim,
+            }
+        method = {"top2": "noaux_tc", "max": "group_limited_greedy", "none": "greedy"}[self.routing.group_limit]
+        return {
+            "architectures": [self.architecture],
+            "model_type": _MODEL_TYPE[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_heads,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "rope_interleave": self.rope_interleave,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "n_routed_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "n_shared_experts": self.n_shared_experts,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "norm_topk_prob": self.norm_topk_prob,
+            "topk_method": method,
+            "n_group": self.routing.n_group,
+            "topk_group": self.routing.topk_group,
+            "routed_scaling_factor": self.routing.scale,
+            "num_nextn_predict_layers": 0,
+        }
+
+
+def _refuse(hf: Mapping[str, Any]) -> None:
+    """One line for each option this family does not run."""
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("config.json: attention_bias / mlp_bias are not supported for DeepSeek models")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
+    if (hf.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"config.json: moe_layer_freq {hf.get('moe_layer_freq')!r} is not supported (1 only)")
+    quant = hf.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8":
+        raise ValueError(
+            "config.json: fp8 block-quantized weights (quantization_config.quant_method 'fp8') are not supported; "
+            "convert the checkpoint to bf16 or to a compressed-tensors scheme"
+        )
+    for key in ("index_topk", "index_n_heads"):  # DeepSeek-V3.2's sparse attention indexer
+        if hf.get(key):
+            raise ValueError(f"config.json: {key} (DeepSeek-V3.2 sparse attention) is not supported")
+
+
+register_static(DeepseekConfig)
+
+
+def hf_names(cfg: DeepseekConfig) -> dict[str, list[str]]:
+    """HF tensor names of each param leaf in block order (``{i}``: layer, ``{j}``: expert); expert_map is computed."""
+    return HF_NAMES
+
+
+# ---- the parallel plan ------------------------------------------------------------------------
+def _attention_shapes(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
+    d, h = cfg.hidden_size, cfg.num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (d,)}
+    if cfg.q_lora_rank is None:
+        shapes["q_proj"] = (h * qk, d)
+    else:
+        shapes |= {
+            "q_a_proj": (cfg.q_lora_rank, d),
+            "q_a_norm": (cfg.q_lora_rank,),
+            "q_b_proj": (h * qk, cfg.q_lora_rank),
+        }
+    return shapes | {
+        "kv_a_proj": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d),
+        "kv_a_norm": (cfg.kv_lora_rank,),
+        "kv_b_proj": (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        "o_proj": (d, h * cfg.v_head_dim),
+        "mlp_norm": (d,),
+    }
+
+
+def _ffn_shapes(cfg: DeepseekConfig, moe: bool) -> dict[str, tuple[int, ...]]:
+    d = cfg.hidden_size
+    if not moe:
+        return {"gate_up": (2 * cfg.intermediate_size, d), "down": (d, cfg.intermediate_size)}
+    f, s = cfg.moe_intermediate_size, cfg.slots
+    shapes = {"router": (cfg.num_experts, d), "experts_gate_up": (s, 2 * f, d), "experts_down": (s, d, f)}
+    if cfg.routing.group_limit == "top2":
+        shapes["router_bias"] = (cfg.num_experts,)
+    if cfg.n_shared_experts:
+        fs = f * cfg.n_shared_experts
+        shapes |= {"shared_gate_up": (2 * fs, d), "shared_down": (d, fs)}
+    return shapes
+
+
+def abstract_params(
+    cfg: DeepseekConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
+) -> dict[str, Any]:
+    """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory)."""
+
+    def make(shape: tuple[int, ...], dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dt, device=device)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        moe = i in cfg.moe_layers
+        layer = {k: make(v) for k, v in (_attention_shapes(cfg) | _ffn_shapes(cfg, moe)).items()}
+        if moe:
+            layer["expert_map"] = make((cfg.num_experts, cfg.max_copies), torch.int64)
+        layers.append(layer)
+    top: dict[str, Any] = {
+        "config": cfg,
+        "embed": make((cfg.vocab_size, cfg.hidden_size)),
+        "norm": make((cfg.hidden_size,)),
+    }
+    if not cfg.tie_word_embeddings:
+        top["lm_head"] = make((cfg.vocab_size, cfg.hidden_size))
+    return top | {"layers": layers}
+
+
+def init_params(cfg: DeepseekConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Full params with seeded random weights (std 0.02, norms 1, router bias 0) and the identity expert map."""
+    dtype = float_dtype(dtype, "init_params")
+    g = torch.Generator().manual_seed(seed)
+
+    def fill(path: str, x: torch.Tensor) -> torch.Tensor:
+        if path.endswith("expert_map"):
+            return torch.arange(cfg.num_experts)[:, None]
+        if path.endswith("norm"):
+            return torch.ones(x.shape, dtype=dtype)
+        if path.endswith("router_bias"):
+            return torch.zeros(x.shape, dtype=dtype)
+        return (torch.randn(x.shape, generator=g) * 0.02).to(dtype)
+
+    return map_with_path(fill, abstract_params(cfg))
+
+
+def param_specs(cfg: DeepseekConfig, tp_axis: str = "tp") -> dict[str, Any]:
+    """The plan over ``tp_axis`` (and the expert and module-TP axes) as a tree of layouts."""
+    tp, mtp = tp_axis, cfg.module_tp
+    qk, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+    heads_q = fused(0, [Block("q", cfg.num_heads * qk, qk)], tp)  # whole heads per rank
+    attention: dict[str, Layout] = {
+        "attn_norm": replicated(),
+        "q_proj": heads_q,
+        "q_a_proj": replicated(),
+        "q_a_norm": replicated(),
+        "q_b_proj": heads_q,
+        "kv_a_proj": replicated(),
+        "kv_a_norm": replicated(),
+        "kv_b_proj": fused(0, [Block("kv", cfg.num_heads * kv, kv)], tp),
+        "o_proj": sharded(1, mtp.o_proj + (tp,)),
+        "mlp_norm": replicated(),
+    }
+    mlp = mtp.mlp + (tp,)
+    dense = {
+        "gate_up": fused(0, [Block("gate", cfg.intermediate_size), Block("up", cfg.intermediate_size)], mlp),
+        "down": sharded(1, mlp),
+    }
+    f, fs = cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+    slot = Shard(cfg.expert_axes) if cfg.expert_axes else None
+    inner = tp not in cfg.expert_axes  # each expert tensor-parallel too
+    moe = {
+        "router": replicated(),
+        "router_bias": replicated(),
+        "experts_gate_up": Layout((slot, Shard((tp,), (Block("gate", f), Block("up", f))) if inner else None)),
+        "experts_down": Layout((slot, None, Shard((tp,)) if inner else None)),
+        "expert_map": replicated(),
+        "shared_gate_up": fused(0, [Block("gate", fs), Block("up", fs)], tp),
+        "shared_down": sharded(1, tp),
+    }
+    meta = abstract_params(cfg)
+    layers = [
+        {k: v for k, v in (attention | (moe if i in cfg.moe_layers else dense)).items() if k in meta["layers"][i]}
+        for i in range(cfg.num_layers)
+    ]
+    top: dict[str, Any] = {"embed": sharded(0, mtp.embed + (tp,)), "norm": replicated(), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        top["lm_head"] = sharded(0, mtp.lm_head + (tp,))
+    return top
+
+
+def blocks(cfg: DeepseekConfig, tp_axis: str = "tp") -> Blocks:
+    """MLA in every layer; a dense gated MLP in the first ``first_k_dense_replace``, experts in the rest."""
+    mtp = cfg.module_tp
+    dense = functools.partial(gated_mlp, tp=tp_axis, axes=mtp.mlp)
+    experts = functools.partial(moe_ffn, cfg=cfg, tp=tp_axis)
+    head_axes = mtp.embed if cfg.tie_word_embeddings else mtp.lm_head
+    head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": head_axes}
+    return Blocks(
+        embed=functools.partial(embed, tp=tp_axis, axes=mtp.embed),
+        prepare=functools.partial(mla.prepare, cfg),
+        attention=functools.partial(mla.mla, cfg=cfg, tp=tp_axis),
+        ffn=tuple(experts if i in cfg.moe_layers else dense for i in range(cfg.num_layers)),
+        head=functools.partial(head, **head_args),
+        argmax=functools.partial(head_argmax, **head_args),
+        init_kv=functools.partial(mla.init_kv, cfg, tp=tp_axis),
+        eps=cfg.rms_norm_eps,
+    )

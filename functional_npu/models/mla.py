@@ -1,0 +1,178 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), tensor-parallel over heads, with a latent KV cache.
+
+A layer's leaves: ``q_proj [H (dn + dr), D]``, or ``q_a_proj [Rq, D]`` + ``q_a_norm [Rq]`` + ``q_b_proj
+[H (dn + dr), Rq]`` when the query is low-rank; ``kv_a_proj [R + dr, D]`` (the latent and the shared rope
+key), ``kv_a_norm [R]``, ``kv_b_proj [H (dn + dv), R]`` (each head's key and value parts) and ``o_proj
+[D, H dv]``. ``q_b_proj`` / ``q_proj`` and ``kv_b_proj`` are column-parallel over heads, ``o_proj``
+row-parallel; the ``*_a_*`` projections and the cache are replicated.
+
+The cache holds, per token, the normed latent ``c [R]`` and the rotated rope key ``k_rot [dr]``: one
+``(c [B, 1, C, R], k_rot [B, 1, C, dr])`` pair per layer, ``R + dr`` values a token for all heads (a
+per-head cache holds ``H (dn + dr + dv)``). Two ways to attend over it:
+
+- **plain** (prefill): expand the cache through ``kv_b_proj`` into every head's keys and values, then
+  attention as usual;
+- **absorbed** (decode, ``cfg.absorb``): fold ``kv_b_proj``'s key part into the query
+  (``q_lat = q_nope W_uk``, scores ``q_lat c^T + q_rot k_rot^T``) and its value part into the output
+  (``o = (P c) W_uv^T``), so a step reads the latent cache once and never materializes keys or values.
+
+Rotary embedding on the ``dr`` rope dims only, with yarn scaling as transformers computes it (the
+``attention_factor`` on cos / sin, the softmax scale times ``mscale(factor, mscale_all_dim)^2``), and
+DeepSeek's interleaved pair layout (``rope_interleave``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from ..core.mesh import Mesh
+from .attention import attend, attention_mask, output_projection
+from .linear import linear
+from .norm import rms_norm
+
+if TYPE_CHECKING:
+    from .deepseek import DeepseekConfig
+
+__all__ = ["MlaStep", "rope_frequencies", "softmax_scale", "prepare", "mla", "init_kv", "local_heads"]
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class MlaStep(NamedTuple):
+    """What every MLA layer of one step shares: rotary ``cos`` / ``sin`` ``[B, 1, S, dr]``, the mask
+    ``[B, 1, S, C]`` and the cache slots of the new latents ``[B, 1, S, R]`` and rope keys ``[B, 1, S, dr]``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor
+    slot_c: torch.Tensor
+    slot_r: torch.Tensor
+
+
+def local_heads(cfg: DeepseekConfig, tp: int) -> int:
+    return cfg.num_heads // tp
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(cfg: DeepseekConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies ``[dr / 2]``, the factor on cos / sin): default, or yarn as transformers computes it."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    if cfg.rope_type != "yarn":
+        return 1.0 / pos, 1.0
+    factor = cfg.rope_factor
+    if cfg.rope_attention_factor is not None:
+        attention = cfg.rope_attention_factor
+    elif cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        attention = _mscale(factor, cfg.rope_mscale) / _mscale(factor, cfg.rope_mscale_all_dim)
+    else:
+        attention = _mscale(factor)
+
+    def correction(rotations: float) -> float:
+        return dim * math.log(cfg.rope_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(cfg.rope_beta_fast), correction(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation, attention
+
+
+def softmax_scale(cfg: DeepseekConfig) -> float:
+    """``(dn + dr) ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under yarn (as transformers)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    if cfg.rope_type != "default" and cfg.rope_mscale_all_dim:
+        scale *= _mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
+
+
+def prepare(cfg: DeepseekConfig, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> MlaStep:
+    """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv``."""
+    b, s = positions.shape
+    freq, factor = rope_frequencies(cfg)
+    freqs = positions[..., None].float() * freq.to(positions.device)  # [B, S, dr / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, dr]
+    cos, sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
+    mask = attention_mask(positions, kv[0].shape[2], None)
+    at = positions[:, None, :, None]
+    return MlaStep(cos, sin, mask, at.expand(b, 1, s, cfg.kv_lora_rank), at.expand(b, 1, s, cfg.qk_rope_head_dim))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The rotary embedding on ``x [..., dr]``: pairs ``(x0, x1), (x2, x3), ...`` when ``interleave`` (the
+    result laid out as ``[evens | odds]``, the same for queries and keys, so their products are unchanged),
+    else the two halves."""
+    if interleave:
+        half = x.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _query(layer: dict, h: torch.Tensor, eps: float) -> torch.Tensor:
+    if "q_proj" in layer:
+        return linear(h, layer["q_proj"])
+    return linear(rms_norm(linear(h, layer["q_a_proj"]), layer["q_a_norm"], eps), layer["q_b_proj"])
+
+
+def mla(
+    layer: dict, h: torch.Tensor, step: MlaStep, kv: KV, mesh: Mesh, *, cfg: DeepseekConfig, tp: str, kind: str
+) -> torch.Tensor:
+    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's latents into ``kv``."""
+    b, s, _ = h.shape
+    dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    nh = local_heads(cfg, mesh.axis_size(tp))
+    q = _query(layer, h, cfg.rms_norm_eps).view(b, s, nh, dn + dr).transpose(1, 2)  # [B, nh, S, dn + dr]
+    q_nope, q_rot = q.split([dn, dr], dim=-1)
+    c, k_rot = linear(h, layer["kv_a_proj"]).split([r, dr], dim=-1)  # [B, S, R], [B, S, dr]
+    c = rms_norm(c, layer["kv_a_norm"], cfg.rms_norm_eps)[:, None]  # [B, 1, S, R]
+    q_rot = _rotate(q_rot, step.cos, step.sin, cfg.rope_interleave)
+    k_rot = _rotate(k_rot[:, None], step.cos, step.sin, cfg.rope_interleave)  # [B, 1, S, dr]
+    kv[0].scatter_(2, step.slot_c, c)
+    kv[1].scatter_(2, step.slot_r, k_rot)
+    scale = softmax_scale(cfg)
+    if cfg.absorb and s == 1:
+        out = _absorbed(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, nh, dn)
+    else:
+        out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv)
+    attn = out.transpose(1, 2).reshape(b, s, nh * dv)  # [B, S, nh dv]
+    return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=cfg.module_tp.o_proj)
+
+
+def _plain(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, kind: str, nh: int, dn: int, dv: int) -> torch.Tensor:
+    """Every head's keys and values expanded from the cache, then attention: ``[B, nh, S, dv]``."""
+    latent, k_rot = kv
+    b, _, length, _ = latent.shape
+    expanded = linear(latent[:, 0], w_kv).view(b, length, nh, dn + dv).transpose(1, 2)  # [B, nh, C, dn + dv]
+    k_nope, values = expanded.split([dn, dv], dim=-1)
+    keys = torch.cat([k_nope, k_rot.expand(b, nh, length, k_rot.shape[-1])], dim=-1)
+    return attend(torch.cat([q_nope, q_rot], dim=-1), keys, values, mask, kind, scale=scale)
+
+
+def _absorbed(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, nh: int, dn: int) -> torch.Tensor:
+    """Attention in the latent space: ``kv_b_proj``'s key part folded into the query, its value part into the
+    output; the cache is read as it is, once per step: ``[B, nh, S, dv]``."""
+    latent, k_rot = kv  # [B, 1, C, R], [B, 1, C, dr]
+    w = w_kv.view(nh, -1, latent.shape[-1])  # [nh, dn + dv, R]
+    q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope, w[:, :dn])  # [B, nh, S, R]
+    scores = (q_lat @ latent.transpose(-1, -2) + q_rot @ k_rot.transpose(-1, -2)) * scale  # [B, nh, S, C]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q_nope.dtype)
+    return torch.einsum("bhsr,hvr->bhsv", probs @ latent, w[:, dn:])  # [B, nh, S, dv]
+
+
+def init_kv(cfg: DeepseekConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:
+    """A zeroed latent cache: per layer ``(c [batch, 1, max_seq_len, R], k_rot [batch, 1, max_seq_len, dr])``,
+    the same on every tp rank (the latent is shared by all heads)."""
+    c = (batch, 1, max_seq_len, cfg.kv_lora_rank)
+    rot = (batch, 1, max_seq_len, cfg.qk_rope_head_dim)
+    return [(torch.zeros(c, dtype=dtype), torch.zeros(rot, dtype=dtype)) for _ in range(cfg.num_layers)]

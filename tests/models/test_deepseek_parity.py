@@ -1,0 +1,122 @@
+"""DeepSeek-V2/V3 against transformers: tiny random models (MLA with and without a low-rank query, yarn rope,
+interleaved and halves rope layouts, group-limited sigmoid and softmax routing, the correction bias, shared
+experts, dense first layers) saved with save_pretrained; prefill logits (1e-4) and 16 greedy tokens
+(decoded through the absorbed latent path), at tp 1 and 2 and with experts over 2 ranks, eager, and
+compiled for one config."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..support.hf_models import DEEPSEEK_FAMILIES, hf_references, save_tiny_deepseek
+from ..support.workers import llama_generate, moe_generate
+
+PROMPT_LENS = (5, 12, 9)
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """transformers' cached generate of DeepSeek-V2 parts from its own uncached forward on one of these prompts
+    (its V2 cache path, not the model's math): V2's tokens are taken without a cache."""
+    return hf_references(
+        tmp_path_factory,
+        save_tiny_deepseek,
+        DEEPSEEK_FAMILIES,
+        seed=3,
+        model_seed=500,
+        prompt_lens=PROMPT_LENS,
+        new=NEW,
+        uncached=("deepseek_v2",),
+    )
+
+
+def _check(logits, tokens, reference, order=None):
+    _, prompts, ref_logits, ref_tokens = reference
+    for row, i in enumerate(order or range(len(prompts))):
+        n = len(prompts[i])
+        err = (logits[row, :n] - ref_logits[i]).abs().max().item()
+        assert err < 1e-4, f"prompt {i}: prefill logits differ by {err}"
+        assert tokens[row] == ref_tokens[i], f"prompt {i}: greedy tokens differ"
+
+
+@pytest.mark.parametrize("family", list(DEEPSEEK_FAMILIES))
+def test_parity_tp1(models, family):
+    logits, tokens, _, _ = llama_generate(None, models[family][0], 1, models[family][1], NEW, False)
+    _check(logits, tokens, models[family])
+
+
+def test_parity_tp1_compiled(models):
+    logits, tokens, _, ops = llama_generate(None, models["deepseek_v3"][0], 1, models["deepseek_v3"][1], NEW, True)
+    _check(logits, tokens, models["deepseek_v3"])
+
+
+@pytest.mark.parametrize("family", list(DEEPSEEK_FAMILIES))
+def test_parity_tp2(world2, models, family):
+    """Heads split over tp (q_b_proj / kv_b_proj column-, o_proj row-parallel), the latent cache replicated;
+    each rank reads only its slices."""
+    results = world2.run(llama_generate, models[family][0], 2, models[family][1], NEW, False)
+    for logits, tokens, _, _ in results:
+        _check(logits, tokens, models[family])
+
+
+def test_parity_ep2(world2, models):
+    """Routed experts over 2 ranks (each holds 4), shared experts replicated; ranks run different prompts."""
+    ref = models["deepseek_v3"]
+    order = list(range(len(ref[1])))
+    for rot, logits, tokens, _, _ in world2.run(moe_generate, ref[0], {"dp": 2, "tp": 1}, ("dp",), ref[1], NEW, False):
+        _check(logits, tokens, ref, order[rot:] + order[:rot])
+
+
+def test_absorbed_decode_equals_the_plain_path_and_the_cache_is_latent(models):
+    """A decode step through the absorbed latent path and through the expanded keys / values: the same logits;
+    the cache holds kv_lora_rank + qk_rope_head_dim values per token and layer, shared by all heads."""
+    from functional_npu import Mesh, compile_model, load_checkpoint
+
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = load_checkpoint(models["deepseek_v3"][0], mesh)
+    cfg, prompts = params["config"], models["deepseek_v3"][1]
+    out = {}
+    for absorb in (True, False):
+        model = compile_model(params | {"config": dataclasses.replace(cfg, absorb=absorb)}, mesh, backend="none")
+        state = model.new_state(len(prompts))
+        first = model.prefill(prompts, state).argmax(-1)
+        out[absorb] = model.decode(first, torch.tensor([len(p) for p in prompts]), state)
+        latent, rope = state.kv[0]
+        assert latent.shape[1:] == (1, model.max_seq_len, cfg.kv_lora_rank) and rope.shape[-1] == cfg.qk_rope_head_dim
+    assert (out[True] - out[False]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attention_bias": True}, "attention_bias / mlp_bias are not supported"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "fp8 block-quantized weights"),
+        ({"index_topk": 2048}, "index_topk (DeepSeek-V3.2 sparse attention) is not supported"),
+        ({"topk_method": "noaux_tc", "architectures": ["DeepseekV2ForCausalLM"]}, "topk_method 'noaux_tc'"),
+        ({"rope_parameters": {"rope_type": "longrope"}}, "rope_type 'longrope' is not supported"),
+    ],
+)
+def test_unsupported_options_are_refused_in_one_line(models, change, message):
+    import json
+
+    from functional_npu.models import DeepseekConfig
+
+    hf = json.loads((Path(models["deepseek_v3"][0]) / "config.json").read_text()) | change
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DeepseekConfig.from_hf(hf)
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_named(models):
+    from functional_npu import Mesh
+    from functional_npu.runtime.checkpoint import read_config
+    from functional_npu.runtime.plan import check_plan, with_expert_axes
+
+    cfg = read_config(models["deepseek_v3"][0])
+    with pytest.raises(ValueError, match=r"specs\['layers.0.q_b_proj'\].*'tp' \(size 8\)"):
+        check_plan(cfg, Mesh.abstract({"tp": 8}))  # 4 heads
+    with pytest.raises(ValueError, match=r"experts_gate_up"):
+        check_plan(with_expert_axes(cfg, ("dp",)), Mesh.abstract({"dp": 3, "tp": 1}))
