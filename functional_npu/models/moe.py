@@ -1,4 +1,5 @@
-"""Mixture-of-experts families: Qwen3-MoE and Mixtral, with expert parallelism.
+"""Mixture-of-experts families: Qwen3-MoE, Qwen2-MoE (with its gated shared expert) and Mixtral, with expert
+parallelism.
 
 Attention, embeddings and norms are the Llama family's; an MoE layer's FFN is the experts block of
 :mod:`functional_npu.models.experts` (a router and experts stacked over ``S`` physical slots, with an
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import float_dtype
-from ..core.layout import Block, Layout, Shard, replicated
+from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
 from ..core.tree import map_with_path, register_static
 from ..parallel.module_tp import ModuleTP
 from . import llama
@@ -44,11 +45,12 @@ __all__ = [
 _SIBLING = {
     "Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "qwen3_moe"),
     "MixtralForCausalLM": ("MistralForCausalLM", "mixtral"),
+    "Qwen2MoeForCausalLM": ("Qwen2ForCausalLM", "qwen2_moe"),
 }
 ARCHITECTURES = tuple(_SIBLING)
 
 # the leaves that are linear layers' weights ([..., out, in]; the experts stacked on dim 0)
-LINEARS = ("router", "experts_gate_up", "experts_down")
+LINEARS = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
 
 _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": {
@@ -58,6 +60,20 @@ _EXPERT_NAMES = {
             "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
         ],
         "experts_down": ["model.layers.{i}.mlp.experts.{j}.down_proj.weight"],
+    },
+    "Qwen2MoeForCausalLM": {
+        "router": ["model.layers.{i}.mlp.gate.weight"],
+        "experts_gate_up": [
+            "model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+            "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+        ],
+        "experts_down": ["model.layers.{i}.mlp.experts.{j}.down_proj.weight"],
+        "shared_gate_up": [
+            "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+            "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+        ],
+        "shared_down": ["model.layers.{i}.mlp.shared_expert.down_proj.weight"],
+        "shared_gate": ["model.layers.{i}.mlp.shared_expert_gate.weight"],
     },
     "MixtralForCausalLM": {
         "router": ["model.layers.{i}.block_sparse_moe.gate.weight"],
@@ -98,7 +114,8 @@ class MoeConfig:
     max_copies: int = 1
     expert_axes: tuple[str, ...] = ()
     dispatch_threshold: int = 8
-    routing: Routing = Routing()  # softmax top-k (both families)
+    routing: Routing = Routing()  # softmax top-k (every family here)
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (gated by sigmoid(h @ shared_gate.T))
 
     # fields generic code reads from any family's config
     @property
@@ -141,8 +158,11 @@ class MoeConfig:
                 f"config.json: need int num_experts (or num_local_experts) "
                 f">= num_experts_per_tok >= 1, got {experts!r} and {top_k!r}"
             )
-        if hf.get("shared_expert_intermediate_size"):
-            raise ValueError("config.json: shared experts are not supported by this family")
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        if shared and arch != "Qwen2MoeForCausalLM":
+            raise ValueError(f"config.json: shared_expert_intermediate_size is not part of {arch}")
+        if arch == "Qwen2MoeForCausalLM":
+            base = dataclasses.replace(base, qkv_bias=bool(hf.get("qkv_bias", True)))
         if arch == "MixtralForCausalLM":
             return MoeConfig(
                 architecture=arch,
@@ -163,6 +183,7 @@ class MoeConfig:
             moe_intermediate_size=int(hf["moe_intermediate_size"]),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             moe_layers=layers,
+            shared_intermediate_size=shared,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -175,13 +196,16 @@ class MoeConfig:
         if self.architecture == "MixtralForCausalLM":
             return out | {"num_local_experts": self.num_experts}
         dense = [i for i in range(self.num_layers) if i not in self.moe_layers]
-        return out | {
+        out |= {
             "num_experts": self.num_experts,
             "moe_intermediate_size": self.moe_intermediate_size,
             "norm_topk_prob": self.norm_topk_prob,
             "decoder_sparse_step": 1,
             "mlp_only_layers": dense,
         }
+        if self.architecture == "Qwen2MoeForCausalLM":
+            out |= {"shared_expert_intermediate_size": self.shared_intermediate_size, "qkv_bias": self.base.qkv_bias}
+        return out
 
 
 register_static(MoeConfig)
@@ -195,7 +219,11 @@ def hf_names(cfg: MoeConfig) -> dict[str, list[str]]:
 # ---- the parallel plan ------------------------------------------------------------------------
 def _moe_shapes(cfg: MoeConfig) -> dict[str, tuple[int, ...]]:
     d, f, s = cfg.base.hidden_size, cfg.moe_intermediate_size, cfg.slots
-    return {"router": (cfg.num_experts, d), "experts_gate_up": (s, 2 * f, d), "experts_down": (s, d, f)}
+    shapes = {"router": (cfg.num_experts, d), "experts_gate_up": (s, 2 * f, d), "experts_down": (s, d, f)}
+    if cfg.shared_intermediate_size:
+        fs = cfg.shared_intermediate_size
+        shapes |= {"shared_gate_up": (2 * fs, d), "shared_down": (d, fs), "shared_gate": (1, d)}
+    return shapes
 
 
 def abstract_params(
@@ -251,6 +279,13 @@ def param_specs(cfg: MoeConfig, tp_axis: str = "tp") -> dict[str, Any]:
         "experts_down": Layout((slot, None, Shard((tp_axis,)) if inner else None)),
         "expert_map": replicated(),
     }
+    if cfg.shared_intermediate_size:  # a dense gated MLP every token runs, tensor-parallel like the others
+        fs = cfg.shared_intermediate_size
+        moe |= {
+            "shared_gate_up": fused(0, [Block("gate", fs), Block("up", fs)], tp_axis),
+            "shared_down": sharded(1, tp_axis),
+            "shared_gate": replicated(),
+        }
     layers = []
     for i, layer in enumerate(dense["layers"]):
         if i in cfg.moe_layers:

@@ -37,10 +37,10 @@ def _hf_dict(model) -> dict:
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_route_matches_transformers_router(family, norm):
     cls, cfg_cls, extra = MOE_FAMILIES[family]
-    hf_cfg = cfg_cls(**MOE_COMMON, **(extra | {"norm_topk_prob": norm} if family == "qwen3_moe" else extra))
+    hf_cfg = cfg_cls(**MOE_COMMON, **(extra | {"norm_topk_prob": norm} if family != "mixtral" else extra))
     torch.manual_seed(0)
     model = cls(hf_cfg).eval()
-    router = model.model.layers[0].mlp.gate
+    router = model.model.layers[-1].mlp.gate  # the last layer is an MoE layer in every family here
     cfg = moe.MoeConfig.from_hf(_hf_dict(model))
     assert cfg.norm_topk_prob == (norm or family == "mixtral")
     x = torch.randn(40, 64)
@@ -55,7 +55,8 @@ def test_route_matches_transformers_router(family, norm):
 def test_config_round_trip(saved, family):
     cfg = read_config(saved[family][0])
     assert moe.MoeConfig.from_hf(cfg.to_hf()) == cfg
-    assert family_of(cfg).name == "moe" and cfg.moe_layers == (0, 1) and cfg.num_experts == 8 and cfg.top_k == 2
+    layers = (1,) if family == "qwen2_moe" else (0, 1)  # Qwen2-MoE's first layer is dense (mlp_only_layers)
+    assert family_of(cfg).name == "moe" and cfg.moe_layers == layers and cfg.num_experts == 8 and cfg.top_k == 2
 
 
 def test_dense_layers_mixed_in_match_transformers(tmp_path):
@@ -188,8 +189,8 @@ def test_compile_model_refuses_params_of_another_expert_plan(saved):
             r"need int num_experts \(or num_local_experts\) >= num_experts_per_tok >= 1, got 8 and 9",
         ),
         ({"num_local_experts": None, "num_experts": None}, r"need int num_experts .* got None and 2"),
-        ({"shared_expert_intermediate_size": 64}, r"shared experts are not supported"),
-        ({"architectures": ["Qwen2MoeForCausalLM"]}, r"unsupported architecture 'Qwen2MoeForCausalLM'"),
+        ({"shared_expert_intermediate_size": 64}, r"shared_expert_intermediate_size is not part of Qwen3MoeForCausalLM"),
+        ({"architectures": ["DbrxForCausalLM"]}, r"unsupported architecture 'DbrxForCausalLM'"),
     ],
 )
 def test_bad_configs(saved, change, message):

@@ -68,6 +68,20 @@ MOE_FAMILIES = {
             head_dim=16,
         ),
     ),
+    # softmax, top-2, not renormalized, a sigmoid-gated shared expert, q/k/v bias, a dense first layer
+    "qwen2_moe": (
+        T.Qwen2MoeForCausalLM,
+        T.Qwen2MoeConfig,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            intermediate_size=96,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        ),
+    ),
     # softmax, top-2, always renormalized
     "mixtral": (
         T.MixtralForCausalLM,
