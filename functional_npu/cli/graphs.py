@@ -31,7 +31,8 @@ import torch.utils._pytree as pytree
 from ..core.mesh import Mesh
 from ..core.quant import Quant, quantize
 from ..core.shard import shard
-from ..models import family_of, forward, init_state, llama, moe, with_module_tp
+from ..models import deepseek, family_of, forward, init_state, llama, moe, with_module_tp
+from ..models.experts import Routing
 from ..models.linear import prepare_params
 from ..parallel import prefetch
 from ..parallel.layer_shard import layer_shard, series_specs, stack_series
@@ -68,7 +69,7 @@ _BASE = dict(
     max_position_embeddings=256,
 )
 _MOE = dict(num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1), expert_axes=("tp",))  # experts over tp
-GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig] = {
+GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig] = {
     "llama": llama.LlamaConfig(
         architecture="LlamaForCausalLM", tie_word_embeddings=True, rope_type="llama3", rope_factor=8.0, **_BASE
     ),
@@ -81,6 +82,32 @@ GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig] = {
         base=llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
         norm_topk_prob=True,
         **_MOE,
+    ),
+    # MLA (low-rank query, interleaved rope), the first layer dense, sigmoid routing over 2 groups with shared
+    # experts; experts over tp. Prefill attends through the expanded keys, decode in the latent space
+    "deepseek_v3": deepseek.DeepseekConfig(
+        architecture="DeepseekV3ForCausalLM",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=256,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routing=Routing(scoring="sigmoid", group_limit="top2", n_group=2, topk_group=1, scale=2.5),
+        expert_axes=("tp",),
     ),
     "mixtral": moe.MoeConfig(
         architecture="MixtralForCausalLM",
@@ -143,7 +170,7 @@ class Case:
         return {"tp": self.tp} if self.series is None else {"dp": self.world, "tp": 1}
 
     @property
-    def config(self) -> llama.LlamaConfig | moe.MoeConfig:
+    def config(self) -> llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig:
         cfg = GRAPH_CONFIGS[self.family]
         if self.module_tp:
             cfg = with_module_tp(cfg, split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1])

@@ -217,3 +217,28 @@ def test_module_tp_composed_with_layer_sharding_schedule(report):
         assert order["ok"] and order["max_live"] == 2, order["problems"]
         census = read_artifact(GRAPHS, name, "ge_census.json")
         assert census["HcomAllToAllV"] == layers + 1 and census["HcomReduceScatter"] == 2 * layers + 1
+
+
+def test_deepseek_graphs_attend_in_the_latent_space_when_decoding(report):
+    """DeepSeek-V3 (MLA, a dense first layer, an MoE layer with shared experts, experts over tp): the decode graph
+    attends through the absorbed path and the prefill graph through the expanded keys; the latent cache is one
+    [B, 1, C, R] and one [B, 1, C, dr] buffer per layer; sigmoid routing converts to GE (TopKV2, Sigmoid); the
+    tp schedule is the plan's: embedding, o_proj and the dense MLP's all_reduce, the experts' exchange, the
+    shared experts' all_reduce, the head's gather."""
+    cfg = GRAPH_CONFIGS["deepseek_v3"]
+    b, cache = PHASES["decode"][0], 32
+    for phase, path in (("decode", "_absorbed"), ("prefill", "_plain")):
+        for tp in TP_SIZES:
+            name = f"deepseek_v3-tp{tp}-{phase}"
+            graph = read_artifact(GRAPHS, name, "graph.txt")
+            other = "_plain" if path == "_absorbed" else "_absorbed"
+            assert f"# in {path}," in graph and f"# in {other}," not in graph, name
+            assert f'"f32[{b}, 1, {cache}, {cfg.kv_lora_rank}]"' in graph, name  # the latent cache, not per head
+            census = read_artifact(GRAPHS, name, "ge_census.json")
+            assert census["Sigmoid"] >= 1 and census["TopKV2"] >= 2, name
+    moe_ops = {"prefill": ["all_to_all_single"] * 3, "decode": ["all_gather_into_tensor", "reduce_scatter_tensor"]}
+    for phase in PHASES:
+        ops = [c["op"].split(".")[1] for c in read_artifact(GRAPHS, f"deepseek_v3-tp2-{phase}", "collectives.json")]
+        dense_layer = ["all_reduce", "all_reduce"]  # o_proj, down
+        moe_layer = ["all_reduce", *moe_ops[phase], "all_gather_into_tensor", "all_reduce"]  # o_proj, experts, shared
+        assert ops == ["all_reduce", *dense_layer, *moe_layer, "all_gather_into_tensor"], phase
