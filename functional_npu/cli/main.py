@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=(
             "layer-shard these weight series over --layer-shard-axis: comma-separated from q_proj (qkv), o_proj, "
-            "gate_up, down_proj, layer (the whole block)"
+            "gate_up, down_proj, q_b_proj and kv_b_proj (MLA), layer (the whole block)"
         ),
     )
     gen.add_argument(

@@ -39,10 +39,16 @@ __all__ = [
 ]
 
 # CLI / user names -> the per-layer leaves they take (a leaf absent from a family is skipped)
-LAYER_LEAVES = ("attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_up", "down")
+LAYER_LEAVES = (
+    "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm",  # grouped-query attention
+    "q_proj", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj",  # multi-head latent
+    "o_proj", "mlp_norm", "gate_up", "down",
+)  # fmt: skip
 SERIES_NAMES: dict[str, tuple[str, ...]] = {
-    "q_proj": ("qkv", "qkv_bias"),
+    "q_proj": ("qkv", "qkv_bias", "q_proj"),
     "qkv": ("qkv", "qkv_bias"),
+    "q_b_proj": ("q_b_proj",),
+    "kv_b_proj": ("kv_b_proj",),
     "o_proj": ("o_proj",),
     "gate_up": ("gate_up",),
     "down_proj": ("down",),

@@ -120,3 +120,16 @@ def test_a_tp_that_does_not_divide_the_heads_is_named(models):
         check_plan(cfg, Mesh.abstract({"tp": 8}))  # 4 heads
     with pytest.raises(ValueError, match=r"experts_gate_up"):
         check_plan(with_expert_axes(cfg, ("dp",)), Mesh.abstract({"dp": 3, "tp": 1}))
+
+
+def test_mla_projections_layer_sharded_with_prefetch(world2, models):
+    """q_b_proj, kv_b_proj and o_proj of every layer on one of 2 dp ranks, fetched one layer ahead."""
+    from functional_npu.cli.runner import generate_on_rank, in_prompt_order
+    from functional_npu.parallel.layer_shard import layer_shard
+
+    path, prompts, _, ref_tokens = models["deepseek_v3"]
+    ls = layer_shard("q_b_proj,kv_b_proj,o_proj", "dp")
+    results = world2.run(
+        generate_on_rank, path, {"dp": 2, "tp": 1}, prompts, NEW, backend="none", layer_shard=ls, prefetch_step=1
+    )
+    assert in_prompt_order(results, len(prompts)) == ref_tokens

@@ -189,7 +189,10 @@ def test_compile_model_refuses_params_of_another_expert_plan(saved):
             r"need int num_experts \(or num_local_experts\) >= num_experts_per_tok >= 1, got 8 and 9",
         ),
         ({"num_local_experts": None, "num_experts": None}, r"need int num_experts .* got None and 2"),
-        ({"shared_expert_intermediate_size": 64}, r"shared_expert_intermediate_size is not part of Qwen3MoeForCausalLM"),
+        (
+            {"shared_expert_intermediate_size": 64},
+            r"shared_expert_intermediate_size is not part of Qwen3MoeForCausalLM",
+        ),
         ({"architectures": ["DbrxForCausalLM"]}, r"unsupported architecture 'DbrxForCausalLM'"),
     ],
 )

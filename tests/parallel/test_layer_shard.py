@@ -41,12 +41,13 @@ def qwen3(tmp_path_factory):
 # ---- pure parts ------------------------------------------------------------------------------------
 def test_series_names_and_errors():
     assert layer_shard("o_proj,down_proj").leaves == ("o_proj", "down")
-    assert layer_shard(["q_proj"], "dp").leaves == ("qkv", "qkv_bias")
+    assert layer_shard(["q_proj"], "dp").leaves == ("qkv", "qkv_bias", "q_proj")  # GQA's fused qkv, MLA's q_proj
+    assert layer_shard("q_b_proj,kv_b_proj,o_proj").leaves == ("q_b_proj", "kv_b_proj", "o_proj")
     assert layer_shard("layer").leaves[0] == "attn_norm"
     with pytest.raises(
         ValueError,
         match=r"layer_shard: unknown series \['mlp'\]; "
-        r"choose from q_proj, qkv, o_proj, gate_up, down_proj, down, layer",
+        r"choose from q_proj, qkv, q_b_proj, kv_b_proj, o_proj, gate_up, down_proj, down, layer",
     ):
         layer_shard("o_proj,mlp")
     cfg = llama.LlamaConfig(
