@@ -128,6 +128,7 @@ class DeepseekConfig:
     dispatch_threshold: int = 8
     module_tp: ModuleTP = ModuleTP()
     absorb: bool = True
+    mla_cache: str = "latent"  # or "heads": every head's keys and values (the baseline)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -138,8 +139,11 @@ class DeepseekConfig:
         return self.num_slots or self.num_experts
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Cache elements per token and layer: the latent and the rope key (all heads share them)."""
+    def cache_values_per_token(self) -> int:
+        """Cache values per token and layer: the latent and the rope key (all heads share them), or with
+        ``mla_cache="heads"`` every head's key and value."""
+        if self.mla_cache == "heads":
+            return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @staticmethod

@@ -16,6 +16,9 @@ per-head cache holds ``H (dn + dr + dv)``). Two ways to attend over it:
   (``q_lat = q_nope W_uk``, scores ``q_lat c^T + q_rot k_rot^T``) and its value part into the output
   (``o = (P c) W_uv^T``), so a step reads the latent cache once and never materializes keys or values.
 
+``cfg.mla_cache = "heads"`` caches every head's keys and values instead: the baseline the latent cache
+is measured against.
+
 Rotary embedding on the ``dr`` rope dims only, with yarn scaling as transformers computes it (the
 ``attention_factor`` on cos / sin, the softmax scale times ``mscale(factor, mscale_all_dim)^2``), and
 DeepSeek's interleaved pair layout (``rope_interleave``).
@@ -102,8 +105,9 @@ def prepare(cfg: DeepseekConfig, positions: torch.Tensor, kv: KV, dtype: torch.d
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, dr]
     cos, sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
     mask = attention_mask(positions, kv[0].shape[2], None)
-    at = positions[:, None, :, None]
-    return MlaStep(cos, sin, mask, at.expand(b, 1, s, cfg.kv_lora_rank), at.expand(b, 1, s, cfg.qk_rope_head_dim))
+    at = positions[:, None, :, None]  # the cache slots, shaped like either cache's new entries
+    slot_c = at.expand(b, kv[0].shape[1], s, kv[0].shape[3])
+    return MlaStep(cos, sin, mask, slot_c, at.expand(b, kv[1].shape[1], s, kv[1].shape[3]))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -138,24 +142,34 @@ def mla(
     c = rms_norm(c, layer["kv_a_norm"], cfg.rms_norm_eps)[:, None]  # [B, 1, S, R]
     q_rot = _rotate(q_rot, step.cos, step.sin, cfg.rope_interleave)
     k_rot = _rotate(k_rot[:, None], step.cos, step.sin, cfg.rope_interleave)  # [B, 1, S, dr]
-    kv[0].scatter_(2, step.slot_c, c)
-    kv[1].scatter_(2, step.slot_r, k_rot)
     scale = softmax_scale(cfg)
-    if cfg.absorb and s == 1:
-        out = _absorbed(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, nh, dn)
+    if cfg.mla_cache == "heads":  # the baseline: every head's keys and values cached
+        keys, values = _expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv)
+        kv[0].scatter_(2, step.slot_c, keys)
+        kv[1].scatter_(2, step.slot_r, values)
+        out = attend(torch.cat([q_nope, q_rot], dim=-1), kv[0], kv[1], step.mask, kind, scale=scale)
     else:
-        out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv)
+        kv[0].scatter_(2, step.slot_c, c)
+        kv[1].scatter_(2, step.slot_r, k_rot)
+        if cfg.absorb and s == 1:
+            out = _absorbed(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, nh, dn)
+        else:
+            out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv)
     attn = out.transpose(1, 2).reshape(b, s, nh * dv)  # [B, S, nh dv]
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=cfg.module_tp.o_proj)
 
 
+def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, dv: int) -> KV:
+    """Every head's keys ``[B, nh, L, dn + dr]`` and values ``[B, nh, L, dv]`` from latents ``[B, 1, L, R]``."""
+    b, _, length, _ = latent.shape
+    expanded = linear(latent[:, 0], w_kv).view(b, length, nh, dn + dv).transpose(1, 2)  # [B, nh, L, dn + dv]
+    k_nope, values = expanded.split([dn, dv], dim=-1)
+    return torch.cat([k_nope, k_rot.expand(b, nh, length, k_rot.shape[-1])], dim=-1), values
+
+
 def _plain(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, kind: str, nh: int, dn: int, dv: int) -> torch.Tensor:
     """Every head's keys and values expanded from the cache, then attention: ``[B, nh, S, dv]``."""
-    latent, k_rot = kv
-    b, _, length, _ = latent.shape
-    expanded = linear(latent[:, 0], w_kv).view(b, length, nh, dn + dv).transpose(1, 2)  # [B, nh, C, dn + dv]
-    k_nope, values = expanded.split([dn, dv], dim=-1)
-    keys = torch.cat([k_nope, k_rot.expand(b, nh, length, k_rot.shape[-1])], dim=-1)
+    keys, values = _expand(w_kv, kv[0], kv[1], nh, dn, dv)
     return attend(torch.cat([q_nope, q_rot], dim=-1), keys, values, mask, kind, scale=scale)
 
 
@@ -173,6 +187,11 @@ def _absorbed(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, nh: int, dn: int)
 def init_kv(cfg: DeepseekConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:
     """A zeroed latent cache: per layer ``(c [batch, 1, max_seq_len, R], k_rot [batch, 1, max_seq_len, dr])``,
     the same on every tp rank (the latent is shared by all heads)."""
-    c = (batch, 1, max_seq_len, cfg.kv_lora_rank)
-    rot = (batch, 1, max_seq_len, cfg.qk_rope_head_dim)
+    if cfg.mla_cache == "heads":  # this rank's heads' keys and values
+        nh = local_heads(cfg, mesh.axis_size(tp))
+        c = (batch, nh, max_seq_len, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        rot = (batch, nh, max_seq_len, cfg.v_head_dim)
+    else:
+        c = (batch, 1, max_seq_len, cfg.kv_lora_rank)
+        rot = (batch, 1, max_seq_len, cfg.qk_rope_head_dim)
     return [(torch.zeros(c, dtype=dtype), torch.zeros(rot, dtype=dtype)) for _ in range(cfg.num_layers)]

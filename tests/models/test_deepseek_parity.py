@@ -80,14 +80,20 @@ def test_absorbed_decode_equals_the_plain_path_and_the_cache_is_latent(models):
     params = load_checkpoint(models["deepseek_v3"][0], mesh)
     cfg, prompts = params["config"], models["deepseek_v3"][1]
     out = {}
-    for absorb in (True, False):
-        model = compile_model(params | {"config": dataclasses.replace(cfg, absorb=absorb)}, mesh, backend="none")
+    for mode in ({"absorb": True}, {"absorb": False}, {"mla_cache": "heads"}):
+        model = compile_model(params | {"config": dataclasses.replace(cfg, **mode)}, mesh, backend="none")
         state = model.new_state(len(prompts))
         first = model.prefill(prompts, state).argmax(-1)
-        out[absorb] = model.decode(first, torch.tensor([len(p) for p in prompts]), state)
-        latent, rope = state.kv[0]
-        assert latent.shape[1:] == (1, model.max_seq_len, cfg.kv_lora_rank) and rope.shape[-1] == cfg.qk_rope_head_dim
-    assert (out[True] - out[False]).abs().max().item() < 1e-4
+        out[str(mode)] = model.decode(first, torch.tensor([len(p) for p in prompts]), state)
+        keys, values = state.kv[0]
+        if "mla_cache" in mode:  # the baseline: every head's keys and values
+            assert keys.shape[1] == values.shape[1] == cfg.num_heads
+        else:
+            assert (
+                keys.shape[1:] == (1, model.max_seq_len, cfg.kv_lora_rank) and values.shape[-1] == cfg.qk_rope_head_dim
+            )
+    ref = out[str({"absorb": True})]
+    assert all((x - ref).abs().max().item() < 1e-4 for x in out.values())
 
 
 @pytest.mark.parametrize(
