@@ -59,16 +59,28 @@ def test_parity_tp2(world2, models, family):
     """Heads split over tp (q_b_proj / kv_b_proj column-, o_proj row-parallel), the latent cache replicated;
     each rank reads only its slices."""
     results = world2.run(llama_generate, models[family][0], 2, models[family][1], NEW, False)
-    for logits, tokens, _, _ in results:
+    for rank, (logits, tokens, read, _) in enumerate(results):
         _check(logits, tokens, models[family])
+        assert read == _local_bytes(models[family][0], {"dp": 1, "tp": 2}, rank)
 
 
 def test_parity_ep2(world2, models):
     """Routed experts over 2 ranks (each holds 4), shared experts replicated; ranks run different prompts."""
     ref = models["deepseek_v3"]
     order = list(range(len(ref[1])))
-    for rot, logits, tokens, _, _ in world2.run(moe_generate, ref[0], {"dp": 2, "tp": 1}, ("dp",), ref[1], NEW, False):
+    results = world2.run(moe_generate, ref[0], {"dp": 2, "tp": 1}, ("dp",), ref[1], NEW, False)
+    for rank, (rot, logits, tokens, read, _) in enumerate(results):
         _check(logits, tokens, ref, order[rot:] + order[:rot])
+        assert read == _local_bytes(ref[0], {"dp": 2, "tp": 1}, rank, ("dp",))
+
+
+def _local_bytes(path, axes, rank, expert_axes=()):
+    """The bytes of one rank's shards: what it must read, no more."""
+    from functional_npu import Mesh, flatten_with_paths
+    from functional_npu.runtime.checkpoint import load_checkpoint
+
+    local = load_checkpoint(path, Mesh.abstract(axes, rank), expert_axes=expert_axes)
+    return sum(x.numel() * x.element_size() for p, x in flatten_with_paths(local) if not p.endswith("expert_map"))
 
 
 def test_absorbed_decode_equals_the_plain_path_and_the_cache_is_latent(models):
@@ -126,6 +138,22 @@ def test_a_tp_that_does_not_divide_the_heads_is_named(models):
         check_plan(cfg, Mesh.abstract({"tp": 8}))  # 4 heads
     with pytest.raises(ValueError, match=r"experts_gate_up"):
         check_plan(with_expert_axes(cfg, ("dp",)), Mesh.abstract({"dp": 3, "tp": 1}))
+
+
+def test_module_tp_over_dp2(world2, models):
+    """o_proj, the dense layer's MLP, the embedding and lm_head TP'd over both dp ranks (MLA attention and the
+    experts replicated, each rank its own prompts)."""
+    from ..support.module_tp_workers import module_tp_generate
+
+    path, prompts, ref_logits, ref_tokens = models["deepseek_v3"]
+    plans = [dict.fromkeys(("o_proj", "mlp", "embed", "lm_head"), 2)]
+    four = prompts + prompts[:1]  # two per rank: the ranks of a group step with the same shapes
+    for (r,) in world2.run(module_tp_generate, path, 2, 1, plans, four, NEW):
+        assert r["read"] == r["bytes"]
+        for j, i in enumerate(r["indices"]):
+            ref = i % len(prompts)
+            assert (r["logits"][j, : len(four[i])] - ref_logits[ref]).abs().max().item() < 1e-4
+            assert r["tokens"][j] == ref_tokens[ref]
 
 
 def test_mla_projections_layer_sharded_with_prefetch(world2, models):

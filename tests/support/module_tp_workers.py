@@ -42,9 +42,9 @@ def module_tp_generate(
         lock = Lockstep.over(len(prompts), mesh.axis_size(d), width, model.batch_sizes)
         tokens = model.generate(rows, new, lockstep=lock)
         result = {"indices": mine, "tokens": tokens, "read": sum(read), "axes": axes}
-        leaves = flatten_with_paths(params)
+        leaves = flatten_with_paths(params)  # what a rank must read: its shards, not the computed expert map
         result["shapes"] = {p: tuple(x.shape) for p, x in leaves}
-        result["bytes"] = sum(x.numel() * x.element_size() for _, x in leaves)
+        result["bytes"] = sum(x.numel() * x.element_size() for p, x in leaves if not p.endswith("expert_map"))
         cfg = params["config"]
         result["full"] = {p: tuple(x.shape) for p, x in flatten_with_paths(family_of(cfg).abstract_params(cfg))}
         if backend == "none":  # the whole prefill's logits, and the greedy head over it
