@@ -12,9 +12,10 @@ per-head cache holds ``H (dn + dr + dv)``). Two ways to attend over it:
 
 - **plain** (prefill): expand the cache through ``kv_b_proj`` into every head's keys and values, then
   attention as usual;
-- **absorbed** (decode, ``cfg.absorb``): fold ``kv_b_proj``'s key part into the query
-  (``q_lat = q_nope W_uk``, scores ``q_lat c^T + q_rot k_rot^T``) and its value part into the output
-  (``o = (P c) W_uv^T``), so a step reads the latent cache once and never materializes keys or values.
+- **absorbed** (decode, ``cfg.absorb``): fold ``kv_b_proj``'s key part into the query (``q_lat = q_nope W_uk``,
+  scores ``q_lat c^T + q_rot k_rot^T``) and its value part into the output (``o = (P c) W_uv^T``), so a step
+  reads the latent cache once and never materializes keys or values. A quantized ``kv_b_proj`` decodes the
+  plain way.
 
 ``cfg.mla_cache = "heads"`` caches every head's keys and values instead: the baseline the latent cache
 is measured against.
@@ -151,7 +152,7 @@ def mla(
     else:
         kv[0].scatter_(2, step.slot_c, c)
         kv[1].scatter_(2, step.slot_r, k_rot)
-        if cfg.absorb and s == 1:
+        if cfg.absorb and s == 1 and isinstance(layer["kv_b_proj"], torch.Tensor):  # (quantized: plain)
             out = _absorbed(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, nh, dn)
         else:
             out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv)
