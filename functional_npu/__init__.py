@@ -12,6 +12,7 @@ from .core.quant import Quant, dequantize, quant_layouts, quantize
 from .core.reshard import RankTraffic, ReshardPlan, Transfer, plan_reshard, reshard
 from .core.shard import gather, leaf_specs, local_shape, shard, unshard
 from .core.tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
+from .interop.dtensor import layout_from_dtensor, mesh_from_device_mesh, placements_of, to_dtensor
 from .interop.megatron import (
     MEGATRON_NAMES,
     from_megatron,
@@ -68,6 +69,10 @@ __all__ = [
     "ReshardPlan",
     "Transfer",
     "RankTraffic",
+    "layout_from_dtensor",
+    "mesh_from_device_mesh",
+    "placements_of",
+    "to_dtensor",
     "MEGATRON_NAMES",
     "megatron_specs",
     "megatron_pipeline_specs",
