@@ -121,6 +121,7 @@ class DeepseekConfig:
     first_k_dense_replace: int
     norm_topk_prob: bool
     routing: Routing = Routing()
+    mtp_layers: int = 0  # num_nextn_predict_layers: stored after the decoder's layers, not run
     # the plan
     num_slots: int | None = None
     max_copies: int = 1
@@ -198,6 +199,7 @@ class DeepseekConfig:
             n_shared_experts=int(hf.get("n_shared_experts") or 0),
             first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
             norm_topk_prob=bool(hf.get("norm_topk_prob")) if v3 else False,  # V2's router never renormalizes
+            mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
             routing=Routing(
                 scoring="sigmoid" if v3 else "softmax",
                 group_limit=limit,
@@ -250,7 +252,7 @@ class DeepseekConfig:
             "n_group": self.routing.n_group,
             "topk_group": self.routing.topk_group,
             "routed_scaling_factor": self.routing.scale,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": self.mtp_layers,
         }
 
 

@@ -267,7 +267,11 @@ def _check_names(ckpt: _Checkpoint, wanted: _Wanted, expected: Mapping[str, Any]
     missing = sorted(set(expected) - set(ckpt.files))
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     suffixes = _IGNORED_SUFFIXES + (_QUANT_IGNORED_SUFFIXES if wanted.quant else ())
-    unexpected = sorted(n for n in set(ckpt.files) - set(expected) - ignorable if not n.endswith(suffixes))
+    # multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers) follow the decoder's; not run, not read
+    mtp = tuple(f"model.layers.{cfg.num_layers + k}." for k in range(getattr(cfg, "mtp_layers", 0)))
+    unexpected = sorted(
+        n for n in set(ckpt.files) - set(expected) - ignorable if not n.endswith(suffixes) and not n.startswith(mtp)
+    )
     if missing or unexpected:
         scheme = f" ({wanted.quant.quant!r})" if wanted.quant else ""
         lines = [f"{ckpt.root}: the checkpoint does not match its {cfg.architecture} config.json{scheme}:"]
@@ -286,15 +290,18 @@ def _check_names(ckpt: _Checkpoint, wanted: _Wanted, expected: Mapping[str, Any]
         raise ValueError("\n".join(lines))
 
 
+_SIZE_FIELDS = (
+    "hidden_size", "num_heads", "num_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "intermediate_size", "vocab_size", "num_experts", "moe_intermediate_size",
+)  # fmt: skip
+
+
 def _sizes(cfg: Any) -> str:
-    base = getattr(cfg, "base", cfg)  # an MoE config keeps its attention sizes in .base
-    text = (
-        f"hidden_size={base.hidden_size}, heads={base.num_heads}, kv_heads={base.num_kv_heads}, "
-        f"head_dim={base.head_dim}, intermediate_size={base.intermediate_size}, vocab_size={base.vocab_size}"
-    )
-    return text + (
-        f", num_experts={cfg.num_experts}, moe_intermediate_size={cfg.moe_intermediate_size}" if base is not cfg else ""
-    )
+    """The config's sizes that fix tensor shapes (an MoE config keeps its attention sizes in ``.base``)."""
+    found = {}
+    for c in (getattr(cfg, "base", None), cfg):
+        found |= {f: getattr(c, f) for f in _SIZE_FIELDS if c is not None and hasattr(c, f)}
+    return ", ".join(f"{f}={found[f]}" for f in _SIZE_FIELDS if f in found)
 
 
 # ---- read -------------------------------------------------------------------------------------

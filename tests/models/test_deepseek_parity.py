@@ -167,3 +167,29 @@ def test_mla_projections_layer_sharded_with_prefetch(world2, models):
         generate_on_rank, path, {"dp": 2, "tp": 1}, prompts, NEW, backend="none", layer_shard=ls, prefetch_step=1
     )
     assert in_prompt_order(results, len(prompts)) == ref_tokens
+
+
+def test_mtp_layers_are_left_unread_and_a_wrong_shape_names_the_sizes(models, tmp_path):
+    """A checkpoint holding a multi-token-prediction layer after the decoder's (as DeepSeek-V3's do) loads the
+    decoder and reads nothing of it; a tensor of the wrong shape is named with the config's MLA sizes."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from functional_npu import Mesh
+    from functional_npu.runtime.checkpoint import load_checkpoint
+
+    src = Path(models["deepseek_v3"][0])
+    state = load_file(src / "model.safetensors")
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    mtp = {k.replace(".layers.1.", f".layers.{layers}."): v.clone() for k, v in state.items() if ".layers.1." in k}
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    save_file(state | mtp, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    names: list[str] = []
+    load_checkpoint(tmp_path, Mesh.abstract({"tp": 1}, 0), on_read=lambda name, _: names.append(name))
+    assert names and not any(f".layers.{layers}." in n for n in names)
+    bad = state | {"model.layers.0.self_attn.kv_b_proj.weight": torch.zeros(3, 16)}
+    save_file(bad, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"kv_b_proj.weight.*has shape \(3, 16\).*kv_lora_rank=16"):
+        load_checkpoint(tmp_path, Mesh.abstract({"tp": 1}, 0))
