@@ -28,6 +28,7 @@ from ..core.tree import flatten_with_paths, map_with_path
 from ..models import Family, family_of, with_module_tp
 from ..parallel.layer_shard import LayerShard, owned_layers, present
 from ..parallel.module_tp import ModuleTP
+from .dcp import DcpHandle, is_dcp
 from .hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts
 from .plan import check_plan, with_expert_axes
 from .quant_config import QuantConfig, read_quant_config
@@ -117,7 +118,10 @@ def load_checkpoint(
     """Load a HF checkpoint of any supported family into this rank's local params.
 
     Args:
-        path: a HF model directory: ``config.json`` and ``model.safetensors`` or a sharded index.
+        path: a HF model directory: ``config.json`` and ``model.safetensors`` or a sharded index; or a
+            torch.distributed.checkpoint directory (``.metadata`` and ``*.distcp``, as FSDP2 / torchtitan save
+            an HF model's ``state_dict()``) with the model's ``config.json`` beside it
+            (:mod:`functional_npu.runtime.dcp`).
         mesh: a mesh with a ``tp_axis`` axis (other axes hold replicas), from ``make_mesh`` or
             ``Mesh.abstract(...).at(...)`` to load one coordinate's shards in one process.
         dtype: read floating weights in this dtype (default: the embedding's stored dtype, so a
@@ -185,6 +189,11 @@ def _check_plan(
 
 
 def _open_checkpoint(root: Path, on_read: Callable[[str, int], None] | None) -> _Checkpoint:
+    if is_dcp(root):  # a torch.distributed.checkpoint directory: boxes read from the chunks that overlap them
+        handle = DcpHandle(root)
+        return _Checkpoint(
+            root, dict.fromkeys(handle.keys(), root / ".metadata"), {root / ".metadata": handle}, on_read
+        )
     files = _weight_files(root)
     return _Checkpoint(root, files, {f: _open(f) for f in sorted(set(files.values()))}, on_read)
 
@@ -200,7 +209,9 @@ def _weight_files(root: Path) -> dict[str, Path]:
         return {name: root / file for name, file in weight_map.items()}
     single = root / "model.safetensors"
     if not single.is_file():
-        raise FileNotFoundError(f"{root}: neither model.safetensors nor model.safetensors.index.json is present")
+        raise FileNotFoundError(
+            f"{root}: neither model.safetensors, model.safetensors.index.json nor a DCP .metadata is present"
+        )
     return {name: single for name in _open(single).keys()}
 
 

@@ -178,7 +178,8 @@ def test_missing_files(ckpt, tmp_path):
         load_checkpoint(tmp_path, Mesh.abstract({"tp": 1}, 0))
     (ckpt / "model.safetensors").unlink()
     with pytest.raises(
-        FileNotFoundError, match=r"neither model.safetensors nor model.safetensors.index.json is present"
+        FileNotFoundError,
+        match=r"neither model.safetensors, model.safetensors.index.json nor a DCP .metadata is present",
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 

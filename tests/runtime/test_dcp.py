@@ -1,0 +1,56 @@
+"""DCP checkpoints as FSDP2 users save them: a tiny transformers model wrapped with ``fully_shard`` on 2 gloo
+ranks, ``state_dict()`` of DTensors written by ``torch.distributed.checkpoint``, loaded into this library's tp
+plan (each rank reading only its slices) and generating transformers' tokens; a damaged directory named."""
+
+import shutil
+
+import pytest
+import torch
+
+from functional_npu import Mesh, flatten_with_paths
+from functional_npu.runtime.checkpoint import load_checkpoint
+
+from ..support.dcp_workers import save_fsdp2_dcp
+from ..support.hf_models import hf_greedy, save_tiny
+from ..support.workers import llama_generate
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def saved(world2, tmp_path_factory):
+    """(DCP directory written under FSDP2 on 2 ranks, transformers' greedy tokens for the same weights)."""
+    path = tmp_path_factory.mktemp("dcp")
+    world2.run(save_fsdp2_dcp, "qwen3", str(path), 11)
+    hf = save_tiny("qwen3", tmp_path_factory.mktemp("hf"), 11)  # the same seed: the same weights
+    return path, [hf_greedy(hf, p, NEW) for p in PROMPTS]
+
+
+def test_fsdp2_dcp_loads_into_the_tp_plan_reading_only_each_ranks_slices(world2, saved):
+    path, want = saved
+    for rank, (_, tokens, read, _) in enumerate(world2.run(llama_generate, str(path), 2, PROMPTS, NEW, False)):
+        assert tokens == want
+        local = load_checkpoint(path, Mesh.abstract({"dp": 1, "tp": 2}, rank))
+        assert read == sum(x.numel() * x.element_size() for _, x in flatten_with_paths(local))
+
+
+def test_a_dcp_directory_missing_a_ranks_file_is_named(saved, tmp_path):
+    damaged = tmp_path / "dcp"
+    shutil.copytree(saved[0], damaged)
+    (damaged / "__1_0.distcp").unlink()
+    with pytest.raises(FileNotFoundError, match=r"\.metadata names files that are missing: __1_0\.distcp"):
+        load_checkpoint(damaged, Mesh.abstract({"tp": 1}, 0))
+
+
+def test_a_dcp_box_reads_only_the_chunks_it_overlaps(saved):
+    from functional_npu.runtime.dcp import DcpHandle
+
+    read: list[int] = []
+    handle = DcpHandle(saved[0], on_bytes=lambda _, n: read.append(n))
+    name = "model.layers.0.mlp.down_proj.weight"  # [64, 96], FSDP2 chunks: rows 0-31 and 32-63
+    t = handle.get_slice(name)
+    top = t[(slice(0, 16), slice(0, 96))]
+    assert len(read) == 1 and top.shape == (16, 96)
+    full = t[(slice(0, 64), slice(0, 96))]
+    assert len(read) == 3 and torch.equal(full[:16], top)
