@@ -297,6 +297,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "prefetch_step": args.prefetch_step or 0,
         "dtype": args.dtype,
         "module_tp": args.module_tp,
+        "progress": False if args.json else None,  # a bar on a terminal, never under --json
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist

@@ -47,6 +47,7 @@ def generate_on_rank(
     prefetch_step: int | str = 0,
     dtype: str | None = None,
     module_tp: ModuleTP | None = None,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
@@ -57,12 +58,19 @@ def generate_on_rank(
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
     ``module_tp``: modules tensor-parallel over data-parallel axes of ``axes`` (a split of ``dp``, see
     :func:`functional_npu.parallel.module_tp.split_dp`); every axis but ``tp`` is data-parallel.
+    ``progress``: the loading bar on rank 0 (default: when stderr is a terminal).
     """
     mesh = ctx.mesh(axes)
     t0 = time.perf_counter()
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype] if dtype else None
     params = load_checkpoint(
-        model_dir, mesh, expert_axes=expert_axes, layer_shard=layer_shard, dtype=dt, module_tp=module_tp
+        model_dir,
+        mesh,
+        expert_axes=expert_axes,
+        layer_shard=layer_shard,
+        dtype=dt,
+        module_tp=module_tp,
+        progress=progress,
     )
     timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
     dp = mesh.axis_size(dp_axes(mesh))

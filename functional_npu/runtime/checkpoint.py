@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from ..core.dtypes import float_dtype
 from ..core.layout import Layout, local_pieces
@@ -127,7 +127,7 @@ def load_checkpoint(
         dtype: read floating weights in this dtype (default: the embedding's stored dtype, so a
             checkpoint holding a stray fp16 tensor among fp32 ones loads in one dtype). A quantized
             checkpoint's integer tensors keep theirs; its scales take this one.
-        progress: print progress on rank 0 (default: when stderr is a terminal).
+        progress: a progress bar (tqdm, on stderr) on rank 0; default: when stderr is a terminal.
         on_read: called as ``on_read(tensor_name, bytes_read)`` for every slice read.
         expert_axes: MoE models only: the mesh axes the experts are sharded over (expert
             parallelism, e.g. ``("dp", "tp")``); each rank reads only its experts' tensors.
@@ -321,21 +321,13 @@ def _read_leaves(
 ) -> dict[str, torch.Tensor]:
     """This coordinate's shard of every leaf not in ``skip``, converted to ``dtype``; progress on stderr if ``show``."""
     loaded: dict[str, torch.Tensor] = {}
-    t0 = time.perf_counter()
-    for k, p in enumerate(wanted.leaves):
-        if p in skip:
-            continue
-        x = _read_leaf(ckpt, wanted, p, mesh)
-        loaded[p] = x.to(dtype) if dtype is not None and x.is_floating_point() else x
-        if show:
-            print(
-                f"\rloading {ckpt.root.name}: {k + 1}/{len(wanted.leaves)} tensors, {time.perf_counter() - t0:.1f}s",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-    if show:
-        print(file=sys.stderr)
+    bar = tqdm(total=len(wanted.leaves), desc=f"loading {ckpt.root.name}", unit="tensor", disable=not show)
+    with bar:
+        for p in wanted.leaves:
+            if p not in skip:
+                x = _read_leaf(ckpt, wanted, p, mesh)
+                loaded[p] = x.to(dtype) if dtype is not None and x.is_floating_point() else x
+            bar.update()
     return loaded
 
 
