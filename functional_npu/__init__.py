@@ -6,13 +6,13 @@ over mesh axes that trace whole under ``torch.compile``.
 """
 
 from .core.collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
+from .core.dtensor import layout_from_dtensor, mesh_from_device_mesh, placements_of, to_dtensor
 from .core.layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
 from .core.mesh import Mesh, make_mesh
 from .core.quant import Quant, dequantize, quant_layouts, quantize
 from .core.reshard import RankTraffic, ReshardPlan, Transfer, plan_reshard, reshard
 from .core.shard import gather, leaf_specs, local_shape, shard, unshard
 from .core.tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
-from .interop.dtensor import layout_from_dtensor, mesh_from_device_mesh, placements_of, to_dtensor
 from .interop.megatron import (
     MEGATRON_NAMES,
     from_megatron,

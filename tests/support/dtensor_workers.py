@@ -20,7 +20,7 @@ def dtensor_round_trip(ctx):
     from torch.distributed.tensor import distribute_tensor
 
     from functional_npu import shard
-    from functional_npu.interop.dtensor import layout_from_dtensor, mesh_from_device_mesh, placements_of, to_dtensor
+    from functional_npu.core.dtensor import layout_from_dtensor, mesh_from_device_mesh, placements_of, to_dtensor
 
     mesh = ctx.mesh({"dp": 2, "tp": 2})
     dm = mesh.device_mesh()

@@ -7,7 +7,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from functional_npu import Layout
 from functional_npu import Shard as LShard
-from functional_npu.interop.dtensor import layout_from_placements, placements_of
+from functional_npu.core.dtensor import layout_from_placements, placements_of
 
 from ..support.dtensor_workers import SHAPE, dtensor_round_trip, placement_combinations
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.layout import Layout, Shard
-from ..core.mesh import Mesh, make_mesh
-from ..core.shard import local_shape
+from .layout import Layout, Shard
+from .mesh import Mesh, make_mesh
+from .shard import local_shape
 
 __all__ = ["mesh_from_device_mesh", "layout_from_placements", "layout_from_dtensor", "placements_of", "to_dtensor"]
 
