@@ -54,3 +54,13 @@ def test_a_dcp_box_reads_only_the_chunks_it_overlaps(saved):
     assert len(read) == 1 and top.shape == (16, 96)
     full = t[(slice(0, 64), slice(0, 96))]
     assert len(read) == 3 and torch.equal(full[:16], top)
+
+
+def test_fsdp2_state_reshards_straight_to_the_tp_plan(world2, saved):
+    """FSDP2's DTensors (rows over dp_shard) to the tp plan ([q|k|v] column blocks, o_proj / down columns) in one
+    planned exchange: transformers' tokens, and each rank receives exactly the lower bound."""
+    from ..support.dcp_workers import fsdp2_to_tp_generate
+
+    for tokens, traffic in world2.run(fsdp2_to_tp_generate, "qwen3", 11, PROMPTS, NEW):
+        assert tokens == saved[1]
+        assert traffic.received == traffic.lower_bound > 0, traffic
