@@ -45,7 +45,7 @@ def from_dtensor_state(
     family = family_of(cfg)
     meta, layouts = check_plan(cfg, mesh, where="from_dtensor_state", tp_axis=tp_axis)
     targets = _targets(family, cfg, meta, layouts)
-    known, given = set(targets), set(state)
+    known, given = set(targets), set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if known != given:
         raise ValueError(
             f"from_dtensor_state: the state does not match this {cfg.architecture} config: "
@@ -59,7 +59,7 @@ def from_dtensor_state(
                 f"from_dtensor_state: {name!r} is {tuple(dt.shape)}, the config implies {targets[name][1]}"
             )
         src[name] = _on(layout_from_dtensor(dt, path=name), dt.device_mesh, mesh, name)
-        local[name], dst[name] = dt.to_local(), layout
+        local[name], dst[name] = dt.to_local(), layout  # a tied model's lm_head.weight is the embedding: unread
     plan = plan_reshard({n: (targets[n][1], state[n].dtype) for n in targets}, src, dst, mesh)
     if report is not None:
         report.append(plan)
@@ -105,8 +105,6 @@ def _on(layout: Layout, device_mesh: Any, mesh: Mesh, name: str) -> Layout:
         while n < size and i < len(mesh.axis_names):
             run.append(mesh.axis_names[i])
             n *= mesh.axis_sizes[i]
-            i += 1
-        while i < len(mesh.axis_names) and mesh.axis_sizes[i] == 1 and size == 1:
             i += 1
         if n != size:
             raise ValueError(
