@@ -7,23 +7,14 @@ def save_fsdp2_dcp(ctx, family: str, path: str, seed: int) -> None:
     """The family's tiny transformers model (seeded as ``save_tiny``), FSDP2-wrapped (``fully_shard`` per layer and
     the whole, over dp = the world) and saved with ``torch.distributed.checkpoint`` from its ``state_dict()`` of
     DTensors; rank 0 writes ``config.json`` beside it."""
+    import shutil
+
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from .hf_models import COMMON, FAMILIES
-
-    cls, cfg_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = cls(cfg_cls(**(COMMON | extra))).eval()
-    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("dp_shard",))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model, config_dir = _fsdp2_model(ctx, family, seed)
     dcp.save(model.state_dict(), checkpoint_id=path)
     if ctx.rank == 0:
-        model.config.architectures = [cls.__name__]
-        model.config.save_pretrained(path)
+        shutil.copy(f"{config_dir}/config.json", f"{path}/config.json")
 
 
 def fsdp2_to_tp_generate(ctx, family: str, seed: int, prompts, new: int):
