@@ -80,4 +80,7 @@ def test_a_signal_to_the_parent_ends_the_whole_run(tmp_path, sig):
     assert code == {signal.SIGTERM: 143, signal.SIGKILL: -9, signal.SIGINT: 130}[sig], stderr
     assert "Traceback" not in stderr, stderr
     if sig == signal.SIGINT:
-        assert stderr.strip().splitlines()[-1] == "interrupted"
+        # multiprocessing's resource tracker (it ignores Ctrl-C) may report, as it exits after the parent, that it
+        # cleaned up the semaphores of queues whose rank was killed mid-call: its words, not the run's
+        own = [line for line in stderr.strip().splitlines() if "resource_tracker" not in line]
+        assert own[-1] == "interrupted", stderr
