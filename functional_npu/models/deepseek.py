@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from ..core.dtypes import float_dtype
-from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
+from ..core.layout import Block, Layout, fused, replicated, sharded
 from ..core.tree import map_with_path, register_static
 from ..parallel.module_tp import ModuleTP
-from . import mla
+from . import llama, mla
 from .decoder import Blocks
 from .embedding import embed, head, head_argmax
-from .experts import Routing, moe_ffn
+from .experts import Routing, expert_specs, identity_map, moe_ffn
 from .mlp import gated_mlp
 
 __all__ = [
@@ -351,7 +351,7 @@ def init_params(cfg: DeepseekConfig, seed: int = 0, dtype: torch.dtype = torch.f
 
     def fill(path: str, x: torch.Tensor) -> torch.Tensor:
         if path.endswith("expert_map"):
-            return torch.arange(cfg.num_experts)[:, None]
+            return identity_map(cfg.num_experts)
         if path.endswith("norm"):
             return torch.ones(x.shape, dtype=dtype)
         if path.endswith("router_bias"):
@@ -378,32 +378,15 @@ def param_specs(cfg: DeepseekConfig, tp_axis: str = "tp") -> dict[str, Any]:
         "o_proj": sharded(1, mtp.o_proj + (tp,)),
         "mlp_norm": replicated(),
     }
-    mlp = mtp.mlp + (tp,)
-    dense = {
-        "gate_up": fused(0, [Block("gate", cfg.intermediate_size), Block("up", cfg.intermediate_size)], mlp),
-        "down": sharded(1, mlp),
-    }
-    f, fs = cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
-    slot = Shard(cfg.expert_axes) if cfg.expert_axes else None
-    inner = tp not in cfg.expert_axes  # each expert tensor-parallel too
-    moe = {
-        "router": replicated(),
-        "router_bias": replicated(),
-        "experts_gate_up": Layout((slot, Shard((tp,), (Block("gate", f), Block("up", f))) if inner else None)),
-        "experts_down": Layout((slot, None, Shard((tp,)) if inner else None)),
-        "expert_map": replicated(),
-        "shared_gate_up": fused(0, [Block("gate", fs), Block("up", fs)], tp),
-        "shared_down": sharded(1, tp),
-    }
+    dense = llama.gated_mlp_specs(cfg.intermediate_size, mtp.mlp + (tp,))
+    moe = {"router": replicated(), "router_bias": replicated()}
+    moe |= expert_specs(cfg, tp, cfg.moe_intermediate_size * cfg.n_shared_experts)
     meta = abstract_params(cfg)
     layers = [
         {k: v for k, v in (attention | (moe if i in cfg.moe_layers else dense)).items() if k in meta["layers"][i]}
         for i in range(cfg.num_layers)
     ]
-    top: dict[str, Any] = {"embed": sharded(0, mtp.embed + (tp,)), "norm": replicated(), "layers": layers}
-    if not cfg.tie_word_embeddings:
-        top["lm_head"] = sharded(0, mtp.lm_head + (tp,))
-    return top
+    return llama.with_ends(cfg, tp, layers)
 
 
 def blocks(cfg: DeepseekConfig, tp_axis: str = "tp") -> Blocks:
@@ -411,8 +394,7 @@ def blocks(cfg: DeepseekConfig, tp_axis: str = "tp") -> Blocks:
     mtp = cfg.module_tp
     dense = functools.partial(gated_mlp, tp=tp_axis, axes=mtp.mlp)
     experts = functools.partial(moe_ffn, cfg=cfg, tp=tp_axis)
-    head_axes = mtp.embed if cfg.tie_word_embeddings else mtp.lm_head
-    head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": head_axes}
+    head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": llama.head_axes(cfg)}
     return Blocks(
         embed=functools.partial(embed, tp=tp_axis, axes=mtp.embed),
         prepare=functools.partial(mla.prepare, cfg),

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
+from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
 from ..core.mesh import Mesh
 from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
 from .mlp import gated_mlp
@@ -37,7 +38,7 @@ from .mlp import gated_mlp
 if TYPE_CHECKING:
     from .moe import MoeConfig
 
-__all__ = ["Routing", "route", "local_experts", "moe_ffn"]
+__all__ = ["Routing", "expert_specs", "identity_map", "route", "local_experts", "moe_ffn"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +59,32 @@ class Routing:
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0
+
+
+def expert_specs(cfg: Any, tp: str, shared: int = 0) -> dict[str, Layout]:
+    """An MoE layer's plan: router and expert map replicated, slots over ``cfg.expert_axes`` (each expert
+    tensor-parallel over ``tp`` too when it is not an expert axis); with ``shared`` (the shared experts'
+    intermediate size) their gated MLP tensor-parallel like a dense one."""
+    f = cfg.moe_intermediate_size
+    slot = Shard(cfg.expert_axes) if cfg.expert_axes else None
+    inner = tp not in cfg.expert_axes
+    specs = {
+        "router": replicated(),
+        "experts_gate_up": Layout((slot, Shard((tp,), (Block("gate", f), Block("up", f))) if inner else None)),
+        "experts_down": Layout((slot, None, Shard((tp,)) if inner else None)),
+        "expert_map": replicated(),
+    }
+    if shared:
+        specs |= {
+            "shared_gate_up": fused(0, [Block("gate", shared), Block("up", shared)], tp),
+            "shared_down": sharded(1, tp),
+        }
+    return specs
+
+
+def identity_map(num_experts: int) -> torch.Tensor:
+    """The expert map with no redundant experts: expert ``e`` in slot ``e``."""
+    return torch.arange(num_experts)[:, None]
 
 
 def route(logits: torch.Tensor, cfg: Any, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

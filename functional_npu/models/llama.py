@@ -45,6 +45,9 @@ __all__ = [
     "init_params",
     "param_specs",
     "qkv_blocks",
+    "gated_mlp_specs",
+    "with_ends",
+    "head_axes",
     "blocks",
 ]
 
@@ -251,38 +254,46 @@ def param_specs(cfg: LlamaConfig, tp_axis: str = "tp") -> dict[str, Any]:
     """
     tp, mtp = tp_axis, cfg.module_tp
     qkv = fused(0, qkv_blocks(cfg), tp)
-    mlp = mtp.mlp + (tp,)
     layer: dict[str, Layout] = {
         "attn_norm": replicated(),
         "qkv": qkv,
         "o_proj": sharded(1, mtp.o_proj + (tp,)),
         "mlp_norm": replicated(),
-        "gate_up": fused(0, [Block("gate", cfg.intermediate_size), Block("up", cfg.intermediate_size)], mlp),
-        "down": sharded(1, mlp),
+        **gated_mlp_specs(cfg.intermediate_size, mtp.mlp + (tp,)),
     }
     if cfg.qkv_bias:
         layer["qkv_bias"] = qkv
     if cfg.qk_norm:
         layer |= {"q_norm": replicated(), "k_norm": replicated()}
-    top: dict[str, Any] = {
-        "embed": sharded(0, mtp.embed + (tp,)),
-        "norm": replicated(),
-        "layers": [layer] * cfg.num_layers,
+    return with_ends(cfg, tp, [layer] * cfg.num_layers)
+
+
+def gated_mlp_specs(intermediate: int, axes: str | tuple[str, ...]) -> dict[str, Layout]:
+    """A gated MLP's plan: ``[gate|up]`` column-parallel and ``down`` row-parallel over ``axes``."""
+    return {
+        "gate_up": fused(0, [Block("gate", intermediate), Block("up", intermediate)], axes),
+        "down": sharded(1, axes),
     }
-    if not cfg.tie_word_embeddings:
-        top["lm_head"] = sharded(0, mtp.lm_head + (tp,))
-    return top
 
 
-def _head_axes(cfg: LlamaConfig) -> tuple[str, ...]:
-    """The head's module-TP axes: a tied head multiplies the embedding table, cut as the embedding's."""
+def with_ends(cfg: Any, tp: str, layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole plan (any family's config) from its layers' plans: embedding and lm_head vocab-parallel over their
+    module-TP axes and ``tp``, the final norm replicated."""
+    mtp = cfg.module_tp
+    top = {"embed": sharded(0, mtp.embed + (tp,)), "norm": replicated(), "layers": layers}
+    return top if cfg.tie_word_embeddings else top | {"lm_head": sharded(0, mtp.lm_head + (tp,))}
+
+
+def head_axes(cfg: Any) -> tuple[str, ...]:
+    """The head's module-TP axes (any family's config): a tied head multiplies the embedding table, cut as the
+    embedding's."""
     return cfg.module_tp.embed if cfg.tie_word_embeddings else cfg.module_tp.lm_head
 
 
 def blocks(cfg: LlamaConfig, tp_axis: str = "tp") -> Blocks:
     """The decoder's blocks for this config: grouped-query attention and a gated MLP in every layer."""
     mlp = functools.partial(gated_mlp, tp=tp_axis, axes=cfg.module_tp.mlp)
-    head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": _head_axes(cfg)}
+    head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": head_axes(cfg)}
     return Blocks(
         embed=functools.partial(embed, tp=tp_axis, axes=cfg.module_tp.embed),
         prepare=functools.partial(prepare, cfg),

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from ..core.dtypes import float_dtype
-from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
+from ..core.layout import replicated
 from ..core.tree import map_with_path, register_static
 from ..parallel.module_tp import ModuleTP
 from . import llama
 from .decoder import Blocks
-from .experts import Routing, moe_ffn
+from .experts import Routing, expert_specs, identity_map, moe_ffn
 
 __all__ = [
     "MoeConfig",
@@ -241,11 +241,6 @@ def abstract_params(
     return dense | {"config": cfg, "layers": layers}
 
 
-def identity_map(num_experts: int) -> torch.Tensor:
-    """The expert map with no redundant experts: expert ``e`` in slot ``e``."""
-    return torch.arange(num_experts)[:, None]
-
-
 def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Full params with seeded random weights (std 0.02, norms 1) and the identity expert map."""
     dtype = float_dtype(dtype, "init_params")
@@ -270,22 +265,9 @@ def param_specs(cfg: MoeConfig, tp_axis: str = "tp") -> dict[str, Any]:
     """The plan: attention and dense MLPs as in ``llama.param_specs``; experts over ``expert_axes``
     (and ``tp_axis`` inside)."""
     dense = llama.param_specs(cfg.base, tp_axis)
-    f = cfg.moe_intermediate_size
-    slot = Shard(cfg.expert_axes) if cfg.expert_axes else None
-    inner = tp_axis not in cfg.expert_axes  # each expert tensor-parallel too
-    moe = {
-        "router": replicated(),
-        "experts_gate_up": Layout((slot, Shard((tp_axis,), (Block("gate", f), Block("up", f))) if inner else None)),
-        "experts_down": Layout((slot, None, Shard((tp_axis,)) if inner else None)),
-        "expert_map": replicated(),
-    }
-    if cfg.shared_intermediate_size:  # a dense gated MLP every token runs, tensor-parallel like the others
-        fs = cfg.shared_intermediate_size
-        moe |= {
-            "shared_gate_up": fused(0, [Block("gate", fs), Block("up", fs)], tp_axis),
-            "shared_down": sharded(1, tp_axis),
-            "shared_gate": replicated(),
-        }
+    moe = expert_specs(cfg, tp_axis, cfg.shared_intermediate_size)
+    if cfg.shared_intermediate_size:  # Qwen2-MoE's shared expert is gated
+        moe["shared_gate"] = replicated()
     layers = []
     for i, layer in enumerate(dense["layers"]):
         if i in cfg.moe_layers:
