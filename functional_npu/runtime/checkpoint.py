@@ -29,7 +29,7 @@ from ..models import Family, family_of, with_module_tp
 from ..parallel.layer_shard import LayerShard, owned_layers, present
 from ..parallel.module_tp import ModuleTP
 from .dcp import DcpHandle, is_dcp
-from .hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts
+from .hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
 from .plan import check_plan, with_expert_axes
 from .quant_config import QuantConfig, read_quant_config
 from .quant_plan import quantize_plan
@@ -260,17 +260,8 @@ def _check_names_and_shapes(ckpt: _Checkpoint, wanted: _Wanted) -> torch.dtype:
 
 def _expected_tensors(wanted: _Wanted) -> dict[str, tuple[str, tuple[int, ...]]]:
     """HF tensor name -> (the param path it belongs to, its shape), for every stored tensor the config needs."""
-    expected: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for p, m in wanted.leaves.items():
-        for part in stored_parts(wanted.family, wanted.cfg, p, tuple(m.shape), wanted.layouts[p]):
-            dim = fused_dim(part.layout)
-            for name, (_, size) in zip(
-                part.names, block_ranges(part.layout, dim, part.shape[dim], len(part.names), path=p)
-            ):
-                shape = list(part.shape)
-                shape[dim] = size
-                expected[name] = (p, tuple(shape))
-    return expected
+    stored = stored_tensors(wanted.family, wanted.cfg, wanted.leaves, wanted.layouts)
+    return {name: (t.path, t.shape) for name, t in stored.items()}
 
 
 def _check_names(ckpt: _Checkpoint, wanted: _Wanted, expected: Mapping[str, Any]) -> None:

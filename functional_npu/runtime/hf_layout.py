@@ -10,13 +10,24 @@ as the float weight would be, under its own name: ``q_proj.weight`` becomes ``q_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.layout import Layout, Shard
 from ..models import Family
 
-__all__ = ["StoredPart", "QUANT_NAMES", "family_leaf", "hf_sources", "stored_parts", "block_ranges", "fused_dim"]
+__all__ = [
+    "StoredPart",
+    "StoredTensor",
+    "QUANT_NAMES",
+    "family_leaf",
+    "hf_sources",
+    "stored_parts",
+    "stored_tensors",
+    "block_ranges",
+    "fused_dim",
+]
 
 # the stored tensors of a quantized linear (compressed-tensors' names), keys of its leaf's dict
 QUANT_NAMES = ("weight", "weight_packed", "weight_scale", "weight_zero_point")
@@ -40,6 +51,17 @@ class StoredPart:
     layout: Layout
     shape: tuple[int, ...]
     names: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """One HF tensor: the leaf it belongs to, its expert ``index`` or None, its full shape, and the layout of its
+    block of the leaf (a fused leaf's block on its own: its pieces are the leaf's, block by block)."""
+
+    path: str
+    index: int | None
+    shape: tuple[int, ...]
+    layout: Layout
 
 
 def hf_sources(family: Family, cfg: Any, path: str, j: int | None = None) -> list[str]:
@@ -94,3 +116,27 @@ def block_ranges(layout: Layout, dim: int, full: int, n_sources: int, *, path: s
 def fused_dim(layout: Layout) -> int:
     """The dim along which a part's HF tensors sit side by side: the first fused (blocked) dim, else 0."""
     return next((d for d, s in enumerate(layout.dims) if isinstance(s, Shard) and s.blocks), 0)
+
+
+def stored_tensors(
+    family: Family, cfg: Any, leaves: Mapping[str, Any], layouts: Mapping[str, Layout]
+) -> dict[str, StoredTensor]:
+    """HF name -> :class:`StoredTensor`, for every stored tensor of the leaves (``{path: tensor of its full
+    shape}``, e.g. on the meta device) under their ``layouts``."""
+    out = {}
+    for path, m in leaves.items():
+        for part in stored_parts(family, cfg, path, tuple(m.shape), layouts[path]):
+            d = fused_dim(part.layout)
+            ranges = block_ranges(part.layout, d, part.shape[d], len(part.names), path=path)
+            for k, (name, (_, size)) in enumerate(zip(part.names, ranges)):
+                shape = list(part.shape)
+                shape[d] = size
+                out[name] = StoredTensor(path, part.index, tuple(shape), _block(part.layout, d, k))
+    return out
+
+
+def _block(layout: Layout, d: int, k: int) -> Layout:
+    spec = layout.dims[d] if d < len(layout.dims) else None
+    if not isinstance(spec, Shard) or not spec.blocks:
+        return layout
+    return layout.with_dim(d, Shard(spec.axes, (spec.blocks[k],), spec.pack, spec.groups, spec.group_size))

@@ -24,7 +24,7 @@ from ..core.mesh import Mesh
 from ..core.reshard import plan_reshard, reshard
 from ..core.tree import flatten_with_paths, map_with_path
 from ..models import family_of
-from .hf_layout import block_ranges, fused_dim, stored_parts
+from .hf_layout import fused_dim, stored_tensors
 from .plan import check_plan
 
 __all__ = ["from_dtensor_state"]
@@ -70,25 +70,11 @@ def from_dtensor_state(
 def _targets(family: Any, cfg: Any, meta: dict, layouts: dict[str, Layout]) -> dict[str, tuple[str, tuple, Layout]]:
     """HF name -> (param path, full shape, the layout of its slice of the leaf)."""
     out = {}
-    for path, m in flatten_with_paths(meta):
-        for part in stored_parts(family, cfg, path, tuple(m.shape), layouts[path]):
-            if part.index is not None:
-                raise ValueError(f"from_dtensor_state: stacked experts ({path}) are not supported yet")
-            d = fused_dim(part.layout)
-            ranges = block_ranges(part.layout, d, part.shape[d], len(part.names), path=path)
-            for k, (name, (_, size)) in enumerate(zip(part.names, ranges)):
-                shape = list(part.shape)
-                shape[d] = size
-                out[name] = (path, tuple(shape), _block(part.layout, d, k))
+    for name, t in stored_tensors(family, cfg, dict(flatten_with_paths(meta)), layouts).items():
+        if t.index is not None:
+            raise ValueError(f"from_dtensor_state: stacked experts ({t.path}) are not supported yet")
+        out[name] = (t.path, t.shape, t.layout)
     return out
-
-
-def _block(layout: Layout, d: int, k: int) -> Layout:
-    """The layout of block ``k`` of a fused dim ``d`` on its own (its pieces are the leaf's, block by block)."""
-    spec = layout.dims[d] if d < len(layout.dims) else None
-    if not isinstance(spec, Shard) or not spec.blocks:
-        return layout
-    return layout.with_dim(d, Shard(spec.axes, (spec.blocks[k],), spec.pack, spec.groups, spec.group_size))
 
 
 def _on(layout: Layout, device_mesh: Any, mesh: Mesh, name: str) -> Layout:
