@@ -51,14 +51,21 @@ def head(
     held by group index ``j`` at tp index ``t`` (mesh order).
     """
     logits = _local_logits(params, x, mesh, eps, tied, axes)
-    n = mesh.axis_size(axes)
-    if n == 1:
+    if mesh.axis_size(axes) == 1:
         return all_gather(logits, mesh, tp, dim=-1)
-    b, s, v = x.shape[0], x.shape[1], logits.shape[-1]
-    mine = all_to_all(logits, mesh, axes)  # [n B, S, v]: my rows' slice j from group index j
-    full = all_gather(mine, mesh, tp)  # [tp n B, S, v] ordered (t, j)
-    full = full.view(mesh.axis_size(tp), n, b, s, v).permute(2, 3, 1, 0, 4)  # [B, S, j, t, v]
-    return full.reshape(b, s, n * mesh.axis_size(tp) * v)
+    return _home(logits, x, mesh, tp, axes).reshape(x.shape[0], x.shape[1], -1)  # [B, S, V]
+
+
+def _home(slices: torch.Tensor, x: torch.Tensor, mesh: Mesh, tp: str, axes: tuple[str, ...]) -> torch.Tensor:
+    """Each rank's per-row vocab slices ``[(n) B, S, w]`` -> this rank's rows' slices from every rank of the group
+    and of tp, in vocab order ``[B, S, n, tp, w]``: routed back over ``axes`` (all_to_all), gathered over ``tp``;
+    slice ``j * tp + t`` is held by group index ``j`` at tp index ``t`` (mesh order)."""
+    n, t = mesh.axis_size(axes), mesh.axis_size(tp)
+    if n > 1:
+        slices = all_to_all(slices, mesh, axes)  # [n B, S, w]: my rows' slice j from group index j
+    everyone = all_gather(slices, mesh, tp)  # [t n B, S, w] ordered (t, j)
+    b, s = x.shape[0], x.shape[1]
+    return everyone.view(t, n, b, s, -1).permute(2, 3, 1, 0, 4)  # [B, S, j, t, w]
 
 
 def head_argmax(
@@ -72,12 +79,7 @@ def head_argmax(
     v = logits.shape[-1]
     best, idx = logits.float().max(-1, keepdim=True)  # the first largest of this slice
     pair = torch.cat([best, (idx + mesh.axis_index(axes + (tp,)) * v).float()], dim=-1)  # [(n) B, S, 2]
-    n, t = mesh.axis_size(axes), mesh.axis_size(tp)
-    if n > 1:
-        pair = all_to_all(pair, mesh, axes)  # [n B, S, 2]: my rows' pair from group index j
-    pairs = all_gather(pair, mesh, tp)  # [t n B, S, 2] ordered (t, j)
-    b, s = x.shape[0], x.shape[1]
-    pairs = pairs.view(t, n, b, s, 2).permute(2, 3, 1, 0, 4).reshape(b, s, n * t, 2)  # slices in vocab order
+    pairs = _home(pair, x, mesh, tp, axes).flatten(2, 3)  # [B, S, n tp, 2]: every slice's pair, in vocab order
     pick = pairs[..., 0].argmax(-1, keepdim=True)  # the first slice holding the largest value
     token = pairs[..., 1].gather(-1, pick).squeeze(-1).long()
     return torch.where(torch.isfinite(pairs[..., 0].gather(-1, pick).squeeze(-1)), token, -1)
