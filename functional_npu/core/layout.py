@@ -3,8 +3,11 @@
 A :class:`Layout` gives, for each leading tensor dim, either nothing (that dim is whole on
 every rank) or one of:
 
-* :class:`Shard` -- the dim is cut into contiguous pieces over one mesh axis or several (in
-  mesh order, row-major). Optionally the dim is a concatenation of named :class:`Block`\\ s
+* :class:`Shard` -- the dim is cut into contiguous pieces over one mesh axis or several: piece
+  ``i`` is held by the ranks whose row-major index along the axes, in the order written, is
+  ``i``. In mesh order (``("dp", "tp")``) that is DTensor's default; in another order
+  (``("tp", "dp")``: cut over tp first, then each tp piece over dp) it is the strided shard FSDP2
+  leaves on a tensor-parallel weight. Optionally the dim is a concatenation of named :class:`Block`\\ s
   (``[q|k|v]``, ``[gate|up]``), each cut on its own, the local shard being the concatenation of
   each block's local piece (fused column-parallel weights). A block with ``replicate=True``
   whose unit count (e.g. KV heads) is smaller than the axis size is replicated on
@@ -247,7 +250,7 @@ def validate(
 
 
 def _validate_axes(where: str, d: int, spec: DimSpec, mesh_shape: Mapping[str, int], seen: dict[str, int]) -> None:
-    """Dim ``d``'s axes are mesh axes, in mesh order, none already sharding another dim (recorded in ``seen``)."""
+    """Dim ``d``'s axes are mesh axes, none already sharding another dim (recorded in ``seen``)."""
     for a in spec.axes:
         if a not in mesh_shape:
             raise LayoutError(
@@ -259,9 +262,6 @@ def _validate_axes(where: str, d: int, spec: DimSpec, mesh_shape: Mapping[str, i
                 f"{where} uses mesh axis {a!r} on dim {seen[a]} and dim {d}; an axis can shard one dim only"
             )
         seen[a] = d
-    order = tuple([a for a in mesh_shape if a in spec.axes])
-    if order != spec.axes:
-        raise LayoutError(f"{where} dim {d} shards over axes {spec.axes}, which must be in mesh order: write {order}")
 
 
 def _validate_cyclic(where: str, d: int, spec: Cyclic, shape: Sequence[int], local: bool) -> None:

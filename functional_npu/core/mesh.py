@@ -3,7 +3,9 @@
 Ranks are laid out row-major over the axes: with axes ``{"dp": 2, "tp": 4}`` rank ``r`` has
 coordinate ``dp = r // 4, tp = r % 4``. A collective over one axis, or over several axes at
 once (given in mesh order), runs in the group of ranks that differ only along those axes; its
-rank order is the row-major coordinate along them.
+rank order is the row-major coordinate along them. Indices along several axes
+(``axis_index``, ``group_ranks``) may also name them in another order: the index is then
+row-major in the order given (a layout that cuts over ``tp`` before ``dp``).
 
 A :class:`Mesh` is immutable. ``Mesh.abstract`` gives one with no process group, for planning
 and single-process tests; ``make_mesh`` binds one to the initialized world. Process groups are
@@ -165,32 +167,30 @@ class Mesh:
         return dict(zip(self.axis_names, self._coord_of(self._require_rank())))
 
     def axis_size(self, axes: Axes) -> int:
-        """Size of an axis, or the product of several."""
-        return math.prod([self.axis_sizes[self.axis_names.index(a)] for a in self._check_axes(axes)])
+        """Size of an axis, or the product of several (in any order)."""
+        return math.prod([self.axis_sizes[self.axis_names.index(a)] for a in self._check_axes(axes, ordered=False)])
 
     def axis_index(self, axes: Axes) -> int:
-        """This rank's row-major index along ``axes`` (its rank in that axis group)."""
-        coord = self.coordinate
-        index = 0
-        for a in self._check_axes(axes):
-            index = index * self.shape[a] + coord[a]
-        return index
+        """This rank's row-major index along ``axes``, in the order given (in mesh order: its rank in that axis
+        group)."""
+        return self._index_of(self._require_rank(), self._check_axes(axes, ordered=False))
 
     def group_ranks(self, axes: Axes) -> tuple[int, ...]:
         """World ranks of this rank's group along ``axes``, ordered by their index along them."""
-        axes = self._check_axes(axes)
+        axes = self._check_axes(axes, ordered=False)
         rank = self._require_rank()
         return [g for g in self.all_group_ranks(axes) if rank in g][0]
 
     def all_group_ranks(self, axes: Axes) -> list[tuple[int, ...]]:
-        """Every group along ``axes``: a partition of the world's ranks, each ordered by index along ``axes``."""
-        axes = self._check_axes(axes)
+        """Every group along ``axes``: a partition of the world's ranks, each ordered by index along ``axes``
+        (row-major in the order given)."""
+        axes = self._check_axes(axes, ordered=False)
         others = [i for i, a in enumerate(self.axis_names) if a not in axes]
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.size):
             c = self._coord_of(r)
             groups.setdefault(tuple([c[i] for i in others]), []).append(r)
-        return [tuple(g) for _, g in sorted(groups.items())]
+        return [tuple(sorted(g, key=lambda r: self._index_of(r, axes))) for _, g in sorted(groups.items())]
 
     # ---- process groups ---------------------------------------------------------------------
     def group_name(self, axes: Axes) -> str:
@@ -198,7 +198,7 @@ class Mesh:
 
         Created on first use (collectively, on every rank); under tracing it must already exist.
         """
-        ranks = self.group_ranks(axes)
+        ranks = self.group_ranks(self._check_axes(axes))
         cache = self._require_groups()
         name = cache.names.get(ranks)
         if name is None:
@@ -216,7 +216,7 @@ class Mesh:
         """Create (collectively, once) the process groups for each axis or axis tuple; default: every axis."""
         cache = self._require_groups()
         for axes in axes_list or tuple((a,) for a in self.axis_names):
-            for ranks in self.all_group_ranks(axes):
+            for ranks in self.all_group_ranks(self._check_axes(axes)):
                 if ranks in cache.created:
                     continue
                 cache.created.add(ranks)
@@ -243,7 +243,16 @@ class Mesh:
     def _coord_of(self, rank: int) -> tuple[int, ...]:
         return tuple([(rank // st) % s for s, st in zip(self.axis_sizes, self._strides())])
 
-    def _check_axes(self, axes: Axes, what: str = "collective") -> tuple[str, ...]:
+    def _index_of(self, rank: int, axes: tuple[str, ...]) -> int:
+        coord = dict(zip(self.axis_names, self._coord_of(rank)))
+        index = 0
+        for a in axes:
+            index = index * self.shape[a] + coord[a]
+        return index
+
+    def _check_axes(self, axes: Axes, what: str = "collective", *, ordered: bool = True) -> tuple[str, ...]:
+        """``axes`` as a tuple of known, distinct axes; in mesh order unless not ``ordered`` (a collective's group
+        is ordered by world rank, so it runs over axes in mesh order)."""
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         unknown = [a for a in axes if a not in self.axis_names]
         if unknown:
@@ -251,7 +260,7 @@ class Mesh:
         if len(set(axes)) != len(axes):
             raise ValueError(f"{what}: axis repeated in {axes}")
         order = tuple([a for a in self.axis_names if a in axes])
-        if order != axes:
+        if ordered and order != axes:
             raise ValueError(f"{what}: axes {axes} must be given in mesh order; write {order}")
         return axes
 

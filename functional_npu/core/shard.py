@@ -142,15 +142,18 @@ def _local_lens(spec, full_len: int, n: int) -> list[int]:
     return [sum(map(piece_len, dim_pieces(spec, full_len, n, j))) for j in range(n)]
 
 
-def _assembly_index(path: str, d: int, spec, full_len: int, n: int, pad: int) -> list[int]:
-    """For each full position along dim ``d``: where it sits in the concatenation of the ``n`` padded shards."""
+def _assembly_index(
+    path: str, d: int, spec, full_len: int, n: int, pad: int, slots: Sequence[int] | None = None
+) -> list[int]:
+    """For each full position along dim ``d``: where it sits in the concatenation of the ``n`` padded shards
+    (coordinate ``j``'s shard in slot ``slots[j]``, default ``j``)."""
     src = [-1] * full_len
     for j in range(n):
-        offset = 0
+        offset, slot = 0, j if slots is None else slots[j]
         for p in dim_pieces(spec, full_len, n, j):
             for k, pos in enumerate(range(*p)):
                 if src[pos] < 0:  # replicas hold equal copies: take the first
-                    src[pos] = j * pad + offset + k
+                    src[pos] = slot * pad + offset + k
             offset += piece_len(p)
     if min(src, default=0) < 0:  # pragma: no cover - a layout that loses data is a planning bug
         raise LayoutError(
@@ -208,8 +211,9 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     shapes = {}
     for path, x in flatten_with_paths(tree):
         shapes[path] = full_shape(path, check_leaf(path, x), layouts[path], mesh)
+    in_order = {d.axes: tuple([a for a in mesh.axis_names if a in d.axes]) for d in _dim_specs(layouts)}
     if not torch.compiler.is_compiling():
-        mesh.init_groups(*sorted({d.axes for lay in layouts.values() for d in lay.dims if d is not None}))
+        mesh.init_groups(*sorted(set(in_order.values())))
 
     def assemble(path: str, x: torch.Tensor) -> torch.Tensor:
         bits, moved = as_bits(x), False
@@ -219,13 +223,20 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
             if _whole_on_one(spec, full, n):
                 continue
             pad = max(_local_lens(spec, full, n))
-            everyone = collectives.all_gather(_pad_to(bits, d, pad), mesh, spec.axes, dim=d)
-            idx = _assembly_index(path, d, spec, full, n, pad)
+            # the group gathers in mesh order; a layout cutting in another order finds its pieces by rank
+            everyone = collectives.all_gather(_pad_to(bits, d, pad), mesh, in_order[spec.axes], dim=d)
+            group = mesh.group_ranks(in_order[spec.axes])
+            slots = [group.index(r) for r in mesh.group_ranks(spec.axes)]
+            idx = _assembly_index(path, d, spec, full, n, pad, slots)
             bits, moved = everyone.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device)), True
         out = bits.view(x.dtype)
         return out if moved else out.clone()
 
     return map_with_path(assemble, tree)
+
+
+def _dim_specs(layouts: Mapping[str, Layout]) -> list:
+    return [d for lay in layouts.values() for d in lay.dims if d is not None]
 
 
 def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..core.layout import Layout, dim_pieces, validate
+from ..core.layout import Layout, LayoutError, dim_pieces, validate
 from ..core.mesh import Mesh
 from ..core.shard import leaf_specs
 from ..core.tree import flatten_with_paths
@@ -109,6 +109,11 @@ def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.
     validate(path, layout, shape, dtype, mesh.shape)
     for d, s in enumerate(layout.dims):
         if s is not None:
+            order = tuple([a for a in mesh.axis_names if a in s.axes])
+            if order != s.axes:  # a model's collectives run over its layouts' axes, in mesh order
+                raise LayoutError(
+                    f"specs[{path!r}] dim {d} shards over axes {s.axes}, which must be in mesh order: write {order}"
+                )
             n = mesh.axis_size(s.axes)
             for c in range(n):
                 dim_pieces(s, shape[d], n, c, f"specs[{path!r}]", d)

@@ -143,9 +143,17 @@ def test_error_axis_used_on_two_dims():
         shard({"w": torch.zeros(4, 4)}, {"w": Layout((Shard(("tp",)), Shard(("tp",))))}, MESH, coordinate=0)
 
 
-def test_error_axes_out_of_mesh_order():
-    with pytest.raises(LayoutError, match=r"must be in mesh order: write \('dp', 'tp'\)"):
-        shard({"w": torch.zeros(8)}, {"w": sharded(0, ("tp", "dp"))}, MESH, coordinate=0)
+def test_axes_out_of_mesh_order_cut_in_the_order_written():
+    """``("tp", "dp")`` cuts over tp first, then each tp piece over dp: piece ``t * dp + d`` at (dp=d, tp=t)."""
+    mesh = Mesh.abstract({"dp": 2, "tp": 3})
+    w = torch.arange(12)
+    for r in range(mesh.size):
+        c = mesh.at(r).coordinate
+        piece = c["tp"] * 2 + c["dp"]
+        assert shard({"w": w}, {"w": sharded(0, ("tp", "dp"))}, mesh, coordinate=r)["w"].tolist() == [
+            2 * piece,
+            2 * piece + 1,
+        ]
 
 
 def test_error_block_sizes_do_not_sum_to_dim():

@@ -69,6 +69,7 @@ def leaf_case(draw, axes: dict[str, int]):
             shape.append(draw(st.integers(1, 4)))
             continue
         free = [a for a in free if a not in use]
+        use = draw(st.permutations(use))  # any cut order: mesh order is DTensor's default, others its strided shards
         spec, length = draw(dim_case(math.prod(axes[a] for a in use), tuple(use), packed))
         dims.append(spec)
         shape.append(length)
