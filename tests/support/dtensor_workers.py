@@ -8,10 +8,13 @@ SHAPE = (4, 8)
 
 
 def placement_combinations():
-    """Every placement of a 2-D tensor on a 2-dim mesh: Replicate, Shard(0) or Shard(1) on each mesh dim."""
+    """Every placement of a 2-D tensor on a 2x2 mesh: Replicate, Shard(0) or Shard(1) on each mesh dim, and the
+    strided shard FSDP2 leaves on each dim (mesh dim 1 cuts first)."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return list(itertools.product([Replicate(), Shard(0), Shard(1)], repeat=2))
+    plain = list(itertools.product([Replicate(), Shard(0), Shard(1)], repeat=2))
+    return plain + [(_StridedShard(d, split_factor=2), Shard(d)) for d in (0, 1)]
 
 
 def dtensor_round_trip(ctx):
