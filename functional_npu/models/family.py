@@ -41,6 +41,8 @@ class Family:
         derived: leaf name -> function of the config giving a leaf that is computed, not stored.
         linears: leaves holding a linear layer's weight ``[..., out, in]`` (a quantized checkpoint may
             store them quantized; see :mod:`functional_npu.runtime.quant_plan`).
+        module_names: config -> {leaf: the name a transformers model's ``state_dict()`` holds it under, as one
+            tensor of the leaf's full shape} where that differs from ``hf_names`` (transformers' fused experts).
     """
 
     name: str
@@ -55,6 +57,7 @@ class Family:
     stacked: frozenset[str] = frozenset()
     derived: Mapping[str, Callable[[Any], Any]] | None = None
     linears: frozenset[str] = frozenset()
+    module_names: Callable[[Any], Mapping[str, str]] = lambda cfg: {}
 
 
 LLAMA = Family(
@@ -82,6 +85,7 @@ MOE = Family(
     frozenset(EXPERT_LEAVES),
     {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
     frozenset(llama.LINEARS + moe.LINEARS),
+    moe.module_names,
 )
 DEEPSEEK = Family(
     "deepseek",
@@ -96,6 +100,7 @@ DEEPSEEK = Family(
     frozenset(EXPERT_LEAVES),
     {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
     frozenset(deepseek.LINEARS),
+    lambda cfg: moe.EXPERT_MODULES,
 )
 FAMILIES = (LLAMA, MOE, DEEPSEEK)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)

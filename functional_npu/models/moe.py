@@ -32,6 +32,8 @@ __all__ = [
     "MoeConfig",
     "ARCHITECTURES",
     "hf_names",
+    "module_names",
+    "EXPERT_MODULES",
     "LINEARS",
     "abstract_params",
     "init_params",
@@ -214,6 +216,21 @@ register_static(MoeConfig)
 def hf_names(cfg: MoeConfig) -> dict[str, list[str]]:
     """HF tensor names of each param leaf in block order (``{i}``: layer, ``{j}``: expert); expert_map is computed."""
     return {**llama.HF_NAMES, **_EXPERT_NAMES[cfg.architecture], "expert_map": []}
+
+
+# transformers (5 and later) holds each layer's experts in memory as two tensors in the leaves' own shapes and
+# block order ([E, gate|up, D] and [E, D, F]), saved and loaded as one tensor per expert
+EXPERT_MODULES = {
+    "experts_gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "experts_down": "model.layers.{i}.mlp.experts.down_proj",
+}
+
+
+def module_names(cfg: MoeConfig) -> dict[str, str]:
+    """The ``state_dict()`` names of a transformers model's leaves where they differ from the checkpoint's
+    (``{i}``: layer): the stacked experts, and Mixtral's router (``mlp``, saved as ``block_sparse_moe``)."""
+    router = {"router": "model.layers.{i}.mlp.gate.weight"} if cfg.architecture == "MixtralForCausalLM" else {}
+    return EXPERT_MODULES | router
 
 
 # ---- the parallel plan ------------------------------------------------------------------------

@@ -55,13 +55,15 @@ class StoredPart:
 
 @dataclass(frozen=True, slots=True)
 class StoredTensor:
-    """One HF tensor: the leaf it belongs to, its expert ``index`` or None, its full shape, and the layout of its
-    block of the leaf (a fused leaf's block on its own: its pieces are the leaf's, block by block)."""
+    """One HF tensor: the leaf it belongs to, its expert ``index`` or None, its full shape, the layout of its
+    block of the leaf (a fused leaf's block on its own: its pieces are the leaf's, block by block), and which
+    block of its part it is."""
 
     path: str
     index: int | None
     shape: tuple[int, ...]
     layout: Layout
+    block: int = 0
 
 
 def hf_sources(family: Family, cfg: Any, path: str, j: int | None = None) -> list[str]:
@@ -131,7 +133,7 @@ def stored_tensors(
             for k, (name, (_, size)) in enumerate(zip(part.names, ranges)):
                 shape = list(part.shape)
                 shape[d] = size
-                out[name] = StoredTensor(path, part.index, tuple(shape), _block(part.layout, d, k))
+                out[name] = StoredTensor(path, part.index, tuple(shape), _block(part.layout, d, k), k)
     return out
 
 

@@ -7,24 +7,28 @@ the slice of the plan's leaf it forms (a fused leaf's block: ``q_proj`` in ``[q|
 :func:`~functional_npu.reshard` moves every tensor at once: each rank receives only the bytes it needs and
 does not hold, from one holder. Fused leaves are then joined locally, block by block.
 
-The training mesh must cover the same ranks as ``mesh``, its axes a coarsening of ``mesh``'s in row-major
-order (FSDP2 over the whole world, or ``(dp_shard, tp)`` over a ``{"dp", "tp"}`` mesh of the same sizes).
+The training mesh must cover the same ranks as ``mesh``, row-major, with axes that nest with ``mesh``'s: FSDP2
+over the whole world, FSDP2 + TP on ``(dp_shard, tp)`` (its strided shards included) or HSDP on
+``(dp_replicate, dp_shard)``, served at ``{"tp": 4}`` or ``{"dp": 2, "tp": 2}`` on the same four ranks. The
+exchange runs on the coarsest mesh that refines both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..core.dtensor import layout_from_dtensor
-from ..core.layout import Layout, Shard
+from ..core.dtensor import layout_from_dtensor, root_mesh
+from ..core.layout import Cyclic, Layout
 from ..core.mesh import Mesh
 from ..core.reshard import plan_reshard, reshard
 from ..core.tree import flatten_with_paths, map_with_path
 from ..models import family_of
-from .hf_layout import fused_dim, stored_tensors
+from .hf_layout import family_leaf, fused_dim, stored_tensors
 from .plan import check_plan
 
 __all__ = ["from_dtensor_state"]
@@ -38,80 +42,194 @@ def from_dtensor_state(
     Collective: every rank of ``mesh`` calls it. ``report``: if a list, the :class:`ReshardPlan` is appended
     (its ``traffic`` gives each rank's bytes sent, received and the lower bound).
 
+    Stacked experts come either as transformers' fused tensors (``mlp.experts.gate_up_proj``, the family's
+    ``module_names``) or as one tensor per expert (the checkpoint's names), each expert placed alike.
+
     Raises:
         ValueError before any byte moves: a name the family's table does not know or a missing one, a
-        placement with no layout (``Partial``, uneven), a training mesh that is not a coarsening of ``mesh``.
+        placement with no layout (``Partial``, uneven), a training mesh that does not nest with ``mesh``.
     """
     family = family_of(cfg)
     meta, layouts = check_plan(cfg, mesh, where="from_dtensor_state", tp_axis=tp_axis)
-    targets = _targets(family, cfg, meta, layouts)
-    known, given = set(targets), set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    given = set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    targets = _targets(family, cfg, meta, layouts, given)
+    known = {n for t in targets.values() for n in t.names}
     if known != given:
         raise ValueError(
             f"from_dtensor_state: the state does not match this {cfg.architecture} config: "
             f"missing {sorted(known - given)[:8]}, unknown {sorted(given - known)[:8]}"
         )
-    local, src, dst = {}, {}, {}
-    for name, (_, _, layout) in targets.items():
-        dt = state[name]
-        if tuple(dt.shape) != targets[name][1]:
+    local, src, dst, common = {}, {}, {}, {}
+    for key, t in targets.items():
+        dts = [state[n] for n in t.names]
+        for name, dt in zip(t.names, dts):
+            if not hasattr(dt, "placements"):
+                raise TypeError(
+                    f"from_dtensor_state: {name!r} is a {type(dt).__name__}, not a DTensor; pass the state_dict() "
+                    f"of the FSDP2 / TP-wrapped model (or load a saved checkpoint with load_checkpoint)"
+                )
+            want = t.shape[1:] if t.stacked else t.shape
+            if tuple(dt.shape) != want:
+                raise ValueError(f"from_dtensor_state: {name!r} is {tuple(dt.shape)}, the config implies {want}")
+        root = root_mesh(dts[0], path=t.names[0])
+        mesh_key = (tuple(root.mesh_dim_names), tuple(root.mesh.shape))
+        if mesh_key not in common:
+            common[mesh_key] = _common_mesh(mesh, root, t.names[0])
+        if common[mesh_key][0].shape != next(iter(common.values()))[0].shape:
             raise ValueError(
-                f"from_dtensor_state: {name!r} is {tuple(dt.shape)}, the config implies {targets[name][1]}"
+                f"from_dtensor_state: {t.names[0]!r} is on training mesh {dict(zip(*mesh_key))}, which cuts the "
+                f"ranks unlike the other tensors' training mesh; reshard one training mesh's state at a time"
             )
-        src[name] = _on(layout_from_dtensor(dt, path=name), dt.device_mesh, mesh, name)
-        local[name], dst[name] = dt.to_local(), layout  # a tied model's lm_head.weight is the embedding: unread
-    plan = plan_reshard({n: (targets[n][1], state[n].dtype) for n in targets}, src, dst, mesh)
+        _, runs, train_runs = common[mesh_key]
+        placed = {(layout_from_dtensor(dt, path=n), tuple(root_mesh(dt).mesh.shape)) for n, dt in zip(t.names, dts)}
+        if len(placed) > 1:
+            raise ValueError(
+                f"from_dtensor_state: the experts of {t.path} are placed differently ({sorted(map(repr, placed))}); "
+                f"place every expert of a layer alike"
+            )
+        layout = placed.pop()[0]
+        src[key] = _over(Layout((None, *layout.dims)) if t.stacked else layout, train_runs, t.names[0])
+        dst[key] = _over(t.layout, runs, t.names[0])
+        # a tied model's lm_head.weight is the embedding: unread
+        local[key] = torch.stack([dt.to_local() for dt in dts]) if t.stacked else dts[0].to_local()
+    on = next(iter(common.values()))[0]
+    plan = plan_reshard({k: (t.shape, state[t.names[0]].dtype) for k, t in targets.items()}, src, dst, on)
     if report is not None:
         report.append(plan)
-    moved = reshard(local, src, dst, mesh, plan=plan)
-    return _assemble(family, cfg, meta, layouts, targets, moved)
+    moved = reshard(local, src, dst, on, plan=plan)
+    return _assemble(family, cfg, meta, targets, moved)
 
 
-def _targets(family: Any, cfg: Any, meta: dict, layouts: dict[str, Layout]) -> dict[str, tuple[str, tuple, Layout]]:
-    """HF name -> (param path, full shape, the layout of its slice of the leaf)."""
-    out = {}
-    for name, t in stored_tensors(family, cfg, dict(flatten_with_paths(meta)), layouts).items():
-        if t.index is not None:
-            raise ValueError(f"from_dtensor_state: stacked experts ({t.path}) are not supported yet")
-        out[name] = (t.path, t.shape, t.layout)
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What one exchanged tensor is: the state's tensors it comes from (one, or one per expert stacked along a
+    new dim 0), the leaf it is part of, its full shape, its slice of the leaf's plan, and the dim along which
+    it joins the leaf's other parts."""
+
+    names: tuple[str, ...]
+    path: str
+    shape: tuple[int, ...]
+    layout: Layout
+    dim: int
+    stacked: bool = False
+
+
+def _targets(family: Any, cfg: Any, meta: dict, layouts: dict[str, Layout], given: set[str]) -> dict[str, _Target]:
+    """Exchange key -> :class:`_Target`, for every tensor of the plan's leaves under the names ``given`` uses."""
+    leaves = dict(flatten_with_paths(meta))
+    held = {}  # a transformers module's name for a whole leaf -> the leaf
+    for path in leaves:
+        template = family.module_names(cfg).get(family_leaf(path)[0])
+        if template is not None:
+            held[template.format(i=path.split(".")[1])] = path
+    whole = {path for name, path in held.items() if name in given}
+    out = {n: _Target((n,), p, tuple(leaves[p].shape), layouts[p], 0) for n, p in held.items() if p in whole}
+    experts: dict[tuple[str, int], dict[int, tuple[str, Any]]] = {}
+    for name, t in stored_tensors(family, cfg, leaves, layouts).items():
+        if t.path in whole:
+            continue
+        if t.index is None:
+            out[name] = _Target((name,), t.path, t.shape, t.layout, fused_dim(layouts[t.path]))
+        else:
+            experts.setdefault((t.path, t.block), {})[t.index] = (name, t)
+    for (path, block), by_index in experts.items():
+        names = tuple(by_index[j][0] for j in sorted(by_index))
+        t = by_index[0][1]
+        if len(names) != leaves[path].shape[0]:
+            raise ValueError(
+                f"from_dtensor_state: {path} has {leaves[path].shape[0]} expert slots for {len(names)} experts; "
+                f"reshard without redundant slots, then place them (EPLB)"
+            )
+        head = layouts[path].dims[:1] or (None,)
+        lay = Layout(tuple(head) + tuple(t.layout.dims))
+        lay = Layout(tuple(lay.dims[: max([d for d, s in enumerate(lay.dims) if s is not None], default=-1) + 1]))
+        sub = Layout(layouts[path].dims[1:])
+        out[f"{path}[{block}]"] = _Target(names, path, (len(names), *t.shape), lay, 1 + fused_dim(sub), True)
     return out
 
 
-def _on(layout: Layout, device_mesh: Any, mesh: Mesh, name: str) -> Layout:
-    """``layout`` (over the training mesh's dims) over ``mesh``'s axes: each training axis is the run of
-    consecutive mesh axes with the same ranks."""
-    names, sizes = device_mesh.mesh_dim_names, list(device_mesh.mesh.shape)
+def _common_mesh(mesh: Mesh, device_mesh: Any, name: str) -> tuple[Mesh, dict[str, tuple[str, ...]], dict]:
+    """The coarsest mesh both ``mesh`` and the training ``device_mesh`` are coarsenings of (both row-major over the
+    same ranks), with each axis of either as its run of the common mesh's axes: ``(common, runs of mesh's axes,
+    runs of the training mesh's dims)``. A serving axis cut by a training boundary becomes ``tp``, ``tp_1``, ...
+    (e.g. a ``(dp 2, tp 2)`` training mesh under a ``tp 4`` serving mesh)."""
+    names, sizes = device_mesh.mesh_dim_names, [int(n) for n in device_mesh.mesh.shape]
     if device_mesh.mesh.flatten().tolist() != list(range(mesh.size)):
         raise ValueError(
-            f"{name}: the training mesh {dict(zip(names, sizes))} does not hold ranks 0 .. {mesh.size - 1}"
+            f"{name}: the training mesh {dict(zip(names, sizes))} does not hold ranks 0 .. {mesh.size - 1} in "
+            f"row-major order; train and serve on the same world"
         )
-    runs, i = {}, 0
-    for axis, size in zip(names, sizes):
-        run, n = [], 1
-        while n < size and i < len(mesh.axis_names):
-            run.append(mesh.axis_names[i])
-            n *= mesh.axis_sizes[i]
-            i += 1
-        if n != size:
+    serve = [[a, n, 0] for a, n in zip(mesh.axis_names, mesh.axis_sizes)]  # axis, size left, pieces so far
+    train = [[a, n] for a, n in zip(names, sizes)]
+    common: list[tuple[str, str, int]] = []  # (serving axis, common axis name, size)
+    runs: dict[str, list[str]] = {a: [] for a in mesh.axis_names}
+    train_runs: dict[str, list[str]] = {a: [] for a in names}
+    while serve or train:
+        if train and train[0][1] == 1:
+            train.pop(0)
+            continue
+        if serve and (serve[0][1] == 1 or not train):
+            axis, left, k = serve.pop(0)
+            if left == 1 and k == 0:  # a size-1 serving axis stays (nothing trains over it)
+                common.append((axis, axis, 1))
+                runs[axis].append(axis)
+            continue
+        if not serve:
+            break
+        (axis, left, k), (t_axis, t_left) = serve[0], train[0]
+        step = min(left, t_left)
+        if left % step or t_left % step:
             raise ValueError(
-                f"{name}: training mesh axis {axis!r} (size {size}) is not a run of the mesh {mesh.shape}'s axes in "
-                f"row-major order; train and serve on meshes whose axes nest (e.g. FSDP over the whole world)"
+                f"{name}: training mesh axis {t_axis!r} (size {dict(zip(names, sizes))[t_axis]}) and serving mesh "
+                f"axis {axis!r} (size {mesh.shape[axis]}) cut the ranks at different places: the training mesh "
+                f"{dict(zip(names, sizes))} and the mesh {mesh.shape} do not nest; serve on a mesh whose axes "
+                f"nest with the training mesh's"
             )
-        runs[axis] = tuple(run)
-    dims = [None if s is None else Shard(tuple(a for ax in s.axes for a in runs[ax])) for s in layout.dims]
+        piece = axis if k == 0 else f"{axis}_{k}"
+        common.append((axis, piece, step))
+        runs[axis].append(piece)
+        train_runs[t_axis].append(piece)
+        serve[0] = [axis, left // step, k + 1]
+        train[0] = [t_axis, t_left // step]
+    out = mesh
+    for axis in mesh.axis_names:
+        parts = [(p, n) for a, p, n in common if a == axis]
+        if len(parts) > 1:
+            out = out.split(axis, [p for p, _ in parts], [n for _, n in parts])
+    return out, {a: tuple(r) for a, r in runs.items()}, {a: tuple(r) for a, r in train_runs.items()}
+
+
+def _over(layout: Layout, runs: Mapping[str, tuple[str, ...]], name: str) -> Layout:
+    """``layout`` with each axis replaced by its run of the common mesh's axes (a dim left with none is whole)."""
+    dims: list[Any] = []
+    for spec in layout.dims:
+        if spec is None:
+            dims.append(None)
+        elif isinstance(spec, Cyclic):
+            if runs[spec.axis] != (spec.axis,):
+                raise ValueError(
+                    f"{name}: layers cycle over axis {spec.axis!r}, which the training mesh cuts in parts; "
+                    f"layer-shard over an axis the training mesh does not split"
+                )
+            dims.append(spec)
+        else:
+            axes = tuple(p for a in spec.axes for p in runs[a])
+            dims.append(dataclasses.replace(spec, axes=axes) if axes else None)
+    while dims and dims[-1] is None:
+        dims.pop()
     return Layout(tuple(dims))
 
 
-def _assemble(family: Any, cfg: Any, meta: dict, layouts: dict, targets: dict, moved: dict) -> dict[str, Any]:
-    """The params tree: each leaf its HF tensors' local pieces, joined along the fused dim in block order."""
-    pieces: dict[str, list[torch.Tensor]] = {}
-    for name, (path, _, _) in targets.items():
-        pieces.setdefault(path, []).append(moved[name])
+def _assemble(family: Any, cfg: Any, meta: dict, targets: Mapping[str, _Target], moved: dict) -> dict[str, Any]:
+    """The params tree: each leaf its parts' local pieces, joined along their dim in block order."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, t in targets.items():
+        pieces.setdefault(t.path, []).append((t.dim, moved[key]))
 
     def leaf(path: str, _: torch.Tensor) -> Any:
         if path not in pieces:  # a derived leaf (an expert map)
             return family.derived[path.rsplit(".", 1)[-1]](cfg)
         parts = pieces[path]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=fused_dim(layouts[path]))
+        return parts[0][1] if len(parts) == 1 else torch.cat([x for _, x in parts], dim=parts[0][0])
 
     return map_with_path(leaf, meta)

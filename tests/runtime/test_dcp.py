@@ -64,3 +64,33 @@ def test_fsdp2_state_reshards_straight_to_the_tp_plan(world2, saved):
     for tokens, traffic in world2.run(fsdp2_to_tp_generate, "qwen3", 11, PROMPTS, NEW):
         assert tokens == saved[1]
         assert traffic.received == traffic.lower_bound > 0, traffic
+
+
+def test_fsdp2_tp_and_hsdp_states_reshard_to_tp_and_dp_tp_plans(world4, saved):
+    """FSDP2 + TP (strided shards on the column-parallel weights) and HSDP states on 4 ranks, each to ``tp 4`` and
+    to ``dp 2 x tp 2`` in one planned exchange: transformers' tokens, each rank receiving exactly the lower bound."""
+    from ..support.dcp_workers import trained_meshes_to_tp_generate
+
+    for rank, out in enumerate(world4.run(trained_meshes_to_tp_generate, "qwen3", 11, PROMPTS, NEW)):
+        assert sorted({k[0] for k in out}) == ["fsdp2+tp", "hsdp"]
+        for (training, serving), (tokens, traffic, kinds) in out.items():
+            where = (rank, training, serving)
+            assert tokens == saved[1], where
+            assert traffic.received == traffic.lower_bound > 0, (where, traffic)
+            assert "_StridedShard" in kinds if training == "fsdp2+tp" else "Replicate" in kinds, (where, kinds)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fsdp2_moe_states_reshard_to_tp_and_ep_plans(world2, family, tmp_path):
+    """Stacked experts: transformers' fused ``[E, gate|up, D]`` tensors, and one DTensor per expert, each to the
+    tp plan (experts replicated, tp inside) and to experts over tp: transformers' tokens, the lower bound."""
+    from ..support.dcp_workers import moe_states_to_plans
+    from ..support.hf_models import save_tiny_moe
+
+    hf = save_tiny_moe(family, tmp_path, 5)
+    want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    for out in world2.run(moe_states_to_plans, family, 5, PROMPTS, NEW, str(tmp_path)):
+        assert sorted(out) == [("fused", "ep"), ("fused", "tp"), ("per_expert", "ep"), ("per_expert", "tp")]
+        for where, (tokens, traffic) in out.items():
+            assert tokens == want, where
+            assert traffic.received == traffic.lower_bound > 0, (where, traffic)
