@@ -3,14 +3,16 @@
 A leaf is stored as one or more *parts*: a plain leaf is one part, a leaf stacked over experts is
 one part per expert, a derived leaf (an MoE expert map) is none. A part whose layout fuses blocks
 (``[q|k|v]``, ``[gate|up]``) is stored as one HF tensor per block, side by side along its fused dim.
-A quantized linear leaf is a dict of stored tensors (:mod:`functional_npu.core.quant`), each stored
-as the float weight would be, under its own name: ``q_proj.weight`` becomes ``q_proj.weight_packed``,
-``q_proj.weight_scale`` and ``q_proj.weight_zero_point``.
+A leaf transformers holds in memory as one tensor (its fused experts) may instead be stored whole
+under that name (:func:`module_name`). A quantized linear leaf is a dict of stored tensors
+(:mod:`functional_npu.core.quant`), each stored as the float weight would be, under its own name:
+``q_proj.weight`` becomes ``q_proj.weight_packed``, ``q_proj.weight_scale`` and
+``q_proj.weight_zero_point``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ __all__ = [
     "QUANT_NAMES",
     "family_leaf",
     "hf_sources",
+    "module_name",
     "stored_parts",
     "stored_tensors",
     "block_ranges",
@@ -75,15 +78,32 @@ def hf_sources(family: Family, cfg: Any, path: str, j: int | None = None) -> lis
     return names if sub is None else [name.removesuffix(".weight") + "." + sub for name in names]
 
 
-def stored_parts(family: Family, cfg: Any, path: str, shape: tuple[int, ...], layout: Layout) -> list[StoredPart]:
+def module_name(family: Family, cfg: Any, path: str, present: Collection[str]) -> str | None:
+    """The name a transformers model's ``state_dict()`` holds the whole leaf at ``path`` under, if ``present``
+    holds it (transformers' fused experts, ``mlp.experts.gate_up_proj``; the family's ``module_names``)."""
+    leaf, sub = family_leaf(path)
+    template = family.module_names(cfg).get(leaf)
+    if template is None or sub is not None or not present:
+        return None
+    name = template.format(i=path.split(".")[1])
+    return name if name in present else None
+
+
+def stored_parts(
+    family: Family, cfg: Any, path: str, shape: tuple[int, ...], layout: Layout, present: Collection[str] = ()
+) -> list[StoredPart]:
     """The stored parts of one leaf of full ``shape`` (see the module docstring).
 
     A plain leaf is one part; a leaf stacked over experts has one part per expert ``j`` (its dims
-    past 0); a derived leaf has none.
+    past 0); a derived leaf has none. A leaf whose transformers module name is in ``present`` is one
+    part of that name, whole (stacked experts in memory, and as FSDP2 users save them with DCP).
     """
     leaf, _ = family_leaf(path)
     if leaf in (family.derived or {}):
         return []
+    whole = module_name(family, cfg, path, present)
+    if whole is not None:
+        return [StoredPart(path, None, layout, shape, (whole,))]
     if leaf not in family.stacked:
         return [StoredPart(path, None, layout, shape, tuple(hf_sources(family, cfg, path)))]
     sub = Layout(layout.dims[1:])
@@ -121,19 +141,25 @@ def fused_dim(layout: Layout) -> int:
 
 
 def stored_tensors(
-    family: Family, cfg: Any, leaves: Mapping[str, Any], layouts: Mapping[str, Layout]
+    family: Family,
+    cfg: Any,
+    leaves: Mapping[str, Any],
+    layouts: Mapping[str, Layout],
+    present: Collection[str] = (),
 ) -> dict[str, StoredTensor]:
     """HF name -> :class:`StoredTensor`, for every stored tensor of the leaves (``{path: tensor of its full
-    shape}``, e.g. on the meta device) under their ``layouts``."""
+    shape}``, e.g. on the meta device) under their ``layouts``; ``present``: the names a checkpoint or state
+    holds (see :func:`stored_parts`)."""
     out = {}
     for path, m in leaves.items():
-        for part in stored_parts(family, cfg, path, tuple(m.shape), layouts[path]):
+        for part in stored_parts(family, cfg, path, tuple(m.shape), layouts[path], present):
             d = fused_dim(part.layout)
             ranges = block_ranges(part.layout, d, part.shape[d], len(part.names), path=path)
             for k, (name, (_, size)) in enumerate(zip(part.names, ranges)):
                 shape = list(part.shape)
                 shape[d] = size
-                out[name] = StoredTensor(path, part.index, tuple(shape), _block(part.layout, d, k), k)
+                layout = part.layout if len(part.names) == 1 else _block(part.layout, d, k)
+                out[name] = StoredTensor(path, part.index, tuple(shape), layout, k)
     return out
 
 

@@ -28,7 +28,7 @@ from ..core.mesh import Mesh
 from ..core.reshard import plan_reshard, reshard
 from ..core.tree import flatten_with_paths, map_with_path
 from ..models import family_of
-from .hf_layout import family_leaf, fused_dim, stored_tensors
+from .hf_layout import fused_dim, stored_tensors
 from .plan import check_plan
 
 __all__ = ["from_dtensor_state"]
@@ -117,17 +117,9 @@ class _Target:
 def _targets(family: Any, cfg: Any, meta: dict, layouts: dict[str, Layout], given: set[str]) -> dict[str, _Target]:
     """Exchange key -> :class:`_Target`, for every tensor of the plan's leaves under the names ``given`` uses."""
     leaves = dict(flatten_with_paths(meta))
-    held = {}  # a transformers module's name for a whole leaf -> the leaf
-    for path in leaves:
-        template = family.module_names(cfg).get(family_leaf(path)[0])
-        if template is not None:
-            held[template.format(i=path.split(".")[1])] = path
-    whole = {path for name, path in held.items() if name in given}
-    out = {n: _Target((n,), p, tuple(leaves[p].shape), layouts[p], 0) for n, p in held.items() if p in whole}
+    out = {}
     experts: dict[tuple[str, int], dict[int, tuple[str, Any]]] = {}
-    for name, t in stored_tensors(family, cfg, leaves, layouts).items():
-        if t.path in whole:
-            continue
+    for name, t in stored_tensors(family, cfg, leaves, layouts, given).items():
         if t.index is None:
             out[name] = _Target((name,), t.path, t.shape, t.layout, fused_dim(layouts[t.path]))
         else:

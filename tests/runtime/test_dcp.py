@@ -94,3 +94,24 @@ def test_fsdp2_moe_states_reshard_to_tp_and_ep_plans(world2, family, tmp_path):
         for where, (tokens, traffic) in out.items():
             assert tokens == want, where
             assert traffic.received == traffic.lower_bound > 0, (where, traffic)
+
+
+def test_a_dcp_of_fused_experts_loads_into_experts_over_tp(world2, tmp_path):
+    """An FSDP2 MoE model's DCP holds transformers' fused expert tensors (``mlp.experts.gate_up_proj``); loaded at
+    tp 2 with the experts over tp, each rank reads only its experts and generates transformers' tokens."""
+    from ..support.hf_models import save_tiny_moe
+    from ..support.workers import moe_generate
+
+    dcp_dir = tmp_path / "dcp"
+    world2.run(save_fsdp2_dcp, "qwen3_moe", str(dcp_dir), 5)
+    hf = save_tiny_moe("qwen3_moe", tmp_path / "hf", 5)
+    from functional_npu.runtime.dcp import DcpHandle
+
+    assert "model.layers.0.mlp.experts.gate_up_proj" in DcpHandle(dcp_dir).keys()
+    want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    runs = world2.run(moe_generate, str(dcp_dir), {"tp": 2}, ("tp",), PROMPTS, NEW, False)
+    for rank, (_, _, tokens, read, _) in enumerate(runs):
+        assert tokens == want
+        local = load_checkpoint(dcp_dir, Mesh.abstract({"tp": 2}, rank), expert_axes=("tp",))
+        stored = [x for p, x in flatten_with_paths(local) if not p.endswith("expert_map")]  # computed, not read
+        assert read == sum(x.numel() * x.element_size() for x in stored)
