@@ -8,11 +8,13 @@ over an axis) they run in lockstep (:class:`functional_npu.runtime.generate.Lock
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..core.mesh import Mesh
 from ..parallel.layer_shard import LayerShard
@@ -58,7 +60,7 @@ def generate_on_rank(
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
     ``module_tp``: modules tensor-parallel over data-parallel axes of ``axes`` (a split of ``dp``, see
     :func:`functional_npu.parallel.module_tp.split_dp`); every axis but ``tp`` is data-parallel.
-    ``progress``: the loading bar on rank 0 (default: when stderr is a terminal).
+    ``progress``: the loading and compiling bars on rank 0 (default: when stderr is a terminal).
     """
     mesh = ctx.mesh(axes)
     t0 = time.perf_counter()
@@ -90,6 +92,11 @@ def generate_on_rank(
         if _in_lockstep(mesh, expert_axes, layer_shard, module_tp or ModuleTP())
         else None
     )
+    t0 = time.perf_counter()
+    if batch or lockstep:
+        show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
+        _warm_up(model, batch, sampling or {}, lockstep, show)
+    timings["compile_s"] = time.perf_counter() - t0
     tokens: list[list[int]] = []
     for r in range(repeat):
         t0 = time.perf_counter()
@@ -105,6 +112,16 @@ def generate_on_rank(
         "tp_index": mesh.axis_index("tp"),
         "prefetch_step": model.prefetch_step,
     }
+
+
+def _warm_up(model: Any, batch: list, sampling: Mapping[str, Any], lockstep: Any, show: bool) -> None:
+    """Compile the graphs this job runs before timing it: generate once with one new token (the prefill graph of
+    the batch's buckets), then with two (the decode graph); a bar on stderr if ``show``."""
+    with tqdm(total=2, desc="compiling", unit="graph", disable=not show) as bar:
+        for n, graph in ((1, "prefill"), (2, "decode")):
+            bar.set_postfix_str(graph)
+            model.generate(batch, n, **sampling, lockstep=lockstep)
+            bar.update()
 
 
 def in_prompt_order(results: Sequence[Mapping[str, Any]], n: int) -> list[list[int]]:

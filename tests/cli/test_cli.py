@@ -54,7 +54,21 @@ def test_generate_dp2_json_in_prompt_order(model):
     path, prompts, ref = model
     result = generate_json(path, prompts, "--dp", "2", "--backend", "eager", "--max-new-tokens", "6")
     assert result["token_ids"] == ref
-    assert len(result["text"]) == 2 and {"load_s", "generate_s"} <= set(result["timings"])
+    assert len(result["text"]) == 2 and {"load_s", "compile_s", "generate_s"} <= set(result["timings"])
+
+
+def test_loading_and_compiling_bars_on_rank_0(model, capsys):
+    """A bar for loading and one for compiling the job's prefill and decode graphs (on rank 0; the CLI shows them
+    on a terminal and never under --json), and the same tokens after the warm-up."""
+    from functional_npu.cli.runner import generate_on_rank
+    from functional_npu.runtime.launch import RankContext
+
+    path, prompts, ref = model
+    out = generate_on_rank(RankContext(0, 1), str(path), {"dp": 1, "tp": 1}, prompts, 6, backend="eager", progress=True)
+    err = capsys.readouterr().err
+    assert out["tokens"] == ref and out["timings"]["compile_s"] > 0
+    assert re.search(r"loading \S+: 100%\|.*\| \d+/\d+ ", err)
+    assert re.search(r"compiling: 100%\|.*\| 2/2 .*decode", err)
 
 
 def test_generate_with_tokenizer_text(model):
