@@ -43,6 +43,7 @@ from .bench_formats import (
     transformers_runner,
 )
 from .bench_link import model_check, run_link_bench
+from .bench_peers import decode_tp_peer, peers_report, reshard_peer
 from .bench_prefetch import prefetch_plot, prefetch_table
 
 _MODEL = dict(
@@ -85,13 +86,6 @@ def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32)
     size = torch.tensor([], dtype=dtype).element_size()
     total = sum(x.numel() for p, x in flatten_with_paths(abstract_params(cfg)) if p != "embed")
     return (total + cfg.hidden_size) * size
-
-
-def _fnpu_rank(ctx: RankContext, path: str, prompt: list[int], new: int, repeat: int) -> dict[str, Any]:
-    """This library compiled on ``ctx.world_size`` tp ranks: first-call time, then ``repeat`` rounds."""
-    run, compile_s = _fnpu_compiled(ctx, path, prompt, new)
-    runs = interleaved({"tp": run}, (1,), new, len(prompt), repeat)["tp"][1]
-    return {"decode": runs["decode"], "prefill": runs["prefill"], "compile_s": compile_s}
 
 
 def _fnpu_compiled(ctx: RankContext, path: str, prompt: list[int], new: int) -> tuple[Callable[[int, int], Any], float]:
@@ -177,12 +171,14 @@ def run_bench(
     repeat: int = 3,
     plot_dir: str | None = None,
     formats_only: bool = False,
+    peers_only: bool = False,
 ) -> dict[str, Any]:
     """Run every system, print a markdown table, optionally write JSON and PNG plots; returns the results.
 
     The process is pinned to its cores with as many torch threads; every figure is the median of ``repeat``
     interleaved rounds, with its spread in the JSON. ``formats_only``: only the weight formats
-    (:mod:`functional_npu.cli.bench_formats`, JSON key ``formats``)."""
+    (:mod:`functional_npu.cli.bench_formats`, JSON key ``formats``); ``peers_only``: only the distributed peers
+    (:mod:`functional_npu.cli.bench_peers`, JSON key ``peers``)."""
     cores = pin_threads(None)
     cfg = QUICK if quick else FULL
     if formats_only:
@@ -191,13 +187,23 @@ def run_bench(
         return out
     prompt_len, new = (16, 16) if quick else (32, 32)
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, prompt_len + 1)]
+    if peers_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_checkpoint(init_params(cfg, seed=0), tmp)
+            tp2, peers = _tp2_and_peers(cfg, tmp, prompt, new, repeat)
+        out = {"peers": peers, "fnpu_compiled_tp2": tp2, "machine": _machine(cores)}
+        print("\npeers on 2 gloo ranks (one thread each):")
+        print(peers_report(peers))
+        _write(out, json_path, None)
+        return out
     n_params = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg)))
     print(
         f"bench: {cfg.architecture}-style, {n_params / 1e6:.1f}M params, fp32, batch 1, "
         f"prompt {prompt_len}, {new} new tokens, {torch.get_num_threads()} threads"
     )
-    res, compile_s, prefetch, bandwidth = _measure(cfg, prompt, new, repeat, quick)
+    res, compile_s, prefetch, bandwidth, peers = _measure(cfg, prompt, new, repeat, quick)
     out = _summary(cfg, res, compile_s, bandwidth, n_params, prompt_len, new)
+    out["peers"] = peers
     out["prefetch"] = prefetch["loopback"]
     out["emulated_link"] = {k: prefetch[k] for k in ("emulated", "rate_bits", "skipped")}
     # the cost model's predicted exposure against this run's measurements, on both links
@@ -243,7 +249,7 @@ def _cpu_name() -> str:
 
 def _measure(
     cfg: LlamaConfig, prompt: list[int], new: int, repeat: int, quick: bool
-) -> tuple[dict[str, dict[str, float]], dict[str, float], Any, list[float]]:
+) -> tuple[dict[str, dict[str, float]], dict[str, float], Any, list[float], dict[str, Any]]:
     """On one saved checkpoint: every system's rates, the cold and warm compile times, the layer-sharded
     prefetch runs, and the matrix-vector bandwidth sampled before, between and after the rates (one sample
     can land on a busy moment of a shared machine; the roofline takes their median)."""
@@ -268,16 +274,27 @@ def _measure(
                 res[name]["compile_s"] = first[name]
         print("  in-process systems done", flush=True)
         bandwidth.append(matvec_bandwidth())
-        with LocalWorld(2, threads=max(1, (os.cpu_count() or 2) // 2)) as world:
-            res["fnpu_compiled_tp2"] = world.run(_fnpu_rank, tmp, prompt, new, repeat)[0]
-        print("  fnpu compiled tp=2 done", flush=True)
+        res["fnpu_compiled_tp2"], peers = _tp2_and_peers(cfg, tmp, prompt, new, repeat)
         bandwidth.append(matvec_bandwidth())
         compile_s = _compile_cold_warm(tmp, len(prompt), new)
         # batch 64: a layer computes long enough that an emulated link can match it (see the README)
         ks = (0, 1, 2) if quick else (0, 1, 2, 3)
         prefetch = run_link_bench(tmp, ks=ks, batch=64, steps=4 if quick else 8, repeat=3 if quick else 5)
         print("  layer-sharded prefetch done (loopback" + ("" if prefetch["skipped"] else ", emulated link") + ")")
-    return res, compile_s, prefetch, bandwidth
+    return res, compile_s, prefetch, bandwidth, peers
+
+
+def _tp2_and_peers(
+    cfg: LlamaConfig, path: str, prompt: list[int], new: int, repeat: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """On 2 gloo ranks of one thread each: this library compiled at tp 2 (its rates and first-call time) with
+    transformers' tp plan in the same rounds, then reshard against DTensor.redistribute."""
+    with LocalWorld(2, threads=max(1, (os.cpu_count() or 2) // 2)) as world:
+        tp2 = world.run(decode_tp_peer, path, prompt, new, repeat)[0]
+        print("  fnpu compiled tp=2 and transformers' tp plan done", flush=True)
+        peers = {"decode_tp": tp2["peer"], "reshard": world.run(reshard_peer, cfg, repeat)[0]}
+    print("  reshard against DTensor.redistribute done", flush=True)
+    return tp2["fnpu"], peers
 
 
 def _summary(
@@ -335,6 +352,8 @@ def _report(cfg: LlamaConfig, out: dict[str, Any], prefetch: Any) -> None:
         f"compile (fresh process, load + compile + first generate): cold {compile_s['cold']:.1f}s, "
         f"warm {compile_s['warm']:.1f}s ({compile_s['warm'] / compile_s['cold']:.0%} of cold)"
     )
+    print("\npeers on 2 gloo ranks (one thread each):")
+    print(peers_report(out["peers"]))
     print("\nlayer-sharded decode, plain loopback (2 gloo ranks, dp = 2, one thread each):")
     print(prefetch_table(prefetch["loopback"]))
     if prefetch["emulated"] is None:

@@ -89,15 +89,18 @@ def fnpu_runner(
     *,
     batch_sizes: tuple[int, ...] = (1,),
     mode: str | None = None,
+    greedy_head: bool = False,
 ) -> tuple[Callable[[int, int], Any], CompiledModel]:
     """This library's compiled model of the checkpoint at ``path`` on ``mesh``, and ``run(b, n)``: ``n`` new
-    tokens for ``b`` copies of ``prompt``."""
+    tokens for ``b`` copies of ``prompt`` (``greedy_head``: decode steps through the argmax head, as the CLI
+    runs greedy generation)."""
     model: CompiledModel = compile_model(
         load_checkpoint(path, mesh),
         mesh,
         mode=mode,
         batch_sizes=list(batch_sizes),
         max_seq_len=cache_length(len(prompt) + max_new),
+        greedy_head=greedy_head,
     )
     return (lambda b, n: model.generate([prompt] * b, n)), model
 

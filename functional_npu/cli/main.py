@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only decode tokens/s by weight format (fp32, bf16, int8, int4; JSON key formats)",
     )
+    bench.add_argument(
+        "--peers-only",
+        action="store_true",
+        help="only the distributed peers on 2 gloo ranks: reshard vs DTensor.redistribute, decode at tp 2 vs "
+        "transformers' tp_plan='auto' (JSON key peers)",
+    )
     bench.add_argument("--quick", action="store_true", help="a 4-layer model and fewer tokens")
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bench.add_argument(
@@ -373,6 +379,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error("bench compares against transformers: pip install -e '.[bench]'")
         from .bench import run_bench
 
-        run_bench(quick=args.quick, json_path=args.json, plot_dir=args.plots, formats_only=args.formats_only)
+        run_bench(
+            quick=args.quick,
+            json_path=args.json,
+            plot_dir=args.plots,
+            formats_only=args.formats_only,
+            peers_only=args.peers_only,
+        )
         return 0
     return _generate(args, parser)

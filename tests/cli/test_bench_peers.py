@@ -1,0 +1,36 @@
+"""The peers are what they claim (their figures come from `python -m functional_npu bench`, never asserted):
+``reshard`` and ``DTensor.redistribute`` produce the same bits, ours receiving exactly the lower bound; transformers'
+tp plan really shards its weights and gives our tokens."""
+
+import pytest
+
+from ..support.hf_models import hf_greedy, save_tiny
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    return path, hf_greedy(save_tiny("qwen3", path, 3), PROMPT, 6)
+
+
+def _peers(ctx, path, cfg):
+    from functional_npu.cli.bench_peers import _transformers_tp, reshard_peer
+
+    run = _transformers_tp(str(path), PROMPT, ctx.world_size)
+    return reshard_peer(ctx, cfg, 1), run(1, 6)[0, len(PROMPT) :].tolist()
+
+
+def test_reshard_against_redistribute_and_transformers_tp(world2, tiny):
+    from functional_npu.runtime.checkpoint import read_config
+
+    path, want = tiny
+    for peer, hf_tp_tokens in world2.run(_peers, path, read_config(path)):
+        assert hf_tp_tokens == want  # transformers' own tp plan (checked sharded inside) gives its single tokens
+        assert peer["same_bits"]
+        got = peer["received_bytes"]
+        assert got["fnpu_reshard"] == peer["lower_bound_bytes"] > 0
+        assert got["dtensor_redistribute"] >= got["fnpu_reshard"]
+        assert peer["collectives"]["fnpu_reshard"] == 1 < peer["collectives"]["dtensor_redistribute"]
+        assert set(peer["seconds"]) == {"fnpu_reshard", "dtensor_redistribute"}
