@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..core.dtensor import layout_from_dtensor, root_mesh
-from ..core.layout import Cyclic, Layout
+from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.reshard import plan_reshard, reshard
 from ..core.tree import flatten_with_paths, map_with_path
@@ -88,8 +88,8 @@ def from_dtensor_state(
                 f"place every expert of a layer alike"
             )
         layout = placed.pop()[0]
-        src[key] = _over(Layout((None, *layout.dims)) if t.stacked else layout, train_runs, t.names[0])
-        dst[key] = _over(t.layout, runs, t.names[0])
+        src[key] = _over(Layout((None, *layout.dims)) if t.stacked else layout, train_runs)
+        dst[key] = _over(t.layout, runs)
         # a tied model's lm_head.weight is the embedding: unread
         local[key] = torch.stack([dt.to_local() for dt in dts]) if t.stacked else dts[0].to_local()
     on = next(iter(common.values()))[0]
@@ -191,25 +191,14 @@ def _common_mesh(mesh: Mesh, device_mesh: Any, name: str) -> tuple[Mesh, dict[st
     return out, {a: tuple(r) for a, r in runs.items()}, {a: tuple(r) for a, r in train_runs.items()}
 
 
-def _over(layout: Layout, runs: Mapping[str, tuple[str, ...]], name: str) -> Layout:
-    """``layout`` with each axis replaced by its run of the common mesh's axes (a dim left with none is whole)."""
-    dims: list[Any] = []
-    for spec in layout.dims:
-        if spec is None:
-            dims.append(None)
-        elif isinstance(spec, Cyclic):
-            if runs[spec.axis] != (spec.axis,):
-                raise ValueError(
-                    f"{name}: layers cycle over axis {spec.axis!r}, which the training mesh cuts in parts; "
-                    f"layer-shard over an axis the training mesh does not split"
-                )
-            dims.append(spec)
-        else:
-            axes = tuple(p for a in spec.axes for p in runs[a])
-            dims.append(dataclasses.replace(spec, axes=axes) if axes else None)
-    while dims and dims[-1] is None:
-        dims.pop()
-    return Layout(tuple(dims))
+def _over(layout: Layout, runs: Mapping[str, tuple[str, ...]]) -> Layout:
+    """``layout`` (shards only: a DTensor's, or the inference plan's without layer sharding) with each axis
+    replaced by its run of the common mesh's axes; a dim left with none is whole."""
+    dims = [None if s is None else tuple(p for a in s.axes for p in runs[a]) for s in layout.dims]
+    out = [None if not axes else dataclasses.replace(s, axes=axes) for s, axes in zip(layout.dims, dims)]
+    while out and out[-1] is None:
+        out.pop()
+    return Layout(tuple(out))
 
 
 def _assemble(family: Any, cfg: Any, meta: dict, targets: Mapping[str, _Target], moved: dict) -> dict[str, Any]:
