@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from ..core.dtensor import layout_from_dtensor, root_mesh
-from ..core.layout import Layout
+from ..core.layout import Cyclic, Layout
 from ..core.mesh import Mesh
 from ..core.reshard import plan_reshard, reshard
 from ..core.tree import flatten_with_paths, map_with_path
 from ..models import family_of
+from ..parallel.layer_shard import LayerShard, present
 from .hf_layout import fused_dim, stored_tensors
 from .plan import check_plan
 
@@ -35,7 +36,13 @@ __all__ = ["from_dtensor_state"]
 
 
 def from_dtensor_state(
-    state: Mapping[str, Any], cfg: Any, mesh: Mesh, *, tp_axis: str = "tp", report: list | None = None
+    state: Mapping[str, Any],
+    cfg: Any,
+    mesh: Mesh,
+    *,
+    tp_axis: str = "tp",
+    layer_shard: LayerShard | None = None,
+    report: list | None = None,
 ) -> dict[str, Any]:
     """This rank's params for ``cfg``'s plan on ``mesh`` from a training ``state`` of DTensors (HF names).
 
@@ -44,6 +51,8 @@ def from_dtensor_state(
 
     Stacked experts come either as transformers' fused tensors (``mlp.experts.gate_up_proj``, the family's
     ``module_names``) or as one tensor per expert (the checkpoint's names), each expert placed alike.
+    ``layer_shard``: layer-shard these series over ``layer_shard.axis`` (as ``load_checkpoint`` does): each
+    layer's tensor goes to its owner only, for ``compile_model(..., prefetch_step=k)``.
 
     Raises:
         ValueError before any byte moves: a name the family's table does not know or a missing one, a
@@ -53,6 +62,9 @@ def from_dtensor_state(
     meta, layouts = check_plan(cfg, mesh, where="from_dtensor_state", tp_axis=tp_axis)
     given = set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     targets = _targets(family, cfg, meta, layouts, given)
+    if layer_shard is not None:
+        targets = _series(targets, present(layer_shard, meta["layers"]), layer_shard.axis, cfg.num_layers)
+        meta, _ = check_plan(cfg, mesh, where="from_dtensor_state", tp_axis=tp_axis, layer_shard=layer_shard)
     known = {n for t in targets.values() for n in t.names}
     if known != given:
         raise ValueError(
@@ -88,8 +100,8 @@ def from_dtensor_state(
                 f"place every expert of a layer alike"
             )
         layout = placed.pop()[0]
-        src[key] = _over(Layout((None, *layout.dims)) if t.stacked else layout, train_runs)
-        dst[key] = _over(t.layout, runs)
+        src[key] = _over(Layout((None, *layout.dims)) if t.stacked else layout, train_runs, key)
+        dst[key] = _over(t.layout, runs, key)
         # a tied model's lm_head.weight is the embedding: unread
         local[key] = torch.stack([dt.to_local() for dt in dts]) if t.stacked else dts[0].to_local()
     on = next(iter(common.values()))[0]
@@ -137,6 +149,26 @@ def _targets(family: Any, cfg: Any, meta: dict, layouts: dict[str, Layout], give
         lay = Layout(tuple(lay.dims[: max([d for d, s in enumerate(lay.dims) if s is not None], default=-1) + 1]))
         sub = Layout(layouts[path].dims[1:])
         out[f"{path}[{block}]"] = _Target(names, path, (len(names), *t.shape), lay, 1 + fused_dim(sub), True)
+    return out
+
+
+def _series(targets: dict[str, _Target], leaves: tuple[str, ...], axis: str, num_layers: int) -> dict[str, _Target]:
+    """The targets with each series leaf's layers stacked into one target of its layer-sharded leaf
+    (``series.<leaf>``, dim 0 ``Cyclic(axis, L)``): layer ``l`` goes to its owner alone."""
+    out, stacks = {}, {}
+    for key, t in targets.items():
+        layer, _, leaf = t.path.partition(".")[2].partition(".")
+        if t.path.startswith("layers.") and leaf in leaves:
+            stacks.setdefault((leaf, t.names[0].replace(f".{layer}.", ".{i}.", 1)), {})[int(layer)] = t
+        else:
+            out[key] = t
+    for (leaf, name), by_layer in stacks.items():
+        t = by_layer[0]
+        names = tuple(by_layer[i].names[0] for i in range(num_layers))
+        layout = Layout((Cyclic(axis, num_layers), *t.layout.dims))
+        out[f"series.{leaf}[{name}]"] = _Target(
+            names, f"series.{leaf}", (num_layers, *t.shape), layout, 1 + t.dim, True
+        )
     return out
 
 
@@ -191,14 +223,24 @@ def _common_mesh(mesh: Mesh, device_mesh: Any, name: str) -> tuple[Mesh, dict[st
     return out, {a: tuple(r) for a, r in runs.items()}, {a: tuple(r) for a, r in train_runs.items()}
 
 
-def _over(layout: Layout, runs: Mapping[str, tuple[str, ...]]) -> Layout:
-    """``layout`` (shards only: a DTensor's, or the inference plan's without layer sharding) with each axis
-    replaced by its run of the common mesh's axes; a dim left with none is whole."""
-    dims = [None if s is None else tuple(p for a in s.axes for p in runs[a]) for s in layout.dims]
-    out = [None if not axes else dataclasses.replace(s, axes=axes) for s, axes in zip(layout.dims, dims)]
-    while out and out[-1] is None:
-        out.pop()
-    return Layout(tuple(out))
+def _over(layout: Layout, runs: Mapping[str, tuple[str, ...]], name: str) -> Layout:
+    """``layout`` with each axis replaced by its run of the common mesh's axes (a dim left with none is whole); a
+    layer dim stays on its axis, which the training mesh must not cut."""
+    dims: list[Any] = []
+    for spec in layout.dims:
+        if isinstance(spec, Cyclic):
+            if runs[spec.axis] != (spec.axis,):
+                raise ValueError(
+                    f"from_dtensor_state: {name}: layers are sharded over mesh axis {spec.axis!r}, which the "
+                    f"training mesh cuts in parts {runs[spec.axis]}; layer-shard over an axis it does not cut"
+                )
+            dims.append(spec)
+        else:
+            axes = () if spec is None else tuple(p for a in spec.axes for p in runs[a])
+            dims.append(dataclasses.replace(spec, axes=axes) if axes else None)
+    while dims and dims[-1] is None:
+        dims.pop()
+    return Layout(tuple(dims))
 
 
 def _assemble(family: Any, cfg: Any, meta: dict, targets: Mapping[str, _Target], moved: dict) -> dict[str, Any]:

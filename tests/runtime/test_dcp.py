@@ -57,12 +57,18 @@ def test_a_dcp_box_reads_only_the_chunks_it_overlaps(saved):
 
 
 def test_fsdp2_state_reshards_straight_to_the_tp_plan(world2, saved):
-    """FSDP2's DTensors (rows over dp_shard) to the tp plan ([q|k|v] column blocks, o_proj / down columns) in one
-    planned exchange: transformers' tokens, and each rank receives exactly the lower bound."""
+    """FSDP2's DTensors (rows over dp_shard) to the tp plan ([q|k|v] column blocks, o_proj / down columns), and to
+    a layer-sharded plan, each in one planned exchange: transformers' tokens, and each rank receives exactly the
+    lower bound."""
     from ..support.dcp_workers import fsdp2_to_tp_generate
 
-    for tokens, traffic in world2.run(fsdp2_to_tp_generate, "qwen3", 11, PROMPTS, NEW):
+    for out in world2.run(fsdp2_to_tp_generate, "qwen3", 11, PROMPTS, NEW):
+        tokens, traffic = out["tp"]
         assert tokens == saved[1]
+        assert traffic.received == traffic.lower_bound > 0, traffic
+        # layer-sharded over dp 2: each rank receives only its layers of o_proj and down, and broadcasts them
+        tokens, traffic, owned = out["layer_sharded"]
+        assert tokens == saved[1] and owned == {"o_proj": 1, "down": 1}
         assert traffic.received == traffic.lower_bound > 0, traffic
 
 

@@ -85,3 +85,13 @@ def test_a_state_that_is_not_dtensors_or_not_this_model_is_refused_before_any_ex
         from_dtensor_state(state, cfg, mesh)
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\], unknown \['model.norm.wieght'\]"):
         from_dtensor_state(state | {"model.norm.wieght": state.pop("model.norm.weight")}, cfg, mesh)
+
+
+def test_layers_sharded_over_an_axis_the_training_mesh_cuts_are_refused():
+    from functional_npu.core.layout import Cyclic, Layout, Shard
+    from functional_npu.runtime.train_state import _over
+
+    runs = {"dp": ("dp", "dp_1"), "tp": ("tp",)}
+    assert _over(Layout((Shard(("dp", "tp")),)), runs, "w") == Layout((Shard(("dp", "dp_1", "tp")),))
+    with pytest.raises(ValueError, match=r"w: layers are sharded over mesh axis 'dp', which the training mesh cuts"):
+        _over(Layout((Cyclic("dp", 4),)), runs, "w")

@@ -19,18 +19,27 @@ def save_fsdp2_dcp(ctx, family: str, path: str, seed: int) -> None:
 
 def fsdp2_to_tp_generate(ctx, family: str, seed: int, prompts, new: int):
     """The family's tiny model FSDP2-wrapped over the world, its ``state_dict()`` of DTensors resharded straight to
-    this library's tp plan (tp = the world), then greedy tokens; with the exchange's traffic for this rank."""
-    from functional_npu import greedy_generate
+    this library's tp plan (tp = the world), and to a layer-sharded plan (o_proj and down over dp = the world);
+    greedy tokens and this rank's traffic for each."""
+    from functional_npu import compile_model, greedy_generate
+    from functional_npu.parallel.layer_shard import layer_shard
     from functional_npu.runtime.checkpoint import read_config
     from functional_npu.runtime.train_state import from_dtensor_state
 
     model, path = _fsdp2_model(ctx, family, seed)
     cfg = read_config(path)
+    out = {}
     mesh = ctx.mesh({"dp": 1, "tp": ctx.world_size})
     plans: list = []
     params = from_dtensor_state(model.state_dict(), cfg, mesh, report=plans)
-    traffic = plans[0].traffic[ctx.rank]
-    return greedy_generate(params, prompts, new, mesh), traffic
+    out["tp"] = greedy_generate(params, prompts, new, mesh), plans[0].traffic[ctx.rank]
+    mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
+    ls = layer_shard("o_proj,down_proj", "dp")
+    params = from_dtensor_state(model.state_dict(), cfg, mesh, layer_shard=ls, report=plans)
+    owned = {leaf: x.shape[0] for leaf, x in params["series"].items()}
+    tokens = compile_model(params, mesh, backend="none").generate(prompts, new)  # each layer broadcast by its owner
+    out["layer_sharded"] = tokens, plans[1].traffic[ctx.rank], owned
+    return out
 
 
 def trained_meshes_to_tp_generate(ctx, family: str, seed: int, prompts, new: int):
