@@ -230,7 +230,7 @@ def _check_names_and_shapes(ckpt: _Checkpoint, wanted: _Wanted) -> torch.dtype:
     """Check every tensor the config needs is there, with its shape and dtype (floating point, or the integer
     type of a quantized weight); returns the embedding's dtype, which every float leaf is read in unless the
     caller asks for another."""
-    expected = _expected_tensors(wanted, set(ckpt.files))
+    expected = _expected_tensors(wanted, ckpt.files)
     _check_names(ckpt, wanted, expected)
     embed_dtype = torch.float32
     for name, (p, shape) in expected.items():
@@ -330,7 +330,7 @@ def _read_leaf(ckpt: _Checkpoint, wanted: _Wanted, path: str, mesh: Mesh) -> tor
     full_shape, layout = tuple(wanted.leaves[path].shape), wanted.layouts[path]
     pieces = local_pieces(path, layout, full_shape, mesh)
     pieces += [None] * (len(full_shape) - len(pieces))
-    parts = stored_parts(family, wanted.cfg, path, full_shape, layout, set(ckpt.files))
+    parts = stored_parts(family, wanted.cfg, path, full_shape, layout, ckpt.files)
     if leaf not in family.stacked or parts[0].index is None:  # one part (fused experts held whole included)
         return _read_part(ckpt, parts[0], pieces)
     mine = [j for a, b, step in pieces[0] or [(0, full_shape[0], 1)] for j in range(a, b, step)]  # this rank's experts
