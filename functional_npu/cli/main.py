@@ -312,10 +312,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if world != args.dp * args.tp:
             parser.error(f"torchrun started {world} ranks but --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
         dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=args.timeout))
-        mine = job[0](RankContext(dist.get_rank(), world), *job[1:], **extra)
         results: list[Any] = [None] * world
-        dist.all_gather_object(results, mine)
-        if dist.get_rank() != 0:
+        try:
+            mine = job[0](RankContext(dist.get_rank(), world), *job[1:], **extra)
+            dist.all_gather_object(results, mine)
+            rank = dist.get_rank()
+        finally:  # tear the group down here, not in the interpreter's exit (a gloo thread there can abort it)
+            dist.destroy_process_group()
+        if rank != 0:
             return 0
     else:
         try:
