@@ -63,6 +63,7 @@ def generate_on_rank(
     ``progress``: the loading and compiling bars on rank 0 (default: when stderr is a terminal).
     """
     mesh = ctx.mesh(axes)
+    show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0  # the bars, decided once
     t0 = time.perf_counter()
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype] if dtype else None
     params = load_checkpoint(
@@ -72,7 +73,7 @@ def generate_on_rank(
         layer_shard=layer_shard,
         dtype=dt,
         module_tp=module_tp,
-        progress=progress,
+        progress=show,
     )
     timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
     dp = mesh.axis_size(dp_axes(mesh))
@@ -94,7 +95,6 @@ def generate_on_rank(
     )
     t0 = time.perf_counter()
     if batch or lockstep:
-        show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
         _warm_up(model, batch, sampling or {}, lockstep, show)
     timings["compile_s"] = time.perf_counter() - t0
     tokens: list[list[int]] = []

@@ -144,9 +144,7 @@ def _targets(family: Any, cfg: Any, meta: dict, layouts: dict[str, Layout], give
                 f"from_dtensor_state: {path} has {leaves[path].shape[0]} expert slots for {len(names)} experts; "
                 f"reshard without redundant slots, then place them (EPLB)"
             )
-        head = layouts[path].dims[:1] or (None,)
-        lay = Layout(tuple(head) + tuple(t.layout.dims))
-        lay = Layout(tuple(lay.dims[: max([d for d, s in enumerate(lay.dims) if s is not None], default=-1) + 1]))
+        lay = Layout((*(layouts[path].dims[:1] or (None,)), *t.layout.dims))  # _over drops trailing whole dims
         sub = Layout(layouts[path].dims[1:])
         out[f"{path}[{block}]"] = _Target(names, path, (len(names), *t.shape), lay, 1 + fused_dim(sub), True)
     return out
