@@ -21,8 +21,8 @@ import argparse
 
 import torch
 
-from functional_npu import balanced_placement, plan_rebalance, rebalance
 from functional_npu.cli.bench import best_time
+from functional_npu.eplb import balanced_placement, plan_rebalance, rebalance
 from functional_npu.runtime.launch import LocalWorld
 
 

@@ -29,6 +29,7 @@ from ..core.quant import Quant
 from ..core.tree import flatten_with_paths
 from ..models.llama import LlamaConfig, abstract_params, init_params
 from ..parallel.layer_shard import layer_shard, resident_bytes
+from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
@@ -78,15 +79,13 @@ def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, tim
     from ..runtime.checkpoint import load_checkpoint
     from ..runtime.compile import compile_model
 
-    ls = layer_shard(DEMO_SERIES, "dp")
+    plan = Plan(layer_shard=layer_shard(DEMO_SERIES, "dp"), prefetch_step=1)
     axes = {"dp": ctx.world_size, "tp": 1}
-    out = generate_on_rank(
-        ctx, model_dir, axes, DEMO_PROMPTS, new_tokens, backend="inductor", layer_shard=ls, prefetch_step=1, repeat=2
-    )
+    out = generate_on_rank(ctx, model_dir, axes, DEMO_PROMPTS, new_tokens, backend="inductor", plan=plan, repeat=2)
     mesh = ctx.mesh(axes)
-    params = load_checkpoint(model_dir, mesh, layer_shard=ls)
+    params = load_checkpoint(model_dir, mesh, plan)
     per_layer = layer_bytes(params)
-    model = compile_model(params, mesh, batch_sizes=[1], max_seq_len=64, prefetch_step=1)
+    model = compile_model(params, mesh, batch_sizes=[1], max_seq_len=64)
     state = model.new_state(1)
     with torch.no_grad():
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)

@@ -31,12 +31,13 @@ import torch.utils._pytree as pytree
 from ..core.mesh import Mesh
 from ..core.quant import Quant, quantize
 from ..core.shard import shard
-from ..models import deepseek, family_of, forward, init_state, llama, moe, with_module_tp
+from ..models import deepseek, family_of, forward, init_state, llama, moe
 from ..models.experts import Routing
 from ..models.linear import prepare_params
 from ..parallel import prefetch
 from ..parallel.layer_shard import layer_shard, series_specs, stack_series
 from ..parallel.module_tp import split_dp
+from ..parallel.plan import Plan
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.quant_config import QuantConfig
 from ..runtime.quant_plan import quantize_plan
@@ -68,7 +69,8 @@ _BASE = dict(
     rope_theta=1e4,
     max_position_embeddings=256,
 )
-_MOE = dict(num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1), expert_axes=("tp",))  # experts over tp
+_MOE = dict(num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1))
+EXPERTS_OVER_TP = ("qwen3_moe", "deepseek_v3", "mixtral")  # these families' plans put the experts over tp
 GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig] = {
     "llama": llama.LlamaConfig(
         architecture="LlamaForCausalLM", tie_word_embeddings=True, rope_type="llama3", rope_factor=8.0, **_BASE
@@ -107,7 +109,6 @@ GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekCo
         first_k_dense_replace=1,
         norm_topk_prob=True,
         routing=Routing(scoring="sigmoid", group_limit="top2", n_group=2, topk_group=1, scale=2.5),
-        expert_axes=("tp",),
     ),
     "mixtral": moe.MoeConfig(
         architecture="MixtralForCausalLM",
@@ -172,9 +173,16 @@ class Case:
     @property
     def config(self) -> llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig:
         cfg = GRAPH_CONFIGS[self.family]
-        if self.module_tp:
-            cfg = with_module_tp(cfg, split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1])
         return cfg if self.series is None else dataclasses.replace(cfg, num_layers=LAYER_SHARD_LAYERS)
+
+    @property
+    def plan(self) -> Plan:
+        return Plan(
+            expert_axes=("tp",) if self.family in EXPERTS_OVER_TP else (),
+            module_tp=split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1] if self.module_tp else {},
+            layer_shard=None if self.series is None else layer_shard(self.series, "dp"),
+            prefetch_step=self.k,
+        )
 
 
 CASES: tuple[Case, ...] = (
@@ -195,23 +203,23 @@ def case_mesh(case: Case, ctx: RankContext) -> Mesh:
 def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -> tuple[Any, ...]:
     """``(params, tokens, positions, state, mesh)`` for the case's forward, on ``device`` ("meta" for
     shapes only). Starting the carried prefetch issues broadcasts: run it on every rank of the world."""
-    cfg = case.config
+    cfg, plan = case.config, case.plan
     model = family_of(cfg)
-    specs = model.param_specs(cfg)
+    specs = model.param_specs(cfg, plan)
     if case.quant is not None:
         params = _quantized(case, mesh)  # quantizing needs values: built on the CPU, then moved for shapes only
         if device == "meta":
             params = pytree.tree_map(lambda t: t.to("meta"), params)
     else:
-        full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg)
-        if case.series is not None:
-            ls = layer_shard(case.series, "dp")
+        full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg, plan)
+        if plan.layer_shard is not None:
+            ls = plan.layer_shard
             full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
-        params = shard(full, specs, mesh)
+        params = shard(full, specs, mesh) | {"plan": plan}
     b, s = PHASES[case.phase]
     positions = torch.arange(s).expand(b, s) if case.phase == "prefill" else torch.full((b, 1), 5)
     tokens = torch.ones(b, s, dtype=torch.long)
-    state = init_state(cfg, mesh, b, CACHE_LEN, params["embed"].dtype)
+    state = init_state(cfg, mesh, b, CACHE_LEN, params["embed"].dtype, plan=plan)
     if device == "meta":
         tokens, positions, state = pytree.tree_map(lambda t: t.to("meta"), (tokens, positions, state))
     state = state._replace(prefetched=prefetch.start(params, mesh, case.k))
@@ -221,18 +229,18 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
 def _quantized(case: Case, mesh: Mesh) -> dict[str, Any]:
     """The case's bf16 params with every linear but ``lm_head`` quantized (compressed-tensors' stored tensors,
     bit for bit), this rank's shard of them, prepared for Ascend's kernels."""
-    cfg = case.config
+    cfg, plan = case.config, case.plan
     model = family_of(cfg)
     full = model.init_params(cfg, seed=0, dtype=torch.bfloat16)
     qc = QuantConfig.of(GRAPH_QUANTS[case.quant], ("lm_head",))
-    stored, specs = quantize_plan(model, cfg, qc, full, model.param_specs(cfg))
+    stored, specs = quantize_plan(model, cfg, qc, full, model.param_specs(cfg, plan))
     full = pytree.tree_map(  # a stored leaf (a dict of meta tensors) gets its weight's quantized tensors
         lambda w, s: quantize(w, qc.quant) if isinstance(s, dict) else w,
         full,
         stored,
         is_leaf=lambda x: isinstance(x, dict) and "weight_scale" in x,
     )
-    return prepare_params(shard(full, specs, mesh) | {"quant": qc}, target="npu")
+    return prepare_params(shard(full, specs, mesh) | {"quant": qc, "plan": plan}, target="npu")
 
 
 def _capture(case: Case, ctx: RankContext) -> torch.fx.GraphModule:

@@ -213,13 +213,12 @@ def _tokenizer(model: Path) -> tuple[Any | None, str]:
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
     """Validate everything a rank would trip on, before any rank starts."""
     from ..core.mesh import Mesh
-    from ..models import with_module_tp
     from ..parallel.layer_shard import layer_shard
     from ..parallel.module_tp import MODULES, split_dp
-    from ..parallel.prefetch import check_prefetch_step
+    from ..parallel.plan import Plan
     from ..runtime.checkpoint import read_config, read_quant
     from ..runtime.generate import check_length, check_token_ids
-    from ..runtime.plan import check_plan, with_expert_axes
+    from ..runtime.plan import check_plan
 
     model = Path(args.model)
     sizes = {m: getattr(args, f"{m}_tp") for m in MODULES if getattr(args, f"{m}_tp") > 1}
@@ -237,7 +236,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
             "over the same dp ranks is not supported; drop one of them"
         )
     try:
-        args.axes, args.module_tp = split_dp({"dp": args.dp, "tp": args.tp}, sizes)
+        args.axes, module_tp = split_dp({"dp": args.dp, "tp": args.tp}, sizes)
     except ValueError as e:
         parser.error(str(e))
     if args.ep not in (1, args.dp * args.tp):
@@ -248,20 +247,18 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     if args.layer_shard is None and args.prefetch_step is not None:
         parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
     try:
-        cfg = with_module_tp(with_expert_axes(read_config(model), _expert_axes(args), where=str(model)), args.module_tp)
-        args.layer_shard = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
-        check_plan(
-            cfg,
-            Mesh.abstract(args.axes),
-            where=str(model),
-            layer_shard=args.layer_shard,
-            quant=read_quant(model),
+        cfg = read_config(model)
+        series = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
+        step = args.prefetch_step
+        if series is not None and step is None:
+            step = min(1, cfg.num_layers - 2)
+        args.plan = Plan(
+            expert_axes=("dp", "tp") if args.ep > 1 else (),
+            module_tp=module_tp,
+            layer_shard=series,
+            prefetch_step=step or 0,
         )
-        if args.layer_shard is not None and args.prefetch_step != "auto":
-            default = min(1, cfg.num_layers - 2)
-            args.prefetch_step = check_prefetch_step(
-                default if args.prefetch_step is None else args.prefetch_step, cfg.num_layers
-            )
+        check_plan(cfg, Mesh.abstract(args.axes), args.plan, where=str(model), quant=read_quant(model))
     except (OSError, ValueError) as e:
         parser.error(" ".join(str(e).split()))  # one line, whatever the message
     tok, why = _tokenizer(model)
@@ -283,10 +280,6 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     return prompts, tok
 
 
-def _expert_axes(args: argparse.Namespace) -> tuple[str, ...]:
-    return ("dp", "tp") if args.ep > 1 else ()
-
-
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..runtime.launch import LocalWorld, RankContext, RemoteError
     from .runner import generate_on_rank, in_prompt_order
@@ -298,11 +291,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     extra = {
         "backend": args.backend,
         "sampling": sampling,
-        "expert_axes": _expert_axes(args),
-        "layer_shard": args.layer_shard,
-        "prefetch_step": args.prefetch_step or 0,
+        "plan": args.plan,
         "dtype": args.dtype,
-        "module_tp": args.module_tp,
         "progress": False if args.json else None,  # a bar on a terminal, never under --json
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world

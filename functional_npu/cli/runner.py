@@ -17,21 +17,21 @@ import torch
 from tqdm import tqdm
 
 from ..core.mesh import Mesh
-from ..parallel.layer_shard import LayerShard
-from ..parallel.module_tp import ModuleTP, dp_axes
+from ..parallel.module_tp import dp_axes
+from ..parallel.plan import Plan
 from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import cache_length, compile_model
 from ..runtime.generate import Lockstep
 from ..runtime.launch import RankContext
 
 
-def _in_lockstep(mesh: Mesh, expert_axes: Sequence[str], layer_shard: LayerShard | None, plan: ModuleTP) -> bool:
+def _in_lockstep(mesh: Mesh, plan: Plan) -> bool:
     """Whether the dp ranks share collective steps (their prompts differ, so their steps must be aligned)."""
-    if layer_shard is not None and mesh.axis_size(layer_shard.axis) > 1:
+    if plan.layer_shard is not None and mesh.axis_size(plan.layer_shard.axis) > 1:
         return True
-    if any(mesh.axis_size(axes) > 1 for _, axes in plan.items()):
+    if any(mesh.axis_size(axes) > 1 for _, axes in plan.module_tp.items()):
         return True
-    return "dp" in expert_axes and mesh.axis_size("dp") > 1
+    return any(a != plan.tp and mesh.axis_size(a) > 1 for a in plan.expert_axes)
 
 
 def generate_on_rank(
@@ -44,40 +44,28 @@ def generate_on_rank(
     backend: str = "auto",
     sampling: Mapping[str, Any] | None = None,
     repeat: int = 1,
-    expert_axes: Sequence[str] = (),
-    layer_shard: LayerShard | None = None,
-    prefetch_step: int | str = 0,
+    plan: Plan | None = None,
     dtype: str | None = None,
-    module_tp: ModuleTP | None = None,
     progress: bool | None = None,
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
     ``backend``: any of :data:`functional_npu.runtime.backends.BACKENDS` (``"none"``: the plain forward).
-    ``expert_axes``: shard an MoE model's experts over these mesh axes (expert parallelism).
-    ``layer_shard``: layer-shard these weight series, fetched ``prefetch_step`` layers ahead (``"auto"``:
-    the cost model's choice, reported as ``prefetch_step`` in the result).
+    ``plan``: the parallel plan over ``axes`` (default ``Plan()``); every axis but ``plan.tp`` is data-parallel.
+    A ``plan.prefetch_step`` of ``"auto"`` is the cost model's choice, reported as ``prefetch_step`` in the result.
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
-    ``module_tp``: modules tensor-parallel over data-parallel axes of ``axes`` (a split of ``dp``, see
-    :func:`functional_npu.parallel.module_tp.split_dp`); every axis but ``tp`` is data-parallel.
     ``progress``: the loading and compiling bars on rank 0 (default: when stderr is a terminal).
     """
     mesh = ctx.mesh(axes)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0  # the bars, decided once
     t0 = time.perf_counter()
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype] if dtype else None
-    params = load_checkpoint(
-        model_dir,
-        mesh,
-        expert_axes=expert_axes,
-        layer_shard=layer_shard,
-        dtype=dt,
-        module_tp=module_tp,
-        progress=show,
-    )
+    plan = Plan() if plan is None else plan
+    params = load_checkpoint(model_dir, mesh, plan, dtype=dt, progress=show)
     timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
-    dp = mesh.axis_size(dp_axes(mesh))
-    mine = list(range(mesh.axis_index(dp_axes(mesh)), len(prompts), dp))
+    data = dp_axes(mesh, plan.tp)
+    dp = mesh.axis_size(data)
+    mine = list(range(mesh.axis_index(data), len(prompts), dp))
     batch = [prompts[i] for i in mine]
     longest = max(len(p) for p in prompts)
     model = compile_model(
@@ -85,14 +73,9 @@ def generate_on_rank(
         mesh,
         backend=backend,
         max_seq_len=cache_length(longest + max_new_tokens),
-        prefetch_step=prefetch_step,
         greedy_head=not (sampling or {}).get("temperature"),  # greedy decode steps move tokens, not logits
     )
-    lockstep = (
-        Lockstep.over(len(prompts), dp, longest, model.batch_sizes)
-        if _in_lockstep(mesh, expert_axes, layer_shard, module_tp or ModuleTP())
-        else None
-    )
+    lockstep = Lockstep.over(len(prompts), dp, longest, model.batch_sizes) if _in_lockstep(mesh, plan) else None
     t0 = time.perf_counter()
     if batch or lockstep:
         _warm_up(model, batch, sampling or {}, lockstep, show)
@@ -109,7 +92,7 @@ def generate_on_rank(
         "indices": mine,
         "tokens": tokens,
         "timings": timings,
-        "tp_index": mesh.axis_index("tp"),
+        "tp_index": mesh.axis_index(plan.tp),
         "prefetch_step": model.prefetch_step,
     }
 

@@ -12,7 +12,7 @@
 from . import deepseek, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
-from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, with_module_tp
+from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -29,7 +29,6 @@ __all__ = [
     "family_of",
     "forward",
     "init_state",
-    "with_module_tp",
     "Blocks",
     "DecodeState",
 ]

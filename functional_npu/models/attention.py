@@ -134,9 +134,19 @@ def prepare(cfg: LlamaConfig, positions: torch.Tensor, kv: KV, dtype: torch.dtyp
 
 
 def gqa(
-    layer: dict, h: torch.Tensor, step: Step, kv: KV, mesh: Mesh, *, cfg: LlamaConfig, tp: str, kind: str
+    layer: dict,
+    h: torch.Tensor,
+    step: Step,
+    kv: KV,
+    mesh: Mesh,
+    *,
+    cfg: LlamaConfig,
+    tp: str,
+    kind: str,
+    axes: tuple[str, ...] = (),
 ) -> torch.Tensor:
-    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's keys and values into ``kv``."""
+    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's keys and values into ``kv``.
+    Heads are split over ``tp``; ``axes``: o_proj's module-TP group (data-parallel axes)."""
     b, s, _ = h.shape
     hd = cfg.head_dim
     nh, nkv = local_heads(cfg, mesh.axis_size(tp))
@@ -153,7 +163,7 @@ def gqa(
     kv[1].scatter_(2, step.slot, v)
     keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
     attn = attend(q, keys, values, step.mask, kind).transpose(1, 2).reshape(b, s, nh * hd)  # [B, S, nh hd]
-    return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=cfg.module_tp.o_proj)
+    return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=axes)
 
 
 def output_projection(attn: torch.Tensor, w: Any, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:

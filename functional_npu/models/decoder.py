@@ -7,7 +7,7 @@ shards plus static nodes that ride along with no leaves::
      "embed": [V/tp, D], "norm": [D], "lm_head": [V/tp, D] (untied only),
      "layers": [{leaf: tensor, ...}, ...],       # one dict per layer; which leaves is the family's choice
      "series": {leaf: [owned layers, ...]},      # layer-sharded leaves, stacked (only when layer-sharded)
-     "layer_shard": LayerShard}                  # static: which leaves, over which axis (likewise)
+     "plan": Plan}                               # static: the parallel plan they were sharded for
 
 A layer-sharded leaf is absent from ``params["layers"]`` and lives in ``params["series"]`` (see
 :mod:`functional_npu.parallel.layer_shard`); where each layer's weights come from, local or

@@ -11,10 +11,10 @@ gated MLP in the first ``first_k_dense_replace`` layers and the experts block
 - V2: softmax scores; ``greedy`` or ``group_limited_greedy`` (groups ranked by their best score);
   times ``routed_scaling_factor``.
 
-The plan over ``tp_axis``: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` column-parallel over heads,
+The layouts over the plan's ``tp``: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` column-parallel over heads,
 ``o_proj`` row-parallel; ``q_a_proj``, ``kv_a_proj`` (``kv_a_proj_with_mqa``), their norms and the
-latent cache replicated; experts over ``expert_axes`` (tensor-parallel over tp otherwise), shared experts
-and dense MLPs column / row parallel; module TP (``module_tp``) as in the Llama family.
+latent cache replicated; experts over the plan's ``expert_axes`` (tensor-parallel over tp otherwise), shared
+experts and dense MLPs column / row parallel; module TP (``module_tp``) as in the Llama family.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ import torch
 from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, fused, replicated, sharded
 from ..core.tree import map_with_path, register_static
-from ..parallel.module_tp import ModuleTP
+from ..parallel.plan import Plan
 from . import llama, mla
 from .decoder import Blocks
-from .embedding import embed, head, head_argmax
 from .experts import Routing, expert_specs, identity_map, moe_ffn
 from .mlp import gated_mlp
 
@@ -84,10 +83,8 @@ HF_NAMES: dict[str, list[str]] = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeepseekConfig:
-    """Static config of a DeepSeek-V2 / V3 model plus its plan (experts, module TP, absorbed decode).
-
-    ``absorb``: decode steps (one token) attend in the latent space (:mod:`functional_npu.models.mla`).
-    """
+    """Static config of a DeepSeek-V2 / V3 model (what its ``config.json`` says; the placement, the decode
+    path and the cache kind are the plan's)."""
 
     architecture: str
     vocab_size: int
@@ -122,28 +119,15 @@ class DeepseekConfig:
     norm_topk_prob: bool
     routing: Routing = Routing()
     mtp_layers: int = 0  # num_nextn_predict_layers: stored after the decoder's layers, not run
-    # the plan
-    num_slots: int | None = None
-    max_copies: int = 1
-    expert_axes: tuple[str, ...] = ()
-    dispatch_threshold: int = 8
-    module_tp: ModuleTP = ModuleTP()
-    absorb: bool = True
-    mla_cache: str = "latent"  # or "heads": every head's keys and values (the baseline)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(range(self.first_k_dense_replace, self.num_layers))
 
-    @property
-    def slots(self) -> int:
-        return self.num_slots or self.num_experts
-
-    @property
-    def cache_values_per_token(self) -> int:
+    def cache_values_per_token(self, plan: Plan) -> int:
         """Cache values per token and layer: the latent and the rope key (all heads share them), or with
-        ``mla_cache="heads"`` every head's key and value."""
-        if self.mla_cache == "heads":
+        ``plan.mla_cache == "heads"`` every head's key and value."""
+        if plan.mla_cache == "heads":
             return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
         return self.kv_lora_rank + self.qk_rope_head_dim
 
@@ -210,7 +194,7 @@ class DeepseekConfig:
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """The HF ``config.json`` dict (read back by :meth:`from_hf`; the plan fields are not part of it)."""
+        """The HF ``config.json`` dict (read back by :meth:`from_hf`)."""
         rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_type == "yarn":
             rope |= {
@@ -305,11 +289,11 @@ def _attention_shapes(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _ffn_shapes(cfg: DeepseekConfig, moe: bool) -> dict[str, tuple[int, ...]]:
+def _ffn_shapes(cfg: DeepseekConfig, plan: Plan, moe: bool) -> dict[str, tuple[int, ...]]:
     d = cfg.hidden_size
     if not moe:
         return {"gate_up": (2 * cfg.intermediate_size, d), "down": (d, cfg.intermediate_size)}
-    f, s = cfg.moe_intermediate_size, cfg.slots
+    f, s = cfg.moe_intermediate_size, plan.slots(cfg.num_experts)
     shapes = {"router": (cfg.num_experts, d), "experts_gate_up": (s, 2 * f, d), "experts_down": (s, d, f)}
     if cfg.routing.group_limit == "top2":
         shapes["router_bias"] = (cfg.num_experts,)
@@ -320,9 +304,10 @@ def _ffn_shapes(cfg: DeepseekConfig, moe: bool) -> dict[str, tuple[int, ...]]:
 
 
 def abstract_params(
-    cfg: DeepseekConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
+    cfg: DeepseekConfig, plan: Plan = Plan(), dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
 ) -> dict[str, Any]:
-    """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory)."""
+    """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory), with the
+    plan's expert slots and copies."""
 
     def make(shape: tuple[int, ...], dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dt, device=device)
@@ -330,9 +315,9 @@ def abstract_params(
     layers = []
     for i in range(cfg.num_layers):
         moe = i in cfg.moe_layers
-        layer = {k: make(v) for k, v in (_attention_shapes(cfg) | _ffn_shapes(cfg, moe)).items()}
+        layer = {k: make(v) for k, v in (_attention_shapes(cfg) | _ffn_shapes(cfg, plan, moe)).items()}
         if moe:
-            layer["expert_map"] = make((cfg.num_experts, cfg.max_copies), torch.int64)
+            layer["expert_map"] = make((cfg.num_experts, plan.max_copies), torch.int64)
         layers.append(layer)
     top: dict[str, Any] = {
         "config": cfg,
@@ -361,9 +346,9 @@ def init_params(cfg: DeepseekConfig, seed: int = 0, dtype: torch.dtype = torch.f
     return map_with_path(fill, abstract_params(cfg))
 
 
-def param_specs(cfg: DeepseekConfig, tp_axis: str = "tp") -> dict[str, Any]:
-    """The plan over ``tp_axis`` (and the expert and module-TP axes) as a tree of layouts."""
-    tp, mtp = tp_axis, cfg.module_tp
+def param_specs(cfg: DeepseekConfig, plan: Plan = Plan()) -> dict[str, Any]:
+    """The layouts of ``plan`` (over ``plan.tp`` and the expert and module-TP axes) as a tree."""
+    tp, mtp = plan.tp, plan.module_tp
     qk, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
     heads_q = fused(0, [Block("q", cfg.num_heads * qk, qk)], tp)  # whole heads per rank
     attention: dict[str, Layout] = {
@@ -380,28 +365,24 @@ def param_specs(cfg: DeepseekConfig, tp_axis: str = "tp") -> dict[str, Any]:
     }
     dense = llama.gated_mlp_specs(cfg.intermediate_size, mtp.mlp + (tp,))
     moe = {"router": replicated(), "router_bias": replicated()}
-    moe |= expert_specs(cfg, tp, cfg.moe_intermediate_size * cfg.n_shared_experts)
-    meta = abstract_params(cfg)
+    moe |= expert_specs(cfg, plan, cfg.moe_intermediate_size * cfg.n_shared_experts)
+    meta = abstract_params(cfg, plan)
     layers = [
         {k: v for k, v in (attention | (moe if i in cfg.moe_layers else dense)).items() if k in meta["layers"][i]}
         for i in range(cfg.num_layers)
     ]
-    return llama.with_ends(cfg, tp, layers)
+    return llama.with_ends(cfg, plan, layers)
 
 
-def blocks(cfg: DeepseekConfig, tp_axis: str = "tp") -> Blocks:
+def blocks(cfg: DeepseekConfig, plan: Plan = Plan()) -> Blocks:
     """MLA in every layer; a dense gated MLP in the first ``first_k_dense_replace``, experts in the rest."""
-    mtp = cfg.module_tp
-    dense = functools.partial(gated_mlp, tp=tp_axis, axes=mtp.mlp)
-    experts = functools.partial(moe_ffn, cfg=cfg, tp=tp_axis)
-    head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": llama.head_axes(cfg)}
+    dense = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp)
+    experts = functools.partial(moe_ffn, cfg=cfg, plan=plan)
     return Blocks(
-        embed=functools.partial(embed, tp=tp_axis, axes=mtp.embed),
+        **llama.ends(cfg, plan),
         prepare=functools.partial(mla.prepare, cfg),
-        attention=functools.partial(mla.mla, cfg=cfg, tp=tp_axis),
+        attention=functools.partial(mla.mla, cfg=cfg, plan=plan),
         ffn=tuple(experts if i in cfg.moe_layers else dense for i in range(cfg.num_layers)),
-        head=functools.partial(head, **head_args),
-        argmax=functools.partial(head_argmax, **head_args),
-        init_kv=functools.partial(mla.init_kv, cfg, tp=tp_axis),
+        init_kv=functools.partial(mla.init_kv, cfg, plan=plan),
         eps=cfg.rms_norm_eps,
     )

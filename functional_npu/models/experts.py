@@ -9,12 +9,12 @@ experts ``S == E`` and the map is ``arange(E)[:, None]``. A token routed to ``e`
 ``t % copies(e)`` where ``t`` is its index among the tokens this rank dispatches. The map is a
 tensor input, so a rebalance changes values without recompiling (``S`` and ``C`` are static).
 
-Experts are sharded on dim 0 over ``cfg.expert_axes`` (each rank holds ``S / ep`` consecutive slots).
+Experts are sharded on dim 0 over the plan's ``expert_axes`` (each rank holds ``S / ep`` consecutive slots).
 If the tensor-parallel axis is not an expert axis, each expert is also tensor-parallel over it
 (``[gate|up]`` column-parallel, ``down`` row-parallel + all_reduce). Tokens are exchanged over the
 expert axes with static shapes and nothing is ever dropped: the sender routes and ``all_to_all``\\ s
 its tokens and routing to every expert rank, results come back by the inverse ``all_to_all``; at or
-below ``dispatch_threshold`` tokens per rank (decode) the tokens are ``all_gather``\\ ed instead, every
+below the plan's ``dispatch_threshold`` tokens per rank (decode) the tokens are ``all_gather``\\ ed instead, every
 rank routes all of them and computes its slots' share, and ``reduce_scatter`` returns each rank's
 sums. When the tp axis is an expert axis the tokens, identical on the tp ranks after attention, are
 first split over it and gathered back after.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +32,11 @@ import torch.nn.functional as F
 from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce_scatter
 from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
 from ..core.mesh import Mesh
+from ..parallel.plan import Plan
 from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
 from .mlp import gated_mlp
 
-if TYPE_CHECKING:
-    from .moe import MoeConfig
-
-__all__ = ["Routing", "expert_specs", "identity_map", "route", "local_experts", "moe_ffn"]
+__all__ = ["Routing", "Experts", "expert_specs", "identity_map", "route", "local_experts", "moe_ffn"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,13 +59,23 @@ class Routing:
     scale: float = 1.0
 
 
-def expert_specs(cfg: Any, tp: str, shared: int = 0) -> dict[str, Layout]:
-    """An MoE layer's plan: router and expert map replicated, slots over ``cfg.expert_axes`` (each expert
-    tensor-parallel over ``tp`` too when it is not an expert axis); with ``shared`` (the shared experts'
+class Experts(Protocol):
+    """The config fields the experts block reads (any family with experts)."""
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    routing: Routing
+
+
+def expert_specs(cfg: Experts, plan: Plan, shared: int = 0) -> dict[str, Layout]:
+    """An MoE layer's plan: router and expert map replicated, slots over ``plan.expert_axes`` (each expert
+    tensor-parallel over ``plan.tp`` too when it is not an expert axis); with ``shared`` (the shared experts'
     intermediate size) their gated MLP tensor-parallel like a dense one."""
-    f = cfg.moe_intermediate_size
-    slot = Shard(cfg.expert_axes) if cfg.expert_axes else None
-    inner = tp not in cfg.expert_axes
+    f, tp, axes = cfg.moe_intermediate_size, plan.tp, plan.expert_axes
+    slot = Shard(axes) if axes else None
+    inner = tp not in axes
     specs = {
         "router": replicated(),
         "experts_gate_up": Layout((slot, Shard((tp,), (Block("gate", f), Block("up", f))) if inner else None)),
@@ -87,7 +95,7 @@ def identity_map(num_experts: int) -> torch.Tensor:
     return torch.arange(num_experts)[:, None]
 
 
-def route(logits: torch.Tensor, cfg: Any, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, cfg: Experts, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, logical experts [T, k]) from router logits [T, E], by ``cfg.routing``.
 
     Scores (softmax or sigmoid, float32) plus ``bias`` (DeepSeek-V3's ``e_score_correction_bias``: it only
@@ -115,7 +123,7 @@ def route(logits: torch.Tensor, cfg: Any, bias: torch.Tensor | None = None) -> t
     return weights * routing.scale if routing.scale != 1.0 else weights, experts
 
 
-def _slots(x: torch.Tensor, layer: dict, cfg: MoeConfig, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _slots(x: torch.Tensor, layer: dict, cfg: Experts, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, physical slots), both [T, k], for tokens ``x [T, D]`` with dispatch indices ``index [T]``."""
     weights, experts = route(linear(x, layer["router"]), cfg, layer.get("router_bias"))
     table = layer["expert_map"]
@@ -164,69 +172,74 @@ def local_experts(
     return (y * w[..., None]).sum(0)
 
 
-def _gathered(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int, row_amax=None) -> torch.Tensor:
+def _gathered(
+    x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, axes: tuple[str, ...], row_amax=None
+) -> torch.Tensor:
     """Small batches: all_gather the tokens, each rank computes its slots' share, reduce_scatter back."""
-    t = x.shape[0]
-    xa = all_gather(x, mesh, cfg.expert_axes, dim=0)  # [n t, D]
+    t, n = x.shape[0], mesh.axis_size(axes)
+    xa = all_gather(x, mesh, axes, dim=0)  # [n t, D]
     weights, slots = _slots(xa, layer, cfg, torch.arange(n * t, device=x.device) % t)
     per = slot_count(layer["experts_gate_up"])
-    ids = torch.where(slots // per == mesh.axis_index(cfg.expert_axes), slots % per, -1)
+    ids = torch.where(slots // per == mesh.axis_index(axes), slots % per, -1)
     part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"], row_amax)
-    return reduce_scatter(part, mesh, cfg.expert_axes, dim=0)  # [t, D]
+    return reduce_scatter(part, mesh, axes, dim=0)  # [t, D]
 
 
-def _dispatched(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, n: int, row_amax=None) -> torch.Tensor:
+def _dispatched(
+    x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, axes: tuple[str, ...], row_amax=None
+) -> torch.Tensor:
     """Larger batches: route here, all_to_all tokens + routing to the expert ranks, inverse all_to_all back.
 
     Static shapes with no dropped token mean a capacity of all ``t`` tokens per destination, so the tokens
     move as many bytes as in :func:`_gathered`; this path routes each token once (by its sender) instead of
     on every rank, at the price of one more collective (the routing).
     """
-    (t, d), k = x.shape, cfg.top_k
+    (t, d), k, n = x.shape, cfg.top_k, mesh.axis_size(axes)
     weights, slots = _slots(x, layer, cfg, torch.arange(t, device=x.device))
     per = slot_count(layer["experts_gate_up"])
     owner = torch.arange(n, device=x.device)[:, None, None]
     ids = torch.where(slots[None] // per == owner, slots[None] % per, -1)  # [n, t, k]: slot ids on rank j
     meta = torch.cat([ids.float(), weights[None].expand(n, t, k)], dim=-1)  # [n, t, 2k], ids exact in float32
-    rx = all_to_all_single(x[None].expand(n, t, d).reshape(n * t, d), mesh, cfg.expert_axes)  # [n t, D] by source
-    rmeta = all_to_all_single(meta.reshape(n * t, 2 * k), mesh, cfg.expert_axes)
+    rx = all_to_all_single(x[None].expand(n, t, d).reshape(n * t, d), mesh, axes)  # [n t, D] by source
+    rmeta = all_to_all_single(meta.reshape(n * t, 2 * k), mesh, axes)
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
     part = local_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down, row_amax)
-    back = all_to_all_single(part, mesh, cfg.expert_axes)  # [n t, D]: each expert rank's share of my tokens
+    back = all_to_all_single(part, mesh, axes)  # [n t, D]: each expert rank's share of my tokens
     return back.view(n, t, d).sum(0)
 
 
-def _exchange(x: torch.Tensor, layer: dict, cfg: MoeConfig, mesh: Mesh, row_amax=None) -> torch.Tensor:
+def _exchange(x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, plan: Plan, row_amax=None) -> torch.Tensor:
     """The experts' output for tokens ``x [T, D]``: local, or exchanged over the expert axes by batch size."""
-    n = mesh.axis_size(cfg.expert_axes) if cfg.expert_axes else 1
-    if n == 1:
+    axes = plan.expert_axes
+    if not axes or mesh.axis_size(axes) == 1:
         weights, slots = _slots(x, layer, cfg, torch.arange(x.shape[0], device=x.device))
         return local_experts(x, slots, weights, layer["experts_gate_up"], layer["experts_down"], row_amax)
-    if x.shape[0] <= cfg.dispatch_threshold:
-        return _gathered(x, layer, cfg, mesh, n, row_amax)
-    return _dispatched(x, layer, cfg, mesh, n, row_amax)
+    if x.shape[0] <= plan.dispatch_threshold:
+        return _gathered(x, layer, cfg, mesh, axes, row_amax)
+    return _dispatched(x, layer, cfg, mesh, axes, row_amax)
 
 
-def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: MoeConfig, tp: str) -> torch.Tensor:
-    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp`` like a dense MLP's.
+def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: Experts, plan: Plan) -> torch.Tensor:
+    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``plan.tp`` like a dense
+    MLP's; the tokens exchanged over ``plan.expert_axes`` (``plan.dispatch_threshold`` picks the path).
 
     With shared experts (``shared_gate_up`` / ``shared_down``: a dense gated MLP every token runs, tensor-parallel
     over ``tp``), their output is added, scaled by ``sigmoid(h @ shared_gate.T)`` when the layer has a
     ``shared_gate [1, D]`` (Qwen2-MoE)."""
-    routed = _routed(layer, h, mesh, cfg=cfg, tp=tp)
+    routed = _routed(layer, h, mesh, cfg=cfg, plan=plan)
     if "shared_gate_up" not in layer:
         return routed
-    shared = gated_mlp({"gate_up": layer["shared_gate_up"], "down": layer["shared_down"]}, h, mesh, tp=tp)
+    shared = gated_mlp({"gate_up": layer["shared_gate_up"], "down": layer["shared_down"]}, h, mesh, tp=plan.tp)
     if "shared_gate" in layer:
         shared = shared * torch.sigmoid(linear(h, layer["shared_gate"]))
     return routed + shared
 
 
-def _routed(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: MoeConfig, tp: str) -> torch.Tensor:
+def _routed(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: Experts, plan: Plan) -> torch.Tensor:
     """The routed experts' share of :func:`moe_ffn`."""
     b, s, d = h.shape
-    x = h.reshape(b * s, d)
-    expert_tp = tp not in cfg.expert_axes
+    x, tp = h.reshape(b * s, d), plan.tp
+    expert_tp = tp not in plan.expert_axes
     split = not expert_tp and mesh.axis_size(tp) > 1
     if split:  # tokens are identical on the tp ranks: each dispatches its own 1/tp of them
         size, total = mesh.axis_size(tp), x.shape[0]
@@ -239,7 +252,7 @@ def _routed(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: MoeConfig, tp: str
         def row_amax(h: torch.Tensor) -> torch.Tensor:
             return all_reduce(token_amax(h), mesh, tp, op="max")
 
-    y = _exchange(x, layer, cfg, mesh, row_amax)
+    y = _exchange(x, layer, cfg, mesh, plan, row_amax)
     if split:
         y = all_gather(y, mesh, tp, dim=0)[:total]
     if expert_tp:

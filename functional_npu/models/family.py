@@ -9,14 +9,14 @@ those functions, so no code outside ``models/`` names a family. :func:`forward` 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..core.mesh import Mesh
 from ..parallel.eplb import EXPERT_LEAVES
-from ..parallel.module_tp import ModuleTP
+from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
 from ..parallel.streams import INLINE, Streams
 from . import deepseek, llama, moe
 from .decoder import Blocks, DecodeState, decode
@@ -24,7 +24,7 @@ from .deepseek import DeepseekConfig
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
-__all__ = ["Family", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state", "with_module_tp"]
+__all__ = ["Family", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state"]
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,17 @@ class Family:
         from_hf: HF ``config.json`` dict -> config.
         hf_names: config -> {leaf: HF tensor names in block order} (``{i}``: layer, ``{j}``: expert).
         abstract_params / init_params: the full params tree, on the meta device / seeded random.
-        param_specs: ``(cfg, tp_axis) ->`` the parallel plan, a tree of layouts.
-        blocks: ``(cfg, tp_axis) ->`` the decoder's :class:`Blocks`.
+        abstract_params: ``(cfg, plan) ->`` the full params on the meta device (expert slots are the plan's).
+        param_specs: ``(cfg, plan) ->`` the plan's layouts, a tree (:class:`~functional_npu.parallel.plan.Plan`).
+        blocks: ``(cfg, plan) ->`` the decoder's :class:`Blocks`.
         stacked: leaves whose dim 0 indexes experts, stored by HF as one tensor per expert ``{j}``.
         derived: leaf name -> function of the config giving a leaf that is computed, not stored.
         linears: leaves holding a linear layer's weight ``[..., out, in]`` (a quantized checkpoint may
             store them quantized; see :mod:`functional_npu.runtime.quant_plan`).
         module_names: config -> {leaf: the name a transformers model's ``state_dict()`` holds it under, as one
             tensor of the leaf's full shape} where that differs from ``hf_names`` (transformers' fused experts).
+        plan_fields: the plan fields this family reads beyond every family's (tp, module TP, layer sharding):
+            a plan setting another is refused (:func:`functional_npu.runtime.plan.check_plan`).
     """
 
     name: str
@@ -58,6 +61,7 @@ class Family:
     derived: Mapping[str, Callable[[Any], Any]] | None = None
     linears: frozenset[str] = frozenset()
     module_names: Callable[[Any], Mapping[str, str]] = lambda cfg: {}
+    plan_fields: frozenset[str] = frozenset()
 
 
 LLAMA = Family(
@@ -86,6 +90,7 @@ MOE = Family(
     {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
     frozenset(llama.LINEARS + moe.LINEARS),
     moe.module_names,
+    frozenset(EXPERT_FIELDS),
 )
 DEEPSEEK = Family(
     "deepseek",
@@ -101,6 +106,7 @@ DEEPSEEK = Family(
     {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
     frozenset(deepseek.LINEARS),
     lambda cfg: moe.EXPERT_MODULES,
+    frozenset(EXPERT_FIELDS + MLA_FIELDS),
 )
 FAMILIES = (LLAMA, MOE, DEEPSEEK)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
@@ -123,15 +129,6 @@ def family_of(config_or_architecture: Any) -> Family:
     )
 
 
-def with_module_tp(cfg: Any, plan: ModuleTP) -> Any:
-    """``cfg`` with modules tensor-parallel over data-parallel axes (:mod:`functional_npu.parallel.module_tp`);
-    an MoE config carries it in its attention / dense-MLP config."""
-    family_of(cfg)
-    if isinstance(cfg, MoeConfig):
-        return replace(cfg, base=replace(cfg.base, module_tp=plan))
-    return replace(cfg, module_tp=plan)
-
-
 def forward(
     params: dict,
     tokens: torch.Tensor,
@@ -140,32 +137,33 @@ def forward(
     mesh: Mesh,
     *,
     attention: str = "sdpa",
-    tp_axis: str = "tp",
+    plan: Plan | None = None,
     streams: Streams = INLINE,
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is
-    :mod:`~functional_npu.models.decoder`'s. ``streams`` are the compiler's ordering hints
-    (:mod:`functional_npu.parallel.streams`; the backend supplies them).
+    :mod:`~functional_npu.models.decoder`'s. ``plan``: the params' (default ``params["plan"]``, else the
+    default plan). ``streams`` are the compiler's ordering hints (:mod:`functional_npu.parallel.streams`;
+    the backend supplies them).
 
     Example:
         >>> state = init_state(params["config"], mesh, batch=1, max_seq_len=64)     # doctest: +SKIP
         >>> logits = forward(params, tokens, positions, state, mesh)                # doctest: +SKIP
     """
-    cfg = params["config"]
+    cfg, plan = params["config"], plan or params.get("plan") or Plan()
     return decode(
         params,
         tokens,
         positions,
         state,
         mesh,
-        blocks=family_of(cfg).blocks(cfg, tp_axis),
+        blocks=family_of(cfg).blocks(cfg, plan),
         attention=attention,
         streams=streams,
     )
 
 
 def init_state(
-    cfg: Any, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32, *, tp_axis: str = "tp"
+    cfg: Any, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32, *, plan: Plan = Plan()
 ) -> DecodeState:
     """A zeroed decode state: the KV cache for ``batch`` sequences of up to ``max_seq_len`` tokens, no prefetch."""
-    return DecodeState(family_of(cfg).blocks(cfg, tp_axis).init_kv(mesh, batch, max_seq_len, dtype), [])
+    return DecodeState(family_of(cfg).blocks(cfg, plan).init_kv(mesh, batch, max_seq_len, dtype), [])

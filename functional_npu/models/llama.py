@@ -10,10 +10,10 @@ The full params (see the decoder for the general form)::
                  "q_norm": [hd], "k_norm": [hd] (Qwen3), "o_proj": [D, H*hd],
                  "mlp_norm": [D], "gate_up": [2F, D], "down": [D, F]}, ...]}
 
-The plan over the tensor-parallel axis (``tp_axis``, default ``"tp"``): ``[q|k|v]`` and ``[gate|up]``
-column-parallel (KV heads replicated when tp > num_kv_heads), ``o_proj`` and ``down`` row-parallel
-followed by ``all_reduce``, a vocab-parallel embedding (masked lookup + ``all_reduce``) and lm_head
-(local logits + ``all_gather``). With module TP (``LlamaConfig.module_tp``, see
+The layouts over the plan's tensor-parallel axis (``plan.tp``, :class:`functional_npu.parallel.plan.Plan`):
+``[q|k|v]`` and ``[gate|up]`` column-parallel (KV heads replicated when tp > num_kv_heads), ``o_proj`` and
+``down`` row-parallel followed by ``all_reduce``, a vocab-parallel embedding (masked lookup +
+``all_reduce``) and lm_head (local logits + ``all_gather``). With module TP (``plan.module_tp``, see
 :mod:`functional_npu.parallel.module_tp`) o_proj, the MLP, the embedding and lm_head are cut over
 data-parallel axes too, and their blocks exchange the group's rows.
 """
@@ -30,7 +30,7 @@ import torch
 from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, fused, replicated, sharded
 from ..core.tree import map_with_path, register_static
-from ..parallel.module_tp import ModuleTP
+from ..parallel.plan import Plan
 from .attention import gqa, init_kv, prepare
 from .decoder import Blocks
 from .embedding import embed, head, head_argmax
@@ -48,6 +48,7 @@ __all__ = [
     "gated_mlp_specs",
     "with_ends",
     "head_axes",
+    "ends",
     "blocks",
 ]
 
@@ -98,7 +99,6 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
-    module_tp: ModuleTP = ModuleTP()  # the plan: modules tensor-parallel over data-parallel axes too
 
     @staticmethod
     def from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
@@ -208,9 +208,10 @@ def _layer_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def abstract_params(
-    cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
+    cfg: LlamaConfig, plan: Plan = Plan(), dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
 ) -> dict[str, Any]:
-    """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory)."""
+    """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory); no
+    leaf of this family depends on the plan."""
 
     def make(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -247,12 +248,12 @@ def qkv_blocks(cfg: LlamaConfig) -> list[Block]:
     ]
 
 
-def param_specs(cfg: LlamaConfig, tp_axis: str = "tp") -> dict[str, Any]:
-    """The tensor-parallel plan over mesh axis ``tp_axis`` as a tree of layouts (a prefix of the params).
+def param_specs(cfg: LlamaConfig, plan: Plan = Plan()) -> dict[str, Any]:
+    """The layouts of ``plan`` (tensor parallelism over ``plan.tp``) as a tree (a prefix of the params).
 
-    A module with module TP (``cfg.module_tp``) is cut over its data-parallel axes and ``tp_axis``.
+    A module with module TP (``plan.module_tp``) is cut over its data-parallel axes and ``plan.tp``.
     """
-    tp, mtp = tp_axis, cfg.module_tp
+    tp, mtp = plan.tp, plan.module_tp
     qkv = fused(0, qkv_blocks(cfg), tp)
     layer: dict[str, Layout] = {
         "attn_norm": replicated(),
@@ -265,7 +266,7 @@ def param_specs(cfg: LlamaConfig, tp_axis: str = "tp") -> dict[str, Any]:
         layer["qkv_bias"] = qkv
     if cfg.qk_norm:
         layer |= {"q_norm": replicated(), "k_norm": replicated()}
-    return with_ends(cfg, tp, [layer] * cfg.num_layers)
+    return with_ends(cfg, plan, [layer] * cfg.num_layers)
 
 
 def gated_mlp_specs(intermediate: int, axes: str | tuple[str, ...]) -> dict[str, Layout]:
@@ -276,31 +277,39 @@ def gated_mlp_specs(intermediate: int, axes: str | tuple[str, ...]) -> dict[str,
     }
 
 
-def with_ends(cfg: Any, tp: str, layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """The whole plan (any family's config) from its layers' plans: embedding and lm_head vocab-parallel over their
-    module-TP axes and ``tp``, the final norm replicated."""
-    mtp = cfg.module_tp
+def with_ends(cfg: Any, plan: Plan, layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole layout tree (any family's config) from its layers': embedding and lm_head vocab-parallel over
+    their module-TP axes and ``plan.tp``, the final norm replicated."""
+    tp, mtp = plan.tp, plan.module_tp
     top = {"embed": sharded(0, mtp.embed + (tp,)), "norm": replicated(), "layers": layers}
     return top if cfg.tie_word_embeddings else top | {"lm_head": sharded(0, mtp.lm_head + (tp,))}
 
 
-def head_axes(cfg: Any) -> tuple[str, ...]:
+def head_axes(cfg: Any, plan: Plan) -> tuple[str, ...]:
     """The head's module-TP axes (any family's config): a tied head multiplies the embedding table, cut as the
     embedding's."""
-    return cfg.module_tp.embed if cfg.tie_word_embeddings else cfg.module_tp.lm_head
+    return plan.module_tp.embed if cfg.tie_word_embeddings else plan.module_tp.lm_head
 
 
-def blocks(cfg: LlamaConfig, tp_axis: str = "tp") -> Blocks:
+def ends(cfg: Any, plan: Plan) -> dict[str, Any]:
+    """The embedding, head and greedy head blocks of any family's config (``Blocks`` fields)."""
+    tp = plan.tp
+    head_args = {"tp": tp, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": head_axes(cfg, plan)}
+    return {
+        "embed": functools.partial(embed, tp=tp, axes=plan.module_tp.embed),
+        "head": functools.partial(head, **head_args),
+        "argmax": functools.partial(head_argmax, **head_args),
+    }
+
+
+def blocks(cfg: LlamaConfig, plan: Plan = Plan()) -> Blocks:
     """The decoder's blocks for this config: grouped-query attention and a gated MLP in every layer."""
-    mlp = functools.partial(gated_mlp, tp=tp_axis, axes=cfg.module_tp.mlp)
-    head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": head_axes(cfg)}
+    mlp = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp)
     return Blocks(
-        embed=functools.partial(embed, tp=tp_axis, axes=cfg.module_tp.embed),
+        **ends(cfg, plan),
         prepare=functools.partial(prepare, cfg),
-        attention=functools.partial(gqa, cfg=cfg, tp=tp_axis),
+        attention=functools.partial(gqa, cfg=cfg, tp=plan.tp, axes=plan.module_tp.o_proj),
         ffn=(mlp,) * cfg.num_layers,
-        head=functools.partial(head, **head_args),
-        argmax=functools.partial(head_argmax, **head_args),
-        init_kv=functools.partial(init_kv, cfg, tp=tp_axis),
+        init_kv=functools.partial(init_kv, cfg, tp=plan.tp),
         eps=cfg.rms_norm_eps,
     )

@@ -12,12 +12,12 @@ per-head cache holds ``H (dn + dr + dv)``). Two ways to attend over it:
 
 - **plain** (prefill): expand the cache through ``kv_b_proj`` into every head's keys and values, then
   attention as usual;
-- **absorbed** (decode, ``cfg.absorb``): fold ``kv_b_proj``'s key part into the query (``q_lat = q_nope W_uk``,
+- **absorbed** (decode, the plan's ``absorb``): fold ``kv_b_proj``'s key part into the query (``q_lat = q_nope W_uk``,
   scores ``q_lat c^T + q_rot k_rot^T``) and its value part into the output (``o = (P c) W_uv^T``), so a step
   reads the latent cache once and never materializes keys or values. A quantized ``kv_b_proj`` decodes the
   plain way.
 
-``cfg.mla_cache = "heads"`` caches every head's keys and values instead: the baseline the latent cache
+The plan's ``mla_cache = "heads"`` caches every head's keys and values instead: the baseline the latent cache
 is measured against.
 
 Rotary embedding on the ``dr`` rope dims only, with yarn scaling as transformers computes it (the
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..core.mesh import Mesh
+from ..parallel.plan import Plan
 from .attention import attend, attention_mask, output_projection
 from .linear import linear
 from .norm import rms_norm
@@ -131,10 +132,12 @@ def _query(layer: dict, h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def mla(
-    layer: dict, h: torch.Tensor, step: MlaStep, kv: KV, mesh: Mesh, *, cfg: DeepseekConfig, tp: str, kind: str
+    layer: dict, h: torch.Tensor, step: MlaStep, kv: KV, mesh: Mesh, *, cfg: DeepseekConfig, plan: Plan, kind: str
 ) -> torch.Tensor:
-    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's latents into ``kv``."""
+    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's latents into ``kv``.
+    Heads are split over ``plan.tp``; ``plan.absorb`` / ``plan.mla_cache`` pick the decode path and the cache."""
     b, s, _ = h.shape
+    tp = plan.tp
     dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     nh = local_heads(cfg, mesh.axis_size(tp))
     q = _query(layer, h, cfg.rms_norm_eps).view(b, s, nh, dn + dr).transpose(1, 2)  # [B, nh, S, dn + dr]
@@ -144,7 +147,7 @@ def mla(
     q_rot = _rotate(q_rot, step.cos, step.sin, cfg.rope_interleave)
     k_rot = _rotate(k_rot[:, None], step.cos, step.sin, cfg.rope_interleave)  # [B, 1, S, dr]
     scale = softmax_scale(cfg)
-    if cfg.mla_cache == "heads":  # the baseline: every head's keys and values cached
+    if plan.mla_cache == "heads":  # the baseline: every head's keys and values cached
         keys, values = _expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv)
         kv[0].scatter_(2, step.slot_c, keys)
         kv[1].scatter_(2, step.slot_r, values)
@@ -152,12 +155,12 @@ def mla(
     else:
         kv[0].scatter_(2, step.slot_c, c)
         kv[1].scatter_(2, step.slot_r, k_rot)
-        if cfg.absorb and s == 1 and isinstance(layer["kv_b_proj"], torch.Tensor):  # (quantized: plain)
+        if plan.absorb and s == 1 and isinstance(layer["kv_b_proj"], torch.Tensor):  # (quantized: plain)
             out = _absorbed(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, nh, dn)
         else:
             out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv)
     attn = out.transpose(1, 2).reshape(b, s, nh * dv)  # [B, S, nh dv]
-    return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=cfg.module_tp.o_proj)
+    return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=plan.module_tp.o_proj)
 
 
 def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, dv: int) -> KV:
@@ -185,11 +188,14 @@ def _absorbed(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, nh: int, dn: int)
     return torch.einsum("bhsr,hvr->bhsv", probs @ latent, w[:, dn:])  # [B, nh, S, dv]
 
 
-def init_kv(cfg: DeepseekConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:
+def init_kv(
+    cfg: DeepseekConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, plan: Plan
+) -> list[KV]:
     """A zeroed latent cache: per layer ``(c [batch, 1, max_seq_len, R], k_rot [batch, 1, max_seq_len, dr])``,
-    the same on every tp rank (the latent is shared by all heads)."""
-    if cfg.mla_cache == "heads":  # this rank's heads' keys and values
-        nh = local_heads(cfg, mesh.axis_size(tp))
+    the same on every tp rank (the latent is shared by all heads); with ``plan.mla_cache == "heads"`` this tp
+    rank's heads' keys and values."""
+    if plan.mla_cache == "heads":  # this rank's heads' keys and values
+        nh = local_heads(cfg, mesh.axis_size(plan.tp))
         c = (batch, nh, max_seq_len, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         rot = (batch, nh, max_seq_len, cfg.v_head_dim)
     else:

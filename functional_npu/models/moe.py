@@ -4,8 +4,8 @@ parallelism.
 Attention, embeddings and norms are the Llama family's; an MoE layer's FFN is the experts block of
 :mod:`functional_npu.models.experts` (a router and experts stacked over ``S`` physical slots, with an
 ``expert_map`` from logical experts to slots), and the other layers keep the dense gated MLP. The
-expert-parallel plan lives in the config (``expert_axes``, ``num_slots``, ``max_copies``,
-``dispatch_threshold``; see :func:`with_plan`): experts are sharded on dim 0 over the expert axes
+expert-parallel choices are the plan's (:class:`functional_npu.parallel.plan.Plan`: ``expert_axes``,
+``num_slots``, ``max_copies``, ``dispatch_threshold``): experts are sharded on dim 0 over the expert axes
 (e.g. ``("dp", "tp")``: each rank holds ``S / ep`` consecutive slots) and, when the tensor-parallel
 axis is not one of them, each expert is also tensor-parallel over it.
 """
@@ -23,7 +23,7 @@ import torch
 from ..core.dtypes import float_dtype
 from ..core.layout import replicated
 from ..core.tree import map_with_path, register_static
-from ..parallel.module_tp import ModuleTP
+from ..parallel.plan import Plan
 from . import llama
 from .decoder import Blocks
 from .experts import Routing, expert_specs, identity_map, moe_ffn
@@ -39,7 +39,6 @@ __all__ = [
     "init_params",
     "param_specs",
     "blocks",
-    "with_plan",
     "identity_map",
 ]
 
@@ -90,7 +89,7 @@ _EXPERT_NAMES = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoeConfig:
-    """Static config of an MoE model plus its expert-parallel plan.
+    """Static config of an MoE model (what its ``config.json`` says; the placement is the plan's).
 
     Attributes:
         architecture: "Qwen3MoeForCausalLM" or "MixtralForCausalLM".
@@ -99,10 +98,6 @@ class MoeConfig:
         moe_intermediate_size: each expert's ``F``.
         norm_topk_prob: renormalize the top-k probabilities (always for Mixtral).
         moe_layers: indices of the MoE layers (the others have a dense MLP of ``base.intermediate_size``).
-        num_slots: physical expert slots ``S`` (``E`` plus redundant copies; None: ``E``).
-        max_copies: ``C``, the width of ``expert_map``.
-        expert_axes: mesh axes the slots are sharded over (() : experts on every rank).
-        dispatch_threshold: tokens per rank at or below which the gather / reduce-scatter path is used.
     """
 
     architecture: str
@@ -112,10 +107,6 @@ class MoeConfig:
     moe_intermediate_size: int
     norm_topk_prob: bool
     moe_layers: tuple[int, ...]
-    num_slots: int | None = None
-    max_copies: int = 1
-    expert_axes: tuple[str, ...] = ()
-    dispatch_threshold: int = 8
     routing: Routing = Routing()  # softmax top-k (every family here)
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (gated by sigmoid(h @ shared_gate.T))
 
@@ -135,14 +126,6 @@ class MoeConfig:
     @property
     def max_position_embeddings(self) -> int:
         return self.base.max_position_embeddings
-
-    @property
-    def module_tp(self) -> ModuleTP:
-        return self.base.module_tp
-
-    @property
-    def slots(self) -> int:
-        return self.num_slots or self.num_experts
 
     @staticmethod
     def from_hf(hf: Mapping[str, Any]) -> MoeConfig:
@@ -189,7 +172,7 @@ class MoeConfig:
         )
 
     def to_hf(self) -> dict[str, Any]:
-        """The HF ``config.json`` dict (read back by :meth:`from_hf`; the plan fields are not part of it)."""
+        """The HF ``config.json`` dict (read back by :meth:`from_hf`)."""
         out = self.base.to_hf() | {
             "architectures": [self.architecture],
             "model_type": _SIBLING[self.architecture][1],
@@ -234,8 +217,8 @@ def module_names(cfg: MoeConfig) -> dict[str, str]:
 
 
 # ---- the parallel plan ------------------------------------------------------------------------
-def _moe_shapes(cfg: MoeConfig) -> dict[str, tuple[int, ...]]:
-    d, f, s = cfg.base.hidden_size, cfg.moe_intermediate_size, cfg.slots
+def _moe_shapes(cfg: MoeConfig, plan: Plan) -> dict[str, tuple[int, ...]]:
+    d, f, s = cfg.base.hidden_size, cfg.moe_intermediate_size, plan.slots(cfg.num_experts)
     shapes = {"router": (cfg.num_experts, d), "experts_gate_up": (s, 2 * f, d), "experts_down": (s, d, f)}
     if cfg.shared_intermediate_size:
         fs = cfg.shared_intermediate_size
@@ -244,28 +227,25 @@ def _moe_shapes(cfg: MoeConfig) -> dict[str, tuple[int, ...]]:
 
 
 def abstract_params(
-    cfg: MoeConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
+    cfg: MoeConfig, plan: Plan = Plan(), dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
 ) -> dict[str, Any]:
-    """The full (unsharded) params tree with empty tensors (on the meta device by default)."""
-    dense = llama.abstract_params(cfg.base, dtype, device)
+    """The full (unsharded) params tree with empty tensors (on the meta device by default), with the plan's
+    expert slots and copies."""
+    dense = llama.abstract_params(cfg.base, plan, dtype, device)
     layers = []
     for i, layer in enumerate(dense["layers"]):
         if i in cfg.moe_layers:
             layer = {k: v for k, v in layer.items() if k not in ("gate_up", "down")}
-            layer |= {k: torch.empty(v, dtype=dtype, device=device) for k, v in _moe_shapes(cfg).items()}
-            layer["expert_map"] = torch.empty((cfg.num_experts, cfg.max_copies), dtype=torch.int64, device=device)
+            layer |= {k: torch.empty(v, dtype=dtype, device=device) for k, v in _moe_shapes(cfg, plan).items()}
+            layer["expert_map"] = torch.empty((cfg.num_experts, plan.max_copies), dtype=torch.int64, device=device)
         layers.append(layer)
     return dense | {"config": cfg, "layers": layers}
 
 
 def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Full params with seeded random weights (std 0.02, norms 1) and the identity expert map."""
+    """Full params with seeded random weights (std 0.02, norms 1) and the identity expert map (one slot
+    per expert)."""
     dtype = float_dtype(dtype, "init_params")
-    if cfg.slots != cfg.num_experts or cfg.max_copies != 1:
-        raise ValueError(
-            f"init_params: makes the identity placement (num_slots={cfg.num_experts}, "
-            f"max_copies=1), got {cfg.slots} and {cfg.max_copies}"
-        )
     g = torch.Generator().manual_seed(seed)
 
     def fill(path: str, x: torch.Tensor) -> torch.Tensor:
@@ -278,11 +258,11 @@ def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float3
     return map_with_path(fill, abstract_params(cfg))
 
 
-def param_specs(cfg: MoeConfig, tp_axis: str = "tp") -> dict[str, Any]:
-    """The plan: attention and dense MLPs as in ``llama.param_specs``; experts over ``expert_axes``
-    (and ``tp_axis`` inside)."""
-    dense = llama.param_specs(cfg.base, tp_axis)
-    moe = expert_specs(cfg, tp_axis, cfg.shared_intermediate_size)
+def param_specs(cfg: MoeConfig, plan: Plan = Plan()) -> dict[str, Any]:
+    """The layouts: attention and dense MLPs as in ``llama.param_specs``; experts over ``plan.expert_axes``
+    (and ``plan.tp`` inside)."""
+    dense = llama.param_specs(cfg.base, plan)
+    moe = expert_specs(cfg, plan, cfg.shared_intermediate_size)
     if cfg.shared_intermediate_size:  # Qwen2-MoE's shared expert is gated
         moe["shared_gate"] = replicated()
     layers = []
@@ -293,22 +273,9 @@ def param_specs(cfg: MoeConfig, tp_axis: str = "tp") -> dict[str, Any]:
     return dense | {"layers": layers}
 
 
-def blocks(cfg: MoeConfig, tp_axis: str = "tp") -> Blocks:
+def blocks(cfg: MoeConfig, plan: Plan = Plan()) -> Blocks:
     """The dense sibling's blocks with the experts block as the FFN of every MoE layer."""
-    dense = llama.blocks(cfg.base, tp_axis)
-    experts = functools.partial(moe_ffn, cfg=cfg, tp=tp_axis)
+    dense = llama.blocks(cfg.base, plan)
+    experts = functools.partial(moe_ffn, cfg=cfg, plan=plan)
     ffn = tuple(experts if i in cfg.moe_layers else mlp for i, mlp in enumerate(dense.ffn))
     return dataclasses.replace(dense, ffn=ffn)
-
-
-def with_plan(cfg: MoeConfig, **plan: Any) -> MoeConfig:
-    """``cfg`` with other plan fields (``expert_axes``, ``num_slots``, ``max_copies``, ``dispatch_threshold``)."""
-    allowed = {"expert_axes", "num_slots", "max_copies", "dispatch_threshold"}
-    unknown = set(plan) - allowed
-    if unknown:
-        raise TypeError(f"with_plan: unknown plan fields {sorted(unknown)}; allowed: {sorted(allowed)}")
-    if "expert_axes" in plan:
-        plan["expert_axes"] = (
-            (plan["expert_axes"],) if isinstance(plan["expert_axes"], str) else tuple(plan["expert_axes"])
-        )
-    return dataclasses.replace(cfg, **plan)

@@ -4,8 +4,8 @@ A *series* is one per-layer leaf (``o_proj``, ``down``, ...) taken from every la
 it is a stacked leaf ``params["series"][leaf]`` of the layers this coordinate owns, in layer order
 (``l = c, c + n, c + 2n, ...``), whose dim 0 has the layout ``Cyclic(axis, L)`` and whose other
 dims keep the per-layer (tensor-parallel) layout. The per-layer dicts in ``params["layers"]`` no
-longer hold the leaf. The choice rides in the params as ``params["layer_shard"]`` (a
-:class:`LayerShard`, a pytree node with no leaves), like the model config.
+longer hold the leaf. The choice is the plan's ``layer_shard`` (a :class:`LayerShard`, see
+:class:`functional_npu.parallel.plan.Plan`), which rides in loaded params as ``params["plan"]``.
 
 Everything here is pure: the layouts, stacking full params into series and back, the layers a
 coordinate owns, and resident bytes measured from tensor storage. The forward fetches each layer's
@@ -128,7 +128,7 @@ def stack_series(params: dict[str, Any], ls: LayerShard) -> dict[str, Any]:
     leaves = present(ls, layers)
     series = {leaf: pytree.tree_map(lambda *xs: torch.stack(xs), *[layer[leaf] for layer in layers]) for leaf in leaves}
     rest = [{k: v for k, v in layer.items() if k not in leaves} for layer in layers]
-    return params | {"layers": rest, "series": series, "layer_shard": ls}
+    return params | {"layers": rest, "series": series}
 
 
 def unstack_series(params: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +140,7 @@ def unstack_series(params: dict[str, Any]) -> dict[str, Any]:
         layer | {leaf: pytree.tree_map(lambda x, i=i: x[i].clone(), series[leaf]) for leaf in series}
         for i, layer in enumerate(params["layers"])
     ]
-    return {k: v for k, v in params.items() if k not in ("series", "layer_shard")} | {"layers": layers}
+    return {k: v for k, v in params.items() if k != "series"} | {"layers": layers}
 
 
 def owned_layers(num_layers: int, n: int, c: int) -> list[int]:

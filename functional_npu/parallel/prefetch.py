@@ -96,7 +96,7 @@ def _issue(
     ``after``, not before it exists. The next step's layers are left in flight
     (:func:`functional_npu.core.collectives.broadcast_in_flight`): a compiled step hands them over
     unwaited, so they keep arriving until the next step first reads them."""
-    axis = params["layer_shard"].axis
+    axis = params["plan"].layer_shard.axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = layer % len(params["layers"])
     carried = carry or layer >= len(params["layers"])

@@ -250,5 +250,5 @@ def auto_step(
         compute_s=compute,
         link=device.link,
         budget_bytes=budget_bytes,
-        series=",".join(params["layer_shard"].leaves) if "layer_shard" in params else "the layer-sharded series",
+        series=",".join(params["plan"].layer_shard.leaves) if "plan" in params else "the layer-sharded series",
     )

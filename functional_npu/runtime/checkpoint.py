@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,12 @@ from ..core.layout import Layout, local_pieces
 from ..core.mesh import Mesh
 from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths, map_with_path
-from ..models import Family, family_of, with_module_tp
+from ..models import Family, family_of
 from ..parallel.layer_shard import LayerShard, owned_layers, present
-from ..parallel.module_tp import ModuleTP
+from ..parallel.plan import Plan
 from .dcp import DcpHandle, is_dcp
 from .hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
-from .plan import check_plan, with_expert_axes
+from .plan import check_plan
 from .quant_config import QuantConfig, read_quant_config
 from .quant_plan import quantize_plan
 
@@ -106,14 +106,11 @@ def read_quant(path: str | Path) -> QuantConfig | None:
 def load_checkpoint(
     path: str | Path,
     mesh: Mesh,
+    plan: Plan | None = None,
     *,
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
     on_read: Callable[[str, int], None] | None = None,
-    expert_axes: Sequence[str] = (),
-    layer_shard: LayerShard | None = None,
-    tp_axis: str = "tp",
-    module_tp: ModuleTP | None = None,
 ) -> dict[str, Any]:
     """Load a HF checkpoint of any supported family into this rank's local params.
 
@@ -122,21 +119,18 @@ def load_checkpoint(
             torch.distributed.checkpoint directory (``.metadata`` and ``*.distcp``, as FSDP2 / torchtitan save
             an HF model's ``state_dict()``) with the model's ``config.json`` beside it
             (:mod:`functional_npu.runtime.dcp`).
-        mesh: a mesh with a ``tp_axis`` axis (other axes hold replicas), from ``make_mesh`` or
+        mesh: a mesh with the plan's axes (other axes hold replicas), from ``make_mesh`` or
             ``Mesh.abstract(...).at(...)`` to load one coordinate's shards in one process.
+        plan: where each piece lives (:class:`~functional_npu.parallel.plan.Plan`; default ``Plan()``:
+            tensor parallelism over ``"tp"``), checked against the model and the mesh before any byte is
+            read. Each rank reads only its slices: its experts' tensors over ``plan.expert_axes``, its
+            module-TP slices, and with ``plan.layer_shard`` only the layers ``l`` it owns (``l % n``), stacked
+            under ``params["series"]`` (the forward fetches them with broadcasts).
         dtype: read floating weights in this dtype (default: the embedding's stored dtype, so a
             checkpoint holding a stray fp16 tensor among fp32 ones loads in one dtype). A quantized
             checkpoint's integer tensors keep theirs; its scales take this one.
         progress: a progress bar (tqdm, on stderr) on rank 0; default: when stderr is a terminal.
         on_read: called as ``on_read(tensor_name, bytes_read)`` for every slice read.
-        expert_axes: MoE models only: the mesh axes the experts are sharded over (expert
-            parallelism, e.g. ``("dp", "tp")``); each rank reads only its experts' tensors.
-        layer_shard: layer-shard these series (``layer_shard.layer_shard("o_proj,down_proj")``):
-            layer ``l``'s weights are read only by coordinate ``l % n`` of its axis and stacked
-            under ``params["series"]``; the forward fetches them with broadcasts.
-        tp_axis: the mesh axis of tensor parallelism (the family's ``param_specs(cfg, tp_axis=...)``).
-        module_tp: modules tensor-parallel over data-parallel axes too (o_proj, lm_head, embed, mlp; see
-            :mod:`functional_npu.parallel.module_tp`); each rank reads its slices of them.
 
     A compressed-tensors checkpoint (``quantization_config`` in ``config.json``; see
     :mod:`functional_npu.runtime.quant_config`) loads its quantized linears as the dicts of their stored
@@ -144,44 +138,38 @@ def load_checkpoint(
     :func:`functional_npu.compile_model` puts them in their kernels' forms.
 
     Returns:
-        Params for the family's ``forward``: the local shards plus ``params["config"]``.
+        Params for the family's ``forward``: the local shards plus ``params["config"]`` and ``params["plan"]``.
 
     Raises:
         ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis.
     """
     root = Path(path)
     dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
-    wanted = _check_plan(root, mesh, expert_axes, layer_shard, tp_axis, module_tp)
+    plan = Plan() if plan is None else plan
+    wanted = _check_plan(root, mesh, plan)
+    layer_shard = plan.layer_shard
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
     loaded = _read_leaves(ckpt, wanted, mesh, _not_owned(wanted, mesh, layer_shard), dtype or stored_dtype, show)
     quant = {"quant": wanted.quant} if wanted.quant else {}
+    quant["plan"] = plan
     if layer_shard is None:
         return map_with_path(lambda p, _: loaded[p], wanted.meta) | quant
     return _stack_owned(wanted, mesh, layer_shard, loaded) | quant
 
 
 # ---- check ------------------------------------------------------------------------------------
-def _check_plan(
-    root: Path,
-    mesh: Mesh,
-    expert_axes: Sequence[str],
-    layer_shard: LayerShard | None,
-    tp_axis: str,
-    module_tp: ModuleTP | None,
-) -> _Wanted:
-    """The config and what it needs, once the mesh is known to shard it (reads config.json only)."""
-    cfg = with_expert_axes(read_config(root), expert_axes, where=str(root))
-    if module_tp is not None:
-        cfg = with_module_tp(cfg, module_tp)
+def _check_plan(root: Path, mesh: Mesh, plan: Plan) -> _Wanted:
+    """The config and what it needs, once the plan is known to fit it and the mesh (reads config.json only)."""
+    cfg = read_config(root)
     quant = read_quant(root)
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
-    meta, layouts = check_plan(cfg, mesh, where=str(root), layer_shard=layer_shard, tp_axis=tp_axis, quant=quant)
+    meta, layouts = check_plan(cfg, mesh, plan, where=str(root), quant=quant)
     family = family_of(cfg)
-    if layer_shard is not None:  # checked in the layer-sharded form; the files hold the per-layer one
-        meta, specs = family.abstract_params(cfg), family.param_specs(cfg, tp_axis=tp_axis)
+    if plan.layer_shard is not None:  # checked in the layer-sharded form; the files hold the per-layer one
+        meta, specs = family.abstract_params(cfg, plan), family.param_specs(cfg, plan)
         if quant is not None:
             meta, specs = quantize_plan(family, cfg, quant, meta, specs, where=str(root))
         layouts = leaf_specs(specs, meta)
@@ -407,7 +395,7 @@ def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, 
         {leaf: leaf_of(i, leaf) for leaf in layer if leaf not in leaves} for i, layer in enumerate(meta["layers"])
     ]
     top = {k: _assembled(loaded, k, v) for k, v in meta.items() if k != "layers"}
-    return top | {"layers": layers, "series": series, "layer_shard": ls}
+    return top | {"layers": layers, "series": series}
 
 
 def _assembled(loaded: dict[str, torch.Tensor], path: str, structure: Any) -> Any:

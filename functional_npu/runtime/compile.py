@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from ..models.decoder import DecodeState, decode
 from ..models.linear import TARGETS, prepare_params
 from ..parallel import prefetch
 from ..parallel.layer_shard import series_of
+from ..parallel.plan import LAYOUT_FIELDS, Plan
 from ..parallel.prefetch import check_prefetch_step, coalesced
 from ..parallel.prefetch_cost import auto_step
 from ..parallel.schedule import PrefetchSchedule
@@ -68,8 +70,7 @@ class CompiledModel:
     max_seq_len: int
     prefill_lengths: tuple[int, ...]
     forward: Callable[..., torch.Tensor] = field(repr=False)
-    prefetch_step: int = 0
-    tp_axis: str = "tp"
+    plan: Plan = Plan()  # the params' plan, its prefetch step resolved (never "auto")
     greedy_forward: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
     # one bucket per graph: more recompiles than dynamo's default limit. Built once: making a
     # config patch costs far more than entering one, and this is entered on every step.
@@ -80,6 +81,11 @@ class CompiledModel:
     @property
     def config(self) -> Any:
         return self.params["config"]
+
+    @property
+    def prefetch_step(self) -> int:
+        """The prefetch distance the graphs were built for (0 without layer-sharded series)."""
+        return self.plan.prefetch_step
 
     def _bucket(self, values: Sequence[int], n: int, what: str) -> int:
         i = bisect.bisect_left(values, n)
@@ -117,9 +123,7 @@ class CompiledModel:
         All ranks of the series axis must make the same sequence of calls.
         """
         b = self._bucket(self.batch_sizes, batch, "batch size")
-        state = init_state(
-            self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype, tp_axis=self.tp_axis
-        )
+        state = init_state(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype, plan=self.plan)
         return state._replace(prefetched=prefetch.start(self.params, self.mesh, self.prefetch_step))
 
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
@@ -188,9 +192,27 @@ class CompiledModel:
         )
 
 
-def _check_params(params: dict, mesh: Mesh, tp_axis: str, where: str) -> tuple[Any, dict, dict]:
+def _plan_of(params: dict, plan: Plan | None, where: str) -> Plan:
+    """The plan to compile under: ``plan``, else the params' own (``params["plan"]``), else the default; a given
+    plan must agree with the params' own on every field that decides a layout."""
+    own = params.get("plan") if isinstance(params, dict) else None
+    if plan is None:
+        return own or Plan()
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
+    if own is not None and own.layout_key() != plan.layout_key():
+        diff = [f for f, a, b in zip(LAYOUT_FIELDS, own.layout_key(), plan.layout_key()) if a != b]
+        raise ValueError(
+            f"{where}: the params were loaded for another plan ({', '.join(f'{f}={getattr(own, f)!r}' for f in diff)}"
+            f", given {', '.join(f'{f}={getattr(plan, f)!r}' for f in diff)}); load them with this plan, or change "
+            f"only the fields that decide no layout (prefetch_step, dispatch_threshold, absorb, mla_cache)"
+        )
+    return plan
+
+
+def _check_params(params: dict, mesh: Mesh, plan: Plan, where: str) -> tuple[Any, dict, dict]:
     """The config, and the full params (meta) and layouts by path, after checking that ``params`` are this
-    coordinate's shards of it for ``mesh``."""
+    coordinate's shards of it for ``mesh`` under ``plan``."""
     cfg = params.get("config") if isinstance(params, dict) else None
     try:
         family_of(cfg)
@@ -198,9 +220,7 @@ def _check_params(params: dict, mesh: Mesh, tp_axis: str, where: str) -> tuple[A
         raise TypeError(
             f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one"
         ) from None
-    full, layouts = check_plan(
-        cfg, mesh, where=where, layer_shard=params.get("layer_shard"), tp_axis=tp_axis, quant=params.get("quant")
-    )
+    full, layouts = check_plan(cfg, mesh, plan, where=where, quant=params.get("quant"))
     got = dict(flatten_with_paths(params))
     full = dict(flatten_with_paths(full))
     for path, x in full.items():
@@ -228,7 +248,7 @@ def _axis_groups(specs: Any) -> list[tuple[str, ...]]:
 def _inductor_options(params: dict, mesh: Mesh, k: int) -> dict[str, Any]:
     """The prefetch scheduling pass, when layer-sharded series are fetched over a real axis."""
     series = series_of(params)
-    if not series or mesh.axis_size(params["layer_shard"].axis) == 1:
+    if not series or mesh.axis_size(params["plan"].layer_shard.axis) == 1:
         return {}
     n, layers = len(coalesced(params)), params["config"].num_layers
     return {
@@ -259,15 +279,13 @@ def compile_model(
     params: dict,
     mesh: Mesh,
     *,
+    plan: Plan | None = None,
     backend: str = "auto",
     mode: str | None = None,
     batch_sizes: Sequence[int] | None = None,
     max_seq_len: int | None = None,
     prefill_lengths: Sequence[int] | None = None,
-    prefetch_step: int | str = 0,
-    tp_axis: str = "tp",
     prefetch_device: Any = None,
-    prefetch_budget: float | None = None,
     kernels: str | None = None,
     greedy_head: bool = False,
 ) -> CompiledModel:
@@ -278,25 +296,26 @@ def compile_model(
             as stored (``params["quant"]``) are put in their kernels' forms here, and float32 linear
             weights input-major on the CPU (:func:`functional_npu.models.linear.prepare_params`), once:
             the model's ``params`` are then its own, and the loaded ones may be dropped.
-        mesh: the mesh they were sharded for (a ``tp_axis`` axis; other axes hold replicas).
+        mesh: the mesh they were sharded for (the plan's axes; other axes hold replicas).
+        plan: the parallel plan (default: the params' own ``params["plan"]``, as ``load_checkpoint`` leaves it,
+            else ``Plan()``). A given plan must agree with the params' own on the fields that decide a layout;
+            the others (``prefetch_step``, ``dispatch_threshold``, ``absorb``, ``mla_cache``) may differ.
+            With layer-sharded params, ``plan.prefetch_step`` ``k`` fetches layer ``l + k``'s weights while
+            layer ``l`` computes (``0 <= k <= num_layers - 2``; 0 is synchronous). Under inductor a
+            scheduling pass keeps that order with ``k + 1`` live buffers
+            (:class:`functional_npu.parallel.schedule.PrefetchSchedule`); under torchair the graph itself
+            states it (a side stream and control edges, see :mod:`functional_npu.parallel.streams`), since
+            GE orders the graph. ``"auto"`` picks ``k`` with the cost model
+            (:func:`functional_npu.parallel.prefetch_cost.auto_step`) within ``plan.prefetch_budget``.
         backend: "auto" (torchair on NPU, inductor elsewhere), "inductor", "torchair", "eager",
             "aot_eager", or "none" (the plain Python forward, no ``torch.compile``).
         mode: the backend's mode (see :func:`functional_npu.runtime.backends.resolve_backend`).
         batch_sizes: decode/prefill batch buckets (default 1, 2, 4, 8).
         max_seq_len: KV-cache length (default min(max_position_embeddings, 2048)).
         prefill_lengths: prompt-length buckets (default powers of two from 16 up to max_seq_len).
-        prefetch_step: for layer-sharded params (``load_checkpoint(..., layer_shard=...)``), fetch
-            layer ``l + k``'s weights while layer ``l`` computes (``0 <= k <= num_layers - 2``;
-            0 is synchronous). Under inductor a scheduling pass keeps that order with ``k + 1``
-            live buffers (:class:`functional_npu.parallel.schedule.PrefetchSchedule`); under torchair
-            the graph itself states it (a side stream and control edges, see
-            :mod:`functional_npu.parallel.streams`), since GE orders the graph. ``"auto"`` picks
-            ``k`` with the cost model (:func:`functional_npu.parallel.prefetch_cost.auto_step`).
-        tp_axis: the mesh axis the params are tensor-parallel over (as given to ``load_checkpoint``).
-        prefetch_device: for ``prefetch_step="auto"``: a device name of
+        prefetch_device: for ``plan.prefetch_step="auto"``: a device name of
             :data:`functional_npu.parallel.prefetch_cost.DEVICES` or a ``Device`` (default: by the
             params' device type).
-        prefetch_budget: for ``"auto"``: the most bytes the ``k + 1`` live prefetch buffers may take.
         kernels: whose quantized matmuls the weights are prepared for (``"cpu"``, ``"npu"`` or ``"dense"``,
             see :func:`functional_npu.models.linear.prepare`); default: the backend's
             (:attr:`functional_npu.runtime.backends.Backend.kernels`). ``"npu"`` off an NPU runs Ascend's
@@ -312,27 +331,31 @@ def compile_model(
     """
     if kernels not in (None, *TARGETS):
         raise ValueError(f"compile_model: kernels={kernels!r} is not one of {TARGETS} (or None: the backend's)")
-    cfg, full, layouts = _check_params(params, mesh, tp_axis, "compile_model")
+    plan = _plan_of(params, plan, "compile_model")
+    cfg, full, layouts = _check_params(params, mesh, plan, "compile_model")
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     # stored quantized weights -> the kernels' forms, float32 linears -> the layout that streams fastest; once
     weight = params["quant"].quant.weight_name if params.get("quant") is not None else None
     blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)
     params = prepare_params(params, blocks, kernels or chosen.kernels, family_of(cfg).linears)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
-    if prefetch_step == "auto":
-        prefetch_step = (
-            auto_step(params, device=prefetch_device, budget_bytes=prefetch_budget) if series_of(params) else 0
-        )
-    k = check_prefetch_step(prefetch_step, cfg.num_layers)
+    params = params | {"plan": plan}
+    k = plan.prefetch_step
+    if not series_of(params):
+        k = 0
+    elif k == "auto":
+        k = auto_step(params, device=prefetch_device, budget_bytes=plan.prefetch_budget)
+    plan = dataclasses.replace(plan, prefetch_step=check_prefetch_step(k, cfg.num_layers))
+    params = params | {"plan": plan}
     if not mesh.is_abstract:
         mesh.init_groups()  # collectively, before any tracing
         mesh.init_groups(
-            *_axis_groups(family_of(cfg).param_specs(cfg, tp_axis))
+            *_axis_groups(family_of(cfg).param_specs(cfg, plan))
         )  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
-    options = _inductor_options(params, mesh, k) if chosen.name == "inductor" else {}
+    options = _inductor_options(params, mesh, plan.prefetch_step) if chosen.name == "inductor" else {}
     step = functools.partial(
-        decode, blocks=family_of(cfg).blocks(cfg, tp_axis), attention=attention, streams=chosen.streams
+        decode, blocks=family_of(cfg).blocks(cfg, plan), attention=attention, streams=chosen.streams
     )
     fwd = chosen.compile(step, dynamic=False, inductor_options=options)
     greedy = (
@@ -342,7 +365,7 @@ def compile_model(
     )
     # the plain forward never recompiles: no config patch to make (making one costs about a third of a millisecond)
     recompiles = contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=256)
-    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, k, tp_axis, greedy, recompiles)
+    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, plan, greedy, recompiles)
 
 
 def greedy_generate(
@@ -352,8 +375,7 @@ def greedy_generate(
     mesh: Mesh,
     *,
     max_seq_len: int | None = None,
-    prefetch_step: int = 0,
-    tp_axis: str = "tp",
+    plan: Plan | None = None,
 ) -> list[list[int]]:
     """Greedy continuation of each prompt with the plain (uncompiled) forward: ``max_new_tokens`` ids per prompt.
 
@@ -365,8 +387,9 @@ def greedy_generate(
         prompts: token id lists, any lengths >= 1.
         mesh: the mesh the params were sharded for.
         max_seq_len: KV-cache length (default: longest prompt + max_new_tokens).
-        prefetch_step: for layer-sharded params, fetch layer ``l + k``'s weights during layer ``l``
-            (eager broadcasts overlap until first use); 0 is synchronous.
+        plan: the parallel plan (default: the params' own); with layer-sharded params its ``prefetch_step``
+            ``k`` fetches layer ``l + k``'s weights during layer ``l`` (eager broadcasts overlap until first
+            use); 0 is synchronous.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("greedy_generate: every prompt needs at least one token")
@@ -386,7 +409,6 @@ def greedy_generate(
         batch_sizes=[len(prompts)],
         max_seq_len=total,
         prefill_lengths=[width],
-        prefetch_step=prefetch_step,
-        tp_axis=tp_axis,
+        plan=plan,
     )
     return model.generate(prompts, max_new_tokens)

@@ -1,82 +1,110 @@
-"""Whether a mesh can shard a model config: every leaf's layout checked at every coordinate (no I/O).
+"""Whether a plan fits a model config and a mesh: its fields checked against the model, then every leaf's
+layout at every coordinate (no I/O).
 
-The loader, the compiler and the CLI's ``--check`` all ask this before touching a tensor.
+The loader, the compiler and the CLI all ask this once, before any rank starts or any byte is read.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+import math
+import re
 from typing import Any
 
 import torch
 
 from ..core.layout import Layout, LayoutError, dim_pieces, validate
 from ..core.mesh import Mesh
-from ..core.shard import leaf_specs
+from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths
 from ..models import family_of
-from ..parallel.layer_shard import LayerShard, series_specs, stack_series
+from ..parallel.layer_shard import present, series_specs, stack_series
 from ..parallel.module_tp import check_module_tp
+from ..parallel.plan import EXPERT_FIELDS, Plan
+from ..parallel.prefetch import check_prefetch_step
 from .quant_config import QuantConfig
 from .quant_plan import quantize_plan
 
-__all__ = ["check_plan", "with_expert_axes"]
+__all__ = ["check_plan", "check_plan_fits", "plan_table"]
+
+_COMMON = ("tp", "module_tp", "layer_shard", "prefetch_step", "prefetch_budget", "model")
 
 
-def with_expert_axes(cfg: Any, expert_axes: Sequence[str], *, where: str = "model") -> Any:
-    """``cfg`` with its experts sharded over ``expert_axes`` (MoE configs; ``()`` leaves any config as it is)."""
-    if not expert_axes:
-        return cfg
-    if "expert_axes" not in {f.name for f in dataclasses.fields(cfg)}:
+def check_plan_fits(cfg: Any, mesh: Mesh, plan: Plan, *, where: str = "model") -> None:
+    """Raise a ValueError (one line: the field, the sizes, a fix) if ``plan`` is not for this model or mesh:
+    another architecture, a field this family does not read, an axis the mesh lacks, module TP the model
+    cannot run, a layer-sharded series the model does not have, or a prefetch step past its layers."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
+    family = family_of(cfg)
+    if plan.model is not None and plan.model != cfg.architecture:
         raise ValueError(
-            f"{where}: expert_axes={tuple(expert_axes)} needs a mixture-of-experts model, "
-            f"but this is a {cfg.architecture}; drop expert_axes (--ep)"
+            f"{where}: the plan was made for {plan.model}, but this model is a {cfg.architecture}; "
+            f"make a plan for this model (or set plan.model=None)"
         )
-    return dataclasses.replace(cfg, expert_axes=tuple(expert_axes))
+    default = Plan()
+    for name in sorted(set(plan.changed()) - set(_COMMON) - family.plan_fields):
+        what = "a mixture-of-experts model" if name in EXPERT_FIELDS else "multi-head latent attention"
+        raise ValueError(
+            f"{where}: plan.{name}={getattr(plan, name)!r} needs {what}, but this is a {cfg.architecture}; "
+            f"drop it (the default is {getattr(default, name)!r})"
+        )
+    if plan.tp not in mesh.axis_names:
+        raise ValueError(
+            f"{where}: the mesh {mesh.shape} has no {plan.tp!r} axis; add one (size 1 for no tensor parallelism)"
+        )
+    ls = plan.layer_shard
+    if ls is not None and ls.axis not in mesh.axis_names:
+        raise ValueError(
+            f"{where}: layer_shard axis {ls.axis!r} is not an axis of the mesh {mesh.shape}; "
+            f"use one of {list(mesh.axis_names)}"
+        )
+    missing = [a for a in plan.expert_axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"{where}: plan.expert_axes names axis {missing[0]!r}, but the mesh {mesh.shape} has no such axis; "
+            f"use some of {list(mesh.axis_names)}"
+        )
+    if "num_slots" in family.plan_fields and plan.slots(cfg.num_experts) < cfg.num_experts:
+        raise ValueError(
+            f"{where}: plan.num_slots={plan.num_slots} is fewer than the model's {cfg.num_experts} experts; "
+            f"every expert needs a slot: use num_slots >= {cfg.num_experts}"
+        )
+    _check_module_tp(cfg, mesh, plan, where)
+    _check_series(cfg, plan, where)
 
 
 def check_plan(
     cfg: Any,
     mesh: Mesh,
+    plan: Plan | None = None,
     *,
     where: str = "model",
-    layer_shard: LayerShard | None = None,
-    tp_axis: str = "tp",
     quant: QuantConfig | None = None,
 ) -> tuple[dict[str, Any], dict[str, Layout]]:
-    """Raise a ValueError if ``mesh`` cannot shard ``cfg`` at any of its coordinates (no I/O).
+    """Raise a ValueError if ``plan`` does not fit ``cfg`` or ``mesh`` cannot shard it at any of its
+    coordinates (no I/O).
 
     Args:
-        cfg: a model config (from ``read_config``, with its expert axes if any).
+        cfg: a model config (from ``read_config``).
         mesh: the mesh; its coordinate is ignored, every coordinate is checked.
+        plan: the parallel plan (default: ``Plan()``, tensor parallelism over ``"tp"``).
         where: what the messages start with (the model directory, ``compile_model``).
-        layer_shard: also check layer-sharding these series over ``layer_shard.axis`` (any family:
-            the series are the leaves every layer has).
-        tp_axis: the mesh axis of tensor parallelism (the family's ``param_specs(cfg, tp_axis=...)``).
         quant: a quantized checkpoint's scheme: the linear leaves it covers are the dicts of their
             stored tensors (:func:`functional_npu.runtime.quant_plan.quantize_plan`).
 
     Returns:
         The full params on the meta device and each leaf's layout, for the caller to reuse; with
-        ``layer_shard``, in the layer-sharded structure (series stacked under ``params["series"]``).
+        ``plan.layer_shard``, in the layer-sharded structure (series stacked under ``params["series"]``).
     """
-    if tp_axis not in mesh.axis_names:
-        raise ValueError(
-            f"{where}: the mesh {mesh.shape} has no {tp_axis!r} axis; add one (size 1 for no tensor parallelism)"
-        )
+    plan = Plan() if plan is None else plan
+    check_plan_fits(cfg, mesh, plan, where=where)
     family = family_of(cfg)
-    _check_module_tp(cfg, mesh, tp_axis, where)
-    meta, specs = family.abstract_params(cfg), family.param_specs(cfg, tp_axis=tp_axis)
+    meta, specs = family.abstract_params(cfg, plan), family.param_specs(cfg, plan)
     if quant is not None:
         meta, specs = quantize_plan(family, cfg, quant, meta, specs, where=where)
-    if layer_shard is not None:
-        if layer_shard.axis not in mesh.axis_names:
-            raise ValueError(
-                f"{where}: layer_shard axis {layer_shard.axis!r} is not an axis "
-                f"of the mesh {mesh.shape}; use one of {list(mesh.axis_names)}"
-            )
-        meta, specs = stack_series(meta, layer_shard), series_specs(specs, layer_shard, cfg.num_layers)
+    ls = plan.layer_shard
+    if ls is not None:
+        meta, specs = stack_series(meta, ls), series_specs(specs, ls, cfg.num_layers)
     layouts = leaf_specs(specs, meta)
     for p, m in flatten_with_paths(meta):
         try:
@@ -88,20 +116,80 @@ def check_plan(
     return meta, layouts
 
 
-def _check_module_tp(cfg: Any, mesh: Mesh, tp_axis: str, where: str) -> None:
+def plan_table(cfg: Any, mesh: Mesh, plan: Plan | None = None, *, quant: QuantConfig | None = None) -> str:
+    """A readable table of ``plan`` on ``cfg`` over ``mesh``: each leaf (layers whose leaves agree folded into
+    ``layers.*``), its full shape, its layout and its bytes on the rank that holds the most; then the plan's
+    fields and the total bytes per rank. Checked first (:func:`check_plan`).
+
+    Example:
+        >>> print(plan_table(read_config(path), Mesh.abstract({"tp": 2}), Plan()))     # doctest: +SKIP
+    """
+    plan = Plan() if plan is None else plan
+    meta, layouts = check_plan(cfg, mesh, plan, quant=quant)
+    rows: dict[str, tuple[str, str, int]] = {}
+    total = [0] * mesh.size
+    for path, m in flatten_with_paths(meta):
+        held = [
+            math.prod(local_shape(m.shape, layouts[path], mesh.at(r), path=path)) * m.element_size()
+            for r in range(mesh.size)
+        ]
+        total = [t + h for t, h in zip(total, held)]
+        key = re.sub(r"^layers\.\d+\.", "layers.*.", path)
+        row = (str(tuple(m.shape)), repr(layouts[path]), max(held))
+        if rows.setdefault(key, row) != row:  # layers that differ keep their own rows
+            rows[path] = row
+    rows = {k: v for k, v in rows.items() if not (k.startswith("layers.*.") and _differs(k, rows))}
+    head = ("leaf", "shape", "layout", "bytes / rank")
+    table = [head] + [(k, shape, lay, f"{b:,}") for k, (shape, lay, b) in rows.items()]
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    fields = ", ".join(f"{k}={v!r}" for k, v in plan.changed().items()) or "the default plan"
+    return "\n".join(
+        [f"{cfg.architecture} on mesh {mesh.shape}: {fields}", *lines, f"total bytes per rank: {max(total):,} (most)"]
+    )
+
+
+def _differs(key: str, rows: dict) -> bool:
+    """Whether some layer's ``key`` leaf has a row of its own (then the folded row is not every layer's)."""
+    leaf = key.removeprefix("layers.*.")
+    return any(re.fullmatch(rf"layers\.\d+\.{re.escape(leaf)}", k) for k in rows)
+
+
+def _check_module_tp(cfg: Any, mesh: Mesh, plan: Plan, where: str) -> None:
     """The module-TP plan's axes fit the mesh, and what this config cannot serve is refused."""
-    plan = cfg.module_tp
-    check_module_tp(plan, mesh, tp_axis=tp_axis, taken=getattr(cfg, "expert_axes", ()), where=where)
-    if cfg.tie_word_embeddings and plan.lm_head != plan.embed:
+    mtp = plan.module_tp
+    check_module_tp(mtp, mesh, tp_axis=plan.tp, taken=plan.expert_axes, where=where)
+    if cfg.tie_word_embeddings and mtp.lm_head != mtp.embed:
         raise ValueError(
-            f"{where}: lm_head TP over {plan.lm_head} with tied embeddings: the head multiplies the embedding "
-            f"table, which is cut over embed TP's axes {plan.embed}; give both the same size"
+            f"{where}: lm_head TP over {mtp.lm_head} with tied embeddings: the head multiplies the embedding "
+            f"table, which is cut over embed TP's axes {mtp.embed}; give both the same size"
         )
-    if plan.mlp and all(i in getattr(cfg, "moe_layers", ()) for i in range(cfg.num_layers)):
+    if mtp.mlp and all(i in getattr(cfg, "moe_layers", ()) for i in range(cfg.num_layers)):
         raise ValueError(
-            f"{where}: mlp TP over {plan.mlp}, but every layer of this {cfg.architecture} is an MoE layer "
+            f"{where}: mlp TP over {mtp.mlp}, but every layer of this {cfg.architecture} is an MoE layer "
             f"(no dense MLP to split); drop mlp TP (experts are split with expert parallelism)"
         )
+
+
+def _check_series(cfg: Any, plan: Plan, where: str) -> None:
+    """Every layer-sharded leaf is one every layer of this model has, and a numeric prefetch step fits."""
+    ls = plan.layer_shard
+    if ls is None:
+        return
+    layers = family_of(cfg).abstract_params(cfg, plan)["layers"]
+    kept = present(ls, layers)
+    if not kept:
+        have = [leaf for leaf in layers[0] if all(leaf in layer for layer in layers)]
+        raise ValueError(
+            f"{where}: plan.layer_shard {list(ls.leaves)} names no leaf every layer of this {cfg.architecture} "
+            f"has; layer-shard some of {have}"
+        )
+    if plan.prefetch_step != "auto":
+        try:
+            check_prefetch_step(plan.prefetch_step, cfg.num_layers)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
 def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> None:

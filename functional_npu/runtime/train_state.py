@@ -28,7 +28,8 @@ from ..core.mesh import Mesh
 from ..core.reshard import plan_reshard, reshard
 from ..core.tree import flatten_with_paths, map_with_path
 from ..models import family_of
-from ..parallel.layer_shard import LayerShard, present
+from ..parallel.layer_shard import present
+from ..parallel.plan import Plan
 from .hf_layout import fused_dim, stored_tensors
 from .plan import check_plan
 
@@ -39,32 +40,33 @@ def from_dtensor_state(
     state: Mapping[str, Any],
     cfg: Any,
     mesh: Mesh,
+    plan: Plan | None = None,
     *,
-    tp_axis: str = "tp",
-    layer_shard: LayerShard | None = None,
     report: list | None = None,
 ) -> dict[str, Any]:
-    """This rank's params for ``cfg``'s plan on ``mesh`` from a training ``state`` of DTensors (HF names).
+    """This rank's params for ``cfg`` under ``plan`` (default ``Plan()``) on ``mesh`` from a training ``state`` of
+    DTensors (HF names).
 
     Collective: every rank of ``mesh`` calls it. ``report``: if a list, the :class:`ReshardPlan` is appended
     (its ``traffic`` gives each rank's bytes sent, received and the lower bound).
 
     Stacked experts come either as transformers' fused tensors (``mlp.experts.gate_up_proj``, the family's
     ``module_names``) or as one tensor per expert (the checkpoint's names), each expert placed alike.
-    ``layer_shard``: layer-shard these series over ``layer_shard.axis`` (as ``load_checkpoint`` does): each
-    layer's tensor goes to its owner only, for ``compile_model(..., prefetch_step=k)``.
+    With ``plan.layer_shard`` the series are layer-sharded over its axis (as ``load_checkpoint`` does): each
+    layer's tensor goes to its owner only, fetched ``plan.prefetch_step`` layers ahead by the compiled model.
 
     Raises:
         ValueError before any byte moves: a name the family's table does not know or a missing one, a
         placement with no layout (``Partial``, uneven), a training mesh that does not nest with ``mesh``.
     """
-    family = family_of(cfg)
-    meta, layouts = check_plan(cfg, mesh, where="from_dtensor_state", tp_axis=tp_axis)
+    family, plan = family_of(cfg), Plan() if plan is None else plan
+    ls = plan.layer_shard
+    meta, layouts = check_plan(cfg, mesh, dataclasses.replace(plan, layer_shard=None), where="from_dtensor_state")
     given = set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     targets = _targets(family, cfg, meta, layouts, given)
-    if layer_shard is not None:
-        targets = _series(targets, present(layer_shard, meta["layers"]), layer_shard.axis, cfg.num_layers)
-        meta, _ = check_plan(cfg, mesh, where="from_dtensor_state", tp_axis=tp_axis, layer_shard=layer_shard)
+    if ls is not None:
+        targets = _series(targets, present(ls, meta["layers"]), ls.axis, cfg.num_layers)
+        meta, _ = check_plan(cfg, mesh, plan, where="from_dtensor_state")
     known = {n for t in targets.values() for n in t.names}
     if known != given:
         raise ValueError(
@@ -105,11 +107,11 @@ def from_dtensor_state(
         # a tied model's lm_head.weight is the embedding: unread
         local[key] = torch.stack([dt.to_local() for dt in dts]) if t.stacked else dts[0].to_local()
     on = next(iter(common.values()))[0]
-    plan = plan_reshard({k: (t.shape, state[t.names[0]].dtype) for k, t in targets.items()}, src, dst, on)
+    exchange = plan_reshard({k: (t.shape, state[t.names[0]].dtype) for k, t in targets.items()}, src, dst, on)
     if report is not None:
-        report.append(plan)
-    moved = reshard(local, src, dst, on, plan=plan)
-    return _assemble(family, cfg, meta, targets, moved)
+        report.append(exchange)
+    moved = reshard(local, src, dst, on, plan=exchange)
+    return _assemble(family, cfg, meta, targets, moved) | {"plan": plan}
 
 
 @dataclass(frozen=True, slots=True)

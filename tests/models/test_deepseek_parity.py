@@ -4,7 +4,6 @@ experts, dense first layers) saved with save_pretrained; prefill logits (1e-4) a
 (decoded through the absorbed latent path), at tp 1 and 2 and with experts over 2 ranks, eager, and
 compiled for one config."""
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -76,24 +75,24 @@ def test_parity_ep2(world2, models):
 
 def _local_bytes(path, axes, rank, expert_axes=()):
     """The bytes of one rank's shards: what it must read, no more."""
-    from functional_npu import Mesh, flatten_with_paths
+    from functional_npu import Mesh, Plan, flatten_with_paths
     from functional_npu.runtime.checkpoint import load_checkpoint
 
-    local = load_checkpoint(path, Mesh.abstract(axes, rank), expert_axes=expert_axes)
+    local = load_checkpoint(path, Mesh.abstract(axes, rank), Plan(expert_axes=expert_axes))
     return sum(x.numel() * x.element_size() for p, x in flatten_with_paths(local) if not p.endswith("expert_map"))
 
 
 def test_absorbed_decode_equals_the_plain_path_and_the_cache_is_latent(models):
     """A decode step through the absorbed latent path and through the expanded keys / values: the same logits;
     the cache holds kv_lora_rank + qk_rope_head_dim values per token and layer, shared by all heads."""
-    from functional_npu import Mesh, compile_model, load_checkpoint
+    from functional_npu import Mesh, Plan, compile_model, load_checkpoint
 
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = load_checkpoint(models["deepseek_v3"][0], mesh)
     cfg, prompts = params["config"], models["deepseek_v3"][1]
     out = {}
     for mode in ({"absorb": True}, {"absorb": False}, {"mla_cache": "heads"}):
-        model = compile_model(params | {"config": dataclasses.replace(cfg, **mode)}, mesh, backend="none")
+        model = compile_model(params, mesh, backend="none", plan=Plan(**mode))
         state = model.new_state(len(prompts))
         first = model.prefill(prompts, state).argmax(-1)
         out[str(mode)] = model.decode(first, torch.tensor([len(p) for p in prompts]), state)
@@ -129,15 +128,15 @@ def test_unsupported_options_are_refused_in_one_line(models, change, message):
 
 
 def test_a_tp_that_does_not_divide_the_heads_is_named(models):
-    from functional_npu import Mesh
+    from functional_npu import Mesh, Plan
     from functional_npu.runtime.checkpoint import read_config
-    from functional_npu.runtime.plan import check_plan, with_expert_axes
+    from functional_npu.runtime.plan import check_plan
 
     cfg = read_config(models["deepseek_v3"][0])
     with pytest.raises(ValueError, match=r"specs\['layers.0.q_b_proj'\].*'tp' \(size 8\)"):
         check_plan(cfg, Mesh.abstract({"tp": 8}))  # 4 heads
     with pytest.raises(ValueError, match=r"experts_gate_up"):
-        check_plan(with_expert_axes(cfg, ("dp",)), Mesh.abstract({"dp": 3, "tp": 1}))
+        check_plan(cfg, Mesh.abstract({"dp": 3, "tp": 1}), Plan(expert_axes=("dp",)))
 
 
 def test_module_tp_over_dp2(world2, models):
@@ -158,14 +157,12 @@ def test_module_tp_over_dp2(world2, models):
 
 def test_mla_projections_layer_sharded_with_prefetch(world2, models):
     """q_b_proj, kv_b_proj and o_proj of every layer on one of 2 dp ranks, fetched one layer ahead."""
+    from functional_npu import Plan
     from functional_npu.cli.runner import generate_on_rank, in_prompt_order
-    from functional_npu.parallel.layer_shard import layer_shard
 
     path, prompts, _, ref_tokens = models["deepseek_v3"]
-    ls = layer_shard("q_b_proj,kv_b_proj,o_proj", "dp")
-    results = world2.run(
-        generate_on_rank, path, {"dp": 2, "tp": 1}, prompts, NEW, backend="none", layer_shard=ls, prefetch_step=1
-    )
+    plan = Plan(layer_shard="q_b_proj,kv_b_proj,o_proj", prefetch_step=1)
+    results = world2.run(generate_on_rank, path, {"dp": 2, "tp": 1}, prompts, NEW, backend="none", plan=plan)
     assert in_prompt_order(results, len(prompts)) == ref_tokens
 
 

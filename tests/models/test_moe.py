@@ -1,14 +1,13 @@
 """MoE families in one process: routing against transformers' routers, config round trip, dense layers mixed in
 (Qwen3-MoE mlp_only_layers), the loader reading only local experts, save_checkpoint, and every bad input."""
 
-import dataclasses
 import json
 
 import pytest
 import torch
 import transformers as T
 
-from functional_npu import Mesh, compile_model, local_shape
+from functional_npu import Mesh, Plan, check_plan, compile_model, local_shape
 from functional_npu.core.shard import leaf_specs, shard
 from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import family_of, forward, init_state, moe
@@ -79,21 +78,21 @@ def test_dense_layers_mixed_in_match_transformers(tmp_path):
     "axes,expert_axes", [({"dp": 2, "tp": 2}, ("dp", "tp")), ({"dp": 2, "tp": 2}, ("dp",)), ({"tp": 4}, ())]
 )
 def test_each_rank_reads_exactly_its_experts(saved, axes, expert_axes):
-    path = saved["mixtral"][0]
-    cfg = moe.with_plan(read_config(path), expert_axes=expert_axes)
-    full = dict(flatten_with_paths(moe.abstract_params(cfg)))
-    layouts = leaf_specs(moe.param_specs(cfg), moe.abstract_params(cfg))
-    whole = load_checkpoint(path, Mesh.abstract({"tp": 1}, 0)) | {"config": cfg}
+    path, plan = saved["mixtral"][0], Plan(expert_axes=expert_axes)
+    cfg = read_config(path)
+    full = dict(flatten_with_paths(moe.abstract_params(cfg, plan)))
+    layouts = leaf_specs(moe.param_specs(cfg, plan), moe.abstract_params(cfg, plan))
+    whole = load_checkpoint(path, Mesh.abstract({"tp": 1}, 0))
     for rank in range(4):
         mesh = Mesh.abstract(axes, rank)
         read: list[int] = []
-        params = load_checkpoint(path, mesh, expert_axes=expert_axes, on_read=lambda name, n: read.append(n))
+        params = load_checkpoint(path, mesh, plan, on_read=lambda name, n: read.append(n))
         local = 0
         for p, x in flatten_with_paths(params):
             assert tuple(x.shape) == local_shape(full[p].shape, layouts[p], mesh), p
             local += 0 if p.endswith("expert_map") else x.numel() * x.element_size()  # computed, not read
         assert sum(read) == local
-        want = shard(whole, moe.param_specs(cfg), mesh)  # the same slices cut from the whole model
+        want = shard(whole, moe.param_specs(cfg, plan), mesh)  # the same slices cut from the whole model
         assert all(torch.equal(x, y) for (_, x), (_, y) in zip(flatten_with_paths(params), flatten_with_paths(want)))
 
 
@@ -136,10 +135,9 @@ def test_expert_axes_on_a_dense_model(tmp_path):
     T.Qwen3ForCausalLM(T.Qwen3Config(**MOE_COMMON, intermediate_size=96, head_dim=16)).save_pretrained(tmp_path)
     with pytest.raises(
         ValueError,
-        match=r"expert_axes=\('tp',\) needs a mixture-of-experts model, "
-        r"but this is a Qwen3ForCausalLM; drop expert_axes",
+        match=r"plan.expert_axes=\('tp',\) needs a mixture-of-experts model, but this is a Qwen3ForCausalLM; drop it",
     ):
-        load_checkpoint(tmp_path, Mesh.abstract({"tp": 2}, 0), expert_axes=("tp",))
+        load_checkpoint(tmp_path, Mesh.abstract({"tp": 2}, 0), Plan(expert_axes=("tp",)))
 
 
 def test_expert_count_not_divisible(saved):
@@ -149,36 +147,38 @@ def test_expert_count_not_divisible(saved):
         r"specs\['layers.0.experts_gate_up'\] shards dim 0 \(size 8\) "
         r"over mesh axis 'dp' \(size 3\): 3 does not divide 8",
     ):
-        load_checkpoint(saved["mixtral"][0], Mesh.abstract({"dp": 3, "tp": 1}, 0), expert_axes=("dp",))
+        load_checkpoint(saved["mixtral"][0], Mesh.abstract({"dp": 3, "tp": 1}, 0), Plan(expert_axes=("dp",)))
 
 
 def test_unknown_expert_axis(saved):
     with pytest.raises(
         ValueError,
-        match=r"specs\['layers.0.experts_gate_up'\] dim 0 uses mesh axis 'ep', "
-        r"which the mesh \{'tp': 2\} does not have",
+        match=r"plan.expert_axes names axis 'ep', but the mesh \{'tp': 2\} has no such axis; use some of \['tp'\]",
     ):
-        load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 2}, 0), expert_axes=("ep",))
+        load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 2}, 0), Plan(expert_axes=("ep",)))
 
 
 def test_expert_axes_out_of_mesh_order(saved):
     with pytest.raises(
         ValueError, match=r"shards over axes \('tp', 'dp'\), which must be in mesh order: write \('dp', 'tp'\)"
     ):
-        load_checkpoint(saved["mixtral"][0], Mesh.abstract({"dp": 2, "tp": 2}, 0), expert_axes=("tp", "dp"))
+        load_checkpoint(saved["mixtral"][0], Mesh.abstract({"dp": 2, "tp": 2}, 0), Plan(expert_axes=("tp", "dp")))
 
 
 def test_compile_model_refuses_params_of_another_expert_plan(saved):
     full = load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 1}, 0))
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
-    params = shard(full, moe.param_specs(full["config"]), mesh)  # experts replicated, config says so
-    params["config"] = moe.with_plan(full["config"], expert_axes=("dp",))  # ... but now claims ep over dp
+    params = shard(full, moe.param_specs(full["config"]), mesh)  # experts replicated, the plan says so
+    over_dp = Plan(expert_axes=("dp",))
+    with pytest.raises(ValueError, match=r"the params were loaded for another plan \(expert_axes=\(\)"):
+        compile_model(params, mesh, backend="eager", plan=over_dp)
+    del params["plan"]  # ... and params that carry no plan, compiled for ep over dp
     with pytest.raises(
         ValueError,
         match=r"params\['layers.0.experts_gate_up'\] has shape \(8, 96, 64\) "
         r"but mesh \{'dp': 2, 'tp': 1\} at \{'dp': 0, 'tp': 0\} expects \(4, 96, 64\)",
     ):
-        compile_model(params, mesh, backend="eager")
+        compile_model(params, mesh, backend="eager", plan=over_dp)
 
 
 @pytest.mark.parametrize(
@@ -202,17 +202,19 @@ def test_bad_configs(saved, change, message):
         moe.MoeConfig.from_hf(hf)
 
 
-def test_with_plan_rejects_unknown_fields(saved):
-    with pytest.raises(TypeError, match=r"with_plan: unknown plan fields \['ep'\]"):
-        moe.with_plan(read_config(saved["mixtral"][0]), ep=2)
+def test_a_plan_rejects_unknown_fields_and_bad_values():
+    with pytest.raises(ValueError, match=r"plan: unknown plan fields \['ep'\]; the fields are \['tp', "):
+        Plan.from_dict({"ep": 2})
+    with pytest.raises(ValueError, match=r"Plan.num_slots must be a positive int \(or None: one per expert\), got 0"):
+        Plan(num_slots=0)
 
 
 def test_init_params_is_the_identity_placement(saved):
     cfg = read_config(saved["mixtral"][0])
     params = moe.init_params(cfg)
     assert torch.equal(params["layers"][0]["expert_map"], torch.arange(8)[:, None])
-    with pytest.raises(ValueError, match=r"init_params: makes the identity placement"):
-        moe.init_params(dataclasses.replace(cfg, num_slots=10))
+    with pytest.raises(ValueError, match=r"plan.num_slots=7 is fewer than the model's 8 experts"):
+        check_plan(cfg, Mesh.abstract({"tp": 1}), Plan(num_slots=7))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40], ids=["decode", "decode-3", "prefill"])

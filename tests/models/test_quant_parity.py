@@ -167,12 +167,12 @@ def test_w8a8_rounds_the_activations(models, tmp_path):
 @pytest.mark.parametrize("backend", ["none", "inductor"], ids=["eager", "compiled"])
 def test_dense_layer_sharded(world2, models, backend):
     """o_proj and down layer-sharded over dp = 2 (int4 weights, scales and packed words broadcast per layer)."""
+    from functional_npu import Plan
     from functional_npu.cli.runner import generate_on_rank, in_prompt_order
-    from functional_npu.parallel.layer_shard import layer_shard
 
     path, prompts, _, ref_tokens, _ = models["qwen3-w4a16"]
-    ls = layer_shard("o_proj,down_proj", "dp")
-    results = world2.run(generate_on_rank, path, {"dp": 2, "tp": 1}, prompts, NEW, backend=backend, layer_shard=ls)
+    plan = Plan(layer_shard="o_proj,down_proj")
+    results = world2.run(generate_on_rank, path, {"dp": 2, "tp": 1}, prompts, NEW, backend=backend, plan=plan)
     assert in_prompt_order(results, len(prompts)) == ref_tokens
 
 
@@ -180,12 +180,12 @@ def test_dense_layer_sharded(world2, models, backend):
 def test_dense_module_tp(world2, models, scheme):
     """o_proj, the MLP, the embedding and lm_head TP'd over both dp ranks: quantized shards of the group's
     slices (int4 groups of 32 split over the ranks); W8A8 rounds each token with its whole row's scale."""
-    from functional_npu import split_dp
+    from functional_npu import Plan, split_dp
     from functional_npu.cli.runner import generate_on_rank, in_prompt_order
 
     path, prompts, _, ref_tokens, margins = models[f"qwen3-{scheme}"]
-    axes, plan = split_dp({"dp": 2, "tp": 1}, dict.fromkeys(("o_proj", "mlp", "embed", "lm_head"), 2))
-    results = world2.run(generate_on_rank, path, axes, prompts, NEW, backend="none", module_tp=plan)
+    axes, module_tp = split_dp({"dp": 2, "tp": 1}, dict.fromkeys(("o_proj", "mlp", "embed", "lm_head"), 2))
+    results = world2.run(generate_on_rank, path, axes, prompts, NEW, backend="none", plan=Plan(module_tp=module_tp))
     for i, (got, want) in enumerate(zip(in_prompt_order(results, len(prompts)), ref_tokens)):
         parted = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
         assert parted is None or (scheme == "w8a8" and margins[i][parted] < 1e-3), (i, got, want)

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_npu import Mesh, ep_to_tp, expert_layouts, fused, shard, sharded, tp_to_ep, unshard
+from functional_npu import Mesh, fused, shard, sharded, unshard
+from functional_npu.interop import ep_to_tp, expert_layouts, tp_to_ep
 from functional_npu.parallel.ep_tp import _pack, _unpack
 
 from ..support.strategies import make_tensor

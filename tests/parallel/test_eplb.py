@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_npu import (
-    Mesh,
+from functional_npu import Mesh
+from functional_npu.core.tree import flatten_with_paths
+from functional_npu.eplb import (
     default_placement,
     plan_rebalance,
     rank_program,
@@ -14,7 +15,6 @@ from functional_npu import (
     routing_table,
     validate_placement,
 )
-from functional_npu.core.tree import flatten_with_paths
 from functional_npu.parallel.eplb import _assemble, _send_rows
 
 from ..support.eplb_workers import expert_weights, moe_params, placed

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_npu import balanced_placement, default_placement, plan_rebalance, routing_table, validate_placement
+from functional_npu.eplb import balanced_placement, default_placement, plan_rebalance, routing_table, validate_placement
 
 
 @st.composite

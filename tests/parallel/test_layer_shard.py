@@ -1,5 +1,6 @@
 """Layer-sharded weight series: layouts, loading only owned layers, prefetch schedule, parity, memory."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,11 +8,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from functional_npu import Mesh, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
+from functional_npu import Mesh, Plan, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
 from functional_npu.cli.timeline import prefetch_timeline
 from functional_npu.models import init_state, llama
 from functional_npu.parallel.layer_shard import (
-    LayerShard,
     layer_shard,
     owned_layers,
     resident_bytes,
@@ -68,9 +68,9 @@ def test_series_names_and_errors():
         match=r"layer_shard: series 'o_proj' is already sharded over mesh axis 'tp'; "
         r"layer-shard it over an axis it is replicated on \(dp\)",
     ):
-        check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 2}), layer_shard=layer_shard("o_proj", "tp"))
+        check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 2}), Plan(layer_shard=layer_shard("o_proj", "tp")))
     with pytest.raises(ValueError, match=r"layer_shard axis 'pp' is not an axis of the mesh \{'dp': 2, 'tp': 1\}"):
-        check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 1}), layer_shard=layer_shard("o_proj", "pp"))
+        check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 1}), Plan(layer_shard=layer_shard("o_proj", "pp")))
 
 
 @given(
@@ -123,11 +123,11 @@ def test_load_reads_only_owned_layers(qwen3, n, tp):
     for r in range(n * tp):
         c = r // tp
         names: list[str] = []
-        local = load_checkpoint(qwen3[0], mesh.at(r), layer_shard=ls, on_read=lambda name, _: names.append(name))
+        local = load_checkpoint(qwen3[0], mesh.at(r), Plan(layer_shard=ls), on_read=lambda name, _: names.append(name))
         read_layers = {int(x.split(".")[2]) for x in names if ".o_proj." in x or ".down_proj." in x}
         assert read_layers == set(owned_layers(LAYERS, n, c))
         assert local["series"]["o_proj"].shape[0] == len(owned_layers(LAYERS, n, c))
-        assert isinstance(local["layer_shard"], LayerShard) and "o_proj" not in local["layers"][0]
+        assert local["plan"].layer_shard == ls and "o_proj" not in local["layers"][0]
         if full_stacked is not None and c == 0:
             assert torch.equal(local["series"]["down"], full_stacked["series"]["down"][0::n])
 
@@ -192,7 +192,7 @@ def test_moe_attention_projections_layer_sharded_match_transformers(request, wor
     qwen3_moe = request.getfixturevalue("qwen3_moe")
     ls = layer_shard("layer", "dp")
     moe_cfg = load_checkpoint(qwen3_moe[0], Mesh.abstract({"tp": 1}, 0))["config"]
-    meta, _ = check_plan(moe_cfg, Mesh.abstract({"dp": 2, "tp": 1}), layer_shard=ls)
+    meta, _ = check_plan(moe_cfg, Mesh.abstract({"dp": 2, "tp": 1}), Plan(layer_shard=ls))
     assert set(meta["series"]) == {"attn_norm", "qkv", "q_norm", "k_norm", "o_proj", "mlp_norm"}
 
 
@@ -247,15 +247,15 @@ def _qwen3_cfg():
 
 def test_prefetch_step_errors(qwen3):
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
-    params = load_checkpoint(qwen3[0], mesh, layer_shard=layer_shard("o_proj"))
+    params = load_checkpoint(qwen3[0], mesh, Plan(layer_shard=layer_shard("o_proj")))
     with pytest.raises(
         ValueError,
         match=r"prefetch_step must be an int with 0 <= k <= num_layers - 2 = 4 \(the model has 6 layers\), got 5",
     ):
-        compile_model(params, mesh, prefetch_step=5)
+        compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=5))
     with pytest.raises(ValueError, match=r"got -1"):
-        compile_model(params, mesh, prefetch_step=-1)
-    model = compile_model(params, mesh, prefetch_step=1)
+        compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=-1))
+    model = compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=1))
     with pytest.raises(
         ValueError, match=r"prefill: a model compiled with prefetch_step=1 needs a state from new_state\(\)"
     ):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from functional_npu import Mesh, ModuleTP, split_dp, with_module_tp
+from functional_npu import Mesh, ModuleTP, Plan, split_dp
 from functional_npu.models import LlamaConfig, llama, moe
 from functional_npu.runtime.plan import check_plan
 
@@ -67,32 +67,32 @@ def test_split_refuses_sizes_that_do_not_nest():
 
 def test_layouts_cut_each_module_over_its_group_and_tp():
     axes, plan = split_dp({"dp": 4, "tp": 2}, {"o_proj": 2, "lm_head": 4, "embed": 4, "mlp": 2})
-    specs = llama.param_specs(with_module_tp(CFG, plan))
+    specs = llama.param_specs(CFG, Plan(module_tp=plan))
     layer = specs["layers"][0]
     assert layer["o_proj"].dims[1].axes == ("dp2", "tp")
     assert layer["gate_up"].dims[0].axes == ("dp2", "tp") and layer["down"].dims[1].axes == ("dp2", "tp")
     assert specs["lm_head"].dims[0].axes == ("dp4", "dp2", "tp") == specs["embed"].dims[0].axes
     assert layer["qkv"].dims[0].axes == ("tp",)  # attention stays data-parallel (tp inside)
-    _, layouts = check_plan(with_module_tp(CFG, plan), Mesh.abstract(axes))
+    _, layouts = check_plan(CFG, Mesh.abstract(axes), Plan(module_tp=plan))
     assert layouts["lm_head"].dims[0].axes == ("dp4", "dp2", "tp")
 
 
-def _refused(cfg, axes, message):
+def _refused(cfg, axes, message, **plan):
     with pytest.raises(ValueError, match=message):
-        check_plan(cfg, Mesh.abstract(axes), where="m")
+        check_plan(cfg, Mesh.abstract(axes), Plan(**plan), where="m")
 
 
 def test_plans_a_mesh_or_config_cannot_serve_are_refused():
     axes = {"dp": 2, "dp2": 2, "tp": 2}
-    _refused(with_module_tp(CFG, ModuleTP(o_proj="otp")), axes, r"o_proj TP over mesh axes \('otp',\): 'otp' is not")
-    _refused(with_module_tp(CFG, ModuleTP(mlp=("dp2", "tp"))), axes, "the tensor-parallel axis 'tp' is already")
-    _refused(with_module_tp(CFG, ModuleTP(mlp=("dp2", "dp"))), axes, "must be distinct and in mesh order")
-    _refused(with_module_tp(CFG, ModuleTP(embed="dp2")), {"dp": 2, "tp": 2, "dp2": 2}, "must precede 'tp'")
+    _refused(CFG, axes, r"o_proj TP over mesh axes \('otp',\): 'otp' is not", module_tp=ModuleTP(o_proj="otp"))
+    _refused(CFG, axes, "the tensor-parallel axis 'tp' is already", module_tp=ModuleTP(mlp=("dp2", "tp")))
+    _refused(CFG, axes, "must be distinct and in mesh order", module_tp=ModuleTP(mlp=("dp2", "dp")))
+    _refused(CFG, {"dp": 2, "tp": 2, "dp2": 2}, "must precede 'tp'", module_tp=ModuleTP(embed="dp2"))
     tied = dataclasses.replace(CFG, tie_word_embeddings=True)
-    _refused(with_module_tp(tied, ModuleTP(lm_head="dp2")), axes, "lm_head TP over .* with tied embeddings")
+    _refused(tied, axes, "lm_head TP over .* with tied embeddings", module_tp=ModuleTP(lm_head="dp2"))
     big = dataclasses.replace(CFG, vocab_size=120)  # 120 rows over 2 x 2 x 2 = 8 ranks: 15 each; over 16: no
-    check_plan(with_module_tp(big, ModuleTP(embed=("dp", "dp2"))), Mesh.abstract(axes))
-    _refused(with_module_tp(big, ModuleTP(embed=("dp", "dp2"))), {"dp": 4, "dp2": 2, "tp": 2}, r"specs\['embed'\]")
+    check_plan(big, Mesh.abstract(axes), Plan(module_tp=ModuleTP(embed=("dp", "dp2"))))
+    _refused(big, {"dp": 4, "dp2": 2, "tp": 2}, r"specs\['embed'\]", module_tp=ModuleTP(embed=("dp", "dp2")))
 
 
 def test_module_tp_with_experts_over_the_same_ranks_is_refused():
@@ -105,10 +105,9 @@ def test_module_tp_with_experts_over_the_same_ranks_is_refused():
         moe_intermediate_size=32,
         norm_topk_prob=True,
         moe_layers=(0, 1),
-        expert_axes=("dp2", "tp"),
     )
     axes = {"dp": 1, "dp2": 2, "tp": 2}
-    _refused(with_module_tp(cfg, ModuleTP(o_proj="dp2")), axes, "module TP and expert parallelism over the same")
-    dense_experts = dataclasses.replace(cfg, expert_axes=())
-    _refused(with_module_tp(dense_experts, ModuleTP(mlp="dp2")), axes, "every layer of this .* is an MoE layer")
-    check_plan(with_module_tp(dense_experts, ModuleTP(o_proj="dp2")), Mesh.abstract(axes))  # o_proj TP serves
+    o_proj = ModuleTP(o_proj="dp2")
+    _refused(cfg, axes, "module TP and expert parallelism over the same", module_tp=o_proj, expert_axes=("dp2", "tp"))
+    _refused(cfg, axes, "every layer of this .* is an MoE layer", module_tp=ModuleTP(mlp="dp2"))
+    check_plan(cfg, Mesh.abstract(axes), Plan(module_tp=o_proj))  # o_proj TP serves with the experts replicated

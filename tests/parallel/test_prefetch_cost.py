@@ -1,5 +1,6 @@
 """The prefetch cost model and ``prefetch_step="auto"``: properties of the simulated schedule and of the choice."""
 
+import dataclasses
 import math
 
 import pytest
@@ -107,14 +108,13 @@ def test_auto_on_layer_sharded_params(qwen3_params):
     from functional_npu.runtime.compile import compile_model
 
     params, mesh = qwen3_params
+    auto = dataclasses.replace(params["plan"], prefetch_step="auto")
     o, down = params["series"]["o_proj"], params["series"]["down"]
     assert layer_bytes(params) == (o[0].numel() + down[0].numel()) * 4
     for name in DEVICES:
         k = auto_step(params, device=name)
         assert 0 <= k <= params["config"].num_layers - 2
-        assert (
-            compile_model(params, mesh, backend="none", prefetch_step="auto", prefetch_device=name).prefetch_step == k
-        )
+        assert compile_model(params, mesh, backend="none", plan=auto, prefetch_device=name).prefetch_step == k
     assert auto_step(params, device=DEVICES["host"], budget_bytes=layer_bytes(params)) == 0  # one buffer: k = 0
     with pytest.raises(ValueError, match=r"does not hold one layer of o_proj,down \(\d+ bytes"):
         auto_step(params, budget_bytes=layer_bytes(params) - 1)
@@ -124,6 +124,7 @@ def test_auto_on_layer_sharded_params(qwen3_params):
 
 @pytest.fixture(scope="module")
 def qwen3_params(tmp_path_factory):
+    from functional_npu import Plan
     from functional_npu.core.mesh import Mesh
     from functional_npu.parallel.layer_shard import layer_shard
     from functional_npu.runtime.checkpoint import load_checkpoint
@@ -133,7 +134,7 @@ def qwen3_params(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_auto")
     save_tiny("qwen3", path, 3, num_hidden_layers=6)
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
-    return load_checkpoint(str(path), mesh, layer_shard=layer_shard("o_proj,down_proj")), mesh
+    return load_checkpoint(str(path), mesh, Plan(layer_shard=layer_shard("o_proj,down_proj"))), mesh
 
 
 def test_paper_table_rows_follow_the_model():

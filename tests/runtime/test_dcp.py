@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from functional_npu import Mesh, flatten_with_paths
+from functional_npu import Mesh, Plan, flatten_with_paths
 from functional_npu.runtime.checkpoint import load_checkpoint
 
 from ..support.dcp_workers import save_fsdp2_dcp
@@ -118,6 +118,6 @@ def test_a_dcp_of_fused_experts_loads_into_experts_over_tp(world2, tmp_path):
     runs = world2.run(moe_generate, str(dcp_dir), {"tp": 2}, ("tp",), PROMPTS, NEW, False)
     for rank, (_, _, tokens, read, _) in enumerate(runs):
         assert tokens == want
-        local = load_checkpoint(dcp_dir, Mesh.abstract({"tp": 2}, rank), expert_axes=("tp",))
+        local = load_checkpoint(dcp_dir, Mesh.abstract({"tp": 2}, rank), Plan(expert_axes=("tp",)))
         stored = [x for p, x in flatten_with_paths(local) if not p.endswith("expert_map")]  # computed, not read
         assert read == sum(x.numel() * x.element_size() for x in stored)

@@ -21,7 +21,7 @@ def fsdp2_to_tp_generate(ctx, family: str, seed: int, prompts, new: int):
     """The family's tiny model FSDP2-wrapped over the world, its ``state_dict()`` of DTensors resharded straight to
     this library's tp plan (tp = the world), and to a layer-sharded plan (o_proj and down over dp = the world);
     greedy tokens and this rank's traffic for each."""
-    from functional_npu import compile_model, greedy_generate
+    from functional_npu import Plan, compile_model, greedy_generate
     from functional_npu.parallel.layer_shard import layer_shard
     from functional_npu.runtime.checkpoint import read_config
     from functional_npu.runtime.train_state import from_dtensor_state
@@ -35,7 +35,7 @@ def fsdp2_to_tp_generate(ctx, family: str, seed: int, prompts, new: int):
     out["tp"] = greedy_generate(params, prompts, new, mesh), plans[0].traffic[ctx.rank]
     mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
     ls = layer_shard("o_proj,down_proj", "dp")
-    params = from_dtensor_state(model.state_dict(), cfg, mesh, layer_shard=ls, report=plans)
+    params = from_dtensor_state(model.state_dict(), cfg, mesh, Plan(layer_shard=ls), report=plans)
     owned = {leaf: x.shape[0] for leaf, x in params["series"].items()}
     tokens = compile_model(params, mesh, backend="none").generate(prompts, new)  # each layer broadcast by its owner
     out["layer_sharded"] = tokens, plans[1].traffic[ctx.rank], owned
@@ -75,8 +75,7 @@ def moe_states_to_plans(ctx, family: str, seed: int, prompts, new: int, checkpoi
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from functional_npu import greedy_generate
-    from functional_npu.models import moe
+    from functional_npu import Plan, greedy_generate
     from functional_npu.runtime.checkpoint import read_config
     from functional_npu.runtime.train_state import from_dtensor_state
 
@@ -91,9 +90,9 @@ def moe_states_to_plans(ctx, family: str, seed: int, prompts, new: int, checkpoi
     out = {}
     for state_name, state in (("fused", fused), ("per_expert", per_expert)):
         for plan, axes in (("tp", ()), ("ep", ("tp",))):
-            cfg = moe.with_plan(read_config(path), expert_axes=axes)
+            cfg = read_config(path)
             plans: list = []
-            params = from_dtensor_state(state, cfg, mesh, report=plans)
+            params = from_dtensor_state(state, cfg, mesh, Plan(expert_axes=axes), report=plans)
             out[state_name, plan] = (greedy_generate(params, prompts, new, mesh), plans[0].traffic[ctx.rank])
     return out
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from functional_npu import ep_to_tp, expert_layouts, plan_rebalance, rebalance, routing_table, shard, tp_to_ep
+from functional_npu import shard
+from functional_npu.eplb import plan_rebalance, rebalance, routing_table
+from functional_npu.interop import ep_to_tp, expert_layouts, tp_to_ep
 
 from .strategies import make_tensor
 from .workers import compiled

@@ -11,7 +11,7 @@ def module_tp_generate(
     a dict of the prompt indices, each prompt's prefill logits ``[len, V]``, the greedy tokens (generate, decoding
     through the greedy head),
     the greedy head's tokens over the prefill (``decode(greedy=True)``), bytes read and local shapes."""
-    from functional_npu import compile_model, flatten_with_paths, load_checkpoint, split_dp
+    from functional_npu import Plan, compile_model, flatten_with_paths, load_checkpoint, split_dp
     from functional_npu.models import family_of
     from functional_npu.models.decoder import decode
     from functional_npu.parallel.layer_shard import layer_shard
@@ -25,7 +25,8 @@ def module_tp_generate(
         mesh = ctx.mesh(axes)
         read: list[int] = []
         ls = layer_shard(series, "dp") if series else None
-        params = load_checkpoint(model_dir, mesh, module_tp=plan, layer_shard=ls, on_read=lambda _, n: read.append(n))
+        plan = Plan(module_tp=plan, layer_shard=ls, prefetch_step=k)
+        params = load_checkpoint(model_dir, mesh, plan, on_read=lambda _, n: read.append(n))
         d = dp_axes(mesh)
         mine = list(range(mesh.axis_index(d), len(prompts), mesh.axis_size(d)))
         rows, width = [prompts[i] for i in mine], max(len(p) for p in prompts)
@@ -36,7 +37,6 @@ def module_tp_generate(
             batch_sizes=[len(rows)],
             max_seq_len=width + new,
             prefill_lengths=[width],
-            prefetch_step=k,
             greedy_head=True,  # decode steps through the argmax head: (max, index) pairs cross the ranks
         )
         lock = Lockstep.over(len(prompts), mesh.axis_size(d), width, model.batch_sizes)
@@ -46,13 +46,13 @@ def module_tp_generate(
         result["shapes"] = {p: tuple(x.shape) for p, x in leaves}
         result["bytes"] = sum(x.numel() * x.element_size() for p, x in leaves if not p.endswith("expert_map"))
         cfg = params["config"]
-        result["full"] = {p: tuple(x.shape) for p, x in flatten_with_paths(family_of(cfg).abstract_params(cfg))}
+        result["full"] = {p: tuple(x.shape) for p, x in flatten_with_paths(family_of(cfg).abstract_params(cfg, plan))}
         if backend == "none":  # the whole prefill's logits, and the greedy head over it
             ids = torch.zeros(len(rows), width, dtype=torch.long)
             for i, p in enumerate(rows):
                 ids[i, : len(p)] = torch.tensor(p)
             cfg, pos = model.config, torch.arange(width).expand(len(rows), width)
-            blocks = family_of(cfg).blocks(cfg)
+            blocks = family_of(cfg).blocks(cfg, model.plan)
             with torch.no_grad():
                 for greedy in (False, True):
                     state = model.new_state(len(rows))

@@ -101,7 +101,6 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh, kernels=None
     tokens = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
-    state = init_state(params["config"], mesh, len(prompts), width + new_tokens, params["embed"].dtype)
     model = compile_model(
         params,
         mesh,
@@ -111,6 +110,7 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh, kernels=None
         prefill_lengths=[width],
         kernels=kernels,
     )
+    state = init_state(params["config"], mesh, len(prompts), width + new_tokens, params["embed"].dtype, plan=model.plan)
     with torch.no_grad():  # model.params: quantized weights in their kernels' forms
         logits = fwd(model.params, tokens, torch.arange(width).expand(len(prompts), width), state, mesh)
         out = dataclasses.replace(model, forward=fwd).generate(prompts, new_tokens)
@@ -139,9 +139,9 @@ def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_c
 
 def redundant_placement(params, extra: list[int], order: list[int]):
     """Full MoE params moved to a hand-built placement: slots hold experts ``order + extra`` (a permutation of
-    the experts, then redundant copies of hot ones); ``expert_map`` points each expert at all of its slots."""
-    import dataclasses
-
+    the experts, then redundant copies of hot ones); ``expert_map`` points each expert at all of its slots. The
+    params' plan counts the slots and copies."""
+    from functional_npu import Plan
     from functional_npu.models import moe
 
     cfg = params["config"]
@@ -151,7 +151,7 @@ def redundant_placement(params, extra: list[int], order: list[int]):
     for e in range(cfg.num_experts):
         where = [s for s, x in enumerate(slots) if x == e]
         table[e, : len(where)] = torch.tensor(where)
-    new_cfg = dataclasses.replace(cfg, num_slots=len(slots), max_copies=copies)
+    plan = Plan(num_slots=len(slots), max_copies=copies)
     layers = []
     for layer in params["layers"]:
         if "router" in layer:
@@ -161,8 +161,8 @@ def redundant_placement(params, extra: list[int], order: list[int]):
                 "expert_map": table,
             }
         layers.append(layer)
-    assert moe.param_specs(new_cfg)  # the placement is a valid plan
-    return params | {"config": new_cfg, "layers": layers}
+    assert moe.param_specs(cfg, plan)  # the placement is a valid plan
+    return params | {"plan": plan, "layers": layers}
 
 
 def moe_generate(
@@ -180,21 +180,22 @@ def moe_generate(
     rotated by i. Returns (rotation, prefill logits, greedy tokens, bytes read, dynamo ops)."""
     import dataclasses
 
-    from functional_npu import Mesh
+    from functional_npu import Mesh, Plan
     from functional_npu.core.shard import shard
     from functional_npu.models import forward, moe
     from functional_npu.runtime.checkpoint import load_checkpoint
 
     mesh = ctx.mesh(axes) if ctx is not None else Mesh.abstract(axes, 0)
     read: list[int] = []
+    plan = Plan(expert_axes=expert_axes, dispatch_threshold=8 if threshold is None else threshold)
     if placement is None:
-        params = load_checkpoint(model_dir, mesh, expert_axes=expert_axes, on_read=lambda name, n: read.append(n))
+        params = load_checkpoint(model_dir, mesh, plan, on_read=lambda name, n: read.append(n))
     else:  # the whole model on this rank, moved to the placement, then sharded for the mesh
         full = redundant_placement(load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0)), *placement)
-        full["config"] = moe.with_plan(full["config"], expert_axes=expert_axes)
-        params = shard(full, moe.param_specs(full["config"]), mesh)
-    if threshold is not None:
-        params["config"] = dataclasses.replace(params["config"], dispatch_threshold=threshold)
+        plan = dataclasses.replace(
+            full["plan"], expert_axes=plan.expert_axes, dispatch_threshold=plan.dispatch_threshold
+        )
+        params = shard(full, moe.param_specs(full["config"], plan), mesh) | {"plan": plan}
     rot = mesh.axis_index("dp") if "dp" in axes else 0
     prompts = prompts[rot:] + prompts[:rot]
     ops: list[str] = []

@@ -1,0 +1,223 @@
+"""The parallel plan: one immutable value holding every technique's choice over the mesh.
+
+A model config says what a checkpoint holds; a :class:`Plan` says where each piece of it lives and
+how the forward moves it, as JAX keeps ``NamedSharding(mesh, PartitionSpec)`` apart from the function:
+
+- ``tp``: the tensor-parallel mesh axis (attention heads, MLP columns, the vocab);
+- ``expert_axes``, ``num_slots``, ``max_copies``, ``dispatch_threshold``: expert parallelism
+  (:mod:`functional_npu.models.experts`);
+- ``module_tp``: modules tensor-parallel over data-parallel axes too (:mod:`.module_tp`);
+- ``layer_shard`` and ``prefetch_step`` / ``prefetch_budget``: layer-sharded weight series and how far
+  ahead they are fetched (:mod:`.layer_shard`, :mod:`.prefetch`, ``"auto"``: :mod:`.prefetch_cost`);
+- ``absorb``, ``mla_cache``: multi-head latent attention's decode path and cache (:mod:`functional_npu.models.mla`);
+- ``model``: the architecture the plan was made for (``None``: any), so a plan kept for one model is
+  refused by name on another.
+
+The plan is built once (in Python, from the CLI's flags, or from a dict / JSON file with
+:meth:`Plan.from_dict` / :meth:`Plan.from_json`), checked once against the model config and the mesh
+(:func:`functional_npu.runtime.plan.check_plan`), and passed to ``load_checkpoint``, ``compile_model``
+and ``from_dtensor_state``; loaded params carry it as ``params["plan"]``. A changed plan is
+``dataclasses.replace(plan, field=value)`` (the one setter: values are normalized and checked on
+construction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ..core.tree import register_static
+from .layer_shard import LAYER_LEAVES, LayerShard, layer_shard
+from .module_tp import MODULES, ModuleTP
+
+__all__ = ["Plan", "LAYOUT_FIELDS", "EXPERT_FIELDS", "MLA_FIELDS", "MLA_CACHES"]
+
+MLA_CACHES = ("latent", "heads")
+# fields that decide the params' layouts (params loaded for one plan run only under a plan agreeing on these)
+LAYOUT_FIELDS = ("tp", "expert_axes", "num_slots", "max_copies", "module_tp", "layer_shard")
+# fields only a family with experts / with latent attention reads (a family declares them, models.family)
+EXPERT_FIELDS = ("expert_axes", "num_slots", "max_copies", "dispatch_threshold")
+MLA_FIELDS = ("absorb", "mla_cache")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """Every parallel choice for one model over one mesh's axis names (see the module docstring).
+
+    Attributes:
+        tp: the tensor-parallel mesh axis (size 1 for none).
+        expert_axes: mesh axes the expert slots are sharded over (``()``: every rank holds every expert).
+        num_slots: physical expert slots (experts plus redundant copies; ``None``: one per expert).
+        max_copies: the most slots one expert has (the width of each MoE layer's ``expert_map``).
+        dispatch_threshold: tokens per rank at or below which experts gather tokens instead of exchanging them.
+        module_tp: modules tensor-parallel over data-parallel axes too (a :class:`ModuleTP` or a dict).
+        layer_shard: layer-sharded series (a :class:`LayerShard`, or ``"o_proj,down"`` over ``"dp"``).
+        prefetch_step: fetch layer ``l + k``'s series while layer ``l`` computes; ``"auto"``: the cost model's k.
+        prefetch_budget: for ``"auto"``: the most bytes the ``k + 1`` live prefetch buffers may take.
+        absorb: latent attention's decode steps attend in the latent space.
+        mla_cache: latent attention's cache, ``"latent"`` or ``"heads"`` (every head's keys and values).
+        model: the architecture this plan was made for (``None``: any).
+
+    Example:
+        >>> plan = Plan(tp="tp", layer_shard="o_proj,down", prefetch_step=1)
+        >>> plan.layer_shard
+        LayerShard('dp', ['o_proj', 'down'])
+    """
+
+    tp: str = "tp"
+    expert_axes: tuple[str, ...] = ()
+    num_slots: int | None = None
+    max_copies: int = 1
+    dispatch_threshold: int = 8
+    module_tp: ModuleTP = ModuleTP()
+    layer_shard: LayerShard | None = None
+    prefetch_step: int | str = 0
+    prefetch_budget: float | None = None
+    absorb: bool = True
+    mla_cache: str = "latent"
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        _set = object.__setattr__
+        if not _axis_name(self.tp):
+            raise ValueError(f"Plan.tp must be a mesh axis name such as 'tp', got {self.tp!r}")
+        axes = (self.expert_axes,) if isinstance(self.expert_axes, str) else self.expert_axes
+        if not isinstance(axes, (tuple, list)) or not all(_axis_name(a) for a in axes):
+            raise ValueError(f"Plan.expert_axes must be mesh axis names such as ('dp', 'tp'), got {self.expert_axes!r}")
+        _set(self, "expert_axes", tuple(axes))
+        if isinstance(self.module_tp, Mapping):
+            unknown = sorted(set(self.module_tp) - set(MODULES))
+            if unknown:
+                raise ValueError(f"Plan.module_tp: unknown modules {unknown}; choose from {MODULES}")
+            _set(self, "module_tp", ModuleTP(**self.module_tp))
+        elif not isinstance(self.module_tp, ModuleTP):
+            raise ValueError(f"Plan.module_tp must be a ModuleTP or a dict of module -> axes, got {self.module_tp!r}")
+        _set(self, "layer_shard", _layer_shard(self.layer_shard))
+        _check_ints(self)
+        if self.prefetch_step != "auto" and not _int(self.prefetch_step, 0):
+            raise ValueError(f"Plan.prefetch_step must be an int >= 0 or 'auto', got {self.prefetch_step!r}")
+        budget = self.prefetch_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+            raise ValueError(f"Plan.prefetch_budget must be a positive number of bytes (or None), got {budget!r}")
+        if not isinstance(self.absorb, bool):
+            raise ValueError(f"Plan.absorb must be True or False, got {self.absorb!r}")
+        if self.mla_cache not in MLA_CACHES:
+            raise ValueError(f"Plan.mla_cache must be one of {MLA_CACHES}, got {self.mla_cache!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"Plan.model must be an architecture name such as 'Qwen3ForCausalLM', got {self.model!r}")
+
+    def slots(self, num_experts: int) -> int:
+        """Physical expert slots for a model of ``num_experts`` experts."""
+        return self.num_slots or num_experts
+
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from the default plan's."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def layout_key(self) -> tuple:
+        """The fields that decide the params' layouts (params loaded under one plan run under another only
+        when these agree)."""
+        return tuple(getattr(self, f) for f in LAYOUT_FIELDS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (read back by :meth:`from_dict`)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, ModuleTP):
+                value = {m: list(a) for m, a in value.items()}
+            elif isinstance(value, LayerShard):
+                value = {"axis": value.axis, "leaves": list(value.leaves)}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any], *, where: str = "plan") -> Plan:
+        """A plan from :meth:`to_dict`'s form (missing fields take their defaults); one line for a bad field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: a plan is a JSON object of fields, got {type(data).__name__}")
+        names = [f.name for f in fields(Plan)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"{where}: unknown plan fields {unknown}; the fields are {names}")
+        try:
+            return Plan(**data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @staticmethod
+    def from_json(source: str | Path) -> Plan:
+        """A plan from a JSON file (a path) or JSON text (a string starting with ``{``)."""
+        text, where = (source, "plan JSON") if str(source).lstrip().startswith("{") else (None, str(source))
+        if text is None:
+            try:
+                text = Path(source).read_text()
+            except OSError as e:
+                raise ValueError(f"{where}: cannot read the plan file ({e.strerror or e})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        return Plan.from_dict(data, where=where)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def __str__(self) -> str:
+        rows = [(f.name, _show(getattr(self, f.name))) for f in fields(self)]
+        width = max(len(n) for n, _ in rows)
+        return "Plan\n" + "\n".join(f"  {n:<{width}}  {v}" for n, v in rows)
+
+
+register_static(Plan)
+
+
+def _axis_name(a: Any) -> bool:
+    return isinstance(a, str) and a.isidentifier()
+
+
+def _int(v: Any, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _check_ints(plan: Plan) -> None:
+    if plan.num_slots is not None and not _int(plan.num_slots, 1):
+        raise ValueError(f"Plan.num_slots must be a positive int (or None: one per expert), got {plan.num_slots!r}")
+    if not _int(plan.max_copies, 1):
+        raise ValueError(f"Plan.max_copies must be a positive int, got {plan.max_copies!r}")
+    if not _int(plan.dispatch_threshold, 0):
+        raise ValueError(f"Plan.dispatch_threshold must be an int >= 0, got {plan.dispatch_threshold!r}")
+
+
+def _layer_shard(value: Any) -> LayerShard | None:
+    """A :class:`LayerShard` from itself, series names (over ``"dp"``) or ``{"axis", "leaves" | "series"}``."""
+    if value is None or isinstance(value, LayerShard):
+        return value
+    if isinstance(value, (str, list, tuple)):
+        return layer_shard(value)
+    if isinstance(value, Mapping) and set(value) in ({"axis", "leaves"}, {"axis", "series"}, {"series"}):
+        if "series" in value:
+            return layer_shard(value["series"], value.get("axis", "dp"))
+        leaves = value["leaves"]
+        bad = [x for x in leaves if x not in LAYER_LEAVES] if isinstance(leaves, (list, tuple)) else [leaves]
+        if bad or not leaves:
+            raise ValueError(f"Plan.layer_shard: unknown leaves {bad or leaves!r}; choose from {LAYER_LEAVES}")
+        return dataclasses.replace(layer_shard(["layer"], value["axis"]), leaves=tuple(leaves))
+    raise ValueError(
+        f"Plan.layer_shard must be a LayerShard, series names like 'o_proj,down', or "
+        f'{{"axis": "dp", "series": "o_proj,down"}}, got {value!r}'
+    )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, ModuleTP):
+        return ", ".join(f"{m} over {a}" for m, a in value.items()) or "none"
+    if isinstance(value, LayerShard):
+        return f"{', '.join(value.leaves)} over {value.axis!r}"
+    return repr(value)

@@ -1,0 +1,216 @@
+"""The parallel plan as one value: built from Python, a dict or JSON alike; checked once against the model and
+the mesh, with one line naming the field, the sizes and a fix; shown as a table of leaves, layouts and bytes."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from functional_npu import LayerShard, Mesh, ModuleTP, Plan, check_plan, compile_model, layer_shard, shard
+from functional_npu.models import DeepseekConfig, LlamaConfig, family_of, llama, moe
+from functional_npu.models.experts import Routing
+from functional_npu.parallel.layer_shard import SERIES_NAMES
+from functional_npu.runtime.plan import plan_table
+
+DENSE = LlamaConfig(
+    architecture="Qwen3ForCausalLM",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    qk_norm=True,
+)
+MOE = moe.MoeConfig(
+    architecture="Qwen3MoeForCausalLM",
+    base=DENSE,
+    num_experts=8,
+    top_k=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    moe_layers=(1, 3),
+)
+MLA = DeepseekConfig(
+    architecture="DeepseekV3ForCausalLM",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    num_experts=8,
+    top_k=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routing=Routing(scoring="sigmoid", group_limit="top2", n_group=2, topk_group=1),
+)
+AXES = ("dp", "tp", "ep")
+
+
+@st.composite
+def plans(draw):
+    """Any well-formed plan over the axes ``AXES`` (whether it fits a model is the check's business)."""
+    module_tp = {
+        m: tuple(draw(st.lists(st.sampled_from(("dp", "dp2")), max_size=2, unique=True)))
+        for m in "o_proj,lm_head,embed,mlp".split(",")
+    }
+    series = draw(st.lists(st.sampled_from(sorted(SERIES_NAMES)), min_size=1, max_size=3, unique=True))
+    return Plan(
+        tp=draw(st.sampled_from(AXES)),
+        expert_axes=tuple(draw(st.lists(st.sampled_from(AXES), max_size=2, unique=True))),
+        num_slots=draw(st.none() | st.integers(1, 64)),
+        max_copies=draw(st.integers(1, 4)),
+        dispatch_threshold=draw(st.integers(0, 64)),
+        module_tp=ModuleTP(**module_tp),
+        layer_shard=draw(st.none() | st.just(layer_shard(series, draw(st.sampled_from(AXES))))),
+        prefetch_step=draw(st.sampled_from(["auto", 0, 1, 2, 7])),
+        prefetch_budget=draw(st.none() | st.floats(1.0, 1e12)),
+        absorb=draw(st.booleans()),
+        mla_cache=draw(st.sampled_from(["latent", "heads"])),
+        model=draw(st.none() | st.sampled_from(["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])),
+    )
+
+
+@given(plans())
+def test_a_plan_survives_dict_and_json_and_is_hashable(plan):
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert hash(plan) == hash(Plan.from_dict(plan.to_dict()))
+    assert dataclasses.replace(plan, dispatch_threshold=3).layout_key() == plan.layout_key()  # decides no layout
+
+
+def test_one_setter_normalizes_what_it_is_given():
+    plan = dataclasses.replace(Plan(), expert_axes="dp", module_tp={"o_proj": "dp2"}, layer_shard="o_proj,down")
+    assert plan.expert_axes == ("dp",) and plan.module_tp == ModuleTP(o_proj=("dp2",))
+    assert plan.layer_shard == LayerShard("dp", ("o_proj", "down"))
+    assert Plan(layer_shard={"axis": "tp", "series": "layer"}).layer_shard.axis == "tp"
+    text = str(plan)
+    assert "o_proj over ('dp2',)" in text and "o_proj, down over 'dp'" in text
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"tp": ""}, r"Plan.tp must be a mesh axis name such as 'tp', got ''"),
+        ({"expert_axes": [1]}, r"Plan.expert_axes must be mesh axis names"),
+        ({"max_copies": 0}, r"Plan.max_copies must be a positive int, got 0"),
+        ({"dispatch_threshold": True}, r"Plan.dispatch_threshold must be an int >= 0, got True"),
+        ({"prefetch_step": "soon"}, r"Plan.prefetch_step must be an int >= 0 or 'auto', got 'soon'"),
+        ({"prefetch_budget": -1}, r"Plan.prefetch_budget must be a positive number of bytes"),
+        ({"mla_cache": "dense"}, r"Plan.mla_cache must be one of \('latent', 'heads'\), got 'dense'"),
+        ({"module_tp": {"attn": "dp"}}, r"Plan.module_tp: unknown modules \['attn'\]"),
+        ({"layer_shard": {"axis": "dp", "leaves": ["q_a"]}}, r"Plan.layer_shard: unknown leaves \['q_a'\]"),
+        ({"layer_shard": 3}, r"Plan.layer_shard must be a LayerShard, series names"),
+        ({"layer_shard": "o_proj,bogus"}, r"layer_shard: unknown series \['bogus'\]"),
+    ],
+)
+def test_bad_fields_are_one_line_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Plan(**fields)
+    with pytest.raises(ValueError, match=r"^p.json: "):  # read from a file: the file names the line
+        Plan.from_dict(fields, where="p.json")
+
+
+def test_bad_plan_files_name_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"nope.json: cannot read the plan file"):
+        Plan.from_json(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{tp: 1")
+    with pytest.raises(ValueError, match=r"bad.json: not JSON \(.* at line 1 column 2\)"):
+        Plan.from_json(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"list.json: a plan is a JSON object of fields, got list"):
+        Plan.from_json(tmp_path / "list.json")
+
+
+@pytest.mark.parametrize(
+    "cfg, fields, message",
+    [
+        (DENSE, {"model": "DeepseekV3ForCausalLM"}, r"the plan was made for DeepseekV3ForCausalLM, but this model is "),
+        (DENSE, {"expert_axes": ("tp",)}, r"plan.expert_axes=\('tp',\) needs a mixture-of-experts model"),
+        (DENSE, {"num_slots": 16}, r"plan.num_slots=16 needs a mixture-of-experts model, but this is a Qwen3"),
+        (MOE, {"mla_cache": "heads"}, r"plan.mla_cache='heads' needs multi-head latent attention, .* drop it"),
+        (DENSE, {"absorb": False}, r"plan.absorb=False needs multi-head latent attention"),
+        (DENSE, {"tp": "mp"}, r"the mesh \{'dp': 2, 'tp': 2\} has no 'mp' axis; add one"),
+        (MOE, {"expert_axes": ("ep",)}, r"plan.expert_axes names axis 'ep', but the mesh"),
+        (MOE, {"num_slots": 6}, r"plan.num_slots=6 is fewer than the model's 8 experts"),
+        (DENSE, {"layer_shard": layer_shard("o_proj", "pp")}, r"layer_shard axis 'pp' is not an axis of the mesh"),
+        (DENSE, {"layer_shard": "q_b_proj"}, r"plan.layer_shard \['q_b_proj'\] names no leaf every layer of this "),
+        (MOE, {"layer_shard": "gate_up", "module_tp": {}}, r"names no leaf every layer .* layer-shard some of"),
+        (DENSE, {"layer_shard": "o_proj", "prefetch_step": 3}, r"prefetch_step must be an int with 0 <= k <= "),
+        (MOE, {"module_tp": {"o_proj": "dp"}, "expert_axes": ("dp",)}, r"module TP and expert parallelism over"),
+    ],
+)
+def test_a_plan_that_does_not_fit_the_model_or_mesh_is_refused_once_in_one_line(cfg, fields, message):
+    with pytest.raises(ValueError, match=message) as e:
+        check_plan(cfg, Mesh.abstract({"dp": 2, "tp": 2}), Plan(**fields), where="m")
+    assert "\n" not in str(e.value) and str(e.value).startswith("m: ")
+
+
+def test_a_plan_for_another_model_loads_nothing(tmp_path):
+    """The loader checks the plan before opening a weight file: a directory with only config.json is enough."""
+    from functional_npu import load_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps(DENSE.to_hf()))
+    with pytest.raises(ValueError, match=r"made for MixtralForCausalLM, but this model is a Qwen3ForCausalLM"):
+        load_checkpoint(tmp_path, Mesh.abstract({"tp": 1}, 0), Plan(model="MixtralForCausalLM"))
+
+
+def test_model_configs_hold_no_plan_field():
+    """What the checkpoint says stays in the config; every parallel choice is the plan's."""
+    plan_fields = {f.name for f in dataclasses.fields(Plan)}
+    for cfg in (DENSE, MOE, MLA):
+        assert not plan_fields & {f.name for f in dataclasses.fields(cfg)}, type(cfg).__name__
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE, MLA], ids=lambda c: c.architecture)
+def test_the_table_counts_every_rank_s_bytes(cfg):
+    """Each row's bytes are the largest rank's share of that leaf; the total is the largest rank's sum,
+    counted independently here from the shards ``shard`` cuts at every coordinate."""
+    mesh = Mesh.abstract({"dp": 2, "tp": 2})
+    plan = Plan(layer_shard="o_proj", prefetch_step=1, expert_axes=("dp", "tp") if cfg is not DENSE else ())
+    text = plan_table(cfg, mesh, plan)
+    family = family_of(cfg)
+    full = family.init_params(cfg) if cfg is not MOE else moe.init_params(cfg)
+    from functional_npu.parallel.layer_shard import series_specs, stack_series
+
+    specs = series_specs(family.param_specs(cfg, plan), plan.layer_shard, cfg.num_layers)
+    most = max(
+        sum(
+            x.numel() * x.element_size()
+            for x in torch.utils._pytree.tree_leaves(
+                shard(stack_series(full, plan.layer_shard), specs, mesh, coordinate=r)
+            )
+        )
+        for r in range(mesh.size)
+    )
+    assert text.splitlines()[-1] == f"total bytes per rank: {most:,} (most)"
+    assert "series.o_proj" in text and "cyclic(dp, " in text
+    if cfg is not DENSE:
+        assert "layers.1.experts_gate_up" in text or "layers.*.experts_gate_up" in text
+
+
+def test_compile_refuses_a_plan_that_changes_a_layout_but_takes_one_that_does_not():
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = shard(llama.init_params(DENSE), llama.param_specs(DENSE), mesh) | {"plan": Plan()}
+    with pytest.raises(ValueError, match=r"loaded for another plan \(tp='tp', given tp='x'\)"):
+        compile_model(params, Mesh.abstract({"x": 1}, 0), plan=Plan(tp="x"), backend="none")
+    model = compile_model(params, mesh, plan=Plan(prefetch_budget=1e6), backend="none")
+    assert model.plan.prefetch_budget == 1e6 and model.params["plan"] is model.plan
+    assert math.isfinite(float(model.generate([[1, 2, 3]], 2)[0][0]))
