@@ -135,7 +135,7 @@ def choose_k(
     every broadcast (see :func:`exposed`). Where it does not, no ``k`` hides the difference in the
     steady state, but the covering ``k`` still absorbs a slow broadcast: measured on an emulated link
     with broadcast and compute within 10% of each other, ``k = 1`` left 17-21% exposed and ``k = 2``
-    4-14% (see the README).
+    4-14% (see benchmarks/README.md).
 
     Args:
         layer_bytes: bytes one layer's broadcast moves (every layer-sharded series, coalesced).
@@ -175,7 +175,7 @@ def choose_k(
 # ---- prefetch_step="auto" on real params --------------------------------------------------------
 # Named devices: a roofline (memory bandwidth, dense FLOP/s of the weights' dtype) and the link a
 # layer-shard broadcast runs on. Sources are in each record; "host" is this project's CI-class
-# machine, measured (see the README's prefetch section).
+# machine, measured (see benchmarks/README.md, layer-sharded decode with prefetch).
 DEVICES: dict[str, Device] = {
     "ascend-910b": Device(
         "ascend-910b",
