@@ -25,7 +25,7 @@ from .parallel.module_tp import ModuleTP, split_dp
 from .parallel.plan import Plan
 from .runtime.checkpoint import load_checkpoint, read_config
 from .runtime.compile import CompiledModel, compile_model, greedy_generate
-from .runtime.plan import check_plan
+from .runtime.plan import check_plan, plan_table
 from .runtime.train_state import from_dtensor_state
 
 __version__ = "0.1.0"
@@ -77,6 +77,7 @@ __all__ = [
     "LayerShard",
     "layer_shard",
     "check_plan",
+    "plan_table",
     # load, compile, generate
     "load_checkpoint",
     "read_config",

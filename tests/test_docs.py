@@ -11,8 +11,6 @@ from .support import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 README_MAX_LINES = 300
-# pages another branch is writing: a link to one passes while it is absent (drop the entry once it lands)
-AWAITED = {ROOT / "docs" / "plan.md"}
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -68,15 +66,8 @@ def test_relative_links_resolve():
                 continue
             file, _, anchor = target.partition("#")
             path = (page.parent / file).resolve() if file else page
-            if path in AWAITED and not path.exists():
-                continue
             if not path.exists():
                 bad.append(f"{_name(page)}: {target} (no such file)")
             elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
                 bad.append(f"{_name(page)}: {target} (no such heading)")
     assert not bad, "broken links:\n" + "\n".join(bad)
-
-
-def test_awaited_pages_are_still_awaited():
-    landed = [_name(p) for p in AWAITED if p.exists()]
-    assert not landed, f"{landed} exist now: drop them from AWAITED in tests/test_docs.py"

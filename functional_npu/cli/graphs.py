@@ -39,6 +39,7 @@ from ..parallel.layer_shard import layer_shard, series_specs, stack_series
 from ..parallel.module_tp import split_dp
 from ..parallel.plan import Plan
 from ..runtime.launch import LocalWorld, RankContext
+from ..runtime.plan import resolved
 from ..runtime.quant_config import QuantConfig
 from ..runtime.quant_plan import quantize_plan
 
@@ -177,11 +178,15 @@ class Case:
 
     @property
     def plan(self) -> Plan:
-        return Plan(
-            expert_axes=("tp",) if self.family in EXPERTS_OVER_TP else (),
-            module_tp=split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1] if self.module_tp else {},
-            layer_shard=None if self.series is None else layer_shard(self.series, "dp"),
-            prefetch_step=self.k,
+        """The case's plan, its series resolved for the config (leaf names)."""
+        return resolved(
+            self.config,
+            Plan(
+                expert_axes=("tp",) if self.family in EXPERTS_OVER_TP else (),
+                module_tp=split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1] if self.module_tp else {},
+                layer_shard=None if self.series is None else layer_shard(self.series, "dp"),
+                prefetch_step=self.k,
+            ),
         )
 
 

@@ -12,7 +12,7 @@
 from . import deepseek, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
-from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state
+from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, series_leaves
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -29,6 +29,7 @@ __all__ = [
     "family_of",
     "forward",
     "init_state",
+    "series_leaves",
     "Blocks",
     "DecodeState",
 ]

@@ -39,6 +39,10 @@ __all__ = [
     "DeepseekConfig",
     "ARCHITECTURES",
     "LINEARS",
+    "SIZE_FIELDS",
+    "LAYER_LEAVES",
+    "SERIES_ALIASES",
+    "unread",
     "hf_names",
     "abstract_params",
     "init_params",
@@ -54,6 +58,15 @@ LINEARS = (
     "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down",
 )  # fmt: skip
 
+LAYER_LEAVES = (
+    "attn_norm", "q_proj", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj", "o_proj",
+    "mlp_norm", "gate_up", "down",
+)  # fmt: skip
+SERIES_ALIASES = {"down_proj": ("down",)}
+SIZE_FIELDS = (
+    "hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "intermediate_size", "vocab_size", "num_experts", "moe_intermediate_size",
+)  # fmt: skip
 _LAYER = "model.layers.{i}."
 HF_NAMES: dict[str, list[str]] = {
     "embed": ["model.embed_tokens.weight"],
@@ -260,6 +273,12 @@ def _refuse(hf: Mapping[str, Any]) -> None:
 
 
 register_static(DeepseekConfig)
+
+
+def unread(cfg: DeepseekConfig) -> tuple[str, ...]:
+    """Name prefixes of stored tensors the model does not run: the multi-token-prediction layers
+    (``num_nextn_predict_layers``), stored after the decoder's."""
+    return tuple(f"model.layers.{cfg.num_layers + k}." for k in range(cfg.mtp_layers))
 
 
 def hf_names(cfg: DeepseekConfig) -> dict[str, list[str]]:

@@ -16,6 +16,7 @@ import torch
 
 from ..core.mesh import Mesh
 from ..parallel.eplb import EXPERT_LEAVES
+from ..parallel.layer_shard import LayerShard
 from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
 from ..parallel.streams import INLINE, Streams
 from . import deepseek, llama, moe
@@ -24,7 +25,7 @@ from .deepseek import DeepseekConfig
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
-__all__ = ["Family", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state"]
+__all__ = ["Family", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state", "series_leaves"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class Family:
             tensor of the leaf's full shape} where that differs from ``hf_names`` (transformers' fused experts).
         plan_fields: the plan fields this family reads beyond every family's (tp, module TP, layer sharding):
             a plan setting another is refused (:func:`functional_npu.runtime.plan.check_plan`).
+        layer_leaves: the per-layer leaves that can be layer-sharded, in series order (the order a layer's
+            series travel in); ``series_aliases``: other names users give some of them (``down_proj``).
+        sizes: config -> the sizes that fix tensor shapes, by field name (named in the loader's shape errors).
+        unread: config -> name prefixes of tensors a checkpoint stores that the model does not run.
     """
 
     name: str
@@ -62,6 +67,10 @@ class Family:
     linears: frozenset[str] = frozenset()
     module_names: Callable[[Any], Mapping[str, str]] = lambda cfg: {}
     plan_fields: frozenset[str] = frozenset()
+    sizes: Callable[[Any], Mapping[str, Any]] = lambda cfg: {}
+    unread: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
+    layer_leaves: tuple[str, ...] = ()
+    series_aliases: Mapping[str, tuple[str, ...]] | None = None
 
 
 LLAMA = Family(
@@ -75,6 +84,9 @@ LLAMA = Family(
     llama.init_params,
     llama.blocks,
     linears=frozenset(llama.LINEARS),
+    sizes=lambda cfg: {f: getattr(cfg, f) for f in llama.SIZE_FIELDS},
+    layer_leaves=llama.LAYER_LEAVES,
+    series_aliases=llama.SERIES_ALIASES,
 )
 MOE = Family(
     "moe",
@@ -91,6 +103,9 @@ MOE = Family(
     frozenset(llama.LINEARS + moe.LINEARS),
     moe.module_names,
     frozenset(EXPERT_FIELDS),
+    moe.sizes,
+    layer_leaves=llama.LAYER_LEAVES,
+    series_aliases=llama.SERIES_ALIASES,
 )
 DEEPSEEK = Family(
     "deepseek",
@@ -107,6 +122,10 @@ DEEPSEEK = Family(
     frozenset(deepseek.LINEARS),
     lambda cfg: moe.EXPERT_MODULES,
     frozenset(EXPERT_FIELDS + MLA_FIELDS),
+    lambda cfg: {f: getattr(cfg, f) for f in deepseek.SIZE_FIELDS},
+    deepseek.unread,
+    deepseek.LAYER_LEAVES,
+    deepseek.SERIES_ALIASES,
 )
 FAMILIES = (LLAMA, MOE, DEEPSEEK)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
@@ -127,6 +146,31 @@ def family_of(config_or_architecture: Any) -> Family:
         f"{type(config_or_architecture).__name__} is not a model config; "
         f"expected one of {[f.config.__name__ for f in FAMILIES]}"
     )
+
+
+def series_leaves(cfg: Any, ls: LayerShard, plan: Plan = Plan()) -> LayerShard:
+    """``ls`` with its series names resolved for ``cfg``: each a leaf every layer has, in the family's series
+    order. A leaf name stands for itself, an alias for its leaves (``down_proj``: ``down``; ``q_proj``: the fused
+    ``qkv`` and its bias), ``layer`` for every per-layer leaf every layer has.
+
+    Raises:
+        ValueError naming a series this model does not have (with the ones it has), or one some layers lack.
+    """
+    family = family_of(cfg)
+    layers = family.abstract_params(cfg, plan)["layers"]
+    every = tuple(leaf for leaf in family.layer_leaves if all(leaf in layer for layer in layers))
+    names = {leaf: (leaf,) for leaf in family.layer_leaves} | dict(family.series_aliases or {}) | {"layer": every}
+    unknown = [n for n in ls.leaves if n not in names]
+    if unknown:
+        raise ValueError(f"layer_shard: a {cfg.architecture} has no series {unknown}; choose from {', '.join(names)}")
+    lacking = [n for n in ls.leaves if not set(names[n]) & set(every)]
+    if lacking:
+        raise ValueError(
+            f"layer_shard: series {lacking} are not in every layer of this {cfg.architecture}; "
+            f"layer-shard some of {', '.join(every)}"
+        )
+    chosen = {leaf for n in ls.leaves for leaf in names[n]}
+    return LayerShard(ls.axis, tuple(leaf for leaf in every if leaf in chosen))
 
 
 def forward(

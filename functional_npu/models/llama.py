@@ -41,6 +41,9 @@ __all__ = [
     "ARCHITECTURES",
     "HF_NAMES",
     "LINEARS",
+    "SIZE_FIELDS",
+    "LAYER_LEAVES",
+    "SERIES_ALIASES",
     "abstract_params",
     "init_params",
     "param_specs",
@@ -73,6 +76,11 @@ HF_NAMES: dict[str, list[str]] = {
 
 # the leaves that are linear layers' weights [out, in]
 LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
+# the per-layer leaves that can be layer-sharded, in series order, and the names users also give them
+LAYER_LEAVES = ("attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_up", "down")
+SERIES_ALIASES = {"q_proj": ("qkv", "qkv_bias"), "down_proj": ("down",)}
+# the config fields that fix tensor shapes (named in the loader's shape errors)
+SIZE_FIELDS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

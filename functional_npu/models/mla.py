@@ -28,7 +28,7 @@ DeepSeek's interleaved pair layout (``rope_interleave``).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -38,10 +38,40 @@ from .attention import attend, attention_mask, output_projection
 from .linear import linear
 from .norm import rms_norm
 
-if TYPE_CHECKING:
-    from .deepseek import DeepseekConfig
+__all__ = [
+    "LatentAttention",
+    "MlaStep",
+    "rope_frequencies",
+    "softmax_scale",
+    "prepare",
+    "mla",
+    "init_kv",
+    "local_heads",
+]
 
-__all__ = ["MlaStep", "rope_frequencies", "softmax_scale", "prepare", "mla", "init_kv", "local_heads"]
+
+class LatentAttention(Protocol):
+    """The config fields multi-head latent attention reads (any family that runs it)."""
+
+    num_layers: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope_type: str
+    rope_theta: float
+    rope_factor: float
+    rope_original_max_positions: int
+    rope_beta_fast: float
+    rope_beta_slow: float
+    rope_mscale: float
+    rope_mscale_all_dim: float
+    rope_attention_factor: float | None
+    rope_truncate: bool
+    rope_interleave: bool
+
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,7 +87,7 @@ class MlaStep(NamedTuple):
     slot_r: torch.Tensor
 
 
-def local_heads(cfg: DeepseekConfig, tp: int) -> int:
+def local_heads(cfg: LatentAttention, tp: int) -> int:
     return cfg.num_heads // tp
 
 
@@ -65,7 +95,7 @@ def _mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_frequencies(cfg: DeepseekConfig) -> tuple[torch.Tensor, float]:
+def rope_frequencies(cfg: LatentAttention) -> tuple[torch.Tensor, float]:
     """(inverse frequencies ``[dr / 2]``, the factor on cos / sin): default, or yarn as transformers computes it."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
     pos = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
@@ -91,7 +121,7 @@ def rope_frequencies(cfg: DeepseekConfig) -> tuple[torch.Tensor, float]:
     return (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation, attention
 
 
-def softmax_scale(cfg: DeepseekConfig) -> float:
+def softmax_scale(cfg: LatentAttention) -> float:
     """``(dn + dr) ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under yarn (as transformers)."""
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     if cfg.rope_type != "default" and cfg.rope_mscale_all_dim:
@@ -99,7 +129,7 @@ def softmax_scale(cfg: DeepseekConfig) -> float:
     return scale
 
 
-def prepare(cfg: DeepseekConfig, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> MlaStep:
+def prepare(cfg: LatentAttention, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> MlaStep:
     """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv``."""
     b, s = positions.shape
     freq, factor = rope_frequencies(cfg)
@@ -132,7 +162,7 @@ def _query(layer: dict, h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def mla(
-    layer: dict, h: torch.Tensor, step: MlaStep, kv: KV, mesh: Mesh, *, cfg: DeepseekConfig, plan: Plan, kind: str
+    layer: dict, h: torch.Tensor, step: MlaStep, kv: KV, mesh: Mesh, *, cfg: LatentAttention, plan: Plan, kind: str
 ) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's latents into ``kv``.
     Heads are split over ``plan.tp``; ``plan.absorb`` / ``plan.mla_cache`` pick the decode path and the cache."""
@@ -189,7 +219,7 @@ def _absorbed(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, nh: int, dn: int)
 
 
 def init_kv(
-    cfg: DeepseekConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, plan: Plan
+    cfg: LatentAttention, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, plan: Plan
 ) -> list[KV]:
     """A zeroed latent cache: per layer ``(c [batch, 1, max_seq_len, R], k_rot [batch, 1, max_seq_len, dr])``,
     the same on every tp rank (the latent is shared by all heads); with ``plan.mla_cache == "heads"`` this tp

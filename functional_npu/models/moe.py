@@ -35,6 +35,8 @@ __all__ = [
     "module_names",
     "EXPERT_MODULES",
     "LINEARS",
+    "SIZE_FIELDS",
+    "sizes",
     "abstract_params",
     "init_params",
     "param_specs",
@@ -50,6 +52,7 @@ _SIBLING = {
 }
 ARCHITECTURES = tuple(_SIBLING)
 
+SIZE_FIELDS = ("num_experts", "moe_intermediate_size")  # beside the attention's (llama.SIZE_FIELDS, in .base)
 # the leaves that are linear layers' weights ([..., out, in]; the experts stacked on dim 0)
 LINEARS = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
 
@@ -194,6 +197,11 @@ class MoeConfig:
 
 
 register_static(MoeConfig)
+
+
+def sizes(cfg: MoeConfig) -> dict[str, int]:
+    """The config's sizes that fix tensor shapes: the attention's (in ``base``) and the experts'."""
+    return {f: getattr(cfg.base, f) for f in llama.SIZE_FIELDS} | {f: getattr(cfg, f) for f in SIZE_FIELDS}
 
 
 def hf_names(cfg: MoeConfig) -> dict[str, list[str]]:

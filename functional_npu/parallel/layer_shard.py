@@ -28,7 +28,6 @@ from ..core.tree import register_static
 __all__ = [
     "LayerShard",
     "layer_shard",
-    "SERIES_NAMES",
     "series_specs",
     "stack_series",
     "unstack_series",
@@ -38,28 +37,15 @@ __all__ = [
     "present",
 ]
 
-# CLI / user names -> the per-layer leaves they take (a leaf absent from a family is skipped)
-LAYER_LEAVES = (
-    "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm",  # grouped-query attention
-    "q_proj", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj",  # multi-head latent
-    "o_proj", "mlp_norm", "gate_up", "down",
-)  # fmt: skip
-SERIES_NAMES: dict[str, tuple[str, ...]] = {
-    "q_proj": ("qkv", "qkv_bias", "q_proj"),
-    "qkv": ("qkv", "qkv_bias"),
-    "q_b_proj": ("q_b_proj",),
-    "kv_b_proj": ("kv_b_proj",),
-    "o_proj": ("o_proj",),
-    "gate_up": ("gate_up",),
-    "down_proj": ("down",),
-    "down": ("down",),
-    "layer": LAYER_LEAVES,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class LayerShard:
-    """Which per-layer leaves are layer-sharded, and over which mesh axis (in layer order)."""
+    """Which per-layer series are layer-sharded, and over which mesh axis.
+
+    ``leaves`` are the names asked for: a family's per-layer leaves, its aliases (``down_proj``) or ``layer``
+    (every per-layer leaf every layer has). The family resolves them for a model
+    (:func:`functional_npu.models.series_leaves`); the loader and the compiler work on the resolved form,
+    where each name is a leaf every layer holds, in the family's order."""
 
     axis: str
     leaves: tuple[str, ...]
@@ -72,25 +58,39 @@ register_static(LayerShard)
 
 
 def layer_shard(names: str | Sequence[str], axis: str = "dp") -> LayerShard:
-    """Parse series names (``"o_proj,down_proj"``, ``["layer"]``, ...) into a :class:`LayerShard`.
+    """Series names (``"o_proj,down_proj"``, ``["layer"]``, ...) over ``axis`` as a :class:`LayerShard`; which
+    leaves they are is the model's family's to say (:func:`functional_npu.models.series_leaves`).
 
     Raises:
-        ValueError naming the unknown series and the known ones.
+        ValueError for no names, a name that is not an identifier, or an axis that is not a name.
     """
-    parts = [p.strip() for p in (names.split(",") if isinstance(names, str) else names) if p.strip()]
-    unknown = [p for p in parts if p not in SERIES_NAMES]
-    if unknown or not parts:
-        raise ValueError(f"layer_shard: unknown series {unknown or parts!r}; choose from {', '.join(SERIES_NAMES)}")
-    chosen = {leaf for p in parts for leaf in SERIES_NAMES[p]}
+    parts = [p.strip() for p in (names.split(",") if isinstance(names, str) else names) if str(p).strip()]
+    bad = [p for p in parts if not isinstance(p, str) or not p.isidentifier()]
+    if bad or not parts:
+        raise ValueError(
+            f"layer_shard: expected series names like 'o_proj,down_proj' or 'layer', got {names!r}"
+            + (f" ({bad[0]!r} is not a name)" if bad else "")
+        )
     if not isinstance(axis, str) or not axis.isidentifier():
         raise ValueError(f"layer_shard: axis must be a mesh axis name such as 'dp', got {axis!r}")
-    return LayerShard(axis, tuple([leaf for leaf in LAYER_LEAVES if leaf in chosen]))
+    return LayerShard(axis, tuple(dict.fromkeys(parts)))
 
 
 def present(ls: LayerShard, layers: Sequence[dict[str, Any]]) -> tuple[str, ...]:
-    """The series leaves every layer of a model has (no ``qkv_bias`` outside Qwen2; no dense MLP leaves
-    when some layers are MoE layers)."""
-    return tuple([leaf for leaf in ls.leaves if all(leaf in layer for layer in layers)])
+    """The series leaves of a resolved :class:`LayerShard`, each checked to be a leaf every layer has.
+
+    Raises:
+        ValueError naming a series that is not such a leaf (an alias not yet resolved by the family, or a leaf
+        some layers lack), and how to resolve it.
+    """
+    bad = [leaf for leaf in ls.leaves if not all(leaf in layer for layer in layers)]
+    if bad:
+        have = [leaf for leaf in layers[0] if all(leaf in layer for layer in layers)] if layers else []
+        raise ValueError(
+            f"layer_shard: {bad} are not leaves every layer has ({have}); resolve series names for a model with "
+            f"functional_npu.models.series_leaves(cfg, layer_shard)"
+        )
+    return ls.leaves
 
 
 def series_of(params: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,6 @@ construction).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.tree import register_static
-from .layer_shard import LAYER_LEAVES, LayerShard, layer_shard
+from .layer_shard import LayerShard, layer_shard
 from .module_tp import MODULES, ModuleTP
 
 __all__ = ["Plan", "LAYOUT_FIELDS", "EXPERT_FIELDS", "MLA_FIELDS", "MLA_CACHES"]
@@ -204,11 +203,9 @@ def _layer_shard(value: Any) -> LayerShard | None:
     if isinstance(value, Mapping) and set(value) in ({"axis", "leaves"}, {"axis", "series"}, {"series"}):
         if "series" in value:
             return layer_shard(value["series"], value.get("axis", "dp"))
-        leaves = value["leaves"]
-        bad = [x for x in leaves if x not in LAYER_LEAVES] if isinstance(leaves, (list, tuple)) else [leaves]
-        if bad or not leaves:
-            raise ValueError(f"Plan.layer_shard: unknown leaves {bad or leaves!r}; choose from {LAYER_LEAVES}")
-        return dataclasses.replace(layer_shard(["layer"], value["axis"]), leaves=tuple(leaves))
+        if not isinstance(value["leaves"], (list, tuple)):
+            raise ValueError(f"Plan.layer_shard: leaves must be a list of series names, got {value['leaves']!r}")
+        return layer_shard(value["leaves"], value["axis"])
     raise ValueError(
         f"Plan.layer_shard must be a LayerShard, series names like 'o_proj,down', or "
         f'{{"axis": "dp", "series": "o_proj,down"}}, got {value!r}'

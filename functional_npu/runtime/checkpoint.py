@@ -30,7 +30,7 @@ from ..parallel.layer_shard import LayerShard, owned_layers, present
 from ..parallel.plan import Plan
 from .dcp import DcpHandle, is_dcp
 from .hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
-from .plan import check_plan
+from .plan import check_plan, resolved
 from .quant_config import QuantConfig, read_quant_config
 from .quant_plan import quantize_plan
 
@@ -147,6 +147,7 @@ def load_checkpoint(
     dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
     plan = Plan() if plan is None else plan
     wanted = _check_plan(root, mesh, plan)
+    plan = resolved(wanted.cfg, plan)  # the series as leaves
     layer_shard = plan.layer_shard
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)
@@ -257,10 +258,9 @@ def _check_names(ckpt: _Checkpoint, wanted: _Wanted, expected: Mapping[str, Any]
     missing = sorted(set(expected) - set(ckpt.files))
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     suffixes = _IGNORED_SUFFIXES + (_QUANT_IGNORED_SUFFIXES if wanted.quant else ())
-    # multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers) follow the decoder's; not run, not read
-    mtp = tuple(f"model.layers.{cfg.num_layers + k}." for k in range(getattr(cfg, "mtp_layers", 0)))
+    unread = wanted.family.unread(cfg)  # stored, not run (e.g. multi-token-prediction layers): not read
     unexpected = sorted(
-        n for n in set(ckpt.files) - set(expected) - ignorable if not n.endswith(suffixes) and not n.startswith(mtp)
+        n for n in set(ckpt.files) - set(expected) - ignorable if not n.endswith(suffixes) and not n.startswith(unread)
     )
     if missing or unexpected:
         scheme = f" ({wanted.quant.quant!r})" if wanted.quant else ""
@@ -280,18 +280,9 @@ def _check_names(ckpt: _Checkpoint, wanted: _Wanted, expected: Mapping[str, Any]
         raise ValueError("\n".join(lines))
 
 
-_SIZE_FIELDS = (
-    "hidden_size", "num_heads", "num_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "intermediate_size", "vocab_size", "num_experts", "moe_intermediate_size",
-)  # fmt: skip
-
-
 def _sizes(cfg: Any) -> str:
-    """The config's sizes that fix tensor shapes (an MoE config keeps its attention sizes in ``.base``)."""
-    found = {}
-    for c in (getattr(cfg, "base", None), cfg):
-        found |= {f: getattr(c, f) for f in _SIZE_FIELDS if c is not None and hasattr(c, f)}
-    return ", ".join(f"{f}={found[f]}" for f in _SIZE_FIELDS if f in found)
+    """The config's sizes that fix tensor shapes (the family's ``sizes``), as ``field=value, ...``."""
+    return ", ".join(f"{f}={v}" for f, v in family_of(cfg).sizes(cfg).items())
 
 
 # ---- read -------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from ..parallel.prefetch_cost import auto_step
 from ..parallel.schedule import PrefetchSchedule
 from .backends import Backend, resolve_backend
 from .generate import Lockstep, generate
-from .plan import check_plan
+from .plan import check_plan, resolved
 from .quant_plan import tensor_blocks
 
 __all__ = ["CompiledModel", "compile_model", "greedy_generate", "cache_length", "GraphBreakError"]
@@ -200,7 +200,8 @@ def _plan_of(params: dict, plan: Plan | None, where: str) -> Plan:
         return own or Plan()
     if not isinstance(plan, Plan):
         raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
-    if own is not None and own.layout_key() != plan.layout_key():
+    if own is not None and _series_named(params, own).layout_key() != _series_named(params, plan).layout_key():
+        own, plan = _series_named(params, own), _series_named(params, plan)
         diff = [f for f, a, b in zip(LAYOUT_FIELDS, own.layout_key(), plan.layout_key()) if a != b]
         raise ValueError(
             f"{where}: the params were loaded for another plan ({', '.join(f'{f}={getattr(own, f)!r}' for f in diff)}"
@@ -208,6 +209,15 @@ def _plan_of(params: dict, plan: Plan | None, where: str) -> Plan:
             f"only the fields that decide no layout (prefetch_step, dispatch_threshold, absorb, mla_cache)"
         )
     return plan
+
+
+def _series_named(params: dict, plan: Plan) -> Plan:
+    """``plan`` with its series resolved for the params' model where it can be (``down_proj`` is ``down``), so two
+    spellings of one plan compare equal; as it is where it cannot (the checks that follow name the problem)."""
+    try:
+        return resolved(params["config"], plan)
+    except (ValueError, TypeError, KeyError):
+        return plan
 
 
 def _check_params(params: dict, mesh: Mesh, plan: Plan, where: str) -> tuple[Any, dict, dict]:
@@ -333,6 +343,7 @@ def compile_model(
         raise ValueError(f"compile_model: kernels={kernels!r} is not one of {TARGETS} (or None: the backend's)")
     plan = _plan_of(params, plan, "compile_model")
     cfg, full, layouts = _check_params(params, mesh, plan, "compile_model")
+    plan = resolved(cfg, plan)
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     # stored quantized weights -> the kernels' forms, float32 linears -> the layout that streams fastest; once
     weight = params["quant"].quant.weight_name if params.get("quant") is not None else None

@@ -6,6 +6,7 @@ The loader, the compiler and the CLI all ask this once, before any rank starts o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -16,15 +17,15 @@ from ..core.layout import Layout, LayoutError, dim_pieces, validate
 from ..core.mesh import Mesh
 from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths
-from ..models import family_of
-from ..parallel.layer_shard import present, series_specs, stack_series
+from ..models import family_of, series_leaves
+from ..parallel.layer_shard import series_specs, stack_series
 from ..parallel.module_tp import check_module_tp
 from ..parallel.plan import EXPERT_FIELDS, Plan
 from ..parallel.prefetch import check_prefetch_step
 from .quant_config import QuantConfig
 from .quant_plan import quantize_plan
 
-__all__ = ["check_plan", "check_plan_fits", "plan_table"]
+__all__ = ["check_plan", "check_plan_fits", "plan_table", "resolved"]
 
 _COMMON = ("tp", "module_tp", "layer_shard", "prefetch_step", "prefetch_budget", "model")
 
@@ -98,7 +99,7 @@ def check_plan(
     """
     plan = Plan() if plan is None else plan
     check_plan_fits(cfg, mesh, plan, where=where)
-    family = family_of(cfg)
+    plan, family = resolved(cfg, plan), family_of(cfg)
     meta, specs = family.abstract_params(cfg, plan), family.param_specs(cfg, plan)
     if quant is not None:
         meta, specs = quantize_plan(family, cfg, quant, meta, specs, where=where)
@@ -173,23 +174,24 @@ def _check_module_tp(cfg: Any, mesh: Mesh, plan: Plan, where: str) -> None:
 
 
 def _check_series(cfg: Any, plan: Plan, where: str) -> None:
-    """Every layer-sharded leaf is one every layer of this model has, and a numeric prefetch step fits."""
-    ls = plan.layer_shard
-    if ls is None:
+    """The layer-sharded series are this model's (:func:`functional_npu.models.series_leaves`), and a numeric
+    prefetch step fits its layers."""
+    if plan.layer_shard is None:
         return
-    layers = family_of(cfg).abstract_params(cfg, plan)["layers"]
-    kept = present(ls, layers)
-    if not kept:
-        have = [leaf for leaf in layers[0] if all(leaf in layer for layer in layers)]
-        raise ValueError(
-            f"{where}: plan.layer_shard {list(ls.leaves)} names no leaf every layer of this {cfg.architecture} "
-            f"has; layer-shard some of {have}"
-        )
-    if plan.prefetch_step != "auto":
-        try:
+    try:
+        series_leaves(cfg, plan.layer_shard, plan)
+        if plan.prefetch_step != "auto":
             check_prefetch_step(plan.prefetch_step, cfg.num_layers)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def resolved(cfg: Any, plan: Plan) -> Plan:
+    """``plan`` with its layer-sharded series resolved for ``cfg`` (leaf names, in the family's order), the
+    form loaded params carry; checked by :func:`check_plan_fits` first."""
+    if plan.layer_shard is None:
+        return plan
+    return dataclasses.replace(plan, layer_shard=series_leaves(cfg, plan.layer_shard, plan))
 
 
 def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> None:

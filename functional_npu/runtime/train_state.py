@@ -31,7 +31,7 @@ from ..models import family_of
 from ..parallel.layer_shard import present
 from ..parallel.plan import Plan
 from .hf_layout import fused_dim, stored_tensors
-from .plan import check_plan
+from .plan import check_plan, check_plan_fits, resolved
 
 __all__ = ["from_dtensor_state"]
 
@@ -60,6 +60,8 @@ def from_dtensor_state(
         placement with no layout (``Partial``, uneven), a training mesh that does not nest with ``mesh``.
     """
     family, plan = family_of(cfg), Plan() if plan is None else plan
+    check_plan_fits(cfg, mesh, plan, where="from_dtensor_state")
+    plan = resolved(cfg, plan)
     ls = plan.layer_shard
     meta, layouts = check_plan(cfg, mesh, dataclasses.replace(plan, layer_shard=None), where="from_dtensor_state")
     given = set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from functional_npu import Mesh, Plan, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
+from functional_npu import LayerShard, Mesh, Plan, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
 from functional_npu.cli.timeline import prefetch_timeline
-from functional_npu.models import init_state, llama
+from functional_npu.models import init_state, llama, series_leaves
 from functional_npu.parallel.layer_shard import (
     layer_shard,
     owned_layers,
@@ -22,6 +22,7 @@ from functional_npu.parallel.layer_shard import (
 )
 from functional_npu.runtime.plan import check_plan
 
+from ..support.configs import DENSE, MLA, MOE
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
 from ..support.prefetch_workers import decode_code, generate_layer_sharded
 
@@ -40,16 +41,26 @@ def qwen3(tmp_path_factory):
 
 # ---- pure parts ------------------------------------------------------------------------------------
 def test_series_names_and_errors():
-    assert layer_shard("o_proj,down_proj").leaves == ("o_proj", "down")
-    assert layer_shard(["q_proj"], "dp").leaves == ("qkv", "qkv_bias", "q_proj")  # GQA's fused qkv, MLA's q_proj
-    assert layer_shard("q_b_proj,kv_b_proj,o_proj").leaves == ("q_b_proj", "kv_b_proj", "o_proj")
-    assert layer_shard("layer").leaves[0] == "attn_norm"
-    with pytest.raises(
-        ValueError,
-        match=r"layer_shard: unknown series \['mlp'\]; "
-        r"choose from q_proj, qkv, q_b_proj, kv_b_proj, o_proj, gate_up, down_proj, down, layer",
-    ):
-        layer_shard("o_proj,mlp")
+    """A family says which leaves a series name is; a name it does not have, or one some layers lack, is refused."""
+    qwen2 = dataclasses.replace(DENSE, architecture="Qwen2ForCausalLM", qkv_bias=True, qk_norm=False)
+    assert series_leaves(DENSE, layer_shard("o_proj,down_proj")).leaves == ("o_proj", "down")
+    assert series_leaves(DENSE, layer_shard(["q_proj"], "tp")) == LayerShard("tp", ("qkv",))  # GQA's fused qkv
+    assert series_leaves(qwen2, layer_shard("q_proj")).leaves == ("qkv", "qkv_bias")  # ... and its bias
+    assert series_leaves(MLA, layer_shard("q_b_proj,kv_b_proj,o_proj")).leaves == ("q_b_proj", "kv_b_proj", "o_proj")
+    assert series_leaves(DENSE, layer_shard("layer")).leaves == (
+        "attn_norm", "qkv", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_up", "down"
+    )  # fmt: skip
+    assert "gate_up" not in series_leaves(MOE, layer_shard("layer")).leaves  # MoE layers hold experts instead
+    with pytest.raises(ValueError, match=r"layer_shard: a Qwen3ForCausalLM has no series \['q_b_proj'\]; choose from "):
+        series_leaves(DENSE, layer_shard("o_proj,q_b_proj"))
+    with pytest.raises(ValueError, match=r"series \['gate_up'\] are not in every layer of this Qwen3MoeForCausalLM"):
+        series_leaves(MOE, layer_shard("gate_up"))  # MoE layers hold experts instead of a dense MLP
+    with pytest.raises(ValueError, match=r"series \['q_proj'\] are not in every layer of this DeepseekV3ForCausalLM"):
+        series_leaves(MLA, layer_shard("q_proj,o_proj"))  # a low-rank query: q_a_proj and q_b_proj
+    with pytest.raises(ValueError, match=r"expected series names like 'o_proj,down_proj' or 'layer', got ','"):
+        layer_shard(",")
+    with pytest.raises(ValueError, match=r"\['down_proj'\] are not leaves every layer has"):
+        stack_series(llama.init_params(DENSE), layer_shard("down_proj"))  # an alias must be resolved first
     cfg = llama.LlamaConfig(
         architecture="Qwen3ForCausalLM",
         vocab_size=64,
@@ -93,7 +104,7 @@ def test_shard_of_stacked_series_holds_layer_l_on_coordinate_l_mod_n(layers, n, 
         rope_theta=1e4,
         qkv_bias=True,
     )
-    ls = layer_shard(series, "dp")
+    ls = series_leaves(cfg, layer_shard(series, "dp"))
     full = llama.init_params(cfg, seed=layers)
     stacked = stack_series(full, ls)
     specs = series_specs(llama.param_specs(cfg), ls, layers)
@@ -116,14 +127,15 @@ def test_shard_of_stacked_series_holds_layer_l_on_coordinate_l_mod_n(layers, n, 
 # ---- loading: only owned layers are read -------------------------------------------------------------
 @pytest.mark.parametrize("n,tp", [(2, 1), (4, 2), (8, 1)])
 def test_load_reads_only_owned_layers(qwen3, n, tp):
-    ls = layer_shard("o_proj,down_proj", "dp")
+    ls = LayerShard("dp", ("o_proj", "down"))  # "o_proj,down_proj", resolved
     mesh = Mesh.abstract({"dp": n, "tp": tp})
     full = load_checkpoint(qwen3[0], mesh.at(0))
     full_stacked = stack_series(shard(full, llama.param_specs(full["config"]), mesh.at(0)), ls) if tp == 1 else None
     for r in range(n * tp):
         c = r // tp
         names: list[str] = []
-        local = load_checkpoint(qwen3[0], mesh.at(r), Plan(layer_shard=ls), on_read=lambda name, _: names.append(name))
+        plan = Plan(layer_shard="o_proj,down_proj")
+        local = load_checkpoint(qwen3[0], mesh.at(r), plan, on_read=lambda name, _: names.append(name))
         read_layers = {int(x.split(".")[2]) for x in names if ".o_proj." in x or ".down_proj." in x}
         assert read_layers == set(owned_layers(LAYERS, n, c))
         assert local["series"]["o_proj"].shape[0] == len(owned_layers(LAYERS, n, c))
@@ -226,7 +238,7 @@ def test_compiled_schedule_issues_k_layers_ahead_with_k_plus_1_buffers(world2, q
 
 def _present(series):
     layer = llama.abstract_params(_qwen3_cfg())["layers"][0]
-    return [leaf for leaf in layer_shard(series).leaves if leaf in layer]
+    return [leaf for leaf in series_leaves(_qwen3_cfg(), layer_shard(series)).leaves if leaf in layer]
 
 
 def _qwen3_cfg():
