@@ -55,3 +55,40 @@ def test_no_private_helper_is_borrowed_across_modules():
                     if a.name.startswith("_")
                 ]
     assert not bad, "\n".join(bad)
+
+
+def _family_knowledge() -> tuple[set[str], set[str], set[str]]:
+    """(family modules, family config classes, family-specific leaves): what only ``models/`` may name. Leaves
+    every family shares (the decoder's params form, the experts block's, the module-TP vocabulary of the plan)
+    are generic."""
+    from functional_npu.models import FAMILIES, decoder, experts
+    from functional_npu.parallel.module_tp import MODULES
+
+    modules = {f.config.__module__.rsplit(".", 1)[1] for f in FAMILIES}
+    configs = {f.config.__name__ for f in FAMILIES}
+    leaves = {leaf for f in FAMILIES for leaf in f.layer_leaves + tuple(f.linears)}
+    return modules, configs, leaves - set(decoder.COMMON_LEAVES) - set(experts.LEAVES) - set(MODULES)
+
+
+def _outside_models() -> list[Path]:
+    return [f for f in sorted(PACKAGE.rglob("*.py")) if f.relative_to(PACKAGE).parts[0] != "models"]
+
+
+def test_no_family_or_family_leaf_is_named_outside_models():
+    """A family is its module under models/ and one registry line: no other code imports a family module or
+    config, or names one of a family's own leaves."""
+    modules, configs, leaves = _family_knowledge()
+    assert {"llama", "deepseek"} <= modules and {"qkv", "kv_b_proj"} <= leaves  # the check sees the families
+    bad = []
+    for file in _outside_models():
+        for node in ast.walk(ast.parse(file.read_text())):
+            where = f"{file.relative_to(PACKAGE)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                parts = module.split(".")
+                if set(parts) & modules and "models" in parts:
+                    bad.append(f"{where} imports {module}")
+                bad += [f"{where} imports {a.name}" for a in node.names if a.name in configs | modules]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in leaves:
+                bad.append(f"{where} names the leaf {node.value!r}")
+    assert not bad, "family knowledge outside models/:\n" + "\n".join(bad)

@@ -27,7 +27,7 @@ import torch
 
 from ..core.quant import Quant
 from ..core.tree import flatten_with_paths
-from ..models.llama import LlamaConfig, abstract_params, init_params
+from ..models import family_of
 from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes
@@ -38,20 +38,21 @@ from .runner import generate_on_rank, in_prompt_order, tokens_per_s
 from .shaped_link import link_unavailable
 from .timeline import prefetch_timeline
 
-DEMO_CONFIG = LlamaConfig(
-    architecture="Qwen3ForCausalLM",
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=384,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=512,
-    qk_norm=True,
-)
+DEMO_HF_CONFIG = {  # the embedded model, as its config.json would say it
+    "architectures": ["Qwen3ForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "max_position_embeddings": 512,
+}
+DEMO_MODEL = family_of(DEMO_HF_CONFIG["architectures"][0])
+DEMO_CONFIG = DEMO_MODEL.from_hf(DEMO_HF_CONFIG)
 DEMO_PROMPTS = [[11, 42, 7, 300, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 99], [256, 17]]
 DEMO_SERIES = "o_proj,down_proj"
 LINK_BATCH = 256  # decode batch on the emulated link: a layer computes long enough for a link to match it
@@ -67,7 +68,7 @@ def held_bytes(ctx: RankContext, model_dir: str, tp: int) -> tuple[int, int]:
     mesh = Mesh.abstract({"dp": 1, "tp": tp}, ctx.rank)
     model = compile_model(load_checkpoint(model_dir, mesh), mesh, backend="none")
     held = sum(x.numel() * x.element_size() for _, x in flatten_with_paths(model.params))
-    return held, sum(x.numel() * 4 for _, x in flatten_with_paths(abstract_params(DEMO_CONFIG))) // tp
+    return held, sum(x.numel() * 4 for _, x in flatten_with_paths(DEMO_MODEL.abstract_params(DEMO_CONFIG))) // tp
 
 
 def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, timeout: float) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant
     ``quant``: ``"int8"`` or ``"int4"`` to run a quantized checkpoint of the same model (see the module
     docstring) instead of the layer-sharded part."""
     cfg = DEMO_CONFIG
-    params_m = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg))) / 1e6
+    params_m = sum(x.numel() for _, x in flatten_with_paths(DEMO_MODEL.abstract_params(cfg))) / 1e6
     print(
         f"functional-npu demo: embedded {cfg.architecture}-style model ({params_m:.1f}M params, "
         f"{cfg.num_layers} layers, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads), "
@@ -135,7 +136,7 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant
         + (f", weights quantized as {DEMO_QUANT[quant]!r} (compressed-tensors checkpoint)" if quant else "")
     )
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(init_params(cfg, seed=0), tmp, quant=DEMO_QUANT[quant] if quant else None)
+        save_checkpoint(DEMO_MODEL.init_params(cfg, seed=0), tmp, quant=DEMO_QUANT[quant] if quant else None)
         t0 = time.perf_counter()
         ref = generate_on_rank(
             RankContext(0, 1), tmp, {"dp": 1, "tp": 1}, DEMO_PROMPTS, new_tokens, backend="none", repeat=2

@@ -5,7 +5,6 @@ layouts (a training EP layout to an inference TP one)."""
 from ..core.dtensor import layout_from_dtensor, mesh_from_device_mesh, placements_of, to_dtensor
 from ..parallel.ep_tp import ep_to_tp, expert_layouts, tp_to_ep
 from .megatron import (
-    MEGATRON_NAMES,
     from_megatron,
     megatron_pipeline_specs,
     megatron_specs,
@@ -20,7 +19,6 @@ __all__ = [
     "mesh_from_device_mesh",
     "placements_of",
     "to_dtensor",
-    "MEGATRON_NAMES",
     "megatron_specs",
     "megatron_pipeline_specs",
     "from_megatron",

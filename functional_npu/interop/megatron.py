@@ -1,4 +1,5 @@
-"""Megatron-style training layouts of the Llama family, as layout data over this library's param paths.
+"""Megatron-style training layouts, as layout data over this library's param paths (for families that declare
+their Megatron names, :attr:`functional_npu.models.Family.megatron`: the Llama family's today).
 
 The source side of train-to-inference weight sync (``reshard``):
 
@@ -13,8 +14,8 @@ The source side of train-to-inference weight sync (``reshard``):
   The embedding lives on the first stage, the final norm and output layer on the last.
 * expert parallel: a stacked expert dim cut over an ``ep`` axis (``sharded(0, "ep")``).
 
-:data:`MEGATRON_NAMES` is the one table from Megatron parameter names to our paths;
-:func:`from_megatron` / :func:`to_megatron` only rename and stack (no data moves).
+The family's Megatron names (``family.megatron.names``) are the one table from Megatron parameter names to our
+paths; :func:`from_megatron` / :func:`to_megatron` only rename and stack (no data moves).
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ from typing import Any
 
 import torch
 
-from ..core.layout import Block, Cyclic, DimSpec, Layout, Shard, fused
+from ..core.layout import Block, Cyclic, DimSpec, Layout, Shard
 from ..core.mesh import Mesh
 from ..core.shard import local_shape
-from ..models.llama import LlamaConfig, abstract_params, param_specs, qkv_blocks
+from ..models import FAMILIES, Family, family_of
+from ..parallel.plan import Plan
 
 __all__ = [
-    "MEGATRON_NAMES",
-    "MEGATRON_ALIASES",
     "megatron_specs",
     "megatron_pipeline_specs",
     "pipeline_dim",
@@ -43,47 +43,34 @@ __all__ = [
     "to_megatron",
 ]
 
-# Megatron-Core parameter name -> our leaf path ({i}: layer index, local to its pipeline chunk on the Megatron side).
-MEGATRON_NAMES: dict[str, str] = {
-    "embedding.word_embeddings.weight": "embed",
-    "decoder.final_layernorm.weight": "norm",
-    "output_layer.weight": "lm_head",
-    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight": "layers.{i}.attn_norm",
-    "decoder.layers.{i}.self_attention.linear_qkv.weight": "layers.{i}.qkv",
-    "decoder.layers.{i}.self_attention.linear_qkv.bias": "layers.{i}.qkv_bias",
-    "decoder.layers.{i}.self_attention.q_layernorm.weight": "layers.{i}.q_norm",
-    "decoder.layers.{i}.self_attention.k_layernorm.weight": "layers.{i}.k_norm",
-    "decoder.layers.{i}.self_attention.linear_proj.weight": "layers.{i}.o_proj",
-    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight": "layers.{i}.mlp_norm",
-    "decoder.layers.{i}.mlp.linear_fc1.weight": "layers.{i}.gate_up",
-    "decoder.layers.{i}.mlp.linear_fc2.weight": "layers.{i}.down",
-}
-# Megatron's local (non Transformer-Engine) spec names the two norms on their own.
-MEGATRON_ALIASES: dict[str, str] = {
-    "decoder.layers.{i}.input_layernorm.weight": "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight",
-    "decoder.layers.{i}.pre_mlp_layernorm.weight": "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight",
-}
+
+def _megatron(cfg: Any, where: str) -> Family:
+    family = family_of(cfg)
+    if family.megatron is None:
+        known = [a for f in FAMILIES if f.megatron is not None for a in f.architectures]
+        raise ValueError(f"{where}: Megatron's layout of a {cfg.architecture} is not known; known: {', '.join(known)}")
+    return family
 
 
-def megatron_specs(cfg: LlamaConfig, *, tp_axis: str = "tp") -> dict[str, Any]:
-    """Megatron's tensor-parallel layout of the (unstacked) Llama params: ``param_specs`` with grouped QKV.
+def megatron_specs(cfg: Any, *, tp_axis: str = "tp") -> dict[str, Any]:
+    """Megatron's tensor-parallel layout of the (unstacked) params: the family's ``param_specs`` with the leaves
+    Megatron cuts its own way (the Llama family's QKV grouped by KV head).
 
     Args:
         cfg: the model config.
         tp_axis: the mesh axis Megatron's tensor-parallel group runs over.
 
     Returns:
-        A spec tree over ``llama.abstract_params(cfg)`` (the list-of-layers form).
+        A spec tree over the family's ``abstract_params(cfg)`` (the list-of-layers form).
 
     Example (tp=2 training to tp=2 inference: each rank only reorders its own QKV rows):
         >>> inference = reshard(train, megatron_specs(cfg), llama.param_specs(cfg), mesh)    # doctest: +SKIP
     """
-    specs = _rename_axis(param_specs(cfg), tp_axis)
-    qkv = fused(0, [Block(b.name, b.size, b.unit) for b in qkv_blocks(cfg)], tp_axis, groups=cfg.num_kv_heads)
+    family, plan = _megatron(cfg, "megatron_specs"), Plan(tp=tp_axis)
+    specs = _rename_axis(family.param_specs(cfg), tp_axis)
+    own = family.megatron.layouts(cfg, plan)
     for layer in specs["layers"]:
-        layer["qkv"] = qkv
-        if "qkv_bias" in layer:
-            layer["qkv_bias"] = qkv
+        layer |= {leaf: lay for leaf, lay in own.items() if leaf in layer}
     return specs
 
 
@@ -176,7 +163,7 @@ def stacked_specs(
 
 
 def megatron_pipeline_specs(
-    cfg: LlamaConfig, *, tp_axis: str = "tp", pp_axis: str = "pp", pp: int = 1, vpp: int = 1
+    cfg: Any, *, tp_axis: str = "tp", pp_axis: str = "pp", pp: int = 1, vpp: int = 1
 ) -> dict[str, Any]:
     """Megatron TP x PP (x virtual pipeline) layout of the stacked params (see the module docstring).
 
@@ -187,7 +174,7 @@ def megatron_pipeline_specs(
         vpp: virtual pipeline chunks per stage.
 
     Returns:
-        A spec tree over ``stack_layers(llama.abstract_params(cfg))``.
+        A spec tree over ``stack_layers(family.abstract_params(cfg))``.
 
     Example (TP=2 x PP=2 x vpp=2 training to layer-sharded inference on the same 4 ranks):
         >>> src = megatron_pipeline_specs(cfg, pp=2, vpp=2)                                  # doctest: +SKIP
@@ -204,27 +191,26 @@ def _pattern(name: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(name).replace(re.escape("{i}"), r"(\d+)") + "$")
 
 
-_TABLE = [
-    (_pattern(m), ours)
-    for m, ours in list(MEGATRON_NAMES.items()) + [(a, MEGATRON_NAMES[t]) for a, t in MEGATRON_ALIASES.items()]
-]
+def _table(family: Family) -> list[tuple[re.Pattern[str], str]]:
+    names, aliases = family.megatron.names, family.megatron.aliases
+    return [(_pattern(m), ours) for m, ours in list(names.items()) + [(a, names[t]) for a, t in aliases.items()]]
 
 
-def _our_path(name: str) -> tuple[str, int | None]:
+def _our_path(name: str, table: list[tuple[re.Pattern[str], str]]) -> tuple[str, int | None]:
     """(our leaf name, local layer index or None) for a Megatron name; ValueError naming it if unknown."""
-    for pat, ours in _TABLE:
+    for pat, ours in table:
         m = pat.match(name)
         if m:
             return (ours.split(".")[-1], int(m.group(1))) if m.groups() else (ours, None)
     raise ValueError(
         f"from_megatron: no entry for Megatron parameter {name!r} "
-        f"in MEGATRON_NAMES; add it to the table (or drop the key)"
+        f"in the family's Megatron names; add it to the table (or drop the key)"
     )
 
 
 def from_megatron(
     chunks: Sequence[Mapping[str, torch.Tensor]],
-    cfg: LlamaConfig,
+    cfg: Any,
     specs: Mapping[str, Any],
     mesh: Mesh,
 ) -> dict[str, Any]:
@@ -235,7 +221,7 @@ def from_megatron(
 
     Args:
         chunks: ``model[v].state_dict()`` of this rank for each virtual chunk ``v`` (names as in
-            :data:`MEGATRON_NAMES`).
+            the family's ``megatron.names``).
         cfg: the model config.
         specs: the Megatron layout (from :func:`megatron_pipeline_specs`), for the local shapes.
         mesh: a mesh at this rank's coordinate.
@@ -246,9 +232,10 @@ def from_megatron(
     Raises:
         ValueError naming the Megatron parameter that is missing, unknown or of the wrong shape.
     """
-    found, layers_per_chunk = _by_path(chunks)
+    family = _megatron(cfg, "from_megatron")
+    found, layers_per_chunk = _by_path(chunks, _table(family))
     out: dict[str, Any] = {"config": cfg}
-    for path, meta in _leaves(stack_layers(abstract_params(cfg))):
+    for path, meta in _leaves(stack_layers(family.abstract_params(cfg))):
         want = local_shape(meta.shape, _at(specs, path), mesh, path=path, dtype=meta.dtype)
         tensors = _entries(path, found.get(path, {}))
         _check_entries(path, tensors, want, mesh, layers_per_chunk)
@@ -258,7 +245,7 @@ def from_megatron(
 
 
 def _by_path(
-    chunks: Sequence[Mapping[str, torch.Tensor]],
+    chunks: Sequence[Mapping[str, torch.Tensor]], table: list[tuple[re.Pattern[str], str]]
 ) -> tuple[dict[str, dict[Any, tuple[str, torch.Tensor]]], list[int]]:
     """Our path -> {(chunk, local layer), or 0 for a top-level leaf: (Megatron name, tensor)}, and each
     chunk's layer count."""
@@ -267,7 +254,7 @@ def _by_path(
     for v, sd in enumerate(chunks):
         idx = set()
         for name, x in sd.items():
-            ours, i = _our_path(name)
+            ours, i = _our_path(name, table)
             if i is None:
                 found.setdefault(ours, {})[0] = (name, x)
             else:
@@ -307,9 +294,9 @@ def to_megatron(local: Mapping[str, Any], vpp: int = 1) -> list[dict[str, torch.
     """The inverse of :func:`from_megatron`: one Megatron-named state dict per virtual chunk (layers
     numbered from 0)."""
     chunks: list[dict[str, torch.Tensor]] = [{} for _ in range(vpp)]
-    reverse = {ours: m for m, ours in MEGATRON_NAMES.items()}
+    reverse = {ours: m for m, ours in _megatron(local["config"], "to_megatron").megatron.names.items()}
     for k, x in local.items():
-        if k in ("config", "layers"):
+        if k == "layers" or not isinstance(x, torch.Tensor):  # static nodes (config, plan) have no Megatron name
             continue
         if x.shape[0]:
             chunks[0 if k == "embed" else vpp - 1][reverse[k]] = x[0].clone()

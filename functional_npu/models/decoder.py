@@ -39,7 +39,10 @@ from ..parallel.prefetch import layer_weights
 from ..parallel.streams import INLINE, Streams
 from .norm import rms_norm
 
-__all__ = ["Blocks", "DecodeState", "decode"]
+__all__ = ["Blocks", "DecodeState", "decode", "COMMON_LEAVES"]
+
+# the leaves every family's params have and generic code may read: the ends and the two pre-norms of a layer
+COMMON_LEAVES = ("embed", "norm", "lm_head", "attn_norm", "mlp_norm")
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

@@ -36,7 +36,14 @@ from ..parallel.plan import Plan
 from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
 from .mlp import gated_mlp
 
-__all__ = ["Routing", "Experts", "expert_specs", "identity_map", "route", "local_experts", "moe_ffn"]
+__all__ = ["LEAVES", "Routing", "Experts", "expert_specs", "identity_map", "route", "local_experts", "moe_ffn"]
+
+
+# an MoE layer's leaves, whichever family holds it (the shared experts' when it has them)
+LEAVES = (
+    "router", "router_bias", "experts_gate_up", "experts_down", "expert_map", "shared_gate_up", "shared_down",
+    "shared_gate",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -25,7 +25,22 @@ from .deepseek import DeepseekConfig
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
-__all__ = ["Family", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state", "series_leaves"]
+__all__ = ["Family", "Megatron", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state", "series_leaves"]
+
+
+@dataclass(frozen=True)
+class Megatron:
+    """A family's Megatron-Core names and layouts (:mod:`functional_npu.interop.megatron`).
+
+    Attributes:
+        names: Megatron parameter name -> leaf path (``{i}``: layer index local to a pipeline chunk).
+        aliases: other Megatron names for some of them -> the name in ``names`` (the local spec's norms).
+        layouts: ``(cfg, plan) ->`` the leaves Megatron cuts unlike the family's ``param_specs``.
+    """
+
+    names: Mapping[str, str]
+    aliases: Mapping[str, str]
+    layouts: Callable[[Any, Plan], Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,7 @@ class Family:
             a plan setting another is refused (:func:`functional_npu.runtime.plan.check_plan`).
         layer_leaves: the per-layer leaves that can be layer-sharded, in series order (the order a layer's
             series travel in); ``series_aliases``: other names users give some of them (``down_proj``).
+        megatron: the family's Megatron-Core names and layouts (``None``: not known).
         sizes: config -> the sizes that fix tensor shapes, by field name (named in the loader's shape errors).
         unread: config -> name prefixes of tensors a checkpoint stores that the model does not run.
     """
@@ -71,6 +87,7 @@ class Family:
     unread: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
     layer_leaves: tuple[str, ...] = ()
     series_aliases: Mapping[str, tuple[str, ...]] | None = None
+    megatron: Megatron | None = None
 
 
 LLAMA = Family(
@@ -87,6 +104,7 @@ LLAMA = Family(
     sizes=lambda cfg: {f: getattr(cfg, f) for f in llama.SIZE_FIELDS},
     layer_leaves=llama.LAYER_LEAVES,
     series_aliases=llama.SERIES_ALIASES,
+    megatron=Megatron(llama.MEGATRON_NAMES, llama.MEGATRON_ALIASES, llama.megatron_layouts),
 )
 MOE = Family(
     "moe",

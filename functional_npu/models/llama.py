@@ -42,6 +42,9 @@ __all__ = [
     "HF_NAMES",
     "LINEARS",
     "SIZE_FIELDS",
+    "MEGATRON_NAMES",
+    "MEGATRON_ALIASES",
+    "megatron_layouts",
     "LAYER_LEAVES",
     "SERIES_ALIASES",
     "abstract_params",
@@ -79,6 +82,26 @@ LINEARS = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 # the per-layer leaves that can be layer-sharded, in series order, and the names users also give them
 LAYER_LEAVES = ("attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "mlp_norm", "gate_up", "down")
 SERIES_ALIASES = {"q_proj": ("qkv", "qkv_bias"), "down_proj": ("down",)}
+# Megatron-Core parameter name -> our leaf path ({i}: layer index, local to its pipeline chunk on the Megatron side)
+MEGATRON_NAMES: dict[str, str] = {
+    "embedding.word_embeddings.weight": "embed",
+    "decoder.final_layernorm.weight": "norm",
+    "output_layer.weight": "lm_head",
+    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight": "layers.{i}.attn_norm",
+    "decoder.layers.{i}.self_attention.linear_qkv.weight": "layers.{i}.qkv",
+    "decoder.layers.{i}.self_attention.linear_qkv.bias": "layers.{i}.qkv_bias",
+    "decoder.layers.{i}.self_attention.q_layernorm.weight": "layers.{i}.q_norm",
+    "decoder.layers.{i}.self_attention.k_layernorm.weight": "layers.{i}.k_norm",
+    "decoder.layers.{i}.self_attention.linear_proj.weight": "layers.{i}.o_proj",
+    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight": "layers.{i}.mlp_norm",
+    "decoder.layers.{i}.mlp.linear_fc1.weight": "layers.{i}.gate_up",
+    "decoder.layers.{i}.mlp.linear_fc2.weight": "layers.{i}.down",
+}
+# Megatron's local (non Transformer-Engine) spec names the two norms on their own
+MEGATRON_ALIASES: dict[str, str] = {
+    "decoder.layers.{i}.input_layernorm.weight": "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight",
+    "decoder.layers.{i}.pre_mlp_layernorm.weight": "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight",
+}
 # the config fields that fix tensor shapes (named in the loader's shape errors)
 SIZE_FIELDS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
 
@@ -291,6 +314,14 @@ def with_ends(cfg: Any, plan: Plan, layers: list[dict[str, Any]]) -> dict[str, A
     tp, mtp = plan.tp, plan.module_tp
     top = {"embed": sharded(0, mtp.embed + (tp,)), "norm": replicated(), "layers": layers}
     return top if cfg.tie_word_embeddings else top | {"lm_head": sharded(0, mtp.lm_head + (tp,))}
+
+
+def megatron_layouts(cfg: LlamaConfig, plan: Plan) -> dict[str, Layout]:
+    """The leaves Megatron cuts unlike :func:`param_specs`: ``linear_qkv`` holds whole KV groups
+    ``[q heads of group g, k_g, v_g]`` per tensor-parallel rank (``[q|k|v]`` grouped by KV head)."""
+    groups = [Block(b.name, b.size, b.unit) for b in qkv_blocks(cfg)]  # whole groups per rank: none replicated
+    qkv = fused(0, groups, plan.tp, groups=cfg.num_kv_heads)
+    return {"qkv": qkv, "qkv_bias": qkv}
 
 
 def head_axes(cfg: Any, plan: Plan) -> tuple[str, ...]:

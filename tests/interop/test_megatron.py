@@ -9,7 +9,6 @@ import transformers as T
 
 from functional_npu import Mesh, shard
 from functional_npu.interop.megatron import (
-    MEGATRON_NAMES,
     from_megatron,
     megatron_pipeline_specs,
     pipeline_dim,
@@ -18,6 +17,7 @@ from functional_npu.interop.megatron import (
     to_megatron,
     unstack_layers,
 )
+from functional_npu.models import family_of
 from functional_npu.models.llama import LlamaConfig, init_params, param_specs
 
 from ..support.hf_models import COMMON, hf_greedy
@@ -94,7 +94,7 @@ def test_pipeline_dim_is_vpp_blocks_over_pp():
 
 def test_name_table_covers_every_leaf_and_stacking_round_trips():
     params = init_params(CFG, seed=2)
-    ours = {v.split(".")[-1] for v in MEGATRON_NAMES.values()}
+    ours = {v.split(".")[-1] for v in family_of(CFG).megatron.names.values()}
     assert ours >= set(params["layers"][0]) | {k for k in params if k not in ("config", "layers")}
     back = unstack_layers(stack_layers(params))
     assert all(
@@ -111,7 +111,8 @@ def test_from_megatron_errors_name_the_parameter():
     mesh = Mesh.abstract({"pp": 1, "tp": 2}, 0)
     specs = megatron_pipeline_specs(CFG, pp=1)
     with pytest.raises(
-        ValueError, match=r"no entry for Megatron parameter 'decoder.layers.0.mlp.linear_fc3.weight' in MEGATRON_NAMES"
+        ValueError,
+        match=r"no entry for Megatron parameter 'decoder.layers.0.mlp.linear_fc3.weight' in the family's Megatron",
     ):
         from_megatron([{"decoder.layers.0.mlp.linear_fc3.weight": torch.zeros(1)}], CFG, specs, mesh)
     with pytest.raises(
