@@ -33,7 +33,9 @@ def test_generate_layer_sharded_over_dp_with_prefetch(qwen3, step):
             ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "3"],
             "prefetch_step must be an int with 0 <= k <= num_layers - 2 = 2 (the model has 4 layers), got 3",
         ),
-        (["--dp", "2", "--layer-shard", "o_proj,mlp"], "layer_shard: unknown series ['mlp']"),
+        (["--dp", "2", "--layer-shard", "o_proj,mlp"], "layer_shard: a Qwen3ForCausalLM has no series ['mlp']"),
+        (["--dp", "2", "--layer-shard", "q_b_proj"], "a Qwen3ForCausalLM has no series ['q_b_proj']; choose from"),
+        (["--dp", "2", "--layer-shard", ","], "expected series names like 'o_proj,down_proj' or 'layer', got ','"),
         (
             ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "soon"],
             "expected a non-negative integer or 'auto', got 'soon'",
