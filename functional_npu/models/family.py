@@ -18,9 +18,10 @@ from ..core.mesh import Mesh
 from ..parallel.eplb import EXPERT_LEAVES
 from ..parallel.module_tp import ModuleTP
 from ..parallel.streams import INLINE, Streams
-from . import deepseek, llama, moe
+from . import deepseek, gemma3, llama, moe
 from .decoder import Blocks, DecodeState, decode
 from .deepseek import DeepseekConfig
+from .gemma3 import Gemma3Config
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -102,7 +103,19 @@ DEEPSEEK = Family(
     frozenset(deepseek.LINEARS),
     lambda cfg: moe.EXPERT_MODULES,
 )
-FAMILIES = (LLAMA, MOE, DEEPSEEK)
+GEMMA3 = Family(
+    "gemma3",
+    Gemma3Config,
+    gemma3.ARCHITECTURES,
+    Gemma3Config.from_hf,
+    lambda cfg: gemma3.HF_NAMES,
+    gemma3.abstract_params,
+    gemma3.param_specs,
+    gemma3.init_params,
+    gemma3.blocks,
+    linears=frozenset(gemma3.LINEARS),
+)
+FAMILIES = (LLAMA, MOE, DEEPSEEK, GEMMA3)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 
 

@@ -42,7 +42,7 @@ __all__ = [
 LAYER_LEAVES = (
     "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm",  # grouped-query attention
     "q_proj", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj",  # multi-head latent
-    "o_proj", "mlp_norm", "gate_up", "down",
+    "o_proj", "post_attn_norm", "mlp_norm", "gate_up", "down", "post_mlp_norm",  # post-norms: Gemma 3
 )  # fmt: skip
 SERIES_NAMES: dict[str, tuple[str, ...]] = {
     "q_proj": ("qkv", "qkv_bias", "q_proj"),
