@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from ..core.mesh import Mesh
 from ..core.quant import Quant, quantize
 from ..core.shard import shard
-from ..models import deepseek, family_of, forward, init_state, llama, moe, with_module_tp
+from ..models import deepseek, family_of, forward, gemma3, init_state, llama, moe, with_module_tp
 from ..models.experts import Routing
 from ..models.linear import prepare_params
 from ..parallel import prefetch
@@ -69,7 +69,7 @@ _BASE = dict(
     max_position_embeddings=256,
 )
 _MOE = dict(num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1), expert_axes=("tp",))  # experts over tp
-GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig] = {
+GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig | gemma3.Gemma3Config] = {
     "llama": llama.LlamaConfig(
         architecture="LlamaForCausalLM", tie_word_embeddings=True, rope_type="llama3", rope_factor=8.0, **_BASE
     ),
@@ -114,6 +114,18 @@ GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekCo
         base=llama.LlamaConfig(architecture="MistralForCausalLM", **_BASE),
         norm_topk_prob=True,
         **_MOE,
+    ),
+    # a sliding and a full layer, each with its rope (full: linear scaling), Gemma's norms, soft-capped logits
+    "gemma3": gemma3.Gemma3Config(
+        architecture="Gemma3ForCausalLM",
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=8,
+        rope_local_base_freq=1e4,
+        rope_type="linear",
+        rope_factor=8.0,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        **(_BASE | {"rope_theta": 1e6}),
     ),
 }
 PHASES = {"prefill": (2, 16), "decode": (2, 1)}  # (batch, tokens per sequence)
@@ -170,7 +182,7 @@ class Case:
         return {"tp": self.tp} if self.series is None else {"dp": self.world, "tp": 1}
 
     @property
-    def config(self) -> llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig:
+    def config(self) -> llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig | gemma3.Gemma3Config:
         cfg = GRAPH_CONFIGS[self.family]
         if self.module_tp:
             cfg = with_module_tp(cfg, split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1])
