@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from ..core.mesh import Mesh
 from ..core.quant import Quant, quantize
 from ..core.shard import shard
-from ..models import deepseek, family_of, forward, init_state, llama, moe
+from ..models import deepseek, family_of, forward, gemma3, init_state, llama, moe
 from ..models.experts import Routing
 from ..models.linear import prepare_params
 from ..parallel import prefetch
@@ -72,7 +72,7 @@ _BASE = dict(
 )
 _MOE = dict(num_experts=8, top_k=2, moe_intermediate_size=32, moe_layers=(0, 1))
 EXPERTS_OVER_TP = ("qwen3_moe", "deepseek_v3", "mixtral")  # these families' plans put the experts over tp
-GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig] = {
+GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig | gemma3.Gemma3Config] = {
     "llama": llama.LlamaConfig(
         architecture="LlamaForCausalLM", tie_word_embeddings=True, rope_type="llama3", rope_factor=8.0, **_BASE
     ),
@@ -116,6 +116,18 @@ GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekCo
         base=llama.LlamaConfig(architecture="MistralForCausalLM", **_BASE),
         norm_topk_prob=True,
         **_MOE,
+    ),
+    # a sliding and a full layer, each with its rope (full: linear scaling), Gemma's norms, soft-capped logits
+    "gemma3": gemma3.Gemma3Config(
+        architecture="Gemma3ForCausalLM",
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=8,
+        rope_local_base_freq=1e4,
+        rope_type="linear",
+        rope_factor=8.0,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        **(_BASE | {"rope_theta": 1e6}),
     ),
 }
 PHASES = {"prefill": (2, 16), "decode": (2, 1)}  # (batch, tokens per sequence)
@@ -172,7 +184,7 @@ class Case:
         return {"tp": self.tp} if self.series is None else {"dp": self.world, "tp": 1}
 
     @property
-    def config(self) -> llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig:
+    def config(self) -> llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig | gemma3.Gemma3Config:
         cfg = GRAPH_CONFIGS[self.family]
         return cfg if self.series is None else dataclasses.replace(cfg, num_layers=LAYER_SHARD_LAYERS)
 

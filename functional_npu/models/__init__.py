@@ -4,25 +4,29 @@
   (grouped-query attention with rotary embeddings and its KV cache, ``sdpa`` / ``math`` kinds),
   :mod:`.mlp` (gated MLP), :mod:`.experts` (mixture-of-experts FFN with expert parallelism);
 * :mod:`.decoder`: the params form, :class:`DecodeState` and the one layer loop;
-* families: :mod:`.llama` (Llama, Mistral, Qwen2, Qwen3), :mod:`.moe` (Qwen3-MoE, Mixtral): a config,
-  HF names, a parallel plan and a choice of blocks each;
+* families: :mod:`.llama` (Llama, Mistral, Qwen2, Qwen3), :mod:`.moe` (Qwen3-MoE, Mixtral),
+  :mod:`.deepseek` (DeepSeek-V2/V3), :mod:`.gemma3` (Gemma 3 text): a config, HF names, a parallel plan
+  and a choice of blocks each;
 * :mod:`.family`: :func:`family_of` and the :func:`forward` every family runs through.
 """
 
-from . import deepseek, llama, moe
+from . import deepseek, gemma3, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
 from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, series_leaves
+from .gemma3 import Gemma3Config
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
 __all__ = [
     "deepseek",
+    "gemma3",
     "llama",
     "moe",
     "LlamaConfig",
     "MoeConfig",
     "DeepseekConfig",
+    "Gemma3Config",
     "ARCHITECTURES",
     "Family",
     "FAMILIES",

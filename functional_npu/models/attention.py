@@ -144,9 +144,14 @@ def gqa(
     tp: str,
     kind: str,
     axes: tuple[str, ...] = (),
+    scale: float | None = None,
+    norm_offset: float = 0.0,
 ) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's keys and values into ``kv``.
-    Heads are split over ``tp``; ``axes``: o_proj's module-TP group (data-parallel axes)."""
+
+    Heads are split over ``tp``; ``axes``: o_proj's module-TP group (data-parallel axes); ``scale``: of the scores
+    (default ``head_dim ** -0.5``); ``norm_offset``: the q / k norms' (:func:`rms_norm`'s).
+    """
     b, s, _ = h.shape
     hd = cfg.head_dim
     nh, nkv = local_heads(cfg, mesh.axis_size(tp))
@@ -157,12 +162,13 @@ def gqa(
         t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
     )  # [B, heads, S, hd]
     if "q_norm" in layer:
-        q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
+        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, norm_offset)
     q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
     kv[0].scatter_(2, step.slot, k)
     kv[1].scatter_(2, step.slot, v)
     keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
-    attn = attend(q, keys, values, step.mask, kind).transpose(1, 2).reshape(b, s, nh * hd)  # [B, S, nh hd]
+    attn = attend(q, keys, values, step.mask, kind, scale).transpose(1, 2).reshape(b, s, nh * hd)  # [B, S, nh hd]
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=axes)
 
 

@@ -23,11 +23,14 @@ Padded slots may hold garbage at positions a query never sees. Every rank of a m
 step communicates over (tp, expert axes, a layer-sharded series axis) must make the same calls.
 
 **Blocks** (:class:`Blocks`): a family is a choice of blocks bound to its config and tensor-parallel
-axis. Adding an attention or FFN kind is one new block function, not a copy of this loop.
+axis. Adding an attention or FFN kind is one new block function, not a copy of this loop. Each layer
+adds ``attention(attn_norm(x))`` and then ``ffn(mlp_norm(x))`` to the residual stream; a layer that
+holds ``post_attn_norm`` / ``post_mlp_norm`` (Gemma) norms each update before its add.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -61,14 +64,19 @@ class Blocks:
 
     Attributes:
         embed: ``(params, tokens, mesh) -> x [B, S, D]``.
-        prepare: ``(positions, kv of layer 0, dtype) -> step``: what every attention layer shares.
+        prepare: ``(positions, kv of layer 0, dtype) -> step``: what every attention layer shares (with
+            ``layer_types``, a mapping from each layer type to its step).
         attention: ``(layer, h, step, kv, mesh, kind) -> residual update``; writes ``kv`` in place.
         ffn: per layer, ``(layer, h, mesh) -> residual update`` (a dense MLP, an MoE, ...).
         head: ``(params, x, mesh) -> logits [B, S, V]``.
         argmax: ``(params, x, mesh) -> greedy tokens [B, S]``: the head reduced to its argmax where the
             logits live, so a vocab-parallel head moves (max, index) pairs, not logits.
         init_kv: ``(mesh, batch, max_seq_len, dtype) -> kv``: the attention kind's zeroed cache.
-        eps: the pre-norms' epsilon (``attn_norm`` before attention, ``mlp_norm`` before the FFN).
+        eps: the pre-norms' epsilon (``attn_norm`` before attention, ``mlp_norm`` before the FFN; the post-norms'
+            too).
+        norm_offset: the norms' weight offset (:func:`~functional_npu.models.norm.rms_norm`'s; Gemma: 1).
+        layer_types: per layer, the key of its step in what ``prepare`` returns (Gemma: ``"sliding_attention"``
+            or ``"full_attention"``); empty: ``prepare`` returns the one step every layer shares.
     """
 
     embed: Callable[..., torch.Tensor]
@@ -79,6 +87,8 @@ class Blocks:
     argmax: Callable[..., torch.Tensor]
     init_kv: Callable[..., list[KV]]
     eps: float
+    norm_offset: float = 0.0
+    layer_types: Sequence[str] = ()
 
 
 def decode(
@@ -97,10 +107,14 @@ def decode(
     compiler's ordering hints (:mod:`functional_npu.parallel.streams`). ``greedy``: return the greedy
     tokens ``[B, S]`` (``blocks.argmax``) instead of the logits."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]
-    step = blocks.prepare(positions, state.kv[0], x.dtype)
+    steps = blocks.prepare(positions, state.kv[0], x.dtype)
     weights = layer_weights(params, state.prefetched, mesh, streams)
+    norm = functools.partial(rms_norm, eps=blocks.eps, offset=blocks.norm_offset)
     for i, kv in enumerate(state.kv):
         layer = weights(i, x)
-        x = x + blocks.attention(layer, rms_norm(x, layer["attn_norm"], blocks.eps), step, kv, mesh, kind=attention)
-        x = x + blocks.ffn[i](layer, rms_norm(x, layer["mlp_norm"], blocks.eps), mesh)
+        step = steps[blocks.layer_types[i]] if blocks.layer_types else steps
+        y = blocks.attention(layer, norm(x, layer["attn_norm"]), step, kv, mesh, kind=attention)
+        x = x + (norm(y, layer["post_attn_norm"]) if "post_attn_norm" in layer else y)
+        y = blocks.ffn[i](layer, norm(x, layer["mlp_norm"]), mesh)
+        x = x + (norm(y, layer["post_mlp_norm"]) if "post_mlp_norm" in layer else y)
     return (blocks.argmax if greedy else blocks.head)(params, x, mesh)

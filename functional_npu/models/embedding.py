@@ -15,14 +15,17 @@ import torch.nn.functional as F
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
 from .linear import linear
-from .norm import rms_norm
+from .norm import rms_norm, softcap
 
 __all__ = ["embed", "head", "head_argmax"]
 
 
-def embed(params: dict, tokens: torch.Tensor, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:
+def embed(
+    params: dict, tokens: torch.Tensor, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = (), scale: float | None = None
+) -> torch.Tensor:
     """``tokens [B, S]`` -> ``[B, S, D]``: masked lookup of this rank's rows (others are zero), then summed over
-    ``tp``; with module TP over ``axes``, the group's ids are gathered and the sums scattered back."""
+    ``tp``; with module TP over ``axes``, the group's ids are gathered and the sums scattered back. ``scale``: the
+    rows are multiplied by it, rounded to float32 and then to their dtype (Gemma's ``sqrt(D)``)."""
     table = params["embed"]
     rows, n = table.shape[0], mesh.axis_size(axes)
     ids = all_gather(tokens, mesh, axes) if n > 1 else tokens  # [n B, S]
@@ -31,26 +34,48 @@ def embed(params: dict, tokens: torch.Tensor, mesh: Mesh, *, tp: str, axes: tupl
     x = F.embedding(local.clamp(0, rows - 1), table) * hit[..., None].to(table.dtype)
     if n > 1:
         x = reduce_scatter(x, mesh, axes)  # [B, S, D]: this rank's rows, summed over the group's slices
-    return all_reduce(x, mesh, tp)
+    x = all_reduce(x, mesh, tp)
+    return x if scale is None else x * torch.full((), scale, dtype=torch.float32, device=x.device).to(x.dtype)
 
 
-def _local_logits(params: dict, x: torch.Tensor, mesh: Mesh, eps: float, tied: bool, axes: tuple[str, ...]):
-    x = rms_norm(x, params["norm"], eps)
+def _local_logits(
+    params: dict,
+    x: torch.Tensor,
+    mesh: Mesh,
+    eps: float,
+    tied: bool,
+    axes: tuple[str, ...],
+    norm_offset: float,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    x = rms_norm(x, params["norm"], eps, norm_offset)
     if mesh.axis_size(axes) > 1:
         x = all_gather(x, mesh, axes)  # [n B, S, D]: the group's rows
-    return linear(x, params["embed"] if tied else params["lm_head"])  # [(n) B, S, V / (n tp)]
+    logits = linear(x, params["embed"] if tied else params["lm_head"])  # [(n) B, S, V / (n tp)]
+    return logits if logit_softcap is None else softcap(logits, logit_softcap)
 
 
 def head(
-    params: dict, x: torch.Tensor, mesh: Mesh, *, tp: str, eps: float, tied: bool, axes: tuple[str, ...] = ()
+    params: dict,
+    x: torch.Tensor,
+    mesh: Mesh,
+    *,
+    tp: str,
+    eps: float,
+    tied: bool,
+    axes: tuple[str, ...] = (),
+    norm_offset: float = 0.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """``x [B, S, D]`` -> logits ``[B, S, V]``: final norm, this rank's vocab slice, all_gather over ``tp``.
+    ``norm_offset``: the final norm's (:func:`rms_norm`'s; Gemma: 1); ``logit_softcap``: the logits are soft-capped
+    at it (:func:`softcap`; Gemma's ``final_logit_softcapping``).
 
     With module TP over ``axes`` (``n`` ranks): this rank's slice for the group's ``n B`` rows, each row's
     slices routed back to its rank (all_to_all), then gathered over ``tp``; slice ``j * tp + t`` is
     held by group index ``j`` at tp index ``t`` (mesh order).
     """
-    logits = _local_logits(params, x, mesh, eps, tied, axes)
+    logits = _local_logits(params, x, mesh, eps, tied, axes, norm_offset, logit_softcap)
     if mesh.axis_size(axes) == 1:
         return all_gather(logits, mesh, tp, dim=-1)
     return _home(logits, x, mesh, tp, axes).reshape(x.shape[0], x.shape[1], -1)  # [B, S, V]
@@ -69,13 +94,22 @@ def _home(slices: torch.Tensor, x: torch.Tensor, mesh: Mesh, tp: str, axes: tupl
 
 
 def head_argmax(
-    params: dict, x: torch.Tensor, mesh: Mesh, *, tp: str, eps: float, tied: bool, axes: tuple[str, ...] = ()
+    params: dict,
+    x: torch.Tensor,
+    mesh: Mesh,
+    *,
+    tp: str,
+    eps: float,
+    tied: bool,
+    axes: tuple[str, ...] = (),
+    norm_offset: float = 0.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Greedy tokens ``[B, S]`` (int64) without moving logits: each rank's vocab slice reduced to its (max,
     argmax) first, then only those pairs are routed (all_to_all over ``axes``, all_gather over ``tp``) and
     the first largest wins, as ``head(...).argmax(-1)`` picks it; -1 where that largest is NaN or infinite.
     (Indices travel as float32: exact for vocabularies below 2**24.)"""
-    logits = _local_logits(params, x, mesh, eps, tied, axes)  # [(n) B, S, v]
+    logits = _local_logits(params, x, mesh, eps, tied, axes, norm_offset, logit_softcap)  # [(n) B, S, v]
     v = logits.shape[-1]
     best, idx = logits.float().max(-1, keepdim=True)  # the first largest of this slice
     pair = torch.cat([best, (idx + mesh.axis_index(axes + (tp,)) * v).float()], dim=-1)  # [(n) B, S, 2]

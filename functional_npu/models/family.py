@@ -19,9 +19,10 @@ from ..parallel.eplb import EXPERT_LEAVES
 from ..parallel.layer_shard import LayerShard
 from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
 from ..parallel.streams import INLINE, Streams
-from . import deepseek, llama, moe
+from . import deepseek, gemma3, llama, moe
 from .decoder import Blocks, DecodeState, decode
 from .deepseek import DeepseekConfig
+from .gemma3 import Gemma3Config
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -145,7 +146,22 @@ DEEPSEEK = Family(
     deepseek.LAYER_LEAVES,
     deepseek.SERIES_ALIASES,
 )
-FAMILIES = (LLAMA, MOE, DEEPSEEK)
+GEMMA3 = Family(
+    "gemma3",
+    Gemma3Config,
+    gemma3.ARCHITECTURES,
+    Gemma3Config.from_hf,
+    lambda cfg: gemma3.HF_NAMES,
+    gemma3.abstract_params,
+    gemma3.param_specs,
+    gemma3.init_params,
+    gemma3.blocks,
+    linears=frozenset(gemma3.LINEARS),
+    sizes=lambda cfg: {f: getattr(cfg, f) for f in llama.SIZE_FIELDS},
+    layer_leaves=gemma3.LAYER_LEAVES,
+    series_aliases=llama.SERIES_ALIASES,
+)
+FAMILIES = (LLAMA, MOE, DEEPSEEK, GEMMA3)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 
 

@@ -47,8 +47,12 @@ __all__ = [
     "megatron_layouts",
     "LAYER_LEAVES",
     "SERIES_ALIASES",
+    "read_sizes",
+    "write_sizes",
     "abstract_params",
+    "dense_params",
     "init_params",
+    "seeded",
     "param_specs",
     "qkv_blocks",
     "gated_mlp_specs",
@@ -134,13 +138,8 @@ class LlamaConfig:
     @staticmethod
     def from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         """Build from a parsed HF ``config.json``; clear errors for unsupported features."""
-        archs = hf.get("architectures") or [None]
-        arch = archs[0]
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(hf.get(key), int):
-                raise ValueError(f"config.json: {key!r} must be an int, got {hf.get(key)!r}")
+        sizes = read_sizes(hf, ARCHITECTURES)
+        arch = sizes["architecture"]
         if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
             raise ValueError(
                 f"config.json: only silu MLPs without bias are supported "
@@ -152,17 +151,9 @@ class LlamaConfig:
             raise ValueError(
                 f"config.json: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
-        heads = hf["num_attention_heads"]
         sliding = hf.get("sliding_window") if arch == "MistralForCausalLM" or hf.get("use_sliding_window") else None
         return LlamaConfig(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            **sizes,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
             rope_type=rope_type,
@@ -191,20 +182,13 @@ class LlamaConfig:
                 "original_max_position_embeddings": self.rope_original_max_positions,
             }
         return {
-            "architectures": [self.architecture],
+            **write_sizes(self),
             "model_type": {
                 "LlamaForCausalLM": "llama",
                 "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3",
             }[self.architecture],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": rope,
             "hidden_act": "silu",
@@ -217,6 +201,42 @@ class LlamaConfig:
 
 # The config rides along in the params tree as a node with no leaves: pytree maps keep it.
 register_static(LlamaConfig)
+
+
+def read_sizes(hf: Mapping[str, Any], architectures: tuple[str, ...]) -> dict[str, Any]:
+    """The architecture and sizes every dense family's config holds (its fields of those names), from a parsed
+    ``config.json``: the architecture checked to be one of ``architectures``, the sizes to be ints."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in architectures:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(hf.get(key), int):
+            raise ValueError(f"config.json: {key!r} must be an int, got {hf.get(key)!r}")
+    heads = hf["num_attention_heads"]
+    return {
+        "architecture": arch,
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "intermediate_size": hf["intermediate_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+    }
+
+
+def write_sizes(cfg: Any) -> dict[str, Any]:
+    """:func:`read_sizes`' inverse: the ``config.json`` entries of a dense family's architecture and sizes."""
+    return {
+        "architectures": [cfg.architecture],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+    }
 
 
 # ---- the parallel plan ------------------------------------------------------------------------
@@ -243,6 +263,17 @@ def abstract_params(
 ) -> dict[str, Any]:
     """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory); no
     leaf of this family depends on the plan."""
+    return dense_params(cfg, _layer_shapes(cfg), dtype, device)
+
+
+def dense_params(
+    cfg: Any,
+    layer: Mapping[str, tuple[int, ...]],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "meta",
+) -> dict[str, Any]:
+    """The full params tree, with empty tensors, of any family's config whose layers all hold the leaves ``layer``
+    (name -> shape): the embedding, the final norm, lm_head (untied only) and ``cfg.num_layers`` layers."""
 
     def make(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -254,20 +285,26 @@ def abstract_params(
     }
     if not cfg.tie_word_embeddings:
         top["lm_head"] = make((cfg.vocab_size, cfg.hidden_size))
-    return top | {"layers": [{k: make(v) for k, v in _layer_shapes(cfg).items()} for _ in range(cfg.num_layers)]}
+    return top | {"layers": [{k: make(v) for k, v in layer.items()} for _ in range(cfg.num_layers)]}
 
 
 def init_params(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Full params with seeded random weights (std 0.02, norms 1): an embedded model needing no download."""
+    return seeded(abstract_params(cfg), seed, dtype)
+
+
+def seeded(meta: dict[str, Any], seed: int, dtype: torch.dtype, *, norms: float = 1.0) -> dict[str, Any]:
+    """A params tree of ``meta``'s shapes (any family's) with seeded random weights (std 0.02) and every norm
+    ``norms``."""
     dtype = float_dtype(dtype, "init_params")
     g = torch.Generator().manual_seed(seed)
 
     def fill(path: str, x: torch.Tensor) -> torch.Tensor:
         if path.endswith("norm"):
-            return torch.ones(x.shape, dtype=dtype)
+            return torch.full(x.shape, norms, dtype=dtype)
         return (torch.randn(x.shape, generator=g) * 0.02).to(dtype)
 
-    return map_with_path(fill, abstract_params(cfg))
+    return map_with_path(fill, meta)
 
 
 def qkv_blocks(cfg: LlamaConfig) -> list[Block]:

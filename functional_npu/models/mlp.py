@@ -1,4 +1,4 @@
-"""The dense feed-forward block: a gated SiLU MLP, tensor-parallel.
+"""The dense feed-forward block: a gated MLP (SiLU unless told otherwise), tensor-parallel.
 
 ``gate_up [2F, D]`` is column-parallel with fused blocks ``[gate_r | up_r]`` on each rank, ``down [D, F]``
 row-parallel, followed by an all_reduce over the tensor-parallel axis. With module TP over
@@ -8,6 +8,8 @@ back to their rank before the all_reduce over tp.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +21,22 @@ from .linear import linear, row_amax, row_parallel
 __all__ = ["gated_mlp"]
 
 
-def gated_mlp(layer: dict, h: torch.Tensor, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:
-    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp``."""
+def gated_mlp(
+    layer: dict,
+    h: torch.Tensor,
+    mesh: Mesh,
+    *,
+    tp: str,
+    axes: tuple[str, ...] = (),
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
+    """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp``; ``activation``:
+    the gate's."""
     if mesh.axis_size(axes) == 1:
         gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
-        return row_parallel(F.silu(gate) * up, layer["down"], mesh, tp)
+        return row_parallel(activation(gate) * up, layer["down"], mesh, tp)
     x = all_gather(h, mesh, axes)  # [n B, S, D]: the group's rows
     gate, up = linear(x, layer["gate_up"]).chunk(2, dim=-1)
-    act = F.silu(gate) * up  # [n B, S, F / (n tp)]
+    act = activation(gate) * up  # [n B, S, F / (n tp)]
     y = linear(act, layer["down"], amax=row_amax(act, layer["down"], mesh, axes + (tp,)))
     return all_reduce(reduce_scatter(y, mesh, axes), mesh, tp)

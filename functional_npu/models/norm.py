@@ -1,13 +1,23 @@
-"""RMSNorm, the one normalization the supported families use."""
+"""RMSNorm, the one normalization the supported families use, and tanh soft-capping."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "softcap"]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)`` over the last dim, computed in float32 and returned in ``x``'s dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dim, computed in float32 and returned in ``x``'s dtype.
+
+    ``offset``: the weight is stored as a deviation from it (Gemma: 1, the scale is ``1 + weight``); the scale
+    is then applied in float32, before the cast, as Gemma's norm does."""
     xf = x.float()
+    if offset:
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())).to(x.dtype)
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``tanh(x / cap) * cap``: ``x`` squashed into ``(-cap, cap)`` (Gemma's logit soft-capping)."""
+    return torch.tanh(x / cap) * cap

@@ -18,7 +18,7 @@ from functional_npu.cli.graphs import (
     read_artifact,
     regenerate,
 )
-from functional_npu.models import llama, moe
+from functional_npu.models import gemma3, llama, moe
 
 from ..support import GRAPHS
 
@@ -55,7 +55,7 @@ def test_every_case_converts_to_a_ge_graph_with_its_aten_collective_schedule(rep
         assert all("stream" not in h for h in tp_ops), case.name  # only the prefetch takes a side stream
 
 
-DENSE = [f for f, c in GRAPH_CONFIGS.items() if isinstance(c, llama.LlamaConfig)]
+DENSE = [f for f, c in GRAPH_CONFIGS.items() if isinstance(c, (llama.LlamaConfig, gemma3.Gemma3Config))]
 MOE = [f for f, c in GRAPH_CONFIGS.items() if isinstance(c, moe.MoeConfig)]
 
 

@@ -142,17 +142,9 @@ def test_a_tp_that_does_not_divide_the_heads_is_named(models):
 def test_module_tp_over_dp2(world2, models):
     """o_proj, the dense layer's MLP, the embedding and lm_head TP'd over both dp ranks (MLA attention and the
     experts replicated, each rank its own prompts)."""
-    from ..support.module_tp_workers import module_tp_generate
+    from ..support.module_tp_workers import check_every_module_over_dp2
 
-    path, prompts, ref_logits, ref_tokens = models["deepseek_v3"]
-    plans = [dict.fromkeys(("o_proj", "mlp", "embed", "lm_head"), 2)]
-    four = prompts + prompts[:1]  # two per rank: the ranks of a group step with the same shapes
-    for (r,) in world2.run(module_tp_generate, path, 2, 1, plans, four, NEW):
-        assert r["read"] == r["bytes"]
-        for j, i in enumerate(r["indices"]):
-            ref = i % len(prompts)
-            assert (r["logits"][j, : len(four[i])] - ref_logits[ref]).abs().max().item() < 1e-4
-            assert r["tokens"][j] == ref_tokens[ref]
+    check_every_module_over_dp2(world2, models["deepseek_v3"], NEW)
 
 
 def test_mla_projections_layer_sharded_with_prefetch(world2, models):

@@ -3,7 +3,7 @@ loaded at tp = 1, 2, 4 (gloo), prefill logits (1e-4 abs) and 16 greedy tokens, e
 
 import pytest
 
-from ..support.hf_models import FAMILIES, hf_references, save_tiny
+from ..support.hf_models import FAMILIES, check_parity, hf_references, save_tiny
 from ..support.workers import llama_generate
 
 PROMPT_LENS = (5, 12, 9)
@@ -25,14 +25,6 @@ def models(tmp_path_factory):
     )
 
 
-def _check(result, reference):
-    _, prompts, ref_logits, ref_tokens = reference
-    logits, tokens, _, _ = result
-    for i, p in enumerate(prompts):
-        assert (logits[i, : len(p)] - ref_logits[i]).abs().max().item() < 1e-4, f"prompt {i}: prefill logits differ"
-        assert tokens[i] == ref_tokens[i], f"prompt {i}: greedy tokens differ"
-
-
 def test_sharded_index_checkpoint_is_used(models):
     import pathlib
 
@@ -43,7 +35,7 @@ def test_sharded_index_checkpoint_is_used(models):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_parity_tp1(models, family, use_compile):
     path, prompts, _, _ = models[family]
-    _check(llama_generate(None, path, 1, prompts, NEW, use_compile), models[family])
+    check_parity(llama_generate(None, path, 1, prompts, NEW, use_compile), models[family])
 
 
 @pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
@@ -52,7 +44,7 @@ def test_parity_tp2(world2, models, family, use_compile):
     path, prompts, _, _ = models[family]
     results = world2.run(llama_generate, path, 2, prompts, NEW, use_compile)
     for r in results:
-        _check(r, models[family])
+        check_parity(r, models[family])
     if use_compile:
         ops = results[0][3]
         assert "_c10d_functional.all_reduce" in ops and "_c10d_functional.all_gather_into_tensor" in ops
@@ -67,4 +59,4 @@ def test_parity_tp2(world2, models, family, use_compile):
 def test_parity_tp4(world4, models, family, use_compile):
     path, prompts, _, _ = models[family]
     for r in world4.run(llama_generate, path, 4, prompts, NEW, use_compile):
-        _check(r, models[family])
+        check_parity(r, models[family])

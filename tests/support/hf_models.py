@@ -1,6 +1,9 @@
 """Tiny random transformers models of each supported family, saved with save_pretrained (no network), and
 their reference outputs: greedy tokens and prefill logits."""
 
+import json
+from pathlib import Path
+
 import torch
 import transformers as T
 
@@ -106,9 +109,10 @@ def hf_greedy(model: "T.PreTrainedModel", prompt: list[int], new: int, *, use_ca
     ids = torch.tensor([prompt])
     with torch.no_grad():
         if use_cache:
-            return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)[
-                0, len(prompt) :
-            ].tolist()
+            # every id is a token: without a mask, generate takes a pad_token_id in the prompt (Gemma's 0) for padding
+            mask = torch.ones_like(ids)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            return out[0, len(prompt) :].tolist()
         seq = ids
         for _ in range(new):
             seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
@@ -210,3 +214,75 @@ def save_tiny_deepseek(family: str, path, seed: int, **overrides) -> "T.PreTrain
                 bias.normal_(0, 0.1)
     model.save_pretrained(path)
     return model
+
+
+# Gemma 3 text: 4 layers of both types, the sliding window (4) shorter than every prompt, each type with its own
+# rope base (full layers scaled linearly), a query scale other than head_dim's; the norms (zero at init: the
+# identity of Gemma's 1 + weight) drawn at random so the offset matters
+GEMMA3_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    head_dim=32,
+    sliding_window=4,
+    query_pre_attn_scalar=24,
+    max_position_embeddings=256,
+)
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100_000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+}
+GEMMA3_FAMILIES = {
+    # tied embeddings, 2 KV heads, soft-capped logits, a full layer between sliding ones
+    "gemma3": (
+        T.Gemma3ForCausalLM,
+        T.Gemma3TextConfig,
+        dict(
+            num_key_value_heads=2,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=GEMMA3_ROPE,
+            final_logit_softcapping=0.5,
+        ),
+    ),
+    # untied lm_head, one KV head (replicated at tp 2); its config.json rewritten in the older flat form
+    # (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern)
+    "gemma3_flat": (
+        T.Gemma3ForCausalLM,
+        T.Gemma3TextConfig,
+        dict(num_key_value_heads=1, tie_word_embeddings=False, sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE),
+    ),
+}
+
+
+def save_tiny_gemma3(family: str, path, seed: int, **overrides) -> "T.PreTrainedModel":
+    """The Gemma 3 family's tiny model with a fixed seed and random norm weights, saved to ``path`` (``gemma3_flat``:
+    its config.json in the older flat form), in eval mode."""
+    cls, cfg_cls, extra = GEMMA3_FAMILIES[family]
+    torch.manual_seed(seed)
+    model = cls(cfg_cls(**(GEMMA3_COMMON | extra | overrides))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    if family == "gemma3_flat":
+        file = Path(path) / "config.json"
+        hf = {k: v for k, v in json.loads(file.read_text()).items() if k not in ("layer_types", "rope_parameters")}
+        full, sliding = GEMMA3_ROPE["full_attention"], GEMMA3_ROPE["sliding_attention"]
+        hf |= {"rope_theta": full["rope_theta"], "rope_local_base_freq": sliding["rope_theta"]}
+        hf |= {"rope_scaling": {"rope_type": "linear", "factor": full["factor"]}, "sliding_window_pattern": 2}
+        file.write_text(json.dumps(hf))
+    return model
+
+
+def check_parity(result, reference, tol: float = 1e-4) -> None:
+    """A ``workers.llama_generate`` result against ``hf_references``' entry: each prompt's prefill logits within
+    ``tol`` and its greedy tokens equal."""
+    _, prompts, ref_logits, ref_tokens = reference
+    logits, tokens, _, _ = result
+    for i, p in enumerate(prompts):
+        err = (logits[i, : len(p)] - ref_logits[i]).abs().max().item()
+        assert err < tol, f"prompt {i}: prefill logits differ by {err}"
+        assert tokens[i] == ref_tokens[i], f"prompt {i}: greedy tokens differ"

@@ -61,3 +61,18 @@ def module_tp_generate(
                     result["argmax" if greedy else "logits"] = y
         out.append(result)
     return out
+
+
+def check_every_module_over_dp2(world2, reference, new: int) -> None:
+    """o_proj, the dense MLP, the embedding and lm_head of ``reference``'s model (an ``hf_references`` entry) TP'd
+    over both ranks of ``world2`` (tp 1), two prompts per rank: each prompt's prefill logits (1e-4) and ``new``
+    greedy tokens as transformers', and each rank read only its shards."""
+    path, prompts, ref_logits, ref_tokens = reference
+    plans = [dict.fromkeys(("o_proj", "mlp", "embed", "lm_head"), 2)]
+    four = prompts + prompts[:1]  # two per rank: the ranks of a group step with the same shapes
+    for (r,) in world2.run(module_tp_generate, path, 2, 1, plans, four, new):
+        assert r["read"] == r["bytes"]
+        for j, i in enumerate(r["indices"]):
+            ref = i % len(prompts)
+            assert (r["logits"][j, : len(four[i])] - ref_logits[ref]).abs().max().item() < 1e-4
+            assert r["tokens"][j] == ref_tokens[ref]
