@@ -29,10 +29,10 @@ from ..models import forward
 from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.prefetch import coalesced, drain
 from ..parallel.prefetch_cost import layer_bytes
+from ..parallel.timeline import prefetch_timeline
 from ..runtime.checkpoint import load_checkpoint
 from ..runtime.compile import CompiledModel, compile_model
 from ..runtime.launch import RankContext
-from .timeline import prefetch_timeline
 
 __all__ = ["prefetch_rank", "run_prefetch_bench", "prefetch_table", "prefetch_plot", "main"]
 

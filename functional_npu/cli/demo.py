@@ -30,12 +30,12 @@ from ..core.tree import flatten_with_paths
 from ..models.llama import LlamaConfig, abstract_params, init_params
 from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.prefetch_cost import layer_bytes
+from ..parallel.timeline import prefetch_timeline
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
 from .bench_link import run_emulated
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
 from .shaped_link import link_unavailable
-from .timeline import prefetch_timeline
 
 DEMO_CONFIG = LlamaConfig(
     architecture="Qwen3ForCausalLM",

@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
-from functional_npu.cli.timeline import prefetch_timeline
 from functional_npu.models import init_state, llama
 from functional_npu.parallel.layer_shard import (
     LayerShard,
@@ -20,6 +19,7 @@ from functional_npu.parallel.layer_shard import (
     stack_series,
     unstack_series,
 )
+from functional_npu.parallel.timeline import prefetch_timeline
 from functional_npu.runtime.plan import check_plan
 
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
