@@ -1,7 +1,7 @@
 """MLA's cache and decode paths on one DeepSeek-V3-shaped model: a per-head KV cache vs the latent cache, and
 the latent cache read through expanded keys (plain) vs in the latent space (absorbed).
 
-    python benchmarks/bench_mla.py [--cache-lengths 256,1024,4096] [--batch 1] [--new 16] [--rounds 3]
+    python -m benchmarks mla [--cache-lengths 256,1024,4096] [--batch 1] [--new 16] [--rounds 3]
         [--backend inductor] [--json benchmarks/results/mla.json]
 
 One process, one rank. A decode step attends over every slot of its static cache (masked past the
@@ -115,15 +115,15 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks mla", description=__doc__.splitlines()[0])
     parser.add_argument("--cache-lengths", default="256,1024,4096", help="comma-separated static cache lengths")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backend", default="inductor", choices=["inductor", "none"])
     parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     results = {}
     for length in [int(x) for x in args.cache_lengths.split(",")]:
@@ -135,7 +135,3 @@ def main() -> None:
     if args.json:
         meta = {"config": {k: v for k, v in dataclasses.asdict(CONFIG).items() if k != "module_tp"}, "args": vars(args)}
         Path(args.json).write_text(json.dumps({"meta": meta, "cache_lengths": results}, indent=1, default=str) + "\n")
-
-
-if __name__ == "__main__":
-    main()

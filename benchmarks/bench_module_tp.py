@@ -1,7 +1,7 @@
 """Module TP over data-parallel ranks: per-rank resident weight bytes and decode step time, plain DP vs each
 module TP'd over both dp ranks vs all of them, on the same model in one run.
 
-    python benchmarks/bench_module_tp.py [--quick] [--backend inductor|none] [--batch 4] [--new 16]
+    python -m benchmarks module_tp [--quick] [--backend inductor|none] [--batch 4] [--new 16]
         [--rounds 5] [--json benchmarks/results/module_tp.json]
 
 Two gloo ranks (dp = 2, tp = 1), each decoding its own batch; every plan is loaded and compiled first,
@@ -22,12 +22,13 @@ import time
 from pathlib import Path
 
 from functional_npu import compile_model, flatten_with_paths, load_checkpoint, split_dp
-from functional_npu.cli.bench import FULL, QUICK
 from functional_npu.models.llama import init_params
 from functional_npu.runtime.compile import cache_length
 from functional_npu.runtime.generate import Lockstep
 from functional_npu.runtime.launch import LocalWorld
 from functional_npu.runtime.save import save_checkpoint
+
+from .configs import FULL, QUICK
 
 PLANS = {
     "plain DP": {},
@@ -122,22 +123,18 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks module_tp", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 4-layer model")
     parser.add_argument("--backend", default="inductor", choices=["inductor", "none"])
     parser.add_argument("--batch", type=int, default=4, help="sequences per dp rank")
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     result = measure(cfg, backend=args.backend, batch=args.batch, new=args.new, rounds=args.rounds)
     print(table(result))
     if args.json:
         meta = {"config": dataclasses.asdict(cfg) | {"module_tp": None}, "args": vars(args)}
         Path(args.json).write_text(json.dumps({"meta": meta, "plans": result}, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -30,15 +30,8 @@ def test_demo_runs_and_verifies():
     assert "demo: OK" in out.stdout
     assert out.stdout.count("| True |") == 4  # eager 1 and 2 ranks, compiled tp 2, compiled layer-sharded dp 2
     assert "layer-sharded: each rank holds" in out.stdout
-    # the emulated link's figures, or the one line saying why this host cannot make it
-    assert (
-        re.search(
-            r"no prefetch [\d.]+ ms \(-?\d+% of the communication exposed\) \| prefetch 1 layer ahead "
-            r"[\d.]+ ms \(-?\d+% exposed\)",
-            out.stdout,
-        )
-        or "emulated link skipped: " in out.stdout
-    )
+    # the emulated link is the prefetch benchmark's (tests/benchmarks/test_emulated_link.py): the demo names it
+    assert "python -m benchmarks prefetch" in out.stdout
 
 
 def test_demo_quantized_runs_and_verifies():
