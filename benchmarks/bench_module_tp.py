@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from functional_npu import compile_model, flatten_with_paths, load_checkpoint, split_dp
@@ -28,6 +28,7 @@ from functional_npu.runtime.generate import Lockstep
 from functional_npu.runtime.launch import LocalWorld
 from functional_npu.runtime.save import save_checkpoint
 
+from . import timing
 from .configs import FULL, QUICK
 
 PLANS = {
@@ -50,7 +51,7 @@ ADDED = {
 
 
 def _rank(ctx, path: str, backend: str, batch: int, new: int, rounds: int) -> dict:
-    """Build every plan, then time them interleaved: ``{plan: {"bytes", "all": [s...], "one": [s...]}}``."""
+    """Build every plan, then time them interleaved: ``{plan: {"bytes", "times": [(T(new), T(1)) per round]}}``."""
     prompts = [[1 + i + 7 * ctx.rank, 2, 3, 4, 5, 6, 7, 8] for i in range(batch)]
     lock = Lockstep(1, batch, PROMPT)
     runs, out = {}, {}
@@ -68,14 +69,11 @@ def _rank(ctx, path: str, backend: str, batch: int, new: int, rounds: int) -> di
         runs[name] = lambda n, m=model: m.generate(prompts, n, lockstep=lock)
         runs[name](new), runs[name](1)  # compile both graphs, warm the collectives
         leaves = flatten_with_paths(model.params)
-        out[name] = {"bytes": sum(x.numel() * x.element_size() for _, x in leaves), "all": [], "one": []}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            for key, n in (("all", new), ("one", 1)):
-                t0 = time.perf_counter()
-                run(n)
-                out[name][key].append(time.perf_counter() - t0)
-    return out
+        out[name] = {"bytes": sum(x.numel() * x.element_size() for _, x in leaves)}
+    times = timing.rounds(
+        {name: functools.partial(timing.generate_times, run, new) for name, run in runs.items()}, rounds
+    )
+    return {name: out[name] | {"times": times[name]} for name in runs}
 
 
 def measure(cfg, *, backend: str, batch: int, new: int, rounds: int) -> dict:
@@ -88,16 +86,16 @@ def measure(cfg, *, backend: str, batch: int, new: int, rounds: int) -> dict:
     result = {}
     for name in PLANS:
         steps = [  # slowest rank per round
-            max(r[name]["all"][i] - r[name]["one"][i] for r in ranks) / (new - 1) * 1e3 for i in range(rounds)
+            max(t_all - t_one for t_all, t_one in (r[name]["times"][i] for r in ranks)) / (new - 1) * 1e3
+            for i in range(rounds)
         ]
         plain = steps if plain is None else plain
-        ratios = [s / p for s, p in zip(steps, plain)]
         added = sum(ADDED[m](cfg.num_layers) for m in PLANS[name])
         result[name] = {
             "plan": PLANS[name],
             "resident_bytes": ranks[0][name]["bytes"],
-            "step_ms": {"median": statistics.median(steps), "min": min(steps), "max": max(steps), "runs": steps},
-            "step_vs_plain": statistics.median(ratios),
+            "step_ms": timing.stats(steps),
+            "step_vs_plain": timing.ratio(steps, plain)["median"],
             "added_collectives": added,
             "ms_per_added_collective": (
                 statistics.median([s - p for s, p in zip(steps, plain)]) / added if added else None

@@ -21,6 +21,7 @@ __all__ = [
     "seconds",
     "best_time",
     "rounds",
+    "generate_times",
     "rates",
     "interleaved",
     "stats",
@@ -63,6 +64,12 @@ def rounds(
         if between is not None and r >= warmup:
             between(r - warmup)
     return out
+
+
+def generate_times(run: Callable[[int], Any], new: int, *, clock: Clock = time.perf_counter) -> tuple[float, float]:
+    """``(T(new), T(1))``: one timing each of ``run(new)`` and ``run(1)`` (``n`` new tokens), a round's sample of
+    the decode step ``(T(new) - T(1)) / (new - 1)``."""
+    return seconds(lambda: run(new), clock=clock), seconds(lambda: run(1), clock=clock)
 
 
 def rates(

@@ -1,6 +1,6 @@
 """Interleaved rounds and their arithmetic, timed on a fake clock (no sleeps)."""
 
-from benchmarks.timing import best_time, interleaved, rates, ratio, rounds, stats
+from benchmarks.timing import best_time, generate_times, interleaved, rates, ratio, rounds, stats
 
 
 class FakeClock:
@@ -34,6 +34,16 @@ def test_rates_separate_decode_from_prefill():
     decode, prefill = rates(run, 1, new=9, prompt_len=10, clock=clock)
     assert (decode, prefill) == (8 / 0.25, 10 / 0.5)
     assert all(next(t, None) is None for t in took.values())
+
+
+def test_generate_times_time_n_then_1_new_token_once_each():
+    clock, calls = FakeClock(), []
+
+    def run(n):
+        calls.append(n)
+        clock.now += {9: 1.0, 1: 0.25}[n]
+
+    assert generate_times(run, 9, clock=clock) == (1.0, 0.25) and calls == [9, 1]
 
 
 def test_systems_run_interleaved_round_by_round():
