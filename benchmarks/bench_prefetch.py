@@ -1,7 +1,7 @@
 """Layer-sharded decode with prefetch on 2 gloo ranks, on the plain loopback and on an emulated link.
 
     python -m benchmarks prefetch [--series o_proj] [--batch 16] [--layers 6] [--ks 0,1,2,3]
-                                        [--rate BITS] [--json FILE] [--plot FILE]
+                                  [--rate BITS] [--json FILE] [--plot FILE]
 
 Writes an embedded Qwen3-style checkpoint (seeded random weights) to a temp dir, runs every
 configuration (local weights, the prefetch schedule at each k, inductor's own scheduling choices) in
