@@ -1,6 +1,6 @@
 """Bytes moved by an EPLB rebalance against moving every expert, and its time on gloo.
 
-    python benchmarks/bench_eplb.py [--layers 8] [--experts 64] [--redundant 2] [--moved 0.1]
+    python -m benchmarks eplb [--layers 8] [--experts 64] [--redundant 2] [--moved 0.1]
 
 The scenario (seeded): each layer starts from experts split evenly over the ranks plus
 ``--redundant`` slots per rank holding copies of that layer's hot experts. The new placement
@@ -21,9 +21,10 @@ import argparse
 
 import torch
 
-from functional_npu.cli.bench import best_time
 from functional_npu.eplb import balanced_placement, plan_rebalance, rebalance
 from functional_npu.runtime.launch import LocalWorld
+
+from .timing import best_time
 
 
 def _assign_hot(
@@ -98,8 +99,10 @@ def _time_rank(ctx, old, new, experts: int, hidden: int, ffn: int) -> dict[str, 
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks eplb", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--redundant", type=int, default=2, help="redundant slots per rank")
@@ -107,7 +110,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512, help="expert hidden size for the timed run")
     parser.add_argument("--ffn", type=int, default=192, help="expert FFN size for the timed run")
     parser.add_argument("--time-ranks", type=int, nargs="*", default=[2], help="rank counts to time on gloo")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     full_expert = 3 * 2048 * 768 * 2  # gate, up, down of Qwen3-30B-A3B in bf16
     print(
         f"{args.layers} MoE layers, {args.experts} experts, {args.redundant} redundant slots per rank, "
@@ -163,7 +166,3 @@ def main() -> None:
             f"| {ranks} | {t['planned moves']} | {t['planned'] * 1e3:.0f} ms | "
             f"{t['every expert moves']} | {t['every expert'] * 1e3:.0f} ms |"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Bytes each rank reads from a checkpoint with ``load_checkpoint``, for tp = 1, 2, 4.
 
-    python benchmarks/bench_load.py [--layers 8] [--hidden 512]
+    python -m benchmarks load [--layers 8] [--hidden 512]
 
 Saves a random Qwen3-style model with transformers into a temp dir (no network), then loads every
 coordinate's shard (each load is exactly what that rank does) and prints a markdown table of
@@ -25,12 +25,12 @@ from functional_npu.models import llama
 from functional_npu.runtime.checkpoint import load_checkpoint
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks load", description=__doc__)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     hf_cfg = T.Qwen3Config(
         vocab_size=32000,
@@ -64,7 +64,3 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 expect = (total - replicated) / tp + replicated
                 print(f"| {tp} | {rank} | {sum(read):,} | {expect:,.0f} | {sum(read) / total:.3f} | {dt:.2f}s |")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """MLA's cache and decode paths on one DeepSeek-V3-shaped model: a per-head KV cache vs the latent cache, and
 the latent cache read through expanded keys (plain) vs in the latent space (absorbed).
 
-    python benchmarks/bench_mla.py [--cache-lengths 256,1024,4096] [--batch 1] [--new 16] [--rounds 3]
+    python -m benchmarks mla [--cache-lengths 256,1024,4096] [--batch 1] [--new 16] [--rounds 3]
         [--backend inductor] [--json benchmarks/results/mla.json]
 
 One process, one rank. A decode step attends over every slot of its static cache (masked past the
@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,8 @@ import torch
 from functional_npu import Mesh, compile_model
 from functional_npu.models.deepseek import DeepseekConfig, init_params
 from functional_npu.models.experts import Routing
+
+from . import timing
 
 # tiny but not trivial: DeepSeek-V3's ratios (R = 4 dv, dr = dv / 2, low-rank query) at a 16th of its width
 CONFIG = DeepseekConfig(
@@ -77,23 +78,20 @@ def measure(*, length: int, batch: int, new: int, rounds: int, backend: str) -> 
         runs[name] = lambda n, m=model: m.generate(prompts, n)
         tokens = runs[name](new)  # compile both graphs
         runs[name](1)
-        out[name] = {"tokens": tokens, "bytes": cfg.cache_values_per_token * cfg.num_layers * 4, "all": [], "one": []}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            for key, n in (("all", new), ("one", 1)):
-                t0 = time.perf_counter()
-                run(n)
-                out[name][key].append(time.perf_counter() - t0)
+        out[name] = {"tokens": tokens, "bytes": cfg.cache_values_per_token * cfg.num_layers * 4}
+    times = timing.rounds(
+        {name: functools.partial(timing.generate_times, run, new) for name, run in runs.items()}, rounds
+    )
     base = None
     result = {}
     for name, r in out.items():
-        rates = [batch * (new - 1) / (a - o) for a, o in zip(r["all"], r["one"])]
+        rates = [batch * (new - 1) / (a - o) for a, o in times[name]]
         base = rates if base is None else base
         result[name] = {
             "change": VARIANTS[name],
             "cache_bytes_per_token": r["bytes"],
-            "decode_tok_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "runs": rates},
-            "vs_per_head": statistics.median([x / y for x, y in zip(rates, base)]),
+            "decode_tok_s": timing.stats(rates),
+            "vs_per_head": timing.ratio(rates, base)["median"],
             "same_tokens": r["tokens"] == out["per-head cache"]["tokens"],
         }
     return result
@@ -115,15 +113,15 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks mla", description=__doc__.splitlines()[0])
     parser.add_argument("--cache-lengths", default="256,1024,4096", help="comma-separated static cache lengths")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backend", default="inductor", choices=["inductor", "none"])
     parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     results = {}
     for length in [int(x) for x in args.cache_lengths.split(",")]:
@@ -135,7 +133,3 @@ def main() -> None:
     if args.json:
         meta = {"config": {k: v for k, v in dataclasses.asdict(CONFIG).items() if k != "module_tp"}, "args": vars(args)}
         Path(args.json).write_text(json.dumps({"meta": meta, "cache_lengths": results}, indent=1, default=str) + "\n")
-
-
-if __name__ == "__main__":
-    main()

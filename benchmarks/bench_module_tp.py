@@ -1,7 +1,7 @@
 """Module TP over data-parallel ranks: per-rank resident weight bytes and decode step time, plain DP vs each
 module TP'd over both dp ranks vs all of them, on the same model in one run.
 
-    python benchmarks/bench_module_tp.py [--quick] [--backend inductor|none] [--batch 4] [--new 16]
+    python -m benchmarks module_tp [--quick] [--backend inductor|none] [--batch 4] [--new 16]
         [--rounds 5] [--json benchmarks/results/module_tp.json]
 
 Two gloo ranks (dp = 2, tp = 1), each decoding its own batch; every plan is loaded and compiled first,
@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from functional_npu import compile_model, flatten_with_paths, load_checkpoint, split_dp
-from functional_npu.cli.bench import FULL, QUICK
 from functional_npu.models.llama import init_params
 from functional_npu.runtime.compile import cache_length
 from functional_npu.runtime.generate import Lockstep
 from functional_npu.runtime.launch import LocalWorld
 from functional_npu.runtime.save import save_checkpoint
+
+from . import timing
+from .configs import FULL, QUICK
 
 PLANS = {
     "plain DP": {},
@@ -49,7 +51,7 @@ ADDED = {
 
 
 def _rank(ctx, path: str, backend: str, batch: int, new: int, rounds: int) -> dict:
-    """Build every plan, then time them interleaved: ``{plan: {"bytes", "all": [s...], "one": [s...]}}``."""
+    """Build every plan, then time them interleaved: ``{plan: {"bytes", "times": [(T(new), T(1)) per round]}}``."""
     prompts = [[1 + i + 7 * ctx.rank, 2, 3, 4, 5, 6, 7, 8] for i in range(batch)]
     lock = Lockstep(1, batch, PROMPT)
     runs, out = {}, {}
@@ -67,14 +69,11 @@ def _rank(ctx, path: str, backend: str, batch: int, new: int, rounds: int) -> di
         runs[name] = lambda n, m=model: m.generate(prompts, n, lockstep=lock)
         runs[name](new), runs[name](1)  # compile both graphs, warm the collectives
         leaves = flatten_with_paths(model.params)
-        out[name] = {"bytes": sum(x.numel() * x.element_size() for _, x in leaves), "all": [], "one": []}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            for key, n in (("all", new), ("one", 1)):
-                t0 = time.perf_counter()
-                run(n)
-                out[name][key].append(time.perf_counter() - t0)
-    return out
+        out[name] = {"bytes": sum(x.numel() * x.element_size() for _, x in leaves)}
+    times = timing.rounds(
+        {name: functools.partial(timing.generate_times, run, new) for name, run in runs.items()}, rounds
+    )
+    return {name: out[name] | {"times": times[name]} for name in runs}
 
 
 def measure(cfg, *, backend: str, batch: int, new: int, rounds: int) -> dict:
@@ -87,16 +86,16 @@ def measure(cfg, *, backend: str, batch: int, new: int, rounds: int) -> dict:
     result = {}
     for name in PLANS:
         steps = [  # slowest rank per round
-            max(r[name]["all"][i] - r[name]["one"][i] for r in ranks) / (new - 1) * 1e3 for i in range(rounds)
+            max(t_all - t_one for t_all, t_one in (r[name]["times"][i] for r in ranks)) / (new - 1) * 1e3
+            for i in range(rounds)
         ]
         plain = steps if plain is None else plain
-        ratios = [s / p for s, p in zip(steps, plain)]
         added = sum(ADDED[m](cfg.num_layers) for m in PLANS[name])
         result[name] = {
             "plan": PLANS[name],
             "resident_bytes": ranks[0][name]["bytes"],
-            "step_ms": {"median": statistics.median(steps), "min": min(steps), "max": max(steps), "runs": steps},
-            "step_vs_plain": statistics.median(ratios),
+            "step_ms": timing.stats(steps),
+            "step_vs_plain": timing.ratio(steps, plain)["median"],
             "added_collectives": added,
             "ms_per_added_collective": (
                 statistics.median([s - p for s, p in zip(steps, plain)]) / added if added else None
@@ -122,22 +121,18 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks module_tp", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 4-layer model")
     parser.add_argument("--backend", default="inductor", choices=["inductor", "none"])
     parser.add_argument("--batch", type=int, default=4, help="sequences per dp rank")
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     result = measure(cfg, backend=args.backend, batch=args.batch, new=args.new, rounds=args.rounds)
     print(table(result))
     if args.json:
         meta = {"config": dataclasses.asdict(cfg) | {"module_tp": None}, "args": vars(args)}
         Path(args.json).write_text(json.dumps({"meta": meta, "plans": result}, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

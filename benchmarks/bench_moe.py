@@ -1,6 +1,6 @@
 """Decode tokens/s of an MoE model on 2 gloo ranks: experts sharded over both ranks (ep = 2) vs replicated.
 
-    python benchmarks/bench_moe.py [--backend inductor|eager|none] [--batch 1] [--new 32] [--layers 4]
+    python -m benchmarks moe [--backend inductor|eager|none] [--batch 1] [--new 32] [--layers 4]
 
 Both runs are data parallel over the 2 ranks (each rank decodes its own batch). Replicated: every rank
 holds all experts and never talks to the other. ep = 2: each rank holds half of the experts and every
@@ -15,12 +15,14 @@ import dataclasses
 import tempfile
 import time
 
-from functional_npu.cli.bench import QUICK, best_time
 from functional_npu.models import moe
 from functional_npu.runtime.checkpoint import load_checkpoint
 from functional_npu.runtime.compile import cache_length, compile_model, greedy_generate
 from functional_npu.runtime.launch import LocalWorld
 from functional_npu.runtime.save import save_checkpoint
+
+from .configs import QUICK
+from .timing import best_time
 
 
 def config(layers: int) -> moe.MoeConfig:
@@ -58,13 +60,13 @@ def _rank(ctx, path: str, expert_axes: tuple[str, ...], backend: str, batch: int
     return {"all": best_time(lambda: run(new), 3), "one": best_time(lambda: run(1), 3), "warmup_s": warm}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks moe", description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="inductor", choices=["inductor", "eager", "none"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--layers", type=int, default=4)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = config(args.layers)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalWorld(2, timeout=1800) as world:
@@ -81,7 +83,3 @@ def main() -> None:
     print("| experts | decode tok/s (2 ranks) | ms / step | warm-up s |\n|---|---|---|---|")
     for name, tps, ms, warm in rows:
         print(f"| {name} | {tps:.1f} | {ms:.1f} | {warm:.1f} |")
-
-
-if __name__ == "__main__":
-    main()

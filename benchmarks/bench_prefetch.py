@@ -1,7 +1,7 @@
 """Layer-sharded decode with prefetch on 2 gloo ranks, on the plain loopback and on an emulated link.
 
-    python benchmarks/bench_prefetch.py [--series o_proj] [--batch 16] [--layers 6] [--ks 0,1,2,3]
-                                        [--rate BITS] [--json FILE] [--plot FILE]
+    python -m benchmarks prefetch [--series o_proj] [--batch 16] [--layers 6] [--ks 0,1,2,3]
+                                  [--rate BITS] [--json FILE] [--plot FILE]
 
 Writes an embedded Qwen3-style checkpoint (seeded random weights) to a temp dir, runs every
 configuration (local weights, the prefetch schedule at each k, inductor's own scheduling choices) in
@@ -11,16 +11,19 @@ where the host permits it. Prints both tables and the cost model's prediction ag
 measurement.
 """
 
+from __future__ import annotations
+
 import argparse
 import dataclasses
 import json
 import tempfile
 
-from functional_npu.cli.bench import QUICK
-from functional_npu.cli.bench_link import model_check, run_link_bench
-from functional_npu.cli.bench_prefetch import prefetch_plot, prefetch_table
 from functional_npu.models.llama import init_params
 from functional_npu.runtime.save import save_checkpoint
+
+from .configs import QUICK
+from .emulated_link import model_check, run_link_bench
+from .prefetch_runs import prefetch_plot, prefetch_table
 
 
 def _check_table(name, res):
@@ -33,8 +36,8 @@ def _check_table(name, res):
     )
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks prefetch", description=__doc__.splitlines()[0])
     ap.add_argument("--series", default="o_proj")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--layers", type=int, default=6)
@@ -44,7 +47,7 @@ def main():
     ap.add_argument("--rate", type=int, default=None, help="emulated link rate in bit/s")
     ap.add_argument("--json")
     ap.add_argument("--plot", default="prefetch.png")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     cfg = dataclasses.replace(QUICK, num_layers=args.layers)
     ks = tuple(int(k) for k in args.ks.split(","))
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,7 +66,3 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

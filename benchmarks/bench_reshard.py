@@ -1,6 +1,6 @@
 """Train-to-inference weight sync: ``reshard`` from a Megatron TP=2 layout on 2 gloo ranks.
 
-    python benchmarks/bench_reshard.py [--quick] [--layers 22] [--repeat 3] [--no-thp]
+    python -m benchmarks reshard [--quick] [--layers 22] [--repeat 3] [--no-thp]
 
 A Qwen3-style model (hidden 512, 8 heads, 4 KV heads, vocab 32000, fp32; 22 layers is about 100M
 params) is laid out as Megatron-Core holds it at TP=2 (grouped ``linear_qkv``, ``[gate_r|up_r]``
@@ -28,11 +28,13 @@ import time
 import torch
 
 from functional_npu import Cyclic, gather, leaf_specs, plan_reshard, replicated, reshard, shard
-from functional_npu.cli.bench import FULL, best_time
 from functional_npu.core.tree import flatten_with_paths
 from functional_npu.interop.megatron import megatron_specs, stack_layers, stacked_specs
 from functional_npu.models.llama import abstract_params, init_params, param_specs
 from functional_npu.runtime.launch import LocalWorld
+
+from .configs import FULL
+from .timing import best_time
 
 
 def _nbytes(tree) -> int:
@@ -93,8 +95,10 @@ def _rank(ctx, layers: int, repeat: int) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks reshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=22, help="decoder layers (22: about 100M params)")
     parser.add_argument("--repeat", type=int, default=3, help="best of N timings")
     parser.add_argument("--quick", action="store_true", help="4 layers, best of 2 (well under a minute)")
@@ -103,7 +107,7 @@ def main() -> None:
         action="store_true",
         help="plain 4 KiB pages for torch's CPU allocations (first-touch page faults dominate)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.no_thp:  # torch's CPU allocator backs large tensors with transparent huge pages; the ranks inherit it
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     layers, repeat = (4, 2) if args.quick else (args.layers, args.repeat)
@@ -135,7 +139,3 @@ def main() -> None:
         "\nplan time (pure Python, once per layout pair): "
         + ", ".join(f"{n} {r0[n]['plan_s']:.2f}s" for n in ("tp1_replicated", "tp2_fused_qkv", "layer_sharded"))
     )
-
-
-if __name__ == "__main__":
-    main()

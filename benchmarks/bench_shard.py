@@ -1,6 +1,6 @@
 """Throughput of ``shard`` (single process) and ``gather`` (2 gloo ranks) against a same-run memcpy.
 
-    python benchmarks/bench_shard.py [--mb 64]
+    python -m benchmarks shard [--mb 64]
 
 Prints a markdown table: GB/s of each transform over the bytes it writes, and its share of
 ``torch.Tensor.copy_`` bandwidth measured on the same bytes in the same run.
@@ -13,8 +13,9 @@ import argparse
 import torch
 
 from functional_npu import Block, Mesh, fused, gather, shard, sharded
-from functional_npu.cli.bench import best_time
 from functional_npu.runtime.launch import LocalWorld
+
+from .timing import best_time
 
 
 def _tree(mb: int) -> tuple[dict, dict]:
@@ -47,10 +48,10 @@ def _gather_rank(ctx, mb: int) -> tuple[float, float, int]:
     return t_gather, t_copy, nbytes
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks shard", description=__doc__)
     parser.add_argument("--mb", type=int, default=64, help="full tree size in MiB (fp32)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(2)
     tree, specs = _tree(args.mb)
     mesh = Mesh.abstract({"tp": 2})
@@ -73,7 +74,3 @@ def main() -> None:
             f"| {name} | {b / 2**20:.0f} MiB | {t * 1e3:.1f} ms | "
             f"{b / t / 1e9:.2f} | {b / tc / 1e9:.2f} | {tc / t:.0%} |"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,14 @@
 """The package's folders are its layers: imports run one way, core <- parallel <- models <- interop, runtime <- cli
-(and npu, standalone, <- cli)."""
+(and npu, standalone, <- cli). The applications (benchmarks/, tools/) sit outside it: the package imports nothing of
+theirs, and no modules import each other in a circle."""
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "functional_npu"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "functional_npu"
+APPS = ("benchmarks", "tools")
 # a layer may import from the layers listed for it (and from itself)
 ALLOWED = {
     "core": {"core"},
@@ -92,3 +96,112 @@ def test_no_family_or_family_leaf_is_named_outside_models():
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in leaves:
                 bad.append(f"{where} names the leaf {node.value!r}")
     assert not bad, "family knowledge outside models/:\n" + "\n".join(bad)
+
+
+def test_the_package_imports_no_application():
+    """benchmarks/ and tools/ are applications of the package, not installed with it: nothing in it imports them
+    (inside functions neither)."""
+    bad = []
+    for file in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            bad += [f"{file.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in APPS]
+    assert not bad, "the package imports an application:\n" + "\n".join(bad)
+
+
+def _module(file: Path, root: Path) -> str:
+    parts = file.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports_run(body: list[ast.stmt], functions: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports that run when ``body`` runs: at module level, and with ``functions`` inside functions too (never
+    the ones under ``if TYPE_CHECKING:``, which never run)."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            yield from _imports_run([] if _type_checking(node) else node.body, functions)
+            yield from _imports_run(node.orelse, functions)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from _imports_run(node.body, functions) if functions else ()
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                yield from _imports_run(block, functions)
+        elif isinstance(node, (ast.ClassDef, ast.With, ast.For, ast.While)):
+            yield from _imports_run(node.body, functions)
+
+
+def _import_graph(folders: list[str], *, functions: bool, root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules under ``folders`` it imports by name (``from . import x``, ``from ..x import y``,
+    ``import functional_npu.x``); a package's ``__init__`` is ``functional_npu.x``."""
+    files = {_module(f, root): f for folder in folders for f in sorted((root / folder).rglob("*.py"))}
+    graph = {}
+    for name, file in files.items():
+        package = name.split(".") if file.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in _imports_run(ast.parse(file.read_text()).body, functions):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+                continue
+            base = ".".join(package[: len(package) - node.level + 1] if node.level else [])
+            module = ".".join(p for p in (base, node.module or "") if p)
+            submodules = {f"{module}.{a.name}" for a in node.names} & files.keys()  # from . import x, from .x import y
+            deps |= submodules | ({module} if node.module or not submodules else set())
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every elementary cycle, each once, from its smallest module."""
+    found = []
+
+    def walk(start: str, path: list[str]) -> None:
+        for nxt in sorted(graph[path[-1]]):
+            if nxt == start:
+                found.append([*path, start])
+            elif nxt > start and nxt not in path:
+                walk(start, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return found
+
+
+def test_no_import_cycles_at_module_level():
+    """Among the package's and the applications' modules, counting the imports that run at import time (not those
+    inside functions or under ``if TYPE_CHECKING:``)."""
+    cycles = _cycles(_import_graph(["functional_npu", *APPS], functions=False))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_circles_held_apart_by_imports_in_functions():
+    """The command line and the applications: not even an import inside a function closes a circle (the benchmarks
+    and golden-graph modules once did, when they lived in cli/)."""
+    cycles = _cycles(_import_graph(["functional_npu/cli", *APPS], functions=True))
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_check_sees_a_circle(tmp_path):
+    """The check itself: two modules importing each other, one inside a function, close a circle only when imports in
+    functions count; an import under ``if TYPE_CHECKING:`` never does."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from . import b\n")
+    (tmp_path / "pkg" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\ndef f():\n    from .a import y\n"
+    )
+    assert _cycles(_import_graph(["pkg"], functions=False, root=tmp_path)) == []
+    assert _cycles(_import_graph(["pkg"], functions=True, root=tmp_path)) == [["pkg.a", "pkg.b", "pkg.a"]]

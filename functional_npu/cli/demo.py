@@ -6,10 +6,9 @@ decode with inductor, and generate; the tokens must equal the eager single-rank 
 two ranks run it data-parallel with ``o_proj`` and ``down`` layer-sharded (each rank holds half the
 layers of those weights and prefetches the others one layer ahead, in the compiled graph): the
 tokens must agree again, and the demo shows the bytes each rank holds and the broadcasts in flight,
-read back from inductor's generated code. Where the host permits a private network namespace with
-``tc``, the same layer-sharded decode runs once more on an emulated link whose rate makes one layer's
-broadcast take one layer's compute, and the demo shows how much of the communication stays exposed
-with and without prefetch.
+read back from inductor's generated code. The same decode on an emulated link as slow as one layer's
+compute, which shows how much of the communication prefetch hides, is a benchmark: ``python -m
+benchmarks prefetch``, from a checkout of the repository.
 
 With ``--quant int8|int4`` the checkpoint is written quantized instead, as compressed-tensors writes it
 (every linear layer but ``lm_head``, int8 per channel or int4 in groups of 32, weight-only, fp32 scales
@@ -31,12 +30,10 @@ from ..models import family_of
 from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes
+from ..parallel.timeline import prefetch_timeline
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
-from .bench_link import run_emulated
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
-from .shaped_link import link_unavailable
-from .timeline import prefetch_timeline
 
 DEMO_HF_CONFIG = {  # the embedded model, as its config.json would say it
     "architectures": ["Qwen3ForCausalLM"],
@@ -55,7 +52,6 @@ DEMO_MODEL = family_of(DEMO_HF_CONFIG["architectures"][0])
 DEMO_CONFIG = DEMO_MODEL.from_hf(DEMO_HF_CONFIG)
 DEMO_PROMPTS = [[11, 42, 7, 300, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 99], [256, 17]]
 DEMO_SERIES = "o_proj,down_proj"
-LINK_BATCH = 256  # decode batch on the emulated link: a layer computes long enough for a link to match it
 DEMO_QUANT = {"int8": Quant(8, "channel"), "int4": Quant(4, "group", group_size=32)}
 
 
@@ -100,28 +96,6 @@ def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, tim
     }
 
 
-def emulated_link(model_dir: str, timeout: float) -> str:
-    """The layer-sharded decode at batch ``LINK_BATCH`` on an emulated link whose rate makes one layer's
-    broadcast take one layer's compute: the exposed communication at k = 0 and k = 1, as a few lines
-    (or one saying why the host cannot make the link)."""
-    why = link_unavailable()
-    if why is not None:
-        return why
-    res = run_emulated(
-        model_dir, series=DEMO_SERIES, ks=(0, 1), batch=LINK_BATCH, steps=6, repeat=5, stock=False, timeout=timeout
-    )
-    k0, k1 = res["runs"]["k0"], res["runs"]["k1"]
-    return (
-        f"emulated link of {res['rate_bits'] / 1e6:.0f} Mbit/s (tc tbf in a private network namespace), batch "
-        f"{LINK_BATCH}: one layer's broadcast {res['per_layer_comm_s'] * 1e3:.1f} ms, its compute "
-        f"{res['per_layer_compute_s'] * 1e3:.1f} ms; decode step, median of {res['rounds']} rounds:\n"
-        f"  local weights {res['local_step_s'] * 1e3:.1f} ms | layer-sharded, no prefetch "
-        f"{k0['step_s'] * 1e3:.1f} ms ({k0['exposed']:.0%} of the communication exposed) | prefetch 1 layer ahead "
-        f"{k1['step_s'] * 1e3:.1f} ms ({k1['exposed']:.0%} exposed)\n"
-        "  every schedule and k: python benchmarks/bench_prefetch.py"
-    )
-
-
 def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant: str | None = None) -> int:
     """Print a table of tokens/s (eager vs compiled) and compile time; return 0 if all runs agree.
 
@@ -149,7 +123,6 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant
             layered = tp == 2 and quant is None
             sharded = world.run(layer_sharded_on_rank, tmp, new_tokens, timeout) if layered else None
             held = world.run(held_bytes, tmp, tp) if quant else None
-        link = emulated_link(tmp, timeout) if layered else ""
     want = ref["tokens"]
     rows = [
         ("eager (plain forward)", 1, want, tokens_per_s([ref], new_tokens), None),
@@ -190,7 +163,10 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant
             f"({r['held'] / r['replicated']:.0%}); its compiled decode step issues {r['broadcasts']} broadcasts "
             f"(one per layer) with at most {r['live_max']} in flight, read from inductor's code."
         )
-        print(link)
+        print(
+            "the same decode on an emulated link as slow as one layer's compute, without and with prefetch: "
+            "python -m benchmarks prefetch (from a checkout)"
+        )
     if held is not None:
         mine, fp32 = max(held)
         print(

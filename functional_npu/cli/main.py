@@ -1,7 +1,9 @@
-"""Command line: ``python -m functional_npu {demo,generate,bench,graphs}``.
+"""Command line: ``python -m functional_npu {demo,generate}``, what a user runs for a model.
 
 Bad arguments are one clear line and exit code 2. ``generate`` starts ``dp x tp`` local gloo ranks
-itself, or joins the world of ``torchrun`` (env:// init, so it also works across nodes).
+itself, or joins the world of ``torchrun`` (env:// init, so it also works across nodes). The
+benchmarks and the golden-graph tool live outside the package, in the repository: ``python -m
+benchmarks NAME`` and ``python -m tools.graphs``.
 """
 
 from __future__ import annotations
@@ -146,53 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before local ranks are stopped")
-    bench = sub.add_parser(
-        "bench", help="the scoreboard: this library vs transformers, eager and compiled (needs transformers)"
-    )
-    bench.add_argument(
-        "--formats-only",
-        action="store_true",
-        help="only decode tokens/s by weight format (fp32, bf16, int8, int4; JSON key formats)",
-    )
-    bench.add_argument(
-        "--peers-only",
-        action="store_true",
-        help="only the distributed peers on 2 gloo ranks: reshard vs DTensor.redistribute, decode at tp 2 vs "
-        "transformers' tp_plan='auto' (JSON key peers)",
-    )
-    bench.add_argument("--quick", action="store_true", help="a 4-layer model and fewer tokens")
-    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    bench.add_argument(
-        "--plots", metavar="DIR", default=None, help="write scoreboard.png and prefetch.png here (needs matplotlib)"
-    )
-    graphs = sub.add_parser("graphs", help="regenerate (or --check) the golden captured graphs in graphs/")
-    graphs.add_argument("--check", action="store_true", help="fail (exit 1) on drift instead of writing")
-    graphs.add_argument("--out", default="graphs", help="the artifacts folder; default graphs/")
-    graphs.add_argument(
-        "--no-ge",
-        action="store_true",
-        help="skip the GE conversion (torchair's converters, from the torch-npu wheel, downloaded once)",
-    )
     return parser
-
-
-def _graphs(args: argparse.Namespace) -> int:
-    from .graphs import regenerate
-
-    drift, problems, skipped = regenerate(Path(args.out), check=args.check, ge=not args.no_ge)
-    if skipped and not args.no_ge:
-        print(f"graphs: {skipped}", file=sys.stderr)
-    for problem in problems:
-        print(f"graphs: {problem}", file=sys.stderr)
-    if drift:
-        print(
-            f"{len(drift)} graph artifacts drifted (run: python -m functional_npu graphs): " + ", ".join(drift[:10]),
-            file=sys.stderr,
-        )
-    if drift or problems:
-        return 1
-    print(f"graphs: {'up to date' if args.check else 'written to ' + args.out}" + (" (aten only)" if skipped else ""))
-    return 0
 
 
 def _tokenizer(model: Path) -> tuple[Any | None, str]:
@@ -364,21 +320,4 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from .demo import run_demo
 
         return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout, quant=args.quant)
-    if args.command == "graphs":
-        return _graphs(args)
-    if args.command == "bench":
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            parser.error("bench compares against transformers: pip install -e '.[bench]'")
-        from .bench import run_bench
-
-        run_bench(
-            quick=args.quick,
-            json_path=args.json,
-            plot_dir=args.plots,
-            formats_only=args.formats_only,
-            peers_only=args.peers_only,
-        )
-        return 0
     return _generate(args, parser)

@@ -5,6 +5,6 @@
 - :mod:`.ge_graph`: what a converted GE graph says: op census, Hcom schedule, streams, and whether
   its partial order keeps the prefetch bounds.
 
-The conversion itself runs in a subprocess (``python -m functional_npu.cli.ge_graphs``), never in a
-process that imports torch for anything else.
+The conversion itself runs in a subprocess (``python -m tools.ge_graphs``, from the repository), never
+in a process that imports torch for anything else.
 """

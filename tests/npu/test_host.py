@@ -9,9 +9,9 @@ import zipfile
 
 import pytest
 
-from functional_npu.cli.ge_graphs import FIXES, case_artifacts, ge_artifacts
-from functional_npu.cli.graphs import CASES
 from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources, unpack
+from tools.aten_graphs import CASES
+from tools.ge_graphs import FIXES, case_artifacts, ge_artifacts
 
 from ..support import ROOT
 
@@ -136,7 +136,7 @@ def test_torchair_names_the_op_it_has_no_converter_for():
         from functional_npu.npu import host
         host.install(Path({str(sources)!r}))
         import torch
-        from functional_npu.cli.ge_graphs import convert, _error
+        from tools.ge_graphs import convert, _error
 
         def uses_a_cpu_kernel(x, w, scale):
             return torch.ops.aten._weight_int8pack_mm(x, w, scale) + 1

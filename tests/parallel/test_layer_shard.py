@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import LayerShard, Mesh, Plan, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
-from functional_npu.cli.timeline import prefetch_timeline
 from functional_npu.models import init_state, llama, series_leaves
 from functional_npu.parallel.layer_shard import (
     layer_shard,
@@ -20,6 +19,7 @@ from functional_npu.parallel.layer_shard import (
     stack_series,
     unstack_series,
 )
+from functional_npu.parallel.timeline import prefetch_timeline
 from functional_npu.runtime.plan import check_plan
 
 from ..support.configs import DENSE, MLA, MOE

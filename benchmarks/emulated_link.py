@@ -3,8 +3,8 @@ loopback is rate-limited, so communication takes wire time instead of CPU copies
 
 On the plain loopback two gloo ranks on two cores copy every byte through TCP on the cores the
 compute needs, which says more about the host than about the schedule. Here the prefetch benchmark
-(:mod:`functional_npu.cli.bench_prefetch`) runs a second time on a link made by
-:mod:`functional_npu.cli.shaped_link`, at a rate ``R`` where one layer's broadcast takes about one
+(:mod:`benchmarks.prefetch_runs`) runs a second time on a link made by
+:mod:`benchmarks.shaped_link`, at a rate ``R`` where one layer's broadcast takes about one
 layer's compute: the run compiles and warms every configuration, measures its local-weights step,
 sets ``R`` from it, then times. Where the host cannot make the link the result says why, in one
 line, and holds the plain-loopback figures only.
@@ -20,8 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..parallel.prefetch_cost import Link, choose_k, exposed
-from .bench_prefetch import run_prefetch_bench
+from functional_npu.parallel.prefetch_cost import Link, choose_k, exposed
+
+from . import child_env
+from .prefetch_runs import run_prefetch_bench
 from .shaped_link import link_unavailable, shaped_command
 
 __all__ = ["run_emulated", "run_link_bench", "model_check"]
@@ -46,12 +48,13 @@ def run_emulated(
     run measures it before timing (its result's ``rate_bits``)."""
     with tempfile.TemporaryDirectory(prefix="functional-npu-link.") as tmp:
         out = Path(tmp) / "prefetch.json"
-        argv = [sys.executable, "-m", "functional_npu.cli.bench_prefetch", model_dir, str(out)]
+        argv = [sys.executable, "-m", "benchmarks.prefetch_runs", model_dir, str(out)]
         argv += ["--series", series, "--ks", ",".join(map(str, ks)), "--batch", str(batch)]
         argv += ["--steps", str(steps), "--repeat", str(repeat)] + ([] if stock else ["--no-stock"])
         argv += ([] if rate_bits else ["--match-link"]) + ["--parent", str(os.getpid())]
         proc = subprocess.Popen(
             shaped_command(rate_bits or _START_RATE, argv),
+            env=child_env(),
             start_new_session=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

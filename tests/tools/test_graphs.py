@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from functional_npu.cli.ge_graphs import CONTROL, compare_schedules
-from functional_npu.cli.graphs import (
+from functional_npu.models import gemma3, llama, moe
+from tools.aten_graphs import (
     CASES,
     GRAPH_CONFIGS,
     GRAPH_QUANTS,
@@ -16,9 +16,9 @@ from functional_npu.cli.graphs import (
     PHASES,
     TP_SIZES,
     read_artifact,
-    regenerate,
 )
-from functional_npu.models import gemma3, llama, moe
+from tools.ge_graphs import CONTROL, compare_schedules
+from tools.graphs import main, regenerate
 
 from ..support import GRAPHS
 
@@ -35,8 +35,14 @@ def drift(report):
 
 def test_graphs_match_the_committed_artifacts(report):
     assert report.skipped is None, f"the GE conversion must run here: {report.skipped}"
-    assert report.drift == [], (
-        f"graphs/ drifted from the code; run `python -m functional_npu graphs` and review: {report.drift}"
+    assert report.drift == [], f"graphs/ drifted from the code; run `python -m tools.graphs` and review: {report.drift}"
+
+
+def test_the_command_is_python_m_tools_graphs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--no-such-flag"])
+    assert exit_.value.code == 2 and "usage: python -m tools.graphs [-h] [--check] [--out OUT] [--no-ge]" in (
+        capsys.readouterr().err
     )
 
 
@@ -95,7 +101,7 @@ def test_layer_sharded_schedule_prefetches_k_layers_ahead(drift, k):
     """o_proj and down over dp = 2: layer l + k's broadcast (both leaves in one buffer) issued as layer l
     starts, layers 0 .. k-1 carried in; src alternates with the owner l % 2; the last k broadcasts fetch
     the next step's and leave the graph in flight."""
-    from functional_npu.cli.graphs import LAYER_SHARD_SERIES
+    from tools.aten_graphs import LAYER_SHARD_SERIES
 
     cfg, layers = GRAPH_CONFIGS["qwen3"], LAYER_SHARD_LAYERS
     assert LAYER_SHARD_SERIES == "o_proj,down_proj"
@@ -189,7 +195,7 @@ def test_module_tp_composed_with_layer_sharding_schedule(report):
     head-slice all_to_all and reduce-scatter, the MLP's gather and reduce-scatter; the head's gather and
     vocab-slice all_to_all, all over dp2 and moving only the bytes the plan says; the prefetch broadcasts over dp;
     and GE keeps the prefetch bounds (k + 1 buffers)."""
-    from functional_npu.cli.graphs import MODULE_TP, MODULE_TP_DP
+    from tools.aten_graphs import MODULE_TP, MODULE_TP_DP
 
     cfg, layers = GRAPH_CONFIGS["qwen3"], LAYER_SHARD_LAYERS
     assert MODULE_TP == dict.fromkeys(("o_proj", "lm_head", "embed", "mlp"), 2) and MODULE_TP_DP == 4

@@ -1,6 +1,6 @@
 """The golden cases as NPU graphs: torchair's own FX-to-GE conversion, run on this host.
 
-Every case of :mod:`functional_npu.cli.graphs` is compiled with ``torch.compile(backend=
+Every case of :mod:`tools.aten_graphs` is compiled with ``torch.compile(backend=
 torchair.get_npu_backend())`` in GE graph mode (max-autotune), from meta inputs (so every input's
 placement reads ``NPU``, as on a device), with the torchair backend's ordering hints
 (:func:`functional_npu.runtime.backends.torchair_streams`), rank 0 of a two-rank world of torch's
@@ -13,7 +13,7 @@ fake process group. Conversion ends where torchair hands the serialized graph to
 - ``ge_prefetch.json`` (layer-sharded cases): :func:`functional_npu.npu.ge_graph.prefetch_order`'s
   findings over the graph's partial order.
 
-The conversion runs in a subprocess (``python -m functional_npu.cli.ge_graphs SOURCES OUT``) that
+The conversion runs in a subprocess (``python -m tools.ge_graphs SOURCES OUT``) that
 never imports ``torch_npu``; :func:`ge_artifacts` starts it and turns its output into artifacts and
 problems (a missing converter, an Hcom schedule that differs from the aten one, a prefetch bound
 GE could break).
@@ -31,8 +31,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..npu import ge_graph
-from ..npu.wheel import TorchairUnavailable, torchair_sources
+from functional_npu.npu import ge_graph
+from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
+
+from .aten_graphs import CASES, LAYER_SHARD_SERIES, case_inputs, case_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
 
 __all__ = ["ge_artifacts", "case_artifacts", "compare_schedules", "convert", "CONTROL", "FIXES"]
 
@@ -50,7 +54,7 @@ def convert(fn: Any, args: tuple[Any, ...]) -> Any:
     import torch
     import torchair  # type: ignore[import-not-found]
 
-    from ..npu import host
+    from functional_npu.npu import host
 
     config = torchair.CompilerConfig()
     config.mode = "max-autotune"
@@ -75,8 +79,7 @@ def convert(fn: Any, args: tuple[Any, ...]) -> Any:
 
 
 def _convert(case: Any, streams: Any, ctx: Any) -> Any:
-    from ..models import forward
-    from .graphs import case_inputs, case_mesh
+    from functional_npu.models import forward
 
     mesh = case_mesh(case, ctx)
     if not mesh.is_abstract:
@@ -107,7 +110,7 @@ def _error(e: BaseException) -> dict[str, str]:
 
 
 def _run(sources: Path, out: Path) -> None:
-    from ..npu import host
+    from functional_npu.npu import host
 
     host.install(sources)
     import torch.distributed as dist
@@ -115,11 +118,10 @@ def _run(sources: Path, out: Path) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchair._ge_concrete_graph.ge_ir_pb2 import DataType  # type: ignore[import-not-found]
 
-    from ..parallel.streams import INLINE
-    from ..runtime import ge_converters  # noqa: F401 - registers the converters of this library's ops
-    from ..runtime.backends import torchair_streams
-    from ..runtime.launch import RankContext
-    from .graphs import CASES, case_mesh
+    from functional_npu.parallel.streams import INLINE
+    from functional_npu.runtime import ge_converters  # noqa: F401 - registers the converters of this library's ops
+    from functional_npu.runtime.backends import torchair_streams
+    from functional_npu.runtime.launch import RankContext
 
     hints = torchair_streams()
     results: dict[str, Any] = {}
@@ -180,8 +182,6 @@ def compare_schedules(aten: list[dict[str, Any]], hcom: list[dict[str, Any]]) ->
 
 
 def _prefetch_order(case: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
-    from .graphs import LAYER_SHARD_SERIES
-
     # one coalesced broadcast per layer carries every layer-sharded leaf (they share a dtype)
     return ge_graph.prefetch_order(
         ops, k=case.k, num_layers=case.config.num_layers, series=[LAYER_SHARD_SERIES], axis_size=case.axes["dp"]
@@ -229,8 +229,6 @@ def ge_artifacts(
     when torchair's sources cannot be had (then nothing is converted); ``problems`` name the case,
     family, phase and what to do.
     """
-    from .graphs import CASES
-
     missing = [m for m in ("google.protobuf", "packaging") if not _installed(m)]
     if missing:
         return {}, [], f"GE conversion skipped: {', '.join(missing)} not installed (pip install 'functional-npu[ge]')"
@@ -240,8 +238,9 @@ def ge_artifacts(
         return {}, [], f"GE conversion skipped: {e}"
     with tempfile.TemporaryDirectory(prefix="functional-npu-ge.") as tmp:
         out = Path(tmp) / "ge.json"
-        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-        cmd = [sys.executable, "-m", "functional_npu.cli.ge_graphs", str(sources), str(out)]
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # it imports tools
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", PYTHONPATH=path)
+        cmd = [sys.executable, "-m", "tools.ge_graphs", str(sources), str(out)]
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:

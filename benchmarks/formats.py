@@ -9,9 +9,9 @@ quantization, compiled, when torchao is installed and runs on this CPU (else the
 Every system is compiled with inductor's C++ wrapper (``mode="reduce-overhead"`` here; the peers get the
 same ``cpp_wrapper`` option).
 
-Fair timing on a shared machine: the process is pinned to its cores, every system is built and warmed
-first, then each round runs every system once in turn (A B C A B C ...), and each figure is the median
-over rounds with its spread (min, max). Decode tokens/s at batch ``b`` are
+Fair timing on a shared machine (:mod:`benchmarks.timing`): the process is pinned to its cores, every system is
+built and warmed first, then each round runs every system once in turn (A B C A B C ...), and each figure is the
+median over rounds with its spread (min, max). Decode tokens/s at batch ``b`` are
 ``b (N - 1) / (T(N new tokens) - T(1 new token))``, the scoreboard's formula. The roofline is the
 same-run matrix-vector bandwidth (fp32, a weight larger than the caches) over the weight bytes one decode
 step reads (every weight but the embedding table, of which one row per token), times the batch.
@@ -20,23 +20,23 @@ step reads (every weight but the embedding table, of which one row per token), t
 from __future__ import annotations
 
 import importlib.util
-import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..core.mesh import Mesh
-from ..core.quant import Quant
-from ..core.tree import flatten_with_paths, map_with_path
-from ..models.llama import LlamaConfig, init_params
-from ..runtime.checkpoint import load_checkpoint
-from ..runtime.compile import CompiledModel, cache_length, compile_model
-from ..runtime.quant_config import QuantConfig
-from ..runtime.save import save_checkpoint
+from functional_npu.core.mesh import Mesh
+from functional_npu.core.quant import Quant
+from functional_npu.core.tree import flatten_with_paths, map_with_path
+from functional_npu.models.llama import LlamaConfig, init_params
+from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.compile import CompiledModel, cache_length, compile_model
+from functional_npu.runtime.quant_config import QuantConfig
+from functional_npu.runtime.save import save_checkpoint
+
+from .timing import interleaved, matvec_bandwidth, pin_threads, stats
 
 __all__ = [
     "FORMATS",
@@ -44,10 +44,6 @@ __all__ = [
     "format_table",
     "formats_plot",
     "decode_bytes",
-    "interleaved",
-    "rates",
-    "stats",
-    "pin_threads",
     "pyplot",
     "fnpu_runner",
     "transformers_runner",
@@ -151,72 +147,11 @@ def _torchao(bits: int) -> tuple[Callable[[Any], Any] | None, str | None]:
     return (lambda model: quantize_(model, config)), None
 
 
-def rates(
-    run: Callable[[int, int], Any],
-    b: int,
-    new: int,
-    prompt_len: int,
-    *,
-    clock: Callable[[], float] = time.perf_counter,
-) -> tuple[float, float]:
-    """(decode, prefill) tokens/s at batch ``b``: ``b (N - 1) / (T(N) - T(1))`` and ``b P / T(1)``, each
-    time the best of two on ``clock``."""
-
-    def best(n: int) -> float:
-        times = []
-        for _ in range(2):
-            t0 = clock()
-            run(b, n)
-            times.append(clock() - t0)
-        return min(times)
-
-    t_one = best(1)
-    return b * (new - 1) / max(best(new) - t_one, 1e-9), b * prompt_len / t_one
-
-
-def interleaved(
-    systems: dict[str, Callable[[int, int], Any]],
-    batches: tuple[int, ...],
-    new: int,
-    prompt_len: int,
-    repeat: int,
-    between: Callable[[int], None] | None = None,
-) -> dict[str, dict[int, dict[str, list[float]]]]:
-    """``repeat`` rounds, each running every system once per batch in turn (A B C A B C ...), so drift on a
-    shared machine hits all alike: ``{system: {batch: {"decode": [...], "prefill": [...]}}}``, one entry per
-    round; ``between(r)`` runs after round ``r``."""
-    out = {s: {b: {"decode": [], "prefill": []} for b in batches} for s in systems}
-    for r in range(repeat):
-        for name, run in systems.items():
-            for b in batches:
-                decode, prefill = rates(run, b, new, prompt_len)
-                out[name][b]["decode"].append(decode)
-                out[name][b]["prefill"].append(prefill)
-        if between is not None:
-            between(r)
-    return out
-
-
-def stats(xs: list[float]) -> dict[str, Any]:
-    """Median, min, max and every run."""
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
-
-
-def pin_threads(threads: int | None) -> list[int]:
-    """Pin this process to ``threads`` cores (default: all it may use) and as many torch threads."""
-    cores = sorted(os.sched_getaffinity(0))[: threads or None]
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
-    return cores
-
-
 def run_formats(
     cfg: LlamaConfig, root: Path, *, new: int = 32, repeat: int = 3, threads: int | None = None, log=print
 ) -> dict[str, Any]:
     """Build every system on ``cfg``'s weights (written under ``root``), then ``repeat`` interleaved rounds;
     returns the JSON-ready ``formats`` result."""
-    from .bench import matvec_bandwidth
-
     cores = pin_threads(threads)
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, 33)]
     paths = write_formats(cfg, root)

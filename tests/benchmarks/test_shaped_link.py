@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from functional_npu.cli.shaped_link import link_unavailable, rate_for, set_rate, shaped_command
+from benchmarks import child_env
+from benchmarks.shaped_link import link_unavailable, rate_for, set_rate, shaped_command
 
 SEND = textwrap.dedent(
     """
@@ -38,7 +39,11 @@ def _send_seconds(rate_bits: int, before: str = "") -> float:
         assert why.startswith("emulated link skipped: ") and "\n" not in why
         pytest.skip(why)  # a machine without namespaces or tc: the benchmark reports this line instead
     done = subprocess.run(
-        shaped_command(rate_bits, [sys.executable, "-c", before + SEND]), capture_output=True, text=True, timeout=60
+        shaped_command(rate_bits, [sys.executable, "-c", before + SEND]),
+        env=child_env(),  # ``before`` imports benchmarks
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     return float(done.stdout.strip().splitlines()[-1])
@@ -52,7 +57,7 @@ def test_the_emulated_link_runs_at_its_rate():
 def test_the_rate_changes_from_inside():
     """A run started at 10 Gbit/s that sets 32 Mbit/s (as the benchmark does once it has measured its
     compute) then sends at 32 Mbit/s."""
-    before = "from functional_npu.cli.shaped_link import set_rate\nset_rate(32_000_000)\n"
+    before = "from benchmarks.shaped_link import set_rate\nset_rate(32_000_000)\n"
     assert 0.3 < _send_seconds(10**10, before) < 3.0
 
 

@@ -1,7 +1,8 @@
 """Reading the prefetch timeline back out of inductor's generated code: a check of what the compiler emitted.
 
-Used by the tests and the prefetch benchmark to verify :class:`functional_npu.parallel.schedule.PrefetchSchedule`
-(issue ``k`` layers ahead, wait at first use, at most ``k + 1`` live buffers) on the real output.
+Used by the demo, the tests and the prefetch benchmark to verify
+:class:`functional_npu.parallel.schedule.PrefetchSchedule` (issue ``k`` layers ahead, wait at first use, at most
+``k + 1`` live buffers) on the real output.
 """
 
 from __future__ import annotations

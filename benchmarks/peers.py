@@ -18,9 +18,9 @@ the reason in the JSON.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,16 +29,18 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.dtensor import placements_of, to_dtensor
-from ..core.layout import Layout, Shard, sharded
-from ..core.reshard import plan_reshard, reshard
-from ..core.shard import shard
-from ..core.tree import flatten_with_paths
-from ..models import family_of
-from ..runtime.hf_layout import stored_tensors
-from ..runtime.launch import RankContext
-from ..runtime.plan import check_plan
-from .bench_formats import fnpu_runner, interleaved, stats
+from functional_npu.core.dtensor import placements_of, to_dtensor
+from functional_npu.core.layout import Layout, Shard, sharded
+from functional_npu.core.reshard import plan_reshard, reshard
+from functional_npu.core.shard import shard
+from functional_npu.core.tree import flatten_with_paths
+from functional_npu.models import family_of
+from functional_npu.runtime.hf_layout import stored_tensors
+from functional_npu.runtime.launch import RankContext
+from functional_npu.runtime.plan import check_plan
+
+from .formats import fnpu_runner
+from .timing import interleaved, ratio, rounds, seconds, stats
 
 __all__ = ["reshard_peer", "decode_tp_peer", "peers_report", "ReceivedBytes"]
 
@@ -71,21 +73,14 @@ def reshard_peer(ctx: RankContext, cfg: Any, repeat: int, seed: int = 0) -> dict
     ours(), theirs()  # a second warm-up: the allocator settles (fresh pages on the first rounds, not after)
     same = all(torch.equal(a[n], b[n]) for n in a)
     systems: dict[str, Callable[[], Any]] = {"fnpu_reshard": ours, "dtensor_redistribute": theirs}
-    seconds: dict[str, list[float]] = {k: [] for k in systems}
-    for _ in range(repeat):
-        for name, fn in systems.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            dist.barrier()
-            seconds[name].append(time.perf_counter() - t0)
+    times = rounds({name: functools.partial(_between_barriers, fn) for name, fn in systems.items()}, repeat)
     traffic = plan.traffic[ctx.rank]
     return {
         "tensors": len(stored),
         "bytes_total": sum(x.numel() * x.element_size() for x in full.values()),
         "same_bits": same,
-        "seconds": {k: stats(v) for k, v in seconds.items()},
-        "speedup": _ratio(seconds["dtensor_redistribute"], seconds["fnpu_reshard"]),
+        "seconds": {k: stats(v) for k, v in times.items()},
+        "speedup": ratio(times["dtensor_redistribute"], times["fnpu_reshard"]),
         "received_bytes": {"fnpu_reshard": traffic.received, "dtensor_redistribute": counted.received},
         "lower_bound_bytes": traffic.lower_bound,
         # reshard writes every output byte fresh (it never aliases its input); DTensor hands back a local tensor
@@ -121,7 +116,7 @@ def decode_tp_peer(ctx: RankContext, path: str, prompt: list[int], new: int, rep
         "same_tokens": same,
         "decode_tok_s": {k: stats(v["decode"]) for k, v in runs.items()},
         "prefill_tok_s": {k: stats(v["prefill"]) for k, v in runs.items()},
-        "decode_ratio": _ratio(runs["fnpu_compiled_tp"]["decode"], runs["hf_tp_plan_auto"]["decode"]),
+        "decode_ratio": ratio(runs["fnpu_compiled_tp"]["decode"], runs["hf_tp_plan_auto"]["decode"]),
     }
     return {"fnpu": fnpu | {"compile_s": compile_s}, "peer": peer}
 
@@ -176,10 +171,10 @@ def _transformers_tp(path: str, prompt: list[int], tp: int) -> Callable[[int, in
     return run
 
 
-def _ratio(ours: list[float], theirs: list[float]) -> dict[str, float]:
-    """``ours / theirs`` round by round (both measured in the same round): median, min and max."""
-    per = [a / b for a, b in zip(ours, theirs)]
-    return {"median": statistics.median(per), "min": min(per), "max": max(per)}
+def _between_barriers(fn: Callable[[], Any]) -> float:
+    """Seconds of ``fn()`` up to the barrier after it, started at a barrier: the slowest rank counts."""
+    dist.barrier()
+    return seconds(lambda: (fn(), dist.barrier()))
 
 
 def _plain(layout: Layout, n: int, name: str) -> Layout:

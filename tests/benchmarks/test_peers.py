@@ -1,4 +1,4 @@
-"""The peers are what they claim (their figures come from `python -m functional_npu bench`, never asserted):
+"""The peers are what they claim (their figures come from `python -m benchmarks bench`, never asserted):
 ``reshard`` and ``DTensor.redistribute`` produce the same bits, ours receiving exactly the lower bound; transformers'
 tp plan really shards its weights and gives our tokens."""
 
@@ -16,7 +16,7 @@ def tiny(tmp_path_factory):
 
 
 def _peers(ctx, path, cfg):
-    from functional_npu.cli.bench_peers import _transformers_tp, reshard_peer
+    from benchmarks.peers import _transformers_tp, reshard_peer
 
     run = _transformers_tp(str(path), PROMPT, ctx.world_size)
     return reshard_peer(ctx, cfg, 1), run(1, 6)[0, len(PROMPT) :].tolist()

@@ -13,26 +13,34 @@ buffers read from the compiled code.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import json
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..core.collectives import broadcast
-from ..models import forward
-from ..parallel.layer_shard import layer_shard, resident_bytes
-from ..parallel.prefetch import coalesced, drain
-from ..parallel.prefetch_cost import layer_bytes
-from ..runtime.checkpoint import load_checkpoint
-from ..runtime.compile import CompiledModel, compile_model
-from ..runtime.launch import RankContext
-from .timeline import prefetch_timeline
+from functional_npu.core.collectives import broadcast
+from functional_npu.models import forward
+from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
+from functional_npu.parallel.prefetch import coalesced, drain
+from functional_npu.parallel.prefetch_cost import layer_bytes
+from functional_npu.parallel.timeline import prefetch_timeline
+from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.compile import CompiledModel, compile_model
+from functional_npu.runtime.launch import LocalWorld, RankContext, watch_parent
+
+from .shaped_link import rate_for, set_rate
+from .timing import rounds
 
 __all__ = ["prefetch_rank", "run_prefetch_bench", "prefetch_table", "prefetch_plot", "main"]
 
@@ -78,18 +86,6 @@ def _stepper(model: CompiledModel, batch: int) -> tuple[Callable[[int], float], 
     return per_step, code[0] if code else "", state.prefetched
 
 
-def _interleaved(steppers: dict[str, Callable[[int], float]], steps: int, rounds: int) -> dict[str, list[float]]:
-    """Per-step seconds of every configuration, ``rounds`` times, each round visiting all of them in turn
-    (so a noisy moment on a shared machine touches every configuration alike)."""
-    times: dict[str, list[float]] = {name: [] for name in steppers}
-    for r in range(rounds + 1):  # round 0 is untimed: the first call after other graphs compiled may be slow
-        for name, per_step in steppers.items():
-            t = per_step(steps)
-            if r:
-                times[name].append(t)
-    return times
-
-
 def _comm_alone(params: dict, mesh: Any, n: int) -> float:
     """Seconds for one step's broadcasts (one per layer and coalesced group, as the forward issues them)
     issued back to back, then waited; the mean over ``n`` steps."""
@@ -112,10 +108,6 @@ def _comm_alone(params: dict, mesh: Any, n: int) -> float:
 def _match_link(local: Callable[[int], float], steps: int, per_layer_bytes: int, layer_share: float) -> int:
     """Set the emulated link's rate to one layer's bytes over one layer's compute (the local-weights step
     times the layer's share of it, the slower rank's); every rank calls this together. Returns the rate."""
-    import torch.distributed as dist
-
-    from .shaped_link import rate_for, set_rate
-
     dist.barrier()  # both ranks done compiling: a compiler on the other core would slow this one's steps
     local(steps)  # untimed, as in the rounds: the first steps after compiling run slow
     step = torch.tensor([statistics.median(local(steps) for _ in range(3))], dtype=torch.float64)
@@ -141,7 +133,7 @@ def prefetch_rank(
     """Run on each of 2 ranks: step times (median and spread of interleaved rounds), exposed fractions and
     resident memory per configuration (the prefetch schedule at each of ``ks``, and with ``stock``
     inductor's own scheduling choices at k = 1). With ``match_link`` (inside a namespace made by
-    :func:`functional_npu.cli.shaped_link.shaped_command`) the ranks first time the local-weights step,
+    :func:`benchmarks.shaped_link.shaped_command`) the ranks first time the local-weights step,
     and set the link's rate so that one layer's broadcast takes one layer's compute on the slower rank."""
     mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
     cache_len = 64
@@ -169,7 +161,9 @@ def prefetch_rank(
     )
     rate = _match_link(steppers["local"], steps, per_layer, layer_w / total_w) if match_link else None
     steppers["comm_alone"] = functools.partial(_comm_alone, params, mesh)
-    times = _interleaved(steppers, steps, repeat)
+    # per-step seconds of every configuration in interleaved rounds, after one untimed round (the first call
+    # after other graphs compiled may be slow)
+    times = rounds({name: functools.partial(per_step, steps) for name, per_step in steppers.items()}, repeat, warmup=1)
     for carried in states:
         drain(carried)
     med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -221,8 +215,6 @@ def run_prefetch_bench(
     """Both ranks' measurements on 2 local gloo ranks (one thread each), merged: the slower rank's medians
     (and spreads); every configuration is compiled first, then timed in ``repeat`` interleaved rounds of
     ``steps`` decode steps."""
-    from ..runtime.launch import LocalWorld
-
     with LocalWorld(2, threads=1, timeout=1800) as world:
         ranks = world.run(prefetch_rank, model_dir, series, list(ks), batch, steps, repeat, stock, match_link)
     out = dict(ranks[0])
@@ -310,17 +302,10 @@ def prefetch_plot(res: dict[str, Any], path: str, emulated: dict[str, Any] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m functional_npu.cli.bench_prefetch MODEL_DIR OUT_JSON [--ks 0,1,2] ...``: one run, as JSON
-    (how the emulated-link benchmark runs it inside its network namespace). Given ``--parent PID``, it ends
-    when that process does, and its ranks with it."""
-    import argparse
-    import json
-    import threading
-    from pathlib import Path
-
-    from ..runtime.launch import watch_parent
-
-    parser = argparse.ArgumentParser(prog="python -m functional_npu.cli.bench_prefetch")
+    """``python -m benchmarks.prefetch_runs MODEL_DIR OUT_JSON [--ks 0,1,2] ...``: one run, as JSON (how the
+    emulated-link benchmark runs it inside its network namespace). Given ``--parent PID``, it ends when that
+    process does, and its ranks with it."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefetch_runs")
     parser.add_argument("model_dir")
     parser.add_argument("out")
     parser.add_argument("--series", default="o_proj")

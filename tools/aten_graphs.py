@@ -9,8 +9,9 @@ ops (``functional_npu.quant_matmul`` / ``weight_quant_matmul``) where the matmul
 
 For every artifact ``graphs/<family>-tp<N>-<phase>/``: ``census.json`` (op -> count),
 ``collectives.json`` (the ordered collective schedule: op, mesh axis, bytes), ``summary.json``
-(node and collective counts) and ``graph.txt`` (the FX graph). ``python -m functional_npu graphs``
-regenerates them; ``--check`` (and the test suite) fails on drift that was not regenerated.
+(node and collective counts) and ``graph.txt`` (the FX graph). ``python -m tools.graphs`` regenerates
+them (and the GE graphs of the same cases, :mod:`tools.ge_graphs`); ``--check`` (and the test suite)
+fails on drift that was not regenerated.
 """
 
 from __future__ import annotations
@@ -23,25 +24,25 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from ..core.mesh import Mesh
-from ..core.quant import Quant, quantize
-from ..core.shard import shard
-from ..models import deepseek, family_of, forward, gemma3, init_state, llama, moe
-from ..models.experts import Routing
-from ..models.linear import prepare_params
-from ..parallel import prefetch
-from ..parallel.layer_shard import layer_shard, series_specs, stack_series
-from ..parallel.module_tp import split_dp
-from ..parallel.plan import Plan
-from ..runtime.launch import LocalWorld, RankContext
-from ..runtime.plan import resolved
-from ..runtime.quant_config import QuantConfig
-from ..runtime.quant_plan import quantize_plan
+from functional_npu.core.mesh import Mesh
+from functional_npu.core.quant import Quant, quantize
+from functional_npu.core.shard import shard
+from functional_npu.models import deepseek, family_of, forward, gemma3, init_state, llama, moe
+from functional_npu.models.experts import Routing
+from functional_npu.models.linear import prepare_params
+from functional_npu.parallel import prefetch
+from functional_npu.parallel.layer_shard import layer_shard, series_specs, stack_series
+from functional_npu.parallel.module_tp import split_dp
+from functional_npu.parallel.plan import Plan
+from functional_npu.runtime.launch import RankContext
+from functional_npu.runtime.plan import resolved
+from functional_npu.runtime.quant_config import QuantConfig
+from functional_npu.runtime.quant_plan import quantize_plan
 
 __all__ = [
     "GRAPH_CONFIGS",
@@ -54,8 +55,6 @@ __all__ = [
     "write_artifacts",
     "diff_artifacts",
     "read_artifact",
-    "regenerate",
-    "Report",
 ]
 
 _BASE = dict(
@@ -361,43 +360,3 @@ def read_artifact(root: Path, name: str, file: str) -> Any:
     """One artifact file's content (JSON parsed, gzip undone)."""
     text = _read(root / name / file)
     return json.loads(text) if file.endswith(".json") else text
-
-
-def _all_artifacts(world: LocalWorld | None) -> dict[str, dict[str, Any]]:
-    out = capture_artifacts(RankContext(0, 1), 1)
-    for size in sorted({c.world for c in CASES} - {1}):
-        own = world if world is not None and world.world_size == size else LocalWorld(size)
-        try:
-            out |= own.run(capture_artifacts, size)[0]
-        finally:
-            if own is not world:
-                own.close()
-    return out
-
-
-class Report(NamedTuple):
-    """What :func:`regenerate` found: ``drift`` (files that differ, with ``check``), ``problems``
-    (GE conversion failures and failed checks) and ``skipped`` (one line when no GE conversion ran)."""
-
-    drift: list[str]
-    problems: list[str]
-    skipped: str | None
-
-
-def regenerate(root: Path, *, check: bool = False, world: LocalWorld | None = None, ge: bool = True) -> Report:
-    """Capture every artifact (and, with ``ge``, convert every case to a GE graph); write them under
-    ``root`` or, with ``check``, report the drifted files."""
-    from .ge_graphs import ge_artifacts
-
-    artifacts = _all_artifacts(world)
-    problems: list[str] = []
-    skipped = "GE conversion not requested" if not ge else None
-    if ge:
-        schedules = {name: files["collectives.json"] for name, files in artifacts.items()}
-        converted, problems, skipped = ge_artifacts(schedules)
-        for name, files in converted.items():
-            artifacts[name] = artifacts.get(name, {}) | files
-    if check:
-        return Report(diff_artifacts(artifacts, root), problems, skipped)
-    write_artifacts(artifacts, root)
-    return Report([], problems, skipped)

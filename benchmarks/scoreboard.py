@@ -1,4 +1,4 @@
-"""The scoreboard: ``python -m functional_npu bench [--quick] [--json FILE]``.
+"""The scoreboard: ``python -m benchmarks bench [--quick] [--json FILE] [--plots DIR] [--formats-only | --peers-only]``.
 
 On the same weights in the same run: decode and prefill tokens/s of this library (eager, compiled,
 compiled tp=2 on two gloo ranks) and of transformers (eager ``generate``; ``generate`` compiled
@@ -10,6 +10,7 @@ same formula for every system, so prefill is excluded from decode and vice versa
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -24,61 +25,21 @@ from typing import Any
 
 import torch
 
-from ..core.mesh import Mesh
-from ..core.tree import flatten_with_paths
-from ..models.llama import LlamaConfig, abstract_params, init_params
-from ..runtime.checkpoint import load_checkpoint
-from ..runtime.compile import greedy_generate
-from ..runtime.launch import LocalWorld, RankContext
-from ..runtime.save import save_checkpoint
-from .bench_formats import (
-    fnpu_runner,
-    format_table,
-    formats_plot,
-    interleaved,
-    pin_threads,
-    pyplot,
-    run_formats,
-    stats,
-    transformers_runner,
-)
-from .bench_link import model_check, run_link_bench
-from .bench_peers import decode_tp_peer, peers_report, reshard_peer
-from .bench_prefetch import prefetch_plot, prefetch_table
+from functional_npu.core.mesh import Mesh
+from functional_npu.core.tree import flatten_with_paths
+from functional_npu.models.llama import LlamaConfig, abstract_params, init_params
+from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.compile import greedy_generate
+from functional_npu.runtime.launch import LocalWorld, RankContext
+from functional_npu.runtime.save import save_checkpoint
 
-_MODEL = dict(
-    architecture="Qwen3ForCausalLM",
-    hidden_size=512,
-    intermediate_size=1536,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=2048,
-    qk_norm=True,
-)
-FULL = LlamaConfig(vocab_size=32000, num_layers=12, **_MODEL)  # about 70M params, untied, fp32
-QUICK = LlamaConfig(vocab_size=8000, num_layers=4, **_MODEL)
-
-
-def best_time(fn: Callable[[], Any], repeat: int = 5, *, clock: Callable[[], float] = time.perf_counter) -> float:
-    """The fastest of ``repeat`` timings of ``fn()`` on ``clock`` (default: wall-clock seconds)."""
-    times = []
-    for _ in range(repeat):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return min(times)
-
-
-def matvec_bandwidth(dtype: torch.dtype = torch.float32, mib: int = 256, repeat: int = 10) -> float:
-    """Bytes/s of a matrix-vector product streaming a ``mib`` MiB weight (the decode bottleneck)."""
-    cols = 4096
-    w = torch.randn(mib * 2**20 // (cols * torch.tensor([], dtype=dtype).element_size()), cols, dtype=dtype)
-    x = torch.randn(cols, dtype=dtype)
-    w @ x
-    return w.numel() * w.element_size() / best_time(lambda: w @ x, repeat)
+from . import child_env
+from .configs import FULL, QUICK
+from .emulated_link import model_check, run_link_bench
+from .formats import fnpu_runner, format_table, formats_plot, pyplot, run_formats, transformers_runner
+from .peers import decode_tp_peer, peers_report, reshard_peer
+from .prefetch_runs import prefetch_plot, prefetch_table
+from .timing import interleaved, matvec_bandwidth, pin_threads, stats
 
 
 def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -114,12 +75,10 @@ def compile_once(path: str, prompt_len: int, new: int) -> float:
 
 def _compile_cold_warm(path: str, prompt_len: int, new: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as cache:
-        env = os.environ | {
-            "TORCHINDUCTOR_CACHE_DIR": cache,
-            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-            "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-        }
-        code = f"from functional_npu.cli.bench import compile_once; print(compile_once({path!r}, {prompt_len}, {new}))"
+        env = child_env(
+            TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1"
+        )
+        code = f"from benchmarks.scoreboard import compile_once; print(compile_once({path!r}, {prompt_len}, {new}))"
         times = [
             float(
                 subprocess.run(
@@ -177,8 +136,8 @@ def run_bench(
 
     The process is pinned to its cores with as many torch threads; every figure is the median of ``repeat``
     interleaved rounds, with its spread in the JSON. ``formats_only``: only the weight formats
-    (:mod:`functional_npu.cli.bench_formats`, JSON key ``formats``); ``peers_only``: only the distributed peers
-    (:mod:`functional_npu.cli.bench_peers`, JSON key ``peers``)."""
+    (:mod:`benchmarks.formats`, JSON key ``formats``); ``peers_only``: only the distributed peers
+    (:mod:`benchmarks.peers`, JSON key ``peers``)."""
     cores = pin_threads(None)
     cfg = QUICK if quick else FULL
     if formats_only:
@@ -378,3 +337,40 @@ def _write(out: dict[str, Any], json_path: str | None, plot_dir: str | None) -> 
         print(f"plots: {plot_dir}/ ({len(made)} PNG)" if all(made) else "plots: skipped (pip install matplotlib)")
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks bench [flags]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks bench",
+        description="the scoreboard: this library vs transformers, eager and compiled (needs transformers)",
+    )
+    parser.add_argument(
+        "--formats-only",
+        action="store_true",
+        help="only decode tokens/s by weight format (fp32, bf16, int8, int4; JSON key formats)",
+    )
+    parser.add_argument(
+        "--peers-only",
+        action="store_true",
+        help="only the distributed peers on 2 gloo ranks: reshard vs DTensor.redistribute, decode at tp 2 vs "
+        "transformers' tp_plan='auto' (JSON key peers)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a 4-layer model and fewer tokens")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument(
+        "--plots", metavar="DIR", default=None, help="write scoreboard.png and prefetch.png here (needs matplotlib)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        parser.error("bench compares against transformers: pip install -e '.[bench]'")
+    run_bench(
+        quick=args.quick,
+        json_path=args.json,
+        plot_dir=args.plots,
+        formats_only=args.formats_only,
+        peers_only=args.peers_only,
+    )
+    return 0

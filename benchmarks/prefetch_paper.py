@@ -6,18 +6,19 @@ that device holds for the layer once (decode), or ``2 * tokens * active params``
 attention's own FLOPs and the KV cache are left out, so compute is a lower bound and the exposure an
 upper bound. The layer-sharded series is broadcast over ``n`` devices from its owner, once per layer
 per step, at the device's link rate (:data:`functional_npu.parallel.prefetch_cost.DEVICES`).
-``python -m functional_npu.cli.prefetch_paper`` prints the table.
+``python -m benchmarks prefetch_paper`` prints the table.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..parallel.prefetch_cost import DEVICES, choose_k, exposed, roofline_layer_s
+from functional_npu.parallel.prefetch_cost import DEVICES, choose_k, exposed, roofline_layer_s
 
-__all__ = ["Workload", "WORKLOADS", "paper_rows", "paper_table"]
+__all__ = ["Workload", "WORKLOADS", "paper_rows", "paper_table", "main"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ def paper_table(rows: list[dict[str, Any]] | None = None) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks prefetch_paper``: the table and the sources of its device figures."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks prefetch_paper", description=__doc__.splitlines()[0])
+    parser.parse_args(argv)  # no flags: -h, or one line for anything else
     print(paper_table())
     print("\nsources: " + "; ".join(f"{d.name}: {d.source}" for d in DEVICES.values() if d.name != "host"))

@@ -1,0 +1,60 @@
+"""``python -m benchmarks NAME [flags]``: run one benchmark, from the repository root (``NAME -h``: its flags).
+
+A SIGTERM stops the run cleanly (exit 143: local ranks stopped, temporary files removed), a Ctrl-C too, in one
+line (exit 130).
+"""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+from typing import Any
+
+# name -> (module of this package whose main(argv) runs it, what it measures)
+COMMANDS = {
+    "bench": ("scoreboard", "the scoreboard: this library vs transformers, eager and compiled (needs transformers)"),
+    "mla": ("bench_mla", "MLA: per-head vs latent KV cache, plain vs absorbed decode"),
+    "module_tp": ("bench_module_tp", "module TP over dp ranks: resident bytes and decode step time per plan"),
+    "prefetch": ("bench_prefetch", "layer-sharded decode with prefetch, on the loopback and an emulated link"),
+    "prefetch_paper": ("prefetch_paper", "where layer sharding pays, on paper: the cost model on published figures"),
+    "reshard": ("bench_reshard", "train-to-inference weight sync: reshard from Megatron TP=2 on 2 gloo ranks"),
+    "shard": ("bench_shard", "throughput of shard and gather against a same-run memcpy"),
+    "load": ("bench_load", "bytes each rank reads from a checkpoint, for tp = 1, 2, 4 (needs transformers)"),
+    "eplb": ("bench_eplb", "bytes moved by an EPLB rebalance against moving every expert, and its time"),
+    "moe": ("bench_moe", "MoE decode tokens/s on 2 gloo ranks: experts over both ranks vs replicated"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    return "usage: python -m benchmarks NAME [flags]   (python -m benchmarks NAME -h: its flags)\n\n" + "\n".join(rows)
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds like an error: local ranks are stopped, temporary files removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, *rest = argv
+    if name not in COMMANDS:
+        print(f"python -m benchmarks: no benchmark named {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"{__package__}.{COMMANDS[name][0]}")
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return module.main(rest) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""One runner for every benchmark: ``python -m benchmarks NAME [flags]`` from the repository root."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import child_env
+from benchmarks.__main__ import COMMANDS, main
+
+from ..support import ROOT
+
+
+def test_without_a_name_it_lists_every_benchmark(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m benchmarks NAME [flags]")
+    assert all(f"  {name} " in err for name in COMMANDS)
+    assert main(["-h"]) == 0
+    assert capsys.readouterr().out == err  # asked for: the same list on stdout, exit 0
+
+
+def test_an_unknown_name_is_one_line_and_exit_2(capsys):
+    assert main(["scoreboard"]) == 2
+    err = capsys.readouterr().err
+    assert err == "python -m benchmarks: no benchmark named 'scoreboard'; choose from " + ", ".join(COMMANDS) + "\n"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_name_runs_a_module_main_with_its_own_flags(name, capsys):
+    """Each name's module takes its flags through ``main(argv)``, its usage under the runner's spelling."""
+    assert callable(importlib.import_module(f"benchmarks.{COMMANDS[name][0]}").main)
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--no-such-flag"])
+    assert exit_.value.code == 2
+    assert f"usage: python -m benchmarks {name}" in capsys.readouterr().err
+
+
+def test_a_benchmark_runs_from_the_repository_root():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "prefetch_paper"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("| model, series | device |") and "\nsources: " in done.stdout
