@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from functional_npu import Mesh, compile_model
+from functional_npu import Mesh, Plan, compile_model
 from functional_npu.models.deepseek import DeepseekConfig, init_params
 from functional_npu.models.experts import Routing
 
@@ -66,10 +66,11 @@ def measure(*, length: int, batch: int, new: int, rounds: int, backend: str) -> 
     prompts = [[1 + (7 * i + j) % 7000 for j in range(8)] for i in range(batch)]
     runs, out = {}, {}
     for name, change in VARIANTS.items():
-        cfg = dataclasses.replace(CONFIG, **change)
+        plan = Plan(**change)  # the cache kind and the decode path are the plan's
         model = compile_model(
-            params | {"config": cfg},
+            params,
             mesh,
+            plan=plan,
             backend=backend,
             batch_sizes=[batch],
             max_seq_len=length,
@@ -78,7 +79,7 @@ def measure(*, length: int, batch: int, new: int, rounds: int, backend: str) -> 
         runs[name] = lambda n, m=model: m.generate(prompts, n)
         tokens = runs[name](new)  # compile both graphs
         runs[name](1)
-        out[name] = {"tokens": tokens, "bytes": cfg.cache_values_per_token * cfg.num_layers * 4}
+        out[name] = {"tokens": tokens, "bytes": CONFIG.cache_values_per_token(plan) * CONFIG.num_layers * 4}
     times = timing.rounds(
         {name: functools.partial(timing.generate_times, run, new) for name, run in runs.items()}, rounds
     )

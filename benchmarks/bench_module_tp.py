@@ -21,7 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from functional_npu import compile_model, flatten_with_paths, load_checkpoint, split_dp
+from functional_npu import Plan, compile_model, flatten_with_paths, load_checkpoint, split_dp
 from functional_npu.models.llama import init_params
 from functional_npu.runtime.compile import cache_length
 from functional_npu.runtime.generate import Lockstep
@@ -56,10 +56,10 @@ def _rank(ctx, path: str, backend: str, batch: int, new: int, rounds: int) -> di
     lock = Lockstep(1, batch, PROMPT)
     runs, out = {}, {}
     for name, sizes in PLANS.items():
-        axes, plan = split_dp({"dp": 2, "tp": 1}, sizes)
+        axes, module_tp = split_dp({"dp": 2, "tp": 1}, sizes)
         mesh = ctx.mesh(axes)
         model = compile_model(
-            load_checkpoint(path, mesh, module_tp=plan),
+            load_checkpoint(path, mesh, Plan(module_tp=module_tp)),
             mesh,
             backend=backend,
             batch_sizes=[batch],

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 from functional_npu.models import moe
+from functional_npu.parallel.plan import Plan
 from functional_npu.runtime.checkpoint import load_checkpoint
 from functional_npu.runtime.compile import cache_length, compile_model, greedy_generate
 from functional_npu.runtime.launch import LocalWorld
@@ -40,7 +41,7 @@ def config(layers: int) -> moe.MoeConfig:
 
 def _rank(ctx, path: str, expert_axes: tuple[str, ...], backend: str, batch: int, new: int) -> dict[str, float]:
     mesh = ctx.mesh({"dp": 2, "tp": 1})
-    params = load_checkpoint(path, mesh, expert_axes=expert_axes)
+    params = load_checkpoint(path, mesh, Plan(expert_axes=expert_axes))
     prompts = [[1 + i + 7 * ctx.rank, 2, 3, 4, 5, 6, 7, 8] for i in range(batch)]
     if backend == "none":
 

@@ -32,6 +32,7 @@ import torch.distributed._functional_collectives as funcol
 from functional_npu.core.collectives import broadcast
 from functional_npu.models import forward
 from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
+from functional_npu.parallel.plan import Plan
 from functional_npu.parallel.prefetch import coalesced, drain
 from functional_npu.parallel.prefetch_cost import layer_bytes
 from functional_npu.parallel.timeline import prefetch_timeline
@@ -142,12 +143,13 @@ def prefetch_rank(
     local = compile_model(full, mesh, batch_sizes=[batch], max_seq_len=cache_len)
     steppers, codes, states = {}, {}, []
     steppers["local"], _, _ = _stepper(local, batch)
-    params = load_checkpoint(model_dir, mesh, layer_shard=layer_shard(series, "dp"))
+    params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp")))
     per_layer = layer_bytes(params)
     owned = resident_bytes(params["series"])
     configs = [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items() if stock]
     for name, k, schedule in configs:  # every graph compiled and warm before any timing
-        model = compile_model(params, mesh, batch_sizes=[batch], max_seq_len=cache_len, prefetch_step=k)
+        plan = dataclasses.replace(params["plan"], prefetch_step=k)
+        model = compile_model(params, mesh, plan=plan, batch_sizes=[batch], max_seq_len=cache_len)
         if schedule != "prefetch":
             model = _stock(model, SCHEDULES[schedule])
         steppers[name], codes[name], carried = _stepper(model, batch)

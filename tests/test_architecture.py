@@ -205,3 +205,15 @@ def test_the_check_sees_a_circle(tmp_path):
     )
     assert _cycles(_import_graph(["pkg"], functions=False, root=tmp_path)) == []
     assert _cycles(_import_graph(["pkg"], functions=True, root=tmp_path)) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+def test_no_import_hides_behind_type_checking():
+    """Shared blocks are typed by the fields they read (a Protocol), so no module imports another of the package
+    only for type checking (the way import circles were held apart)."""
+    bad = [
+        f"{file.relative_to(PACKAGE)}:{node.lineno}"
+        for file in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(file.read_text()))
+        if isinstance(node, ast.If) and _type_checking(node)
+    ]
+    assert not bad, "imports under TYPE_CHECKING:\n" + "\n".join(bad)

@@ -13,7 +13,7 @@ by :func:`prepare` before the layer loop.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +23,9 @@ from ..core.mesh import Mesh
 from .linear import int8_activations, linear, row_parallel, token_amax
 from .norm import rms_norm
 
-if TYPE_CHECKING:
-    from .llama import LlamaConfig
-
 __all__ = [
+    "Rotary",
+    "GroupedQuery",
     "ATTENTION_KINDS",
     "Step",
     "local_heads",
@@ -40,6 +39,29 @@ __all__ = [
     "output_projection",
     "init_kv",
 ]
+
+
+class Rotary(Protocol):
+    """The config fields a layer's rotary embedding and mask read (``prepare``)."""
+
+    head_dim: int
+    rope_theta: float
+    rope_type: str  # "default", "linear" or "llama3"
+    rope_factor: float
+    sliding_window: int | None
+
+
+class GroupedQuery(Rotary, Protocol):
+    """The config fields grouped-query attention reads (any family that runs it)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float
+    rope_low_freq_factor: float  # llama3 rope only, with the next two
+    rope_high_freq_factor: float
+    rope_original_max_positions: int
+
 
 ATTENTION_KINDS = ("sdpa", "math")
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -55,12 +77,12 @@ class Step(NamedTuple):
     slot: torch.Tensor
 
 
-def local_heads(cfg: LlamaConfig, tp: int) -> tuple[int, int]:
+def local_heads(cfg: GroupedQuery, tp: int) -> tuple[int, int]:
     """(query heads, KV heads) on one tp rank; a KV head is replicated when tp > num_kv_heads."""
     return cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp)
 
 
-def inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+def inv_freq(cfg: Rotary) -> torch.Tensor:
     """Rotary inverse frequencies ``[hd / 2]`` with the config's scaling (default, linear, llama3)."""
     hd = cfg.head_dim
     freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
@@ -82,7 +104,7 @@ def inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return freq
 
 
-def rope(positions: torch.Tensor, cfg: LlamaConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(positions: torch.Tensor, cfg: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) ``[B, 1, S, hd]`` for ``positions [B, S]``."""
     freqs = positions[..., None].float() * inv_freq(cfg).to(positions.device)  # [B, S, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, hd]
@@ -124,7 +146,7 @@ def attend(
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
 
 
-def prepare(cfg: LlamaConfig, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> Step:
+def prepare(cfg: Rotary, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> Step:
     """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv``."""
     b, s = positions.shape
     cos, sin = rope(positions, cfg, dtype)
@@ -140,7 +162,7 @@ def gqa(
     kv: KV,
     mesh: Mesh,
     *,
-    cfg: LlamaConfig,
+    cfg: GroupedQuery,
     tp: str,
     kind: str,
     axes: tuple[str, ...] = (),
@@ -194,7 +216,7 @@ def output_projection(attn: torch.Tensor, w: Any, mesh: Mesh, *, tp: str, axes: 
     return all_reduce(reduce_scatter(y, mesh, axes), mesh, tp)
 
 
-def init_kv(cfg: LlamaConfig, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:
+def init_kv(cfg: GroupedQuery, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:
     """A zeroed static KV cache: per layer ``(k, v)`` of shape ``[batch, local KV heads, max_seq_len, head_dim]``."""
     _, kv = local_heads(cfg, mesh.axis_size(tp))
     shape = (batch, kv, max_seq_len, cfg.head_dim)

@@ -206,7 +206,7 @@ DEVICES: dict[str, Device] = {
         memory_bytes_per_s=17.5e9,  # fp32 matvec streaming rate measured by `bench` on a 2-core host
         flop_per_s=1.0e11,
         link=Link(bytes_per_s=1.0e9, alpha_s=1e-4),  # gloo over loopback TCP, two ranks on two cores
-        source="measured on this project's 2-core CI-class host (python -m functional_npu bench)",
+        source="measured on this project's 2-core CI-class host (python -m benchmarks bench)",
     ),
 }
 DEFAULT_DEVICE = {"cpu": "host", "npu": "ascend-910b", "cuda": "h100-sxm"}

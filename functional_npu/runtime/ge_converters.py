@@ -2,7 +2,7 @@
 
 Importing this module registers them (torchair's ``register_fx_node_ge_converter``), so import it
 only where ``torchair`` imports: :mod:`functional_npu.runtime.backends` does before it hands torchair
-a graph, and so does the CPU conversion process of ``python -m functional_npu graphs``.
+a graph, and so does the CPU conversion process of ``python -m tools.graphs``.
 
 - ``functional_npu::quant_matmul`` -> ``QuantBatchMatmulV3(x1 int8, x2 int8, scale, pertoken_scale)``
   with the output dtype as its ``dtype`` attribute;
