@@ -90,7 +90,7 @@ def _stepper(model: CompiledModel, batch: int) -> tuple[Callable[[int], float], 
 def _comm_alone(params: dict, mesh: Any, n: int) -> float:
     """Seconds for one step's broadcasts (one per layer and coalesced group, as the forward issues them)
     issued back to back, then waited; the mean over ``n`` steps."""
-    axis = params["layer_shard"].axis
+    axis = params["plan"].layer_shard.axis
     size = mesh.axis_size(axis)
     series = params["series"]
     bufs = [
