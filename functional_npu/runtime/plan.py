@@ -118,16 +118,17 @@ def check_plan(
 
 
 def plan_table(cfg: Any, mesh: Mesh, plan: Plan | None = None, *, quant: QuantConfig | None = None) -> str:
-    """A readable table of ``plan`` on ``cfg`` over ``mesh``: each leaf (layers whose leaves agree folded into
-    ``layers.*``), its full shape, its layout and its bytes on the rank that holds the most; then the plan's
-    fields and the total bytes per rank. Checked first (:func:`check_plan`).
+    """A readable table of ``plan`` on ``cfg`` over ``mesh``: each leaf (a layer leaf once for the layers whose
+    rows agree: ``layers.*`` for every layer, ``layers.1,3`` for some), its full shape, its layout and its bytes on
+    the rank that holds the most; then the plan's fields and the total bytes per rank. Checked first
+    (:func:`check_plan`).
 
     Example:
         >>> print(plan_table(read_config(path), Mesh.abstract({"tp": 2}), Plan()))     # doctest: +SKIP
     """
     plan = Plan() if plan is None else plan
     meta, layouts = check_plan(cfg, mesh, plan, quant=quant)
-    rows: dict[str, tuple[str, str, int]] = {}
+    entries: dict[tuple, tuple[tuple[str, str, int], list[int]]] = {}  # (path) or (leaf, row) -> (row, layers)
     total = [0] * mesh.size
     for path, m in flatten_with_paths(meta):
         held = [
@@ -135,11 +136,14 @@ def plan_table(cfg: Any, mesh: Mesh, plan: Plan | None = None, *, quant: QuantCo
             for r in range(mesh.size)
         ]
         total = [t + h for t, h in zip(total, held)]
-        key = re.sub(r"^layers\.\d+\.", "layers.*.", path)
         row = (str(tuple(m.shape)), repr(layouts[path]), max(held))
-        if rows.setdefault(key, row) != row:  # layers that differ keep their own rows
-            rows[path] = row
-    rows = {k: v for k, v in rows.items() if not (k.startswith("layers.*.") and _differs(k, rows))}
+        layer = re.fullmatch(r"layers\.(\d+)\.(.+)", path)
+        key = (layer.group(2), row) if layer else (path,)
+        entries.setdefault(key, (row, []))[1].extend([int(layer.group(1))] if layer else [])
+    rows = {}
+    for key, (row, layers) in entries.items():
+        which = "*" if len(layers) == cfg.num_layers else ",".join(map(str, layers))
+        rows[f"layers.{which}.{key[0]}" if layers else key[0]] = row
     head = ("leaf", "shape", "layout", "bytes / rank")
     table = [head] + [(k, shape, lay, f"{b:,}") for k, (shape, lay, b) in rows.items()]
     widths = [max(len(r[i]) for r in table) for i in range(4)]
@@ -149,12 +153,6 @@ def plan_table(cfg: Any, mesh: Mesh, plan: Plan | None = None, *, quant: QuantCo
     return "\n".join(
         [f"{cfg.architecture} on mesh {mesh.shape}: {fields}", *lines, f"total bytes per rank: {max(total):,} (most)"]
     )
-
-
-def _differs(key: str, rows: dict) -> bool:
-    """Whether some layer's ``key`` leaf has a row of its own (then the folded row is not every layer's)."""
-    leaf = key.removeprefix("layers.*.")
-    return any(re.fullmatch(rf"layers\.\d+\.{re.escape(leaf)}", k) for k in rows)
 
 
 def _check_module_tp(cfg: Any, mesh: Mesh, plan: Plan, where: str) -> None:
