@@ -200,12 +200,14 @@ def _plan_of(params: dict, plan: Plan | None, where: str) -> Plan:
         return own or Plan()
     if not isinstance(plan, Plan):
         raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
-    if own is not None and _series_named(params, own).layout_key() != _series_named(params, plan).layout_key():
-        own, plan = _series_named(params, own), _series_named(params, plan)
-        diff = [f for f, a, b in zip(LAYOUT_FIELDS, own.layout_key(), plan.layout_key()) if a != b]
+    if own is None:
+        return plan
+    was, now = _series_named(params, own), _series_named(params, plan)
+    diff = [f for f, a, b in zip(LAYOUT_FIELDS, was.layout_key(), now.layout_key()) if a != b]
+    if diff:
         raise ValueError(
-            f"{where}: the params were loaded for another plan ({', '.join(f'{f}={getattr(own, f)!r}' for f in diff)}"
-            f", given {', '.join(f'{f}={getattr(plan, f)!r}' for f in diff)}); load them with this plan, or change "
+            f"{where}: the params were loaded for another plan ({', '.join(f'{f}={getattr(was, f)!r}' for f in diff)}"
+            f", given {', '.join(f'{f}={getattr(now, f)!r}' for f in diff)}); load them with this plan, or change "
             f"only the fields that decide no layout (prefetch_step, dispatch_threshold, absorb, mla_cache)"
         )
     return plan
@@ -350,12 +352,11 @@ def compile_model(
     blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)
     params = prepare_params(params, blocks, kernels or chosen.kernels, family_of(cfg).linears)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
-    params = params | {"plan": plan}
     k = plan.prefetch_step
     if not series_of(params):
         k = 0
-    elif k == "auto":
-        k = auto_step(params, device=prefetch_device, budget_bytes=plan.prefetch_budget)
+    elif k == "auto":  # the cost model reads the series the plan names
+        k = auto_step(params | {"plan": plan}, device=prefetch_device, budget_bytes=plan.prefetch_budget)
     plan = dataclasses.replace(plan, prefetch_step=check_prefetch_step(k, cfg.num_layers))
     params = params | {"plan": plan}
     if not mesh.is_abstract:
