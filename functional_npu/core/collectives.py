@@ -2,7 +2,11 @@
 
 Each returns a new tensor (no in-place ``async_op`` calls), is built on
 ``torch.distributed._functional_collectives`` and traces under ``torch.compile(fullgraph=True)``
-as ``_c10d_functional.*`` + ``wait_tensor`` nodes. ``axis`` is one mesh axis or a tuple of axes
+as ``_c10d_functional.*`` + ``wait_tensor`` nodes. The one exception is :func:`broadcast_into`,
+which writes into memory owned outside the graph (a prefetch ring's slot): a custom op
+(``functional_npu::broadcast_into``) that declares the slot it mutates, so functionalization turns
+it into ``auto_functionalized_v2`` and the compilers' reinplace passes write the graph input in place
+(no copy of the slot, no copy back). ``axis`` is one mesh axis or a tuple of axes
 in mesh order (one group over all of them, indexed row-major). Over an axis of size 1 every
 collective is the identity and emits nothing.
 
@@ -27,8 +31,12 @@ __all__ = [
     "all_to_all_single",
     "broadcast",
     "broadcast_in_flight",
+    "broadcast_into",
     "permute",
+    "BROADCAST_INTO",
 ]
+
+BROADCAST_INTO = "functional_npu.broadcast_into.default"  # the op as FX graphs name it
 
 _REDUCE_OPS = ("sum", "max", "min", "product", "avg")
 
@@ -132,6 +140,51 @@ def broadcast_in_flight(x: torch.Tensor, mesh: Mesh, axis: Axes, src: int = 0) -
     if _broadcast_size(mesh, axis, src) == 1:
         return x
     return torch.ops._c10d_functional.broadcast(x, src, mesh.group_name(axis))
+
+
+@torch.library.custom_op("functional_npu::broadcast_into", mutates_args=("slot",))
+def _broadcast_into(
+    slot: torch.Tensor, parts: list[torch.Tensor], after: torch.Tensor | None, src: int, group_name: str, size: int
+) -> None:
+    """``slot <- cat(parts)`` on the source (empty ``parts`` elsewhere), then an in-place broadcast of ``slot`` from
+    ``src``, left in flight (``wait_tensor(slot)`` waits). ``after`` is read by nothing: it orders the write after
+    the tensor's producer (every read of the slot's previous contents). ``size`` is the group's size (1: no
+    broadcast)."""
+    if parts:
+        torch.cat([p.reshape(-1) for p in parts], out=slot)
+    if size > 1:
+        torch.ops._c10d_functional.broadcast_(slot, src, group_name)
+
+
+@_broadcast_into.register_fake
+def _(slot: torch.Tensor, parts: list[torch.Tensor], after: torch.Tensor | None, src: int, group_name: str, size: int):
+    return None
+
+
+def broadcast_into(
+    slot: torch.Tensor,
+    parts: Sequence[torch.Tensor],
+    mesh: Mesh,
+    axis: Axes,
+    src: int,
+    after: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Broadcast into ``slot`` (a flat buffer owned outside the graph) from index ``src`` along ``axis``: on ``src``,
+    ``parts`` (flattened, concatenated) are written into ``slot`` first; elsewhere ``parts`` is empty. Nothing is
+    allocated. The write starts only once ``after`` exists. Returns ``slot``, in flight: pass it through
+    ``funcol.wait_tensor`` before reading it.
+
+    Raises:
+        ValueError: ``src`` outside the axis, or ``parts`` that do not fill ``slot`` (on the source).
+    """
+    n = _broadcast_size(mesh, axis, src)
+    if parts and (sum(p.numel() for p in parts) != slot.numel() or any(p.dtype != slot.dtype for p in parts)):
+        raise ValueError(
+            f"broadcast_into: parts of {sum(p.numel() for p in parts)} elements "
+            f"({sorted({str(p.dtype) for p in parts})}) do not fill a slot of {slot.numel()} {slot.dtype}"
+        )
+    torch.ops.functional_npu.broadcast_into(slot, list(parts), after, src, mesh.group_name(axis) if n > 1 else "", n)
+    return slot
 
 
 def permute(x: torch.Tensor, mesh: Mesh, axis: Axes, dst: Sequence[int]) -> torch.Tensor:

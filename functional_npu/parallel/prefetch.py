@@ -1,28 +1,28 @@
-"""Where each layer's weights come from: local, or prefetched from their owner ``k`` layers ahead.
+"""Where each layer's weights come from: local, or prefetched from their owner ``k`` layers ahead into a ring.
 
 Layer ``l``'s weight of a layer-sharded series lives on coordinate ``l % n`` of the series axis (see
 :mod:`functional_npu.parallel.layer_shard`). :func:`layer_weights` is what the decoder's layer loop
 asks for layer ``i``'s weights: the local per-layer dict, merged with the series weights fetched by
-broadcasts (``_c10d_functional.broadcast``) issued ``k`` layers ahead. Asking for layer ``i`` issues
-the broadcast of layer ``i + k`` and returns layer ``i``'s weights, to be waited on at first use.
-The first ``k`` layers of the next step are issued during the last ``k`` layers of this one and
-handed over as carried state, ``prefetched``: a list replaced in place, like the KV cache written in
-place. They are handed over in flight (a compiled step returns them unwaited), so they keep
-arriving between steps and are waited on where the next step first reads them.
-``k = len(prefetched) // len(series)``, so the state fixes the schedule; ``k = 0`` (empty state)
-is synchronous.
+broadcasts issued ``k`` layers ahead.
 
-In eager mode the broadcasts return async tensors that are waited on at first use, so they overlap;
-under inductor the order is kept by :class:`functional_npu.parallel.schedule.PrefetchSchedule`.
-For compilers that order the graph themselves (torchair's GE), the ordering is stated in the graph
-with :class:`functional_npu.parallel.streams.Streams`: the broadcasts run on a side stream, and the
-issue of layer ``i + k`` waits for the residual stream entering layer ``i`` (so for every use of
-layer ``i - 1``'s weights): at most ``k + 1`` buffers per series are live, and nothing makes a
-broadcast wait for more than that.
+**The ring.** Fetched weights land in a ring of ``k + 1`` slots per coalesced group (one flat buffer
+per dtype, :func:`coalesced`), allocated once outside the graph (:func:`new_ring`) and passed in as
+the carried state ``prefetched``, like the KV cache. Each broadcast writes its layer into a slot in
+place (:func:`functional_npu.core.collectives.broadcast_into`); nothing in the graph allocates a
+prefetch buffer, so the bound is the ring's size whatever a compiler or an allocator does.
 
-One layer's weights travel together: the layer-sharded leaves of one dtype are packed into one flat
-buffer (a copy on the owner, views on every rank), one broadcast per layer (:func:`coalesced`), and
-the carried state holds those flat buffers.
+Asking for layer ``i`` issues the broadcast of layer ``v = i + k`` into slot ``v mod (k + 1)``, once
+the residual stream entering layer ``i`` exists (so after every read of layer ``i - 1``, the slot's
+previous contents), then waits for layer ``i``'s slot. Layers ``v >= L`` are the next step's first
+``k`` layers, left in flight across the step boundary. Their slot is ``v mod (k + 1)`` in this
+step's numbering; the next step numbers its layer ``j`` from ``j mod (k + 1)``, so between steps the
+ring turns by ``L mod (k + 1)`` (:func:`turn`): a reordering of the list of slots, no data moved.
+Numbering the next step's layers ``j mod (k + 1)`` without the turn puts a layer in a slot still in
+use when ``L`` is not a multiple of ``k + 1`` (the hazard :mod:`functional_npu.parallel.hazard`
+finds).
+
+``k = len(prefetched) // groups - 1``, so the state fixes the schedule; ``k = 0`` (one slot) is
+synchronous. Over an axis of size 1 every layer is local: no ring, no broadcast.
 """
 
 from __future__ import annotations
@@ -34,26 +34,53 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from ..core.collectives import broadcast, broadcast_in_flight
+from ..core.collectives import broadcast_into
 from ..core.mesh import Mesh
 from ..core.tree import flatten_with_paths, tree_from_paths
 from .layer_shard import series_of
 from .streams import INLINE, PREFETCH_STREAM, Streams
 
-__all__ = ["layer_weights", "prefetch_step", "coalesced", "start", "drain", "check_prefetch_step"]
+__all__ = [
+    "layer_weights",
+    "prefetch_step",
+    "coalesced",
+    "slot_of",
+    "turn",
+    "ring_spec",
+    "new_ring",
+    "check_ring",
+    "start",
+    "drain",
+    "check_prefetch_step",
+]
 
 Weights = dict[str, torch.Tensor]
 
 
 def check_prefetch_step(k: int, num_layers: int) -> int:
-    """Validate a prefetch distance: ``0 <= k <= num_layers - 2`` (a ring of ``k + 1`` buffers)."""
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= max(0, num_layers - 2):
+    """Validate a prefetch distance: ``0 <= k <= num_layers - 1`` (a ring of ``k + 1 <= L`` slots)."""
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= max(0, num_layers - 1):
         raise ValueError(
-            f"prefetch_step must be an int with 0 <= k <= num_layers - 2 = {num_layers - 2} (the "
-            f"model has {num_layers} layers), got {k!r}; k = 0 is synchronous, k = 1 overlaps one layer, "
-            f"'auto' lets the cost model choose"
+            f"prefetch_step must be an int with 0 <= k <= num_layers - 1 = {num_layers - 1} (the model has "
+            f"{num_layers} layers, so a ring of k + 1 slots holds at most all of them), got {k!r}; k = 0 is "
+            f"synchronous, k = 1 overlaps one layer, 'auto' lets the cost model choose"
         )
     return k
+
+
+def slot_of(v: int, k: int) -> int:
+    """The ring slot of virtual layer ``v`` (``v >= L``: the next step's layer ``v - L``) at prefetch step ``k``."""
+    return v % (k + 1)
+
+
+def turn(ring: list[Any], num_layers: int, groups: int) -> list[Any]:
+    """The ring as the next step numbers it: slot ``s`` of the next step is slot ``(s + L) mod (k + 1)`` of this
+    one (``groups`` buffers per slot)."""
+    slots = len(ring) // groups if groups else 0
+    if slots <= 1:
+        return list(ring)
+    r = num_layers % slots
+    return ring[r * groups :] + ring[: r * groups]
 
 
 def _flat_series(params: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -70,8 +97,59 @@ def coalesced(params: dict[str, Any]) -> list[tuple[str, ...]]:
     return [tuple(g) for g in groups.values()]
 
 
+def ring_spec(params: dict[str, Any]) -> list[tuple[int, torch.dtype]]:
+    """One slot's buffers: ``(elements, dtype)`` per coalesced group, each the size of one layer's weights."""
+    series = _flat_series(params)
+    return [
+        (sum(math.prod(series[leaf].shape[1:]) for leaf in leaves), series[leaves[0]].dtype)
+        for leaves in coalesced(params)
+    ]
+
+
+def _ring_used(params: dict[str, Any], mesh: Mesh) -> bool:
+    return bool(series_of(params)) and mesh.axis_size(params["plan"].layer_shard.axis) > 1
+
+
+def new_ring(params: dict[str, Any], mesh: Mesh, k: int) -> list[torch.Tensor]:
+    """An empty ring of ``k + 1`` slots (``[]`` when the series are local: no series, or an axis of size 1).
+    Slot ``s`` group ``g`` is ``ring[s * groups + g]``."""
+    if not _ring_used(params, mesh):
+        return []
+    device = next(iter(_flat_series(params).values())).device
+    return [torch.empty(size, dtype=dtype, device=device) for _ in range(k + 1) for size, dtype in ring_spec(params)]
+
+
+def check_ring(params: dict[str, Any], mesh: Mesh, ring: list[torch.Tensor], k: int | None = None) -> int:
+    """The prefetch step a ring implies, after checking it holds ``k + 1`` slots (of the given ``k``) each able to
+    hold one layer of every series.
+
+    Raises:
+        ValueError naming the series, the slot and the sizes, for a ring of the wrong count, size or dtype.
+    """
+    if not _ring_used(params, mesh):
+        if ring:
+            raise ValueError(f"prefetched: the series are local (no layer-sharded axis > 1), yet got a ring of {len(ring)}")
+        return 0 if k is None else k
+    spec, groups = ring_spec(params), coalesced(params)
+    slots, extra = divmod(len(ring), len(spec))
+    if extra or not slots or (k is not None and slots != k + 1):
+        want = f"{(k + 1) * len(spec)} = (k + 1 = {k + 1}) x" if k is not None else "a multiple of"
+        raise ValueError(
+            f"prefetched: a ring of {len(ring)} buffers; expected {want} {len(spec)} per slot (one per dtype of the "
+            f"layer-sharded series {list(series_of(params))}); make it with new_state() or prefetch.new_ring"
+        )
+    for i, t in enumerate(ring):
+        size, dtype = spec[i % len(spec)]
+        if t.dtype != dtype or t.dim() != 1 or t.numel() < size or not t.is_contiguous():
+            raise ValueError(
+                f"prefetched: ring slot {i // len(spec)} buffer for series {list(groups[i % len(spec)])} is "
+                f"{tuple(t.shape)} {t.dtype}; one layer needs a contiguous flat buffer of {size} {dtype}"
+            )
+    return slots - 1
+
+
 def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor]) -> int:
-    """The prefetch distance the carried state implies (0 with no state or no series)."""
+    """The prefetch distance the ring implies (0 with no ring or no series)."""
     n = len(coalesced(params))
     if not n or not prefetched:
         return 0
@@ -80,40 +158,35 @@ def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor]) -> int
             f"prefetched holds {len(prefetched)} tensors, not a multiple of the {n} coalesced broadcasts "
             f"per layer of the layer-sharded series {list(series_of(params))}"
         )
-    return len(prefetched) // n
+    return len(prefetched) // n - 1
 
 
 def _issue(
     params: dict[str, Any],
-    layer: int,
+    ring: list[torch.Tensor],
+    v: int,
+    k: int,
     mesh: Mesh,
     after: torch.Tensor | None = None,
     streams: Streams = INLINE,
-    carry: bool = False,
-) -> dict[int, list[torch.Tensor]]:
-    """Start fetching layer ``layer``'s series weights (``layer >= L`` wraps: the next step's), one flat
-    buffer per :func:`coalesced` group: ``{layer: [flat, ...]}``, on the prefetch stream and, given
-    ``after``, not before it exists. The next step's layers are left in flight
-    (:func:`functional_npu.core.collectives.broadcast_in_flight`): a compiled step hands them over
-    unwaited, so they keep arriving until the next step first reads them."""
+) -> list[torch.Tensor]:
+    """Start fetching virtual layer ``v``'s series weights (``v >= L``: the next step's layer ``v - L``) into its
+    slot, one in-place broadcast per :func:`coalesced` group, on the prefetch stream, not before ``after`` exists.
+    Returns the slot's buffers (in flight)."""
     axis = params["plan"].layer_shard.axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
-    li = layer % len(params["layers"])
-    carried = carry or layer >= len(params["layers"])
-    series = _flat_series(params)
+    li = v % len(params["layers"])
+    series, groups = _flat_series(params), coalesced(params)
+    s = slot_of(v, k)
     out = []
     with streams.side(PREFETCH_STREAM):
-        for leaves in coalesced(params):
-            first = series[leaves[0]]
-            if li % n == me:
-                parts = [series[leaf][li // n].reshape(-1) for leaf in leaves]
-                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-            else:
-                size = sum(math.prod(series[leaf].shape[1:]) for leaf in leaves)
-                flat = torch.empty(size, dtype=first.dtype, device=first.device)
-            fetch = broadcast_in_flight if carried else broadcast
-            out.append(fetch(flat if after is None else streams.after(flat, after), mesh, axis, src=li % n))
-    return {layer: out}
+        for g, leaves in enumerate(groups):
+            slot = ring[s * len(groups) + g]
+            size = sum(math.prod(series[leaf].shape[1:]) for leaf in leaves)
+            slot = slot if slot.numel() == size else slot[:size]
+            parts = [series[leaf][li // n] for leaf in leaves] if li % n == me else []
+            out.append(broadcast_into(slot, parts, mesh, axis, src=li % n, after=after))
+    return out
 
 
 def _unpack(params: dict[str, Any], flats: list[torch.Tensor]) -> Weights:
@@ -127,11 +200,9 @@ def _unpack(params: dict[str, Any], flats: list[torch.Tensor]) -> Weights:
     return tree_from_paths(out)
 
 
-def _carried(params: dict[str, Any], prefetched: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
-    """The carried buffers by layer, each waited on where it is first used (a no-op if already done)."""
-    n = len(coalesced(params))
-    flat = [funcol.wait_tensor(t) for t in prefetched]
-    return {j: flat[j * n : (j + 1) * n] for j in range(prefetch_step(params, prefetched))}
+def _local(params: dict[str, Any], i: int) -> Weights:
+    """Layer ``i``'s series weights where every layer is local (views of the stacked series)."""
+    return tree_from_paths({leaf: stacked[i] for leaf, stacked in _flat_series(params).items()})
 
 
 def layer_weights(
@@ -140,35 +211,45 @@ def layer_weights(
     """The loop's source of weights: ``weights(i, x)`` is layer ``i``'s full weight dict, where ``x``
     is the residual stream entering layer ``i``; ask for ``i = 0, 1, ...`` in order.
 
-    Without layer-sharded series it is ``params["layers"][i]``. With them, asking for layer ``i``
-    issues the broadcasts of layer ``i + k`` (after ``x``, under ``streams``); asking for the last
-    layer also hands the next step's first ``k`` layers over into ``prefetched`` (in place).
+    Without layer-sharded series it is ``params["layers"][i]``. With them, asking for layer ``i`` issues
+    the broadcasts of layer ``i + k`` into the ring ``prefetched`` (after ``x``, under ``streams``) and
+    waits for layer ``i``'s slot; asking for the last layer leaves the next step's first ``k`` layers in
+    flight and turns the ring (the list, in place) for the next step. An empty ring over an axis of size
+    > 1 is a one-slot ring made here (synchronous; a compiled model always passes its own).
     """
     layers = params["layers"]
     if not series_of(params):
         return lambda i, x: layers[i]
-    k = prefetch_step(params, prefetched)
-    ahead = _carried(params, prefetched)
+    if not _ring_used(params, mesh):
+        return lambda i, x: layers[i] | _local(params, i)
+    ring = prefetched if prefetched else new_ring(params, mesh, 0)
+    k = check_ring(params, mesh, ring)
+    groups, L = len(coalesced(params)), len(layers)
 
     def weights(i: int, x: torch.Tensor) -> Weights:
-        ahead.update(_issue(params, i + k, mesh, x, streams))
-        layer = layers[i] | _unpack(params, ahead.pop(i))
-        if i == len(layers) - 1 and prefetched:  # the next step's first k layers, issued as layers L .. L+k-1
-            prefetched[:] = [flat for j in sorted(ahead) for flat in ahead[j]]
+        _issue(params, ring, i + k, k, mesh, x, streams)
+        s = slot_of(i, k)
+        flats = [funcol.wait_tensor(ring[s * groups + g]) for g in range(groups)]
+        sizes = [size for size, _ in ring_spec(params)]
+        layer = layers[i] | _unpack(params, [f if f.numel() == n else f[:n] for f, n in zip(flats, sizes)])
+        if i == L - 1 and prefetched:
+            prefetched[:] = turn(ring, L, groups)
         return layer
 
     return weights
 
 
 def start(params: dict[str, Any], mesh: Mesh, k: int) -> list[torch.Tensor]:
-    """The carried state for the first step: layers ``0 .. k-1`` issued now (run on every rank of the axis)."""
-    if not series_of(params):
-        return []
-    return [flat for j in range(k) for flat in _issue(params, j, mesh, carry=True)[j]]
+    """The ring for the first step, with layers ``0 .. k-1`` issued into slots ``0 .. k-1`` now (run on every rank
+    of the axis); ``[]`` when the series are local."""
+    ring = new_ring(params, mesh, k)
+    for v in range(k if ring else 0):
+        _issue(params, ring, v, k, mesh)
+    return ring
 
 
 def drain(prefetched: list[torch.Tensor]) -> None:
-    """Finish the broadcasts still in flight in a state that will not be used again (then empty it)."""
+    """Finish the broadcasts still in flight in a ring that will not be used again (then empty it)."""
     for t in prefetched:
         funcol.wait_tensor(t)
     prefetched.clear()

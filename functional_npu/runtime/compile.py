@@ -104,10 +104,14 @@ class CompiledModel:
     def _run(
         self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any = None
     ) -> torch.Tensor:
-        if series_of(self.params) and bool(state.prefetched) != (self.prefetch_step > 0):
-            raise ValueError(
-                f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs a state from new_state()"
-            )
+        if series_of(self.params):
+            try:
+                prefetch.check_ring(self.params, self.mesh, state.prefetched, self.prefetch_step)
+            except ValueError as e:
+                raise ValueError(
+                    f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs a state from "
+                    f"new_state(): {e}"
+                ) from None
         try:
             with torch.no_grad(), self._recompiles:
                 return (forward or self.forward)(self.params, tokens, positions, state, self.mesh)
@@ -118,7 +122,7 @@ class CompiledModel:
 
     def new_state(self, batch: int) -> DecodeState:
         """A fresh decode state for a batch bucket (``batch`` is rounded up to a bucket): a zeroed KV
-        cache and, with layer-sharded params and ``prefetch_step`` k > 0, layers ``0 .. k-1`` issued now.
+        cache and, with layer-sharded params, the prefetch ring (``k + 1`` slots, layers ``0 .. k-1`` issued now).
 
         All ranks of the series axis must make the same sequence of calls.
         """
@@ -257,18 +261,6 @@ def _axis_groups(specs: Any) -> list[tuple[str, ...]]:
     return sorted({d.axes for lay in layouts for d in lay.dims if d is not None and len(d.axes) > 1})
 
 
-def _inductor_options(params: dict, mesh: Mesh, k: int) -> dict[str, Any]:
-    """The prefetch scheduling pass, when layer-sharded series are fetched over a real axis."""
-    series = series_of(params)
-    if not series or mesh.axis_size(params["plan"].layer_shard.axis) == 1:
-        return {}
-    n, layers = len(coalesced(params)), params["config"].num_layers
-    return {
-        "reorder_for_compute_comm_overlap": True,
-        "reorder_for_compute_comm_overlap_passes": [PrefetchSchedule(k * n, layers * n)],
-    }
-
-
 def _shape_buckets(
     cfg: Any, batch_sizes: Sequence[int] | None, max_seq_len: int | None, prefill_lengths: Sequence[int] | None
 ) -> tuple:
@@ -365,7 +357,7 @@ def compile_model(
             *_axis_groups(family_of(cfg).param_specs(cfg, plan))
         )  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
-    options = _inductor_options(params, mesh, plan.prefetch_step) if chosen.name == "inductor" else {}
+    options: dict[str, Any] = {}
     step = functools.partial(
         decode, blocks=family_of(cfg).blocks(cfg, plan), attention=attention, streams=chosen.streams
     )

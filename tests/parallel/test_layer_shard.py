@@ -168,10 +168,10 @@ def test_layer_sharded_generation_matches_transformers(request, qwen3, world, ax
         assert tokens == qwen3[1], f"rank {rank}"
         c = rank // axes["tp"]
         assert all(s[0] == len(owned_layers(LAYERS, n, c)) for s in shapes.values())
-        # resident series bytes (owned layers + the k carried) within (ceil(L/n) + k + 1) / L of what this rank
-        # would hold replicated; exactly the owned layers plus k carried ones
+        # resident series bytes (owned layers + the ring of k + 1 slots) within (ceil(L/n) + k + 1) / L of what
+        # this rank would hold replicated; exactly the owned layers plus k + 1 slots of one layer each
         per_layer = replicated // LAYERS
-        assert resident + state == (len(owned_layers(LAYERS, n, c)) + (k if backend != "none" else 0)) * per_layer
+        assert resident + state == (len(owned_layers(LAYERS, n, c)) + (k + 1 if backend != "none" else 0)) * per_layer
         assert resident + state <= series_bound(LAYERS, n, k) * replicated
 
 
