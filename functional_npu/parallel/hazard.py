@@ -15,10 +15,12 @@ a stream may pick within the partial order):
   overwrite a layer some read has not finished with (nor a read see the next layer);
 - **read before write**: every read comes after a wait that comes after the last write before it;
 - **write after write**: the writes into one slot are totally ordered;
+- **the right layer**: a read told which layer it means finds that layer in the slot (a wrong slot
+  index shows here even in a total order);
 - **overlap** (``k >= 1``): every write whose layer is read in the graph can run alongside at least one
-  read of an earlier layer, i.e. some read of another layer is ordered neither before the write nor
-  after the write's first read... precisely: some read of a lower layer is not an ancestor of the write
-  but is an ancestor of one of the write's reads;
+  layer of compute before its use: some read of an earlier layer is not ordered before the write but
+  is ordered before one of the write's reads (a write with no earlier layer in the program, as the
+  first step's first ``k``, has nothing to overlap);
 - **bound**: no alloc, and at most ``slots`` distinct slots per ring.
 
 The adapters that build a :class:`Program` from an FX graph, inductor's generated code, a GE graph or a
@@ -43,16 +45,18 @@ class Program:
         after: op -> the ops it directly waits for (data, control, stream and event edges).
         writes: op -> (slot, virtual layer) it starts writing.
         waits: op -> slot whose last write it completes.
-        reads: op -> slot it reads.
+        reads: op -> (slot, the layer it means to read, or None where the graph does not say).
         allocs: op -> bytes of a prefetch buffer it allocates inside the graph.
+        initial: slot -> the layer it holds when the program starts (carried in flight from the step before).
     """
 
     ops: Sequence[str]
     after: Mapping[str, Sequence[str]]
     writes: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     waits: Mapping[str, str] = field(default_factory=dict)
-    reads: Mapping[str, str] = field(default_factory=dict)
+    reads: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
     allocs: Mapping[str, int] = field(default_factory=dict)
+    initial: Mapping[str, int] = field(default_factory=dict)
 
 
 def ancestors(program: Program) -> dict[str, int]:
@@ -83,34 +87,34 @@ def check(program: Program, k: int, slots: int | None = None) -> list[str]:
         by_slot.setdefault(slot, []).append(op)
     for ws in by_slot.values():
         ws.sort(key=index.__getitem__)
-    used = set(by_slot) | set(program.reads.values())
+    used = set(by_slot) | {slot for slot, _ in program.reads.values()}
     if slots is not None and len(used) > slots:
         out.append(f"bound: {len(used)} slots used, the ring has {slots}")
     for slot, ws in by_slot.items():
-        out += [f"write after write: {a} and {b} both write {slot} unordered" for a, b in zip(ws, ws[1:]) if not before(a, b)]
-    layer_of_read: dict[str, int] = {}
-    for r, slot in program.reads.items():
+        out += [
+            f"write after write: {a} and {b} write {slot} unordered" for a, b in zip(ws, ws[1:]) if not before(a, b)
+        ]
+    layer_read: dict[str, int | None] = {}  # read -> the layer it really reads (None: the slot's initial contents)
+    reads_of: dict[str, list[str]] = {}  # write -> the reads of what it wrote
+    for r, (slot, want) in program.reads.items():
         ws = by_slot.get(slot, [])
+        racing = [w for w in ws if not before(w, r) and not before(r, w)]
+        out += [f"write after read: {w} writes {slot} unordered with {r}, which reads it" for w in racing]
         last = [w for w in ws if before(w, r)]
-        for w in ws:
-            if w not in last and not before(r, w):
-                out.append(f"write after read: {w} writes {slot} unordered with {r}, which reads it")
+        held = program.writes[last[-1]][1] if last else program.initial.get(slot)
+        layer_read[r] = held
         if last:
-            w = last[-1]
-            layer_of_read[r] = program.writes[w][1]
-            if not any(s == slot and before(w, q) and before(q, r) for q, s in program.waits.items()):
-                out.append(f"read before write: {r} reads {slot} with no wait after {w}, which writes it")
+            reads_of.setdefault(last[-1], []).append(r)
+            if not any(s == slot and before(last[-1], q) and before(q, r) for q, s in program.waits.items()):
+                out.append(f"read before write: {r} reads {slot} with no wait after {last[-1]}, which writes it")
+        if want is not None and held is not None and held != want and not racing:
+            later = [w for w in ws if before(r, w) and program.writes[w][1] == want]
+            kind = "read before write" if later else "write after read"
+            out.append(f"{kind}: {r} reads layer {want} from {slot}, which holds layer {held} then")
     if k >= 1:
-        reads_of: dict[str, list[str]] = {}
-        for r, slot in program.reads.items():
-            ws = [w for w in by_slot.get(slot, []) if before(w, r)]
-            if ws:
-                reads_of.setdefault(ws[-1], []).append(r)
         for w, rs in reads_of.items():
             v = program.writes[w][1]
-            earlier = [r for r, lay in layer_of_read.items() if lay < v] + [
-                r for r in program.reads if r not in layer_of_read
-            ]  # reads of the carried (initial) contents are of earlier layers
-            if not any(not before(e, w) and any(before(e, r) for r in rs) for e in earlier):
+            earlier = [r for r, lay in layer_read.items() if lay is None or lay < v]
+            if earlier and not any(not before(e, w) and any(before(e, r) for r in rs) for e in earlier):
                 out.append(f"overlap: {w} (layer {v}) cannot run alongside any earlier layer's reads before its use")
     return out

@@ -128,7 +128,9 @@ def check_ring(params: dict[str, Any], mesh: Mesh, ring: list[torch.Tensor], k: 
     """
     if not _ring_used(params, mesh):
         if ring:
-            raise ValueError(f"prefetched: the series are local (no layer-sharded axis > 1), yet got a ring of {len(ring)}")
+            raise ValueError(
+                f"prefetched: the series are local (no layer-sharded axis > 1), yet got a ring of {len(ring)}"
+            )
         return 0 if k is None else k
     spec, groups = ring_spec(params), coalesced(params)
     slots, extra = divmod(len(ring), len(spec))
@@ -185,7 +187,7 @@ def _issue(
             size = sum(math.prod(series[leaf].shape[1:]) for leaf in leaves)
             slot = slot if slot.numel() == size else slot[:size]
             parts = [series[leaf][li // n] for leaf in leaves] if li % n == me else []
-            out.append(broadcast_into(slot, parts, mesh, axis, src=li % n, after=after))
+            out.append(broadcast_into(slot, parts, mesh, axis, src=li % n, after=after if streams.gate else None))
     return out
 
 
@@ -239,10 +241,10 @@ def layer_weights(
     return weights
 
 
-def start(params: dict[str, Any], mesh: Mesh, k: int) -> list[torch.Tensor]:
-    """The ring for the first step, with layers ``0 .. k-1`` issued into slots ``0 .. k-1`` now (run on every rank
-    of the axis); ``[]`` when the series are local."""
-    ring = new_ring(params, mesh, k)
+def start(params: dict[str, Any], mesh: Mesh, k: int, ring: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The ring for the first step (``ring``, else a new one), with layers ``0 .. k-1`` issued into slots
+    ``0 .. k-1`` now (run on every rank of the axis); ``[]`` when the series are local."""
+    ring = new_ring(params, mesh, k) if ring is None else ring
     for v in range(k if ring else 0):
         _issue(params, ring, v, k, mesh)
     return ring

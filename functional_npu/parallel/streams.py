@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Streams", "INLINE", "PREFETCH_STREAM"]
+__all__ = ["Streams", "INLINE", "UNORDERED", "PREFETCH_STREAM"]
 
 PREFETCH_STREAM = "prefetch"  # the stream tag the layer-shard broadcasts run on
 
@@ -42,6 +42,9 @@ class Streams:
     name: str
     side: Callable[[str], contextlib.AbstractContextManager[Any]]
     after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    gate: bool = True  # a prefetch write into a ring slot waits for the previous layer's reads (False: the control)
 
 
 INLINE = Streams("inline", _no_scope, _no_edge)
+# the control that shows the hazard check can fail: ring writes not ordered after the reads of the slot's last layer
+UNORDERED = Streams("unordered", _no_scope, _no_edge, gate=False)

@@ -37,6 +37,80 @@ def generate_layer_sharded(
     return tokens, shapes, resident_bytes(params["series"]), state_bytes, replicated
 
 
+def ring_hazards(ctx, model_dir: str, axes: dict, series: str, k: int, unordered: bool = False):
+    """One decode step of a layer-sharded model at prefetch step ``k``: the hazard check over the functionalized FX
+    graph's partial order (what every compiler reorders within) and over inductor's generated order, and what the
+    generated code does with the ring's slots. ``unordered``: the FX graph traced without the ring writes' gates
+    (the control). Returns (fx violations, inductor violations, facts)."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import run_and_get_code
+
+    from functional_npu import Plan, compile_model, load_checkpoint
+    from functional_npu.models import family_of
+    from functional_npu.models.decoder import decode as forward
+    from functional_npu.parallel import prefetch
+    from functional_npu.parallel.hazard import check
+    from functional_npu.parallel.hazard_fx import from_fx, from_inductor_code
+    from functional_npu.parallel.layer_shard import layer_shard
+    from functional_npu.parallel.streams import INLINE, UNORDERED
+
+    mesh = ctx.mesh(axes)
+    params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp"), prefetch_step=k))
+    torch._dynamo.reset()
+    model = compile_model(params, mesh, batch_sizes=[1], max_seq_len=64)
+    groups = len(prefetch.coalesced(model.params))
+    slots = (k + 1) * groups
+    tok, pos = torch.tensor([[3]]), torch.tensor([[5]])
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm.forward
+
+    state = model.new_state(1)
+    fn = functools.partial(
+        forward,
+        blocks=family_of(model.config).blocks(model.config, model.plan),
+        streams=UNORDERED if unordered else INLINE,
+    )
+    with torch.no_grad():
+        torch.compile(fn, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(model.params, tok, pos, state, mesh)
+    prefetch.drain(state.prefetched)
+    fx = check(from_fx(graphs[0].graph, k, groups), k, slots)
+    if unordered:
+        return fx, None, None
+    torch._dynamo.reset()
+    state = model.new_state(1)
+    post: list[torch.fx.Graph] = []
+
+    def after_post_grad(graph: torch.fx.Graph) -> None:  # inductor's graph after its reinplace pass
+        post.append(graph)
+
+    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=after_post_grad):
+        _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
+    prefetch.drain(state.prefetched)
+    nodes = list(post[0].nodes)
+    writes = [n for n in nodes if str(n.target) == "functional_npu.broadcast_into.default"]
+    slots = {n.args[0] for n in writes}
+    facts = {
+        "writes": len(writes),
+        "written": sorted(str(x) for x in slots),
+        "into_inputs": all(x.op == "placeholder" for x in slots),
+        "functional": sum(
+            str(n.target).startswith(("auto_functionalized", "_c10d_functional.broadcast")) for n in nodes
+        ),
+        "copies_into_slots": [
+            f"{n.name}({n.args[0]}, {n.args[1]})"
+            for n in nodes
+            if str(n.target) == "aten.copy_.default" and n.args[0] in slots and n.args[1] is not n.args[0]
+        ],  # a copy of a slot into itself is dropped at lowering
+    }
+    return fx, check(from_inductor_code(code[0], k, groups), k, (k + 1) * groups), facts
+
+
 def decode_code(ctx, model_dir: str, axes: dict, series: str, k: int):
     """The inductor code of one decode step of a layer-sharded model compiled with prefetch step ``k``."""
     from torch._inductor.utils import run_and_get_code

@@ -1,0 +1,225 @@
+"""The prefetch ring: bounded by construction, and every slot access safely ordered.
+
+The positive cases run the real :func:`functional_npu.parallel.prefetch.layer_weights` over two steps under a
+dispatch-mode recorder (the broadcasts are recorded, not sent; the order is what is checked); the negative cases
+are programs made by :func:`_simulate`, a schedule written here independently of the library, with the one thing
+wrong that the check must find.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from functional_npu import Plan
+from functional_npu.parallel import prefetch
+from functional_npu.parallel.hazard import Program, check
+from functional_npu.parallel.hazard_fx import Recorder
+from functional_npu.parallel.layer_shard import LayerShard, owned_layers
+
+
+class _AxisMesh:
+    """One rank of an ``n``-rank ``dp`` axis; the recorder stands in for the process group."""
+
+    def __init__(self, n: int, me: int) -> None:
+        self.n, self.me = n, me
+
+    def axis_size(self, axis: str) -> int:
+        return self.n
+
+    def axis_index(self, axis: str) -> int:
+        return self.me
+
+    def group_name(self, axis: str) -> str:
+        return "recorded"
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def _params(L: int, n: int, me: int, series: int) -> dict:
+    """``series`` layer-sharded leaves (of up to three dtypes, so up to three coalesced groups) over ``dp``."""
+    owned = owned_layers(L, n, me)
+    stacked = {f"s{j}": torch.full((len(owned), 2 + j, 3), 1, dtype=_DTYPES[j % len(_DTYPES)]) for j in range(series)}
+    return {
+        "layers": [{"norm": torch.ones(3)} for _ in range(L)],
+        "series": stacked,
+        "plan": Plan(layer_shard=LayerShard("dp", tuple(stacked))),
+    }
+
+
+def _run(L: int, n: int, me: int, k: int, series: int, steps: int = 2, turn: bool = True):
+    """Record ``steps`` decode steps of the layer loop; returns (program, ring, the ring's first slots)."""
+    params, mesh = _params(L, n, me, series), _AxisMesh(n, me)
+    groups = len(prefetch.coalesced(params))
+    ring = prefetch.new_ring(params, mesh, k)
+    first = list(ring)
+    rec = Recorder(ring)
+    with rec:
+        prefetch.start(params, mesh, k, ring)  # layers 0 .. k-1, issued before the first step
+        for step in range(steps):
+            weights = prefetch.layer_weights(params, ring, mesh)
+            x = torch.zeros(())
+            before = list(ring)
+            for i in range(L):
+                rec.layer = step * L + i
+                layer = weights(i, x)
+                x = x + sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(layer))
+            if not turn:  # the slot index computed as l mod (k + 1) in every step: the ring not turned
+                ring[:] = before
+    return rec.program(0, groups), ring, first, groups
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    L=st.integers(1, 64),
+    n=st.integers(1, 8),
+    data=st.data(),
+    series=st.integers(1, 4),
+)
+def test_ring_never_overflows_and_every_access_is_ordered(L, n, data, series):
+    k = data.draw(st.integers(0, L + 2), label="k")
+    me = data.draw(st.integers(0, n - 1), label="rank")
+    if k > L - 1:  # more slots than layers: refused in one line, naming the bound
+        with pytest.raises(ValueError, match=rf"0 <= k <= num_layers - 1 = {L - 1} \(the model has {L} layers"):
+            prefetch.check_prefetch_step(k, L)
+        return
+    program, ring, first, groups = _run(L, n, me, k, series)
+    if n == 1:  # every layer local: no ring, no broadcast
+        assert ring == [] and not program.writes
+        return
+    assert len(ring) == (k + 1) * groups  # the ring: k + 1 slots per dtype group, the same tensors after two steps
+    assert {t.untyped_storage().data_ptr() for t in ring} == {t.untyped_storage().data_ptr() for t in first}
+    assert len(program.writes) == (2 * L + k) * groups and len(program.reads) >= 2 * L * groups
+    assert check(program, k, slots=(k + 1) * groups) == []
+
+
+def test_vllm_54975_slot_index_without_the_turn():
+    """vLLM's issue 54975: with L not a multiple of k + 1, numbering each step's slots l mod (k + 1) afresh puts the
+    next step's first layers into slots still holding this step's last ones. The turn fixes it; without it the
+    check finds the wrong layer read."""
+    for L, k in [(5, 1), (7, 2), (6, 3)]:
+        assert L % (k + 1)
+        good, *_ = _run(L, 2, 0, k, 1)
+        assert check(good, k, slots=k + 1) == []
+        bad, *_ = _run(L, 2, 0, k, 1, steps=3, turn=False)
+        assert any("holds layer" in v for v in check(bad, k, slots=k + 1)), (L, k)
+    ok, *_ = _run(6, 2, 0, 1, 1, steps=3, turn=False)  # L a multiple of k + 1: the turn is the identity
+    assert check(ok, 1, slots=2) == []
+
+
+# ---- negative cases: programs with one thing wrong --------------------------------------------------
+def _simulate(L: int, k: int, slots: int, *, gate: bool = True, alloc: bool = False, turn: bool = True) -> Program:
+    """One step of a layer loop over a ring as a partial order, built here from first principles: per layer ``i``,
+    ``gate`` (the residual entering the layer), ``issue`` of layer ``i + k`` into slot ``(i + k) mod slots`` (after
+    the gate if ``gate``; the previous issue on the prefetch stream), ``wait`` on layer ``i``'s slot, ``read``s of
+    it, and the layer's output. ``turn=False`` numbers the next step's layers from 0."""
+    ops: list[str] = []
+    after: dict[str, list[str]] = {}
+    writes, waits, reads, allocs = {}, {}, {}, {}
+    slot_layer = {}
+    last_issue, x = None, None
+
+    def op(name: str, *deps: str | None) -> str:
+        ops.append(name)
+        after[name] = [d for d in deps if d]
+        return name
+
+    def slot(v: int) -> str:
+        return f"slot{(v if turn or v < L else v - L) % slots}"
+
+    initial = {slot(j): j for j in range(k)}
+    for i in range(L):
+        g = op(f"x{i}", x)
+        v = i + k
+        w = op(f"issue{v}", g if gate else None, last_issue)
+        writes[w] = (slot(v), v)
+        if alloc:
+            allocs[w] = 64
+        last_issue = w
+        src = [name for name, (s, lay) in writes.items() if lay == i]
+        wt = op(f"wait{i}", *(src or [g]), g)
+        waits[wt] = slot(i)
+        r = op(f"read{i}", wt)
+        reads[r] = (slot(i), i)
+        x = op(f"out{i}", r, g)
+        slot_layer[i] = slot(i)
+    return Program(ops, after, writes, waits, reads, allocs, initial)
+
+
+@pytest.mark.parametrize("L,k", [(4, 1), (6, 2), (5, 0)])
+def test_simulated_ring_passes(L, k):
+    assert check(_simulate(L, k, k + 1), k, slots=k + 1) == []
+
+
+def test_no_gate_is_write_after_read():
+    """The no-hints control: the write into a slot not ordered after the reads of the layer it held."""
+    out = check(_simulate(6, 1, 2, gate=False), 1, slots=2)
+    assert out and all(v.startswith("write after read") for v in out)
+
+
+def test_allocation_inside_the_graph_is_reported():
+    out = check(_simulate(4, 1, 2, alloc=True), 1, slots=2)
+    assert sum(v.startswith("alloc:") for v in out) == 4
+
+
+def test_a_ring_one_slot_too_small():
+    """k = 2 over two slots: layer i + 2 is written into the slot layer i is still to be read from."""
+    out = check(_simulate(6, 2, 2), 2)
+    assert out and all(v.startswith("write after read") for v in out)
+    assert check(_simulate(6, 2, 3), 2, slots=3) == []
+
+
+def test_slot_index_wrong_when_L_is_not_a_multiple_of_k_plus_1():
+    assert check(_simulate(5, 1, 2, turn=True), 1, slots=2) == []
+    out = check(_simulate(5, 1, 2, turn=False), 1, slots=2)
+    assert any("write after read" in v or "holds layer" in v for v in out)
+
+
+def test_a_read_without_its_wait_is_read_before_write():
+    p = _simulate(4, 1, 2)
+    waits = dict(list(p.waits.items())[:-1])
+    out = check(Program(p.ops, p.after, p.writes, waits, p.reads, {}, p.initial), 1)
+    assert any(v.startswith("read before write") for v in out)
+
+
+def test_synchronous_issue_cannot_overlap():
+    """k = 0 is synchronous: the check asks overlap only of k >= 1, and a k = 1 issue gated by its own layer's
+    output (one layer too late) is found."""
+    p = _simulate(4, 1, 2)
+    late = {
+        w: list(deps) + [f"out{v - 1}"]
+        for w, deps in p.after.items()
+        if w.startswith("issue")
+        for v in [int(w[5:])]
+        if v - 1 < 4
+    }
+    after = {op: late.get(op, deps) for op, deps in p.after.items()}
+    order = sorted(p.ops, key=lambda o: _topo_key(o))
+    out = check(Program(order, after, p.writes, p.waits, p.reads, {}, p.initial), 1)
+    assert any(v.startswith("overlap") for v in out)
+
+
+def _topo_key(op: str) -> tuple[int, int]:
+    """A topological order for the late-issue program: layer by layer, each issue after its layer's output."""
+    kind, num = op.rstrip("0123456789"), int(op[len(op.rstrip("0123456789")) :])
+    rank = {"x": 0, "wait": 1, "read": 2, "out": 3, "issue": 4}[kind]
+    layer = num - 1 if kind == "issue" else num
+    return (layer, rank)
+
+
+def test_ring_errors():
+    params, mesh = _params(4, 2, 0, 2), _AxisMesh(2, 0)
+    ring = prefetch.new_ring(params, mesh, 1)
+    assert prefetch.check_ring(params, mesh, ring, 1) == 1
+    with pytest.raises(ValueError, match=r"a ring of 2 buffers; expected 4 = \(k \+ 1 = 2\) x 2 per slot"):
+        prefetch.check_ring(params, mesh, ring[:2], 1)
+    small = list(ring)
+    small[1] = torch.empty(5, dtype=small[1].dtype)
+    size = math.prod(params["series"]["s1"].shape[1:])
+    with pytest.raises(ValueError, match=rf"slot 0 buffer for series \['s1'\] is \(5,\) .*needs .* of {size}"):
+        prefetch.check_ring(params, mesh, small, 1)
