@@ -1,14 +1,14 @@
 """Prefetch benchmark: decode step time with layer-sharded weights, local vs synchronous vs prefetched.
 
 On two gloo ranks (dp = 2), the same model and batch: (a) local weights, no communication; (b)
-layer-sharded, k = 0 (synchronous); (c) layer-sharded, k = 1, 2, ... under
-:class:`functional_npu.parallel.schedule.PrefetchSchedule`; (d) k = 1 under inductor's stock
-scheduling, its ``raise_comms`` pass and its memory-preserving passes. Every configuration is
+layer-sharded, k = 0 (synchronous); (c) layer-sharded, k = 1, 2, ..., into the prefetch ring
+(:mod:`functional_npu.parallel.prefetch`), in the order the graph's data edges give inductor; (d) k = 1
+with inductor's own comm passes on (``raise_comms``, the memory-preserving passes), which must leave the
+ring's order alone (each graph's order is hazard-checked, :mod:`functional_npu.parallel.hazard`). Every configuration is
 compiled and warm before any is timed, then all are timed in interleaved rounds. The exposed
 communication is ``(T - T_local) / T_comm_alone``, where ``T_comm_alone`` is the same broadcasts
-issued back to back with nothing else running. Resident series memory comes from tensor storage
-(owned layers + carried state) plus the live prefetch
-buffers read from the compiled code.
+issued back to back with nothing else running. Resident series memory comes from tensor storage:
+the owned layers plus the ring (``k + 1`` slots of one layer, the whole of the prefetch memory).
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ import torch.distributed._functional_collectives as funcol
 
 from functional_npu.core.collectives import broadcast
 from functional_npu.models import forward
+from functional_npu.parallel.hazard import check
+from functional_npu.parallel.hazard_fx import from_inductor_code
 from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
 from functional_npu.parallel.plan import Plan
 from functional_npu.parallel.prefetch import coalesced, drain
 from functional_npu.parallel.prefetch_cost import layer_bytes
-from functional_npu.parallel.timeline import prefetch_timeline
 from functional_npu.runtime.checkpoint import load_checkpoint
 from functional_npu.runtime.compile import CompiledModel, compile_model
 from functional_npu.runtime.launch import LocalWorld, RankContext, watch_parent
@@ -45,7 +46,7 @@ from .timing import rounds
 
 __all__ = ["prefetch_rank", "run_prefetch_bench", "prefetch_table", "prefetch_plot", "main"]
 
-SCHEDULES = {  # inductor's own comm scheduling, for comparison with the prefetch pass
+SCHEDULES = {  # inductor's own comm scheduling, which must leave the ring's order alone
     "inductor": [],
     "raise_comms": ["raise_comms"],
     # torch 2.13's recommended memory-aware passes (see torch._inductor.config)
@@ -59,7 +60,7 @@ STOCK = {"inductor_k1": "inductor", "raise_comms_k1": "raise_comms", "memory_pre
 
 
 def _stock(model: CompiledModel, passes: list[str]) -> CompiledModel:
-    """The same model compiled with inductor's own comm scheduling instead of the prefetch pass."""
+    """The same model compiled with inductor's own comm scheduling passes on."""
     options = {"reorder_for_compute_comm_overlap": bool(passes), "reorder_for_compute_comm_overlap_passes": passes}
     fwd = torch.compile(functools.partial(forward, attention="sdpa"), fullgraph=True, dynamic=False, options=options)
     return dataclasses.replace(model, forward=fwd)
@@ -132,7 +133,7 @@ def prefetch_rank(
     match_link: bool = False,
 ) -> dict[str, Any]:
     """Run on each of 2 ranks: step times (median and spread of interleaved rounds), exposed fractions and
-    resident memory per configuration (the prefetch schedule at each of ``ks``, and with ``stock``
+    resident memory per configuration (the prefetch ring at each of ``ks``, and with ``stock``
     inductor's own scheduling choices at k = 1). With ``match_link`` (inside a namespace made by
     :func:`benchmarks.shaped_link.shaped_command`) the ranks first time the local-weights step,
     and set the link's rate so that one layer's broadcast takes one layer's compute on the slower rank."""
@@ -141,7 +142,7 @@ def prefetch_rank(
     torch._dynamo.reset()
     full = load_checkpoint(model_dir, mesh)
     local = compile_model(full, mesh, batch_sizes=[batch], max_seq_len=cache_len)
-    steppers, codes, states = {}, {}, []
+    steppers, codes, states, carried_of = {}, {}, [], {}
     steppers["local"], _, _ = _stepper(local, batch)
     params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp")))
     per_layer = layer_bytes(params)
@@ -154,6 +155,7 @@ def prefetch_rank(
             model = _stock(model, SCHEDULES[schedule])
         steppers[name], codes[name], carried = _stepper(model, batch)
         states.append(carried)
+        carried_of[name] = list(carried)
     layers = len(params["layers"])
     # one layer's share of the step: its weights' share of all the weights read per token (the
     # embedding row is one row; the lm_head is read whole)
@@ -172,7 +174,11 @@ def prefetch_rank(
     t_local, t_comm = med["local"], med["comm_alone"]
     runs: dict[str, dict[str, Any]] = {}
     for name, k, schedule in configs:
-        live = prefetch_timeline(codes[name])["live_max"] if codes[name] else 0
+        groups = len(coalesced(params))
+        live = len(carried_of[name]) // groups if groups else 0  # the ring's slots: all the prefetch memory there is
+        hazards = check(from_inductor_code(codes[name], k, groups), k, live * groups) if codes[name] else []
+        if hazards:
+            raise RuntimeError(f"{name}: inductor's order breaks the prefetch ring: {hazards[0]}")
         runs[name] = {
             "k": k,
             "schedule": schedule,
@@ -180,7 +186,7 @@ def prefetch_rank(
             "step_s_min": min(times[name]),
             "step_s_max": max(times[name]),
             "live_buffers": live,
-            "resident_bytes": owned + k * per_layer,
+            "resident_bytes": owned + live * per_layer,
             "peak_bytes": owned + live * per_layer,
             "exposed": (med[name] - t_local) / t_comm,
         }
@@ -246,17 +252,17 @@ def prefetch_table(res: dict[str, Any]) -> str:
     ]
     for name, r in res["runs"].items():
         label = {
-            "inductor_k1": "k = 1, inductor's stock scheduling",
+            "inductor_k1": "k = 1, inductor's default scheduling",
             "raise_comms_k1": "k = 1, inductor raise_comms",
             "memory_preserving_k1": "k = 1, inductor memory-preserving passes",
-        }.get(name, f"k = {r['k']}, prefetch schedule")
+        }.get(name, f"k = {r['k']}, prefetch ring")
         spread = f" ({r['step_s_min'] * 1e3:.2f}-{r['step_s_max'] * 1e3:.2f})" if "step_s_min" in r else ""
         rows.append(
             f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f}{spread} | {r['exposed']:.0%} | "
             f"{r['resident_bytes'] / 2**20:.1f} MiB | {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_bytes'] / rep:.0%}) |"
         )
     head = [
-        "| decode step | live prefetch buffers | ms / step, median (min-max) | "
+        "| decode step | ring slots | ms / step, median (min-max) | "
         "exposed comm | resident between steps | peak series bytes |",
         "|---|---|---|---|---|---|",
     ]
@@ -269,7 +275,7 @@ def prefetch_table(res: dict[str, Any]) -> str:
 
 
 def prefetch_plot(res: dict[str, Any], path: str, emulated: dict[str, Any] | None = None) -> bool:
-    """Step time, exposed fraction and peak series memory against k, for the prefetch schedule and
+    """Step time, exposed fraction and peak series memory against k, for the prefetch ring and
     inductor's own scheduling choices, on the plain loopback and (if given) the emulated link (PNG);
     False when matplotlib is not installed."""
     try:
@@ -284,9 +290,9 @@ def prefetch_plot(res: dict[str, Any], path: str, emulated: dict[str, Any] | Non
     for (label, r), style in zip(links, ("-", "--")):
         runs = {n: x for n, x in r["runs"].items() if n.startswith("k")}
         ks = [x["k"] for x in runs.values()]
-        ax[0].plot(ks, [x["step_s"] * 1e3 for x in runs.values()], "o" + style, label=f"prefetch schedule, {label}")
+        ax[0].plot(ks, [x["step_s"] * 1e3 for x in runs.values()], "o" + style, label=f"prefetch ring, {label}")
         ax[0].axhline(r["local_step_s"] * 1e3, color="gray", ls=style, lw=0.8, label=f"local weights, {label}")
-        ax[1].plot(ks, [x["exposed"] for x in runs.values()], "o" + style, label=f"prefetch schedule, {label}")
+        ax[1].plot(ks, [x["exposed"] for x in runs.values()], "o" + style, label=f"prefetch ring, {label}")
         for (name, stock), color in zip(STOCK.items(), ("tab:red", "tab:purple", "tab:green")):
             if name in r["runs"]:
                 ax[1].plot([1], [r["runs"][name]["exposed"]], "x", color=color, label=f"k=1 {stock}, {label}")
@@ -315,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--no-stock", action="store_true", help="only the prefetch schedule, not inductor's own")
+    parser.add_argument("--no-stock", action="store_true", help="only the prefetch ring, not inductor's own")
     parser.add_argument(
         "--match-link", action="store_true", help="set the emulated link's rate from the measured compute first"
     )

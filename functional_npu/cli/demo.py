@@ -27,10 +27,11 @@ import torch
 from ..core.quant import Quant
 from ..core.tree import flatten_with_paths
 from ..models import family_of
+from ..parallel.hazard import check
+from ..parallel.hazard_fx import from_inductor_code
 from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes
-from ..parallel.timeline import prefetch_timeline
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
@@ -72,7 +73,7 @@ def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, tim
     job), the series bytes this rank holds against replicated, and the prefetch timeline of a decode step."""
     from torch._inductor.utils import run_and_get_code
 
-    from ..parallel.prefetch import drain
+    from ..parallel.prefetch import coalesced, drain
     from ..runtime.checkpoint import load_checkpoint
     from ..runtime.compile import compile_model
 
@@ -86,13 +87,16 @@ def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, tim
     state = model.new_state(1)
     with torch.no_grad():
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
+    ring = resident_bytes(state.prefetched)
     drain(state.prefetched)
-    timeline = prefetch_timeline(code[0])
+    k, groups = model.prefetch_step, len(coalesced(model.params))
+    program = from_inductor_code(code[0], k, groups)
     return out | {
-        "held": resident_bytes(params["series"]) + model.prefetch_step * per_layer,
+        "held": resident_bytes(params["series"]) + ring,
         "replicated": params["config"].num_layers * per_layer,
-        "broadcasts": len(timeline["issue"]),
-        "live_max": timeline["live_max"],
+        "broadcasts": len(program.writes),
+        "slots": k + 1,
+        "hazards": check(program, k, (k + 1) * groups),
     }
 
 
@@ -158,11 +162,17 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant
     if sharded is not None:
         r = max(sharded, key=lambda r: r["held"])
         print(
-            f"\nlayer-sharded: each rank holds {r['held'] / 2**10:.0f} KiB of {DEMO_SERIES} (its layers and the "
-            f"one carried ahead) instead of {r['replicated'] / 2**10:.0f} KiB replicated "
-            f"({r['held'] / r['replicated']:.0%}); its compiled decode step issues {r['broadcasts']} broadcasts "
-            f"(one per layer) with at most {r['live_max']} in flight, read from inductor's code."
+            f"\nlayer-sharded: each rank holds {r['held'] / 2**10:.0f} KiB of {DEMO_SERIES} (its layers and a "
+            f"prefetch ring of {r['slots']} slots) instead of {r['replicated'] / 2**10:.0f} KiB replicated "
+            f"({r['held'] / r['replicated']:.0%}); its compiled decode step writes {r['broadcasts']} broadcasts "
+            f"(one per layer) into the ring in place, "
+            + (
+                "every slot access ordered (hazard check on inductor's code)."
+                if not r["hazards"]
+                else f"with a hazard: {r['hazards'][0]}"
+            )
         )
+        ok &= not r["hazards"]
         print(
             "the same decode on an emulated link as slow as one layer's compute, without and with prefetch: "
             "python -m benchmarks prefetch (from a checkout)"

@@ -207,7 +207,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         series = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
         step = args.prefetch_step
         if series is not None and step is None:
-            step = min(1, cfg.num_layers - 2)
+            step = min(1, cfg.num_layers - 1)
         args.plan = Plan(
             expert_axes=("dp", "tp") if args.ep > 1 else (),
             module_tp=module_tp,

@@ -56,7 +56,7 @@ class Plan:
         module_tp: modules tensor-parallel over data-parallel axes too (a :class:`ModuleTP` or a dict).
         layer_shard: layer-sharded series (a :class:`LayerShard`, or ``"o_proj,down"`` over ``"dp"``).
         prefetch_step: fetch layer ``l + k``'s series while layer ``l`` computes; ``"auto"``: the cost model's k.
-        prefetch_budget: for ``"auto"``: the most bytes the ``k + 1`` live prefetch buffers may take.
+        prefetch_budget: for ``"auto"``: the most bytes the prefetch ring (``k + 1`` slots of one layer) may take.
         absorb: latent attention's decode steps attend in the latent space.
         mla_cache: latent attention's cache, ``"latent"`` or ``"heads"`` (every head's keys and values).
         model: the architecture this plan was made for (``None``: any).

@@ -129,7 +129,7 @@ def choose_k(
 ) -> int:
     """The prefetch distance for ``prefetch_step="auto"``: the smallest ``k`` whose window of ``k``
     layers of compute covers one broadcast's latency with ``margin`` to spare,
-    ``ceil((1 + margin) * latency / compute)``, within ``0 .. L - 2`` and the byte budget.
+    ``ceil((1 + margin) * latency / compute)``, within ``0 .. L - 1`` (a ring of at most ``L`` slots) and the byte budget.
 
     Where the link keeps up (a broadcast holds it no longer than a layer computes) that ``k`` hides
     every broadcast (see :func:`exposed`). Where it does not, no ``k`` hides the difference in the
@@ -142,7 +142,7 @@ def choose_k(
         num_layers: ``L``.
         compute_s: one layer's compute time.
         link: the link the broadcasts run on.
-        budget_bytes: the most bytes the ``k + 1`` live prefetch buffers may take (None: no limit).
+        budget_bytes: the most bytes the ring's ``k + 1`` slots may take (None: no limit).
         margin: how much slower than modelled a broadcast may be (0.25: 25%).
         series: names for the error message.
 
@@ -154,11 +154,11 @@ def choose_k(
             f"choose_k: needs layer_bytes >= 0, num_layers >= 1, compute_s >= 0 and margin >= 0; "
             f"got {layer_bytes}, {num_layers}, {compute_s}, {margin}"
         )
-    top = max(0, num_layers - 2)
+    top = max(0, num_layers - 1)
     if budget_bytes is not None:
         if budget_bytes < layer_bytes:
             raise ValueError(
-                f"prefetch_step='auto': the live-buffer budget of {budget_bytes:.0f} bytes does not hold one "
+                f"prefetch_step='auto': the prefetch ring budget of {budget_bytes:.0f} bytes does not hold one "
                 f"layer of {series} ({layer_bytes} bytes, needed even at k = 0); raise the budget or "
                 f"layer-shard fewer series"
             )

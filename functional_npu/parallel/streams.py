@@ -1,9 +1,9 @@
-"""Ordering hints for graph compilers that schedule the graph themselves.
+"""Stream hints for graph compilers that place ops on streams themselves.
 
-Inductor keeps the prefetch order through :class:`functional_npu.parallel.schedule.PrefetchSchedule`.
-torchair does not run inductor's scheduler: in GE graph mode the graph goes to GE, which sorts it
-itself and may issue a broadcast at any point its inputs allow. The prefetch therefore says what
-must hold with two hints, as torchair's multi-stream scopes do:
+The prefetch ring's order is in the graph's data edges (each write into a slot takes the tensor it
+must wait for, :func:`functional_npu.core.collectives.broadcast_into`), for every compiler. Where a
+compiler runs ops on several streams (torchair's GE, a captured graph), the broadcasts say where they
+run with two hints, as torchair's multi-stream scopes do:
 
 - ``side(tag)``: a context in which the enclosed ops run on a secondary stream named ``tag``;
 - ``after(t, dep)``: ``t``, with every consumer made to wait for ``dep`` (a control edge).

@@ -27,9 +27,8 @@ from ..models.linear import TARGETS, prepare_params
 from ..parallel import prefetch
 from ..parallel.layer_shard import series_of
 from ..parallel.plan import LAYOUT_FIELDS, Plan
-from ..parallel.prefetch import check_prefetch_step, coalesced
+from ..parallel.prefetch import check_prefetch_step
 from ..parallel.prefetch_cost import auto_step
-from ..parallel.schedule import PrefetchSchedule
 from .backends import Backend, resolve_backend
 from .generate import Lockstep, generate
 from .plan import check_plan, resolved
@@ -305,11 +304,11 @@ def compile_model(
             else ``Plan()``). A given plan must agree with the params' own on the fields that decide a layout;
             the others (``prefetch_step``, ``dispatch_threshold``, ``absorb``, ``mla_cache``) may differ.
             With layer-sharded params, ``plan.prefetch_step`` ``k`` fetches layer ``l + k``'s weights while
-            layer ``l`` computes (``0 <= k <= num_layers - 2``; 0 is synchronous). Under inductor a
-            scheduling pass keeps that order with ``k + 1`` live buffers
-            (:class:`functional_npu.parallel.schedule.PrefetchSchedule`); under torchair the graph itself
-            states it (a side stream and control edges, see :mod:`functional_npu.parallel.streams`), since
-            GE orders the graph. ``"auto"`` picks ``k`` with the cost model
+            layer ``l`` computes (``0 <= k <= num_layers - 1``; 0 is synchronous), into a ring of ``k + 1`` slots
+            that :meth:`CompiledModel.new_state` allocates outside the graph: each broadcast writes its layer in
+            place, after the reads of the layer its slot held (:mod:`functional_npu.parallel.prefetch`), so
+            nothing in the graph allocates a prefetch buffer and the order is in the graph's data edges, for
+            every compiler. ``"auto"`` picks ``k`` with the cost model
             (:func:`functional_npu.parallel.prefetch_cost.auto_step`) within ``plan.prefetch_budget``.
         backend: "auto" (torchair on NPU, inductor elsewhere), "inductor", "torchair", "eager",
             "aot_eager", or "none" (the plain Python forward, no ``torch.compile``).

@@ -22,7 +22,7 @@ def test_generate_layer_sharded_over_dp_with_prefetch(qwen3, step):
     args = ["--dp", "2", "--layer-shard", "o_proj,down_proj", "--prefetch-step", step]
     out = generate_json(path, prompts, *args, "--backend", "none", "--max-new-tokens", "5")
     assert out["token_ids"] == ref
-    assert out["prefetch_step"] == 1 if step == "1" else 0 <= out["prefetch_step"] <= 2
+    assert out["prefetch_step"] == 1 if step == "1" else 0 <= out["prefetch_step"] <= 3
 
 
 @pytest.mark.parametrize(
@@ -30,8 +30,8 @@ def test_generate_layer_sharded_over_dp_with_prefetch(qwen3, step):
     [
         (["--prefetch-step", "1"], "--prefetch-step needs --layer-shard (which weight series to fetch ahead)"),
         (
-            ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "3"],
-            "prefetch_step must be an int with 0 <= k <= num_layers - 2 = 2 (the model has 4 layers), got 3",
+            ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "4"],
+            "prefetch_step must be an int with 0 <= k <= num_layers - 1 = 3 (the model has 4 layers, so a ring of k + 1 slots holds at most all of them), got 4",
         ),
         (["--dp", "2", "--layer-shard", "o_proj,mlp"], "layer_shard: a Qwen3ForCausalLM has no series ['mlp']"),
         (["--dp", "2", "--layer-shard", "q_b_proj"], "a Qwen3ForCausalLM has no series ['q_b_proj']; choose from"),

@@ -19,7 +19,6 @@ from functional_npu.parallel.layer_shard import (
     stack_series,
     unstack_series,
 )
-from functional_npu.parallel.timeline import prefetch_timeline
 from functional_npu.runtime.plan import check_plan
 
 from ..support.configs import DENSE, MLA, MOE
@@ -253,9 +252,9 @@ def test_prefetch_step_errors(qwen3):
     params = load_checkpoint(qwen3[0], mesh, Plan(layer_shard=layer_shard("o_proj")))
     with pytest.raises(
         ValueError,
-        match=r"prefetch_step must be an int with 0 <= k <= num_layers - 2 = 4 \(the model has 6 layers\), got 5",
+        match=r"prefetch_step must be an int with 0 <= k <= num_layers - 1 = 5 \(the model has 6 layers, .*got 6",
     ):
-        compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=5))
+        compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=6))
     with pytest.raises(ValueError, match=r"got -1"):
         compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=-1))
     model = compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=1))

@@ -69,7 +69,7 @@ def test_choose_k_is_the_smallest_window_that_covers_a_slow_broadcast(nbytes, n,
     latency = max(occupy, 1.25 * link.time(nbytes))  # the same number, up to rounding
     for budget in (None, 2 * nbytes, 3.5 * nbytes):
         k = choose_k(nbytes, num_layers=n, compute_s=compute, link=link, budget_bytes=budget)
-        top = n - 2 if budget is None else min(n - 2, int(budget // nbytes) - 1)
+        top = n - 1 if budget is None else min(n - 1, int(budget // nbytes) - 1)
         assert 0 <= k <= max(0, top)
         assert k == top or k * compute >= latency * (1 - 1e-9)  # covered, unless capped
         assert k <= 1 or (k - 1) * compute < latency  # and no smaller k covers it
@@ -113,7 +113,7 @@ def test_auto_on_layer_sharded_params(qwen3_params):
     assert layer_bytes(params) == (o[0].numel() + down[0].numel()) * 4
     for name in DEVICES:
         k = auto_step(params, device=name)
-        assert 0 <= k <= params["config"].num_layers - 2
+        assert 0 <= k <= params["config"].num_layers - 1
         assert compile_model(params, mesh, backend="none", plan=auto, prefetch_device=name).prefetch_step == k
     assert auto_step(params, device=DEVICES["host"], budget_bytes=layer_bytes(params)) == 0  # one buffer: k = 0
     with pytest.raises(ValueError, match=r"does not hold one layer of o_proj,down \(\d+ bytes"):
