@@ -129,7 +129,8 @@ def choose_k(
 ) -> int:
     """The prefetch distance for ``prefetch_step="auto"``: the smallest ``k`` whose window of ``k``
     layers of compute covers one broadcast's latency with ``margin`` to spare,
-    ``ceil((1 + margin) * latency / compute)``, within ``0 .. L - 1`` (a ring of at most ``L`` slots) and the byte budget.
+    ``ceil((1 + margin) * latency / compute)``, within ``0 .. L - 1`` (a ring of at most ``L`` slots) and the
+    byte budget.
 
     Where the link keeps up (a broadcast holds it no longer than a layer computes) that ``k`` hides
     every broadcast (see :func:`exposed`). Where it does not, no ``k`` hides the difference in the

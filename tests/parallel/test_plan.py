@@ -116,7 +116,7 @@ def test_bad_plan_files_name_the_file(tmp_path):
         (DENSE, {"layer_shard": layer_shard("o_proj", "pp")}, r"layer_shard axis 'pp' is not an axis of the mesh"),
         (DENSE, {"layer_shard": "q_b_proj"}, r"layer_shard: a Qwen3ForCausalLM has no series \['q_b_proj'\]; choose"),
         (MOE, {"layer_shard": "gate_up"}, r"series \['gate_up'\] are not in every layer .* layer-shard some of"),
-        (DENSE, {"layer_shard": "o_proj", "prefetch_step": 3}, r"prefetch_step must be an int with 0 <= k <= "),
+        (DENSE, {"layer_shard": "o_proj", "prefetch_step": 4}, r"prefetch_step must be an int with 0 <= k <= "),
         (MOE, {"module_tp": {"o_proj": "dp"}, "expert_axes": ("dp",)}, r"module TP and expert parallelism over"),
     ],
 )
