@@ -31,8 +31,8 @@ def test_generate_layer_sharded_over_dp_with_prefetch(qwen3, step):
         (["--prefetch-step", "1"], "--prefetch-step needs --layer-shard (which weight series to fetch ahead)"),
         (
             ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "4"],
-            "prefetch_step must be an int with 0 <= k <= num_layers - 1 = 3 (the model has 4 layers, so a ring of k + 1 "
-            "slots holds at most all of them), got 4",
+            "prefetch_step must be an int with 0 <= k <= num_layers - 1 = 3 (the model has 4 layers, so a ring "
+            "of k + 1 slots holds at most all of them), got 4",
         ),
         (["--dp", "2", "--layer-shard", "o_proj,mlp"], "layer_shard: a Qwen3ForCausalLM has no series ['mlp']"),
         (["--dp", "2", "--layer-shard", "q_b_proj"], "a Qwen3ForCausalLM has no series ['q_b_proj']; choose from"),
