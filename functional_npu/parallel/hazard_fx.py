@@ -58,10 +58,14 @@ def _bytes(n: torch.fx.Node) -> int:
     return int(math.prod(v.shape)) * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
-def from_fx(graph: torch.fx.Graph, k: int, groups: int = 1) -> Program:
+def from_fx(graph: torch.fx.Graph, k: int, groups: int = 1, *, copy_back: bool = True) -> Program:
     """The ring accesses of a functionalized graph and its data-edge partial order; ``groups`` ring buffers
     per slot (one per dtype), so the ``j``-th write carries virtual layer ``k + j // groups``. A read means the
-    layer of the version it consumes (unknown for a slot's contents on entry)."""
+    layer of the version it consumes (unknown for a slot's contents on entry).
+
+    ``copy_back``: the epilogue's ``copy_`` of a slot's last version into its input is a read (a compiler that
+    runs it, as aot_eager does); False for a compiler whose reinplace pass writes the input in place and drops
+    the copy (inductor's: check that it did on its post-grad graph)."""
     nodes = list(graph.nodes)
     after = {n.name: [a.name for a in n.all_input_nodes] for n in nodes}
     version: dict[torch.fx.Node, tuple[str, int | None]] = {}  # a value of a slot -> (slot, layer it holds)
@@ -76,12 +80,21 @@ def from_fx(graph: torch.fx.Graph, k: int, groups: int = 1) -> Program:
                 version[u] = (slot, k + j // groups)
     waits: dict[str, str] = {}
     reads: dict[str, tuple[str, int | None]] = {}
+    last = {v for v in version if not any(_is_write(u) for u in v.users)}  # each slot's final version
+    ends: list[str] = []
     frontier = list(version.items())
     seen = set()
     while frontier:
         v, (slot, layer) = frontier.pop()
         for u in v.users:
-            if (u, slot) in seen or _is_write(u) or u.op == "output" or str(u.target) == "aten.copy_.default":
+            is_copy_back = u.op == "output" or (
+                str(u.target) == "aten.copy_.default" and u.args[1] is v and u.args[0].op == "placeholder"
+            )
+            if is_copy_back and copy_back and v in last:  # after the whole graph, as the epilogue runs
+                name = f"copy_back:{slot}"
+                ends.append(name)
+                reads[name] = (slot, layer)
+            if (u, slot) in seen or _is_write(u) or is_copy_back:
                 continue
             seen.add((u, slot))
             if str(u.target) == "_c10d_functional.wait_tensor.default":
@@ -96,7 +109,9 @@ def from_fx(graph: torch.fx.Graph, k: int, groups: int = 1) -> Program:
         if n.op == "call_function" and str(n.target).startswith("_c10d_functional.broadcast"):
             src = n.args[0]
             allocs[src.name if src.op != "placeholder" else n.name] = _bytes(src)
-    return Program([n.name for n in nodes], after, writes, waits, reads, allocs)
+    names = [n.name for n in nodes]
+    ends = list(dict.fromkeys(ends))
+    return Program(names + ends, after | {e: names for e in ends}, writes, waits, reads, allocs)
 
 
 _LINE_WRITE = re.compile(r"torch\.ops\.functional_npu\.broadcast_into\.default\((arg\d+_\d+|buf\d+),")

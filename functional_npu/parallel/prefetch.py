@@ -235,6 +235,10 @@ def layer_weights(
         sizes = [size for size, _ in ring_spec(params)]
         layer = layers[i] | _unpack(params, [f if f.numel() == n else f[:n] for f, n in zip(flats, sizes)])
         if i == L - 1 and prefetched:
+            if not streams.hand_over:  # the compiler copies the slots back: let the copy read whole layers
+                for v in range(L, L + k):
+                    for g in range(groups):
+                        funcol.wait_tensor(ring[slot_of(v, k) * groups + g])
             prefetched[:] = turn(ring, L, groups)
         return layer
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Streams", "INLINE", "UNORDERED", "PREFETCH_STREAM"]
+__all__ = ["Streams", "INLINE", "COPY_BACK", "UNORDERED", "PREFETCH_STREAM"]
 
 PREFETCH_STREAM = "prefetch"  # the stream tag the layer-shard broadcasts run on
 
@@ -43,8 +43,13 @@ class Streams:
     side: Callable[[str], contextlib.AbstractContextManager[Any]]
     after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     gate: bool = True  # a prefetch write into a ring slot waits for the previous layer's reads (False: the control)
+    # the next step's first k layers leave the graph in flight; False where the compiler copies mutated inputs
+    # back instead of writing them in place (aot_eager): the copy would read a layer still arriving, so they
+    # are waited at the end of the step
+    hand_over: bool = True
 
 
 INLINE = Streams("inline", _no_scope, _no_edge)
+COPY_BACK = Streams("copy-back", _no_scope, _no_edge, hand_over=False)
 # the control that shows the hazard check can fail: ring writes not ordered after the reads of the slot's last layer
 UNORDERED = Streams("unordered", _no_scope, _no_edge, gate=False)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..parallel.streams import INLINE, Streams
+from ..parallel.streams import COPY_BACK, INLINE, Streams
 
 __all__ = ["Backend", "BACKENDS", "resolve_backend", "npu_status", "torchair_streams"]
 
@@ -142,6 +142,8 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
             log.warning("functional_npu: no usable NPU (%s); using inductor", why)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if name in ("eager", "aot_eager", "none"):
-        return Backend(name, device_type, None, None if name == "none" else name)
+    if name in ("eager", "aot_eager", "none"):  # aot_eager functionalizes and copies mutated inputs back
+        return Backend(
+            name, device_type, None, None if name == "none" else name, COPY_BACK if name == "aot_eager" else INLINE
+        )
     return Backend("inductor", device_type, mode or ("reduce-overhead" if device_type == "cuda" else None), "inductor")

@@ -23,7 +23,7 @@ from functional_npu.runtime.plan import check_plan
 
 from ..support.configs import DENSE, MLA, MOE
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
-from ..support.prefetch_workers import generate_layer_sharded, ring_hazards
+from ..support.prefetch_workers import generate_layer_sharded, ring_hazards, ring_logits
 
 LAYERS = 6
 PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]
@@ -207,6 +207,16 @@ def test_moe_attention_projections_layer_sharded_match_transformers(request, wor
     assert set(meta["series"]) == {"attn_norm", "qkv", "q_norm", "k_norm", "o_proj", "mlp_norm"}
 
 
+def test_ring_logits_equal_the_unsharded_model_on_gloo(world2, qwen3):
+    """The compiled step (AOT-functionalized: the ring writes as auto_functionalized, then run) over several steps:
+    the logits of the layer-sharded model at k = 0, 1, 2 and 3 (6 layers: k + 1 = 4 does not divide L, so the ring
+    turns by 2 each step) equal the unsharded model's; the ring keeps its tensors from step to step."""
+    results = world2.run(ring_logits, qwen3[0], {"dp": 2, "tp": 1}, "o_proj,down_proj", (0, 1, 2, 3), 4, "aot_eager")
+    for rank, by_k in enumerate(results):
+        for k, (diff, same, buffers) in by_k.items():
+            assert diff <= 1e-5 and same and buffers == k + 1, (rank, k, diff, same, buffers)
+
+
 @pytest.mark.parametrize("series,k", [("o_proj", 0), ("o_proj,down_proj", 1), ("layer", 2)])
 def test_compiled_ring_is_hazard_free_with_nothing_allocated(world2, qwen3, series, k):
     """The compiled step writes every layer into a ring slot it is given (a graph input), in place: after inductor's
@@ -222,8 +232,19 @@ def test_compiled_ring_is_hazard_free_with_nothing_allocated(world2, qwen3, seri
 
 def test_unordered_ring_writes_fail_the_check(world2, qwen3):
     """The control: without the gate, a ring write is unordered with the reads of the layer its slot held."""
-    for fx, _, _ in world2.run(ring_hazards, qwen3[0], {"dp": 2, "tp": 1}, "o_proj", 1, True):
+    for fx, _, _ in world2.run(ring_hazards, qwen3[0], {"dp": 2, "tp": 1}, "o_proj", 1, "unordered"):
         assert fx and all(v.startswith("write after read") for v in fx), fx
+
+
+def test_a_compiler_that_copies_slots_back_gets_the_hand_over_waited(world2, qwen3):
+    """A compiler that does not reinplace (aot_eager) copies each slot's last version back into its input at the
+    end of the graph: the next step's layers, handed over in flight, would be copied while still arriving (read
+    before write). Its hints wait for them at the end of the step instead, and the check holds."""
+    axes = {"dp": 2, "tp": 1}
+    for fx, _, _ in world2.run(ring_hazards, qwen3[0], axes, "o_proj", 2, "inline", True):
+        assert len(fx) == 2 and all(v.startswith("read before write") and "copy_" in v for v in fx), fx
+    for fx, _, _ in world2.run(ring_hazards, qwen3[0], axes, "o_proj", 2, "copy-back", True):
+        assert fx == [], fx
 
 
 def _present(series):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -37,11 +38,47 @@ def generate_layer_sharded(
     return tokens, shapes, resident_bytes(params["series"]), state_bytes, replicated
 
 
-def ring_hazards(ctx, model_dir: str, axes: dict, series: str, k: int, unordered: bool = False):
+def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, backend: str):
+    """Prefill then ``steps`` decode steps (crossing step boundaries, so the carried layers and the ring's turn
+    matter), unsharded and layer-sharded at each prefetch step of ``ks``, compiled with ``backend``: the largest
+    logit difference per k, and the ring's tensors before and after (the same ones, by storage)."""
+    from functional_npu import Plan, compile_model, load_checkpoint
+    from functional_npu.parallel import prefetch
+    from functional_npu.parallel.layer_shard import layer_shard
+
+    mesh = ctx.mesh(axes)
+
+    def run(params, plan=None):
+        torch._dynamo.reset()
+        model = compile_model(params, mesh, plan=plan, backend=backend, batch_sizes=[2], max_seq_len=32)
+        state = model.new_state(2)
+        ring = {t.untyped_storage().data_ptr() for t in state.prefetched}
+        out = [model.prefill([[5, 9, 2], [7, 1]], state, length=4)]
+        tok = out[0].argmax(-1)
+        for i in range(steps):
+            out.append(model.decode(tok, torch.tensor([3 + i, 2 + i]), state))
+            tok = out[-1].argmax(-1)
+        same = ring == {t.untyped_storage().data_ptr() for t in state.prefetched}
+        prefetch.drain(state.prefetched)
+        return torch.stack(out), same, len(ring)
+
+    ref, _, _ = run(load_checkpoint(model_dir, mesh))
+    params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp")))
+    result = {}
+    for k in ks:
+        got, same, slots = run(params, dataclasses.replace(params["plan"], prefetch_step=k))
+        result[k] = (float((got - ref).abs().max()), same, slots)
+    return result
+
+
+def ring_hazards(
+    ctx, model_dir: str, axes: dict, series: str, k: int, streams: str = "inline", copy_back: bool = False
+):
     """One decode step of a layer-sharded model at prefetch step ``k``: the hazard check over the functionalized FX
-    graph's partial order (what every compiler reorders within) and over inductor's generated order, and what the
-    generated code does with the ring's slots. ``unordered``: the FX graph traced without the ring writes' gates
-    (the control). Returns (fx violations, inductor violations, facts)."""
+    graph's partial order (what every compiler reorders within; ``copy_back``: its epilogue's copies into the slots
+    count as reads) and over inductor's generated order, and what inductor's post-grad graph does with the ring's
+    slots. ``streams``: the hints the FX graph is traced with, "inline" (inductor's), "copy-back" (aot_eager's) or
+    "unordered" (the control; then only the FX check runs). Returns (fx violations, inductor violations, facts)."""
     import functools
 
     from torch._dynamo.backends.common import aot_autograd
@@ -54,7 +91,7 @@ def ring_hazards(ctx, model_dir: str, axes: dict, series: str, k: int, unordered
     from functional_npu.parallel.hazard import check
     from functional_npu.parallel.hazard_fx import from_fx, from_inductor_code
     from functional_npu.parallel.layer_shard import layer_shard
-    from functional_npu.parallel.streams import INLINE, UNORDERED
+    from functional_npu.parallel.streams import COPY_BACK, INLINE, UNORDERED
 
     mesh = ctx.mesh(axes)
     params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp"), prefetch_step=k))
@@ -71,16 +108,13 @@ def ring_hazards(ctx, model_dir: str, axes: dict, series: str, k: int, unordered
         return gm.forward
 
     state = model.new_state(1)
-    fn = functools.partial(
-        forward,
-        blocks=family_of(model.config).blocks(model.config, model.plan),
-        streams=UNORDERED if unordered else INLINE,
-    )
+    hints = {"inline": INLINE, "copy-back": COPY_BACK, "unordered": UNORDERED}[streams]
+    fn = functools.partial(forward, blocks=family_of(model.config).blocks(model.config, model.plan), streams=hints)
     with torch.no_grad():
         torch.compile(fn, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(model.params, tok, pos, state, mesh)
     prefetch.drain(state.prefetched)
-    fx = check(from_fx(graphs[0].graph, k, groups), k, slots)
-    if unordered:
+    fx = check(from_fx(graphs[0].graph, k, groups, copy_back=copy_back), k, slots)
+    if streams != "inline":
         return fx, None, None
     torch._dynamo.reset()
     state = model.new_state(1)
