@@ -217,14 +217,22 @@ def test_ring_logits_equal_the_unsharded_model_on_gloo(world2, qwen3):
             assert diff <= 1e-5 and same and buffers == k + 1, (rank, k, diff, same, buffers)
 
 
-@pytest.mark.parametrize("series,k", [("o_proj", 0), ("o_proj,down_proj", 1), ("layer", 2)])
-def test_compiled_ring_is_hazard_free_with_nothing_allocated(world2, qwen3, series, k):
+MEMORY_PRESERVING = ("reorder_communication_preserving_peak_memory", "sink_waits_iterative", "raise_comms")
+
+
+@pytest.mark.parametrize(
+    "series,k,passes",
+    [("o_proj", 0, ()), ("o_proj,down_proj", 1, ()), ("layer", 2, ()), ("o_proj", 1, MEMORY_PRESERVING)],
+    ids=["o_proj-k0", "o_proj,down_proj-k1", "layer-k2", "o_proj-k1-inductor-comm-passes"],
+)
+def test_compiled_ring_is_hazard_free_with_nothing_allocated(world2, qwen3, series, k, passes):
     """The compiled step writes every layer into a ring slot it is given (a graph input), in place: after inductor's
     reinplace pass, one write per layer straight into a graph input, no functional broadcast or
     ``auto_functionalized`` left (either would allocate a buffer in the graph), no copy back into a slot; the
     hazard check holds over the functionalized graph's partial order and over inductor's final order (after its
-    own passes, reorder_for_peak_memory among them)."""
-    for rank, (fx, ind, facts) in enumerate(world2.run(ring_hazards, qwen3[0], {"dp": 2, "tp": 1}, series, k)):
+    own passes: reorder_for_peak_memory, on by default, and in one case its comm passes too)."""
+    args = (qwen3[0], {"dp": 2, "tp": 1}, series, k, "inline", False, passes)
+    for rank, (fx, ind, facts) in enumerate(world2.run(ring_hazards, *args)):
         assert fx == [] and ind == [], (rank, fx, ind)
         assert facts["writes"] == LAYERS and facts["functional"] == 0 and facts["copies_into_slots"] == [], facts
         assert facts["into_inputs"] and len(facts["written"]) == k + 1, facts

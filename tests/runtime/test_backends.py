@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from functional_npu.parallel.streams import INLINE
+from functional_npu.parallel.streams import COPY_BACK, INLINE
 from functional_npu.runtime.backends import BACKENDS, resolve_backend
 
 
@@ -55,8 +55,10 @@ def test_ordering_hints_add_nothing_off_torchair():
     import torch
 
     for name in BACKENDS:
-        if name not in ("torchair",):
+        if name not in ("torchair", "aot_eager"):
             assert resolve_backend(name).streams is INLINE
+    # aot_eager copies mutated inputs back after the graph: the ring's hand-over is waited first
+    assert resolve_backend("aot_eager").streams is COPY_BACK
     x, y = torch.ones(2), torch.zeros(2)
     with INLINE.side("prefetch"):
         z = x + 1

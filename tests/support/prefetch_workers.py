@@ -72,13 +72,14 @@ def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, ba
 
 
 def ring_hazards(
-    ctx, model_dir: str, axes: dict, series: str, k: int, streams: str = "inline", copy_back: bool = False
+    ctx, model_dir: str, axes: dict, series: str, k: int, streams: str = "inline", copy_back: bool = False, passes=()
 ):
     """One decode step of a layer-sharded model at prefetch step ``k``: the hazard check over the functionalized FX
     graph's partial order (what every compiler reorders within; ``copy_back``: its epilogue's copies into the slots
     count as reads) and over inductor's generated order, and what inductor's post-grad graph does with the ring's
     slots. ``streams``: the hints the FX graph is traced with, "inline" (inductor's), "copy-back" (aot_eager's) or
-    "unordered" (the control; then only the FX check runs). Returns (fx violations, inductor violations, facts)."""
+    "unordered" (the control; then only the FX check runs). ``passes``: inductor's own comm reordering passes to turn
+    on as well. Returns (fx violations, inductor violations, facts)."""
     import functools
 
     from torch._dynamo.backends.common import aot_autograd
@@ -123,7 +124,10 @@ def ring_hazards(
     def after_post_grad(graph: torch.fx.Graph) -> None:  # inductor's graph after its reinplace pass
         post.append(graph)
 
-    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=after_post_grad):
+    options = {"post_grad_custom_post_pass": after_post_grad}
+    if passes:
+        options |= {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": list(passes)}
+    with torch.no_grad(), torch._inductor.config.patch(options):
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
     prefetch.drain(state.prefetched)
     nodes = list(post[0].nodes)
