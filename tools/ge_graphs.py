@@ -35,7 +35,7 @@ from typing import Any
 from functional_npu.npu import ge_graph
 from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
 
-from .aten_graphs import CASES, LAYER_SHARD_SERIES, case_inputs, case_mesh
+from .aten_graphs import CASES, case_inputs, case_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,6 @@ def convert(fn: Any, args: tuple[Any, ...], *, ordered: bool = True) -> Any:
     import torchair  # type: ignore[import-not-found]
 
     from functional_npu.npu import host
-
     from functional_npu.runtime.ge_converters import configure
 
     config = configure(torchair.CompilerConfig(), ordered=ordered)  # the ring in place, as the backend has it

@@ -212,7 +212,10 @@ def max_live(starts: Sequence[int], uses: Sequence[int], below: Mapping[int, int
     return len(best), best
 
 
-_RING_WRITES = {"HcomBroadcast": 0, "ViewCopy": 0}  # GE ops that write their input (index) in place, as the ring uses them
+_RING_WRITES = {
+    "HcomBroadcast": 0,
+    "ViewCopy": 0,
+}  # GE ops that write their input (index) in place, as the ring uses them
 _INPUTS = ("RefData", "Data")
 
 
@@ -232,7 +235,9 @@ def _topological(ops: Sequence[Op]) -> list[int]:
                 continue
             seen[i] = True
             stack.append((i, True))
-            stack.extend((index[s], False) for s in reversed(ops[i]["inputs"] + ops[i]["controls"]) if not seen[index[s]])
+            stack.extend(
+                (index[s], False) for s in reversed(ops[i]["inputs"] + ops[i]["controls"]) if not seen[index[s]]
+            )
     return done
 
 
@@ -349,7 +354,9 @@ def ring_check(
         problems.append(f"expected {expected} broadcasts, found {len(ring['broadcasts']) + len(program.allocs)}")
     for row in ring["broadcasts"]:
         if row["stream"] != stream:
-            problems.append(f"{row['broadcast']} (layer {row['layer']}) runs on stream {row['stream']!r}, not {stream!r}")
+            problems.append(
+                f"{row['broadcast']} (layer {row['layer']}) runs on stream {row['stream']!r}, not {stream!r}"
+            )
         if row["root"] != (row["layer"] % num_layers) % axis_size:
             problems.append(f"{row['broadcast']} (layer {row['layer']}) broadcasts from {row['root']}")
     return {

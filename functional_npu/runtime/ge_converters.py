@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torchair import register_fx_node_ge_converter  # type: ignore[import-not-found]
 from torchair._ge_concrete_graph import ge_apis as ge  # type: ignore[import-not-found]
-from torchair.ge import DataType  # type: ignore[import-not-found]
 from torchair._ge_concrete_graph.hcom_utils import get_group_name_and_record  # type: ignore[import-not-found]
+from torchair.ge import DataType  # type: ignore[import-not-found]
 from torchair.ge._ge_graph import _ge_dtype_to_ge_proto_dtype, torch_type_to_ge_type  # type: ignore[import-not-found]
 
 from ..core import collectives  # noqa: F401 - defines functional_npu::broadcast_into
@@ -44,9 +44,7 @@ from ..models import ascend_ops  # noqa: F401 - defines the ops converted here
 __all__ = ["reinplace_ring", "configure", "RING_WRITE"]
 
 _LIB = torch.library.Library("functional_npu", "FRAGMENT")
-_LIB.define(
-    "ring_write(Tensor slot, Tensor[] parts, Tensor? after, int src, str group_name, int size) -> Tensor"
-)
+_LIB.define("ring_write(Tensor slot, Tensor[] parts, Tensor? after, int src, str group_name, int size) -> Tensor")
 RING_WRITE = "functional_npu.ring_write.default"  # the op as FX graphs name it
 
 
@@ -79,7 +77,9 @@ def reinplace_ring(gm: torch.fx.GraphModule, *_: Any, ordered: bool = True, **__
         kw = dict(node.kwargs)
         bases, index = kw.pop("_all_bases"), kw.pop("_slot_base_index", None)
         if index is None or set(kw) != {"parts", "after", "src", "group_name", "size"}:
-            raise NotImplementedError(f"ring_write: {node.name} writes a view of its slot ({sorted(kw)}): not supported")
+            raise NotImplementedError(
+                f"ring_write: {node.name} writes a view of its slot ({sorted(kw)}): not supported"
+            )
         slot = bases[index]
         with graph.inserting_before(node):
             new = graph.call_function(
@@ -166,6 +166,7 @@ def _ring_write(
             n *= d
         flat = ge.Reshape(part, ge.Const([n], dtype=DataType.DT_INT64))
         one = ge.Const([1], dtype=DataType.DT_INT64)
+        meta = slot.meta
         slot = ge.ViewCopy(
             slot,
             ge.Const([n], dtype=DataType.DT_INT64),
@@ -177,6 +178,7 @@ def _ring_write(
             ge.Const(0, dtype=DataType.DT_INT64),
             dependencies=deps,
         )
+        slot.set_meta(meta)  # the slot, written: its shape and dtype stay
         offset += n
     if size <= 1:
         return slot if parts else ge.Identity(slot, dependencies=deps)
