@@ -289,7 +289,11 @@ def _capture(case: Case, ctx: RankContext) -> torch.fx.GraphModule:
 
 
 def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[str, Any]:
-    census = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    census = Counter(  # a functionalized in-place op counts as itself (what the converters see)
+        str(n.args[0]) if str(n.target) == "auto_functionalized_v2" else str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    )
     schedule = []
     for n in gm.graph.nodes:
         target = str(n.target)
