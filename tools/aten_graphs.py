@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from functional_npu.core.collectives import BROADCAST_INTO
 from functional_npu.core.mesh import Mesh
 from functional_npu.core.quant import Quant, quantize
 from functional_npu.core.shard import shard
@@ -288,10 +289,28 @@ def _capture(case: Case, ctx: RankContext) -> torch.fx.GraphModule:
 
 
 def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[str, Any]:
-    census = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    census = Counter(  # a functionalized in-place op counts as itself (what the converters see)
+        str(n.args[0]) if str(n.target) == "auto_functionalized_v2" else str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    )
     schedule = []
     for n in gm.graph.nodes:
         target = str(n.target)
+        if n.op == "call_function" and target == "auto_functionalized_v2" and str(n.args[0]) == BROADCAST_INTO:
+            kw = n.kwargs  # a prefetch ring's in-place broadcast: its slot, group and source
+            if kw["size"] > 1:
+                val = kw["_all_bases"][kw["_slot_base_index"]].meta["val"]
+                group = kw["group_name"]
+                schedule.append(
+                    {
+                        "op": BROADCAST_INTO,
+                        "axis": axis_of_group.get(group, group),
+                        "bytes": val.numel() * val.element_size(),
+                        "src": kw["src"],
+                    }
+                )
+            continue
         if n.op == "call_function" and target.startswith("_c10d_functional.") and "wait_tensor" not in target:
             group = next(a for a in reversed(n.args) if isinstance(a, str))
             val = n.args[0].meta["val"]

@@ -10,8 +10,9 @@ fake process group. Conversion ends where torchair hands the serialized graph to
 - ``ge_graph.pbtxt.gz``: the GE graph in protobuf text format (sorted map keys), gzipped;
 - ``ge_census.json``: GE op type -> count;
 - ``ge_hcom.json``: the ordered Hcom ops with their group's ranks and mesh axis, bytes, root, stream;
-- ``ge_prefetch.json`` (layer-sharded cases): :func:`functional_npu.npu.ge_graph.prefetch_order`'s
-  findings over the graph's partial order.
+- ``ge_prefetch.json`` (layer-sharded cases): :func:`functional_npu.npu.ge_graph.ring_check`'s findings: the
+  prefetch ring's hazard check over the graph's partial order, its slots and bytes, and the prefetch bytes
+  allocated inside the graph (0).
 
 The conversion runs in a subprocess (``python -m tools.ge_graphs SOURCES OUT``) that
 never imports ``torch_npu``; :func:`ge_artifacts` starts it and turns its output into artifacts and
@@ -34,11 +35,11 @@ from typing import Any
 from functional_npu.npu import ge_graph
 from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
 
-from .aten_graphs import CASES, LAYER_SHARD_SERIES, case_inputs, case_mesh
+from .aten_graphs import CASES, case_inputs, case_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ge_artifacts", "case_artifacts", "compare_schedules", "convert", "CONTROL", "FIXES"]
+__all__ = ["ge_artifacts", "case_artifacts", "compare_schedules", "convert", "stable_names", "CONTROL", "FIXES"]
 
 CONTROL = "qwen3-dp2-layer_shard-k1-decode"  # also converted without hints: the check must fail there
 FIXES = (
@@ -48,15 +49,18 @@ FIXES = (
 
 
 # ---- in the conversion subprocess ---------------------------------------------------------------
-def convert(fn: Any, args: tuple[Any, ...]) -> Any:
-    """Compile ``fn(*args)`` with torchair's backend (GE graph mode) and return the GE GraphDef it
-    hands to GE. Run only in a process set up by :func:`functional_npu.npu.host.install`."""
+def convert(fn: Any, args: tuple[Any, ...], *, ordered: bool = True) -> Any:
+    """Compile ``fn(*args)`` with torchair's backend (GE graph mode), configured as the torchair backend is
+    (:func:`functional_npu.runtime.ge_converters.configure`; ``ordered=False``: the ring's writes lose their
+    ``after``), and return the GE GraphDef it hands to GE. Run only in a process set up by
+    :func:`functional_npu.npu.host.install`."""
     import torch
     import torchair  # type: ignore[import-not-found]
 
     from functional_npu.npu import host
+    from functional_npu.runtime.ge_converters import configure
 
-    config = torchair.CompilerConfig()
+    config = configure(torchair.CompilerConfig(), ordered=ordered)  # the ring in place, as the backend has it
     config.mode = "max-autotune"
     torch._dynamo.reset()
     compiled = torch.compile(
@@ -75,17 +79,34 @@ def convert(fn: Any, args: tuple[Any, ...]) -> Any:
 
     model = ModelDef()
     model.ParseFromString(graphs[0][1])
-    return model.graph[0]
+    return stable_names(model.graph[0])
+
+
+def stable_names(graph: Any) -> Any:
+    """``graph`` with each ``RefData`` named after the FX input it replaced (``RefData_arg7_1``): torchair names it
+    by shape and the input tensor's ``id()``, which differs from run to run."""
+    renamed = {}
+    for op in graph.op:
+        if op.type == "RefData" and "_origin_data_name" in op.attr:
+            renamed[op.name] = "RefData_" + op.attr["_origin_data_name"].s.decode()
+            op.name = renamed[op.name]
+    for op in graph.op:
+        for i, src in enumerate(op.input):
+            name, sep, index = src.rpartition(":")
+            if sep and name in renamed:
+                op.input[i] = f"{renamed[name]}:{index}"
+    return graph
 
 
 def _convert(case: Any, streams: Any, ctx: Any) -> Any:
     from functional_npu.models import forward
+    from functional_npu.parallel.streams import INLINE
 
     mesh = case_mesh(case, ctx)
     if not mesh.is_abstract:
         mesh.init_groups()
     args = case_inputs(case, mesh, device="meta")
-    return convert(functools.partial(forward, attention="math", streams=streams), args)
+    return convert(functools.partial(forward, attention="math", streams=streams), args, ordered=streams is not INLINE)
 
 
 def _error(e: BaseException) -> dict[str, str]:
@@ -183,9 +204,7 @@ def compare_schedules(aten: list[dict[str, Any]], hcom: list[dict[str, Any]]) ->
 
 def _prefetch_order(case: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
     # one coalesced broadcast per layer carries every layer-sharded leaf (they share a dtype)
-    return ge_graph.prefetch_order(
-        ops, k=case.k, num_layers=case.config.num_layers, series=[LAYER_SHARD_SERIES], axis_size=case.axes["dp"]
-    )
+    return ge_graph.ring_check(ops, k=case.k, num_layers=case.config.num_layers, series=1, axis_size=case.axes["dp"])
 
 
 def case_artifacts(

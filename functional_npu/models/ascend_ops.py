@@ -29,7 +29,11 @@ from ..core.quant import pack_int32, unpack_int32
 __all__ = ["quant_matmul", "weight_quant_matmul", "pack_int4", "unpack_int4", "CONVERTED"]
 
 # the ops :mod:`functional_npu.runtime.ge_converters` gives GE converters, as FX graphs name them
-CONVERTED = ("functional_npu.quant_matmul.default", "functional_npu.weight_quant_matmul.default")
+CONVERTED = (
+    "functional_npu.quant_matmul.default",
+    "functional_npu.weight_quant_matmul.default",
+    "functional_npu.broadcast_into.default",  # through ge_converters.reinplace_ring, as functional_npu.ring_write
+)
 
 _TWOS = -0x77777778  # 0x88888888 as int32: compressed-tensors' nibble ``q + 8`` xor 8 is ``q``'s two's complement
 

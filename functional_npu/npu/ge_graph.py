@@ -6,18 +6,15 @@ else here works on those records, so it needs neither torchair nor protobuf:
 - :func:`census`: GE op type -> count;
 - :func:`hcom_schedule`: the ordered Hcom ops (``HcomAllReduce``, ``HcomBroadcast``, ...) with their
   group's ranks and mesh axis, bytes, root and stream;
-- :func:`prefetch_order`: whether the graph's **partial order** (data and control edges; GE may run
-  any order they allow) keeps the layer-shard prefetch bounds: every broadcast on the prefetch stream,
-  the issue of layer ``j`` waiting for the uses of layer ``j - k - 1`` and for nothing later, and at
-  most ``k + 1`` buffers per series live in *any* order.
+- :func:`ring_program` / :func:`ring_check`: the prefetch ring (graph inputs written in place by
+  ``HcomBroadcast``, and by the owner's ``ViewCopy`` of its parts) as a
+  :class:`functional_npu.parallel.hazard.Program` over the graph's **partial order** (data and control
+  edges; GE may run any order they allow), checked for write after read, read before write, write
+  after write, overlap, the slot bound and any prefetch buffer allocated inside the graph;
+- :func:`max_live`: the most buffers live at once over every order a partial order allows.
 
-A prefetch buffer is the output of an ``HcomBroadcast``, or a graph input carried from the previous
-step that reaches a ``_c10d_functional.wait_tensor`` (a collective still in flight when the previous
-step handed it over; the next step's broadcasts leave this graph unwaited the same way). Its uses
-are the first non-view ops its value reaches (a matmul), or the graph output (the next step's).
-Buffer ``i`` is dead before buffer ``j`` starts only if every use of ``i`` is an ancestor of
-``j``'s start; a set of buffers can be live together in some order exactly when that holds for no
-pair taken from the set's down-set of starts (see :func:`max_live`).
+Allocation is counted from the op that creates the memory: a broadcast whose buffer is not a graph
+input (a ``Fill``, a ``ConcatV2``) allocates inside the graph, whatever edges gate the broadcast.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["records", "census", "hcom_schedule", "HCOM_OF", "ancestors", "max_live", "prefetch_order"]
+__all__ = ["records", "census", "hcom_schedule", "HCOM_OF", "ancestors", "max_live", "ring_program", "ring_check"]
 
 Op = dict[str, Any]
 
@@ -39,6 +36,7 @@ HCOM_OF = {  # aten functional collective -> the GE op torchair converts it to
     "reduce_scatter_tensor": "HcomReduceScatter",
     "all_to_all_single": "HcomAllToAllV",
     "broadcast": "HcomBroadcast",
+    "broadcast_into": "HcomBroadcast",  # functional_npu's in-place broadcast into a prefetch ring slot
 }
 _ITEMSIZE = {"DT_FLOAT": 4, "DT_FLOAT16": 2, "DT_BF16": 2, "DT_INT64": 8, "DT_INT32": 4, "DT_INT8": 1, "DT_BOOL": 1}
 # ops a buffer's value passes through to its uses; the splits that unpack a coalesced buffer count too, so
@@ -214,116 +212,161 @@ def max_live(starts: Sequence[int], uses: Sequence[int], below: Mapping[int, int
     return len(best), best
 
 
-def _buffers(ops: Sequence[Op]) -> list[dict[str, Any]]:
-    """Prefetch buffers in graph order: ``{"start": position, "source": name, "broadcast": bool,
-    "uses": [positions]}`` (see the module docstring)."""
+_RING_WRITES = {
+    "HcomBroadcast": 0,
+    "ViewCopy": 0,
+}  # GE ops that write their input (index) in place, as the ring uses them
+_INPUTS = ("RefData", "Data")
+
+
+def _topological(ops: Sequence[Op]) -> list[int]:
+    """Graph positions in a topological order of the data and control edges (graph order where it is one)."""
     index = {op["name"]: i for i, op in enumerate(ops)}
-    consumers: list[list[int]] = [[] for _ in ops]
-    for i, op in enumerate(ops):
-        for src in op["inputs"]:
-            consumers[index[src]].append(i)
-
-    def uses(i: int) -> list[int]:
-        found, todo, seen = [], list(consumers[i]), set()
-        while todo:
-            c = todo.pop()
-            if c in seen:
+    done: list[int] = []
+    seen = [False] * len(ops)
+    for root in range(len(ops)):
+        stack = [(root, False)]
+        while stack:
+            i, expanded = stack.pop()
+            if expanded:
+                done.append(i)
                 continue
-            seen.add(c)
-            if ops[c]["type"] in _VIEWS:
-                todo.extend(consumers[c])
-            else:
-                found.append(c)
-        return sorted(found)
-
-    out = []
-    for i, op in enumerate(ops):
-        waited = any(_WAIT in d["fx"] for c in consumers[i] for d in ops[c]["out"] if ops[c]["type"] == "Identity")
-        if op["type"] == "HcomBroadcast" or (waited and op["type"] == "Data"):
-            out.append({"start": i, "source": op["name"], "broadcast": op["type"] == "HcomBroadcast", "uses": uses(i)})
-    return out
+            if seen[i]:
+                continue
+            seen[i] = True
+            stack.append((i, True))
+            stack.extend(
+                (index[s], False) for s in reversed(ops[i]["inputs"] + ops[i]["controls"]) if not seen[index[s]]
+            )
+    return done
 
 
-def prefetch_order(
-    ops: Sequence[Op], *, k: int, num_layers: int, series: Sequence[str], axis_size: int, stream: str = "prefetch"
-) -> dict[str, Any]:
-    """Check a layer-sharded graph's prefetch over its partial order; returns the findings and ``ok``.
+def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, dict[str, Any]]:
+    """The prefetch ring's accesses in a GE graph, as a :class:`functional_npu.parallel.hazard.Program` over the graph's
+    partial order (data and control edges), and what the ring is made of.
 
-    The carried inputs are layers ``0 .. k-1``; the broadcasts, in program order, layers ``k ..
-    L + k - 1`` (the last ``k`` are the next step's, handed out), each ``len(series)`` in a row
-    (``series`` names what one layer's broadcasts carry: one entry per coalesced buffer).
-    Checked: the number of buffers; each broadcast's stream and root (``layer % axis_size``); the
-    latest layer whose uses every broadcast must wait for (expected ``layer - k - 1``, ``None`` for
-    none); and the most buffers live at once, per series and in all (expected ``k + 1`` and
-    ``len(series) * (k + 1)``).
+    - a **slot** is a graph input (``RefData``; ``Data`` where torchair was not told it is written) whose value
+      reaches an ``HcomBroadcast``'s buffer through in-place writes (``ViewCopy``'s ``dst``, ``HcomBroadcast``'s
+      input; the op's output is the slot's next value);
+    - **writes**: every ``HcomBroadcast`` on a slot, and the owner's ``ViewCopy`` of its parts into the slot, with
+      the virtual layer in issue order: broadcast ``j`` (graph order) fetches layer ``k + j // series`` (the
+      slots' carried contents are layers ``0 .. k - 1``);
+    - **waits**: an ``HcomBroadcast`` completes on its stream; an op with a data edge from its output (torchair's
+      ``Identity`` for ``wait_tensor``) starts only after it, GE synchronizing the two streams, so each direct
+      consumer of a slot's value written by a broadcast (other than the next write) is a wait on that slot;
+    - **reads**: the first non-view ops a slot's value reaches (through ``Identity``, ``Reshape``, ``SplitV``, ...),
+      other than writes into it and ``NetOutput`` (the next step's);
+    - **allocs**: where an ``HcomBroadcast``'s buffer comes from an op of this graph (``Fill``, ``ConcatV2``, ...)
+      and not from a graph input: that op, with the broadcast's bytes.
+
+    Returns ``(program, ring)``, ``ring = {"slots": {slot: bytes}, "broadcasts": [{"broadcast", "layer", "slot",
+    "root", "stream"}]}``.
     """
-    n = len(series)
-    below = {i: a for i, a in enumerate(ancestors(ops).values())}
-    found = _buffers(ops)
-    carried = [b for b in found if not b["broadcast"]]
-    issued = [b for b in found if b["broadcast"]]
-    problems = []
-    if len(carried) != n * k or len(issued) != n * num_layers:
-        problems.append(
-            f"expected {n * k} carried buffers and {n * num_layers} broadcasts, found {len(carried)} and {len(issued)}"
-        )
-        return {"ok": False, "problems": problems}
-    # carried buffers in order of their first use: layers 0 .. k-1, series order within a layer
-    carried.sort(key=lambda b: min(b["uses"]) if b["uses"] else len(ops))
-    buffers = carried + issued
-    layer_of = [j // n for j in range(len(buffers))]
-    uses_of_layer: dict[int, int] = {}
-    for b, layer in zip(buffers, layer_of):
-        for u in b["uses"]:
-            uses_of_layer[layer] = uses_of_layer.get(layer, 0) | (1 << u)
+    from ..parallel.hazard import Program
+
+    index = {op["name"]: i for i, op in enumerate(ops)}
+    consumers: dict[str, list[str]] = {op["name"]: [] for op in ops}
+    for op in ops:
+        for src in op["inputs"]:
+            consumers[src].append(op["name"])
+
+    def origin(name: str) -> tuple[str, list[str]]:
+        """Walk a buffer back through in-place writes and views to where its memory comes from."""
+        chain = []
+        while True:
+            op = ops[index[name]]
+            if op["type"] in _RING_WRITES:
+                chain.append(name)
+                name = op["inputs"][_RING_WRITES[op["type"]]]
+            elif op["type"] == "Identity" and op["inputs"]:
+                name = op["inputs"][0]
+            else:
+                return name, chain
+
+    slot_of: dict[str, str] = {}  # op whose output is a value of a slot -> the slot
+    slots: dict[str, int] = {}
+    allocs: dict[str, int] = {}
+    writes: dict[str, tuple[str, int]] = {}
     rows = []
-    for j in range(n * k, len(buffers)):
-        b, layer = buffers[j], layer_of[j]
-        op = ops[b["start"]]
-        must = below[b["start"]]
-        waits = [m for m in range(num_layers) if uses_of_layer.get(m, 0) & must]
-        after = max(waits) if waits else None
-        expected = layer - k - 1 if layer - k - 1 >= 0 else None
-        complete = after is None or uses_of_layer[after] & must == uses_of_layer[after]
+    broadcasts = [op for op in (ops[i] for i in _topological(ops)) if op["type"] == "HcomBroadcast"]
+    for j, op in enumerate(broadcasts):
+        layer = k + j // max(1, series)
+        source, chain = origin(op["inputs"][0])
+        size = _bytes(op["out"][0]) if op["out"] else 0
+        if ops[index[source]]["type"] not in _INPUTS:
+            allocs[source] = max(allocs.get(source, 0), size)
+            continue
+        slots[source] = max(slots.get(source, 0), _bytes(ops[index[source]]["out"][0]), size)
+        slot_of[source] = source
+        for w in [op["name"], *chain]:
+            slot_of[w] = source
+            if ops[index[w]]["type"] in _RING_WRITES and w not in writes:
+                writes[w] = (source, layer)
         rows.append(
             {
                 "broadcast": op["name"],
                 "layer": layer,
-                "leaf": series[j % n],
+                "slot": source,
                 "root": op["attrs"].get("root_rank"),
                 "stream": op["stream"],
-                "waits_for_layer": after,
             }
         )
-        if op["stream"] != stream:
-            problems.append(f"{op['name']} (layer {layer}) runs on stream {op['stream']!r}, not {stream!r}")
-        if op["attrs"].get("root_rank") != (layer % num_layers) % axis_size:
-            problems.append(f"{op['name']} (layer {layer}) broadcasts from {op['attrs'].get('root_rank')}")
-        if after != expected or not complete:
+    waits: dict[str, str] = {}
+    reads: dict[str, str] = {}
+    for value, slot in slot_of.items():
+        for c in consumers[value]:
+            if c in writes or ops[index[c]]["type"] == "NetOutput":
+                continue
+            if ops[index[value]]["type"] == "HcomBroadcast":
+                waits.setdefault(c, slot)
+            todo, seen = [c], set()
+            while todo:
+                x = todo.pop()
+                if x in seen:
+                    continue
+                seen.add(x)
+                if ops[index[x]]["type"] in _VIEWS:
+                    todo.extend(consumers[x])
+                elif x not in writes and ops[index[x]]["type"] != "NetOutput":
+                    reads[x] = slot
+    order = [ops[i]["name"] for i in _topological(ops)]
+    after = {op["name"]: op["inputs"] + op["controls"] for op in ops}
+    program = Program(order, after, writes, waits, reads, allocs)
+    return program, {"slots": slots, "broadcasts": rows}
+
+
+def ring_check(
+    ops: Sequence[Op], *, k: int, num_layers: int, series: int = 1, axis_size: int, stream: str = "prefetch"
+) -> dict[str, Any]:
+    """Check a layer-sharded GE graph's prefetch ring with :func:`functional_npu.parallel.hazard.check` over its
+    partial order (:func:`ring_program`), and each broadcast's stream and root (``layer % axis_size``).
+
+    Returns ``{"ok", "problems", "violations", "k", "ring_slots", "ring_bytes", "allocated_prefetch_bytes",
+    "broadcasts": [...]}``; ``problems`` are the violations and the stream and root mismatches.
+    """
+    from ..parallel.hazard import check
+
+    program, ring = ring_program(ops, k=k, series=series)
+    violations = check(program, k, series * (k + 1))
+    problems = list(violations)
+    expected = series * num_layers
+    if len(ring["broadcasts"]) + len(program.allocs) != expected:
+        problems.append(f"expected {expected} broadcasts, found {len(ring['broadcasts']) + len(program.allocs)}")
+    for row in ring["broadcasts"]:
+        if row["stream"] != stream:
             problems.append(
-                f"{op['name']} (layer {layer}) must wait for the uses of layer {after}, expected {expected}"
-                + ("" if complete else " (only some of them)")
+                f"{row['broadcast']} (layer {row['layer']}) runs on stream {row['stream']!r}, not {stream!r}"
             )
-    starts = [b["start"] for b in buffers]
-    all_uses = [sum(1 << u for u in b["uses"]) for b in buffers]
-    per_series = []
-    for s in range(n):
-        picked = [j for j in range(len(buffers)) if j % n == s]
-        live, _ = max_live([starts[j] for j in picked], [all_uses[j] for j in picked], below)
-        per_series.append(live)
-    total, witness = max_live(starts, all_uses, below)
-    if max(per_series) > k + 1 or total > n * (k + 1):
-        problems.append(
-            f"up to {max(per_series)} buffers of one series ({total} in all) can be live at once, "
-            f"bound {k + 1} ({n * (k + 1)})"
-        )
+        if row["root"] != (row["layer"] % num_layers) % axis_size:
+            problems.append(f"{row['broadcast']} (layer {row['layer']}) broadcasts from {row['root']}")
     return {
         "ok": not problems,
         "problems": problems,
+        "violations": violations,
         "k": k,
-        "max_live_per_series": per_series,
-        "max_live": total,
-        "max_live_witness": [ops[starts[j]]["name"] for j in witness],
-        "bound_per_series": k + 1,
-        "broadcasts": rows,
+        "ring_slots": len(ring["slots"]),
+        "ring_bytes": sum(ring["slots"].values()),
+        "allocated_prefetch_bytes": sum(program.allocs.values()),
+        "broadcasts_count": len(ring["broadcasts"]) + len(program.allocs),
+        "broadcasts": ring["broadcasts"],
     }

@@ -100,7 +100,8 @@ def _torchair(mode: str | None) -> Any:
 
     from . import ge_converters  # noqa: F401 - registers the GE converters of this library's ops
 
-    config = torchair.CompilerConfig()
+    # the prefetch ring's slots are inputs the graph writes in place: RefData, no copy (see ge_converters.configure)
+    config = ge_converters.configure(torchair.CompilerConfig())
     config.mode = mode or "max-autotune"
     return torchair.get_npu_backend(compiler_config=config)
 

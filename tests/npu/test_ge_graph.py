@@ -1,5 +1,6 @@
-"""Reading GE graphs: the partial-order checks against brute force over every order, and the prefetch
-check on graphs built the way torchair converts the layer-sharded decoder (with and without hints)."""
+"""Reading GE graphs: the partial-order checks against brute force over every order, and the prefetch ring's
+hazard check on graphs built the way torchair converts the layer-sharded decoder's ring (with and without
+``after``, with an allocated buffer, with a ring too small or indexed wrongly)."""
 
 import itertools
 
@@ -7,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_npu.npu.ge_graph import ancestors, census, group_ranks, hcom_schedule, max_live, prefetch_order
+from functional_npu.npu.ge_graph import (
+    ancestors,
+    census,
+    group_ranks,
+    hcom_schedule,
+    max_live,
+    ring_check,
+    ring_program,
+)
 
 WAIT = "wait_tensor_0-_c10d_functional.wait_tensor.default.OUTPUT.0"
 
@@ -82,104 +91,117 @@ def test_ancestors_reject_cycles_and_unknown_inputs():
     assert ancestors([op("a", "Op"), op("b", "Op", [], ["a"]), op("c", "Op", ["b"])]) == {"a": 0, "b": 1, "c": 3}
 
 
-# ---- the prefetch check on torchair-shaped graphs ----------------------------------------------------
-def layer_sharded(layers, k, *, hints=True, late=0, stream="prefetch", n=2, dp=2):
-    """One decode step as torchair converts it: carried buffers for layers 0..k-1, then per layer i the
-    broadcasts of layer i + k (Fill -> Identity(^x_i) -> HcomBroadcast -> wait Identity) and the layer's
-    matmuls on its n series weights; the last k layers' buffers go to the output. ``late`` makes each
-    broadcast wait ``late`` layers more (fewer, if negative) than it should; ``hints=False`` drops the
-    stream and the edges."""
+# ---- the prefetch ring's hazard check on torchair-shaped graphs --------------------------------------
+def ring_graph(layers, k, *, slots=None, after=True, stream="prefetch", alloc=False, slot=None, dp=2):
+    """One decode step as torchair converts the ring (``ge_converters``): ``slots`` RefData inputs (default
+    ``k + 1``), layers 0 .. k-1 carried in slot ``v % slots``; per layer i the write of layer v = i + k into
+    ``slot(v)`` (default ``v % slots``): on its owner (v % dp == 0) ViewCopy into the slot, then HcomBroadcast of
+    it, each with a control edge on x_i (``after=False``: none), then layer i's read (Identity wait -> SplitV ->
+    MatMul) of the value layer i was written as. ``alloc``: the broadcast's buffer is a Fill (the old design)."""
+    slots = k + 1 if slots is None else slots
+    slot = slot or (lambda v: v % slots)
     ops = [op("tokens", "Data"), op("x0", "Add", ["tokens"])]
-    weight = {}
-    for j in range(k):
-        for s in range(n):
-            ops += [op(f"carry{j}_{s}", "Data"), op(f"cw{j}_{s}", "Identity", [f"carry{j}_{s}"], out_fx=WAIT)]
-            weight[j, s] = f"cw{j}_{s}"
-    xs = ["x0"]
+    value = {s: f"ring{s}" for s in range(slots)}
+    ops += [op(f"ring{s}", "RefData", shape=(48,)) for s in range(slots)]
+    layer_value = {v: value[slot(v)] for v in range(k)}
     for i in range(layers):
-        j = i + k
-        for s in range(n):
-            after = f"x{min(layers, max(0, i + late))}"
-            ops += [
-                op(f"empty{j}_{s}", "Fill", stream=stream if hints else None),
-                op(f"edge{j}_{s}", "Identity", [f"empty{j}_{s}"], [after] if hints else [], stream if hints else None),
-                op(
-                    f"bcast{j}_{s}",
-                    "HcomBroadcast",
-                    [f"edge{j}_{s}"],
-                    stream=stream if hints else None,
-                    attrs={"group": "tag=ptd:0;rank_list=0,1", "root_rank": j % layers % dp},
-                ),
-                op(f"w{j}_{s}", "Identity", [f"bcast{j}_{s}"], out_fx=WAIT),
-            ]
-            weight[j, s] = f"w{j}_{s}"
-        mms = [f"mm{i}_{s}" for s in range(n)]
-        ops += [op(mms[s], "MatMul", [xs[-1], weight[i, s]]) for s in range(n)]
-        ops.append(op(f"x{i + 1}", "Add", [xs[-1], *mms]))
-        xs.append(f"x{i + 1}")
-    ops.append(op("out", "NetOutput", [xs[-1]] + [weight[j, s] for j in range(layers, layers + k) for s in range(n)]))
+        v, s = i + k, slot(i + k)
+        ctl = [f"x{i}"] if after else []
+        st = stream if after else None
+        if alloc:
+            ops += [op(f"fill{v}", "Fill", shape=(48,)), op(f"edge{v}", "Identity", [f"fill{v}"], ctl, st)]
+            buf = f"edge{v}"
+        else:
+            buf = value[s]
+            if v % dp == 0:
+                ops.append(op(f"copy{v}", "ViewCopy", [buf], ctl, st, shape=(48,)))
+                buf = f"copy{v}"
+        ops.append(
+            op(
+                f"bcast{v}",
+                "HcomBroadcast",
+                [buf],
+                ctl,
+                st,
+                attrs={"group": "tag=ptd:0;rank_list=0,1", "root_rank": v % layers % dp},
+                out_fx=WAIT,
+                shape=(48,),
+            )
+        )
+        if not alloc:
+            value[s] = f"bcast{v}"
+        layer_value[v] = f"bcast{v}"
+        ops += [
+            op(f"w{i}", "Identity", [layer_value[i]], out_fx=WAIT),
+            op(f"split{i}", "SplitV", [f"w{i}"]),
+            op(f"mm{i}", "MatMul", [f"x{i}", f"split{i}"]),
+            op(f"x{i + 1}", "Add", [f"x{i}", f"mm{i}"]),
+        ]
+    ops.append(op("out", "NetOutput", [f"x{layers}"] + [value[s] for s in range(slots)]))
     return ops
 
 
-@pytest.mark.parametrize("layers,k", [(2, 0), (4, 0), (4, 1), (4, 2), (6, 3)])
-def test_hinted_graphs_keep_k_plus_one_buffers(layers, k):
-    found = prefetch_order(layer_sharded(layers, k), k=k, num_layers=layers, series=["a", "b"], axis_size=2)
+@pytest.mark.parametrize("layers,k", [(2, 0), (4, 0), (4, 1), (4, 2), (6, 3), (5, 1), (7, 2)])
+def test_a_hinted_ring_passes_the_hazard_check(layers, k):
+    found = ring_check(ring_graph(layers, k), k=k, num_layers=layers, axis_size=2)
     assert found["ok"], found["problems"]
-    assert found["max_live_per_series"] == [k + 1, k + 1] and found["max_live"] == 2 * (k + 1)
-    assert [r["waits_for_layer"] for r in found["broadcasts"][::2]] == [
-        j - k - 1 if j - k - 1 >= 0 else None for j in range(k, layers + k)
-    ]
+    assert found["ring_slots"] == k + 1 and found["ring_bytes"] == (k + 1) * 48 * 4
+    assert found["allocated_prefetch_bytes"] == 0 and found["broadcasts_count"] == layers
+    assert [r["layer"] for r in found["broadcasts"]] == list(range(k, layers + k))
+    program, _ = ring_program(ring_graph(layers, k), k=k)
+    assert len(program.writes) == layers + len([v for v in range(k, layers + k) if v % 2 == 0])  # + owner's copies
 
 
-@pytest.mark.parametrize("layers,k", [(4, 1), (4, 2)])
-def test_without_hints_every_bound_is_broken(layers, k):
-    found = prefetch_order(
-        layer_sharded(layers, k, hints=False), k=k, num_layers=layers, series=["a", "b"], axis_size=2
+def test_without_after_a_write_overtakes_the_reads_of_its_slot():
+    found = ring_check(ring_graph(4, 1, after=False), k=1, num_layers=4, axis_size=2)
+    assert not found["ok"]
+    assert any(v.startswith("write after read: bcast2 writes ring0") for v in found["violations"])
+    assert any("runs on stream None" in p for p in found["problems"])
+
+
+def test_an_ungated_allocation_is_reported():
+    found = ring_check(ring_graph(4, 1, alloc=True), k=1, num_layers=4, axis_size=2)
+    assert not found["ok"] and found["allocated_prefetch_bytes"] == 4 * 48 * 4
+    assert sum(v.startswith("alloc: fill") for v in found["violations"]) == 4
+
+
+def test_a_ring_one_slot_too_small_is_a_write_after_read():
+    found = ring_check(ring_graph(4, 1, slots=1), k=1, num_layers=4, axis_size=2)
+    assert any(v.startswith("write after read: bcast1 writes ring0") for v in found["violations"])
+
+
+def test_an_unturned_ring_when_l_is_not_a_multiple_of_k_plus_1_is_a_write_after_read():
+    """L = 3, k = 1: the next step's layer 0 (v = 3) numbered 0 mod 2 without the turn lands in slot 0, which holds
+    layer 2, being read (vLLM's issue 54975: the bug class of a step not a multiple of the ring)."""
+    layers, k = 3, 1
+    wrong = ring_check(
+        ring_graph(layers, k, slot=lambda v: (v - layers if v >= layers else v) % (k + 1)),
+        k=k,
+        num_layers=layers,
+        axis_size=2,
     )
-    assert not found["ok"]
-    assert found["max_live_per_series"] == [layers + k] * 2  # every broadcast hoistable
-    assert any("stream None" in p for p in found["problems"])
-    assert any("can be live at once" in p for p in found["problems"])
-
-
-def test_a_broadcast_made_to_wait_too_long_is_named():
-    found = prefetch_order(layer_sharded(4, 2, late=1), k=2, num_layers=4, series=["a", "b"], axis_size=2)
-    assert not found["ok"]
-    assert any("bcast4_0 (layer 4) must wait for the uses of layer 2, expected 1" in p for p in found["problems"])
-    assert found["max_live_per_series"] == [2, 2]  # fewer buffers, less overlap: k = 2 in name only
-
-
-def test_a_broadcast_issued_too_early_breaks_the_memory_bound():
-    found = prefetch_order(layer_sharded(4, 1, late=-1), k=1, num_layers=4, series=["a", "b"], axis_size=2)
-    assert not found["ok"]
-    assert found["max_live_per_series"] == [3, 3]
-    assert any("can be live at once, bound 2 (4)" in p for p in found["problems"])
+    assert any(v.startswith("write after read: bcast3 writes ring0") for v in wrong["violations"])
+    assert ring_check(ring_graph(layers, k), k=k, num_layers=layers, axis_size=2)["ok"]
 
 
 def test_a_broadcast_on_the_compute_stream_or_from_the_wrong_root_is_named():
-    ops = layer_sharded(4, 1, stream="compute")
-    found = prefetch_order(ops, k=1, num_layers=4, series=["a", "b"], axis_size=2)
+    found = ring_check(ring_graph(4, 1, stream="compute"), k=1, num_layers=4, axis_size=2)
     assert any("runs on stream 'compute', not 'prefetch'" in p for p in found["problems"])
-    found = prefetch_order(layer_sharded(4, 1, dp=1), k=1, num_layers=4, series=["a", "b"], axis_size=2)
+    found = ring_check(ring_graph(4, 1, dp=1), k=1, num_layers=4, axis_size=2)
     assert any("broadcasts from 0" in p for p in found["problems"])
 
 
-def test_a_graph_with_other_buffers_than_expected_is_refused():
-    found = prefetch_order(layer_sharded(4, 1), k=2, num_layers=4, series=["a", "b"], axis_size=2)
-    assert not found["ok"] and "expected 4 carried buffers and 8 broadcasts, found 2 and 8" in found["problems"][0]
-
-
 def test_hcom_schedule_and_census():
-    ops = layer_sharded(2, 1)
+    ops = ring_graph(2, 1)
     assert group_ranks("tag=ptd:3;rank_list=0,2,4") == [0, 2, 4]
     schedule = hcom_schedule(ops, {(0, 1): "dp"})
-    assert len(schedule) == 4 and schedule[0] == {
+    assert len(schedule) == 2 and schedule[0] == {
         "op": "HcomBroadcast",
         "axis": "dp",
         "ranks": [0, 1],
-        "bytes": 64,
+        "bytes": 192,
         "root": 1,
         "stream": "prefetch",
     }
-    assert census(ops)["HcomBroadcast"] == 4
+    assert census(ops)["HcomBroadcast"] == 2
     assert list(itertools.islice(census(ops), 2)) == ["Add", "Data"]  # sorted by type

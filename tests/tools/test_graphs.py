@@ -112,41 +112,43 @@ def test_layer_sharded_schedule_prefetches_k_layers_ahead(drift, k):
         fetched = [(li + k) % layers for li in range(layers)]  # the layer issued as layer li starts
         assert [c["src"] for c in schedule] == [li % 2 for li in fetched]  # from its owner
         # one broadcast per layer: o_proj and down coalesced into one flat buffer
-        assert [c["op"] for c in schedule] == ["_c10d_functional.broadcast.default"] * layers
+        assert [c["op"] for c in schedule] == ["functional_npu.broadcast_into.default"] * layers
         assert [c["bytes"] for c in schedule] == [4 * (d * h + d * f)] * layers
         assert {c["axis"] for c in schedule} == {"dp"}
         graph = read_artifact(GRAPHS, name, "graph.txt")
-        # one wait per carried buffer (layers 0 .. k-1) and per broadcast used in this step; the last k
-        # broadcasts (the next step's) are returned unwaited, still in flight
-        assert graph.count("= torch.ops._c10d_functional.wait_tensor.default(") == (layers - k) + k
-        returned = graph.rsplit("return (", 1)[1]
-        assert returned.count("broadcast") == k and "wait_tensor" not in returned
+        # one wait per layer read in this step, on its ring slot; the last k broadcasts (the next step's) are
+        # written into the ring in place (copied into the slot inputs at the end), still in flight
+        assert graph.count("= torch.ops._c10d_functional.wait_tensor.default(") == layers
+        assert graph.count("torch.ops.higher_order.auto_functionalized_v2(") == layers
 
 
 @pytest.mark.parametrize("k", LAYER_SHARD_STEPS)
-def test_ge_graph_keeps_the_prefetch_bounds_in_every_order(report, k):
-    """Read from the GE graph's partial order: every broadcast on the prefetch stream, the broadcast of
-    layer j made to wait for the uses of layer j - k - 1 and nothing later, and no order GE may choose
-    with more than k + 1 buffers of a series live."""
+def test_ge_graph_keeps_the_ring_safe_in_every_order(report, k):
+    """Read from the GE graph's partial order: the hazard check finds nothing (no write into a slot unordered with a
+    read of the layer it held, every read after its broadcast, k + 1 slots), every broadcast on the prefetch
+    stream from its owner, and no prefetch buffer allocated inside the graph: the slots are RefData inputs."""
     for phase in PHASES:
-        order = read_artifact(GRAPHS, f"qwen3-dp2-layer_shard-k{k}-{phase}", "ge_prefetch.json")
-        assert order["ok"], order["problems"]
-        assert order["max_live_per_series"] == [k + 1] and order["max_live"] == k + 1
+        name = f"qwen3-dp2-layer_shard-k{k}-{phase}"
+        order = read_artifact(GRAPHS, name, "ge_prefetch.json")
+        assert order["ok"] and order["violations"] == [], order["problems"]
+        assert order["ring_slots"] == k + 1 and order["allocated_prefetch_bytes"] == 0
+        assert order["broadcasts_count"] == LAYER_SHARD_LAYERS
         rows = order["broadcasts"]
         assert [r["layer"] for r in rows] == list(range(k, LAYER_SHARD_LAYERS + k))
         for r in rows:
             assert r["stream"] == "prefetch" and r["root"] == r["layer"] % LAYER_SHARD_LAYERS % 2
-            assert r["waits_for_layer"] == (r["layer"] - k - 1 if r["layer"] - k - 1 >= 0 else None)
+            assert r["slot"].startswith("RefData_")
+        census = read_artifact(GRAPHS, name, "ge_census.json")
+        assert "Assign" not in census and "Fill" not in census, census  # no copy back, no buffer made
 
 
-def test_without_the_hints_ge_may_break_the_bounds(report):
-    """The same graph converted with no ordering hints fails the check: GE could hoist every broadcast
-    (all L + k buffers of a series live) and issue any of them as late as its use."""
+def test_without_the_hints_ge_may_write_a_slot_still_being_read(report):
+    """The same graph converted with no ordering hints (the ring's writes without ``after``, no stream scope) fails
+    the check: a write into a slot is unordered with the reads of the layer it held."""
     order = read_artifact(GRAPHS, CONTROL, "ge_prefetch_no_hints.json")
-    k = int(CONTROL.split("-k")[1][0])
     assert not order["ok"]
-    assert order["max_live_per_series"] == [LAYER_SHARD_LAYERS + k]
-    assert all(r["waits_for_layer"] is None and r["stream"] is None for r in order["broadcasts"])
+    assert any(v.startswith("write after read:") for v in order["violations"])
+    assert all(r["stream"] is None for r in order["broadcasts"])
 
 
 def _ge_ops(text, op_type):
@@ -220,7 +222,7 @@ def test_module_tp_composed_with_layer_sharding_schedule(report):
         broadcasts = [c for c in schedule if "broadcast" in c["op"]]
         assert len(broadcasts) == layers and {c["axis"] for c in broadcasts} == {"dp"}
         order = read_artifact(GRAPHS, name, "ge_prefetch.json")
-        assert order["ok"] and order["max_live"] == 2, order["problems"]
+        assert order["ok"] and order["ring_slots"] == 2 and order["allocated_prefetch_bytes"] == 0, order["problems"]
         census = read_artifact(GRAPHS, name, "ge_census.json")
         assert census["HcomAllToAllV"] == layers + 1 and census["HcomReduceScatter"] == 2 * layers + 1
 
