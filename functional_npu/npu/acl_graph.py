@@ -63,7 +63,10 @@ BLOCKED = "torch_npu"
 PASSES_NOT_RUN = ("pattern_fusion_pass",)  # npugraph_ex passes this host cannot run (their ops are torch_npu's)
 SCOPE_ENTER, SCOPE_EXIT = "npugraph_ex.scope_enter.default", "npugraph_ex.scope_exit.default"
 RECORD, WAIT = "npugraph_ex.tagged_event_record.default", "npugraph_ex.tagged_event_wait.default"
-RECORD_ON, WAIT_ON = "npugraph_ex.tagged_event_record_on_stream.default", "npugraph_ex.tagged_event_wait_on_stream.default"
+RECORD_ON, WAIT_ON = (
+    "npugraph_ex.tagged_event_record_on_stream.default",
+    "npugraph_ex.tagged_event_wait_on_stream.default",
+)
 WAIT_TENSOR = "_c10d_functional.wait_tensor.default"
 MAIN = "main"  # the stream the graph is captured on
 
@@ -239,9 +242,10 @@ def _label(node: torch.fx.Node) -> str | None:
 
 
 def capture_order(gm: torch.fx.GraphModule) -> CaptureOrder:
-    """Capture order as npugraph_ex's generated forward executes ``gm`` (``fx2acl_converter.py`` ``_codegen_fx_forward``):
-    node by node; after a ``scope_enter`` with a ``_user_stream_label`` the ops run under that label's stream
-    until its ``scope_exit``; a tagged event records on (or waits on) the current stream, or the named one."""
+    """Capture order as npugraph_ex's generated forward executes ``gm`` (``_codegen_fx_forward``,
+    ``fx2acl_converter.py:672``): node by node; after a ``scope_enter`` with a ``_user_stream_label`` the ops
+    run under that label's stream until its ``scope_exit``; a tagged event records on (or waits on) the
+    current stream, or the named one."""
     stack: list[str | None] = []
     ops: list[str] = []
     stream: dict[str, str] = {}
@@ -453,3 +457,27 @@ def streams_summary(gm: torch.fx.GraphModule) -> dict[str, Any]:
         "events": [{"tag": tag, "record_after": src, "wait": dst} for src, dst, tag in order.events],
         "unmatched": order.unmatched,
     }
+
+
+class _ScopeOnly:
+    """npugraph_ex's stream scope with no event on entry (the control: streams, no ordering between them)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __enter__(self) -> None:
+        from npugraph_ex.scope._scope import _npu_scope_enter  # type: ignore[import-not-found]
+
+        _npu_scope_enter([("_user_stream_label", self.tag), ("_user_stream_priority", "0")])
+
+    def __exit__(self, *_: Any) -> None:
+        from npugraph_ex.scope._scope import _npu_scope_exit  # type: ignore[import-not-found]
+
+        _npu_scope_exit()
+
+
+def unordered_streams() -> Any:
+    """The no-hints control: the broadcasts on npugraph_ex's side stream, with no events (and no ``after``)."""
+    from ..parallel.streams import INLINE, Streams
+
+    return Streams("npugraph_ex-no-events", _ScopeOnly, INLINE.after)
