@@ -123,3 +123,21 @@ def test_npugraph_ex_is_a_backend_and_refuses_off_an_npu():
     with pytest.raises(ValueError):
         resolve_backend("npugraph_ex", device_type="cpu")
     assert resolve_backend("inductor").name == "inductor"  # the others still work
+
+
+# ---- the conversion itself ---------------------------------------------------------------------------
+def test_conversion_of_one_case_reproduces_its_golden_artifacts():
+    from tools.acl_graphs import CONTROL, acl_artifacts
+    from tools.aten_graphs import diff_artifacts
+
+    artifacts, problems, skipped = acl_artifacts([CONTROL])
+    if skipped:
+        pytest.skip(skipped)
+    assert problems == []
+    assert set(artifacts[CONTROL]) == {
+        "acl_graph.txt",
+        "acl_streams.json",
+        "acl_prefetch.json",
+        "acl_prefetch_no_events.json",
+    }
+    assert diff_artifacts(artifacts, GRAPHS) == []  # the same graph alone as among every case: no per-process names
