@@ -35,7 +35,7 @@ __all__ = [
 
 log = logging.getLogger("functional_npu")
 
-BACKENDS = ("auto", "inductor", "torchair", "npugraph_ex", "eager", "aot_eager", "none")
+BACKENDS = ("auto", "inductor", "torchair", "eager", "aot_eager", "none", "npugraph_ex")
 EVENT_PREFIX = "functional_npu."  # the tagged events the npugraph_ex hints record and wait
 TORCHAIR_MODES = ("max-autotune", "reduce-overhead")  # GE graph mode, captured (aclgraph) mode
 
