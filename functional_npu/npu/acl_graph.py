@@ -358,15 +358,17 @@ def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[h
         prev[s] = op
     writes: dict[str, tuple[str, int]] = {}
     waits: dict[str, str] = {}
-    reads: dict[str, str] = {}
+    reads: dict[str, tuple[str, int | None]] = {}
     allocs: dict[str, int] = {}
+    initial: dict[str, int] = {}
     slots: dict[str, int] = {}  # slot placeholder -> bytes
-    waited: dict[str, str] = {}  # node whose value is a waited slot (or a view of one) -> slot
+    waited: dict[str, tuple[str, int]] = {}  # node whose value is a waited slot (or a view of one) -> (slot, layer)
     writes_in_order: list[str] = []
     for op in ops:  # the ring: every graph input a broadcast writes (a read of one may come before any write)
         node = order.nodes.get(op)
         if node is not None and str(node.target) == BROADCAST_INTO and _base(node.args[0]).op == "placeholder":
             slots[_base(node.args[0]).name] = _bytes(_base(node.args[0]))
+    groups = max(1, len(slots) // (k + 1))
     for op in ops:
         node = order.nodes.get(op)
         if node is None:
@@ -382,7 +384,10 @@ def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[h
             continue
         if str(node.target) == WAIT_TENSOR and _base(node.args[0]).name in slots:
             waits[op] = _base(node.args[0]).name
-            waited[op] = waits[op]
+            layer = (len(waits) - 1) // groups  # the loop asks for layers 0, 1, ... in order
+            waited[op] = (waits[op], layer)
+            if layer < k:  # carried in flight from the step before
+                initial[waits[op]] = layer
             continue
         used = {waited[a.name] for a in node.all_input_nodes if a.name in waited}
         if used and (_is_view(node) or node.target is operator.getitem):
@@ -390,10 +395,9 @@ def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[h
             continue
         if used:
             reads[op] = next(iter(used))
-    groups = max(1, len(slots) // (k + 1))
     for j, op in enumerate(writes_in_order):
         writes[op] = (writes[op][0], k + j // groups)
-    prog = hazard.Program(ops, after, writes, waits, reads, allocs)
+    prog = hazard.Program(ops, after, writes, waits, reads, allocs, initial)
     return prog, {"slots": slots, "groups": groups, "allocs": allocs}
 
 
@@ -413,9 +417,9 @@ def _concurrent(prog: hazard.Program, k: int) -> list[str]:
     for w, (slot, _) in prog.writes.items():
         by_slot.setdefault(slot, []).append(w)
     layer: dict[str, int] = {}
-    for r, slot in prog.reads.items():
+    for r, (slot, _) in prog.reads.items():
         ws = [w for w in by_slot.get(slot, []) if before(w, r)]
-        layer[r] = prog.writes[max(ws, key=index.__getitem__)][1] if ws else -1
+        layer[r] = prog.writes[max(ws, key=index.__getitem__)][1] if ws else prog.initial.get(slot, -1)
     for w, (_, v) in prog.writes.items():
         if not any(lay == v for lay in layer.values()):
             continue  # the next step's layer: read in the next graph
@@ -486,4 +490,4 @@ def unordered_streams() -> Any:
     """The no-hints control: the broadcasts on npugraph_ex's side stream, with no events (and no ``after``)."""
     from ..parallel.streams import INLINE, Streams
 
-    return Streams("npugraph_ex-no-events", _ScopeOnly, INLINE.after)
+    return Streams("npugraph_ex-no-events", _ScopeOnly, INLINE.after, gate=False)

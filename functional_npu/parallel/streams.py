@@ -3,7 +3,7 @@
 The prefetch ring's order is in the graph's data edges (each write into a slot takes the tensor it
 must wait for, :func:`functional_npu.core.collectives.broadcast_into`), for every compiler. Where a
 compiler runs ops on several streams (torchair's GE, a captured graph), the broadcasts say where they
-run with two hints, as torchair's multi-stream scopes do:
+run with these hints, as torchair's multi-stream scopes do:
 
 - ``side(tag)``: a context in which the enclosed ops run on a secondary stream named ``tag``;
 - ``after(t, dep)``: ``t``, with every consumer made to wait for ``dep`` (a control edge);

@@ -54,7 +54,7 @@ def test_golden_streams_name_one_side_stream():
 
 
 # ---- graphs built the way npugraph_ex leaves the prefetch -----------------------------------------
-def _graph(k: int, layers: int, *, events: bool = True) -> torch.fx.GraphModule:
+def _graph(k: int, layers: int, *, events: bool = True, shift: int = 0) -> torch.fx.GraphModule:
     """The decoder's layer loop as npugraph_ex captures it: per layer ``i``, the broadcast of layer ``i + k`` into slot
     ``(i + k) mod (k + 1)`` on the ``prefetch`` stream, then the wait and the read of layer ``i``'s slot on main."""
     g = torch.fx.Graph()
@@ -64,7 +64,7 @@ def _graph(k: int, layers: int, *, events: bool = True) -> torch.fx.GraphModule:
     x = g.placeholder("x")
     ops = torch.ops
     for i in range(layers):
-        v = i + k
+        v = i + k + shift  # shift: the slot index computed wrongly
         if events:
             g.call_function(ops.npugraph_ex.tagged_event_record.default, ("fnpu.issue", True))
         g.call_function(ops.npugraph_ex.scope_enter.default, (["_user_stream_label"], ["prefetch"]))
@@ -107,6 +107,12 @@ def test_capture_order_streams_and_events():
     prog, found = acl_graph.program(order, 1)
     assert found["allocs"] == {} and len(found["slots"]) == 2
     assert hazard.check(prog, 1, slots=2) == []
+
+
+def test_a_wrong_slot_index_reads_the_wrong_layer():
+    report = acl_graph.prefetch_report(_graph(1, 3, shift=1), 1)
+    assert not report["ok"]
+    assert any("reads layer" in p for p in report["problems"]), report["problems"]
 
 
 def test_slot_one_too_few_is_a_bound_violation():
