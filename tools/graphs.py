@@ -1,7 +1,8 @@
-"""Golden captured graphs: ``python -m tools.graphs [--check] [--out DIR] [--no-ge]``.
+"""Golden captured graphs: ``python -m tools.graphs [--check] [--out DIR] [--no-ge] [--no-acl]``.
 
 Regenerates (or, with ``--check``, compares) the artifacts in graphs/: every case's aten graph
-(:mod:`tools.aten_graphs`) and, through torchair's own converters, its GE graph (:mod:`tools.ge_graphs`).
+(:mod:`tools.aten_graphs`) and, through torchair's own converters, its GE graph (:mod:`tools.ge_graphs`), and
+through npugraph_ex's own passes, the FX graph ACL graph capture takes (:mod:`tools.acl_graphs`).
 Drift, a failed conversion or a failed check is exit code 1. A SIGTERM stops the run cleanly (exit 143: local
 ranks stopped, temporary files removed), a Ctrl-C too, in one line (exit 130).
 """
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple
 
 from functional_npu.runtime.launch import LocalWorld, RankContext
 
+from .acl_graphs import acl_artifacts
 from .aten_graphs import CASES, capture_artifacts, diff_artifacts, write_artifacts
 from .ge_graphs import ge_artifacts
 
@@ -43,7 +45,9 @@ class Report(NamedTuple):
     skipped: str | None
 
 
-def regenerate(root: Path, *, check: bool = False, world: LocalWorld | None = None, ge: bool = True) -> Report:
+def regenerate(
+    root: Path, *, check: bool = False, world: LocalWorld | None = None, ge: bool = True, acl: bool = True
+) -> Report:
     """Capture every artifact (and, with ``ge``, convert every case to a GE graph); write them under
     ``root`` or, with ``check``, report the drifted files."""
     artifacts = _all_artifacts(world)
@@ -53,6 +57,12 @@ def regenerate(root: Path, *, check: bool = False, world: LocalWorld | None = No
         schedules = {name: files["collectives.json"] for name, files in artifacts.items()}
         converted, problems, skipped = ge_artifacts(schedules)
         for name, files in converted.items():
+            artifacts[name] = artifacts.get(name, {}) | files
+    if acl:
+        captured, found, acl_skipped = acl_artifacts()
+        problems += found
+        skipped = "; ".join(s for s in (skipped, acl_skipped) if s) or None
+        for name, files in captured.items():
             artifacts[name] = artifacts.get(name, {}) | files
     if check:
         return Report(diff_artifacts(artifacts, root), problems, skipped)
@@ -75,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the GE conversion (torchair's converters, from the torch-npu wheel, downloaded once)",
     )
+    parser.add_argument(
+        "--no-acl", action="store_true", help="skip the ACL graph conversion (npugraph_ex's passes, same wheel)"
+    )
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        drift, problems, skipped = regenerate(Path(args.out), check=args.check, ge=not args.no_ge)
+        drift, problems, skipped = regenerate(Path(args.out), check=args.check, ge=not args.no_ge, acl=not args.no_acl)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

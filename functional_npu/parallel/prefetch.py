@@ -52,6 +52,7 @@ __all__ = [
     "start",
     "drain",
     "check_prefetch_step",
+    "ready",
 ]
 
 Weights = dict[str, torch.Tensor]
@@ -173,8 +174,9 @@ def _issue(
     streams: Streams = INLINE,
 ) -> list[torch.Tensor]:
     """Start fetching virtual layer ``v``'s series weights (``v >= L``: the next step's layer ``v - L``) into its
-    slot, one in-place broadcast per :func:`coalesced` group, on the prefetch stream, not before ``after`` exists.
-    Returns the slot's buffers (in flight)."""
+    slot, one in-place broadcast per :func:`coalesced` group, on the prefetch stream, not before ``after`` exists,
+    then marks :func:`ready` for the slot on that stream (the layer's first use waits for the mark). Returns the
+    slot's buffers (in flight)."""
     axis = params["plan"].layer_shard.axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = v % len(params["layers"])
@@ -188,7 +190,13 @@ def _issue(
             slot = slot if slot.numel() == size else slot[:size]
             parts = [series[leaf][li // n] for leaf in leaves] if li % n == me else []
             out.append(broadcast_into(slot, parts, mesh, axis, src=li % n, after=after if streams.gate else None))
+        streams.signal(ready(s))  # on the prefetch stream, after the slot's broadcasts
     return out
+
+
+def ready(s: int) -> str:
+    """The name of the mark after slot ``s``'s broadcasts (an event on a captured graph's prefetch stream)."""
+    return f"{PREFETCH_STREAM}.slot{s}"
 
 
 def _unpack(params: dict[str, Any], flats: list[torch.Tensor]) -> Weights:
@@ -231,6 +239,8 @@ def layer_weights(
     def weights(i: int, x: torch.Tensor) -> Weights:
         _issue(params, ring, i + k, k, mesh, x, streams)
         s = slot_of(i, k)
+        if i >= k:  # issued in this step (layers 0 .. k-1 came in flight from the last one, or from start())
+            streams.wait(ready(s))
         flats = [funcol.wait_tensor(ring[s * groups + g]) for g in range(groups)]
         sizes = [size for size, _ in ring_spec(params)]
         layer = layers[i] | _unpack(params, [f if f.numel() == n else f[:n] for f, n in zip(flats, sizes)])

@@ -3,14 +3,17 @@
 The prefetch ring's order is in the graph's data edges (each write into a slot takes the tensor it
 must wait for, :func:`functional_npu.core.collectives.broadcast_into`), for every compiler. Where a
 compiler runs ops on several streams (torchair's GE, a captured graph), the broadcasts say where they
-run with two hints, as torchair's multi-stream scopes do:
+run with these hints, as torchair's multi-stream scopes do:
 
 - ``side(tag)``: a context in which the enclosed ops run on a secondary stream named ``tag``;
-- ``after(t, dep)``: ``t``, with every consumer made to wait for ``dep`` (a control edge).
+- ``after(t, dep)``: ``t``, with every consumer made to wait for ``dep`` (a control edge);
+- ``signal(name)`` / ``wait(name)``: the current stream marks the work it has issued so far (an event
+  record), and the current stream waits for the last mark of that name (an event wait). A captured
+  graph (ACL graph) orders streams only by events: data edges between streams order nothing there.
 
 :data:`INLINE` (every backend but torchair) adds nothing to the graph. The torchair backend supplies
-``torchair.scope.npu_stream_switch`` and ``torchair.scope.npu_wait_tensor`` (see
-:func:`functional_npu.runtime.backends.resolve_backend`).
+``torchair.scope.npu_stream_switch`` and ``torchair.scope.npu_wait_tensor``; the npugraph_ex backend
+its ``_user_stream_label`` scope and tagged events (see :mod:`functional_npu.runtime.backends`).
 """
 
 from __future__ import annotations
@@ -35,9 +38,13 @@ def _no_edge(t: torch.Tensor, dep: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _no_event(name: str) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Streams:
-    """The two ordering hints (see the module docstring); ``name`` says whose they are."""
+    """The ordering hints (see the module docstring); ``name`` says whose they are."""
 
     name: str
     side: Callable[[str], contextlib.AbstractContextManager[Any]]
@@ -47,6 +54,8 @@ class Streams:
     # back instead of writing them in place (aot_eager): the copy would read a layer still arriving, so they
     # are waited at the end of the step
     hand_over: bool = True
+    signal: Callable[[str], None] = _no_event
+    wait: Callable[[str], None] = _no_event
 
 
 INLINE = Streams("inline", _no_scope, _no_edge)

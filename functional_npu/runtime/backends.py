@@ -6,7 +6,8 @@ Python forward with no ``torch.compile`` at all. NPU detection imports
 ``torch_npu`` inside a try that catches anything (torch-npu without CANN fails at import) and
 never trusts ``"npu" in torch._dynamo.list_backends()``. A backend also carries the ordering hints
 the forward states in the graph (:class:`functional_npu.parallel.streams.Streams`): torchair's
-multi-stream scopes for torchair, none elsewhere.
+multi-stream scopes for torchair, npugraph_ex's stream scope and tagged events for ``"npugraph_ex"``
+(ACL graph capture, what ``torch.compile(backend="npugraph_ex")`` runs), none elsewhere.
 """
 
 from __future__ import annotations
@@ -21,11 +22,21 @@ import torch
 
 from ..parallel.streams import COPY_BACK, INLINE, Streams
 
-__all__ = ["Backend", "BACKENDS", "resolve_backend", "npu_status", "torchair_streams"]
+__all__ = [
+    "Backend",
+    "BACKENDS",
+    "resolve_backend",
+    "npu_status",
+    "torchair_streams",
+    "npugraph_ex_streams",
+    "npugraph_ex_config",
+    "EVENT_PREFIX",
+]
 
 log = logging.getLogger("functional_npu")
 
-BACKENDS = ("auto", "inductor", "torchair", "eager", "aot_eager", "none")
+BACKENDS = ("auto", "inductor", "torchair", "eager", "aot_eager", "none", "npugraph_ex")
+EVENT_PREFIX = "functional_npu."  # the tagged events the npugraph_ex hints record and wait
 TORCHAIR_MODES = ("max-autotune", "reduce-overhead")  # GE graph mode, captured (aclgraph) mode
 
 
@@ -33,7 +44,7 @@ TORCHAIR_MODES = ("max-autotune", "reduce-overhead")  # GE graph mode, captured 
 class Backend:
     """A resolved compiler choice: what to pass to ``torch.compile``."""
 
-    name: str  # "torchair" | "inductor" | "eager" | "aot_eager" | "none"
+    name: str  # "torchair" | "npugraph_ex" | "inductor" | "eager" | "aot_eager" | "none"
     device_type: str  # "npu" | "cuda" | "cpu"
     mode: str | None = None
     compiler: Any = field(default=None, repr=False)  # the torch.compile backend (callable or name)
@@ -44,7 +55,7 @@ class Backend:
         """Whose quantized matmuls the weights are prepared for (:func:`functional_npu.models.linear.prepare`):
         ``"npu"`` (Ascend's, which torchair converts to their GE ops), ``"cpu"`` (torch's CPU kernels), or
         ``"dense"`` (dequantized: torch's CUDA int8 / int4 kernels take other packings)."""
-        if self.name == "torchair" or self.device_type == "npu":
+        if self.name in ("torchair", "npugraph_ex") or self.device_type == "npu":
             return "npu"
         return "cpu" if self.device_type == "cpu" else "dense"
 
@@ -95,6 +106,77 @@ def torchair_streams() -> Streams:
     return Streams("torchair", scope.npu_stream_switch, scope.npu_wait_tensor)
 
 
+class _SideStream:
+    """npugraph_ex's stream scope around the enclosed ops, entered after everything the current stream has issued.
+
+    Entering records the tagged event ``<prefix><tag>.issue`` on the current stream, opens
+    ``npugraph_ex.scope_enter(["_user_stream_label", ...], [tag, ...])`` (npugraph_ex captures the enclosed ops
+    under ``torch.npu.stream`` of one stream per label) and waits for that event there; leaving closes the scope.
+    """
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __enter__(self) -> None:
+        from npugraph_ex.scope._scope import _npu_scope_enter  # type: ignore[import-not-found]
+
+        torch.ops.npugraph_ex.tagged_event_record(EVENT_PREFIX + self.tag + ".issue", True)
+        _npu_scope_enter([("_user_stream_label", self.tag), ("_user_stream_priority", "0")])
+        torch.ops.npugraph_ex.tagged_event_wait(EVENT_PREFIX + self.tag + ".issue", True)
+
+    def __exit__(self, *_: Any) -> None:
+        from npugraph_ex.scope._scope import _npu_scope_exit  # type: ignore[import-not-found]
+
+        _npu_scope_exit()
+
+
+def _event_record(name: str) -> None:
+    torch.ops.npugraph_ex.tagged_event_record(EVENT_PREFIX + name, True)
+
+
+def _event_wait(name: str) -> None:
+    torch.ops.npugraph_ex.tagged_event_wait(EVENT_PREFIX + name, True)
+
+
+def npugraph_ex_streams() -> Streams:
+    """npugraph_ex's ordering as :class:`~functional_npu.parallel.streams.Streams`: ``side`` is its
+    ``_user_stream_label`` scope (one stream per label, reused by every scope of that label) entered after an
+    event recorded on the current stream; ``signal`` / ``wait`` record and wait a tagged event
+    (``torch.ops.npugraph_ex.tagged_event_record`` / ``tagged_event_wait``, executed on the current stream while
+    capturing). ``after`` adds nothing: in a captured graph only events order streams."""
+    import npugraph_ex.ops._tagged_event  # type: ignore[import-not-found]  # noqa: F401 - defines the event ops
+    import npugraph_ex.scope  # type: ignore[import-not-found]  # noqa: F401 - defines scope_enter / scope_exit
+
+    return Streams("npugraph_ex", _SideStream, INLINE.after, signal=_event_record, wait=_event_wait)
+
+
+def _create_events(gm: torch.fx.GraphModule, *_: Any) -> None:
+    """A ``post_grad_custom_pre_pass``: create the tagged events this library's hints use (npugraph_ex creates
+    the events of its own passes; ``created_inside`` events are looked up in its ``_GLOBAL_SCOPE_TAG_TO_EVENT``
+    and re-created per graph from the names found here)."""
+    from npugraph_ex._acl_concrete_graph.graph_pass import _create_event_by_name  # type: ignore[import-not-found]
+
+    for node in gm.graph.nodes:
+        if str(node.target).startswith("npugraph_ex.tagged_event_") and str(node.args[0]).startswith(EVENT_PREFIX):
+            _create_event_by_name(node.args[0])
+
+
+def npugraph_ex_config() -> Any:
+    """npugraph_ex's ``CompilerConfig`` as this library compiles with it: its defaults, plus the pre-pass that
+    creates the tagged events of :func:`npugraph_ex_streams`."""
+    import npugraph_ex  # type: ignore[import-not-found]
+
+    config = npugraph_ex.CompilerConfig()
+    config.post_grad_custom_pre_pass = _create_events
+    return config
+
+
+def _npugraph_ex() -> Any:
+    import npugraph_ex  # type: ignore[import-not-found]  # sys.modules' lazy alias, set by torch_npu
+
+    return npugraph_ex.get_npu_backend(compiler_config=npugraph_ex_config())
+
+
 def _torchair(mode: str | None) -> Any:
     import torchair  # only importable after torch_npu
 
@@ -126,6 +208,18 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
             f"backend 'torchair' compiles for an Ascend NPU, but the params are "
             f"on {device_type!r}; move them to 'npu' or use backend='inductor'"
         )
+    if name == "npugraph_ex":
+        if device_type not in (None, "npu"):
+            raise ValueError(
+                f"backend 'npugraph_ex' captures ACL graphs on an Ascend NPU, but the params are on {device_type!r}; "
+                f"move them to 'npu' or use backend='inductor'"
+            )
+        ok, why = npu_status()
+        if not ok:
+            raise ValueError(f"backend 'npugraph_ex' needs a working Ascend NPU: {why}")
+        if mode is not None:
+            raise ValueError(f"backend 'npugraph_ex' takes no mode (got {mode!r}): it always captures an ACL graph")
+        return Backend("npugraph_ex", "npu", None, _npugraph_ex(), npugraph_ex_streams())
     if name in ("auto", "torchair") and device_type in (None, "npu"):
         ok, why = npu_status()
         if ok:

@@ -1,0 +1,149 @@
+"""The golden cases as ACL graphs: the FX graph npugraph_ex would capture, after its own passes, on this host.
+
+Every case of :mod:`tools.aten_graphs` is compiled with npugraph_ex's backend (what
+``torch.compile(backend="npugraph_ex")`` runs; this library's config,
+:func:`functional_npu.runtime.backends.npugraph_ex_config`) and the backend's ordering hints
+(:func:`functional_npu.runtime.backends.npugraph_ex_streams`), rank 0 of a world of torch's fake process
+group, from CPU inputs standing in for NPU ones (meta inputs make inductor's pattern matcher, which
+npugraph_ex's ``decompose_auto_functionalized`` uses, skip every node). Conversion ends where npugraph_ex
+would start capturing (:mod:`functional_npu.npu.acl_graph`); that graph is the artifact:
+
+- ``acl_graph.txt``: the FX graph after every npugraph_ex pass;
+- ``acl_streams.json``: its ops per stream in capture order, and the event edges between streams;
+- ``acl_prefetch.json`` (layer-sharded cases): the ring's hazard check over capture order
+  (:func:`functional_npu.npu.acl_graph.prefetch_report`): violations, ring slots and bytes, and the
+  prefetch bytes the graph allocates (zero: the ring is the graph's input).
+
+The conversion runs in a subprocess (``python -m tools.acl_graphs SOURCES OUT [CASE ...]``) that never
+imports the real ``torch_npu``; :func:`acl_artifacts` starts it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
+
+from .aten_graphs import CASES, case_inputs, case_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["acl_artifacts", "CONTROL"]
+
+CONTROL = "qwen3-dp2-layer_shard-k1-decode"  # also captured without events: the check must fail there
+
+
+# ---- in the conversion subprocess ---------------------------------------------------------------
+def _error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _run(sources: Path, out: Path, names: list[str]) -> None:
+    from functional_npu.npu import acl_graph
+
+    acl_graph.install(sources)
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from functional_npu.models import forward
+    from functional_npu.runtime.backends import npugraph_ex_streams
+    from functional_npu.runtime.launch import RankContext
+
+    hints = npugraph_ex_streams()
+    cases = [c for c in CASES if not names or c.name in names]
+    runs = [(c.name, c, hints) for c in cases]
+    runs += [(CONTROL + "-no-events", c, acl_graph.unordered_streams()) for c in cases if c.name == CONTROL]
+    results: dict[str, Any] = {}
+    world = 0
+    for name, case, streams in sorted(runs, key=lambda r: max(2, r[1].world)):
+        if max(2, case.world) != world:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            world = max(2, case.world)
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+            ctx = RankContext(0, world)
+        start = time.perf_counter()
+        try:
+            mesh = case_mesh(case, ctx)
+            if not mesh.is_abstract:
+                mesh.init_groups()
+            args = case_inputs(case, mesh, device="cpu")
+            got = acl_graph.capture(functools.partial(forward, attention="math", streams=streams), args)
+        except Exception as e:  # noqa: BLE001 - reported per case, the rest still converts
+            results[name] = {"error": _error(e)}
+            continue
+        gm = got["gm"]
+        entry: dict[str, Any] = {
+            "graph": str(gm.graph),
+            "streams": acl_graph.streams_summary(gm) | {"labels": got["stream_labels"]},
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+        if case.series is not None:
+            entry["prefetch"] = acl_graph.prefetch_report(gm, case.k)
+        results[name] = entry
+    out.write_text(json.dumps(results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    _run(Path(args[0]), Path(args[1]), args[2:])
+    return 0
+
+
+# ---- in the parent ------------------------------------------------------------------------------
+def acl_artifacts(
+    names: list[str] | None = None, *, timeout: float = 1800.0
+) -> tuple[dict[str, dict[str, Any]], list[str], str | None]:
+    """Convert every case (or those ``names``); returns ``(artifacts, problems, skipped)``: ``skipped`` is one line
+    when npugraph_ex's sources cannot be had; ``problems`` name the case and what failed."""
+    try:
+        sources = torchair_sources()
+    except TorchairUnavailable as e:
+        return {}, [], f"ACL graph conversion skipped: {e}"
+    with tempfile.TemporaryDirectory(prefix="functional-npu-acl.") as tmp:
+        out = Path(tmp) / "acl.json"
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", PYTHONPATH=path)
+        cmd = [sys.executable, "-m", "tools.acl_graphs", str(sources), str(out), *(names or [])]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {}, [f"ACL graph conversion did not finish in {timeout:.0f} s"], None
+        if done.returncode != 0 or not out.is_file():
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            return {}, [f"the ACL graph conversion process failed (exit {done.returncode}):\n{tail}"], None
+        results = json.loads(out.read_text())
+    artifacts: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for case in CASES:
+        if names and case.name not in names:
+            continue
+        got = results.get(case.name, {"error": "not converted"})
+        where = f"{case.name} (family {case.family}, {case.phase})"
+        if "error" in got:
+            problems.append(f"{where}: npugraph_ex conversion failed: {got['error']}")
+            continue
+        files: dict[str, Any] = {"acl_graph.txt": got["graph"], "acl_streams.json": got["streams"]}
+        if "prefetch" in got:
+            files["acl_prefetch.json"] = got["prefetch"]
+            problems += [f"{where}: ACL graph prefetch: {p}" for p in got["prefetch"]["problems"]]
+        artifacts[case.name] = files
+    control = results.get(CONTROL + "-no-events", {})
+    if "prefetch" in control:
+        if control["prefetch"]["ok"]:
+            problems.append(f"{CONTROL} without events passes the ACL graph hazard check: the check proves nothing")
+        artifacts.setdefault(CONTROL, {})["acl_prefetch_no_events.json"] = control["prefetch"]
+    return artifacts, problems, None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
