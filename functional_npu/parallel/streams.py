@@ -1,7 +1,10 @@
 """Stream hints for graph compilers that place ops on streams themselves.
 
 The prefetch ring's order is in the graph's data edges (each write into a slot takes the tensor it
-must wait for, :func:`functional_npu.core.collectives.broadcast_into`), for every compiler. Where a
+must wait for, :func:`functional_npu.core.collectives.broadcast_into`) for every compiler that orders
+by them (inductor; GE, where torchair's converter makes ``after`` a control edge). A captured graph
+orders its streams by events only, and npugraph_ex's reinplacing rewrites the residual stream in place
+(so ``after`` names a buffer written again later): there the events below carry the order. Where a
 compiler runs ops on several streams (torchair's GE, a captured graph), the broadcasts say where they
 run with these hints, as torchair's multi-stream scopes do:
 
