@@ -312,8 +312,9 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
             }
         )
     waits: dict[str, str] = {}
-    reads: dict[str, str] = {}
+    reads: dict[str, tuple[str, int | None]] = {}  # a read -> (slot, the layer of the value it reads; None: carried)
     for value, slot in slot_of.items():
+        held = writes[value][1] if value in writes else None
         for c in consumers[value]:
             if c in writes or ops[index[c]]["type"] == "NetOutput":
                 continue
@@ -328,7 +329,7 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
                 if ops[index[x]]["type"] in _VIEWS:
                     todo.extend(consumers[x])
                 elif x not in writes and ops[index[x]]["type"] != "NetOutput":
-                    reads[x] = slot
+                    reads[x] = (slot, held)
     order = [ops[i]["name"] for i in _topological(ops)]
     after = {op["name"]: op["inputs"] + op["controls"] for op in ops}
     program = Program(order, after, writes, waits, reads, allocs)
