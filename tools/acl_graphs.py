@@ -55,7 +55,7 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from functional_npu.models import forward
-    from functional_npu.runtime.backends import npugraph_ex_streams
+    from functional_npu.runtime.backends import npugraph_ex_config, npugraph_ex_streams
     from functional_npu.runtime.launch import RankContext
 
     hints = npugraph_ex_streams()
@@ -77,7 +77,8 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
             if not mesh.is_abstract:
                 mesh.init_groups()
             args = case_inputs(case, mesh, device="cpu")
-            got = acl_graph.capture(functools.partial(forward, attention="math", streams=streams), args)
+            fn = functools.partial(forward, attention="math", streams=streams)
+            got = acl_graph.capture(fn, args, npugraph_ex_config())
         except Exception as e:  # noqa: BLE001 - reported per case, the rest still converts
             results[name] = {"error": _error(e)}
             continue

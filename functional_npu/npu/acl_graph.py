@@ -181,21 +181,19 @@ def install(dynamo_dir: Path) -> None:
     fx2acl_converter.AclGraph = _AclGraph
 
 
-def capture(fn: Any, args: tuple[Any, ...]) -> dict[str, Any]:
-    """Compile ``fn(*args)`` with npugraph_ex's backend (this library's config: :func:`npugraph_ex_config`) and return
-    what it hands to capture (see :func:`handed`). Run only in a process set up by :func:`install`."""
+def capture(fn: Any, args: tuple[Any, ...], config: Any) -> dict[str, Any]:
+    """Compile ``fn(*args)`` with npugraph_ex's backend under ``config`` (this library's:
+    :func:`functional_npu.runtime.backends.npugraph_ex_config`) and return what it hands to capture (see
+    :func:`handed`). Run only in a process set up by :func:`install`."""
     import npugraph_ex  # type: ignore[import-not-found]
     from npugraph_ex import npu_fx_compiler  # type: ignore[import-not-found]
     from npugraph_ex._acl_concrete_graph import graph_pass, replace_stream_event  # type: ignore[import-not-found]
-
-    from ..runtime.backends import npugraph_ex_config
 
     torch._dynamo.reset()
     # each graph as the first of a fresh process: npugraph_ex names its events after a per-process graph counter
     npu_fx_compiler._GLOBAL_GRAPH_ID = 0
     replace_stream_event.GraphCounter.set_graph_id(-1)
     graph_pass._GLOBAL_SCOPE_TAG_TO_EVENT.clear()
-    config = npugraph_ex_config()
     # its fusion patterns replace matches with torch_npu's own ops (torch.ops.npu.npu_add_rms_norm, ...,
     # npu_transpose_batchmatmul), which need torch_npu's native op library: not run here (see PASSES_NOT_RUN)
     config.pattern_fusion_pass = False
