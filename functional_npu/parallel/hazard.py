@@ -25,7 +25,7 @@ a stream may pick within the partial order):
 
 The adapters that build a :class:`Program` from an FX graph, inductor's generated code, a GE graph or a
 captured graph's stream order live beside the graphs they read (:mod:`functional_npu.parallel.hazard_fx`,
-:mod:`functional_npu.npu.ge_graph`).
+:mod:`functional_npu.npu.ge_graph`, :mod:`functional_npu.npu.acl_graph`).
 """
 
 from __future__ import annotations
