@@ -46,7 +46,7 @@ from .timing import rounds
 
 __all__ = ["prefetch_rank", "run_prefetch_bench", "prefetch_table", "prefetch_plot", "main"]
 
-SCHEDULES = {  # inductor's own comm scheduling, which must leave the ring's order alone
+SCHEDULES = {  # inductor's own comm scheduling instead of the sink_waits pass compile_model asks for
     "inductor": [],
     "raise_comms": ["raise_comms"],
     # torch 2.13's recommended memory-aware passes (see torch._inductor.config)
@@ -177,7 +177,7 @@ def prefetch_rank(
         groups = len(coalesced(params))
         live = len(carried_of[name]) // groups if groups else 0  # the ring's slots: all the prefetch memory there is
         hazards = check(from_inductor_code(codes[name], k, groups), k, live * groups) if codes[name] else []
-        if hazards:
+        if hazards and schedule == "prefetch":  # the library's own order must pass; a stock order is reported
             raise RuntimeError(f"{name}: inductor's order breaks the prefetch ring: {hazards[0]}")
         runs[name] = {
             "k": k,
@@ -186,6 +186,7 @@ def prefetch_rank(
             "step_s_min": min(times[name]),
             "step_s_max": max(times[name]),
             "live_buffers": live,
+            "hazards": hazards,
             "resident_bytes": owned + live * per_layer,
             "peak_bytes": owned + live * per_layer,
             "exposed": (med[name] - t_local) / t_comm,
@@ -256,6 +257,8 @@ def prefetch_table(res: dict[str, Any]) -> str:
             "raise_comms_k1": "k = 1, inductor raise_comms",
             "memory_preserving_k1": "k = 1, inductor memory-preserving passes",
         }.get(name, f"k = {r['k']}, prefetch ring")
+        if r.get("hazards"):
+            label += f" ({len(r['hazards'])} hazards: {sorted({h.split(':')[0] for h in r['hazards']})[0]})"
         spread = f" ({r['step_s_min'] * 1e3:.2f}-{r['step_s_max'] * 1e3:.2f})" if "step_s_min" in r else ""
         rows.append(
             f"| {label} | {r['live_buffers']} | {r['step_s'] * 1e3:.2f}{spread} | {r['exposed']:.0%} | "

@@ -18,9 +18,11 @@ a stream may pick within the partial order):
 - **the right layer**: a read told which layer it means finds that layer in the slot (a wrong slot
   index shows here even in a total order);
 - **overlap** (``k >= 1``): every write whose layer is read in the graph can run alongside at least one
-  layer of compute before its use: some read of an earlier layer is not ordered before the write but
-  is ordered before one of the write's reads (a write with no earlier layer in the program, as the
-  first step's first ``k``, has nothing to overlap);
+  layer of compute before its use: some read of an earlier layer is ordered neither before the write
+  nor after the wait that completes it, and comes before one of the write's reads. In a total order
+  (what a compiler chose) that is a read between the write and its wait; a wait hoisted to right after
+  its write fails (a write with no earlier layer in the program, as the first step's first ``k``, has
+  nothing to overlap);
 - **bound**: no alloc, and at most ``slots`` distinct slots per ring.
 
 The adapters that build a :class:`Program` from an FX graph, inductor's generated code, a GE graph or a
@@ -113,8 +115,17 @@ def check(program: Program, k: int, slots: int | None = None) -> list[str]:
             out.append(f"{kind}: {r} reads layer {want} from {slot}, which holds layer {held} then")
     if k >= 1:
         for w, rs in reads_of.items():
-            v = program.writes[w][1]
+            v, slot = program.writes[w][1], program.writes[w][0]
+            # the waits that complete this write for its reads
+            qs = [q for q, s in program.waits.items() if s == slot and before(w, q) and any(before(q, r) for r in rs)]
             earlier = [r for r, lay in layer_read.items() if lay is None or lay < v]
-            if earlier and not any(not before(e, w) and any(before(e, r) for r in rs) for e in earlier):
-                out.append(f"overlap: {w} (layer {v}) cannot run alongside any earlier layer's reads before its use")
+
+            def alongside(e: str, rs: list[str] = rs, qs: list[str] = qs) -> bool:
+                """``e`` may run after the write starts and before the wait that ends it, and comes before a use."""
+                return not before(e, w) and not any(before(q, e) for q in qs) and any(before(e, r) for r in rs)
+
+            if earlier and not any(alongside(e) for e in earlier):
+                out.append(
+                    f"overlap: {w} (layer {v}) is waited on before any earlier layer's reads can run alongside it"
+                )
     return out

@@ -260,6 +260,23 @@ def _axis_groups(specs: Any) -> list[tuple[str, ...]]:
     return sorted({d.axes for lay in layouts for d in lay.dims if d is not None and len(d.axes) > 1})
 
 
+# inductor's own pass that moves each wait down to right before its first consumer
+SINK_WAITS = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative"],
+}
+
+
+def prefetch_options(params: dict, mesh: Mesh) -> dict[str, Any]:
+    """Inductor's options for a model that prefetches into a ring: its ``sink_waits_iterative`` pass. The ring's data
+    edges keep every write after the reads it overwrites, but inductor's default order hoists each wait to right
+    after its write, which stalls the step until the layer arrives (the overlap check finds it,
+    :mod:`functional_npu.parallel.hazard`); the pass moves each wait down to its first consumer."""
+    if not series_of(params) or mesh.axis_size(params["plan"].layer_shard.axis) == 1:
+        return {}
+    return dict(SINK_WAITS)
+
+
 def _shape_buckets(
     cfg: Any, batch_sizes: Sequence[int] | None, max_seq_len: int | None, prefill_lengths: Sequence[int] | None
 ) -> tuple:
@@ -307,8 +324,9 @@ def compile_model(
             layer ``l`` computes (``0 <= k <= num_layers - 1``; 0 is synchronous), into a ring of ``k + 1`` slots
             that :meth:`CompiledModel.new_state` allocates outside the graph: each broadcast writes its layer in
             place, after the reads of the layer its slot held (:mod:`functional_npu.parallel.prefetch`), so
-            nothing in the graph allocates a prefetch buffer and the order is in the graph's data edges, for
-            every compiler. ``"auto"`` picks ``k`` with the cost model
+            nothing in the graph allocates a prefetch buffer and the order is in the graph's data edges (under
+            inductor with its ``sink_waits_iterative`` pass, so that each wait sits at its first use:
+            :func:`prefetch_options`). ``"auto"`` picks ``k`` with the cost model
             (:func:`functional_npu.parallel.prefetch_cost.auto_step`) within ``plan.prefetch_budget``.
         backend: "auto" (torchair on NPU, inductor elsewhere), "inductor", "torchair", "eager",
             "aot_eager", or "none" (the plain Python forward, no ``torch.compile``).
@@ -356,7 +374,7 @@ def compile_model(
             *_axis_groups(family_of(cfg).param_specs(cfg, plan))
         )  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
-    options: dict[str, Any] = {}
+    options = prefetch_options(params, mesh) if chosen.name == "inductor" else {}
     step = functools.partial(
         decode, blocks=family_of(cfg).blocks(cfg, plan), attention=attention, streams=chosen.streams
     )

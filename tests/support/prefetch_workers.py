@@ -72,14 +72,22 @@ def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, ba
 
 
 def ring_hazards(
-    ctx, model_dir: str, axes: dict, series: str, k: int, streams: str = "inline", copy_back: bool = False, passes=()
+    ctx,
+    model_dir: str,
+    axes: dict,
+    series: str,
+    k: int,
+    streams: str = "inline",
+    copy_back: bool = False,
+    passes: tuple | None = None,
 ):
     """One decode step of a layer-sharded model at prefetch step ``k``: the hazard check over the functionalized FX
     graph's partial order (what every compiler reorders within; ``copy_back``: its epilogue's copies into the slots
     count as reads) and over inductor's generated order, and what inductor's post-grad graph does with the ring's
     slots. ``streams``: the hints the FX graph is traced with, "inline" (inductor's), "copy-back" (aot_eager's) or
-    "unordered" (the control; then only the FX check runs). ``passes``: inductor's own comm reordering passes to turn
-    on as well. Returns (fx violations, inductor violations, facts)."""
+    "unordered" (the control; then only the FX check runs). ``passes``: inductor's comm reordering passes to compile
+    with instead of compile_model's (``()``: none, inductor's default order). Returns (fx violations, inductor
+    violations, facts)."""
     import functools
 
     from torch._dynamo.backends.common import aot_autograd
@@ -124,10 +132,16 @@ def ring_hazards(
     def after_post_grad(graph: torch.fx.Graph) -> None:  # inductor's graph after its reinplace pass
         post.append(graph)
 
-    options = {"post_grad_custom_post_pass": after_post_grad}
-    if passes:
-        options |= {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": list(passes)}
-    with torch.no_grad(), torch._inductor.config.patch(options):
+    if passes is not None:
+        comm = {
+            "reorder_for_compute_comm_overlap": bool(passes),
+            "reorder_for_compute_comm_overlap_passes": list(passes),
+        }
+        step = functools.partial(
+            forward, blocks=family_of(model.config).blocks(model.config, model.plan), streams=model.backend.streams
+        )
+        model = dataclasses.replace(model, forward=model.backend.compile(step, dynamic=False, inductor_options=comm))
+    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=after_post_grad):
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
     prefetch.drain(state.prefetched)
     nodes = list(post[0].nodes)
