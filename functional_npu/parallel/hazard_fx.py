@@ -140,7 +140,7 @@ def from_inductor_code(code: str, k: int, groups: int = 1) -> Program:
         if m and m.group(1) in slots:
             waits[op] = m.group(1)
             continue
-        if "=" in ln.split("(")[0] and re.fullmatch(r"\w+ = \w+", ln):
+        if re.fullmatch(r"\w+ = \w+", ln):
             continue  # a rename (``buf3 = arg1_1``) reads nothing
         for s in slots:
             if re.search(rf"\b{s}\b", ln):

@@ -235,6 +235,7 @@ def layer_weights(
     ring = prefetched if prefetched else new_ring(params, mesh, 0)
     k = check_ring(params, mesh, ring)
     groups, L = len(coalesced(params)), len(layers)
+    sizes = [size for size, _ in ring_spec(params)]
 
     def weights(i: int, x: torch.Tensor) -> Weights:
         _issue(params, ring, i + k, k, mesh, x, streams)
@@ -242,7 +243,6 @@ def layer_weights(
         if i >= k:  # issued in this step (layers 0 .. k-1 came in flight from the last one, or from start())
             streams.wait(ready(s))
         flats = [funcol.wait_tensor(ring[s * groups + g]) for g in range(groups)]
-        sizes = [size for size, _ in ring_spec(params)]
         layer = layers[i] | _unpack(params, [f if f.numel() == n else f[:n] for f, n in zip(flats, sizes)])
         if i == L - 1 and prefetched:
             if not streams.hand_over:  # the compiler copies the slots back: let the copy read whole layers
