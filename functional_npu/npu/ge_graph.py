@@ -11,7 +11,6 @@ else here works on those records, so it needs neither torchair nor protobuf:
   :class:`functional_npu.parallel.hazard.Program` over the graph's **partial order** (data and control
   edges; GE may run any order they allow), checked for write after read, read before write, write
   after write, overlap, the slot bound and any prefetch buffer allocated inside the graph;
-- :func:`max_live`: the most buffers live at once over every order a partial order allows.
 
 Allocation is counted from the op that creates the memory: a broadcast whose buffer is not a graph
 input (a ``Fill``, a ``ConcatV2``) allocates inside the graph, whatever edges gate the broadcast.
@@ -19,14 +18,13 @@ input (a ``Fill``, a ``ConcatV2``) allocates inside the graph, whatever edges ga
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["records", "census", "hcom_schedule", "HCOM_OF", "ancestors", "max_live", "ring_program", "ring_check"]
+__all__ = ["records", "census", "hcom_schedule", "HCOM_OF", "ring_program", "ring_check"]
 
 Op = dict[str, Any]
 
@@ -149,69 +147,6 @@ def hcom_schedule(ops: Sequence[Op], axis_of_ranks: Mapping[tuple[int, ...], str
     return out
 
 
-# ---- the partial order --------------------------------------------------------------------------
-def ancestors(ops: Sequence[Op]) -> dict[str, int]:
-    """For every op, the bitset (over graph positions) of the ops that must run before it, itself
-    excluded: the transitive closure of data and control edges.
-
-    Raises:
-        ValueError: an input names no op of the graph, or the edges form a cycle.
-    """
-    index = {op["name"]: i for i, op in enumerate(ops)}
-    preds: list[list[int]] = []
-    for op in ops:
-        srcs = op["inputs"] + op["controls"]
-        missing = [s for s in srcs if s not in index]
-        if missing:
-            raise ValueError(f"GE op {op['name']} reads {missing}, which are not ops of the graph")
-        preds.append([index[s] for s in srcs])
-    succs: list[list[int]] = [[] for _ in ops]
-    indegree = [len(p) for p in preds]
-    for i, ps in enumerate(preds):
-        for p in ps:
-            succs[p].append(i)
-    ready = [i for i, d in enumerate(indegree) if d == 0]
-    anc = [0] * len(ops)
-    done = 0
-    while ready:
-        i = ready.pop()
-        done += 1
-        for p in preds[i]:
-            anc[i] |= anc[p] | (1 << p)
-        for s in succs[i]:
-            indegree[s] -= 1
-            if indegree[s] == 0:
-                ready.append(s)
-    if done != len(ops):
-        raise ValueError("the GE graph's edges form a cycle")
-    return {op["name"]: anc[i] for i, op in enumerate(ops)}
-
-
-def max_live(starts: Sequence[int], uses: Sequence[int], below: Mapping[int, int]) -> tuple[int, list[int]]:
-    """The most buffers live at once over every order the partial order allows, and one such set.
-
-    Buffer ``b`` starts at op ``starts[b]`` and is dead once every op in bitset ``uses[b]`` ran;
-    ``below[i]`` is op ``i``'s ancestors (bitset). A set ``S`` is live together in some order iff
-    after running exactly the down-set ``D`` of its starts (starts included), every buffer of ``S``
-    still has a use outside ``D``; feasibility is closed under subsets, so sizes are tried upwards.
-    """
-    best: list[int] = []
-    buffers = range(len(starts))
-    for size in range(1, len(starts) + 1):
-        found = None
-        for subset in itertools.combinations(buffers, size):
-            down = 0
-            for b in subset:
-                down |= below[starts[b]] | (1 << starts[b])
-            if all(uses[b] & ~down for b in subset):
-                found = list(subset)
-                break
-        if found is None:
-            break
-        best = found
-    return len(best), best
-
-
 _RING_WRITES = {
     "HcomBroadcast": 0,
     "ViewCopy": 0,
@@ -220,24 +155,37 @@ _INPUTS = ("RefData", "Data")
 
 
 def _topological(ops: Sequence[Op]) -> list[int]:
-    """Graph positions in a topological order of the data and control edges (graph order where it is one)."""
+    """Graph positions in a topological order of the data and control edges (graph order where it is one).
+
+    Raises:
+        ValueError: an input names no op of the graph, or the edges form a cycle.
+    """
     index = {op["name"]: i for i, op in enumerate(ops)}
+    for op in ops:
+        missing = [s for s in op["inputs"] + op["controls"] if s not in index]
+        if missing:
+            raise ValueError(f"GE op {op['name']} reads {missing}, which are not ops of the graph")
     done: list[int] = []
-    seen = [False] * len(ops)
+    state = [0] * len(ops)  # 0 unseen, 1 on the current path, 2 done
     for root in range(len(ops)):
         stack = [(root, False)]
         while stack:
             i, expanded = stack.pop()
             if expanded:
+                state[i] = 2
                 done.append(i)
                 continue
-            if seen[i]:
+            if state[i] == 2:
                 continue
-            seen[i] = True
+            if state[i] == 1:
+                raise ValueError("the GE graph's edges form a cycle")
+            state[i] = 1
             stack.append((i, True))
-            stack.extend(
-                (index[s], False) for s in reversed(ops[i]["inputs"] + ops[i]["controls"]) if not seen[index[s]]
-            )
+            for s in reversed(ops[i]["inputs"] + ops[i]["controls"]):
+                if state[index[s]] == 1:
+                    raise ValueError("the GE graph's edges form a cycle")
+                if state[index[s]] == 0:
+                    stack.append((index[s], False))
     return done
 
 
@@ -264,6 +212,7 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
     """
     from ..parallel.hazard import Program
 
+    topo = _topological(ops)  # first: it refuses an unknown input or a cycle
     index = {op["name"]: i for i, op in enumerate(ops)}
     consumers: dict[str, list[str]] = {op["name"]: [] for op in ops}
     for op in ops:
@@ -288,7 +237,7 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
     allocs: dict[str, int] = {}
     writes: dict[str, tuple[str, int]] = {}
     rows = []
-    broadcasts = [op for op in (ops[i] for i in _topological(ops)) if op["type"] == "HcomBroadcast"]
+    broadcasts = [op for op in (ops[i] for i in topo) if op["type"] == "HcomBroadcast"]
     for j, op in enumerate(broadcasts):
         layer = k + j // max(1, series)
         source, chain = origin(op["inputs"][0])
@@ -330,7 +279,7 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
                     todo.extend(consumers[x])
                 elif x not in writes and ops[index[x]]["type"] != "NetOutput":
                     reads[x] = (slot, held)
-    order = [ops[i]["name"] for i in _topological(ops)]
+    order = [ops[i]["name"] for i in topo]
     after = {op["name"]: op["inputs"] + op["controls"] for op in ops}
     program = Program(order, after, writes, waits, reads, allocs)
     return program, {"slots": slots, "broadcasts": rows}
