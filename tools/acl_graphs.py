@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,8 +30,7 @@ from typing import Any
 from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
 
 from .aten_graphs import CASES, case_inputs, case_mesh
-
-ROOT = Path(__file__).resolve().parents[1]
+from .conversion import run_conversion
 
 __all__ = ["acl_artifacts", "CONTROL"]
 
@@ -110,19 +106,9 @@ def acl_artifacts(
         sources = torchair_sources()
     except TorchairUnavailable as e:
         return {}, [], f"ACL graph conversion skipped: {e}"
-    with tempfile.TemporaryDirectory(prefix="functional-npu-acl.") as tmp:
-        out = Path(tmp) / "acl.json"
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", PYTHONPATH=path)
-        cmd = [sys.executable, "-m", "tools.acl_graphs", str(sources), str(out), *(names or [])]
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {}, [f"ACL graph conversion did not finish in {timeout:.0f} s"], None
-        if done.returncode != 0 or not out.is_file():
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-            return {}, [f"the ACL graph conversion process failed (exit {done.returncode}):\n{tail}"], None
-        results = json.loads(out.read_text())
+    results, failed = run_conversion("tools.acl_graphs", sources, list(names or []), "ACL graph conversion", timeout)
+    if results is None:
+        return {}, failed, None
     artifacts: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     for case in CASES:

@@ -25,10 +25,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +33,7 @@ from functional_npu.npu import ge_graph
 from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
 
 from .aten_graphs import CASES, case_inputs, case_mesh
-
-ROOT = Path(__file__).resolve().parents[1]
+from .conversion import run_conversion
 
 __all__ = ["ge_artifacts", "case_artifacts", "compare_schedules", "convert", "stable_names", "CONTROL", "FIXES"]
 
@@ -255,19 +251,9 @@ def ge_artifacts(
         sources = torchair_sources()
     except TorchairUnavailable as e:
         return {}, [], f"GE conversion skipped: {e}"
-    with tempfile.TemporaryDirectory(prefix="functional-npu-ge.") as tmp:
-        out = Path(tmp) / "ge.json"
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # it imports tools
-        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", PYTHONPATH=path)
-        cmd = [sys.executable, "-m", "tools.ge_graphs", str(sources), str(out)]
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {}, [f"GE conversion did not finish in {timeout:.0f} s"], None
-        if done.returncode != 0 or not out.is_file():
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-            return {}, [f"the GE conversion process failed (exit {done.returncode}):\n{tail}"], None
-        results = json.loads(out.read_text())
+    results, failed = run_conversion("tools.ge_graphs", sources, [], "GE conversion", timeout)
+    if results is None:
+        return {}, failed, None
     artifacts: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     for case in CASES:
