@@ -36,7 +36,6 @@ import importlib.abc
 import importlib.machinery
 import itertools
 import operator
-import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ import torch
 
 from ..core.collectives import BROADCAST_INTO
 from ..parallel import hazard
+from . import host
 
 __all__ = [
     "HandedToCapture",
@@ -168,12 +168,7 @@ def install(dynamo_dir: Path) -> None:
     own started with ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``; ``dynamo_dir`` is the wheel's ``torch_npu/dynamo``."""
     if BLOCKED in sys.modules and not isinstance(sys.modules[BLOCKED].__spec__.loader, _Finder):
         raise RuntimeError(f"{BLOCKED} is already imported in this process; convert in a process without it")
-    if not (Path(dynamo_dir) / "npugraph_ex" / "__init__.py").is_file():
-        raise FileNotFoundError(f"{dynamo_dir} holds no npugraph_ex package (expected npugraph_ex/__init__.py)")
-    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    sys.path.insert(0, str(dynamo_dir))
+    host.put_on_path(dynamo_dir, "npugraph_ex", _Finder())
     if not hasattr(torch, "npu"):
         torch.npu = _npu_namespace()  # type: ignore[attr-defined]
     from npugraph_ex._acl_concrete_graph import fx2acl_converter  # type: ignore[import-not-found]

@@ -28,7 +28,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HandedToGE", "handed", "install", "standin", "BLOCKED", "STANDIN"]
+__all__ = ["HandedToGE", "handed", "install", "put_on_path", "standin", "BLOCKED", "STANDIN"]
 
 BLOCKED = "torch_npu"  # the package (and its submodules) that must not import here
 STANDIN = "torchair.core._torchair"  # the native module replaced by a Python stand-in
@@ -145,6 +145,21 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
+def put_on_path(dynamo_dir: Path, package: str, finder: importlib.abc.MetaPathFinder) -> None:
+    """Import ``package`` from the wheel's ``dynamo_dir``, with ``finder`` (once per type) answering for
+    ``torch_npu`` first, and the device backend autoload off.
+
+    Raises:
+        FileNotFoundError: ``dynamo_dir`` holds no ``package``.
+    """
+    if not (Path(dynamo_dir) / package / "__init__.py").is_file():
+        raise FileNotFoundError(f"{dynamo_dir} holds no {package} package (expected {package}/__init__.py)")
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    if not any(type(f) is type(finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, finder)
+    sys.path.insert(0, str(dynamo_dir))
+
+
 def install(dynamo_dir: Path) -> None:
     """Make ``import torchair`` work here for conversion.
 
@@ -155,9 +170,4 @@ def install(dynamo_dir: Path) -> None:
     """
     if BLOCKED in sys.modules:
         raise RuntimeError(f"{BLOCKED} is already imported in this process; convert in a process without it")
-    if not (Path(dynamo_dir) / "torchair" / "__init__.py").is_file():
-        raise FileNotFoundError(f"{dynamo_dir} holds no torchair package (expected torchair/__init__.py)")
-    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-    sys.path.insert(0, str(dynamo_dir))
+    put_on_path(dynamo_dir, "torchair", _Finder())
