@@ -1,13 +1,13 @@
 """A linear layer's matmul, chosen by what its weight leaf holds.
 
-- a float tensor ``[out, in]``: ``x @ w.T`` (one row of bf16 / fp16 under ``torch.compile``: a
-  multiply-and-sum reduction inductor fuses, which streams the weight about 1.5x faster than the CPU
-  matmul's 16-bit path);
-  A float32 one is held input-major on the CPU (:func:`prepare_dense`: the same ``[out, in]`` tensor with
-  the strides of its transpose), so that ``w.T`` is a contiguous ``[in, out]`` the matmul streams faster;
+- a float tensor ``[out, in]``: ``x @ w.T``. On the CPU under ``torch.compile``, up to eight rows (a decode step) run as one multiply-and-sum reduction
+  that inductor generates (:func:`streamed`), reading each weight row once: it streams the weights at 80-90%
+  of the memory's read bandwidth where the CPU matmul reaches about half; the weight is held row-major
+  (:func:`prepare_dense`);
 - a quantized weight prepared for the CPU kernels by :func:`prepare` (a dict; its keys name the form):
 
-  - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``;
+  - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``
+    (up to eight rows under ``torch.compile``: :func:`streamed`, the int8 values converted as they are read);
   - ``{"w4", "scales_zeros"}``: int4 weights with a scale (and zero) per group of inputs, in the
     kernel's own packing, ``aten._weight_int4pack_mm_for_cpu``;
   - ``{"w8a8", "scale"}``: int8 weights and int8 activations quantized per token as they arrive
@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+_STREAM_ROWS = 8  # up to this many rows, a CPU linear is one streaming reduction (:func:`streamed`)
 _INT4_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 _INT4_TILE = 16  # it needs out_features divisible by this
 _NPU_GROUP = 32  # WeightQuantBatchMatmulV2 takes group sizes that are multiples of this
@@ -131,17 +132,33 @@ def row_parallel(x: torch.Tensor, w: Any, mesh: Mesh, tp: str) -> torch.Tensor:
     return all_reduce(linear(x, w, amax=row_amax(x, w, mesh, tp)), mesh, tp)
 
 
+def streamed(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., in] @ w.T`` (times ``scale [out]`` per output channel, if given) for a few rows, as one reduction
+    over ``in`` that inductor generates: the weight ``[out, in]`` (float, or int8 values) outermost, so each of its
+    rows is read once from memory and multiplied with every row of ``x`` while it is in the cache, in float32 (the
+    matmul's accumulation). On the CPU this streams a decode step's weights at 80-90% of a plain read's bandwidth,
+    where the CPU matmul reaches about half (``benchmarks/README.md``)."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = (w[:, None, :].float() * flat[None].float()).sum(-1)  # [out, rows]
+    if scale is not None:
+        y = y * scale[:, None].float()
+    return y.T.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _streams(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``linear`` runs as :func:`streamed`: a few rows, a 2-d weight on the CPU, under ``torch.compile``
+    (inductor generates the reduction; eager keeps the matmul, which is faster without fusion)."""
+    return x.numel() <= _STREAM_ROWS * x.shape[-1] and w.ndim == 2 and w.is_cpu and torch.compiler.is_compiling()
+
+
 def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., in]`` times the weight ``[out, in]`` transposed: ``[..., out]``. ``amax``: W8A8 only, each
     token's magnitude ``[..., 1]`` to take its int8 scale from (default: ``x``'s own, :func:`token_amax`)."""
     kind = kernel_of(w)
     if kind == "dense":
-        one_row = x.numel() == x.shape[-1]
-        if w.dtype in _GEMV_DTYPES and w.device.type == "cpu" and one_row and torch.compiler.is_compiling():
-            # one row of 16-bit floats on a CPU: a reduction inductor fuses streams the weight about 1.5x
-            # faster than the CPU matmul's 16-bit path (fp32 accumulation, as the matmul's); an NPU keeps MatMul
-            return (x[..., None, :].float() * w.float()).sum(-1).to(x.dtype)
-        return x @ w.T
+        return streamed(x, w) if _streams(x, w) else x @ w.T
+    if kind == "w8" and _streams(x, w["w8"]):
+        return streamed(x, w["w8"], w["scale"])
     flat = x.reshape(-1, x.shape[-1])
     if kind in _INT8_ACTIVATIONS:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5)
         xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
@@ -316,13 +333,12 @@ def quantized_activations(x: torch.Tensor, w: Any, amax: torch.Tensor | None = N
 
 
 def prepare_dense(w: torch.Tensor, target: str = "cpu") -> torch.Tensor:
-    """A dense linear weight ``[out, in]`` in the memory order that streams fastest for ``target``'s matmul:
-    float32 on the CPU input-major (``w.T.contiguous().T``: the same shape and values, column-major), whose
-    ``x @ w.T`` multiplies by a contiguous ``[in, out]`` (measured for the scoreboard model's shapes: the
-    same speed at one row, 1.1-2.6x faster per matrix at eight rows; 1.1x for decode at batch 8); else
-    ``w``, unchanged (16-bit one-row products are faster ``[out, in]``; experts ``[S, out, in]`` stay)."""
-    if target == "cpu" and w.dtype == torch.float32 and w.ndim == 2 and w.device.type == "cpu":
-        return w.T.contiguous().T
+    """A dense linear weight ``[out, in]`` in the memory order its kernel streams: on the CPU row-major
+    (contiguous), since a few rows run as :func:`streamed`, which reads each output row's weights in one run
+    (a weight that arrives in another order, a transposed view from a training layout, is copied once);
+    else ``w``, unchanged. Experts ``[S, out, in]`` stay as they are."""
+    if target == "cpu" and w.ndim == 2 and w.device.type == "cpu":
+        return w.contiguous()
     return w
 
 

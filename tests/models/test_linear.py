@@ -81,44 +81,57 @@ def test_a_stored_quantized_weight_must_be_prepared():
         linear(torch.randn(2, 32), stored)
 
 
-def test_one_bf16_row_compiled_is_a_fused_reduction():
-    """Under torch.compile one row of bf16 weights on a CPU is a multiply-and-sum (no matmul in the graph), as
-    exact as the matmul: fp32 accumulation, one rounding to bf16."""
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "w8"])
+def test_few_rows_compiled_stream_the_weight_and_more_rows_take_the_matmul(form):
+    """Under torch.compile up to eight rows on a CPU are one multiply-and-sum over the weight (no matmul in the
+    graph), as exact as the matmul (fp32 accumulation, one rounding); nine rows, and eager, take the matmul or the
+    int8 kernel. Small integers: every product and sum is exact, so any order gives the same bits."""
     from functional_npu.models.linear import linear
 
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 128, generator=g).bfloat16()
-    x = torch.randn(1, 1, 128, generator=g).bfloat16()
-    targets = []
+    dtype = torch.float32 if form == "float32" else torch.bfloat16
+    values = torch.randint(-3, 4, (64, 128), generator=g)
+    scale = torch.tensor([0.5, 2.0]).repeat(32).to(dtype)
+    w = {"w8": values.to(torch.int8), "scale": scale} if form == "w8" else values.to(dtype)
+    dense = values.float() * scale.float()[:, None] if form == "w8" else values.float()
 
-    def backend(gm, inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes)
-        return gm
+    def graph_targets(x):
+        targets = []
 
-    torch._dynamo.reset()
-    y = torch.compile(linear, backend=backend, fullgraph=True)(x, w)
-    assert targets and not any("matmul" in t or "linear" in t for t in targets), targets
-    want = (x.float() @ w.float().T).bfloat16()
-    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
-    assert torch.equal(linear(x, w), x @ w.T)  # eager: the matmul
+        def backend(gm, inputs):
+            targets.extend(str(n.target) for n in gm.graph.nodes)
+            return gm
+
+        torch._dynamo.reset()
+        y = torch.compile(linear, backend=backend, fullgraph=True)(x, w)
+        assert y.dtype == dtype and torch.equal(y, (x.float() @ dense.T).to(dtype))
+        return targets
+
+    kernels = ("mm", "matmul", "linear", "int8pack")
+    for rows in (1, 3, 8):
+        x = torch.randint(-3, 4, (rows, 1, 128), generator=g).to(dtype)
+        targets = graph_targets(x)
+        assert targets and not any(k in t for t in targets for k in kernels), (rows, targets)
+    assert any(k in t for t in graph_targets(torch.ones(9, 128, dtype=dtype)) for k in kernels)
+    x = torch.ones(1, 128, dtype=dtype)
+    assert torch.equal(linear(x, w), (x.float() @ dense.T).to(dtype))  # eager: the matmul or the int8 kernel
 
 
-def test_float32_linears_are_held_input_major_on_the_cpu():
-    """The same [out, in] tensor in input-major memory order: w.T is a contiguous [in, out] for the matmul."""
+def test_dense_linears_are_held_row_major_on_the_cpu():
+    """A few rows stream each weight row in one run: a weight that arrives transposed is copied row-major once."""
     from functional_npu.models.linear import prepare_dense, prepare_params
 
     g = torch.Generator().manual_seed(0)
-    # small integers: every product and sum is exact in float32, whatever order either layout sums in
     w = torch.randint(-3, 4, (96, 256), generator=g).float()
-    x = torch.randint(-3, 4, (2, 3, 256), generator=g).float()
-    held = prepare_dense(w)
-    assert held.shape == w.shape and torch.equal(held, w) and held.T.is_contiguous() and not held.is_contiguous()
-    assert torch.equal(linear(x, held), x @ w.T)
-    assert prepare_dense(w.bfloat16()).is_contiguous()  # a 16-bit row streams faster [out, in]
-    assert prepare_dense(w, "npu") is w and prepare_dense(torch.randn(4, 96, 256)).is_contiguous()  # experts stay
+    held = prepare_dense(w.T.contiguous().T)  # the same [out, in] values, input-major
+    assert held.shape == w.shape and torch.equal(held, w) and held.is_contiguous()
+    assert prepare_dense(w) is w and prepare_dense(w.bfloat16()).is_contiguous()
+    column = w.T.contiguous().T
+    assert prepare_dense(column, "npu") is column and prepare_dense(torch.randn(4, 96, 256)).is_contiguous()
+    w = column
     params = {"embed": torch.randn(8, 256), "lm_head": w, "layers": [{"down": w, "norm": torch.ones(256)}]}
     params["series"] = {"down": w[None]}  # layer-sharded leaves are broadcast as stored
     out = prepare_params(params, target="cpu", linears=("down", "lm_head"))
-    assert out["lm_head"].T.is_contiguous() and out["layers"][0]["down"].T.is_contiguous()
+    assert out["lm_head"].is_contiguous() and out["layers"][0]["down"].is_contiguous()
     assert out["series"]["down"] is params["series"]["down"] and out["embed"] is params["embed"]
-    assert params["lm_head"] is w and w.is_contiguous()  # pure
+    assert params["lm_head"] is w and not w.is_contiguous()  # pure
