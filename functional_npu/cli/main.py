@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "inductor", "torchair", "eager", "aot_eager", "none"],
         help="compiler backend ('none': the plain eager forward, no compile)",
     )
+    gen.add_argument(
+        "--mode",
+        default=None,
+        help="the backend's mode (default: the one measured fastest on the device); inductor: default (Python "
+        "wrapper), reduce-overhead (C++ wrapper on CPU, CUDA graphs on CUDA), max-autotune, "
+        "max-autotune-no-cudagraphs; torchair: max-autotune (GE graph), reduce-overhead (captured graph)",
+    )
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", nargs="+", metavar="TEXT", help="prompt texts (needs the model's tokenizer.json)")
     src.add_argument(
@@ -174,6 +181,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     from ..parallel.plan import Plan
     from ..runtime.checkpoint import read_config, read_quant
     from ..runtime.generate import check_length, check_token_ids
+    from ..runtime.backends import resolve_backend
     from ..runtime.plan import check_plan
 
     model = Path(args.model)
@@ -227,6 +235,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         if tok is None and (model / "tokenizer.json").is_file():
             print(f"warning: {why}; printing token ids only", file=sys.stderr)
     try:  # the API's own checks, before any rank starts or any cache is allocated
+        resolve_backend(args.backend, mode=args.mode)
         check_token_ids(prompts, cfg.vocab_size)
         check_length(max(len(p) for p in prompts), args.max_new_tokens, cfg.max_position_embeddings)
     except ValueError as e:
@@ -246,6 +255,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     job = (generate_on_rank, str(args.model), axes, prompts, args.max_new_tokens)
     extra = {
         "backend": args.backend,
+        "mode": args.mode,
         "sampling": sampling,
         "plan": args.plan,
         "dtype": args.dtype,

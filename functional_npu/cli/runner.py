@@ -42,6 +42,7 @@ def generate_on_rank(
     max_new_tokens: int,
     *,
     backend: str = "auto",
+    mode: str | None = None,
     sampling: Mapping[str, Any] | None = None,
     repeat: int = 1,
     plan: Plan | None = None,
@@ -50,7 +51,8 @@ def generate_on_rank(
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
-    ``backend``: any of :data:`functional_npu.runtime.backends.BACKENDS` (``"none"``: the plain forward).
+    ``backend``: any of :data:`functional_npu.runtime.backends.BACKENDS` (``"none"``: the plain forward);
+    ``mode``: its mode (default: the device's fastest, :func:`functional_npu.runtime.backends.resolve_backend`).
     ``plan``: the parallel plan over ``axes`` (default ``Plan()``); every axis but ``plan.tp`` is data-parallel.
     A ``plan.prefetch_step`` of ``"auto"`` is the cost model's choice, reported as ``prefetch_step`` in the result.
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
@@ -72,6 +74,7 @@ def generate_on_rank(
         params,
         mesh,
         backend=backend,
+        mode=mode,
         max_seq_len=cache_length(longest + max_new_tokens),
         greedy_head=not (sampling or {}).get("temperature"),  # greedy decode steps move tokens, not logits
     )

@@ -31,6 +31,9 @@ __all__ = [
     "npugraph_ex_streams",
     "npugraph_ex_config",
     "EVENT_PREFIX",
+    "modes",
+    "INDUCTOR_MODES",
+    "FASTEST_MODES",
 ]
 
 log = logging.getLogger("functional_npu")
@@ -38,6 +41,10 @@ log = logging.getLogger("functional_npu")
 BACKENDS = ("auto", "inductor", "torchair", "eager", "aot_eager", "none", "npugraph_ex")
 EVENT_PREFIX = "functional_npu."  # the tagged events the npugraph_ex hints record and wait
 TORCHAIR_MODES = ("max-autotune", "reduce-overhead")  # GE graph mode, captured (aclgraph) mode
+INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# the mode each device compiles with when none is given: the one that measures fastest for decode there
+# (benchmarks/README.md, the scoreboard: on the CPU inductor's C++ wrapper, on CUDA its CUDA graphs)
+FASTEST_MODES = {"cpu": "reduce-overhead", "cuda": "reduce-overhead"}
 
 
 @dataclass(frozen=True)
@@ -188,18 +195,39 @@ def _torchair(mode: str | None) -> Any:
     return torchair.get_npu_backend(compiler_config=config)
 
 
+def modes(name: str, device_type: str) -> tuple[str, ...]:
+    """The modes backend ``name`` takes on ``device_type`` (none: it takes no mode)."""
+    if name == "torchair":
+        return TORCHAIR_MODES
+    if name in ("inductor", "auto") and device_type != "npu":
+        return INDUCTOR_MODES
+    return ()
+
+
+def _check_mode(name: str, device_type: str, mode: str | None) -> None:
+    if mode is not None and mode not in modes(name, device_type):
+        have = modes(name, device_type)
+        raise ValueError(
+            f"mode {mode!r}: backend {name!r} on {device_type!r} "
+            + (f"has the modes {', '.join(have)}" if have else "takes no mode")
+            + " (or none: the one measured fastest there)"
+        )
+
+
 def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type: str | None = None) -> Backend:
     """Turn a backend name into a :class:`Backend`.
 
     Args:
         name: one of ``BACKENDS``.
-        mode: torchair: "max-autotune" (GE graph) or "reduce-overhead" (captured graph);
-            inductor: any ``torch.compile`` mode (default "reduce-overhead" on CUDA, none on CPU; on CPU
-            "reduce-overhead" means inductor's C++ wrapper, as CUDA graphs do not exist there).
+        mode: torchair: "max-autotune" (GE graph, the default) or "reduce-overhead" (captured graph);
+            inductor: one of ``INDUCTOR_MODES``, default the device's fastest (``FASTEST_MODES``); on CPU
+            "reduce-overhead" means inductor's C++ wrapper, as CUDA graphs do not exist there, and "default" its
+            Python wrapper. Other backends take no mode. :func:`modes` lists them.
         device_type: where the model runs (default: the detected accelerator, else "cpu").
 
     Raises:
-        ValueError for an unknown name or mode, or ``"torchair"`` without a working NPU.
+        ValueError for an unknown name, a mode the backend does not have on the device (naming its modes), or
+        ``"torchair"`` without a working NPU.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
@@ -223,8 +251,7 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
     if name in ("auto", "torchair") and device_type in (None, "npu"):
         ok, why = npu_status()
         if ok:
-            if mode is not None and mode not in TORCHAIR_MODES:
-                raise ValueError(f"torchair mode {mode!r} is not one of {TORCHAIR_MODES}")
+            _check_mode("torchair", "npu", mode)
             mode = mode or "max-autotune"
             # the scopes are GE graph-mode ops; captured (aclgraph) mode orders by capture, with no hints
             streams = torchair_streams() if mode == "max-autotune" else INLINE
@@ -237,8 +264,9 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
             log.warning("functional_npu: no usable NPU (%s); using inductor", why)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    _check_mode("inductor" if name == "auto" else name, device_type, mode)
     if name in ("eager", "aot_eager", "none"):  # aot_eager functionalizes and copies mutated inputs back
         return Backend(
             name, device_type, None, None if name == "none" else name, COPY_BACK if name == "aot_eager" else INLINE
         )
-    return Backend("inductor", device_type, mode or ("reduce-overhead" if device_type == "cuda" else None), "inductor")
+    return Backend("inductor", device_type, mode or FASTEST_MODES.get(device_type), "inductor")

@@ -109,6 +109,16 @@ def test_generate_with_tokenizer_text(model):
             ["generate", "--model", "MODEL", "--max-new-tokens", "2"],
             "one of the arguments --prompt --prompt-ids is required",
         ),
+        (
+            ["generate", "--model", "MODEL", "--prompt-ids", "1", "--max-new-tokens", "2", "--mode", "max-speed"],
+            "mode 'max-speed': backend 'inductor' on 'cpu' has the modes default, reduce-overhead, max-autotune, "
+            "max-autotune-no-cudagraphs (or none: the one measured fastest there)",
+        ),
+        (
+            ["generate", "--model", "MODEL", "--prompt-ids", "1", "--max-new-tokens", "2", "--backend", "none"]
+            + ["--mode", "default"],
+            "mode 'default': backend 'none' on 'cpu' takes no mode",
+        ),
         (["nonsense"], "invalid choice: 'nonsense'"),
     ],
 )

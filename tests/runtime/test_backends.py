@@ -7,12 +7,13 @@ import textwrap
 import pytest
 
 from functional_npu.parallel.streams import COPY_BACK, INLINE
-from functional_npu.runtime.backends import BACKENDS, resolve_backend
+from functional_npu.runtime.backends import BACKENDS, FASTEST_MODES, modes, resolve_backend
 
 
-def test_auto_is_inductor_on_cpu():
+def test_auto_is_inductor_on_cpu_in_the_mode_measured_fastest_there():
     b = resolve_backend("auto", device_type="cpu")
-    assert (b.name, b.device_type, b.mode) == ("inductor", "cpu", None)
+    assert (b.name, b.device_type, b.mode) == ("inductor", "cpu", FASTEST_MODES["cpu"])
+    assert resolve_backend("inductor", mode="default", device_type="cpu").mode == "default"
     assert resolve_backend("eager").compiler == "eager" and resolve_backend("aot_eager").name == "aot_eager"
 
 
@@ -25,6 +26,11 @@ def test_backend_errors():
         resolve_backend("torchair", device_type="cpu")
     with pytest.raises(ValueError, match=r"backend 'torchair' needs a working Ascend NPU: torch_npu is not importable"):
         resolve_backend("torchair")
+    with pytest.raises(ValueError, match=r"^mode 'turbo': backend 'inductor' on 'cpu' has the modes default, "):
+        resolve_backend("inductor", mode="turbo", device_type="cpu")
+    with pytest.raises(ValueError, match=r"^mode 'default': backend 'eager' on 'cpu' takes no mode"):
+        resolve_backend("eager", mode="default", device_type="cpu")
+    assert modes("torchair", "npu") == ("max-autotune", "reduce-overhead") and modes("none", "cpu") == ()
 
 
 def test_broken_torch_npu_falls_back_with_one_log_line(tmp_path):
