@@ -20,7 +20,6 @@ step reads (every weight but the embedding table, of which one row per token), t
 from __future__ import annotations
 
 import importlib.util
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,15 @@ from functional_npu.runtime.compile import CompiledModel, cache_length, compile_
 from functional_npu.runtime.quant_config import QuantConfig
 from functional_npu.runtime.save import save_checkpoint
 
-from .timing import interleaved, matvec_bandwidth, pin_threads, stats
+from .timing import interleaved, matvec_bandwidth, pin_threads, ratio, read_bandwidth, stats
 
 __all__ = [
     "FORMATS",
     "run_formats",
+    "cells",
+    "targets",
+    "targets_table",
+    "peers_of",
     "format_table",
     "formats_plot",
     "decode_bytes",
@@ -147,25 +150,54 @@ def _torchao(bits: int) -> tuple[Callable[[Any], Any] | None, str | None]:
     return (lambda model: quantize_(model, config)), None
 
 
+# the issue's targets at batch 1 (share of the read roofline) and at batch 8 (every format)
+SHARE_TARGETS = {"1": {"fp32": 0.80, "bf16": 0.75, "int8": 0.60, "int4": 0.45}, "8": dict.fromkeys(FORMATS, 0.40)}
+PEER_TARGET = 1.0  # against every peer, in every cell
+COMPILED_TARGET = {"fp32": 1.15, "bf16": 1.15}  # against transformers compiled at batch 1
+FIXED_TARGET_MS = 0.5  # a batch-1 decode step minus its weight bytes over the read bandwidth
+
+
+def peers_of(fmt: str) -> list[str]:
+    """The peers of a format's cells: transformers compiled at its dtype (fp32 also eager); torchao for int8 / int4."""
+    return {
+        "fp32": ["hf_fp32", "hf_eager_fp32"],
+        "bf16": ["hf_bf16"],
+        "int8": ["torchao_int8"],
+        "int4": ["torchao_int4"],
+    }[fmt]
+
+
 def run_formats(
-    cfg: LlamaConfig, root: Path, *, new: int = 32, repeat: int = 3, threads: int | None = None, log=print
+    cfg: LlamaConfig,
+    root: Path,
+    *,
+    new: int = 32,
+    repeat: int = 5,
+    threads: int | None = None,
+    formats: tuple[str, ...] = tuple(FORMATS),
+    log=print,
 ) -> dict[str, Any]:
-    """Build every system on ``cfg``'s weights (written under ``root``), then ``repeat`` interleaved rounds;
-    returns the JSON-ready ``formats`` result."""
+    """Build every system on ``cfg``'s weights (written under ``root``), then ``repeat`` interleaved rounds with the
+    read bandwidth sampled before the first and after every round; returns one run's JSON-ready result (every
+    round's figures, and each cell's shares and ratios taken round by round, :func:`cells`)."""
     cores = pin_threads(threads)
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, 33)]
     paths = write_formats(cfg, root)
     systems: dict[str, Callable[[int, int], Any]] = {}
     bytes_per_token, skipped = {}, {}
     mesh = Mesh.abstract({"tp": 1}, 0)
-    for name in FORMATS:
-        systems[f"fnpu_{name}"], model = fnpu_runner(
-            paths[name], mesh, prompt, new, batch_sizes=BATCHES, mode="reduce-overhead"
-        )
+    for name in formats:
+        # the default configuration: compile_model picks the mode per device, no flag
+        systems[f"fnpu_{name}"], model = fnpu_runner(paths[name], mesh, prompt, new, batch_sizes=BATCHES)
         bytes_per_token[name] = decode_bytes(model.params)
-    systems["hf_fp32"] = transformers_runner(paths["fp32"], prompt, torch.float32, compile_config=CPP_WRAPPER)
-    systems["hf_bf16"] = transformers_runner(paths["bf16"], prompt, torch.bfloat16, compile_config=CPP_WRAPPER)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    for name in (f for f in formats if f in dtypes):
+        systems[f"hf_{name}"] = transformers_runner(paths[name], prompt, dtypes[name], compile_config=CPP_WRAPPER)
+    if "fp32" in formats:
+        systems["hf_eager_fp32"] = transformers_runner(paths["fp32"], prompt, torch.float32)
     for bits in (8, 4):
+        if f"int{bits}" not in formats:
+            continue
         quantize, why = _torchao(bits)
         if quantize is None:
             skipped[f"torchao_int{bits}"] = why
@@ -177,79 +209,125 @@ def run_formats(
         for b in BATCHES:
             run(b, new)
             run(b, 1)
-        log(f"  formats: {name} built", flush=True)
-    bandwidth = [matvec_bandwidth()]
+        log(f"  decode: {name} built", flush=True)
+    read, matvec = [read_bandwidth()], [matvec_bandwidth()]
 
     def between(r: int) -> None:
-        bandwidth.append(matvec_bandwidth())
-        log(f"  formats: round {r + 1}/{repeat} done", flush=True)
+        read.append(read_bandwidth())
+        matvec.append(matvec_bandwidth())
+        log(f"  decode: round {r + 1}/{repeat} done ({read[-1] / 1e9:.1f} GB/s read)", flush=True)
 
     runs = interleaved(systems, BATCHES, new, len(prompt), repeat, between)
-    decode = {s: {b: v["decode"] for b, v in per.items()} for s, per in runs.items()}
-    bw = statistics.median(bandwidth)
-    return _summary(decode, bytes_per_token, bw, bandwidth, skipped, cores, new, repeat)
-
-
-def _peer(fmt: str) -> str:
-    return {"fp32": "hf_fp32", "bf16": "hf_bf16", "int8": "torchao_int8", "int4": "torchao_int4"}[fmt]
-
-
-def _summary(decode, bytes_per_token, bw, bandwidth, skipped, cores, new, repeat) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "systems": {name: {str(b): stats(v) for b, v in per.items()} for name, per in decode.items()},
+    decode = {s: {str(b): v["decode"] for b, v in per.items()} for s, per in runs.items()}
+    # round r lies between read samples r and r + 1: its roofline is their mean
+    round_read = [(a + b) / 2 for a, b in zip(read, read[1:])]
+    return {
+        "systems": {name: {b: stats(v) for b, v in per.items()} for name, per in decode.items()},
+        "decode_runs": decode,
         "bytes_per_token": bytes_per_token,
-        "matvec_gb_s": stats([x / 1e9 for x in bandwidth]),
+        "read_gb_s": stats([x / 1e9 for x in read]),
+        "round_read_gb_s": [x / 1e9 for x in round_read],
+        "matvec_gb_s": stats([x / 1e9 for x in matvec]),
         "skipped": skipped,
+        "cells": cells(decode, bytes_per_token, round_read),
         "settings": {
             "cores": cores,
             "threads": torch.get_num_threads(),
             "new_tokens": new,
-            "prompt": 32,
+            "prompt": len(prompt),
             "rounds": repeat,
             "batches": list(BATCHES),
             "formats": {k: repr(q) if q else str(dt).removeprefix("torch.") for k, (dt, q) in FORMATS.items()},
-            "compile": "inductor, cpp_wrapper (ours: mode='reduce-overhead'; transformers: CompileConfig options)",
+            "compile": "ours: compile_model's default for the device (no mode flag); transformers and torchao: "
+            "generate compiled with a static cache and inductor's cpp_wrapper",
         },
-        "formats": {},
     }
-    fp32 = {b: statistics.median(decode["fnpu_fp32"][b]) for b in BATCHES}
-    for fmt in FORMATS:
-        row = {}
-        for b in BATCHES:
-            ours = statistics.median(decode[f"fnpu_{fmt}"][b])
-            roof = b * bw / bytes_per_token[fmt]
-            peer = decode.get(_peer(fmt), {}).get(b)
-            row[str(b)] = {
-                "tok_s": ours,
-                "roofline_tok_s": roof,
-                "share_of_roofline": ours / roof,
-                "vs_our_fp32": ours / fp32[b],
-                "peer": _peer(fmt),
-                "vs_peer": ours / statistics.median(peer) if peer else None,
+
+
+def cells(decode: dict[str, dict[str, list[float]]], bytes_per_token: dict[str, int], read: list[float]) -> dict:
+    """Each format and batch: our tok/s, the share of the read roofline (``b * read / bytes`` in the same round),
+    the fixed cost per step at batch 1 (step time minus bytes over that round's read bandwidth, ms) and the ratio
+    to every peer, each taken round by round (:func:`benchmarks.timing.ratio`); ``{fmt: {batch: {...}}}``."""
+    out: dict[str, Any] = {}
+    for fmt, nbytes in bytes_per_token.items():
+        out[fmt] = {}
+        for b, ours in decode[f"fnpu_{fmt}"].items():
+            roof = [int(b) * bw / nbytes for bw in read]
+            cell: dict[str, Any] = {
+                "tok_s": stats(ours),
+                "roofline_tok_s": stats(roof),
+                "share_of_roofline": ratio(ours, roof),
+                "peers": {p: ratio(ours, decode[p][b]) for p in peers_of(fmt) if p in decode},
             }
-        out["formats"][fmt] = row
+            if b == "1":
+                cell["fixed_ms"] = stats([1e3 * (1 / t - nbytes / bw) for t, bw in zip(ours, read)])
+            out[fmt][b] = cell
     return out
 
 
-def format_table(res: dict[str, Any]) -> str:
-    """The markdown table of a :func:`run_formats` result."""
+def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every target against every run's medians: ``[{target, figures (one per run), met}]``; a target is met when
+    it is met in every run (a headline is confirmed by a second run)."""
+    rows = []
+
+    def row(what: str, got: list[float | None], want: float, fmt: str = "{:.0%}", below: bool = False) -> None:
+        ok = all(g is not None and (g <= want if below else g >= want) for g in got)
+        figures = ["not run" if g is None else fmt.format(g) for g in got]
+        rows.append({"target": what, "figures": figures, "values": got, "met": ok})
+
+    for b, by_fmt in SHARE_TARGETS.items():
+        for fmt, want in by_fmt.items():
+            got = [r["cells"].get(fmt, {}).get(b, {}).get("share_of_roofline", {}).get("median") for r in runs]
+            row(f"{fmt} at batch {b} >= {want:.0%} of the read roofline", got, want)
+    for fmt, want in COMPILED_TARGET.items():
+        got = [r["cells"].get(fmt, {}).get("1", {}).get("peers", {}).get(f"hf_{fmt}", {}).get("median") for r in runs]
+        row(f"{fmt} at batch 1 >= {want:.2f}x transformers compiled", got, want, "{:.2f}x")
+    for fmt in FORMATS:
+        for b in map(str, BATCHES):
+            for peer in peers_of(fmt):
+                got = [r["cells"].get(fmt, {}).get(b, {}).get("peers", {}).get(peer, {}).get("median") for r in runs]
+                if any(g is not None for g in got):
+                    row(f"{fmt} at batch {b} >= {PEER_TARGET:.1f}x {peer}", got, PEER_TARGET, "{:.2f}x")
+    for fmt in FORMATS:
+        got = [r["cells"].get(fmt, {}).get("1", {}).get("fixed_ms", {}).get("median") for r in runs]
+        row(f"{fmt} fixed cost per batch-1 step <= {FIXED_TARGET_MS} ms", got, FIXED_TARGET_MS, "{:.2f} ms", True)
+    return rows
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    """The markdown decode table of one or more runs (each cell: median and spread over rounds, per run)."""
     lines = [
-        "| format | batch | fnpu tok/s (min-max) | share of roofline | vs our fp32 | peer "
-        "| peer tok/s (min-max) | vs peer |",
-        "|---|---|---|---|---|---|---|---|",
+        "| format | batch | functional-npu tok/s | share of read roofline | fixed ms/step | peer: ratio (min-max) |",
+        "|---|---|---|---|---|---|",
     ]
-    for fmt, row in res["formats"].items():
-        for b, r in row.items():
-            ours = res["systems"][f"fnpu_{fmt}"][b]
-            peer = res["systems"].get(r["peer"], {}).get(b)
-            peer_s = f"{peer['median']:.1f} ({peer['min']:.1f}-{peer['max']:.1f})" if peer else "not run"
-            vs = f"{r['vs_peer']:.2f}x" if r["vs_peer"] else "-"
-            lines.append(
-                f"| {fmt} | {b} | {r['tok_s']:.1f} ({ours['min']:.1f}-{ours['max']:.1f}) | "
-                f"{r['share_of_roofline']:.0%} | {r['vs_our_fp32']:.2f}x | {r['peer']} | {peer_s} | {vs} |"
+    first = runs[0]
+    for fmt, by_batch in first["cells"].items():
+        for b in by_batch:
+            per = [r["cells"][fmt][b] for r in runs]
+            tok = " / ".join(
+                f"{c['tok_s']['median']:.1f} ({c['tok_s']['min']:.1f}-{c['tok_s']['max']:.1f})" for c in per
             )
-    for name, why in res["skipped"].items():
+            share = " / ".join(f"{c['share_of_roofline']['median']:.0%}" for c in per)
+            fixed = " / ".join(f"{c['fixed_ms']['median']:.2f}" for c in per) if b == "1" else "-"
+            peers = "; ".join(
+                f"{p} "
+                + " / ".join(
+                    f"{c['peers'][p]['median']:.2f}x ({c['peers'][p]['min']:.2f}-{c['peers'][p]['max']:.2f})"
+                    for c in per
+                    if p in c["peers"]
+                )
+                for p in per[0]["peers"]
+            )
+            lines.append(f"| {fmt} | {b} | {tok} | {share} | {fixed} | {peers or '-'} |")
+    for name, why in first["skipped"].items():
         lines.append(f"\n{name}: {why}")
+    return "\n".join(lines)
+
+
+def targets_table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of :func:`targets`."""
+    lines = ["| target | run 1 / run 2 | |", "|---|---|---|"]
+    lines += [f"| {r['target']} | {' / '.join(r['figures'])} | {'met' if r['met'] else 'missed'} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -266,34 +344,27 @@ def pyplot() -> Any:
 
 
 def formats_plot(res: dict[str, Any], path: str, batch: str = "1") -> bool:
-    """Decode tokens/s per format at ``batch``: ours (median, spread as an error bar), the peer, the roofline
-    (PNG); False when matplotlib is missing."""
+    """Decode tokens/s per format at ``batch`` in one run: ours and the first peer (median, spread as an error
+    bar) and the read roofline at the format's bytes (PNG); False when matplotlib is missing."""
     plt = pyplot()
     if plt is None:
         return False
-    fmts = list(res["formats"])
+    fmts = list(res["cells"])
+    peers = [next((p for p in peers_of(f) if p in res["systems"]), None) for f in fmts]
     fig, ax = plt.subplots(figsize=(7, 3.4))
     x = range(len(fmts))
-    for offset, key, color, label in ((-0.2, "fnpu", "tab:blue", "functional-npu"), (0.2, "peer", "tab:gray", "peer")):
-        meds, lo, hi = [], [], []
-        for f in fmts:
-            name = f"fnpu_{f}" if key == "fnpu" else res["formats"][f][batch]["peer"]
-            s = res["systems"].get(name, {}).get(batch)
-            meds.append(s["median"] if s else 0.0)
-            lo.append(s["median"] - s["min"] if s else 0.0)
-            hi.append(s["max"] - s["median"] if s else 0.0)
-        ax.bar([i + offset for i in x], meds, 0.4, yerr=[lo, hi], color=color, label=label, capsize=3)
-    ax.scatter(
-        x,
-        [res["formats"][f][batch]["roofline_tok_s"] for f in fmts],
-        marker="_",
-        s=900,
-        color="tab:red",
-        label="roofline at the format's bytes",
-    )
-    peers = [res["formats"][f][batch]["peer"] for f in fmts]
-    ax.set_xticks(list(x), [f"{f}\n(peer: {p})" for f, p in zip(fmts, peers)], fontsize=8)
-    ax.set(ylabel=f"decode tokens/s (batch {batch})", title="Weight formats, same model, median of interleaved rounds")
+    for offset, names, color, label in (
+        (-0.2, [f"fnpu_{f}" for f in fmts], "tab:blue", "functional-npu (default)"),
+        (0.2, peers, "tab:gray", "peer"),
+    ):
+        got = [res["systems"].get(n, {}).get(batch) if n else None for n in names]
+        meds = [s["median"] if s else 0.0 for s in got]
+        err = [[s["median"] - s["min"] if s else 0.0 for s in got], [s["max"] - s["median"] if s else 0.0 for s in got]]
+        ax.bar([i + offset for i in x], meds, 0.4, yerr=err, color=color, label=label, capsize=3)
+    roofs = [res["cells"][f][batch]["roofline_tok_s"]["median"] for f in fmts]
+    ax.scatter(x, roofs, marker="_", s=900, color="tab:red", label="read roofline at the format's bytes")
+    ax.set_xticks(list(x), [f"{f}\n(peer: {p or 'none'})" for f, p in zip(fmts, peers)], fontsize=8)
+    ax.set(ylabel=f"decode tokens/s (batch {batch})", title="Decode by weight format, median of interleaved rounds")
     ax.set_ylim(0, 1.25 * max(ax.get_ylim()[1], 1.0))
     ax.legend(fontsize=8, loc="upper left", ncols=3)
     fig.tight_layout()

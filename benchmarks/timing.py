@@ -28,6 +28,7 @@ __all__ = [
     "ratio",
     "pin_threads",
     "matvec_bandwidth",
+    "read_bandwidth",
 ]
 
 T = TypeVar("T")
@@ -130,3 +131,12 @@ def matvec_bandwidth(dtype: torch.dtype = torch.float32, mib: int = 256, repeat:
     x = torch.randn(cols, dtype=dtype)
     w @ x
     return w.numel() * w.element_size() / best_time(lambda: w @ x, repeat)
+
+
+def read_bandwidth(mib: int = 512, repeat: int = 5) -> float:
+    """Bytes/s of a plain streaming read over all threads: a sum over a float32 buffer of ``mib`` MiB, far larger
+    than the caches, the fastest of ``repeat``. What the memory delivers to a kernel that only reads, and so
+    the physical limit of a decode step that reads each weight once (the roofline)."""
+    x = torch.ones(mib * 2**18)
+    x.sum()
+    return x.numel() * x.element_size() / best_time(x.sum, repeat)

@@ -1,7 +1,5 @@
 """Weight formats: one model written four ways, and the table of a result."""
 
-from benchmarks.formats import format_table
-
 
 def test_formats_are_one_model_written_four_ways(tmp_path):
     """fp32, bf16, int8 and int4 of the same seeded weights; the bytes a decode token reads shrink with the format
@@ -26,25 +24,42 @@ def test_formats_are_one_model_written_four_ways(tmp_path):
     assert sizes["fp32"] > 1.9 * sizes["bf16"] > 1.9 * 1.8 * sizes["int8"] > 1.9 * 1.8 * 1.6 * sizes["int4"]
 
 
-def test_format_table_has_medians_spread_and_peers():
-    res = {
-        "formats": {
-            "int8": {
-                "1": {
-                    "tok_s": 300.0,
-                    "share_of_roofline": 0.8,
-                    "vs_our_fp32": 3.0,
-                    "peer": "torchao_int8",
-                    "vs_peer": 1.5,
-                }
-            }
-        },
-        "systems": {
-            "fnpu_int8": {"1": {"median": 300.0, "min": 290.0, "max": 310.0}},
-            "torchao_int8": {"1": {"median": 200.0, "min": 190.0, "max": 210.0}},
-        },
+def _run(ours: list[float], peer: list[float], read_gb_s: list[float]) -> dict:
+    """One run's decode result for fp32 at batch 1 only, from per-round tok/s and read bandwidths."""
+    from benchmarks.formats import cells
+    from benchmarks.timing import stats
+
+    decode = {"fnpu_fp32": {"1": ours}, "hf_fp32": {"1": peer}}
+    nbytes = 200_000_000
+    return {
+        "cells": cells(decode, {"fp32": nbytes}, [g * 1e9 for g in read_gb_s]),
+        "systems": {k: {b: stats(v) for b, v in per.items()} for k, per in decode.items()},
         "skipped": {"torchao_int4": "torchao int4 weight-only does not run on this CPU"},
     }
-    table = format_table(res)
-    assert "| int8 | 1 | 300.0 (290.0-310.0) | 80% | 3.00x | torchao_int8 | 200.0 (190.0-210.0) | 1.50x |" in table
+
+
+def test_cells_take_shares_ratios_and_fixed_cost_round_by_round():
+    """A round's share uses that round's read bandwidth, and the ratio pairs figures of the same round: a slow
+    round slows both systems and the roofline alike, and changes no ratio."""
+    run = _run(ours=[100.0, 50.0, 120.0], peer=[80.0, 40.0, 100.0], read_gb_s=[40.0, 20.0, 40.0])
+    cell = run["cells"]["fp32"]["1"]
+    assert cell["share_of_roofline"] == {"median": 0.5, "min": 0.5, "max": 0.6}  # 100 * 0.2 GB / 40 GB/s, ...
+    assert cell["peers"]["hf_fp32"]["median"] == 1.25 and cell["peers"]["hf_fp32"]["min"] == 1.2
+    assert cell["fixed_ms"]["median"] == 5.0  # 10 ms a step, 5 ms of weight bytes at 40 GB/s
+
+
+def test_targets_need_every_run_and_the_table_shows_both():
+    from benchmarks.formats import format_table, targets, targets_table
+
+    good = _run(ours=[180.0] * 3, peer=[100.0] * 3, read_gb_s=[40.0] * 3)  # 90% of the roofline, 1.8x
+    bad = _run(ours=[140.0] * 3, peer=[150.0] * 3, read_gb_s=[40.0] * 3)  # 70%, 0.93x
+    rows = {r["target"]: r for r in targets([good, bad])}
+    share = rows["fp32 at batch 1 >= 80% of the read roofline"]
+    assert share["figures"] == ["90%", "70%"] and not share["met"]
+    assert rows["fp32 at batch 1 >= 80% of the read roofline"]["met"] is False
+    assert {r["target"]: r for r in targets([good, good])}["fp32 at batch 1 >= 1.15x transformers compiled"]["met"]
+    assert rows["bf16 at batch 1 >= 75% of the read roofline"]["figures"] == ["not run", "not run"]
+    table = format_table([good, bad])
+    assert "| fp32 | 1 | 180.0 (180.0-180.0) / 140.0 (140.0-140.0) | 90% / 70% |" in table
     assert "torchao_int4: torchao int4 weight-only does not run on this CPU" in table
+    assert "| fp32 at batch 1 >= 80% of the read roofline | 90% / 70% | missed |" in targets_table(targets([good, bad]))
