@@ -6,8 +6,9 @@ FSDP2 holds it (rows over the world) and goes to its slice of the tp plan (q/k/v
 columns, the rest as the plan places it). This library plans the whole move as one ``all_to_all``;
 ``DTensor.redistribute`` moves each tensor with the collectives its placements imply. Both must give the same
 bits. Reported: seconds per move (median and spread of interleaved rounds, timed between barriers so the
-slowest rank counts) and the bytes each rank receives from the others, with the lower bound (the bytes a rank
-needs and does not hold).
+slowest rank counts) and the bytes each rank receives from the others, both counted by one dispatch mode at the
+collectives each system dispatches (:class:`benchmarks.counting.ReceivedBytes`), against the lower bound: the bytes
+a rank needs and does not hold, from the element indices each layout gives it (no planner code involved).
 
 ``decode_tp``: decode tokens/s at tp = the world, this library compiled against transformers' own tensor
 parallelism (``DistributedConfig(tp_plan="auto")``: DTensor weights, eager ``generate``), loaded from the same
@@ -20,14 +21,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from functional_npu.core.dtensor import placements_of, to_dtensor
 from functional_npu.core.layout import Layout, Shard, sharded
@@ -39,10 +38,11 @@ from functional_npu.runtime.hf_layout import stored_tensors
 from functional_npu.runtime.launch import RankContext
 from functional_npu.runtime.plan import check_plan
 
+from .counting import ReceivedBytes, need_of_layouts
 from .formats import fnpu_runner
 from .timing import interleaved, ratio, rounds, seconds, stats
 
-__all__ = ["reshard_peer", "decode_tp_peer", "peers_report", "ReceivedBytes"]
+__all__ = ["reshard_peer", "decode_tp_peer", "peers_report"]
 
 
 def reshard_peer(ctx: RankContext, cfg: Any, repeat: int, seed: int = 0) -> dict[str, Any]:
@@ -67,26 +67,31 @@ def reshard_peer(ctx: RankContext, cfg: Any, repeat: int, seed: int = 0) -> dict
     def theirs() -> dict[str, torch.Tensor]:
         return {n: _settled(dt.redistribute(dm, want[n]).to_local()) for n, dt in dts.items()}
 
-    a = ours()
-    with ReceivedBytes(ctx.world_size) as counted:
+    with ReceivedBytes() as ours_counted:
+        a = ours()
+    with ReceivedBytes() as theirs_counted:
         b = theirs()
     ours(), theirs()  # a second warm-up: the allocator settles (fresh pages on the first rounds, not after)
     same = all(torch.equal(a[n], b[n]) for n in a)
     systems: dict[str, Callable[[], Any]] = {"fnpu_reshard": ours, "dtensor_redistribute": theirs}
     times = rounds({name: functools.partial(_between_barriers, fn) for name, fn in systems.items()}, repeat)
-    traffic = plan.traffic[ctx.rank]
+    need = need_of_layouts({n: (t.shape, torch.float32) for n, t in stored.items()}, src, dst, mesh, ctx.rank)
+    counted = {"fnpu_reshard": ours_counted, "dtensor_redistribute": theirs_counted}
     return {
         "tensors": len(stored),
         "bytes_total": sum(x.numel() * x.element_size() for x in full.values()),
         "same_bits": same,
         "seconds": {k: stats(v) for k, v in times.items()},
         "speedup": ratio(times["dtensor_redistribute"], times["fnpu_reshard"]),
-        "received_bytes": {"fnpu_reshard": traffic.received, "dtensor_redistribute": counted.received},
-        "lower_bound_bytes": traffic.lower_bound,
-        # reshard writes every output byte fresh (it never aliases its input); DTensor hands back a local tensor
-        # whose placement does not change as it is
-        "copied_locally_bytes": traffic.local_copy,
-        "collectives": {"fnpu_reshard": 1 if plan.axes else 0, "dtensor_redistribute": counted.calls},
+        # counted at the collectives each dispatched (benchmarks.counting), against the bytes this rank needs and
+        # does not hold, from the element indices each layout gives it
+        "received_bytes": {k: c.received for k, c in counted.items()},
+        "lower_bound_bytes": need.missing,
+        # reshard writes every output byte fresh (it never aliases its input), so it copies every byte it needs and
+        # holds; DTensor hands back a local tensor whose placement does not change as it is
+        "copied_locally_bytes": need.held,
+        "collectives": {k: c.collectives for k, c in counted.items()},
+        "collective_ops": {k: dict(c.calls) for k, c in counted.items()},
     }
 
 
@@ -142,8 +147,9 @@ def peers_report(peers: dict[str, Any]) -> str:
         f"{t['fnpu_reshard']['median'] * 1e3:.1f} ms, {b['fnpu_reshard'] / 2**20:.1f} MiB in "
         f"{x['collectives']['fnpu_reshard']} collective; DTensor.redistribute "
         f"{t['dtensor_redistribute']['median'] * 1e3:.1f} ms, {b['dtensor_redistribute'] / 2**20:.1f} MiB in "
-        f"{x['collectives']['dtensor_redistribute']} collectives; lower bound {x['lower_bound_bytes'] / 2**20:.1f} "
-        f"MiB per rank; reshard also copies {x['copied_locally_bytes'] / 2**20:.1f} MiB it holds into its fresh "
+        f"{x['collectives']['dtensor_redistribute']} collectives (bytes received by rank 0, counted at the "
+        f"collectives); lower bound {x['lower_bound_bytes'] / 2**20:.1f} MiB (needed, not held); reshard also "
+        f"copies {x['copied_locally_bytes'] / 2**20:.1f} MiB it holds into its fresh "
         f"outputs; {'same bits' if x['same_bits'] else 'BITS DIFFER'}"
     )
     return "\n".join(lines)
@@ -193,24 +199,3 @@ def _plain(layout: Layout, n: int, name: str) -> Layout:
 def _settled(x: torch.Tensor) -> torch.Tensor:
     wait = getattr(x, "wait", None)
     return wait() if callable(wait) else x
-
-
-class ReceivedBytes(TorchDispatchMode):
-    """Counts the collectives dispatched inside it and the bytes they bring this rank from the others (each rank's
-    equal share of a gather or an all-to-all: the ``(n - 1) / n`` of the result it did not hold)."""
-
-    _GATHERS = ("all_gather_into_tensor", "all_to_all_single", "shard_dim_alltoall", "all_gather")
-
-    def __init__(self, world: int) -> None:
-        super().__init__()
-        self.world, self.received, self.calls = world, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if func.namespace in ("_c10d_functional", "_dtensor", "c10d") and name in self._GATHERS:
-            self.calls += 1
-            result = out[0] if isinstance(out, (tuple, list)) else out
-            nbytes = result.numel() * result.element_size()
-            self.received += math.ceil(nbytes * (self.world - 1) / self.world)
-        return out
