@@ -1,5 +1,6 @@
 """Bytes a rank receives from the other ranks, counted at the collectives as they are dispatched, and the least
-it could receive, worked out from element indices: two figures that share no code with the planner they check.
+it could receive, worked out from element indices: two figures that take nothing from the planner they check
+(``functional_npu/core/reshard.py``).
 
 :class:`ReceivedBytes` is a ``TorchDispatchMode``: every collective dispatched inside it, whether a functional
 collective (``_c10d_functional.*``: this library's exchanges, DTensor's redistributions) or a process group's own
@@ -10,8 +11,9 @@ What a rank sends itself (its own chunk of an all-to-all or a gather) is not cou
 
 :func:`need_of_layouts` and :func:`need_of_ids` give the lower bound: the bytes a rank needs after a move and does
 not hold before it. Each element of a tensor is named by its index (``torch.arange``), the tensor is cut by the
-source and by the destination layout with :func:`functional_npu.core.shard.shard` (or the held and needed index
-tensors come from elsewhere: FSDP2's own shards, the checkpoint loader's), and the missing indices are counted.
+source and by the destination layout with :func:`functional_npu.core.shard.shard` (what a layout means, the
+definition the other tests check against DTensor and the loaders), or the held and needed index tensors come from
+elsewhere (FSDP2's own shards, the checkpoint loader's slices), and the missing indices are counted.
 
 Example:
     >>> with ReceivedBytes() as counted:                      # doctest: +SKIP
@@ -139,7 +141,8 @@ class ReceivedBytes(TorchDispatchMode):
       the others, ``sum(output_split_sizes) - output_split_sizes[me]`` (even splits when none are given);
     * all-gather: ``n - 1`` times this rank's input (every other rank's chunk);
     * reduce-scatter: ``n - 1`` chunks, the others' contributions to this rank's chunk;
-    * broadcast, scatter: the buffer, unless this rank is the root (then nothing); ``recv``: the buffer;
+    * broadcast, scatter: the buffer, unless this rank is the root (then nothing); gather: the others' inputs on
+      the root; ``recv``: the buffer;
     * all-reduce: ``2 (n - 1) / n`` of the buffer, a convention: what each rank receives in the bandwidth-optimal
       ring (a reduce-scatter then an all-gather); the bytes a backend really moves depend on its algorithm.
 
@@ -160,15 +163,13 @@ class ReceivedBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
-        if func.namespace in _NAMESPACES:
-            name = f"{func.namespace}.{func.overloadpacket.__name__}"
-            if func.overloadpacket.__name__ not in _NO_DATA:
-                if name not in _RULES:
-                    if func.namespace == "functional_npu":
-                        return func(*args, **kwargs)  # this library's other ops move nothing between ranks
-                    raise NotImplementedError(f"ReceivedBytes: no rule for {func}; add one to benchmarks/counting.py")
+        name = f"{func.namespace}.{func.overloadpacket.__name__}"
+        if func.namespace in _NAMESPACES and func.overloadpacket.__name__ not in _NO_DATA:
+            if name in _RULES:
                 self.received += _RULES[name](*args, **kwargs)
                 self.calls[name] += 1
+            elif func.namespace != "functional_npu":  # this library's other ops move nothing between ranks
+                raise NotImplementedError(f"ReceivedBytes: no rule for {func}; add one to benchmarks/counting.py")
         return func(*args, **kwargs)
 
 
