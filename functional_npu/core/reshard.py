@@ -6,7 +6,8 @@ ranks holding it (source) and the set of ranks needing it (destination) are cons
 takes whatever it already holds from itself and fetches every other atom from exactly one
 holder, chosen deterministically: among the holders that differ from it on the fewest mesh
 axes, round-robin over atoms (spreading load over replicas). So each rank receives exactly the
-bytes it needs and does not hold (the lower bound) and every destination byte is written once.
+bytes it needs and does not hold (the lower bound) and every destination byte is written once; on
+the wire each peer's section is padded to 8 bytes, so a rank may receive up to 7 bytes per peer more.
 
 Execution packs each rank's outgoing boxes into one flat byte buffer per peer (every dtype
 moved as raw bytes), exchanges them with a single ``all_to_all_single`` over the mesh axes the
@@ -407,7 +408,8 @@ def reshard(
     """This rank's tree in ``dst_specs`` from its tree in ``src_specs``: one planned ``all_to_all_single``.
 
     Collective: every rank of the mesh calls it with the same specs. Each rank receives only the
-    bytes it needs and does not already hold, each from one holder. Traceable with
+    bytes it needs and does not already hold, each from one holder (and the padding that starts each
+    peer's section on an 8-byte boundary). Traceable with
     ``torch.compile(fullgraph=True)`` (create the process groups first: run once eagerly or call
     ``mesh.init_groups(plan.axes)``).
 

@@ -33,10 +33,14 @@ def _collectives(ops: list[str]) -> int:
 @pytest.mark.parametrize("mode,case", [("eager", "2-rank-groups"), ("eager", "4-ranks"), ("inductor", "4-ranks")])
 def test_rebalance(world4, mode, case):
     axis, old, new, experts, dtype = REBALANCE[case]
-    for r in world4.run(rebalance_program, AXES, axis, old, new, experts, dtype, 3, mode):
+    results = world4.run(rebalance_program, AXES, axis, old, new, experts, dtype, 3, mode)
+    for r in results:
         assert r["experts"] and r["maps"] and r["layers"] and r["inputs_untouched"], r
         if mode == "inductor":
             assert _collectives(r["ops"]) == 2, r["ops"]  # one uneven all_to_all per expert leaf
+        else:  # counted at the collectives: each expert a rank gains, once, and nothing else
+            assert r["received"] == r["need"], (r["received"], r["need"])
+    assert sum(r["need"] for r in results) > 0
 
 
 @pytest.mark.parametrize("mode,case", [("eager", "2-rank-groups"), ("eager", "4-ranks"), ("inductor", "2-rank-groups")])

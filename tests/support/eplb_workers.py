@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.counting import ReceivedBytes
 from functional_npu import shard
 from functional_npu.eplb import plan_rebalance, rebalance, routing_table
 from functional_npu.interop import ep_to_tp, expert_layouts, tp_to_ep
@@ -66,7 +67,9 @@ def moe_params(local, table: torch.Tensor, dense_every: int = 2) -> dict:
 
 
 def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, dtype, seed: int, mode: str):
-    """Rebalance this rank's experts from ``old`` to ``new`` over ``axis``; returns checks and the op list."""
+    """Rebalance this rank's experts from ``old`` to ``new`` over ``axis``; returns checks, the op list and, eagerly,
+    the bytes this rank received (counted at the collectives) with the least it could receive (from the
+    placements)."""
     mesh = ctx.mesh(axes)
     rank = mesh.axis_index(axis)
     old, new = torch.tensor(old), torch.tensor(new)
@@ -78,7 +81,14 @@ def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, d
     ops: list[str] = []
     mesh.init_groups(axis)
     fn = _compiled(lambda p: rebalance(p, plan, mesh, axis), mode, ops)
-    out = fn(params)
+    if mode == "eager":  # torch.compile refuses a dispatch mode around it: only eager runs are counted
+        with ReceivedBytes() as counted:
+            out = fn(params)
+    else:
+        out = fn(params)
+    # the least this rank can receive: one copy of each expert its new slots hold and its old ones do not
+    per_expert = (gate_up[0, 0].numel() + down[0, 0].numel()) * gate_up.element_size()
+    need = sum(len(set(n[rank].tolist()) - set(o[rank].tolist())) for o, n in zip(old, new)) * per_expert
     want = placed(gate_up, down, new, rank)
     moe = [layer for layer in out["layers"] if "experts_gate_up" in layer]
     table = routing_table(new, experts, copies=width)
@@ -93,6 +103,8 @@ def rebalance_program(ctx, axes: dict[str, int], axis, old, new, experts: int, d
             _bits_equal(v, b) for (k, b), v in zip(before, (v for layer in params["layers"] for v in layer.values()))
         ),
         "ops": ops,
+        "received": counted.received if mode == "eager" else None,
+        "need": need,
     }
 
 

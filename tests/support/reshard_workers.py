@@ -15,8 +15,11 @@ def reshard_case(ctx, axes, leaves, seed: int, use_compile: bool, planned: bool 
 
     ``planned``: pass plans made beforehand (else ``reshard`` plans inside the traced region).
     ``leaves``: ``[(shape, dtype, src layout, dst layout)]``. Returns (bit-equal to shard_B per leaf,
-    round trip bit-equal per leaf, source untouched, aliasing, op list).
+    round trip bit-equal per leaf, source untouched, aliasing, op list, and eagerly: per direction, the bytes this
+    rank received counted at the collectives and its lower bound from element indices (None when compiled)).
     """
+    from benchmarks.counting import ReceivedBytes, need_of_layouts
+
     mesh = ctx.mesh(axes)
     tree = {f"w{i}": make_tensor(shape, dtype, seed + i) for i, (shape, dtype, _, _) in enumerate(leaves)}
     src = {f"w{i}": a for i, (_, _, a, _) in enumerate(leaves)}
@@ -31,8 +34,19 @@ def reshard_case(ctx, axes, leaves, seed: int, use_compile: bool, planned: bool 
     if use_compile:
         mesh.init_groups(tuple(axes))
         fwd, back_fn = compiled(fwd, ops), compiled(back_fn, ops)
-    out = fwd(local)
-    back = back_fn(out)
+    if use_compile:  # torch.compile refuses a dispatch mode around it: compiled runs are not counted
+        out = fwd(local)
+        back = back_fn(out)
+        traffic = None
+    else:
+        with ReceivedBytes() as counted_there:
+            out = fwd(local)
+        with ReceivedBytes() as counted_back:
+            back = back_fn(out)
+        traffic = {
+            "there": (counted_there.received, need_of_layouts(shapes, src, dst, mesh, mesh.rank).missing),
+            "back": (counted_back.received, need_of_layouts(shapes, dst, src, mesh, mesh.rank).missing),
+        }
     ref = shard(tree, dst, mesh)
     bits = lambda x: x.contiguous().view(torch.uint8)  # noqa: E731
     equal = {k: out[k].dtype == ref[k].dtype and torch.equal(bits(out[k]), bits(ref[k])) for k in tree}
@@ -41,7 +55,7 @@ def reshard_case(ctx, axes, leaves, seed: int, use_compile: bool, planned: bool 
     aliased = any(
         out[k].untyped_storage().data_ptr() == local[k].untyped_storage().data_ptr() for k in tree if out[k].numel()
     )
-    return equal, round_trip, untouched, aliased, ops
+    return equal, round_trip, untouched, aliased, ops, traffic
 
 
 def megatron_parity(ctx, model_dir: str, prompts, new_tokens: int, vpp: int):
