@@ -137,8 +137,6 @@ def attend(
 ) -> torch.Tensor:
     """Masked attention ``[B, H, S, dv]``: SDPA, or ``"math"`` (matmul + softmax: every op has a GE converter).
     ``scale``: of the scores (default ``hd ** -0.5``)."""
-    if kind == "sdpa" and q.shape[-2] == 1 and q.is_cpu and torch.compiler.is_compiling():
-        return one_query(q, keys, values, mask, scale)
     if kind == "sdpa":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     if kind != "math":
@@ -146,19 +144,6 @@ def attend(
     scores = (q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, H, S, C]
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
-
-
-def one_query(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None = None
-) -> torch.Tensor:
-    """Attention of one query per sequence (a decode step) as multiply-and-sum reductions in float32, which
-    inductor fuses with the cache reads around them (on the CPU: no call out to SDPA per layer, and the KV heads a
-    query group shares are read in place, not copied): ``q [B, H, 1, d]``, ``keys``, ``values [B, H, C, d]``,
-    ``mask [B, 1, 1, C]`` -> ``[B, H, 1, d]``."""
-    scores = (q.float() * keys.float()).sum(-1) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, H, C]
-    scores = scores.masked_fill(~mask[:, :, 0], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs[..., None] * values.float()).sum(-2, keepdim=True).to(q.dtype)
 
 
 def prepare(cfg: Rotary, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> Step:
