@@ -1,9 +1,10 @@
 """A linear layer's matmul, chosen by what its weight leaf holds.
 
-- a float tensor ``[out, in]``: ``x @ w.T``. On the CPU under ``torch.compile``, up to eight rows (a decode step) run as one multiply-and-sum reduction
-  that inductor generates (:func:`streamed`), reading each weight row once: it streams the weights at 80-90%
-  of the memory's read bandwidth where the CPU matmul reaches about half; the weight is held row-major
-  (:func:`prepare_dense`);
+- a float tensor ``[out, in]``: ``x @ w.T``. On the CPU under ``torch.compile``, up to eight rows (a decode
+  step) run as one multiply-and-sum reduction that inductor generates (:func:`streamed`), reading each weight
+  row once: it streams the weights at 80-90% of the memory's read bandwidth where the CPU matmul reaches
+  about half; the weight is held row-major (:func:`prepare_dense`). ``{"mm": w}``, a float weight that arrived
+  from the prefetch ring in the step, always takes the matmul (:func:`functional_npu.parallel.prefetch.fetched`);
 - a quantized weight prepared for the CPU kernels by :func:`prepare` (a dict; its keys name the form):
 
   - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``
@@ -70,6 +71,7 @@ __all__ = [
     "expert_weights",
     "quantized_activations",
     "slot_count",
+    "dense",
 ]
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -78,12 +80,13 @@ _INT4_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 _INT4_TILE = 16  # it needs out_features divisible by this
 _NPU_GROUP = 32  # WeightQuantBatchMatmulV2 takes group sizes that are multiples of this
 TARGETS = ("cpu", "npu", "dense")  # whose kernels prepare() aims at
-_KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8")
+_KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8", "mm")
 _INT8_ACTIVATIONS = ("w8a8", "qbmm", "a8")
 
 
 def kernel_of(w: Any) -> str:
-    """The form of a weight leaf: ``"dense"`` or one of ``w8``, ``w4``, ``w8a8``, ``qbmm``, ``wqbmm``, ``a8``."""
+    """The form of a weight leaf: ``"dense"`` or one of ``w8``, ``w4``, ``w8a8``, ``qbmm``, ``wqbmm``, ``a8``, ``mm``
+    (a dense weight that arrived by a collective in the step)."""
     if isinstance(w, torch.Tensor):
         return "dense"
     for kind in _KINDS:
@@ -94,6 +97,14 @@ def kernel_of(w: Any) -> str:
         f"got keys {sorted(w)}; "
         f"stored quantized weights go through functional_npu.models.linear.prepare first"
     )
+
+
+def dense(w: Any) -> torch.Tensor | None:
+    """The dense tensor of a weight leaf (as it is, or ``{"mm": w}`` as it arrives from the prefetch ring,
+    :func:`functional_npu.parallel.prefetch.fetched`), None for a quantized form."""
+    if isinstance(w, torch.Tensor):
+        return w
+    return w["mm"] if kernel_of(w) == "mm" else None
 
 
 def token_amax(x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +168,8 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
     kind = kernel_of(w)
     if kind == "dense":
         return streamed(x, w) if _streams(x, w) else x @ w.T
+    if kind == "mm":  # arrived by a collective in the step: the matmul, a kernel the collective's wait can precede
+        return x @ w["mm"].T
     if kind == "w8" and _streams(x, w["w8"]):
         return streamed(x, w["w8"], w["scale"])
     flat = x.reshape(-1, x.shape[-1])

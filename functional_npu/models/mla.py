@@ -35,7 +35,7 @@ import torch
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
 from .attention import attend, attention_mask, output_projection
-from .linear import linear
+from .linear import dense, linear
 from .norm import rms_norm
 
 __all__ = [
@@ -185,8 +185,9 @@ def mla(
     else:
         kv[0].scatter_(2, step.slot_c, c)
         kv[1].scatter_(2, step.slot_r, k_rot)
-        if plan.absorb and s == 1 and isinstance(layer["kv_b_proj"], torch.Tensor):  # (quantized: plain)
-            out = _absorbed(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, nh, dn)
+        w_kv = dense(layer["kv_b_proj"])
+        if plan.absorb and s == 1 and w_kv is not None:  # (quantized: plain)
+            out = _absorbed(w_kv, q_nope, q_rot, kv, step.mask, scale, nh, dn)
         else:
             out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv)
     attn = out.transpose(1, 2).reshape(b, s, nh * dv)  # [B, S, nh dv]
