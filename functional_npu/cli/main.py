@@ -179,9 +179,9 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     from ..parallel.layer_shard import layer_shard
     from ..parallel.module_tp import MODULES, split_dp
     from ..parallel.plan import Plan
+    from ..runtime.backends import resolve_backend
     from ..runtime.checkpoint import read_config, read_quant
     from ..runtime.generate import check_length, check_token_ids
-    from ..runtime.backends import resolve_backend
     from ..runtime.plan import check_plan
 
     model = Path(args.model)
