@@ -1,14 +1,15 @@
 """A linear layer's matmul, chosen by what its weight leaf holds.
 
-- a float tensor ``[out, in]``: ``x @ w.T``. On the CPU under ``torch.compile``, up to eight rows (a decode
-  step) run as one multiply-and-sum reduction that inductor generates (:func:`streamed`), reading each weight
-  row once: it streams the weights at 80-90% of the memory's read bandwidth where the CPU matmul reaches
-  about half; the weight is held row-major (:func:`prepare_dense`). ``{"mm": w}``, a float weight that arrived
-  from the prefetch ring in the step, always takes the matmul (:func:`functional_npu.parallel.prefetch.fetched`);
+- a float tensor ``[out, in]``: ``x @ w.T``;
+- ``{"streamed": w}``, the CPU's form of a float weight (:func:`prepare_dense`): under ``torch.compile`` up to
+  eight rows (a decode step) are one multiply-and-sum reduction that inductor generates (:func:`streamed`),
+  reading each weight row once, at 80-90% of the memory's read bandwidth where the CPU matmul reaches about
+  half; more rows, and eager, take the matmul;
 - a quantized weight prepared for the CPU kernels by :func:`prepare` (a dict; its keys name the form):
 
-  - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``
-    (up to eight rows under ``torch.compile``: :func:`streamed`, the int8 values converted as they are read);
+  - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``; as
+    ``{"streamed8", "scale"}`` (:func:`prepare_params`, outside the layer-sharded series) up to eight rows
+    under ``torch.compile`` are :func:`streamed`, the int8 values converted as they are read;
   - ``{"w4", "scales_zeros"}``: int4 weights with a scale (and zero) per group of inputs, in the
     kernel's own packing, ``aten._weight_int4pack_mm_for_cpu``;
   - ``{"w8a8", "scale"}``: int8 weights and int8 activations quantized per token as they arrive
@@ -80,13 +81,13 @@ _INT4_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 _INT4_TILE = 16  # it needs out_features divisible by this
 _NPU_GROUP = 32  # WeightQuantBatchMatmulV2 takes group sizes that are multiples of this
 TARGETS = ("cpu", "npu", "dense")  # whose kernels prepare() aims at
-_KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8", "mm")
+_KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8", "streamed", "streamed8")
 _INT8_ACTIVATIONS = ("w8a8", "qbmm", "a8")
 
 
 def kernel_of(w: Any) -> str:
-    """The form of a weight leaf: ``"dense"`` or one of ``w8``, ``w4``, ``w8a8``, ``qbmm``, ``wqbmm``, ``a8``, ``mm``
-    (a dense weight that arrived by a collective in the step)."""
+    """The form of a weight leaf: ``"dense"`` or one of ``w8``, ``w4``, ``w8a8``, ``qbmm``, ``wqbmm``, ``a8``,
+    ``streamed`` and ``streamed8`` (the CPU's dense and int8 weights a few rows stream, :func:`streamed`)."""
     if isinstance(w, torch.Tensor):
         return "dense"
     for kind in _KINDS:
@@ -100,11 +101,10 @@ def kernel_of(w: Any) -> str:
 
 
 def dense(w: Any) -> torch.Tensor | None:
-    """The dense tensor of a weight leaf (as it is, or ``{"mm": w}`` as it arrives from the prefetch ring,
-    :func:`functional_npu.parallel.prefetch.fetched`), None for a quantized form."""
+    """The dense tensor of a weight leaf (as it is, or in its ``streamed`` form), None for a quantized form."""
     if isinstance(w, torch.Tensor):
         return w
-    return w["mm"] if kernel_of(w) == "mm" else None
+    return w["streamed"] if kernel_of(w) == "streamed" else None
 
 
 def token_amax(x: torch.Tensor) -> torch.Tensor:
@@ -156,10 +156,10 @@ def streamed(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
     return y.T.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def _streams(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``linear`` runs as :func:`streamed`: a few rows, a 2-d weight on the CPU, under ``torch.compile``
-    (inductor generates the reduction; eager keeps the matmul, which is faster without fusion)."""
-    return x.numel() <= _STREAM_ROWS * x.shape[-1] and w.ndim == 2 and w.is_cpu and torch.compiler.is_compiling()
+def _streams(x: torch.Tensor) -> bool:
+    """Whether a ``streamed`` form runs as :func:`streamed`: a few rows, under ``torch.compile`` (inductor
+    generates the reduction; eager keeps the matmul, which is faster without fusion)."""
+    return x.numel() <= _STREAM_ROWS * x.shape[-1] and torch.compiler.is_compiling()
 
 
 def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,16 +167,16 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
     token's magnitude ``[..., 1]`` to take its int8 scale from (default: ``x``'s own, :func:`token_amax`)."""
     kind = kernel_of(w)
     if kind == "dense":
-        return streamed(x, w) if _streams(x, w) else x @ w.T
-    if kind == "mm":  # arrived by a collective in the step: the matmul, a kernel the collective's wait can precede
-        return x @ w["mm"].T
-    if kind == "w8" and _streams(x, w["w8"]):
-        return streamed(x, w["w8"], w["scale"])
+        return x @ w.T
+    if kind == "streamed":
+        return streamed(x, w["streamed"]) if _streams(x) else x @ w["streamed"].T
+    if kind == "streamed8" and _streams(x):
+        return streamed(x, w["streamed8"], w["scale"])
     flat = x.reshape(-1, x.shape[-1])
     if kind in _INT8_ACTIVATIONS:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5)
         xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
-    if kind == "w8":
-        y = torch.ops.aten._weight_int8pack_mm(flat, w["w8"], w["scale"])
+    if kind in ("w8", "streamed8"):
+        y = torch.ops.aten._weight_int8pack_mm(flat, w[kind], w["scale"])
     elif kind == "w4":
         group = x.shape[-1] // w["scales_zeros"].shape[0]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w["w4"], group, w["scales_zeros"])
@@ -345,13 +345,20 @@ def quantized_activations(x: torch.Tensor, w: Any, amax: torch.Tensor | None = N
     return (values * scale).to(x.dtype)
 
 
-def prepare_dense(w: torch.Tensor, target: str = "cpu") -> torch.Tensor:
-    """A dense linear weight ``[out, in]`` in the memory order its kernel streams: on the CPU row-major
-    (contiguous), since a few rows run as :func:`streamed`, which reads each output row's weights in one run
-    (a weight that arrives in another order, a transposed view from a training layout, is copied once);
-    else ``w``, unchanged. Experts ``[S, out, in]`` stay as they are."""
+def prepare_dense(w: torch.Tensor, target: str = "cpu") -> Any:
+    """A dense linear weight ``[out, in]`` in the form its kernel streams: on the CPU ``{"streamed": w}``, row-major
+    (contiguous): a few rows run as :func:`streamed`, which reads each output row's weights in one run (a weight
+    that arrives in another order, a transposed view from a training layout, is copied once); else ``w``,
+    unchanged. Experts ``[S, out, in]`` stay as they are."""
     if target == "cpu" and w.ndim == 2 and w.device.type == "cpu":
-        return w.contiguous()
+        return {"streamed": w.contiguous()}
+    return w
+
+
+def _streaming(w: Any, target: str) -> Any:
+    """An int8 per-channel weight (``w8``) on the CPU in its ``streamed8`` form: a few rows stream it."""
+    if target == "cpu" and isinstance(w, dict) and "w8" in w:
+        return {"streamed8": w["w8"], "scale": w["scale"]}
     return w
 
 
@@ -360,8 +367,12 @@ def prepare_params(
 ) -> dict[str, Any]:
     """``params`` with every stored quantized leaf (a dict of ``weight``/``weight_packed``, ``weight_scale``,
     ...; see :mod:`functional_npu.runtime.quant_plan`) in its kernel's form for ``target`` (:func:`prepare`),
-    for activations in the embedding's dtype, and every dense linear leaf named in ``linears`` in the memory
-    order that streams fastest (:func:`prepare_dense`; shapes and values unchanged).
+    for activations in the embedding's dtype, and every linear leaf named in ``linears`` in the form that
+    streams fastest: on the CPU, dense and int8 per-channel leaves take their ``streamed`` forms
+    (:func:`prepare_dense`, values unchanged; ``linears`` empty: none, as for a model that is not compiled).
+    Layer-sharded leaves (``series``) keep the plain forms: they arrive by broadcast within the step, and the
+    matmul, a kernel of its own, lets the broadcast's wait sit right before it (a streamed reduction would be
+    fused with the earlier layer's kernels and wait above them all).
     ``blocks(path) -> [local sizes]``: the blocks of a per-tensor scale. Pure."""
     qc = params.get("quant")
     dtype = params["embed"].dtype
@@ -384,7 +395,8 @@ def prepare_params(
             layers = [one(path, layer(i)) for i in range(max(n, 1))]
             return pytree.tree_map(lambda *xs: torch.stack(xs)[:n], *layers)
         if isinstance(node, dict) and "weight_scale" in node:
-            return one(path, node)
+            prepared = one(path, node)
+            return _streaming(prepared, target) if path.rsplit(".", 1)[-1] in linears else prepared
         if isinstance(node, torch.Tensor) and path.rsplit(".", 1)[-1] in linears and not path.startswith("series."):
             return prepare_dense(node, target)
         if isinstance(node, dict):

@@ -215,15 +215,6 @@ def _local(params: dict[str, Any], i: int) -> Weights:
     return tree_from_paths({leaf: stacked[i] for leaf, stacked in _flat_series(params).items()})
 
 
-def fetched(w: Any) -> Any:
-    """A weight as it arrives from the ring: a dense 2-d tensor as ``{"mm": w}``, the form
-    :func:`functional_npu.models.linear.linear` multiplies with the matmul, never as one streamed reduction.
-    The matmul is a kernel of its own, so the compiler can put the broadcast's wait right before it while
-    the step's earlier kernels run with the layer in flight; a streamed reduction would be fused with those
-    kernels and hoist the wait above them all (the hazard check's overlap finding). Other leaves as they are."""
-    return {"mm": w} if isinstance(w, torch.Tensor) and w.ndim == 2 and w.is_floating_point() else w
-
-
 def layer_weights(
     params: dict[str, Any], prefetched: list[torch.Tensor], mesh: Mesh, streams: Streams = INLINE
 ) -> Callable[[int, torch.Tensor], Weights]:
@@ -252,8 +243,7 @@ def layer_weights(
         if i >= k:  # issued in this step (layers 0 .. k-1 came in flight from the last one, or from start())
             streams.wait(ready(s))
         flats = [funcol.wait_tensor(ring[s * groups + g]) for g in range(groups)]
-        arrived = _unpack(params, [f if f.numel() == n else f[:n] for f, n in zip(flats, sizes)])
-        layer = layers[i] | {name: fetched(w) for name, w in arrived.items()}
+        layer = layers[i] | _unpack(params, [f if f.numel() == n else f[:n] for f, n in zip(flats, sizes)])
         if i == L - 1 and prefetched:
             if not streams.hand_over:  # the compiler copies the slots back: let the copy read whole layers
                 for v in range(L, L + k):

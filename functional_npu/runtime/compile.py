@@ -236,7 +236,7 @@ def _check_params(params: dict, mesh: Mesh, plan: Plan, where: str) -> tuple[Any
             f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one"
         ) from None
     full, layouts = check_plan(cfg, mesh, plan, where=where, quant=params.get("quant"))
-    got = dict(flatten_with_paths(params))
+    got = {p.removesuffix(".streamed"): x for p, x in flatten_with_paths(params)}  # a compiled model's own params
     full = dict(flatten_with_paths(full))
     for path, x in full.items():
         if path not in got:
@@ -359,7 +359,9 @@ def compile_model(
     # stored quantized weights -> the kernels' forms, float32 linears -> the layout that streams fastest; once
     weight = params["quant"].quant.weight_name if params.get("quant") is not None else None
     blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)
-    params = prepare_params(params, blocks, kernels or chosen.kernels, family_of(cfg).linears)
+    # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones
+    linears = family_of(cfg).linears if chosen.name == "inductor" else ()
+    params = prepare_params(params, blocks, kernels or chosen.kernels, linears)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     k = plan.prefetch_step
     if not series_of(params):

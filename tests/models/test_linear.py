@@ -82,20 +82,22 @@ def test_a_stored_quantized_weight_must_be_prepared():
 
 
 @pytest.mark.parametrize("form", ["float32", "bfloat16", "w8"])
-def test_few_rows_compiled_stream_the_weight_and_more_rows_take_the_matmul(form):
-    """Under torch.compile up to eight rows on a CPU are one multiply-and-sum over the weight (no matmul in the
-    graph), as exact as the matmul (fp32 accumulation, one rounding); nine rows, and eager, take the matmul or the
-    int8 kernel. Small integers: every product and sum is exact, so any order gives the same bits."""
-    from functional_npu.models.linear import linear
+def test_streamed_forms_compiled_are_one_reduction_for_a_few_rows(form):
+    """Under torch.compile up to eight rows of a ``streamed`` form are one multiply-and-sum over the weight (no
+    matmul in the graph), as exact as the matmul (fp32 accumulation, one rounding); nine rows, eager, and the plain
+    forms (what a layer-sharded weight arrives as) take the matmul or the int8 kernel. Small integers: every product
+    and sum is exact, so any order gives the same bits."""
+    from functional_npu.models.linear import linear, prepare_dense
 
     g = torch.Generator().manual_seed(0)
     dtype = torch.float32 if form == "float32" else torch.bfloat16
     values = torch.randint(-3, 4, (64, 128), generator=g)
     scale = torch.tensor([0.5, 2.0]).repeat(32).to(dtype)
-    w = {"w8": values.to(torch.int8), "scale": scale} if form == "w8" else values.to(dtype)
+    plain = {"w8": values.to(torch.int8), "scale": scale} if form == "w8" else values.to(dtype)
+    held = {"streamed8": plain["w8"], "scale": scale} if form == "w8" else prepare_dense(plain)
     dense = values.float() * scale.float()[:, None] if form == "w8" else values.float()
 
-    def graph_targets(x):
+    def graph_targets(x, w):
         targets = []
 
         def backend(gm, inputs):
@@ -110,28 +112,33 @@ def test_few_rows_compiled_stream_the_weight_and_more_rows_take_the_matmul(form)
     kernels = ("mm", "matmul", "linear", "int8pack")
     for rows in (1, 3, 8):
         x = torch.randint(-3, 4, (rows, 1, 128), generator=g).to(dtype)
-        targets = graph_targets(x)
+        targets = graph_targets(x, held)
         assert targets and not any(k in t for t in targets for k in kernels), (rows, targets)
-    assert any(k in t for t in graph_targets(torch.ones(9, 128, dtype=dtype)) for k in kernels)
+        assert any(k in t for t in graph_targets(x, plain) for k in kernels)  # the plain form: the matmul
+    assert any(k in t for t in graph_targets(torch.ones(9, 128, dtype=dtype), held) for k in kernels)
     x = torch.ones(1, 128, dtype=dtype)
-    assert torch.equal(linear(x, w), (x.float() @ dense.T).to(dtype))  # eager: the matmul or the int8 kernel
+    assert torch.equal(linear(x, held), (x.float() @ dense.T).to(dtype))  # eager: the matmul or the int8 kernel
 
 
 def test_dense_linears_are_held_row_major_on_the_cpu():
-    """A few rows stream each weight row in one run: a weight that arrives transposed is copied row-major once."""
-    from functional_npu.models.linear import prepare_dense, prepare_params
+    """A few rows stream each weight row in one run: a weight that arrives transposed is copied row-major once;
+    layer-sharded leaves keep their plain form (they arrive by broadcast: the matmul)."""
+    from functional_npu.models.linear import dense, prepare_dense, prepare_params
 
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-3, 4, (96, 256), generator=g).float()
-    held = prepare_dense(w.T.contiguous().T)  # the same [out, in] values, input-major
+    held = prepare_dense(w.T.contiguous().T)["streamed"]  # the same [out, in] values, input-major
     assert held.shape == w.shape and torch.equal(held, w) and held.is_contiguous()
-    assert prepare_dense(w) is w and prepare_dense(w.bfloat16()).is_contiguous()
+    assert prepare_dense(w)["streamed"] is w and dense(prepare_dense(w)) is w and dense(w) is w
     column = w.T.contiguous().T
     assert prepare_dense(column, "npu") is column and prepare_dense(torch.randn(4, 96, 256)).is_contiguous()
+    x = torch.randint(-3, 4, (2, 3, 256), generator=g).float()
+    assert torch.equal(linear(x, prepare_dense(column)), x @ w.T)
     w = column
     params = {"embed": torch.randn(8, 256), "lm_head": w, "layers": [{"down": w, "norm": torch.ones(256)}]}
     params["series"] = {"down": w[None]}  # layer-sharded leaves are broadcast as stored
     out = prepare_params(params, target="cpu", linears=("down", "lm_head"))
-    assert out["lm_head"].is_contiguous() and out["layers"][0]["down"].is_contiguous()
+    assert out["lm_head"]["streamed"].is_contiguous() and out["layers"][0]["down"]["streamed"].is_contiguous()
     assert out["series"]["down"] is params["series"]["down"] and out["embed"] is params["embed"]
+    assert out["layers"][0]["norm"] is params["layers"][0]["norm"]
     assert params["lm_head"] is w and not w.is_contiguous()  # pure
