@@ -1,15 +1,13 @@
 """A linear layer's matmul, chosen by what its weight leaf holds.
 
 - a float tensor ``[out, in]``: ``x @ w.T``;
-- ``{"streamed": w}``, the CPU's form of a float weight (:func:`prepare_dense`): under ``torch.compile`` up to
-  eight rows (a decode step) are one multiply-and-sum reduction that inductor generates (:func:`streamed`),
-  reading each weight row once, at 80-90% of the memory's read bandwidth where the CPU matmul reaches about
-  half; more rows, and eager, take the matmul;
+- ``{"streamed": w}``, the CPU's form of a float weight (:func:`prepare_dense`): under ``torch.compile`` one row
+  (a batch-1 decode step) is one multiply-and-sum reduction that inductor generates (:func:`streamed`), reading
+  the weight once, at 80-90% of the memory's read bandwidth where the CPU matmul reaches about half; more rows,
+  and eager, take the matmul;
 - a quantized weight prepared for the CPU kernels by :func:`prepare` (a dict; its keys name the form):
 
-  - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``; as
-    ``{"streamed8", "scale"}`` (:func:`prepare_params`, outside the layer-sharded series) up to eight rows
-    under ``torch.compile`` are :func:`streamed`, the int8 values converted as they are read;
+  - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``;
   - ``{"w4", "scales_zeros"}``: int4 weights with a scale (and zero) per group of inputs, in the
     kernel's own packing, ``aten._weight_int4pack_mm_for_cpu``;
   - ``{"w8a8", "scale"}``: int8 weights and int8 activations quantized per token as they arrive
@@ -76,18 +74,20 @@ __all__ = [
 ]
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
-_STREAM_ROWS = 8  # up to this many rows, a CPU linear is one streaming reduction (:func:`streamed`)
+# up to this many rows, a CPU linear is one streaming reduction (:func:`streamed`); at 8 rows inductor's reduction
+# re-reads the weight per row and a decode step measured 10x slower than the matmul (benchmarks/README.md)
+_STREAM_ROWS = 1
 _INT4_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 _INT4_TILE = 16  # it needs out_features divisible by this
 _NPU_GROUP = 32  # WeightQuantBatchMatmulV2 takes group sizes that are multiples of this
 TARGETS = ("cpu", "npu", "dense")  # whose kernels prepare() aims at
-_KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8", "streamed", "streamed8")
+_KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8", "streamed")
 _INT8_ACTIVATIONS = ("w8a8", "qbmm", "a8")
 
 
 def kernel_of(w: Any) -> str:
     """The form of a weight leaf: ``"dense"`` or one of ``w8``, ``w4``, ``w8a8``, ``qbmm``, ``wqbmm``, ``a8``,
-    ``streamed`` and ``streamed8`` (the CPU's dense and int8 weights a few rows stream, :func:`streamed`)."""
+    ``streamed`` (the CPU's dense weight one row streams, :func:`streamed`)."""
     if isinstance(w, torch.Tensor):
         return "dense"
     for kind in _KINDS:
@@ -143,21 +143,18 @@ def row_parallel(x: torch.Tensor, w: Any, mesh: Mesh, tp: str) -> torch.Tensor:
     return all_reduce(linear(x, w, amax=row_amax(x, w, mesh, tp)), mesh, tp)
 
 
-def streamed(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., in] @ w.T`` (times ``scale [out]`` per output channel, if given) for a few rows, as one reduction
-    over ``in`` that inductor generates: the weight ``[out, in]`` (float, or int8 values) outermost, so each of its
-    rows is read once from memory and multiplied with every row of ``x`` while it is in the cache, in float32 (the
-    matmul's accumulation). On the CPU this streams a decode step's weights at 80-90% of a plain read's bandwidth,
-    where the CPU matmul reaches about half (``benchmarks/README.md``)."""
+def streamed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., in] @ w.T`` for one row as one reduction over ``in`` that inductor generates, reading the weight
+    ``[out, in]`` once from memory, in float32 (the matmul's accumulation). On the CPU this streams a batch-1
+    decode step's weights at 70-90% of a plain read's bandwidth, where the CPU matmul reaches about half
+    (``benchmarks/README.md``)."""
     flat = x.reshape(-1, x.shape[-1])
     y = (w[:, None, :].float() * flat[None].float()).sum(-1)  # [out, rows]
-    if scale is not None:
-        y = y * scale[:, None].float()
     return y.T.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def _streams(x: torch.Tensor) -> bool:
-    """Whether a ``streamed`` form runs as :func:`streamed`: a few rows, under ``torch.compile`` (inductor
+    """Whether a ``streamed`` form runs as :func:`streamed`: one row, under ``torch.compile`` (inductor
     generates the reduction; eager keeps the matmul, which is faster without fusion)."""
     return x.numel() <= _STREAM_ROWS * x.shape[-1] and torch.compiler.is_compiling()
 
@@ -170,13 +167,11 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
         return x @ w.T
     if kind == "streamed":
         return streamed(x, w["streamed"]) if _streams(x) else x @ w["streamed"].T
-    if kind == "streamed8" and _streams(x):
-        return streamed(x, w["streamed8"], w["scale"])
     flat = x.reshape(-1, x.shape[-1])
     if kind in _INT8_ACTIVATIONS:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5)
         xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))
-    if kind in ("w8", "streamed8"):
-        y = torch.ops.aten._weight_int8pack_mm(flat, w[kind], w["scale"])
+    if kind == "w8":
+        y = torch.ops.aten._weight_int8pack_mm(flat, w["w8"], w["scale"])
     elif kind == "w4":
         group = x.shape[-1] // w["scales_zeros"].shape[0]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w["w4"], group, w["scales_zeros"])
@@ -355,20 +350,13 @@ def prepare_dense(w: torch.Tensor, target: str = "cpu") -> Any:
     return w
 
 
-def _streaming(w: Any, target: str) -> Any:
-    """An int8 per-channel weight (``w8``) on the CPU in its ``streamed8`` form: a few rows stream it."""
-    if target == "cpu" and isinstance(w, dict) and "w8" in w:
-        return {"streamed8": w["w8"], "scale": w["scale"]}
-    return w
-
-
 def prepare_params(
     params: dict[str, Any], blocks: Any = None, target: str = "cpu", linears: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """``params`` with every stored quantized leaf (a dict of ``weight``/``weight_packed``, ``weight_scale``,
     ...; see :mod:`functional_npu.runtime.quant_plan`) in its kernel's form for ``target`` (:func:`prepare`),
     for activations in the embedding's dtype, and every linear leaf named in ``linears`` in the form that
-    streams fastest: on the CPU, dense and int8 per-channel leaves take their ``streamed`` forms
+    streams fastest: on the CPU, dense leaves take their ``streamed`` form
     (:func:`prepare_dense`, values unchanged; ``linears`` empty: none, as for a model that is not compiled).
     Layer-sharded leaves (``series``) keep the plain forms: they arrive by broadcast within the step, and the
     matmul, a kernel of its own, lets the broadcast's wait sit right before it (a streamed reduction would be
@@ -395,8 +383,7 @@ def prepare_params(
             layers = [one(path, layer(i)) for i in range(max(n, 1))]
             return pytree.tree_map(lambda *xs: torch.stack(xs)[:n], *layers)
         if isinstance(node, dict) and "weight_scale" in node:
-            prepared = one(path, node)
-            return _streaming(prepared, target) if path.rsplit(".", 1)[-1] in linears else prepared
+            return one(path, node)
         if isinstance(node, torch.Tensor) and path.rsplit(".", 1)[-1] in linears and not path.startswith("series."):
             return prepare_dense(node, target)
         if isinstance(node, dict):
