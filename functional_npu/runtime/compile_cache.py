@@ -88,7 +88,10 @@ def cache_key(params: dict, mesh: Mesh, plan: Any, shapes: tuple, backend: Any, 
     """What a saved graph was compiled for, as strings (the manifest's ``key``); a graph is loaded only under an
     equal key. ``shapes`` is (batch buckets, max_seq_len, prefill lengths); ``fields`` (kernels, greedy_head,
     inductor options) are added as their ``repr``."""
-    leaves = [(p, tuple(x.shape), str(x.dtype), x.stride()) for p, x in flatten_with_paths(params)]
+    leaves = [
+        (p, tuple(x.shape), str(x.dtype), x.stride()) if isinstance(x, torch.Tensor) else (p, repr(x))
+        for p, x in flatten_with_paths(params)
+    ]
     cfg = params["config"]
     return {
         "format": str(FORMAT),
@@ -101,7 +104,7 @@ def cache_key(params: dict, mesh: Mesh, plan: Any, shapes: tuple, backend: Any, 
         "shapes": f"batch {shapes[0]}, max_seq_len {shapes[1]}, prefill {shapes[2]}",
         "backend": f"{backend.name} mode={backend.mode} on {backend.device_type}",
         "dtype": str(params["embed"].dtype),
-        "params": _digest(repr(leaves)),
+        "params": _digest(repr((leaves, params.get("quant")))),
         "threads": str(torch.get_num_threads()),  # a global-state guard of every graph
         "cpu": torch.backends.cpu.get_cpu_capability(),
         **{k: repr(v) for k, v in fields.items()},
@@ -184,11 +187,15 @@ def _os_reason(e: OSError) -> str:
     return f"{name}: {e.strerror or _line(e)}" + (f": {e.filename}" if e.filename else "")
 
 
+# what a directory that cannot take a write raises (a full disk, a quota, a read-only or forbidden path)
+_STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EIO}
+
+
 def _os_error(e: BaseException) -> OSError | None:
-    """The OSError behind ``e`` (itself, or in its chain of causes), if any."""
+    """The storage OSError behind ``e`` (itself, or in its chain of causes), if any."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, OSError):
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRORS:
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__  # type: ignore[assignment]
@@ -236,11 +243,10 @@ class SavedGraphs:
     then on compile through ``fallback``, nothing saved.
     """
 
-    def __init__(
-        self, precompile: Any, fallback: Any, kwargs: Mapping[str, Any], name: str, where: GraphDir | None
-    ) -> None:
+    def __init__(self, precompile: Any, fallback: Any, kwargs: Mapping[str, Any], name: str, where: GraphDir) -> None:
         self._precompile, self._fallback, self._kwargs = precompile, fallback, dict(kwargs)
-        self._name, self._where = name, where
+        self._name, self._root = name, where.root
+        self._where: GraphDir | None = where  # None once a write failed: nothing more is saved
         self._graphs: dict[tuple[int, ...], Callable[..., Any]] = {}
         self.loaded: list[str] = []
         self.compiled_now: list[str] = []
@@ -249,10 +255,25 @@ class SavedGraphs:
         graph = self._graphs.get(args[1].shape)
         if graph is None:
             graph = self._graphs[args[1].shape] = self._first(args)
-        return graph(*args, **self._kwargs)
+        try:
+            return graph(*args, **self._kwargs)
+        except RuntimeError as e:  # a saved graph checks its guards first: nothing has run
+            if graph is self._fallback or not str(e).startswith("GuardManager check failed"):
+                raise
+            log.warning(
+                "compile_model: cache_dir %s: graph %s rejects these inputs (%s); compiling it as usual",
+                self._root,
+                self._graph_name(args),
+                _line(e),
+            )
+            self._graphs[args[1].shape] = self._fallback
+            return self._fallback(*args, **self._kwargs)
+
+    def _graph_name(self, args: tuple) -> str:
+        return f"{self._name}-{'x'.join(map(str, args[1].shape))}"
 
     def _first(self, args: tuple) -> Callable[..., Any]:
-        name = f"{self._name}-{'x'.join(map(str, args[1].shape))}"
+        name = self._graph_name(args)
         if self._where is None:
             return self._fallback
         entry = self._where.path(name)
@@ -267,7 +288,7 @@ class SavedGraphs:
                 reason = f"{type(e).__name__}: {_line(e)}"
             log.warning(
                 "compile_model: cache_dir %s: graph %s cannot be used (%s); compiling it from scratch",
-                self._where.root,
+                self._root,
                 name,
                 reason,
             )
@@ -289,7 +310,7 @@ class SavedGraphs:
                 raise  # a graph break, a compiler error: not the directory's doing
             log.warning(
                 "compile_model: cache_dir %s cannot be written (%s); graph %s and later ones compile without saving",
-                self._where.root,
+                self._root,
                 _os_reason(cause),
                 name,
             )

@@ -160,6 +160,25 @@ def test_a_corrupted_graph_is_one_warning_then_a_clean_compile(ckpt, cache, capl
     assert graph.read_bytes() != data[: len(data) // 2] and len(graph.read_bytes()) > 0  # saved again, whole
 
 
+def test_guards_that_fail_later_are_one_warning_per_graph_then_a_usual_compile(ckpt, cache, caplog):
+    """A loaded graph guards on global state (torch's thread count): changed after the load, each graph's next call
+    warns once and compiles as usual, with the right tokens."""
+    model = _compiled(ckpt[0], cache)
+    assert model.generate(PROMPTS, NEW) == ckpt[1] and model.forward.loaded == GRAPHS
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="functional_npu"):
+            assert model.generate(PROMPTS, NEW) == ckpt[1]
+            assert model.generate(PROMPTS, NEW) == ckpt[1]
+    finally:
+        torch.set_num_threads(threads)
+    first, second = _warnings(caplog)
+    assert first.startswith(f"compile_model: cache_dir {cache / 'tp0'}: graph forward-1x8 rejects these inputs (")
+    assert second.startswith(f"compile_model: cache_dir {cache / 'tp0'}: graph forward-1x1 rejects these inputs (")
+    assert "num_threads" in first and first.endswith("; compiling it as usual")
+
+
 def test_a_cache_dir_under_a_file_is_one_warning_then_a_clean_compile(ckpt, tmp_path, caplog):
     """A path no one can create (root included): one warning naming it and why, a compile, nothing saved."""
     (tmp_path / "file").write_text("")
