@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
             "'auto' (the cost model picks K); default 1 (0 for a 2-layer model)"
         ),
     )
+    gen.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="save the compiled graphs here (a subdirectory per rank) and load them in a later run of the same "
+        "model, plan, ranks, shapes and backend: a warm start skips the compiler",
+    )
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before local ranks are stopped")
     return parser
@@ -250,6 +257,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "plan": args.plan,
         "dtype": args.dtype,
         "progress": False if args.json else None,  # a bar on a terminal, never under --json
+        "cache_dir": args.cache_dir,
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist
