@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the model from a compressed-tensors checkpoint: int8 per channel or int4 in groups of 32 "
         "(weight-only), instead of the layer-sharded part",
     )
+    demo.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="save the compiled runs' graphs here; a later demo with the same flags loads them",
+    )
 
     gen = sub.add_parser(
         "generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)"
@@ -327,5 +333,5 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--tp {args.tp}: the demo model has 4 heads; use 1, 2 or 4 ranks")
         from .demo import run_demo
 
-        return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout, quant=args.quant)
+        return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout, quant=args.quant, cache_dir=args.cache_dir)
     return _generate(args, parser)

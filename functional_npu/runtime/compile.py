@@ -351,12 +351,13 @@ def compile_model(
             computed (the family's ``Blocks.argmax``): a vocab-parallel head (tp, lm_head module TP) then moves
             a (max, index) pair per rank and token instead of its logits. The first token still comes from
             the prefill's logits; a step whose largest logit is not finite still raises.
-        cache_dir: save each compiled graph under this directory (in ``<cache_dir>/<coordinate>/``, one
-            subdirectory per rank), and load it from there in a later process that compiles the same model: the
-            same config and param shapes, plan, mesh shape and coordinate, shape buckets, backend and mode,
-            kernels, greedy_head, dtype, torch, python and library (the key of its ``manifest.json``). A warm
-            process then skips dynamo, inductor and the C++ compiler (:mod:`functional_npu.runtime.compile_cache`).
-            A directory holding another key's graphs, a graph that cannot be loaded, a directory that cannot be
+        cache_dir: save each compiled graph under this directory (in ``<cache_dir>/<rank>/``, one subdirectory
+            per mesh coordinate, ``dp1of2-tp0of4``), and load it from there in a later process that compiles the
+            same model: the same config and param shapes, plan, mesh shape and coordinate, shape buckets, backend
+            and mode, kernels, greedy_head, dtype, torch, python and library (the key of its ``manifest.json``). A
+            warm process then skips dynamo, inductor and the C++ compiler (:mod:`functional_npu.runtime.compile_cache`,
+            docs/warm_start.md). A graph is saved right after its first compile; nothing is checked per step. A
+            directory holding another key's graphs, a graph that cannot be loaded, a directory that cannot be
             written: one warning on the ``functional_npu`` logger, then a clean compile. Backends ``inductor`` and
             ``aot_eager`` save their graphs; ``none`` ignores ``cache_dir``; others warn and compile as usual.
 

@@ -6,8 +6,10 @@ whole: dynamo's output (the bytecode and its guards), the AOTAutograd and induct
 kernels it loads. A later process loads it with ``torch.compiler.load_compiled_function`` and runs no
 dynamo tracing, no inductor and no C++ compiler. The layout, one directory per rank::
 
-    DIR/<coordinate>/manifest.json              the key: torch, python, library, model, plan, mesh, shapes, ...
-    DIR/<coordinate>/<key digest>/<graph>/      graph.bin, and inductor/: inductor's cache for that graph alone
+    DIR/<rank>/manifest.json              the key: torch, python, library, model, plan, mesh, shapes, ...
+    DIR/<rank>/<key digest>/<graph>/      graph.bin, and inductor/: inductor's cache for that graph alone
+
+``<rank>`` is the rank's place on the mesh, ``dp1of2-tp0of4``.
 
 A graph directory is built under a temporary name beside its final one and renamed into place once
 complete, so a killed process leaves only a ``.tmp`` directory that nothing reads. A manifest whose key
@@ -123,9 +125,11 @@ class GraphDir:
 
 
 def _rank_dir(cache_dir: str | os.PathLike, mesh: Mesh) -> Path:
+    """``cache_dir / "dp1of2-tp0of4"``: the rank's place on the mesh, so that every rank of a job, and jobs on meshes
+    of other shapes, can share ``cache_dir``."""
     if mesh.rank is None:
-        return Path(cache_dir) / "any"
-    return Path(cache_dir) / "-".join(f"{a}{i}" for a, i in mesh.coordinate.items())
+        return Path(cache_dir) / "-".join(f"{a}of{n}" for a, n in mesh.shape.items())
+    return Path(cache_dir) / "-".join(f"{a}{i}of{mesh.shape[a]}" for a, i in mesh.coordinate.items())
 
 
 def _differences(held: Any, key: Mapping[str, str]) -> str:

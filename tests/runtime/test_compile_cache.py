@@ -113,7 +113,7 @@ def test_a_fresh_process_loads_every_graph_and_compiles_none(ckpt, tmp_path):
     assert warm["loaded"] == GRAPHS and warm["compiled"] == []
     assert warm["dynamo_graphs"] == warm["aot_autograd"] == warm["inductor_passes"] == 0
     assert not list((tmp_path / "inductor-warm").rglob("*.so"))  # no kernel built outside the cache_dir either
-    manifest = json.loads((tmp_path / "cache" / "tp0" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "cache" / "tp0of1" / "manifest.json").read_text())
     assert manifest["key"]["torch"] == torch.__version__ and manifest["key"]["backend"] == "inductor mode=None on cpu"
 
 
@@ -127,35 +127,35 @@ def test_a_warm_load_in_process_gives_the_same_tokens(ckpt, cache, caplog):
 )
 def test_another_key_is_one_warning_then_a_clean_compile(ckpt, cache, caplog, field, value):
     """A cache of another torch / model / plan is detected from its manifest, named, dropped and rebuilt."""
-    manifest = cache / "tp0" / "manifest.json"
+    manifest = cache / "tp0of1" / "manifest.json"
     held = json.loads(manifest.read_text())
     held["key"][field] = value
     manifest.write_text(json.dumps(held))
-    (old,) = [d for d in (cache / "tp0").iterdir() if d.is_dir()]
+    (old,) = [d for d in (cache / "tp0of1").iterdir() if d.is_dir()]
     old.rename(old.with_name("0000000000000000"))  # the other key's graphs, under its digest
     (warning,) = _clean_compile(ckpt, cache, caplog)
-    assert f"cache_dir {cache / 'tp0'}: it holds graphs of another {field} ({field} {value!r}, here " in warning
+    assert f"cache_dir {cache / 'tp0of1'}: it holds graphs of another {field} ({field} {value!r}, here " in warning
     assert warning.endswith("; compiling from scratch")
-    assert not (cache / "tp0" / "0000000000000000").exists()  # the other key's graphs are gone
+    assert not (cache / "tp0of1" / "0000000000000000").exists()  # the other key's graphs are gone
     assert json.loads(manifest.read_text())["key"][field] != value
     assert _clean_compile(ckpt, cache, caplog, loaded=GRAPHS) == [warning]  # and the rebuilt ones load
 
 
 def test_an_unreadable_manifest_is_one_warning_then_a_clean_compile(ckpt, cache, caplog):
-    (cache / "tp0" / "manifest.json").write_bytes(b"\x00\xffnot json")
+    (cache / "tp0of1" / "manifest.json").write_bytes(b"\x00\xffnot json")
     (warning,) = _clean_compile(ckpt, cache, caplog)
-    assert f"cache_dir {cache / 'tp0'}: its manifest.json cannot be read (" in warning
+    assert f"cache_dir {cache / 'tp0of1'}: its manifest.json cannot be read (" in warning
     assert warning.endswith("compiling from scratch")
 
 
 @pytest.mark.parametrize("spoil", ["garbage", "truncated"])
 def test_a_corrupted_graph_is_one_warning_then_a_clean_compile(ckpt, cache, caplog, spoil):
     """Garbage bytes or half a file in place of a graph: that graph is named, removed and compiled; the other loads."""
-    (graph,) = (cache / "tp0").glob("*/forward-1x8/graph.bin")
+    (graph,) = (cache / "tp0of1").glob("*/forward-1x8/graph.bin")
     data = graph.read_bytes()
     graph.write_bytes(os.urandom(len(data)) if spoil == "garbage" else data[: len(data) // 2])
     (warning,) = _clean_compile(ckpt, cache, caplog, loaded=["forward-1x1"])
-    assert f"cache_dir {cache / 'tp0'}: graph forward-1x8 cannot be used (" in warning
+    assert f"cache_dir {cache / 'tp0of1'}: graph forward-1x8 cannot be used (" in warning
     assert warning.endswith("); compiling it from scratch")
     assert graph.read_bytes() != data[: len(data) // 2] and len(graph.read_bytes()) > 0  # saved again, whole
 
@@ -174,8 +174,8 @@ def test_guards_that_fail_later_are_one_warning_per_graph_then_a_usual_compile(c
     finally:
         torch.set_num_threads(threads)
     first, second = _warnings(caplog)
-    assert first.startswith(f"compile_model: cache_dir {cache / 'tp0'}: graph forward-1x8 rejects these inputs (")
-    assert second.startswith(f"compile_model: cache_dir {cache / 'tp0'}: graph forward-1x1 rejects these inputs (")
+    assert first.startswith(f"compile_model: cache_dir {cache / 'tp0of1'}: graph forward-1x8 rejects these inputs (")
+    assert second.startswith(f"compile_model: cache_dir {cache / 'tp0of1'}: graph forward-1x1 rejects these inputs (")
     assert "num_threads" in first and first.endswith("; compiling it as usual")
 
 
@@ -183,7 +183,7 @@ def test_a_cache_dir_under_a_file_is_one_warning_then_a_clean_compile(ckpt, tmp_
     """A path no one can create (root included): one warning naming it and why, a compile, nothing saved."""
     (tmp_path / "file").write_text("")
     (warning,) = _clean_compile(ckpt, tmp_path / "file" / "sub", caplog)
-    assert f"cache_dir {tmp_path / 'file' / 'sub' / 'tp0'} cannot be used (ENOTDIR: Not a directory" in warning
+    assert f"cache_dir {tmp_path / 'file' / 'sub' / 'tp0of1'} cannot be used (ENOTDIR: Not a directory" in warning
     assert warning.endswith("; compiling from scratch, saving nothing")
 
 
@@ -210,7 +210,7 @@ def test_a_full_disk_is_one_warning_then_a_clean_compile(ckpt, tmp_path, caplog,
 
     monkeypatch.setattr(compile_cache, "write_bytes", full)
     (warning,) = _clean_compile(ckpt, tmp_path / "cache", caplog)
-    assert f"cache_dir {tmp_path / 'cache' / 'tp0'} cannot be " in warning
+    assert f"cache_dir {tmp_path / 'cache' / 'tp0of1'} cannot be " in warning
     assert "(ENOSPC: No space left on device: " in warning
     if what == "graph.bin":
         assert warning.endswith("graph forward-1x8 and later ones compile without saving")
@@ -224,11 +224,11 @@ def test_a_killed_writer_leaves_nothing_that_is_trusted(ckpt, tmp_path, caplog):
     cache = tmp_path / "cache"
     child = _child(ckpt, cache, "aot_eager", tmp_path / "inductor", start_new_session=True)
     deadline = time.monotonic() + 300
-    while not list(cache.glob("tp0/*/.forward-1x8.*.tmp")) and child.poll() is None and time.monotonic() < deadline:
+    while not list(cache.glob("tp0of1/*/.forward-1x8.*.tmp")) and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     os.killpg(child.pid, signal.SIGKILL)
     child.wait(timeout=60)
-    assert list(cache.glob("tp0/*/.forward-1x8.*.tmp")), "the child was not caught building its first graph"
+    assert list(cache.glob("tp0of1/*/.forward-1x8.*.tmp")), "the child was not caught building its first graph"
     assert _clean_compile(ckpt, cache, caplog) == []
 
 
