@@ -68,9 +68,12 @@ def held_bytes(ctx: RankContext, model_dir: str, tp: int) -> tuple[int, int]:
     return held, sum(x.numel() * 4 for _, x in flatten_with_paths(DEMO_MODEL.abstract_params(DEMO_CONFIG))) // tp
 
 
-def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, timeout: float) -> dict[str, Any]:
+def layer_sharded_on_rank(
+    ctx: RankContext, model_dir: str, new_tokens: int, timeout: float, cache_dir: str | None = None
+) -> dict[str, Any]:
     """dp = 2, ``DEMO_SERIES`` layer-sharded with prefetch step 1, compiled: the tokens (via the CLI's rank
-    job), the series bytes this rank holds against replicated, and the prefetch timeline of a decode step."""
+    job, its graphs saved to and loaded from ``cache_dir``), the series bytes this rank holds against replicated,
+    and the prefetch timeline of a decode step (read from inductor's code: compiled here, never loaded)."""
     from torch._inductor.utils import run_and_get_code
 
     from ..parallel.prefetch import coalesced, drain
@@ -79,7 +82,9 @@ def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, tim
 
     plan = Plan(layer_shard=layer_shard(DEMO_SERIES, "dp"), prefetch_step=1)
     axes = {"dp": ctx.world_size, "tp": 1}
-    out = generate_on_rank(ctx, model_dir, axes, DEMO_PROMPTS, new_tokens, backend="inductor", plan=plan, repeat=2)
+    out = generate_on_rank(
+        ctx, model_dir, axes, DEMO_PROMPTS, new_tokens, backend="inductor", plan=plan, repeat=2, cache_dir=cache_dir
+    )
     mesh = ctx.mesh(axes)
     params = load_checkpoint(model_dir, mesh, plan)
     per_layer = layer_bytes(params)
@@ -100,11 +105,14 @@ def layer_sharded_on_rank(ctx: RankContext, model_dir: str, new_tokens: int, tim
     }
 
 
-def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant: str | None = None) -> int:
+def run_demo(
+    tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant: str | None = None, cache_dir: str | None = None
+) -> int:
     """Print a table of tokens/s (eager vs compiled) and compile time; return 0 if all runs agree.
 
     ``quant``: ``"int8"`` or ``"int4"`` to run a quantized checkpoint of the same model (see the module
-    docstring) instead of the layer-sharded part."""
+    docstring) instead of the layer-sharded part. ``cache_dir``: the compiled runs save their graphs there and
+    a later demo loads them (its compile column is then their load)."""
     cfg = DEMO_CONFIG
     params_m = sum(x.numel() for _, x in flatten_with_paths(DEMO_MODEL.abstract_params(cfg))) / 1e6
     print(
@@ -123,9 +131,11 @@ def run_demo(tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant
         axes = {"dp": 1, "tp": tp}
         with LocalWorld(tp, timeout=timeout, remove_when_orphaned=(tmp,)) as world:
             eager = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="none", repeat=2)
-            compiled = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="inductor", repeat=2)
+            compiled = world.run(
+                generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="inductor", repeat=2, cache_dir=cache_dir
+            )
             layered = tp == 2 and quant is None
-            sharded = world.run(layer_sharded_on_rank, tmp, new_tokens, timeout) if layered else None
+            sharded = world.run(layer_sharded_on_rank, tmp, new_tokens, timeout, cache_dir) if layered else None
             held = world.run(held_bytes, tmp, tp) if quant else None
     want = ref["tokens"]
     rows = [

@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the model from a compressed-tensors checkpoint: int8 per channel or int4 in groups of 32 "
         "(weight-only), instead of the layer-sharded part",
     )
+    demo.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="save the compiled runs' graphs here; a later demo with the same flags loads them",
+    )
 
     gen = sub.add_parser(
         "generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)"
@@ -152,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
             "with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2), or "
             "'auto' (the cost model picks K); default 1 (0 for a 2-layer model)"
         ),
+    )
+    gen.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="save the compiled graphs here (a subdirectory per rank) and load them in a later run of the same "
+        "model, plan, ranks, shapes and backend: a warm start skips the compiler",
     )
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before local ranks are stopped")
@@ -260,6 +273,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "plan": args.plan,
         "dtype": args.dtype,
         "progress": False if args.json else None,  # a bar on a terminal, never under --json
+        "cache_dir": args.cache_dir,
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist
@@ -329,5 +343,5 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--tp {args.tp}: the demo model has 4 heads; use 1, 2 or 4 ranks")
         from .demo import run_demo
 
-        return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout, quant=args.quant)
+        return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout, quant=args.quant, cache_dir=args.cache_dir)
     return _generate(args, parser)

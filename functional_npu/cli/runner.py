@@ -48,6 +48,7 @@ def generate_on_rank(
     plan: Plan | None = None,
     dtype: str | None = None,
     progress: bool | None = None,
+    cache_dir: str | None = None,
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
@@ -57,6 +58,8 @@ def generate_on_rank(
     A ``plan.prefetch_step`` of ``"auto"`` is the cost model's choice, reported as ``prefetch_step`` in the result.
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
     ``progress``: the loading and compiling bars on rank 0 (default: when stderr is a terminal).
+    ``cache_dir``: where the compiled graphs are saved and loaded from (each rank in its own subdirectory; see
+    :func:`functional_npu.runtime.compile.compile_model`).
     """
     mesh = ctx.mesh(axes)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0  # the bars, decided once
@@ -77,6 +80,7 @@ def generate_on_rank(
         mode=mode,
         max_seq_len=cache_length(longest + max_new_tokens),
         greedy_head=not (sampling or {}).get("temperature"),  # greedy decode steps move tokens, not logits
+        cache_dir=cache_dir,
     )
     lockstep = Lockstep.over(len(prompts), dp, longest, model.batch_sizes) if _in_lockstep(mesh, plan) else None
     t0 = time.perf_counter()

@@ -67,12 +67,19 @@ class Backend:
         return "cpu" if self.device_type == "cpu" else "dense"
 
     def compile(
-        self, fn: Callable[..., Any], *, inductor_options: dict[str, Any] | None = None, **options: Any
+        self,
+        fn: Callable[..., Any],
+        *,
+        inductor_options: dict[str, Any] | None = None,
+        guard_filter: Callable[..., Any] | None = None,
+        **options: Any,
     ) -> Callable[..., Any]:
         """``torch.compile(fn, fullgraph=True, backend=..., mode=...)`` with extra ``options``.
 
         ``inductor_options`` are inductor config entries for this compile only (ignored by other
         backends); the mode's own entries are merged in, since ``torch.compile`` takes one or the other.
+        ``guard_filter``: dynamo's ``guard_filter_fn``, which guards to keep (a precompiled graph keeps those
+        it can save).
         """
         if self.name == "none":
             return fn
@@ -83,12 +90,14 @@ class Backend:
             # take about a third longer, and in torch 2.13 it refuses graphs with collectives ("arg type Any is
             # not yet supported by custom_op_wrapper", tp = 2)
             kwargs["options"] = {"cpp_wrapper": True} | (inductor_options or {})
-        elif self.name == "inductor" and inductor_options:
+        elif self.name == "inductor" and (inductor_options or guard_filter):
             from torch._inductor import list_mode_options
 
-            kwargs["options"] = (list_mode_options(self.mode) if self.mode else {}) | inductor_options
+            kwargs["options"] = (list_mode_options(self.mode) if self.mode else {}) | (inductor_options or {})
         elif self.name == "inductor" and self.mode:
             kwargs["mode"] = self.mode
+        if guard_filter is not None:
+            kwargs["options"] = kwargs.get("options", {}) | {"guard_filter_fn": guard_filter}
         return torch.compile(fn, **kwargs, **options)
 
 

@@ -11,6 +11,8 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,11 +32,14 @@ from ..parallel.plan import LAYOUT_FIELDS, Plan
 from ..parallel.prefetch import check_prefetch_step
 from ..parallel.prefetch_cost import auto_step
 from .backends import Backend, resolve_backend
+from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, saved_guards
 from .generate import Lockstep, generate
 from .plan import check_plan, resolved
 from .quant_plan import tensor_blocks
 
 __all__ = ["CompiledModel", "compile_model", "greedy_generate", "cache_length", "GraphBreakError"]
+
+log = logging.getLogger("functional_npu")
 
 
 class GraphBreakError(RuntimeError):
@@ -308,6 +313,7 @@ def compile_model(
     prefetch_device: Any = None,
     kernels: str | None = None,
     greedy_head: bool = False,
+    cache_dir: str | os.PathLike | None = None,
 ) -> CompiledModel:
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
@@ -345,6 +351,15 @@ def compile_model(
             computed (the family's ``Blocks.argmax``): a vocab-parallel head (tp, lm_head module TP) then moves
             a (max, index) pair per rank and token instead of its logits. The first token still comes from
             the prefill's logits; a step whose largest logit is not finite still raises.
+        cache_dir: save each compiled graph under this directory (in ``<cache_dir>/<rank>/``, one subdirectory
+            per mesh coordinate, ``dp1of2-tp0of4``), and load it from there in a later process that compiles the
+            same model: the same config and param shapes, plan, mesh shape and coordinate, shape buckets, backend
+            and mode, kernels, greedy_head, dtype, torch, python and library (the key of its ``manifest.json``). A
+            warm process then skips dynamo, inductor and the C++ compiler (:mod:`functional_npu.runtime.compile_cache`,
+            docs/warm_start.md). A graph is saved right after its first compile; nothing is checked per step. A
+            directory holding another key's graphs, a graph that cannot be loaded, a directory that cannot be
+            written: one warning on the ``functional_npu`` logger, then a clean compile. Backends ``inductor`` and
+            ``aot_eager`` save their graphs; ``none`` ignores ``cache_dir``; others warn and compile as usual.
 
     Example:
         >>> model = compile_model(load_checkpoint(path, mesh), mesh)     # doctest: +SKIP
@@ -377,18 +392,40 @@ def compile_model(
         )  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
     options = prefetch_options(params, mesh) if chosen.name == "inductor" else {}
-    step = functools.partial(
-        decode, blocks=family_of(cfg).blocks(cfg, plan), attention=attention, streams=chosen.streams
-    )
-    fwd = chosen.compile(step, dynamic=False, inductor_options=options)
-    greedy = (
-        chosen.compile(functools.partial(step, greedy=True), dynamic=False, inductor_options=options)
-        if greedy_head
-        else None
-    )
+    static = {"blocks": family_of(cfg).blocks(cfg, plan), "attention": attention, "streams": chosen.streams}
+    where = _graph_dir(
+        cache_dir, params, mesh, chosen, plan, (sizes, seq, lengths), kernels=kernels or chosen.kernels,
+        greedy_head=greedy_head, options=options,
+    )  # fmt: skip
+    fwd = _forward(chosen, static, options, where, "forward")
+    greedy = _forward(chosen, static | {"greedy": True}, options, where, "greedy") if greedy_head else None
     # the plain forward never recompiles: no config patch to make (making one costs about a third of a millisecond)
     recompiles = contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=256)
     return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, plan, greedy, recompiles)
+
+
+def _graph_dir(cache_dir: Any, params: dict, mesh: Mesh, backend: Backend, *key: Any, **fields: Any) -> Any:
+    """This rank's :class:`~functional_npu.runtime.compile_cache.GraphDir` under ``cache_dir`` (None: no saving)."""
+    if cache_dir is None or backend.name == "none":
+        return None
+    if backend.name not in SAVABLE:
+        log.warning(
+            "compile_model: cache_dir %s is not used: backend %r cannot save its graphs (%s can); compiling as usual",
+            cache_dir,
+            backend.name,
+            " and ".join(SAVABLE),
+        )
+        return None
+    return open_graph_dir(cache_dir, mesh, cache_key(params, mesh, *key, backend, **fields))
+
+
+def _forward(backend: Backend, static: dict, options: dict, where: Any, name: str) -> Callable[..., Any]:
+    """The compiled forward with ``static`` keywords: through saved graphs when ``where`` is a graph directory."""
+    if where is None:
+        return backend.compile(functools.partial(decode, **static), dynamic=False, inductor_options=options)
+    precompile = backend.compile(decode, dynamic=False, inductor_options=options, guard_filter=saved_guards)
+    fallback = backend.compile(decode, dynamic=False, inductor_options=options)
+    return SavedGraphs(precompile, fallback, static, name, where)
 
 
 def greedy_generate(

@@ -50,6 +50,19 @@ def test_generate_dp2_json_in_prompt_order(model):
     assert len(result["text"]) == 2 and {"load_s", "compile_s", "generate_s"} <= set(result["timings"])
 
 
+def test_generate_cache_dir_saves_each_ranks_graphs_and_loads_them(model, tmp_path):
+    """--cache-dir: each rank saves its prefill and greedy decode graphs under its coordinate; the next run loads
+    them (the files the first run published stay the same files) and gives the same tokens."""
+    path, prompts, ref = model
+    args = ("--tp", "2", "--backend", "aot_eager", "--cache-dir", str(tmp_path), "--max-new-tokens", "6")
+    assert generate_json(path, prompts, *args)["token_ids"] == ref
+    graphs = {p: p.stat().st_ino for p in tmp_path.glob("*/*/*/graph.bin")}
+    assert sorted({p.parent.name for p in graphs}) == ["forward-2x16", "greedy-2x1"]
+    assert sorted({p.parts[-4] for p in graphs}) == ["dp0of1-tp0of2", "dp0of1-tp1of2"] and len(graphs) == 4
+    assert generate_json(path, prompts, *args)["token_ids"] == ref
+    assert {p: p.stat().st_ino for p in tmp_path.glob("*/*/*/graph.bin")} == graphs  # loaded, none rebuilt
+
+
 def test_loading_and_compiling_bars_on_rank_0(model, capsys):
     """A bar for loading and one for compiling the job's prefill and decode graphs (on rank 0; the CLI shows them
     on a terminal and never under --json), and the same tokens after the warm-up."""

@@ -1,0 +1,334 @@
+"""Compiled graphs saved to a directory, so that a later process starts warm: ``compile_model(..., cache_dir=DIR)``.
+
+Each graph (one per function and input shape: ``forward-1x32`` is the forward on tokens ``[1, 32]``) is
+compiled ahead of its first call with dynamo's precompile (``torch.compile(fn).aot_compile``), and saved
+whole: dynamo's output (the bytecode and its guards), the AOTAutograd and inductor graph, and the C++
+kernels it loads. A later process loads it with ``torch.compiler.load_compiled_function`` and runs no
+dynamo tracing, no inductor and no C++ compiler. The layout, one directory per rank::
+
+    DIR/<rank>/manifest.json              the key: torch, python, library, model, plan, mesh, shapes, ...
+    DIR/<rank>/<key digest>/<graph>/      graph.bin, and inductor/: inductor's cache for that graph alone
+
+``<rank>`` is the rank's place on the mesh, ``dp1of2-tp0of4``.
+
+A graph directory is built under a temporary name beside its final one and renamed into place once
+complete, so a killed process leaves only a ``.tmp`` directory that nothing reads. A manifest whose key
+differs (another torch, model, plan, mesh coordinate, shapes, ...) or that cannot be read, a graph that
+cannot be loaded or whose guards reject the inputs, a directory that cannot be written: each is one
+warning on the ``functional_npu`` logger naming the directory and what was wrong, then a clean compile.
+
+While one graph compiles or loads, inductor's cache directory is that graph's own (torch's
+``temporary_cache_dir``: ``TORCHINDUCTOR_CACHE_DIR`` set for the call); another thread compiling at the
+same moment would share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.mesh import Mesh
+from ..core.tree import flatten_with_paths
+
+__all__ = ["GraphDir", "SavedGraphs", "cache_key", "open_graph_dir", "saved_guards", "write_bytes", "FORMAT", "SAVABLE"]
+
+log = logging.getLogger("functional_npu")
+
+FORMAT = 1  # of this directory's layout and manifest
+MANIFEST = "manifest.json"
+GRAPH = "graph.bin"
+SAVABLE = ("inductor", "aot_eager")  # the backends whose compiled graphs torch can serialize
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file in the same directory, then ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _digest(text: str, n: int = 16) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def _library() -> str:
+    """This library's version and a digest of its sources: a changed forward is another library."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for file in sorted(root.rglob("*.py")):
+        h.update(file.relative_to(root).as_posix().encode() + b"\0" + file.read_bytes())
+    try:
+        version = metadata.version("functional-npu")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return f"{version} ({h.hexdigest()[:16]})"
+
+
+def cache_key(params: dict, mesh: Mesh, plan: Any, shapes: tuple, backend: Any, **fields: Any) -> dict[str, str]:
+    """What a saved graph was compiled for, as strings (the manifest's ``key``); a graph is loaded only under an
+    equal key. ``shapes`` is (batch buckets, max_seq_len, prefill lengths); ``fields`` (kernels, greedy_head,
+    inductor options) are added as their ``repr``."""
+    leaves = [
+        (p, tuple(x.shape), str(x.dtype), x.stride()) if isinstance(x, torch.Tensor) else (p, repr(x))
+        for p, x in flatten_with_paths(params)
+    ]
+    cfg = params["config"]
+    return {
+        "format": str(FORMAT),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "library": _library(),
+        "model": f"{cfg.architecture} {_digest(repr(cfg))}",
+        "plan": repr(plan),
+        "mesh": f"{mesh.shape} at {mesh.coordinate if mesh.rank is not None else 'no coordinate'}",
+        "shapes": f"batch {shapes[0]}, max_seq_len {shapes[1]}, prefill {shapes[2]}",
+        "backend": f"{backend.name} mode={backend.mode} on {backend.device_type}",
+        "dtype": str(params["embed"].dtype),
+        "params": _digest(repr((leaves, params.get("quant")))),
+        "threads": str(torch.get_num_threads()),  # a global-state guard of every graph
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        **{k: repr(v) for k, v in fields.items()},
+    }
+
+
+@dataclass(frozen=True)
+class GraphDir:
+    """One rank's saved graphs under one key: ``root / digest / <graph>``; ``root`` holds the manifest."""
+
+    root: Path
+    digest: str
+
+    def path(self, graph: str) -> Path:
+        return self.root / self.digest / graph
+
+
+def _rank_dir(cache_dir: str | os.PathLike, mesh: Mesh) -> Path:
+    """``cache_dir / "dp1of2-tp0of4"``: the rank's place on the mesh, so that every rank of a job, and jobs on meshes
+    of other shapes, can share ``cache_dir``."""
+    if mesh.rank is None:
+        return Path(cache_dir) / "-".join(f"{a}of{n}" for a, n in mesh.shape.items())
+    return Path(cache_dir) / "-".join(f"{a}{i}of{mesh.shape[a]}" for a, i in mesh.coordinate.items())
+
+
+def _differences(held: Any, key: Mapping[str, str]) -> str:
+    """What a manifest's key says against ``key``, in words (empty when they are equal)."""
+    if not isinstance(held, dict) or not isinstance(held.get("key"), dict):
+        return "its manifest.json has no key"
+    was = held["key"]
+    diff = [k for k in key if was.get(k) != key[k]] + [k for k in was if k not in key]
+    if not diff:
+        return ""
+    shown = [f"{k} {was.get(k)!r}, here {key.get(k)!r}" for k in diff if len(str(was.get(k))) <= 48]
+    return f"it holds graphs of another {', '.join(diff)}" + (f" ({'; '.join(shown)})" if shown else "")
+
+
+def open_graph_dir(cache_dir: str | os.PathLike, mesh: Mesh, key: Mapping[str, str]) -> GraphDir | None:
+    """This rank's graph directory under ``cache_dir`` for ``key``, its manifest written; a directory whose manifest
+    is missing, unreadable or of another key is emptied first. ``None`` when it cannot be written. Either is one
+    warning at most."""
+    root = _rank_dir(cache_dir, mesh)
+    digest = _digest(json.dumps(dict(key), sort_keys=True))
+    problem = ""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".probe.", suffix=".tmp")  # writable?
+        os.close(fd)
+        os.unlink(probe)
+        manifest = root / MANIFEST
+        if manifest.exists():
+            try:
+                problem = _differences(json.loads(manifest.read_text()), key)
+            except (ValueError, UnicodeDecodeError) as e:
+                problem = f"its manifest.json cannot be read ({type(e).__name__}: {_line(e)})"
+        if problem or not manifest.exists():  # no graph here is trusted: start over
+            for old in root.iterdir():
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+            write_bytes(manifest, json.dumps({"format": FORMAT, "key": dict(key)}, indent=1).encode())
+    except OSError as e:
+        why = f"{problem}; " if problem else ""
+        log.warning(
+            "compile_model: cache_dir %s cannot be used (%s%s); compiling from scratch, saving nothing",
+            root,
+            why,
+            _os_reason(e),
+        )
+        return None
+    if problem:
+        log.warning("compile_model: cache_dir %s: %s; compiling from scratch", root, problem)
+    return GraphDir(root, digest)
+
+
+def _line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:160] + ("..." if len(text) > 160 else "")
+
+
+def _os_reason(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno, type(e).__name__) if e.errno else type(e).__name__
+    return f"{name}: {e.strerror or _line(e)}" + (f": {e.filename}" if e.filename else "")
+
+
+# what a directory that cannot take a write raises (a full disk, a quota, a read-only or forbidden path)
+_STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EIO}
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The storage OSError behind ``e`` (itself, or in its chain of causes), if any."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRORS:
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return None
+
+
+@contextlib.contextmanager
+def _inductor_dir(path: Path) -> Iterator[None]:
+    """Inductor's cache directory is ``path`` for the body (and its in-memory caches start empty)."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    path.mkdir(parents=True, exist_ok=True)
+    with temporary_cache_dir(str(path)):
+        yield
+
+
+def _load(entry: Path) -> Any:
+    from torch._guards import TracingContext, tracing
+
+    # a guard on a module (``__import__('torch')...``) installs a guard as it is unpickled, which needs a tracing
+    # context; the one given here is dropped after the load
+    with _inductor_dir(entry / "inductor"), tracing(TracingContext(None)):
+        return torch.compiler.load_compiled_function(io.BytesIO((entry / GRAPH).read_bytes()))
+
+
+def saved_guards(entries: Sequence[Any]) -> list[bool]:
+    """A ``guard_filter_fn`` keeping the guards a precompiled graph can save: none on globals, none on object
+    identity or a dict's version (their objects are this process's; the manifest's key stands for them)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [
+        not (g.is_global or g.guard_type in unsaved or unsaved.intersection(g.derived_guard_types)) for g in entries
+    ]
+
+
+class SavedGraphs:
+    """A forward ``fn(params, tokens, positions, state, mesh)`` whose graphs, one per ``tokens`` shape, are loaded
+    from a :class:`GraphDir` when saved there, else compiled ahead of the call and saved.
+
+    ``precompile`` is ``torch.compile(fn)`` with the guard filter :func:`saved_guards` (its ``aot_compile`` makes
+    each graph), ``fallback`` the plain ``torch.compile(fn)``; ``kwargs`` are the static keywords every call
+    passes; ``name`` prefixes the graphs' names. ``loaded`` / ``compiled_now`` list the graphs taken from the
+    directory and compiled (and saved) in this process. A write that fails is one warning, and the graphs from
+    then on compile through ``fallback``, nothing saved.
+    """
+
+    def __init__(self, precompile: Any, fallback: Any, kwargs: Mapping[str, Any], name: str, where: GraphDir) -> None:
+        self._precompile, self._fallback, self._kwargs = precompile, fallback, dict(kwargs)
+        self._name, self._root = name, where.root
+        self._where: GraphDir | None = where  # None once a write failed: nothing more is saved
+        self._graphs: dict[tuple[int, ...], Callable[..., Any]] = {}
+        self.loaded: list[str] = []
+        self.compiled_now: list[str] = []
+
+    def __call__(self, *args: Any) -> Any:
+        graph = self._graphs.get(args[1].shape)
+        if graph is None:
+            graph = self._graphs[args[1].shape] = self._first(args)
+        try:
+            return graph(*args, **self._kwargs)
+        except RuntimeError as e:  # a saved graph checks its guards first: nothing has run
+            if graph is self._fallback or not str(e).startswith("GuardManager check failed"):
+                raise
+            log.warning(
+                "compile_model: cache_dir %s: graph %s rejects these inputs (%s); compiling it as usual",
+                self._root,
+                self._graph_name(args),
+                _line(e),
+            )
+            self._graphs[args[1].shape] = self._fallback
+            return self._fallback(*args, **self._kwargs)
+
+    def _graph_name(self, args: tuple) -> str:
+        return f"{self._name}-{'x'.join(map(str, args[1].shape))}"
+
+    def _first(self, args: tuple) -> Callable[..., Any]:
+        name = self._graph_name(args)
+        if self._where is None:
+            return self._fallback
+        entry = self._where.path(name)
+        if (entry / GRAPH).is_file():
+            try:
+                graph = _load(entry)
+                if graph.guard_check(*args, **self._kwargs):
+                    self.loaded.append(name)
+                    return graph
+                reason = "its guards reject these inputs"
+            except Exception as e:  # noqa: BLE001 - garbage bytes fail anywhere in unpickling or in the kernels' load
+                reason = f"{type(e).__name__}: {_line(e)}"
+            log.warning(
+                "compile_model: cache_dir %s: graph %s cannot be used (%s); compiling it from scratch",
+                self._root,
+                name,
+                reason,
+            )
+            shutil.rmtree(entry, ignore_errors=True)
+        return self._compile(name, entry, args)
+
+    def _compile(self, name: str, entry: Path, args: tuple) -> Callable[..., Any]:
+        staging = entry.with_name(f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        graph = None
+        try:
+            with _inductor_dir(staging / "inductor"):
+                graph = self._precompile.aot_compile((args, self._kwargs))
+            write_bytes(staging / GRAPH, type(graph).serialize(graph).serialized_data)
+            _publish(staging, entry)
+        except Exception as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            cause = _os_error(e)
+            if cause is None:
+                raise  # a graph break, a compiler error: not the directory's doing
+            log.warning(
+                "compile_model: cache_dir %s cannot be written (%s); graph %s and later ones compile without saving",
+                self._root,
+                _os_reason(cause),
+                name,
+            )
+            self._where = None
+            return self._fallback if graph is None else graph
+        self.compiled_now.append(name)
+        return graph
+
+
+def _publish(staging: Path, entry: Path) -> None:
+    """Rename the complete ``staging`` directory to ``entry``; another process that got there first wins."""
+    try:
+        os.replace(staging, entry)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
