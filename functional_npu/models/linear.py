@@ -357,10 +357,9 @@ def prepare_params(
     ...; see :mod:`functional_npu.runtime.quant_plan`) in its kernel's form for ``target`` (:func:`prepare`),
     for activations in the embedding's dtype, and every linear leaf named in ``linears`` in the form that
     streams fastest: on the CPU, dense leaves take their ``streamed`` form
-    (:func:`prepare_dense`, values unchanged; ``linears`` empty: none, as for a model that is not compiled).
-    Layer-sharded leaves (``series``) keep the plain forms: they arrive by broadcast within the step, and the
-    matmul, a kernel of its own, lets the broadcast's wait sit right before it (a streamed reduction would be
-    fused with the earlier layer's kernels and wait above them all).
+    (:func:`prepare_dense`, values unchanged; ``linears`` empty: none, as ``compile_model`` asks for a model that
+    is not compiled and for one whose layers arrive by broadcast within the step). Layer-sharded leaves
+    (``series``) keep the plain forms.
     ``blocks(path) -> [local sizes]``: the blocks of a per-tensor scale. Pure."""
     qc = params.get("quant")
     dtype = params["embed"].dtype

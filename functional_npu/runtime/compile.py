@@ -374,8 +374,11 @@ def compile_model(
     # stored quantized weights -> the kernels' forms, float32 linears -> the layout that streams fastest; once
     weight = params["quant"].quant.weight_name if params.get("quant") is not None else None
     blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)
-    # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones
-    linears = family_of(cfg).linears if chosen.name == "inductor" else ()
+    # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
+    # does a model whose layers are fetched by broadcast within the step: fused into one kernel with the streamed
+    # reductions, the earlier layers' work moves after the broadcast's wait (the hazard check's overlap finding)
+    ring = bool(series_of(params)) and mesh.axis_size(plan.layer_shard.axis) > 1
+    linears = family_of(cfg).linears if chosen.name == "inductor" and not ring else ()
     params = prepare_params(params, blocks, kernels or chosen.kernels, linears)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     k = plan.prefetch_step

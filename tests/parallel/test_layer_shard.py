@@ -231,13 +231,10 @@ def test_compiled_ring_is_hazard_free_with_nothing_allocated(world2, qwen3, seri
     ``auto_functionalized`` left (either would allocate a buffer in the graph), no copy back into a slot; the
     hazard check holds over the functionalized graph's partial order and over inductor's final order (after its
     own passes: reorder_for_peak_memory, on by default, the sink_waits pass compile_model asks for, and in one
-    case the memory-preserving comm passes instead). Those keep every slot access safe, but not the overlap: they
-    leave the wait above the fused kernel of the earlier layer's streamed reductions (compile_model's order does
-    not, the other cases)."""
+    case the memory-preserving comm passes instead)."""
     args = (qwen3[0], {"dp": 2, "tp": 1}, series, k, "inline", False, passes)
     for rank, (fx, ind, facts) in enumerate(world2.run(ring_hazards, *args)):
-        safety = [v for v in ind if not v.startswith("overlap:")] if passes else ind
-        assert fx == [] and safety == [], (rank, fx, ind)
+        assert fx == [] and ind == [], (rank, fx, ind)
         assert facts["writes"] == LAYERS and facts["functional"] == 0 and facts["copies_into_slots"] == [], facts
         assert facts["into_inputs"] and len(facts["written"]) == k + 1, facts
 
