@@ -42,6 +42,7 @@ from .streams import INLINE, PREFETCH_STREAM, Streams
 
 __all__ = [
     "layer_weights",
+    "ring_used",
     "prefetch_step",
     "coalesced",
     "slot_of",
@@ -107,14 +108,16 @@ def ring_spec(params: dict[str, Any]) -> list[tuple[int, torch.dtype]]:
     ]
 
 
-def _ring_used(params: dict[str, Any], mesh: Mesh) -> bool:
-    return bool(series_of(params)) and mesh.axis_size(params["plan"].layer_shard.axis) > 1
+def ring_used(params: dict[str, Any], mesh: Mesh, plan: Any = None) -> bool:
+    """Whether layers arrive through the ring within a step: layer-sharded series over an axis of more than one
+    rank (``plan``: the plan they were loaded for, default ``params["plan"]``)."""
+    return bool(series_of(params)) and mesh.axis_size((plan or params["plan"]).layer_shard.axis) > 1
 
 
 def new_ring(params: dict[str, Any], mesh: Mesh, k: int) -> list[torch.Tensor]:
     """An empty ring of ``k + 1`` slots (``[]`` when the series are local: no series, or an axis of size 1).
     Slot ``s`` group ``g`` is ``ring[s * groups + g]``."""
-    if not _ring_used(params, mesh):
+    if not ring_used(params, mesh):
         return []
     device = next(iter(_flat_series(params).values())).device
     return [torch.empty(size, dtype=dtype, device=device) for _ in range(k + 1) for size, dtype in ring_spec(params)]
@@ -127,7 +130,7 @@ def check_ring(params: dict[str, Any], mesh: Mesh, ring: list[torch.Tensor], k: 
     Raises:
         ValueError naming the series, the slot and the sizes, for a ring of the wrong count, size or dtype.
     """
-    if not _ring_used(params, mesh):
+    if not ring_used(params, mesh):
         if ring:
             raise ValueError(
                 f"prefetched: the series are local (no layer-sharded axis > 1), yet got a ring of {len(ring)}"
@@ -230,7 +233,7 @@ def layer_weights(
     layers = params["layers"]
     if not series_of(params):
         return lambda i, x: layers[i]
-    if not _ring_used(params, mesh):
+    if not ring_used(params, mesh):
         return lambda i, x: layers[i] | _local(params, i)
     ring = prefetched if prefetched else new_ring(params, mesh, 0)
     k = check_ring(params, mesh, ring)

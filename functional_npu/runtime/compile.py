@@ -277,9 +277,7 @@ def prefetch_options(params: dict, mesh: Mesh) -> dict[str, Any]:
     edges keep every write after the reads it overwrites, but inductor's default order hoists each wait to right
     after its write, which stalls the step until the layer arrives (the overlap check finds it,
     :mod:`functional_npu.parallel.hazard`); the pass moves each wait down to its first consumer."""
-    if not series_of(params) or mesh.axis_size(params["plan"].layer_shard.axis) == 1:
-        return {}
-    return dict(SINK_WAITS)
+    return dict(SINK_WAITS) if prefetch.ring_used(params, mesh) else {}
 
 
 def _shape_buckets(
@@ -377,8 +375,7 @@ def compile_model(
     # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
     # does a model whose layers are fetched by broadcast within the step: fused into one kernel with the streamed
     # reductions, the earlier layers' work moves after the broadcast's wait (the hazard check's overlap finding)
-    ring = bool(series_of(params)) and mesh.axis_size(plan.layer_shard.axis) > 1
-    linears = family_of(cfg).linears if chosen.name == "inductor" and not ring else ()
+    linears = family_of(cfg).linears if chosen.name == "inductor" and not prefetch.ring_used(params, mesh, plan) else ()
     params = prepare_params(params, blocks, kernels or chosen.kernels, linears)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     k = plan.prefetch_step
