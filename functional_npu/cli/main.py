@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -194,7 +195,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     from ..parallel.plan import Plan
     from ..runtime.backends import resolve_backend
     from ..runtime.checkpoint import read_config, read_quant
-    from ..runtime.generate import check_length, check_token_ids
+    from ..runtime.generate import check_length, check_sampling, check_token_ids
     from ..runtime.plan import check_plan
 
     model = Path(args.model)
@@ -251,10 +252,11 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         resolve_backend(args.backend, mode=args.mode)
         check_token_ids(prompts, cfg.vocab_size)
         check_length(max(len(p) for p in prompts), args.max_new_tokens, cfg.max_position_embeddings)
+        check_sampling(args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:
-        parser.error(str(e).replace("max_new_tokens", "--max-new-tokens"))
-    if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
-        parser.error("--temperature must be >= 0 and --top-p in (0, 1]")
+        flags = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k"}
+        flags |= {"top_p": "--top-p", "seed": "--seed"}
+        parser.error(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(e)))
     return prompts, tok
 
 

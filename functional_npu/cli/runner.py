@@ -78,7 +78,7 @@ def generate_on_rank(
         mesh,
         backend=backend,
         mode=mode,
-        max_seq_len=cache_length(longest + max_new_tokens),
+        max_seq_len=cache_length(longest + max_new_tokens, limit=params["config"].max_position_embeddings),
         greedy_head=not (sampling or {}).get("temperature"),  # greedy decode steps move tokens, not logits
         cache_dir=cache_dir,
     )

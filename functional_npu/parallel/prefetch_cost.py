@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch.utils._pytree as pytree
 
@@ -32,6 +33,8 @@ __all__ = [
     "roofline_layer_s",
     "auto_step",
     "layer_bytes",
+    "layer_weight_bytes",
+    "layer_weight_elements",
 ]
 
 
@@ -220,10 +223,27 @@ def layer_bytes(params: dict) -> int:
 
 
 def layer_weight_bytes(params: dict) -> int:
-    """Bytes of one layer's weights at this rank's shard size (local leaves plus its layer-sharded ones)."""
+    """Bytes of one layer's weights at this rank's shard size (local leaves plus its layer-sharded ones; a
+    quantized leaf counts every tensor it stores)."""
     layers = params["layers"]
-    local = sum(t.numel() * t.element_size() for t in layers[0].values()) if layers else 0
+    local = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(layers[0])) if layers else 0
     return local + layer_bytes(params)
+
+
+def layer_weight_elements(params: dict) -> int:
+    """Weight values one layer multiplies per token at this rank's shard size: a float leaf's elements, a quantized
+    leaf's (``params["quant"]``) stored values times the values packed per element; scales add none."""
+    quant = getattr(params.get("quant"), "quant", None)
+
+    def values(leaf: Any, per_layer: bool) -> int:
+        if isinstance(leaf, dict) and quant is not None and quant.weight_name in leaf:
+            t = leaf[quant.weight_name]
+            return math.prod(t.shape[per_layer:]) * quant.pack
+        return sum(math.prod(t.shape[per_layer:]) for t in pytree.tree_leaves(leaf))
+
+    layers = params["layers"]
+    local = sum(values(leaf, False) for leaf in layers[0].values()) if layers else 0
+    return local + sum(values(leaf, True) for leaf in (params.get("series") or {}).values())
 
 
 def auto_step(
@@ -243,8 +263,7 @@ def auto_step(
             )
         device = DEVICES[name]
     weights = layer_weight_bytes(params)
-    elements = weights / params["embed"].element_size()
-    compute = roofline_layer_s(device, weights, 2.0 * batch * elements)
+    compute = roofline_layer_s(device, weights, 2.0 * batch * layer_weight_elements(params))
     return choose_k(
         layer_bytes(params),
         num_layers=params["config"].num_layers,

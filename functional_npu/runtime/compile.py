@@ -33,7 +33,7 @@ from ..parallel.prefetch import check_prefetch_step
 from ..parallel.prefetch_cost import auto_step
 from .backends import Backend, resolve_backend
 from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, saved_guards
-from .generate import Lockstep, generate
+from .generate import Lockstep, check_length, generate
 from .plan import check_plan, resolved
 from .quant_plan import tensor_blocks
 
@@ -46,9 +46,11 @@ class GraphBreakError(RuntimeError):
     """The forward could not be traced as one graph; the message names the cause."""
 
 
-def cache_length(tokens: int, minimum: int = 64) -> int:
-    """A KV-cache length for ``tokens`` positions: the smallest power of two that fits, at least ``minimum``."""
-    return max(minimum, 1 << (tokens - 1).bit_length())
+def cache_length(tokens: int, minimum: int = 64, limit: int | None = None) -> int:
+    """A KV-cache length for ``tokens`` positions: the smallest power of two that fits, at least ``minimum``, at
+    most ``limit`` (the model's positions, where ``tokens`` fit them)."""
+    n = max(minimum, 1 << (tokens - 1).bit_length())
+    return n if limit is None else min(n, max(limit, tokens))
 
 
 def _buckets(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -91,12 +93,12 @@ class CompiledModel:
         """The prefetch distance the graphs were built for (0 without layer-sharded series)."""
         return self.plan.prefetch_step
 
-    def _bucket(self, values: Sequence[int], n: int, what: str) -> int:
+    def _bucket(self, values: Sequence[int], n: int, what: str, knob: str) -> int:
         i = bisect.bisect_left(values, n)
         if i == len(values):
             raise ValueError(
-                f"{what} {n} exceeds the largest bucket {values[-1]}; "
-                f"pass larger batch_sizes / max_seq_len to compile_model"
+                f"{what} {n} exceeds the largest bucket {values[-1]}; pass {knob} with a bucket of at least {n} "
+                f"to compile_model"
             )
         return values[i]
 
@@ -130,7 +132,7 @@ class CompiledModel:
 
         All ranks of the series axis must make the same sequence of calls.
         """
-        b = self._bucket(self.batch_sizes, batch, "batch size")
+        b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
         state = init_state(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype, plan=self.plan)
         return state._replace(prefetched=prefetch.start(self.params, self.mesh, self.prefetch_step))
 
@@ -142,7 +144,7 @@ class CompiledModel:
         b, width = state.kv[0][0].shape[0], max(length, *(len(p) for p in prompts))
         if len(prompts) > b:
             raise ValueError(f"prefill: {len(prompts)} prompts do not fit a cache of batch {b}")
-        s = self._bucket(self.prefill_lengths, width, "prompt length")
+        s = self._bucket(self.prefill_lengths, width, "prompt length", "prefill_lengths")
         tokens = torch.zeros(b, s, dtype=torch.long)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.as_tensor(p)
@@ -289,6 +291,11 @@ def _shape_buckets(
         raise ValueError(f"compile_model: batch_sizes must be positive ints, got {batch_sizes}")
     if max_seq_len is not None and not (isinstance(max_seq_len, int) and max_seq_len >= 1):
         raise ValueError(f"compile_model: max_seq_len must be a positive int (None: the default), got {max_seq_len!r}")
+    if max_seq_len is not None and max_seq_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"compile_model: max_seq_len {max_seq_len} exceeds the model's {cfg.max_position_embeddings} positions "
+            f"(max_position_embeddings); pass max_seq_len <= {cfg.max_position_embeddings}"
+        )
     seq = max_seq_len or min(cfg.max_position_embeddings, 2048)
     lengths = tuple(sorted(set(prefill_lengths))) if prefill_lengths else _buckets(seq, min(16, seq))
     if not all(isinstance(n, int) and n >= 1 for n in lengths):
@@ -456,6 +463,8 @@ def greedy_generate(
     if max_new_tokens < 1:
         raise ValueError(f"greedy_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     width = max(len(p) for p in prompts)
+    if isinstance(params, dict) and "config" in params:
+        check_length(width, max_new_tokens, params["config"].max_position_embeddings)
     total = max_seq_len or width + max_new_tokens
     if width + max_new_tokens > total:
         raise ValueError(

@@ -23,7 +23,7 @@ import torch
 from ..models.decoder import DecodeState
 from ..parallel.prefetch import drain
 
-__all__ = ["Lockstep", "generate", "sampler", "check_token_ids", "check_length"]
+__all__ = ["Lockstep", "generate", "sampler", "check_sampling", "check_token_ids", "check_length"]
 
 
 class Model(Protocol):
@@ -61,11 +61,13 @@ class Lockstep:
 def sampler(
     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Logits ``[B, V]`` -> token ids ``[B]``: argmax when ``temperature == 0``, else seeded top-k / top-p sampling."""
-    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(
-            f"sampling: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}"
-        )
+    """Logits ``[B, V]`` -> token ids ``[B]``: argmax when ``temperature == 0``, else seeded top-k / top-p sampling.
+
+    Raises:
+        ValueError naming the setting for a temperature that is not a finite number >= 0, a top_k below 1, a top_p
+        outside (0, 1], or a seed outside torch's generator range [0, 2**64).
+    """
+    check_sampling(temperature, top_k, top_p, seed)
     if temperature == 0:
         return lambda logits: logits.argmax(-1)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -85,12 +87,37 @@ def sampler(
     return sample
 
 
+def check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> None:
+    """Raise a ValueError naming the first sampling setting a sampler cannot use (see :func:`sampler`)."""
+
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    def integer(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not (number(temperature) and temperature >= 0):
+        raise ValueError(f"sampling: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and not (integer(top_k) and top_k >= 1):
+        raise ValueError(f"sampling: top_k must be an int >= 1 (None: all tokens), got {top_k!r}")
+    if top_p is not None and not (number(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"sampling: top_p must be a number in (0, 1] (None: no cut), got {top_p!r}")
+    if seed is not None and not (integer(seed) and 0 <= seed < 2**64):
+        raise ValueError(f"sampling: seed must be an int in [0, 2**64) (torch's generator range), got {seed!r}")
+
+
 def check_length(prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
     """Raise a ValueError when a generation would run past the positions the model was built for."""
     if prompt_len + max_new_tokens > max_positions:
+        if prompt_len < max_positions:
+            fix = f"lower max_new_tokens to at most {max_positions - prompt_len} or shorten the prompt"
+        elif max_new_tokens < max_positions:
+            fix = f"shorten the prompt to at most {max_positions - max_new_tokens} tokens"
+        else:
+            fix = f"shorten the prompt and lower max_new_tokens to at most {max_positions} together"
         raise ValueError(
             f"generate: {prompt_len} prompt tokens + {max_new_tokens} new exceed the model's {max_positions} positions "
-            f"(max_position_embeddings); lower max_new_tokens to at most {max(0, max_positions - prompt_len)}"
+            f"(max_position_embeddings); {fix}"
         )
 
 

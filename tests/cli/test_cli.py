@@ -112,7 +112,8 @@ def test_generate_with_tokenizer_text(model):
         (["demo", "--timeout", "nan"], "argument --timeout: expected a positive number of seconds, got nan"),
         (
             ["generate", "--model", "MODEL", "--prompt-ids", "1,2", "--max-new-tokens", "100000"],
-            "exceed the model's 256 positions (max_position_embeddings); lower --max-new-tokens to at most 254",
+            "exceed the model's 256 positions (max_position_embeddings); lower --max-new-tokens to at most 254 or "
+            "shorten the prompt",
         ),
         (
             ["generate", "--model", "MODEL", "--prompt-ids", "1", "--max-new-tokens", "2", "--backend", "tvm"],
@@ -143,6 +144,42 @@ def test_bad_arguments_are_one_clear_line_and_exit_2(model, args, message):
     assert (
         len([ln for ln in out.stderr.splitlines() if ln.startswith("python -m functional_npu") and "error" in ln]) == 1
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (  # the prompt alone fills the positions: the advice is the prompt's length, not --max-new-tokens 0
+            ["--prompt-ids", ",".join(["1"] * 300), "--max-new-tokens", "2"],
+            "300 prompt tokens + 2 new exceed the model's 256 positions (max_position_embeddings); shorten the prompt "
+            "to at most 254 tokens",
+        ),
+        (
+            ["--prompt-ids", ",".join(["1"] * 300), "--max-new-tokens", "300"],
+            "shorten the prompt and lower --max-new-tokens to at most 256 together",
+        ),
+        (
+            ["--prompt-ids", "1", "--max-new-tokens", "2", "--temperature", "nan"],
+            "sampling: --temperature must be a finite number >= 0 (0: greedy), got nan",
+        ),
+        (
+            ["--prompt-ids", "1", "--max-new-tokens", "2", "--temperature", "1", "--top-p", "nan"],
+            "sampling: --top-p must be a number in (0, 1] (None: no cut), got nan",
+        ),
+        (
+            ["--prompt-ids", "1", "--max-new-tokens", "2", "--temperature", "1", "--seed", str(2**70)],
+            f"sampling: --seed must be an int in [0, 2**64) (torch's generator range), got {2**70}",
+        ),
+        (
+            ["--prompt-ids", "1", "--max-new-tokens", "2", "--temperature", "1", "--seed", "-1"],
+            "sampling: --seed must be an int in [0, 2**64)",
+        ),
+    ],
+)
+def test_settings_a_rank_would_trip_on_are_refused_before_ranks_start(model, args, message, capsys):
+    """Checked in this process, before any rank starts (they once failed inside the ranks, or advised
+    --max-new-tokens 0)."""
+    refused(["generate", "--model", str(model[0]), *args], message, capsys)
 
 
 @pytest.mark.parametrize("gone", ["bench", "graphs"])

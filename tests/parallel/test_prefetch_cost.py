@@ -4,9 +4,11 @@ import dataclasses
 import math
 
 import pytest
+import torch.utils._pytree as pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from functional_npu.core.quant import Quant
 from functional_npu.parallel.prefetch_cost import Device, Link, choose_k, exposed, roofline_layer_s, simulate, step_time
 
 times = st.floats(0.01, 10.0)
@@ -135,3 +137,30 @@ def qwen3_params(tmp_path_factory):
     save_tiny("qwen3", path, 3, num_hidden_layers=6)
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
     return load_checkpoint(str(path), mesh, Plan(layer_shard=layer_shard("o_proj,down_proj"))), mesh
+
+
+@pytest.mark.parametrize("quant", [Quant(8, "channel"), Quant(4, "group", group_size=16)], ids=["int8", "int4"])
+def test_auto_reads_quantized_layers(tmp_path, quant):
+    """A quantized checkpoint's layers hold dicts of stored tensors (values, scales): the cost model counts every
+    stored byte, and multiplies as many values per layer as the float model (packing changes bytes, not work)."""
+    from functional_npu import Plan
+    from functional_npu.core.mesh import Mesh
+    from functional_npu.models import family_of
+    from functional_npu.parallel.layer_shard import layer_shard
+    from functional_npu.parallel.prefetch_cost import auto_step, layer_weight_bytes, layer_weight_elements
+    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.save import save_checkpoint
+
+    from ..support.configs import DENSE
+
+    full = family_of(DENSE).init_params(DENSE, seed=0)
+    save_checkpoint(full, tmp_path, quant=quant)
+    mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
+    params = load_checkpoint(str(tmp_path), mesh, Plan(layer_shard=layer_shard("o_proj,down_proj")))
+    assert isinstance(params["series"]["o_proj"], dict)  # the case the cost model once read as a tensor
+    assert layer_weight_elements(params) == sum(t.numel() for t in full["layers"][0].values())
+    stored = pytree.tree_leaves(
+        [params["layers"][0], {k: [t[0] for t in pytree.tree_leaves(v)] for k, v in params["series"].items()}]
+    )
+    assert layer_weight_bytes(params) == sum(t.numel() * t.element_size() for t in stored)
+    assert 0 <= auto_step(params) <= DENSE.num_layers - 1

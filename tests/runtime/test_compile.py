@@ -62,10 +62,26 @@ def test_compile_model_errors(compiled, qwen3):
         compile_model(params, mesh, kernels="gpu")
     with pytest.raises(ValueError, match=r"generate: 11 prompt tokens \+ 60 new exceed max_seq_len 64"):
         compiled.generate(PROMPTS, 60)
-    with pytest.raises(ValueError, match=r"sampling: need temperature >= 0"):
+    with pytest.raises(ValueError, match=r"sampling: top_p must be a number in \(0, 1\] \(None: no cut\), got 0.0"):
         compiled.generate(PROMPTS, 2, temperature=1.0, top_p=0.0)
-    with pytest.raises(ValueError, match=r"prompt length 70 exceeds the largest bucket 64"):
+    for bad in (float("nan"), float("inf"), -1.0, "1"):
+        with pytest.raises(ValueError, match=r"sampling: temperature must be a finite number >= 0"):
+            compiled.generate(PROMPTS, 2, temperature=bad)
+    with pytest.raises(ValueError, match=r"sampling: seed must be an int in \[0, 2\*\*64\)"):
+        compiled.generate(PROMPTS, 2, temperature=1.0, seed=2**70)
+    with pytest.raises(
+        ValueError, match=r"prompt length 70 exceeds the largest bucket 64; pass prefill_lengths with a bucket of at "
+    ):
         compiled.prefill([[1] * 70], compiled.new_state(1))
+    with pytest.raises(ValueError, match=r"batch size 9 exceeds the largest bucket 4; pass batch_sizes with a bucket"):
+        compiled.new_state(9)
+    positions = params["config"].max_position_embeddings
+    with pytest.raises(
+        ValueError,
+        match=rf"compile_model: max_seq_len {positions + 1} exceeds the model's {positions} positions "
+        rf"\(max_position_embeddings\); pass max_seq_len <= {positions}",
+    ):
+        compile_model(params, mesh, backend="none", max_seq_len=positions + 1)
 
 
 def test_graph_break_is_an_error_naming_its_cause(compiled):
@@ -86,6 +102,8 @@ def test_cache_length_is_the_smallest_power_of_two_that_fits():
 
     assert [cache_length(n) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
     assert cache_length(5, minimum=1) == 8
+    # within a model's positions: 70 tokens of a 100-position model get 100, not 128 (which compile_model refuses)
+    assert [cache_length(70, limit=100), cache_length(5, limit=100), cache_length(100, limit=100)] == [100, 64, 100]
 
 
 @pytest.fixture(scope="module")
