@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--layer-shard-axis",
-        default="dp",
+        default=None,
         choices=["dp", "tp"],
         help="the mesh axis layer l's weights are spread over (l %% n); default dp (with module TP: the dp "
         "ranks outside the module TP groups, so a module-TP'd weight is layer-sharded over its replicas)",
@@ -224,9 +224,22 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         )
     if args.layer_shard is None and args.prefetch_step is not None:
         parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
+    if args.layer_shard is None and args.layer_shard_axis is not None:
+        parser.error("--layer-shard-axis needs --layer-shard (which weight series to spread over the axis)")
+    if args.temperature == 0:
+        unused = [
+            f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed)) if v is not None
+        ]
+        if unused:
+            parser.error(
+                f"{', '.join(unused)}: greedy decoding (--temperature 0, the default) does not sample; "
+                "pass --temperature > 0 to sample, or drop them"
+            )
+    if args.cache_dir is not None and args.backend == "none":
+        parser.error("--cache-dir saves compiled graphs, but --backend none compiles nothing; drop one of them")
     try:
         cfg = read_config(model)
-        series = layer_shard(args.layer_shard, args.layer_shard_axis) if args.layer_shard else None
+        series = layer_shard(args.layer_shard, args.layer_shard_axis or "dp") if args.layer_shard else None
         step = args.prefetch_step
         if series is not None and step is None:
             step = min(1, cfg.num_layers - 1)

@@ -174,6 +174,19 @@ def test_bad_arguments_are_one_clear_line_and_exit_2(model, args, message):
             ["--prompt-ids", "1", "--max-new-tokens", "2", "--temperature", "1", "--seed", "-1"],
             "sampling: --seed must be an int in [0, 2**64)",
         ),
+        (  # options that do not apply: once silently ignored
+            ["--prompt-ids", "1", "--max-new-tokens", "2", "--top-k", "5", "--seed", "3"],
+            "--top-k, --seed: greedy decoding (--temperature 0, the default) does not sample; pass --temperature > 0 "
+            "to sample, or drop them",
+        ),
+        (
+            ["--prompt-ids", "1", "--max-new-tokens", "2", "--backend", "none", "--cache-dir", "/nonexistent"],
+            "--cache-dir saves compiled graphs, but --backend none compiles nothing; drop one of them",
+        ),
+        (
+            ["--prompt-ids", "1", "--max-new-tokens", "2", "--layer-shard-axis", "tp"],
+            "--layer-shard-axis needs --layer-shard (which weight series to spread over the axis)",
+        ),
     ],
 )
 def test_settings_a_rank_would_trip_on_are_refused_before_ranks_start(model, args, message, capsys):
