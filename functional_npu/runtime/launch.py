@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
+from tqdm import tqdm
 
 from ..core.mesh import Mesh, make_mesh
 
@@ -152,6 +153,10 @@ def _worker(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool per rank
     torch.set_num_threads(threads)
+    # tqdm's default lock is a named semaphore the resource tracker registers; a rank killed while blocked in a
+    # collective never unregisters it, and the parent then warns of leaked semaphores on exit. A rank's bars need
+    # only a thread lock.
+    tqdm.set_lock(threading.RLock())
     try:
         timeout = datetime.timedelta(seconds=pg_timeout)
         store = _loopback_store(rank, world, port, timeout)

@@ -141,3 +141,24 @@ def _state(pid):
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+def test_a_world_killed_in_a_collective_leaves_no_semaphore_behind():
+    """Ranks that made a progress bar and then blocked in a collective are killed when a peer raises: the parent
+    exits with the one error and no resource-tracker warning about leaked semaphores (tqdm's default lock was a
+    named semaphore a killed rank never unregistered)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from tests.support.workers import bar_then_refuse_or_wait\n"
+        "from functional_npu.runtime.launch import LocalWorld, RemoteError\n"
+        "try:\n"
+        "    with LocalWorld(2, timeout=60) as w:\n"
+        "        w.run(bar_then_refuse_or_wait)\n"
+        "except RemoteError as e:\n"
+        "    print('error:', e.summary, file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stderr.strip() == "error: ValueError: refused on rank 0", out.stderr

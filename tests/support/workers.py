@@ -229,3 +229,15 @@ def listening_addresses(ctx) -> list[str]:
             if fields[3] == "0A" and fields[9] in mine:  # state LISTEN, inode ours
                 out.append(fields[1])
     return out
+
+
+def bar_then_refuse_or_wait(ctx):
+    """Every rank makes a (hidden) progress bar; rank 0 then raises while the others wait in a barrier."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    with tqdm(total=1, disable=True):
+        pass
+    if ctx.rank == 0:
+        raise ValueError("refused on rank 0")
+    dist.barrier()
