@@ -229,11 +229,7 @@ class DeepseekConfig:
     def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> DeepseekConfig:
         """Build from a parsed HF ``config.json``, checked against :data:`FIELDS` and :data:`RULES`; one line
         naming ``where`` and the field for anything malformed, or an option this family does not run."""
-        read(hf, (), where=where)  # a JSON object
-        given = hf.get("architectures")
-        arch = given[0] if isinstance(given, list) and given else None
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"{where}: unsupported architecture {show(arch)}; supported: {', '.join(ARCHITECTURES)}")
+        arch = llama.architecture(hf, ARCHITECTURES, where)
         _refuse(hf, where)
         v = read(hf, FIELDS, where=where, needs=f"a {arch} config")
         v3 = arch == "DeepseekV3ForCausalLM"

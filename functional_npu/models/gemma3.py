@@ -206,7 +206,8 @@ def _layer_types(v: Mapping[str, Any], n: int, where: str) -> tuple[str, ...]:
     types = v["layer_types"] or derived
     if len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise ValueError(
-            f"{where}: layer_types must give one of {LAYER_TYPES} for each of the {n} layers, got {show(types)}"
+            f"{where}: layer_types must give one of {LAYER_TYPES} for each of the num_hidden_layers={n} layers, got "
+            f"{len(types)}: {show(types)}"
         )
     if "sliding_attention" in types and not v["sliding_window"]:
         raise ValueError(f"{where}: sliding_window is null but layer_types has sliding_attention layers; set it")

@@ -52,6 +52,7 @@ __all__ = [
     "SIZES",
     "SIZE_RULES",
     "FIELDS",
+    "architecture",
     "read_sizes",
     "write_sizes",
     "abstract_params",
@@ -254,11 +255,7 @@ register_static(LlamaConfig)
 def read_sizes(hf: Mapping[str, Any], architectures: tuple[str, ...], where: str = "config.json") -> dict[str, Any]:
     """The architecture and sizes every dense family's config holds (its fields of those names), from a parsed
     ``config.json``: the architecture checked to be one of ``architectures``, the sizes against :data:`SIZES`."""
-    read(hf, (), where=where)  # a JSON object
-    given = hf.get("architectures")
-    arch = given[0] if isinstance(given, list) and given else None
-    if arch not in architectures:
-        raise ValueError(f"{where}: unsupported architecture {show(arch)}; supported: {', '.join(architectures)}")
+    arch = architecture(hf, architectures, where)
     v = read(hf, SIZES, SIZE_RULES, where=where, needs=f"a {arch} config")
     heads = v["num_attention_heads"]
     return {
@@ -271,6 +268,20 @@ def read_sizes(hf: Mapping[str, Any], architectures: tuple[str, ...], where: str
         "num_kv_heads": v["num_key_value_heads"] or heads,
         "head_dim": v["head_dim"] or v["hidden_size"] // heads,
     }
+
+
+def architecture(hf: Mapping[str, Any], architectures: tuple[str, ...], where: str = "config.json") -> str:
+    """The architecture a parsed ``config.json`` names (the first of its ``architectures``), one of
+    ``architectures``."""
+    read(hf, (), where=where)  # a JSON object
+    given = hf.get("architectures")
+    arch = given[0] if isinstance(given, list) and given else None
+    if arch not in architectures:
+        raise ValueError(
+            f"{where}: unsupported architecture {show(arch)} (field 'architectures' is {show(given)}); "
+            f"supported: {', '.join(architectures)}"
+        )
+    return arch
 
 
 def write_sizes(cfg: Any) -> dict[str, Any]:

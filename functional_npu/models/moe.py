@@ -22,7 +22,7 @@ import torch
 
 from ..core.dtypes import float_dtype
 from ..core.layout import replicated
-from ..core.schema import REQUIRED, Field, Rule, read, show
+from ..core.schema import REQUIRED, Field, Rule, read
 from ..core.tree import map_with_path, register_static
 from ..parallel.plan import Plan
 from . import llama
@@ -180,12 +180,7 @@ class MoeConfig:
     def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> MoeConfig:
         """Build from a parsed HF ``config.json`` (an architecture of :data:`ARCHITECTURES`), checked against
         :func:`fields` and :data:`RULES` (one line naming ``where`` and the field for anything malformed)."""
-        read(hf, (), where=where)  # a JSON object
-        given = hf.get("architectures")
-        arch = given[0] if isinstance(given, list) and given else None
-        if arch not in _SIBLING:
-            supported = ", ".join(ARCHITECTURES)
-            raise ValueError(f"{where}: unsupported architecture {show(arch)}; supported MoE: {supported}")
+        arch = llama.architecture(hf, ARCHITECTURES, where)
         base = llama.LlamaConfig.from_hf({**hf, "architectures": [_SIBLING[arch][0]]}, where)
         fields, rules = schema(arch, hf)
         v = read(hf, fields, rules, where=where, needs=f"a {arch} config")

@@ -187,11 +187,12 @@ def read_quant_config(hf: Mapping[str, Any], where: str = "config.json") -> Quan
         raise _refuse(f"config_groups.{name}.output_activations", where)
     if not g["targets"]:
         raise _refuse(f"config_groups.{name} with no targets", where)
-    quant = Quant(
-        **_weights(g["weights"], where, prefix + "weights."),
-        activations=_activations(g["input_activations"], where, prefix + "input_activations."),
-        packed=FORMATS[fmt],
-    )
+    weights = _weights(g["weights"], where, prefix + "weights.")
+    activations = _activations(g["input_activations"], where, prefix + "input_activations.")
+    try:
+        quant = Quant(**weights, activations=activations, packed=FORMATS[fmt])
+    except ValueError as e:
+        raise _refuse(f"config_groups.{name}.format {fmt!r} for {weights['bits']}-bit weights ({e})", where) from None
     return QuantConfig(quant, fmt, tuple(g["targets"]), tuple(v["ignore"]))
 
 
@@ -234,6 +235,12 @@ def _weights(w: Mapping[str, Any], where: str, prefix: str) -> dict[str, Any]:
     if strategy not in ("tensor", "channel", "group", "block"):
         raise _refuse(f"{name}.strategy {strategy!r}", where)
     out: dict[str, Any] = {"bits": bits, "strategy": strategy, "symmetric": v["symmetric"]}
+    needs = {"group": ("group_size", group_size), "block": ("block_structure", v["block_structure"])}.get(strategy)
+    if needs and needs[1] is None:
+        raise ValueError(
+            f"{where}: field '{prefix}{needs[0]}' is missing (strategy {strategy!r} needs it: what one scale covers); "
+            f"add it"
+        )
     if strategy == "group" or group_size is not None:
         out["group_size"] = group_size
     if strategy == "block" or v["block_structure"] is not None:
@@ -242,7 +249,9 @@ def _weights(w: Mapping[str, Any], where: str, prefix: str) -> dict[str, Any]:
     try:
         Quant(**out)
     except ValueError as e:
-        raise _refuse(f"{name} {show(dict(w), 120)} ({e})", where) from None
+        given = f"num_bits {bits}, strategy {strategy!r}, group_size {group_size}, block_structure "
+        given += f"{v['block_structure']}, symmetric {v['symmetric']}"
+        raise _refuse(f"{name} ({given}: {e})", where) from None
     return out
 
 

@@ -186,8 +186,8 @@ def test_compile_model_refuses_params_of_another_expert_plan(saved):
     [
         (
             {"num_experts_per_tok": 9},
-            r"config.json: fields 'num_experts_per_tok', 'num_local_experts': 9 experts per token is more than the model's "
-            r"8 experts; lower num_experts_per_tok",
+            r"config.json: fields 'num_experts_per_tok', 'num_local_experts': 9 experts per token is more than the "
+            r"model's 8 experts; lower num_experts_per_tok",
         ),
         (
             {"num_local_experts": None, "num_experts": None},
