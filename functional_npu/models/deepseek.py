@@ -28,12 +28,14 @@ import torch
 
 from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, fused, replicated, sharded
+from ..core.schema import Field, Rule, check_rules, read, show
 from ..core.tree import map_with_path, register_static
 from ..parallel.plan import Plan
 from . import llama, mla
 from .decoder import Blocks
 from .experts import Routing, expert_specs, identity_map, moe_ffn
 from .mlp import gated_mlp
+from .rope_params import read_rope
 
 __all__ = [
     "DeepseekConfig",
@@ -53,6 +55,7 @@ __all__ = [
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 _MODEL_TYPE = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
 ROPE_TYPES = ("default", "yarn")
+GROUP_LIMITS = ("noaux_tc", "greedy", "group_limited_greedy")  # topk_method
 LINEARS = (
     "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj", "gate_up", "down", "lm_head",
     "router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down",
@@ -63,6 +66,84 @@ LAYER_LEAVES = (
     "mlp_norm", "gate_up", "down",
 )  # fmt: skip
 SERIES_ALIASES = {"down_proj": ("down",)}
+
+
+# ---- config.json, as a schema (functional_npu.core.schema; the rope parameters: models.rope_params) ----------
+FIELDS = (
+    Field("vocab_size", "int", "the vocabulary size", low=1),
+    Field("hidden_size", "int", "the model width", low=1),
+    Field("intermediate_size", "int", "the dense MLP width", low=1),
+    Field("num_hidden_layers", "int", "the number of decoder layers", low=1),
+    Field("num_attention_heads", "int", "the number of heads", low=1),
+    Field("q_lora_rank", "int", "the compressed query's rank (null: a full q_proj)", default=None, null=None, low=1),
+    Field("kv_lora_rank", "int", "the rank of the compressed KV", low=1),
+    Field("qk_nope_head_dim", "int", "each head's query/key width without rope", low=1),
+    Field("qk_rope_head_dim", "int", "each head's rotated query/key width", low=2),
+    Field("v_head_dim", "int", "each head's value width", low=1),
+    Field("rms_norm_eps", "float", "the RMSNorm epsilon", default=1e-6, gt=0),
+    Field("rope_theta", "float", "the rotary base", default=10000.0, gt=0),
+    Field("max_position_embeddings", "int", "the longest sequence", default=4096, low=1),
+    Field("tie_word_embeddings", "bool", "lm_head shares the embedding", default=False, null=False),
+    Field("rope_interleave", "bool", "rotate interleaved pairs (V3)", default=True, null=True),
+    Field("n_routed_experts", "int", "the number of routed experts", low=1),
+    Field("num_experts_per_tok", "int", "the experts each token is routed to", low=1),
+    Field("moe_intermediate_size", "int", "each expert's MLP width", low=1),
+    Field("n_shared_experts", "int", "the number of shared experts", default=0, null=0, low=0),
+    Field("first_k_dense_replace", "int", "the leading layers with a dense MLP", default=0, null=0, low=0),
+    Field("norm_topk_prob", "bool", "renormalize the top-k weights (V3)", default=False, null=False),
+    Field("topk_method", "str", "the routing", default=None, null=None, choices=GROUP_LIMITS),
+    Field("n_group", "int", "the expert groups", default=1, null=1, low=1),
+    Field("topk_group", "int", "the groups each token may use", default=1, null=1, low=1),
+    Field("routed_scaling_factor", "float", "the routed experts' weight scale", default=1.0, null=1.0, gt=0),
+    Field("num_nextn_predict_layers", "int", "the multi-token-prediction layers", default=0, null=0, low=0),
+)
+_GROUPED = ("noaux_tc", "group_limited_greedy")
+RULES = (
+    Rule(
+        ("num_experts_per_tok", "n_routed_experts"),
+        lambda v: v["num_experts_per_tok"] <= v["n_routed_experts"],
+        "{num_experts_per_tok} experts per token is more than the model's {n_routed_experts} experts; lower "
+        "num_experts_per_tok",
+    ),
+    Rule(
+        ("first_k_dense_replace", "num_hidden_layers"),
+        lambda v: v["first_k_dense_replace"] <= v["num_hidden_layers"],
+        "{first_k_dense_replace} leading dense layers is more than the model's {num_hidden_layers} layers; lower "
+        "first_k_dense_replace",
+    ),
+    Rule(
+        ("qk_rope_head_dim",),
+        lambda v: v["qk_rope_head_dim"] % 2 == 0,
+        "qk_rope_head_dim {qk_rope_head_dim} is odd, but rotary embeddings rotate pairs of dims; it must be even",
+    ),
+    Rule(
+        ("n_group", "n_routed_experts"),
+        lambda v: v["n_routed_experts"] % v["n_group"] == 0,
+        "{topk_method} routing splits the {n_routed_experts} experts into n_group={n_group} equal groups, but "
+        "{n_group} does not divide {n_routed_experts}; use an n_group that does",
+        when=lambda v: v["topk_method"] in _GROUPED,
+    ),
+    Rule(
+        ("topk_group", "n_group"),
+        lambda v: v["topk_group"] <= v["n_group"],
+        "topk_group={topk_group} groups per token is more than the n_group={n_group} groups; lower topk_group",
+        when=lambda v: v["topk_method"] in _GROUPED,
+    ),
+    Rule(
+        ("n_group", "n_routed_experts"),
+        lambda v: v["n_routed_experts"] // v["n_group"] >= 2,
+        "noaux_tc ranks each group by its best two experts, but n_group={n_group} leaves "
+        "{n_routed_experts} // {n_group} per group; use fewer groups",
+        when=lambda v: v["topk_method"] == "noaux_tc" and v["n_group"] > 1,
+    ),
+    Rule(
+        ("num_experts_per_tok", "topk_group", "n_group"),
+        lambda v: v["num_experts_per_tok"] <= v["topk_group"] * (v["n_routed_experts"] // v["n_group"]),
+        "{num_experts_per_tok} experts per token is more than the topk_group={topk_group} eligible groups hold "
+        "({topk_group} x {n_routed_experts} // {n_group}); raise topk_group or lower num_experts_per_tok",
+        when=lambda v: v["topk_method"] in _GROUPED and v["n_group"] > 1,
+    ),
+)
 SIZE_FIELDS = (
     "hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "intermediate_size", "vocab_size", "num_experts", "moe_intermediate_size",
@@ -145,64 +226,61 @@ class DeepseekConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @staticmethod
-    def from_hf(hf: Mapping[str, Any]) -> DeepseekConfig:
-        """Build from a parsed HF ``config.json``; one clear line for an option this family does not run."""
-        arch = (hf.get("architectures") or [None])[0]
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
-        _refuse(hf)
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> DeepseekConfig:
+        """Build from a parsed HF ``config.json``, checked against :data:`FIELDS` and :data:`RULES`; one line
+        naming ``where`` and the field for anything malformed, or an option this family does not run."""
+        arch = llama.architecture(hf, ARCHITECTURES, where)
+        _refuse(hf, where)
+        v = read(hf, FIELDS, where=where, needs=f"a {arch} config")
         v3 = arch == "DeepseekV3ForCausalLM"
-        experts = hf.get("n_routed_experts")
-        n_group = int(hf.get("n_group") or 1)
-        method = hf.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-        if method not in ("noaux_tc", "greedy", "group_limited_greedy") or (method == "noaux_tc") != v3:
-            raise ValueError(f"config.json: topk_method {method!r} is not supported for {arch}")
+        method = v["topk_method"] or ("noaux_tc" if v3 else "greedy")
+        if (method == "noaux_tc") != v3:
+            raise ValueError(
+                f"{where}: topk_method {method!r} is not supported for {arch}; "
+                f"use {'noaux_tc' if v3 else 'greedy or group_limited_greedy'}"
+            )
+        check_rules(v | {"topk_method": method}, RULES, where=where)
+        rope = read_rope(hf, ROPE_TYPES, theta=v["rope_theta"], max_positions=v["max_position_embeddings"], where=where)
         limit = {"noaux_tc": "top2", "group_limited_greedy": "max", "greedy": "none"}[method]
         return DeepseekConfig(
             architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=int(hf["num_attention_heads"]),
-            q_lora_rank=hf.get("q_lora_rank"),
-            kv_lora_rank=int(hf["kv_lora_rank"]),
-            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-            v_head_dim=int(hf["v_head_dim"]),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            rope_type=rope_type,
+            vocab_size=v["vocab_size"],
+            hidden_size=v["hidden_size"],
+            intermediate_size=v["intermediate_size"],
+            num_layers=v["num_hidden_layers"],
+            num_heads=v["num_attention_heads"],
+            q_lora_rank=v["q_lora_rank"],
+            kv_lora_rank=v["kv_lora_rank"],
+            qk_nope_head_dim=v["qk_nope_head_dim"],
+            qk_rope_head_dim=v["qk_rope_head_dim"],
+            v_head_dim=v["v_head_dim"],
+            rms_norm_eps=float(v["rms_norm_eps"]),
+            rope_theta=float(rope["rope_theta"]),
+            rope_type=rope["rope_type"],
             rope_factor=float(rope.get("factor", 1.0)),
-            rope_original_max_positions=int(
-                rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
-            ),
-            rope_beta_fast=float(rope.get("beta_fast") or 32),
-            rope_beta_slow=float(rope.get("beta_slow") or 1),
-            rope_mscale=float(rope.get("mscale") or 0),
-            rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+            rope_original_max_positions=rope.get("original_max_position_embeddings", v["max_position_embeddings"]),
+            rope_beta_fast=float(rope.get("beta_fast", 32.0)),
+            rope_beta_slow=float(rope.get("beta_slow", 1.0)),
+            rope_mscale=float(rope.get("mscale", 0.0)),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
             rope_attention_factor=rope.get("attention_factor"),
-            rope_truncate=bool(rope.get("truncate", True)),
-            rope_interleave=bool(hf.get("rope_interleave", True)) if v3 else True,  # V2 rotates adjacent pairs
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            num_experts=int(experts),
-            top_k=int(hf["num_experts_per_tok"]),
-            moe_intermediate_size=int(hf["moe_intermediate_size"]),
-            n_shared_experts=int(hf.get("n_shared_experts") or 0),
-            first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
-            norm_topk_prob=bool(hf.get("norm_topk_prob")) if v3 else False,  # V2's router never renormalizes
-            mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+            rope_truncate=rope.get("truncate", True),
+            rope_interleave=v["rope_interleave"] if v3 else True,  # V2 rotates adjacent pairs
+            max_position_embeddings=v["max_position_embeddings"],
+            tie_word_embeddings=v["tie_word_embeddings"],
+            num_experts=v["n_routed_experts"],
+            top_k=v["num_experts_per_tok"],
+            moe_intermediate_size=v["moe_intermediate_size"],
+            n_shared_experts=v["n_shared_experts"],
+            first_k_dense_replace=v["first_k_dense_replace"],
+            norm_topk_prob=v["norm_topk_prob"] if v3 else False,  # V2's router never renormalizes
+            mtp_layers=v["num_nextn_predict_layers"],
             routing=Routing(
                 scoring="sigmoid" if v3 else "softmax",
                 group_limit=limit,
-                n_group=n_group,
-                topk_group=int(hf.get("topk_group") or 1),
-                scale=float(hf.get("routed_scaling_factor") or 1.0),
+                n_group=v["n_group"],
+                topk_group=v["topk_group"],
+                scale=float(v["routed_scaling_factor"]),
             ),
         )
 
@@ -253,23 +331,23 @@ class DeepseekConfig:
         }
 
 
-def _refuse(hf: Mapping[str, Any]) -> None:
+def _refuse(hf: Mapping[str, Any], where: str) -> None:
     """One line for each option this family does not run."""
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("config.json: attention_bias / mlp_bias are not supported for DeepSeek models")
+        raise ValueError(f"{where}: attention_bias / mlp_bias are not supported for DeepSeek models; set them to false")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
+        raise ValueError(f"{where}: hidden_act {show(hf.get('hidden_act'))} is not supported (silu only)")
     if (hf.get("moe_layer_freq") or 1) != 1:
-        raise ValueError(f"config.json: moe_layer_freq {hf.get('moe_layer_freq')!r} is not supported (1 only)")
-    quant = hf.get("quantization_config") or {}
-    if quant.get("quant_method") == "fp8":
+        raise ValueError(f"{where}: moe_layer_freq {show(hf.get('moe_layer_freq'))} is not supported (1 only)")
+    quant = hf.get("quantization_config")
+    if isinstance(quant, Mapping) and quant.get("quant_method") == "fp8":
         raise ValueError(
-            "config.json: fp8 block-quantized weights (quantization_config.quant_method 'fp8') are not supported; "
+            f"{where}: fp8 block-quantized weights (quantization_config.quant_method 'fp8') are not supported; "
             "convert the checkpoint to bf16 or to a compressed-tensors scheme"
         )
     for key in ("index_topk", "index_n_heads"):  # DeepSeek-V3.2's sparse attention indexer
         if hf.get(key):
-            raise ValueError(f"config.json: {key} (DeepSeek-V3.2 sparse attention) is not supported")
+            raise ValueError(f"{where}: {key} (DeepSeek-V3.2 sparse attention) is not supported")
 
 
 register_static(DeepseekConfig)

@@ -49,7 +49,8 @@ class Family:
     """One model family's functions.
 
     Attributes:
-        from_hf: HF ``config.json`` dict -> config.
+        from_hf: ``(HF config.json dict, where="config.json") ->`` config, checked against the family's schema
+            (:mod:`functional_npu.core.schema`; one line naming ``where`` and the field for anything malformed).
         hf_names: config -> {leaf: HF tensor names in block order} (``{i}``: layer, ``{j}``: expert).
         abstract_params / init_params: the full params tree, on the meta device / seeded random.
         abstract_params: ``(cfg, plan) ->`` the full params on the meta device (expert slots are the plan's).
@@ -73,7 +74,7 @@ class Family:
     name: str
     config: type
     architectures: tuple[str, ...]
-    from_hf: Callable[[Mapping[str, Any]], Any]
+    from_hf: Callable[..., Any]
     hf_names: Callable[[Any], Mapping[str, list[str]]]
     abstract_params: Callable[..., dict]
     param_specs: Callable[..., dict]

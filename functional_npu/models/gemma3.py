@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.layout import Layout, fused, replicated, sharded
+from ..core.schema import Field, read, show
 from ..core.tree import register_static
 from ..parallel.plan import Plan
 from . import attention, llama
@@ -46,6 +47,7 @@ from .attention import KV, Step, gqa, init_kv
 from .decoder import Blocks
 from .embedding import embed, head, head_argmax
 from .mlp import gated_mlp
+from .rope_params import read_rope
 
 __all__ = [
     "Gemma3Config",
@@ -81,17 +83,22 @@ LAYER_LEAVES = (
 )  # fmt: skip
 NORM_OFFSET = 1.0  # every norm scales by 1 + weight
 
-# transformers' defaults for what a config.json may leave out (Gemma3TextConfig)
-_DEFAULTS = {
-    "rms_norm_eps": 1e-6,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
-    "query_pre_attn_scalar": 256,
-    "max_position_embeddings": 131_072,
-    "tie_word_embeddings": True,
-}
+# config.json beyond the sizes (llama.SIZES), as a schema (functional_npu.core.schema), with transformers' defaults
+# for what it may leave out (Gemma3TextConfig); the rope parameters: functional_npu.models.rope_params
+FIELDS = (
+    Field("rms_norm_eps", "float", "the RMSNorm epsilon", default=1e-6, gt=0),
+    Field("sliding_window", "int", "the sliding layers' window", default=4096, null=None, low=1),
+    Field("sliding_window_pattern", "int", "every how many layers one is full", default=6, null=6, low=1),
+    Field("layer_types", "str_list", "each layer's attention", default=None, null=None),
+    Field("rope_theta", "float", "the full layers' rotary base", default=1_000_000.0, gt=0),
+    Field("rope_local_base_freq", "float", "the sliding layers' rotary base", default=10_000.0, gt=0),
+    Field("rope_parameters", "dict", "the rotary parameters by layer type", default=None, null=None),
+    Field("rope_scaling", "dict", "the full layers' rope scaling", default=None, null=None),
+    Field("query_pre_attn_scalar", "float", "the attention scores' scale", default=256, gt=0),
+    Field("final_logit_softcapping", "float", "the logits' soft cap", default=None, null=None, gt=0),
+    Field("max_position_embeddings", "int", "the longest sequence", default=131_072, low=1),
+    Field("tie_word_embeddings", "bool", "lm_head shares the embedding", default=True, null=True),
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,25 +131,26 @@ class Gemma3Config:
     tie_word_embeddings: bool = True
 
     @staticmethod
-    def from_hf(hf: Mapping[str, Any]) -> Gemma3Config:
-        """Build from a parsed HF ``config.json`` (either rope form); one-line errors for unsupported options."""
-        sizes = llama.read_sizes(hf, ARCHITECTURES)
-        _refuse_unsupported(hf)
-        hf = _DEFAULTS | dict(hf)
-        full, sliding = _rope_parameters(hf)
+    def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Gemma3Config:
+        """Build from a parsed HF ``config.json`` (either rope form), checked against :data:`FIELDS`; one line
+        naming ``where`` and the field for anything malformed or unsupported."""
+        sizes = llama.read_sizes(hf, ARCHITECTURES, where)
+        _refuse_unsupported(hf, where)
+        v = read(hf, FIELDS, where=where, needs="a Gemma3ForCausalLM config")
+        full, sliding = _rope_parameters(v, where)
         return Gemma3Config(
             **sizes,
-            rms_norm_eps=float(hf["rms_norm_eps"]),
-            layer_types=_layer_types(hf),
-            sliding_window=hf["sliding_window"],
+            rms_norm_eps=float(v["rms_norm_eps"]),
+            layer_types=_layer_types(v, sizes["num_layers"], where),
+            sliding_window=v["sliding_window"],
             rope_theta=float(full["rope_theta"]),
             rope_local_base_freq=float(sliding["rope_theta"]),
             rope_type=full["rope_type"],
             rope_factor=float(full.get("factor", 1.0)),
-            query_pre_attn_scalar=hf["query_pre_attn_scalar"],
-            final_logit_softcapping=hf.get("final_logit_softcapping"),
-            max_position_embeddings=int(hf["max_position_embeddings"]),
-            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+            query_pre_attn_scalar=v["query_pre_attn_scalar"],
+            final_logit_softcapping=v["final_logit_softcapping"],
+            max_position_embeddings=v["max_position_embeddings"],
+            tie_word_embeddings=v["tie_word_embeddings"],
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -173,65 +181,66 @@ class Gemma3Config:
 register_static(Gemma3Config)
 
 
-def _refuse_unsupported(hf: Mapping[str, Any]) -> None:
+def _refuse_unsupported(hf: Mapping[str, Any], where: str) -> None:
     """Raise, in one line naming the field and a fix, on an option this family does not compute."""
     act = hf.get("hidden_activation", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
-        raise ValueError(f"config.json: hidden_activation {act!r} is not supported; Gemma 3 uses 'gelu_pytorch_tanh'")
+        raise ValueError(f"{where}: hidden_activation {act!r} is not supported; Gemma 3 uses 'gelu_pytorch_tanh'")
     if hf.get("attention_bias"):
-        raise ValueError("config.json: attention_bias=true is not supported (q/k/v/o_proj biases); set it to false")
+        raise ValueError(f"{where}: attention_bias=true is not supported (q/k/v/o_proj biases); set it to false")
     if hf.get("use_bidirectional_attention"):
         raise ValueError(
-            "config.json: use_bidirectional_attention=true is not supported (decoding is causal); set it to false"
+            f"{where}: use_bidirectional_attention=true is not supported (decoding is causal); set it to false"
         )
     if hf.get("attn_logit_softcapping") is not None:
         raise ValueError(
-            f"config.json: attn_logit_softcapping={hf['attn_logit_softcapping']} is not supported: transformers' "
+            f"{where}: attn_logit_softcapping={hf['attn_logit_softcapping']} is not supported: transformers' "
             f"Gemma 3 attention never applies it; set it to null to run as transformers does"
         )
 
 
-def _layer_types(hf: Mapping[str, Any]) -> tuple[str, ...]:
+def _layer_types(v: Mapping[str, Any], n: int, where: str) -> tuple[str, ...]:
     """``layer_types``, or (older configs) every ``sliding_window_pattern``-th layer full, the rest sliding."""
-    n, pattern = hf["num_hidden_layers"], hf["sliding_window_pattern"]
+    pattern = v["sliding_window_pattern"]
     derived = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
-    types = hf.get("layer_types") or derived
+    types = v["layer_types"] or derived
     if len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise ValueError(
-            f"config.json: layer_types must give one of {LAYER_TYPES} for each of the {n} layers, got {types!r}"
+            f"{where}: layer_types must give one of {LAYER_TYPES} for each of the num_hidden_layers={n} layers, got "
+            f"{len(types)}: {show(types)}"
         )
-    if "sliding_attention" in types and not hf.get("sliding_window"):
-        raise ValueError("config.json: sliding_window is null but layer_types has sliding_attention layers; set it")
+    if "sliding_attention" in types and not v["sliding_window"]:
+        raise ValueError(f"{where}: sliding_window is null but layer_types has sliding_attention layers; set it")
     return tuple(types)
 
 
-def _rope_parameters(hf: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _rope_parameters(v: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(full_attention's, sliding_attention's)`` rope parameters as transformers reads them: ``rope_parameters``
     keyed by layer type, else (older configs) ``rope_theta`` + ``rope_scaling`` and ``rope_local_base_freq``."""
-    given = dict(hf.get("rope_parameters") or {})
+    given = v["rope_parameters"] or {}
     if set(given) - set(LAYER_TYPES):
         raise ValueError(
-            f"config.json: rope_parameters must be keyed by layer type {LAYER_TYPES}, got keys {sorted(given)}; "
+            f"{where}: rope_parameters must be keyed by layer type {LAYER_TYPES}, got keys {sorted(given)}; "
             f"give each layer type its own dict"
         )
-    full = dict(given.get("full_attention") or {}) | dict(hf.get("rope_scaling") or {})
-    sliding = dict(given.get("sliding_attention") or {})
-    full.setdefault("rope_theta", hf["rope_theta"])
-    sliding.setdefault("rope_theta", hf["rope_local_base_freq"])
-    for kind, p in (("full_attention", full), ("sliding_attention", sliding)):
-        p["rope_type"] = p.get("rope_type", p.get("type", "default"))
-        allowed = ROPE_TYPES if kind == "full_attention" else ("default",)
-        if p["rope_type"] not in allowed:
+    kinds = {
+        "full_attention": ("rope_parameters.full_attention", ROPE_TYPES, v["rope_theta"]),
+        "sliding_attention": ("rope_parameters.sliding_attention", ("default",), v["rope_local_base_freq"]),
+    }
+    out = []
+    for kind, (path, allowed, theta) in kinds.items():
+        raw = given.get(kind) or {}
+        if kind == "full_attention" and v["rope_scaling"]:
+            raw, path = dict(read(raw, (), where=where, prefix=path + ".")) | v["rope_scaling"], "rope_scaling"
+        out.append(
+            read_rope(raw, allowed, theta=theta, max_positions=v["max_position_embeddings"], where=where, path=path)
+        )
+        if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(
-                f"config.json: rope_parameters[{kind!r}] rope_type {p['rope_type']!r} is not supported; "
-                f"supported: {', '.join(allowed)}"
+                f"{where}: {path}.partial_rotary_factor={show(raw['partial_rotary_factor'])} is not supported; only "
+                f"whole-head rotary (1.0) is"
             )
-        if p.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(
-                f"config.json: rope_parameters[{kind!r}] partial_rotary_factor={p['partial_rotary_factor']} is not "
-                f"supported; only whole-head rotary (1.0) is"
-            )
-    return full, sliding
+    return out[0], out[1]
 
 
 # ---- attention per layer type -----------------------------------------------------------------

@@ -29,12 +29,14 @@ import torch
 
 from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, fused, replicated, sharded
+from ..core.schema import Field, Rule, read, show
 from ..core.tree import map_with_path, register_static
 from ..parallel.plan import Plan
 from .attention import gqa, init_kv, prepare
 from .decoder import Blocks
 from .embedding import embed, head, head_argmax
 from .mlp import gated_mlp
+from .rope_params import read_rope
 
 __all__ = [
     "LlamaConfig",
@@ -47,6 +49,10 @@ __all__ = [
     "megatron_layouts",
     "LAYER_LEAVES",
     "SERIES_ALIASES",
+    "SIZES",
+    "SIZE_RULES",
+    "FIELDS",
+    "architecture",
     "read_sizes",
     "write_sizes",
     "abstract_params",
@@ -110,6 +116,59 @@ MEGATRON_ALIASES: dict[str, str] = {
 SIZE_FIELDS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
 
 
+# ---- config.json, as a schema (functional_npu.core.schema) -------------------------------------
+# the sizes every dense family reads (read_sizes)
+SIZES = (
+    Field("vocab_size", "int", "the vocabulary size", low=1),
+    Field("hidden_size", "int", "the model width", low=1),
+    Field("intermediate_size", "int", "the MLP width", low=1),
+    Field("num_hidden_layers", "int", "the number of decoder layers", low=1),
+    Field("num_attention_heads", "int", "the number of query heads", low=1),
+    Field("num_key_value_heads", "int", "the number of KV heads", default=None, null=None, low=1),
+    Field("head_dim", "int", "each head's width", default=None, null=None, low=1),
+)
+SIZE_RULES = (
+    Rule(
+        ("num_attention_heads", "num_key_value_heads"),
+        lambda v: v["num_attention_heads"] % v["num_key_value_heads"] == 0,
+        "{num_attention_heads} query heads cannot be split into {num_key_value_heads} KV groups; num_key_value_heads "
+        "must divide num_attention_heads",
+        when=lambda v: v["num_key_value_heads"] is not None,
+    ),
+    Rule(
+        ("hidden_size", "num_attention_heads"),
+        lambda v: _even_width(v["hidden_size"] // v["num_attention_heads"]),
+        "with no head_dim each head is hidden_size // num_attention_heads = {hidden_size} // {num_attention_heads} "
+        "wide, but rotary embeddings need an even width of at least 2; give head_dim or fix the sizes",
+        when=lambda v: v["head_dim"] is None,
+    ),
+    Rule(
+        ("head_dim",),
+        lambda v: v["head_dim"] % 2 == 0,
+        "head_dim {head_dim} is odd, but rotary embeddings rotate pairs of dims; it must be even",
+        when=lambda v: v["head_dim"] is not None,
+    ),
+)
+
+
+def _even_width(head_dim: int) -> bool:
+    return head_dim >= 2 and head_dim % 2 == 0
+
+
+# the rest of a Llama-family config (the rope parameters: functional_npu.models.rope_params)
+FIELDS = (
+    Field("hidden_act", "str", "the MLP activation", default="silu", choices=("silu",)),
+    Field("mlp_bias", "bool", "biases on the MLP", default=False, null=False, choices=(False,)),
+    Field("rms_norm_eps", "float", "the RMSNorm epsilon", default=1e-6, gt=0),
+    Field("rope_theta", "float", "the rotary base", default=10000.0, gt=0),
+    Field("max_position_embeddings", "int", "the longest sequence", default=4096, low=1),
+    Field("tie_word_embeddings", "bool", "lm_head shares the embedding", default=False, null=False),
+    Field("attention_bias", "bool", "biases on q/k/v", default=False, null=False),
+    Field("use_sliding_window", "bool", "sliding-window attention (Qwen2)", default=False, null=False),
+    Field("sliding_window", "int", "the attention window (0: none)", default=None, null=None, low=0),
+)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LlamaConfig:
     """Static model config, read from a HF ``config.json`` by :meth:`from_hf`."""
@@ -136,36 +195,26 @@ class LlamaConfig:
     sliding_window: int | None = None
 
     @staticmethod
-    def from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
-        """Build from a parsed HF ``config.json``; clear errors for unsupported features."""
-        sizes = read_sizes(hf, ARCHITECTURES)
+    def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> LlamaConfig:
+        """Build from a parsed HF ``config.json``, checked against :data:`FIELDS` (one line naming ``where`` and
+        the field for anything malformed or unsupported)."""
+        sizes = read_sizes(hf, ARCHITECTURES, where)
         arch = sizes["architecture"]
-        if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
-            raise ValueError(
-                f"config.json: only silu MLPs without bias are supported "
-                f"(hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')!r})"
-            )
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"config.json: rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
-            )
-        sliding = hf.get("sliding_window") if arch == "MistralForCausalLM" or hf.get("use_sliding_window") else None
+        v = read(hf, FIELDS, where=where, needs=f"a {arch} config")
+        rope = read_rope(hf, ROPE_TYPES, theta=v["rope_theta"], max_positions=v["max_position_embeddings"], where=where)
+        sliding = (v["sliding_window"] or None) if arch == "MistralForCausalLM" or v["use_sliding_window"] else None
         return LlamaConfig(
             **sizes,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            rope_type=rope_type,
+            rms_norm_eps=float(v["rms_norm_eps"]),
+            rope_theta=float(rope["rope_theta"]),
+            rope_type=rope["rope_type"],
             rope_factor=float(rope.get("factor", 1.0)),
             rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_positions=int(
-                rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
-            ),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            rope_original_max_positions=rope.get("original_max_position_embeddings", v["max_position_embeddings"]),
+            max_position_embeddings=v["max_position_embeddings"],
+            tie_word_embeddings=v["tie_word_embeddings"],
+            qkv_bias=arch == "Qwen2ForCausalLM" or v["attention_bias"],
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
         )
@@ -203,26 +252,36 @@ class LlamaConfig:
 register_static(LlamaConfig)
 
 
-def read_sizes(hf: Mapping[str, Any], architectures: tuple[str, ...]) -> dict[str, Any]:
+def read_sizes(hf: Mapping[str, Any], architectures: tuple[str, ...], where: str = "config.json") -> dict[str, Any]:
     """The architecture and sizes every dense family's config holds (its fields of those names), from a parsed
-    ``config.json``: the architecture checked to be one of ``architectures``, the sizes to be ints."""
-    arch = (hf.get("architectures") or [None])[0]
-    if arch not in architectures:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if not isinstance(hf.get(key), int):
-            raise ValueError(f"config.json: {key!r} must be an int, got {hf.get(key)!r}")
-    heads = hf["num_attention_heads"]
+    ``config.json``: the architecture checked to be one of ``architectures``, the sizes against :data:`SIZES`."""
+    arch = architecture(hf, architectures, where)
+    v = read(hf, SIZES, SIZE_RULES, where=where, needs=f"a {arch} config")
+    heads = v["num_attention_heads"]
     return {
         "architecture": arch,
-        "vocab_size": hf["vocab_size"],
-        "hidden_size": hf["hidden_size"],
-        "intermediate_size": hf["intermediate_size"],
-        "num_layers": hf["num_hidden_layers"],
+        "vocab_size": v["vocab_size"],
+        "hidden_size": v["hidden_size"],
+        "intermediate_size": v["intermediate_size"],
+        "num_layers": v["num_hidden_layers"],
         "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "num_kv_heads": v["num_key_value_heads"] or heads,
+        "head_dim": v["head_dim"] or v["hidden_size"] // heads,
     }
+
+
+def architecture(hf: Mapping[str, Any], architectures: tuple[str, ...], where: str = "config.json") -> str:
+    """The architecture a parsed ``config.json`` names (the first of its ``architectures``), one of
+    ``architectures``."""
+    read(hf, (), where=where)  # a JSON object
+    given = hf.get("architectures")
+    arch = given[0] if isinstance(given, list) and given else None
+    if arch not in architectures:
+        raise ValueError(
+            f"{where}: unsupported architecture {show(arch)} (field 'architectures' is {show(given)}); "
+            f"supported: {', '.join(architectures)}"
+        )
+    return arch
 
 
 def write_sizes(cfg: Any) -> dict[str, Any]:

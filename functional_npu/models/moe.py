@@ -22,6 +22,7 @@ import torch
 
 from ..core.dtypes import float_dtype
 from ..core.layout import replicated
+from ..core.schema import REQUIRED, Field, Rule, read
 from ..core.tree import map_with_path, register_static
 from ..parallel.plan import Plan
 from . import llama
@@ -55,6 +56,51 @@ ARCHITECTURES = tuple(_SIBLING)
 SIZE_FIELDS = ("num_experts", "moe_intermediate_size")  # beside the attention's (llama.SIZE_FIELDS, in .base)
 # the leaves that are linear layers' weights ([..., out, in]; the experts stacked on dim 0)
 LINEARS = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
+
+
+# ---- config.json, as a schema (functional_npu.core.schema), beside the attention's (llama.SIZES, llama.FIELDS) --
+def schema(arch: str, hf: Mapping[str, Any]) -> tuple[tuple[Field, ...], tuple[Rule, ...]]:
+    """The fields and rules of an ``arch`` config's experts. The expert count is Mixtral's ``num_local_experts``
+    or the Qwen families' ``num_experts``; either name is read where the other is not given."""
+    count = "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts"
+    other = "num_experts" if arch == "MixtralForCausalLM" else "num_local_experts"
+    count = other if hf.get(count) is None and hf.get(other) is not None else count
+    qwen = arch != "MixtralForCausalLM"
+    fields = (
+        Field("num_hidden_layers", "int", "the number of decoder layers", low=1),
+        Field(count, "int", "the number of routed experts", low=1),
+        Field("num_experts_per_tok", "int", "the experts each token is routed to", low=1),
+        Field("moe_intermediate_size", "int", "each expert's MLP width", low=1, default=REQUIRED if qwen else 0),
+        Field("norm_topk_prob", "bool", "renormalize the top-k weights", default=False, null=False),
+        Field("decoder_sparse_step", "int", "every how many layers one is MoE", default=1, null=1, low=1),
+        Field("mlp_only_layers", "int_list", "the layers with a dense MLP", default=[], null=[]),
+        Field(
+            "shared_expert_intermediate_size",
+            "int",
+            "the shared expert's MLP width (Qwen2-MoE)",
+            default=0,
+            null=0,
+            low=0,
+            choices=() if arch == "Qwen2MoeForCausalLM" else (0,),
+        ),
+        Field("qkv_bias", "bool", "biases on q/k/v (Qwen2-MoE)", default=True, null=True),
+    )
+    rules = (
+        Rule(
+            ("num_experts_per_tok", count),
+            lambda v: v["num_experts_per_tok"] <= v[count],
+            "{num_experts_per_tok} experts per token is more than the model's {%s} experts; lower "
+            "num_experts_per_tok" % count,
+        ),
+        Rule(
+            ("mlp_only_layers", "num_hidden_layers"),
+            lambda v: all(0 <= i < v["num_hidden_layers"] for i in v["mlp_only_layers"]),
+            "{mlp_only_layers} names layers outside the model's {num_hidden_layers}; give indices from 0 to "
+            "num_hidden_layers - 1",
+        ),
+    )
+    return fields, rules
+
 
 _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": {
@@ -131,26 +177,16 @@ class MoeConfig:
         return self.base.max_position_embeddings
 
     @staticmethod
-    def from_hf(hf: Mapping[str, Any]) -> MoeConfig:
-        """Build from a parsed HF ``config.json`` (``Qwen3MoeForCausalLM`` or ``MixtralForCausalLM``)."""
-        arch = (hf.get("architectures") or [None])[0]
-        if arch not in _SIBLING:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported MoE architectures: {', '.join(ARCHITECTURES)}"
-            )
-        base = llama.LlamaConfig.from_hf({**hf, "architectures": [_SIBLING[arch][0]]})
-        experts = hf.get("num_experts") or hf.get("num_local_experts")
-        top_k = hf.get("num_experts_per_tok")
-        if not isinstance(experts, int) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
-            raise ValueError(
-                f"config.json: need int num_experts (or num_local_experts) "
-                f">= num_experts_per_tok >= 1, got {experts!r} and {top_k!r}"
-            )
-        shared = int(hf.get("shared_expert_intermediate_size") or 0)
-        if shared and arch != "Qwen2MoeForCausalLM":
-            raise ValueError(f"config.json: shared_expert_intermediate_size is not part of {arch}")
+    def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> MoeConfig:
+        """Build from a parsed HF ``config.json`` (an architecture of :data:`ARCHITECTURES`), checked against
+        :func:`fields` and :data:`RULES` (one line naming ``where`` and the field for anything malformed)."""
+        arch = llama.architecture(hf, ARCHITECTURES, where)
+        base = llama.LlamaConfig.from_hf({**hf, "architectures": [_SIBLING[arch][0]]}, where)
+        fields, rules = schema(arch, hf)
+        v = read(hf, fields, rules, where=where, needs=f"a {arch} config")
+        experts, top_k, shared = v[fields[1].key], v["num_experts_per_tok"], v["shared_expert_intermediate_size"]
         if arch == "Qwen2MoeForCausalLM":
-            base = dataclasses.replace(base, qkv_bias=bool(hf.get("qkv_bias", True)))
+            base = dataclasses.replace(base, qkv_bias=v["qkv_bias"])
         if arch == "MixtralForCausalLM":
             return MoeConfig(
                 architecture=arch,
@@ -161,15 +197,15 @@ class MoeConfig:
                 norm_topk_prob=True,
                 moe_layers=tuple(range(base.num_layers)),
             )
-        step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
+        step, dense = v["decoder_sparse_step"], set(v["mlp_only_layers"])
         layers = tuple(i for i in range(base.num_layers) if i not in dense and (i + 1) % step == 0)
         return MoeConfig(
             architecture=arch,
             base=base,
             num_experts=experts,
             top_k=top_k,
-            moe_intermediate_size=int(hf["moe_intermediate_size"]),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_intermediate_size=v["moe_intermediate_size"],
+            norm_topk_prob=v["norm_topk_prob"],
             moe_layers=layers,
             shared_intermediate_size=shared,
         )

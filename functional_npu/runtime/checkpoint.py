@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ..core.dtypes import float_dtype
 from ..core.layout import Layout, local_pieces
 from ..core.mesh import Mesh
+from ..core.schema import show
 from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths, map_with_path
 from ..models import Family, family_of
@@ -84,23 +85,31 @@ def _read_hf(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: expected a HF model directory (config.json + *.safetensors)")
     try:
-        return json.loads(file.read_text())
+        hf = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file}: a config.json holds a JSON object, got {type(hf).__name__}; download it again")
+    return hf
 
 
 def read_config(path: str | Path) -> Any:
-    """The model config of a HF directory (``config.json``), parsed by its architecture's family."""
-    hf = _read_hf(path)
-    return family_of((hf.get("architectures") or [None])[0]).from_hf(hf)
+    """The model config of a HF directory (``config.json``), parsed and checked by its architecture's family (one
+    line naming the file and the field for anything malformed)."""
+    hf, where = _read_hf(path), str(Path(path) / "config.json")
+    given = hf.get("architectures")
+    arch = given[0] if isinstance(given, list) and given and isinstance(given[0], str) else None
+    try:
+        family = family_of(arch)
+    except ValueError as e:
+        hint = "" if arch or given is None else f" (architectures is {show(given)}: give a list of class names)"
+        raise ValueError(f"{where}: {e}{hint}") from None
+    return family.from_hf(hf, where)
 
 
 def read_quant(path: str | Path) -> QuantConfig | None:
     """The quantization of a HF directory's weights (``config.json``'s ``quantization_config``), None if float."""
-    try:
-        return read_quant_config(_read_hf(path))
-    except ValueError as e:
-        raise ValueError(f"{Path(path) / 'config.json'}: {e}") from None
+    return read_quant_config(_read_hf(path), str(Path(path) / "config.json"))
 
 
 def load_checkpoint(

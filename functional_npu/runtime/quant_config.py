@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.quant import Quant
+from ..core.schema import Field, read, show
 from ..core.tree import register_static
 
-__all__ = ["QuantConfig", "read_quant_config"]
+__all__ = ["QuantConfig", "PRESETS", "read_quant_config"]
 
 FORMATS = {"int-quantized": False, "naive-quantized": False, "pack-quantized": True}  # format -> packed
 SUPPORTED = (
@@ -98,82 +99,174 @@ def _match(module: str, kind: str, pattern: str) -> bool:
     return pattern in (module, kind)
 
 
-def _refuse(what: str) -> ValueError:
-    return ValueError(f"quantization_config: {what} is not supported; supported: {SUPPORTED}")
+# ---- config.json's quantization_config, as a schema (functional_npu.core.schema) -----------------------------
+_TOP = (
+    Field("quant_method", "str", "the quantization method"),
+    Field("format", "str", "how every group's weights are stored", default=None, null=None),
+    Field("config_groups", "dict", "the schemes, by group name", default={}, null={}),
+    Field("ignore", "str_list", "the modules left unquantized", default=[], null=[]),
+    Field("sparsity_config", "dict", "the sparsity", default=None, null=None),
+    Field("transform_config", "dict", "the transforms", default=None, null=None),
+    Field("kv_cache_scheme", "dict", "the KV cache's quantization", default=None, null=None),
+)
+_GROUP = (
+    Field("targets", "str_list", "the modules the scheme covers"),
+    Field("weights", "dict", "the weights' quantization"),
+    Field("input_activations", "dict", "the activations' quantization", default=None, null=None),
+    Field("output_activations", "dict", "the outputs' quantization", default=None, null=None),
+    Field("format", "str", "how the weights are stored", default=None, null=None),
+)
+_WEIGHTS = (
+    Field("num_bits", "int", "bits per weight"),
+    Field("type", "str", "int or float", default="int", null="int"),
+    Field("symmetric", "bool", "no zero points", default=True, null=True),
+    Field("strategy", "str", "what one scale covers", default=None, null=None),
+    Field("group_size", "int", "values per scale, for strategy group", default=None, null=None),
+    Field("block_structure", "int_list", "rows and columns per scale, for strategy block", default=None, null=None),
+    Field("dynamic", "bool", "scales computed at run time", default=False, null=False),
+)
+_ACTIVATIONS = (
+    Field("num_bits", "int", "bits per activation"),
+    Field("type", "str", "int or float", default="int", null="int"),
+    Field("symmetric", "bool", "no zero points", default=True, null=True),
+    Field("strategy", "str", "what one scale covers", default=None, null=None),
+    Field("dynamic", "bool", "scales computed at run time", default=False, null=False),
+)
+# compressed-tensors' preset schemes (``config_groups: {"W4A16": ["Linear"]}``, its PRESET_SCHEMES) that are
+# schemes supported here; the others (fp8, fp4, 2-, 3-, 5- to 7-bit, int4 activations) are refused by name
+_GROUP_128 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128, "dynamic": False}
+_CHANNEL_8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+_TOKEN_8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+PRESETS: dict[str, dict[str, Any]] = {
+    "W8A16": {"weights": _GROUP_128 | {"num_bits": 8}},
+    "W4A16": {"weights": _GROUP_128},
+    "W4A16_ASYM": {"weights": _GROUP_128 | {"symmetric": False}},
+    "W4A8": {"weights": _GROUP_128, "input_activations": _TOKEN_8},
+    "W8A8": {"weights": _CHANNEL_8, "input_activations": _TOKEN_8},
+    "INT8": {"weights": _CHANNEL_8, "input_activations": _TOKEN_8},
+}
 
 
-def read_quant_config(hf: Mapping[str, Any]) -> QuantConfig | None:
-    """The quantization of a checkpoint from its ``config.json`` dict (None when it has none)."""
+def _refuse(what: str, where: str = "config.json") -> ValueError:
+    return ValueError(f"{where}: quantization_config: {what} is not supported; supported: {SUPPORTED}")
+
+
+def read_quant_config(hf: Mapping[str, Any], where: str = "config.json") -> QuantConfig | None:
+    """The quantization of a checkpoint from its ``config.json`` dict (None when it has none), checked against
+    the schema above; one line naming ``where`` and the field for anything malformed or unsupported."""
     qc = hf.get("quantization_config")
     if qc is None:
         return None
-    if not isinstance(qc, Mapping):
-        raise ValueError(f"quantization_config must be a JSON object, got {type(qc).__name__}")
-    method = qc.get("quant_method")
-    if method != "compressed-tensors":
-        raise _refuse(f"quant_method {method!r}")
+    top = "quantization_config."
+    read(qc, (), where=where, prefix=top)  # a JSON object
+    needs = "a compressed-tensors quantization_config"
+    if qc.get("quant_method") != "compressed-tensors":
+        raise _refuse(f"quant_method {show(qc.get('quant_method'))}", where)
+    v = read(qc, _TOP, where=where, needs=needs, prefix=top)
     for key in ("sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise _refuse(f"{key} {dict(qc[key])}")
-    if qc.get("kv_cache_scheme"):
-        raise _refuse("kv_cache_scheme (a quantized KV cache)")
-    groups = qc.get("config_groups") or {}
+        if v[key]:
+            raise _refuse(f"{key} {show(dict(v[key]))}", where)
+    if v["kv_cache_scheme"]:
+        raise _refuse("kv_cache_scheme (a quantized KV cache)", where)
+    groups = v["config_groups"]
     if len(groups) != 1:
-        raise _refuse(f"{len(groups)} config_groups ({', '.join(groups) or 'none'}; one scheme per model)")
+        raise _refuse(f"{len(groups)} config_groups ({', '.join(groups) or 'none'}; one scheme per model)", where)
     ((name, group),) = groups.items()
-    fmt = group.get("format") or qc.get("format")
+    prefix = f"{top}config_groups.{name}."
+    scheme = _scheme(name, group, where, prefix)
+    g = read(scheme, _GROUP, where=where, needs="a compressed-tensors scheme", prefix=prefix)
+    fmt = g["format"] or v["format"]
+    if fmt is None:
+        raise ValueError(
+            f"{where}: {prefix}format and {top}format are both missing (how the weights are stored); set one to "
+            f"{', '.join(FORMATS)}"
+        )
     if fmt not in FORMATS:
-        raise _refuse(f"config_groups.{name}.format {fmt!r}")
-    if group.get("output_activations"):
-        raise _refuse(f"config_groups.{name}.output_activations")
-    quant = Quant(
-        **_weights(name, group.get("weights") or {}),
-        activations=_activations(name, group.get("input_activations")),
-        packed=FORMATS[fmt],
-    )
-    targets = tuple(group.get("targets") or ())
-    if not targets:
-        raise _refuse(f"config_groups.{name} with no targets")
-    return QuantConfig(quant, fmt, targets, tuple(qc.get("ignore") or ()))
+        raise _refuse(f"config_groups.{name}.format {fmt!r}", where)
+    if g["output_activations"]:
+        raise _refuse(f"config_groups.{name}.output_activations", where)
+    if not g["targets"]:
+        raise _refuse(f"config_groups.{name} with no targets", where)
+    weights = _weights(g["weights"], where, prefix + "weights.")
+    activations = _activations(g["input_activations"], where, prefix + "input_activations.")
+    try:
+        quant = Quant(**weights, activations=activations, packed=FORMATS[fmt])
+    except ValueError as e:
+        raise _refuse(f"config_groups.{name}.format {fmt!r} for {weights['bits']}-bit weights ({e})", where) from None
+    return QuantConfig(quant, fmt, tuple(g["targets"]), tuple(v["ignore"]))
 
 
-def _weights(name: str, w: Mapping[str, Any]) -> dict[str, Any]:
-    where = f"config_groups.{name}.weights"
-    if w.get("type", "int") != "int":
-        raise _refuse(f"{where}.type {w.get('type')!r} (float weights such as fp8 have no CPU kernel here)")
-    bits = w.get("num_bits")
+def _scheme(name: str, group: Any, where: str, prefix: str) -> Any:
+    """A group's scheme: as given, or (a list of targets) compressed-tensors' preset ``name`` for them."""
+    if not isinstance(group, list):
+        if not isinstance(group, Mapping):
+            raise ValueError(
+                f"{where}: field '{prefix[:-1]}' must be a scheme (a JSON object with targets and weights) or a list "
+                f"of targets for a preset scheme, got {show(group)}"
+            )
+        return group
+    preset = PRESETS.get(name.upper())
+    if preset is None:
+        raise ValueError(
+            f"{where}: {prefix[:-1]} is a list of targets, which compressed-tensors reads as preset scheme "
+            f"{name!r}; that preset is not supported here; supported presets: {', '.join(PRESETS)} (or write the "
+            f"scheme out: targets, weights, input_activations)"
+        )
+    return {"targets": group, **preset}
+
+
+def _weights(w: Mapping[str, Any], where: str, prefix: str) -> dict[str, Any]:
+    v = read(w, _WEIGHTS, where=where, needs="a scheme's weights", prefix=prefix)
+    name = prefix[len("quantization_config.") : -1]
+    if v["type"] != "int":
+        raise _refuse(f"{name}.type {v['type']!r} (float weights such as fp8 have no CPU kernel here)", where)
+    bits = v["num_bits"]
     if bits not in (4, 8):
-        raise _refuse(f"{where}.num_bits {bits!r}")
+        raise _refuse(f"{name}.num_bits {bits!r}", where)
     if w.get("actorder") not in (None, False):
-        raise _refuse(f"{where}.actorder {w.get('actorder')!r} (activation reordering)")
-    if w.get("dynamic"):
-        raise _refuse(f"{where}.dynamic true (weights are quantized once, in the file)")
-    strategy = w.get("strategy", "tensor")
+        raise _refuse(f"{name}.actorder {show(w.get('actorder'))} (activation reordering)", where)
+    if v["dynamic"]:
+        raise _refuse(f"{name}.dynamic true (weights are quantized once, in the file)", where)
+    group_size, strategy = v["group_size"], v["strategy"]
+    if strategy is None:  # as compressed-tensors infers it
+        strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
+    if strategy == "channel" and group_size == -1:
+        group_size = None
     if strategy not in ("tensor", "channel", "group", "block"):
-        raise _refuse(f"{where}.strategy {strategy!r}")
-    out: dict[str, Any] = {"bits": bits, "strategy": strategy, "symmetric": bool(w.get("symmetric", True))}
-    if strategy == "group":
-        out["group_size"] = w.get("group_size")
-    if strategy == "block":
-        block = w.get("block_structure")
-        out["block"] = tuple(block) if isinstance(block, (list, tuple)) else block
+        raise _refuse(f"{name}.strategy {strategy!r}", where)
+    out: dict[str, Any] = {"bits": bits, "strategy": strategy, "symmetric": v["symmetric"]}
+    needs = {"group": ("group_size", group_size), "block": ("block_structure", v["block_structure"])}.get(strategy)
+    if needs and needs[1] is None:
+        raise ValueError(
+            f"{where}: field '{prefix}{needs[0]}' is missing (strategy {strategy!r} needs it: what one scale covers); "
+            f"add it"
+        )
+    if strategy == "group" or group_size is not None:
+        out["group_size"] = group_size
+    if strategy == "block" or v["block_structure"] is not None:
+        block = v["block_structure"]
+        out["block"] = tuple(block) if block is not None else None
     try:
         Quant(**out)
     except ValueError as e:
-        raise _refuse(f"{where} {dict(w)} ({e})") from None
+        given = f"num_bits {bits}, strategy {strategy!r}, group_size {group_size}, block_structure "
+        given += f"{v['block_structure']}, symmetric {v['symmetric']}"
+        raise _refuse(f"{name} ({given}: {e})", where) from None
     return out
 
 
-def _activations(name: str, a: Mapping[str, Any] | None) -> str | None:
+def _activations(a: Mapping[str, Any] | None, where: str, prefix: str) -> str | None:
     if not a:
         return None
-    where = f"config_groups.{name}.input_activations"
-    dynamic, strategy, bits = a.get("dynamic"), a.get("strategy"), a.get("num_bits")
-    if a.get("type", "int") != "int" or bits != 8 or strategy != "token" or dynamic is not True:
+    v = read(a, _ACTIVATIONS, where=where, needs="a scheme's input_activations", prefix=prefix)
+    name = prefix[len("quantization_config.") : -1]
+    dynamic, strategy, bits = v["dynamic"], v["strategy"], v["num_bits"]
+    if v["type"] != "int" or bits != 8 or strategy != "token" or dynamic is not True:
         raise _refuse(
-            f"{where} (num_bits {bits}, type {a.get('type')!r}, strategy {strategy!r}, dynamic {dynamic}): only "
-            f"dynamic per-token int8"
+            f"{name} (num_bits {bits}, type {v['type']!r}, strategy {strategy!r}, dynamic {dynamic}): only "
+            f"dynamic per-token int8",
+            where,
         )
-    if a.get("symmetric") is False:
-        raise _refuse(f"{where} asymmetric activations")
+    if not v["symmetric"]:
+        raise _refuse(f"{name} asymmetric activations", where)
     return "token"

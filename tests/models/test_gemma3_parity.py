@@ -116,11 +116,11 @@ def test_each_trait_moves_the_logits(models, change):
         ({"layer_types": ["full_attention"] * 3}, "layer_types must give one of"),
         (
             {"rope_parameters": GEMMA3_ROPE | {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
-            "rope_parameters['full_attention'] rope_type 'yarn' is not supported",
+            "rope_parameters.full_attention.rope_type 'yarn' is not supported; supported: default, linear",
         ),
         (
             {"rope_parameters": GEMMA3_ROPE | {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
-            "rope_parameters['sliding_attention'] rope_type 'linear' is not supported",
+            "rope_parameters.sliding_attention.rope_type 'linear' is not supported; supported: default",
         ),
     ],
 )

@@ -186,12 +186,17 @@ def test_compile_model_refuses_params_of_another_expert_plan(saved):
     [
         (
             {"num_experts_per_tok": 9},
-            r"need int num_experts \(or num_local_experts\) >= num_experts_per_tok >= 1, got 8 and 9",
+            r"config.json: fields 'num_experts_per_tok', 'num_local_experts': 9 experts per token is more than the "
+            r"model's 8 experts; lower num_experts_per_tok",
         ),
-        ({"num_local_experts": None, "num_experts": None}, r"need int num_experts .* got None and 2"),
+        (
+            {"num_local_experts": None, "num_experts": None},
+            r"config.json: field 'num_experts' is null \(the number of routed experts\); give an int",
+        ),
         (
             {"shared_expert_intermediate_size": 64},
-            r"shared_expert_intermediate_size is not part of Qwen3MoeForCausalLM",
+            r"shared_expert_intermediate_size 64 is not supported; supported: 0 \(the shared expert's MLP width "
+            r"\(Qwen2-MoE\)\)",
         ),
         ({"architectures": ["DbrxForCausalLM"]}, r"unsupported architecture 'DbrxForCausalLM'"),
     ],
