@@ -26,7 +26,17 @@ from .gemma3 import Gemma3Config
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
-__all__ = ["Family", "Megatron", "FAMILIES", "ARCHITECTURES", "family_of", "forward", "init_state", "series_leaves"]
+__all__ = [
+    "Family",
+    "CostShape",
+    "Megatron",
+    "FAMILIES",
+    "ARCHITECTURES",
+    "family_of",
+    "forward",
+    "init_state",
+    "series_leaves",
+]
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,44 @@ class Megatron:
     names: Mapping[str, str]
     aliases: Mapping[str, str]
     layouts: Callable[[Any, Plan], Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class CostShape:
+    """What a cost model reads of a config beyond the params' layouts (:mod:`functional_npu.runtime.planner`).
+
+    Attributes:
+        hidden: the residual stream's width (each tensor-parallel reduction moves ``tokens x hidden``).
+        vocab: the vocabulary (the head's logits).
+        layers: decoder layers.
+        attn_width: attention's output width, the input of ``o_proj`` (o_proj TP exchanges it).
+        experts, top_k: routed experts and experts per token (0 for a dense model).
+        moe_layers: the layers whose FFN is the routed experts.
+    """
+
+    hidden: int
+    vocab: int
+    layers: int
+    attn_width: int
+    experts: int = 0
+    top_k: int = 0
+    moe_layers: tuple[int, ...] = ()
+
+
+def _dense_cost(cfg: Any) -> CostShape:
+    return CostShape(cfg.hidden_size, cfg.vocab_size, cfg.num_layers, cfg.num_heads * cfg.head_dim)
+
+
+def _moe_cost(cfg: MoeConfig) -> CostShape:
+    b = cfg.base
+    return CostShape(
+        b.hidden_size, b.vocab_size, b.num_layers, b.num_heads * b.head_dim, cfg.num_experts, cfg.top_k, cfg.moe_layers
+    )
+
+
+def _deepseek_cost(cfg: DeepseekConfig) -> CostShape:
+    width = cfg.num_heads * cfg.v_head_dim
+    return CostShape(cfg.hidden_size, cfg.vocab_size, cfg.num_layers, width, cfg.num_experts, cfg.top_k, cfg.moe_layers)
 
 
 @dataclass(frozen=True)
@@ -69,6 +117,7 @@ class Family:
         megatron: the family's Megatron-Core names and layouts (``None``: not known).
         sizes: config -> the sizes that fix tensor shapes, by field name (named in the loader's shape errors).
         unread: config -> name prefixes of tensors a checkpoint stores that the model does not run.
+        cost: config -> the sizes the planner's cost model reads (:class:`CostShape`; ``None``: no cost rules yet).
     """
 
     name: str
@@ -90,6 +139,7 @@ class Family:
     layer_leaves: tuple[str, ...] = ()
     series_aliases: Mapping[str, tuple[str, ...]] | None = None
     megatron: Megatron | None = None
+    cost: Callable[[Any], CostShape] | None = None
 
 
 LLAMA = Family(
@@ -107,6 +157,7 @@ LLAMA = Family(
     layer_leaves=llama.LAYER_LEAVES,
     series_aliases=llama.SERIES_ALIASES,
     megatron=Megatron(llama.MEGATRON_NAMES, llama.MEGATRON_ALIASES, llama.megatron_layouts),
+    cost=_dense_cost,
 )
 MOE = Family(
     "moe",
@@ -126,6 +177,7 @@ MOE = Family(
     moe.sizes,
     layer_leaves=llama.LAYER_LEAVES,
     series_aliases=llama.SERIES_ALIASES,
+    cost=_moe_cost,
 )
 DEEPSEEK = Family(
     "deepseek",
@@ -146,6 +198,7 @@ DEEPSEEK = Family(
     deepseek.unread,
     deepseek.LAYER_LEAVES,
     deepseek.SERIES_ALIASES,
+    cost=_deepseek_cost,
 )
 GEMMA3 = Family(
     "gemma3",
@@ -161,6 +214,7 @@ GEMMA3 = Family(
     sizes=lambda cfg: {f: getattr(cfg, f) for f in llama.SIZE_FIELDS},
     layer_leaves=gemma3.LAYER_LEAVES,
     series_aliases=llama.SERIES_ALIASES,
+    cost=_dense_cost,
 )
 FAMILIES = (LLAMA, MOE, DEEPSEEK, GEMMA3)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)

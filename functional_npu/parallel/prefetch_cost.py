@@ -17,10 +17,11 @@ alpha-beta :class:`Link`, and per-layer compute time, from :func:`roofline_layer
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch.utils._pytree as pytree
+
+from .devices import DEVICES, Device, Link
 
 __all__ = [
     "Link",
@@ -36,28 +37,6 @@ __all__ = [
     "layer_weight_bytes",
     "layer_weight_elements",
 ]
-
-
-@dataclass(frozen=True)
-class Link:
-    """An alpha-beta link: a broadcast of ``b`` bytes takes ``alpha_s + b / bytes_per_s``."""
-
-    bytes_per_s: float
-    alpha_s: float = 0.0
-
-    def time(self, nbytes: float) -> float:
-        return self.alpha_s + nbytes / self.bytes_per_s
-
-
-@dataclass(frozen=True)
-class Device:
-    """A device's roofline and link, with where the figures come from."""
-
-    name: str
-    memory_bytes_per_s: float
-    flop_per_s: float
-    link: Link
-    source: str = ""
 
 
 def roofline_layer_s(device: Device, weight_bytes: float, flops: float) -> float:
@@ -177,42 +156,6 @@ def choose_k(
 
 
 # ---- prefetch_step="auto" on real params --------------------------------------------------------
-# Named devices: a roofline (memory bandwidth, dense FLOP/s of the weights' dtype) and the link a
-# layer-shard broadcast runs on. Sources are in each record; "host" is this project's CI-class
-# machine, measured (see benchmarks/README.md, layer-sharded decode with prefetch).
-DEVICES: dict[str, Device] = {
-    "ascend-910b": Device(
-        "ascend-910b",
-        memory_bytes_per_s=1.6e12,  # HBM 64 GB, 1600 GB/s
-        flop_per_s=313e12,  # FP16 dense, 910B3 (376 on 910B2)
-        # HCCS full mesh of 8: 7 links, 392 GB/s per NPU, so 56 GB/s from the owner to each peer; the
-        # direction is not stated. alpha is assumed (no published small-message HCCL latency found)
-        link=Link(bytes_per_s=56e9, alpha_s=20e-6),
-        source=(
-            "Huawei Atlas 800T A2 white paper (e.huawei.com/cn/documents/products/computing/"
-            "b0b253c4d5da4e05ba80a39e3dc65fd2): 313 TFLOPS FP16 (910B3), HBM 1600 GB/s, 7 HCCS links, 392 GB/s; "
-            "alpha 20 us assumed"
-        ),
-    ),
-    "h100-sxm": Device(
-        "h100-sxm",
-        memory_bytes_per_s=3.35e12,  # HBM3
-        flop_per_s=989e12,  # BF16 dense (1979 with sparsity)
-        # NVLink 4: 900 GB/s both directions, 450 one way; NCCL's app-level target 370 GB/s one way
-        link=Link(bytes_per_s=370e9, alpha_s=10e-6),
-        source=(
-            "nvidia.com/en-us/data-center/h100 (3.35 TB/s, 1979 TFLOPS BF16 sparse, NVLink 900 GB/s); "
-            "github.com/NVIDIA/nccl/issues/1442 (370 GB/s each direction); alpha 10 us assumed"
-        ),
-    ),
-    "host": Device(
-        "host",
-        memory_bytes_per_s=17.5e9,  # fp32 matvec streaming rate measured by `bench` on a 2-core host
-        flop_per_s=1.0e11,
-        link=Link(bytes_per_s=1.0e9, alpha_s=1e-4),  # gloo over loopback TCP, two ranks on two cores
-        source="measured on this project's 2-core CI-class host (python -m benchmarks bench)",
-    ),
-}
 DEFAULT_DEVICE = {"cpu": "host", "npu": "ascend-910b", "cuda": "h100-sxm"}
 
 

@@ -1,0 +1,174 @@
+"""Device profiles: a device's roofline, memory and links, each figure with its source or marked assumed.
+
+A :class:`Device` is what the cost models read: :mod:`.prefetch_cost` (how far ahead to fetch layer-sharded
+weights) and the planner (:mod:`functional_npu.runtime.planner`, which plan is fastest and fits). The named
+profiles in :data:`DEVICES` are published figures; ``host`` is this project's CI-class machine, measured
+(:mod:`functional_npu.runtime.host_profile` measures the machine it runs on, which then replaces it).
+
+A collective over ``n`` ranks costs ``alpha + factor * payload / bandwidth`` (:meth:`Device.collective_s`):
+``payload`` is the tensor the call is given (an all-gather's or reduce-scatter's full result), the
+factor is the bytes each rank must move for it in a bandwidth-optimal algorithm (all-reduce
+``2 (n - 1) / n``, all-gather / reduce-scatter / all-to-all ``(n - 1) / n``, broadcast 1), and the
+bandwidth is what one rank can send at once: ``links`` point-to-point links of a full mesh (Ascend's
+HCCS), one switch port (NVLink, Ascend's UB), or the inter-node network once the group spans nodes.
+A profile measured per collective (``measured``) uses its own alpha and per-byte time instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["Link", "Device", "DEVICES", "ALIASES", "COLLECTIVES", "device", "collective_factor"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: a transfer of ``b`` bytes takes ``alpha_s + b / bytes_per_s``."""
+
+    bytes_per_s: float
+    alpha_s: float = 0.0
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device's roofline, memory and links, with where the figures come from.
+
+    Attributes:
+        name: the profile's name.
+        memory_bytes_per_s: the rate its memory streams weights at.
+        flop_per_s: dense FLOP/s at the weights' dtype.
+        link: one point-to-point link (a layer-sharded weight's broadcast from its owner runs on one).
+        source: where the figures come from.
+        memory_bytes: memory per device (``None``: not stated).
+        links: point-to-point links a rank drives at once in a collective (a full mesh of 8: 7; a switch: 1).
+        node_size: devices on the fast links (``None``: all); a group larger than this runs on ``inter_node``.
+        inter_node: the per-device link between nodes.
+        measured: collective -> ``(alpha_s, seconds per payload byte)``, measured at ``measured_world`` ranks
+            (replaces the alpha-beta formula; see :mod:`functional_npu.runtime.host_profile`).
+        measured_world: the world size ``measured`` was taken at.
+        assumed: the figures no source gives (named in reports).
+    """
+
+    name: str
+    memory_bytes_per_s: float
+    flop_per_s: float
+    link: Link
+    source: str = ""
+    memory_bytes: float | None = None
+    links: int = 1
+    node_size: int | None = None
+    inter_node: Link | None = None
+    measured: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    measured_world: int = 0
+    assumed: tuple[str, ...] = ()
+
+    def collective_s(self, name: str, n: int, payload_bytes: float) -> float:
+        """Seconds one collective ``name`` over ``n`` ranks takes for a payload of ``payload_bytes``
+        (0 on one rank)."""
+        if name not in COLLECTIVES:
+            raise ValueError(f"collective {name!r} is not modelled; choose from {', '.join(COLLECTIVES)}")
+        if n <= 1:
+            return 0.0
+        if name in self.measured:
+            alpha, per_byte = self.measured[name]
+            return alpha + payload_bytes * per_byte
+        across = self.node_size is not None and n > self.node_size and self.inter_node is not None
+        link = self.inter_node if across else self.link
+        width = 1 if across or name == "broadcast" else min(self.links, n - 1)
+        return link.alpha_s + collective_factor(name, n) * payload_bytes / (link.bytes_per_s * width)
+
+
+def collective_factor(name: str, n: int) -> float:
+    """Bytes each rank moves per payload byte in a bandwidth-optimal ``name`` over ``n`` ranks."""
+    if name == "all_reduce":
+        return 2 * (n - 1) / n
+    if name == "broadcast":
+        return 1.0
+    return (n - 1) / n
+
+
+# Named profiles. Figures a source does not give are listed in ``assumed``.
+DEVICES: dict[str, Device] = {
+    "ascend-910b": Device(
+        "ascend-910b",
+        memory_bytes_per_s=1.6e12,  # HBM 64 GB, 1600 GB/s
+        flop_per_s=313e12,  # FP16 dense, 910B3 (376 on 910B2)
+        # HCCS full mesh of 8: 7 links, 392 GB/s per NPU, so 56 GB/s from the owner to each peer; the
+        # direction is not stated. alpha is assumed (no published small-message HCCL latency found)
+        link=Link(bytes_per_s=56e9, alpha_s=20e-6),
+        source=(
+            "Huawei Atlas 800T A2 white paper (e.huawei.com/cn/documents/products/computing/"
+            "b0b253c4d5da4e05ba80a39e3dc65fd2): 313 TFLOPS FP16 (910B3), HBM 64 GB at 1600 GB/s, 7 HCCS links, "
+            "392 GB/s, 8 x 200GE RoCE between nodes; alpha 20 us assumed"
+        ),
+        memory_bytes=64e9,
+        links=7,
+        node_size=8,
+        inter_node=Link(bytes_per_s=25e9, alpha_s=50e-6),  # one 200GE port per NPU
+        assumed=("link.alpha_s", "inter_node.alpha_s"),
+    ),
+    "ascend-910c": Device(  # one die: vllm-ascend and CANN present each of a 910C's two dies as a device
+        "ascend-910c",
+        memory_bytes_per_s=1.6e12,  # 3.2 TB/s per package (8 HBM2E stacks), half per die
+        flop_per_s=390e12,  # 780 TFLOPS BF16 per package, half per die
+        link=Link(bytes_per_s=196e9, alpha_s=20e-6),  # UB, fully non-blocking all-to-all in the supernode
+        source=(
+            "techpowerup.com/335749 (910C: 780 TFLOPS BF16, eight HBM2E stacks at 3200 GB/s); "
+            "CloudMatrix384 analysis (chinaresearchcollective.substack.com/p/huawei-ascend-cloudmatrix-384-"
+            "supernode): 48 TB HBM over 384 NPUs (128 GB each), UB 196 GB/s per NPU, non-blocking; figures per "
+            "die are half a package's; UB per die and alpha 20 us assumed"
+        ),
+        memory_bytes=64e9,
+        links=1,
+        node_size=None,  # the supernode's UB spans 384 packages: every group here is on it
+        assumed=("link.bytes_per_s (per die)", "link.alpha_s"),
+    ),
+    "h100-sxm": Device(
+        "h100-sxm",
+        memory_bytes_per_s=3.35e12,  # HBM3
+        flop_per_s=989e12,  # BF16 dense (1979 with sparsity)
+        # NVLink 4: 900 GB/s both directions, 450 one way; NCCL's app-level target 370 GB/s one way
+        link=Link(bytes_per_s=370e9, alpha_s=10e-6),
+        source=(
+            "nvidia.com/en-us/data-center/h100 (80 GB, 3.35 TB/s, 1979 TFLOPS BF16 sparse, NVLink 900 GB/s); "
+            "github.com/NVIDIA/nccl/issues/1442 (370 GB/s each direction); 400 Gb/s InfiniBand per GPU "
+            "between nodes (DGX H100); alpha 10 us assumed"
+        ),
+        memory_bytes=80e9,
+        links=1,
+        node_size=8,
+        inter_node=Link(bytes_per_s=50e9, alpha_s=30e-6),
+        assumed=("link.alpha_s", "inter_node.alpha_s"),
+    ),
+    "host": Device(
+        "host",
+        memory_bytes_per_s=17.5e9,  # fp32 matvec streaming rate measured by `bench` on a 2-core host
+        flop_per_s=1.0e11,
+        link=Link(bytes_per_s=1.0e9, alpha_s=1e-4),  # gloo over loopback TCP, two ranks on two cores
+        source="measured on this project's 2-core CI-class host (python -m benchmarks bench)",
+        memory_bytes=24 * 2**30,
+        assumed=("flop_per_s",),
+    ),
+}
+ALIASES = {"910b": "ascend-910b", "910c": "ascend-910c", "a3": "ascend-910c", "h100": "h100-sxm", "cpu": "host"}
+
+
+def device(name: str | Device) -> Device:
+    """The profile named ``name`` (or one of :data:`ALIASES`); a :class:`Device` is returned as is.
+
+    Raises:
+        ValueError listing the known names.
+    """
+    if isinstance(name, Device):
+        return name
+    key = ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in DEVICES:
+        known = ", ".join(list(DEVICES) + [f"{a} ({t})" for a, t in ALIASES.items()])
+        raise ValueError(f"device {name!r} is not known; choose one of {known}")
+    return DEVICES[key]
