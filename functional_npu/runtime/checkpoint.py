@@ -351,6 +351,8 @@ def _read_box(tensor_slice, index: list[list[slice]], on_read, name: str) -> tor
     multi = next((d for d, sl in enumerate(index) if len(sl) > 1), None)
     if multi is None:
         t = tensor_slice[tuple(sl[0] for sl in index)]
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():  # a column slice viewing every row read
+            t = t.clone(memory_format=torch.contiguous_format)
         if on_read is not None:
             on_read(name, t.numel() * t.element_size())
         return t

@@ -254,3 +254,21 @@ def test_non_float_weights_are_refused_naming_the_tensor(ckpt, bad):
         ValueError, match=rf"tensor '{name}' \(for params\['layers.1.o_proj'\]\) is stored as (I32|BOOL), "
     ):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_rank_holds_only_its_shards_bytes(tmp_path, tp):
+    """A row-parallel weight (o_proj, down: the input dim cut) is a column slice of the stored rows: the loaded
+    shard owns just its bytes, not a view of every row it was read from (which held 2.1x the shard at tp 4)."""
+    from functional_npu.core.mesh import Mesh
+    from functional_npu.core.tree import flatten_with_paths
+    from functional_npu.models import family_of
+    from functional_npu.parallel.layer_shard import resident_bytes
+    from functional_npu.runtime.save import save_checkpoint
+
+    from ..support.configs import DENSE
+
+    save_checkpoint(family_of(DENSE).init_params(DENSE, seed=0), tmp_path)
+    params = load_checkpoint(str(tmp_path), Mesh.abstract({"tp": tp}, tp - 1))
+    leaves = {k: v for k, v in params.items() if k not in ("config", "plan", "quant")}
+    assert resident_bytes(leaves) == sum(x.numel() * x.element_size() for _, x in flatten_with_paths(leaves))
