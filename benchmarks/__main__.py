@@ -23,6 +23,7 @@ COMMANDS = {
     "load": ("bench_load", "bytes each rank reads from a checkpoint, for tp = 1, 2, 4 (needs transformers)"),
     "eplb": ("bench_eplb", "bytes moved by an EPLB rebalance against moving every expert, and its time"),
     "moe": ("bench_moe", "MoE decode tokens/s on 2 gloo ranks: experts over both ranks vs replicated"),
+    "planner": ("planner_check", "the planner's ranking of 7 plans on 4 gloo ranks against their measured decode step"),
     "warm_start": ("warm_start", "a fresh process's load + compile + first generate: cold vs loaded from cache_dir"),
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import signal
@@ -18,6 +19,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from .plan import add_parser as add_plan_parser
 
 
 def _positive(text: str) -> int:
@@ -84,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the compiled runs' graphs here; a later demo with the same flags loads them",
     )
 
+    add_plan_parser(sub)
     gen = sub.add_parser(
         "generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)"
     )
@@ -167,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the compiled graphs here (a subdirectory per rank) and load them in a later run of the same "
         "model, plan, ranks, shapes and backend: a warm start skips the compiler",
     )
+    gen.add_argument(
+        "--plan",
+        dest="plan_from",
+        metavar="auto|FILE",
+        default=None,
+        help="run the planner's choice for this machine ('auto', over --devices ranks) or a plan file written by "
+        "python -m functional_npu plan --out; it sets the mesh and the plan (no --dp, --tp, --ep, module TP or "
+        "--layer-shard with it)",
+    )
+    gen.add_argument("--devices", type=_positive, default=None, help="with --plan: the ranks to plan for")
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before local ranks are stopped")
     return parser
@@ -200,6 +214,14 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
 
     model = Path(args.model)
     sizes = {m: getattr(args, f"{m}_tp") for m in MODULES if getattr(args, f"{m}_tp") > 1}
+    if args.plan_from is not None:
+        given = [f for f, v in (("--dp", args.dp > 1), ("--tp", args.tp > 1), ("--ep", args.ep > 1)) if v]
+        given += [_MODULE_FLAGS[m] for m in sizes]
+        given += [f for f, v in (("--layer-shard", args.layer_shard), ("--prefetch-step", args.prefetch_step)) if v]
+        if given:
+            parser.error(f"--plan {args.plan_from} sets the mesh and the plan; drop {', '.join(given)}")
+    elif args.devices is not None:
+        parser.error("--devices is the number of ranks --plan plans for; without --plan give --dp and --tp")
     for m, n in sizes.items():
         flag = _MODULE_FLAGS[m]
         if n > args.dp or args.dp % n:
@@ -270,6 +292,18 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         flags = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k"}
         flags |= {"top_p": "--top-p", "seed": "--seed"}
         parser.error(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(e)))
+    if args.plan_from is not None:  # the planner's (or a plan file's) mesh and plan replace the flags'
+        from .plan import plan_for_generate
+
+        try:
+            quant = read_quant(model)
+            args.axes, args.plan = plan_for_generate(args, cfg, quant, prompts, parser)
+            check_plan(cfg, Mesh.abstract(args.axes), args.plan, where=str(model), quant=quant)
+        except (OSError, ValueError) as e:
+            parser.error(" ".join(str(e).split()))
+        args.tp = args.axes["tp"]
+        args.dp = math.prod(args.axes.values()) // args.tp
+        args.layer_shard = args.plan.layer_shard
     return prompts, tok
 
 
@@ -353,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.command == "plan":
+        from .plan import run_plan
+
+        return run_plan(args, parser)
     if args.command == "demo":
         if args.tp > 2 * (os.cpu_count() or 1) or 4 % args.tp:
             parser.error(f"--tp {args.tp}: the demo model has 4 heads; use 1, 2 or 4 ranks")

@@ -49,8 +49,9 @@ class Device:
         links: point-to-point links a rank drives at once in a collective (a full mesh of 8: 7; a switch: 1).
         node_size: devices on the fast links (``None``: all); a group larger than this runs on ``inter_node``.
         inter_node: the per-device link between nodes.
-        measured: collective -> ``(alpha_s, seconds per payload byte)``, measured at ``measured_world`` ranks
-            (replaces the alpha-beta formula; see :mod:`functional_npu.runtime.host_profile`).
+        measured: ``"collective/n"`` -> ``(alpha_s, seconds per payload byte)`` over groups of ``n`` ranks,
+            measured in a world of ``measured_world`` ranks (replaces the alpha-beta formula for those groups; see
+            :mod:`functional_npu.runtime.host_profile`).
         measured_world: the world size ``measured`` was taken at.
         assumed: the figures no source gives (named in reports).
     """
@@ -75,8 +76,8 @@ class Device:
             raise ValueError(f"collective {name!r} is not modelled; choose from {', '.join(COLLECTIVES)}")
         if n <= 1:
             return 0.0
-        if name in self.measured:
-            alpha, per_byte = self.measured[name]
+        if f"{name}/{n}" in self.measured:
+            alpha, per_byte = self.measured[f"{name}/{n}"]
             return alpha + payload_bytes * per_byte
         across = self.node_size is not None and n > self.node_size and self.inter_node is not None
         link = self.inter_node if across else self.link

@@ -165,8 +165,8 @@ class Report:
         """One paragraph: the winner's step and bytes, the runner-up, and the faster plans that did not fit."""
         best = self.chosen
         out = (
-            f"{best.candidate.name}: {best.step_s * 1e3:.3g} ms per step, {_gib(best.bytes['total'])} per rank "
-            f"of {_gib(self.memory_per_device)}"
+            f"{best.candidate.name}: {best.step_s * 1e3:.3g} ms per step, {_gb(best.bytes['total'])} per rank "
+            f"of {_gb(self.memory_per_device)}"
         )
         fitting = [e for e in self.ranked if e.fits]
         if len(fitting) > 1:
@@ -177,14 +177,14 @@ class Report:
             f = min(faster, key=lambda e: e.step_s)
             out += (
                 f"; {len(faster)} faster plan(s) do not fit, the fastest {f.candidate.name} "
-                f"({f.step_s * 1e3:.3g} ms) needs {_gib(f.bytes['total'])}"
+                f"({f.step_s * 1e3:.3g} ms) needs {_gb(f.bytes['total'])}"
             )
         return out
 
     def table(self) -> str:
         """The ranked table (plan, step time, bytes per rank, fits), as Markdown."""
         lines = [
-            f"{self.model} on {self.devices} x {self.device.name} ({_gib(self.memory_per_device)} each), "
+            f"{self.model} on {self.devices} x {self.device.name} ({_gb(self.memory_per_device)} each), "
             f"{self.workload}",
             "",
             "| rank | plan | step ms | weights | KV cache | prefetch | activations | total / rank | fits |",
@@ -193,8 +193,8 @@ class Report:
         for i, e in enumerate(self.ranked, 1):
             b = e.bytes
             lines.append(
-                f"| {i} | {e.candidate.name} | {e.step_s * 1e3:.3g} | {_gib(b['weights'])} | {_gib(b['kv_cache'])} "
-                f"| {_gib(b['prefetch'])} | {_gib(b['activations'])} | {_gib(b['total'])} "
+                f"| {i} | {e.candidate.name} | {e.step_s * 1e3:.3g} | {_gb(b['weights'])} | {_gb(b['kv_cache'])} "
+                f"| {_gb(b['prefetch'])} | {_gb(b['activations'])} | {_gb(b['total'])} "
                 f"| {'yes' if e.fits else 'no'} |"
             )
         if self.refused:
@@ -217,8 +217,12 @@ class Report:
         }
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _gb(n: float) -> str:
+    """Bytes in decimal units (GB = 1e9 bytes, as device memory is stated)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _divisors(n: int) -> list[int]:
@@ -439,8 +443,8 @@ def choose_plan(
         least = min(estimates, key=lambda x: (x.bytes["total"], x.step_s))
         raise PlanDoesNotFit(
             f"choose_plan: no plan of {model_config.architecture} on {devices} x {dev.name} fits "
-            f"{_gib(memory_per_device)} per device for {workload}; the smallest need is "
-            f"{_gib(least.bytes['total'])} per device ({least.candidate.name}): give each device at least that, "
+            f"{_gb(memory_per_device)} per device for {workload}; the smallest need is "
+            f"{_gb(least.bytes['total'])} per device ({least.candidate.name}): give each device at least that, "
             f"or use more devices"
         )
     return ranked[0].candidate, report

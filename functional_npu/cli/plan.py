@@ -1,0 +1,185 @@
+"""``plan``: the planner on the command line, and ``generate --plan auto | FILE``.
+
+``python -m functional_npu plan --model DIR --devices 8 --device 910b --memory-gb 32 --batch 64 --context 4096``
+prints every candidate ranked by modelled step time (bytes per rank, fits or not), why the winner won, and the
+chosen plan as JSON; ``--out FILE`` writes that JSON, which ``generate --plan FILE`` runs. ``generate --plan auto``
+plans for this machine (:func:`functional_npu.runtime.host_profile.host_device`, measured once and cached) with
+``--devices`` ranks, the memory available to each, and the run's own prompts and new tokens as the workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "run_plan", "plan_for_generate", "read_plan_file", "plan_file"]
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of gigabytes, got {text!r}")
+    return value
+
+
+def add_parser(sub: Any) -> None:
+    """The ``plan`` subcommand's arguments."""
+    p = sub.add_parser("plan", help="choose the fastest plan that fits: every candidate ranked, the chosen plan")
+    p.add_argument("--model", required=True, help="HF model directory (its config.json and quantization_config)")
+    p.add_argument("--devices", type=_positive_int, required=True, help="how many devices the model runs on")
+    p.add_argument("--device", default="host", help="device profile: 910b, 910c, h100, or host (this machine)")
+    p.add_argument(
+        "--memory-gb",
+        type=_gigabytes,
+        default=None,
+        help="memory per device in GB (1e9 bytes); default: the profile's (host: what is available now)",
+    )
+    p.add_argument("--batch", type=_positive_int, default=1, help="sequences per step (decode) or prompts (prefill)")
+    work = p.add_mutually_exclusive_group(required=True)
+    work.add_argument("--context", type=_positive_int, help="decode: tokens already in each sequence's cache")
+    work.add_argument("--prefill", type=_positive_int, metavar="LENGTH", help="prefill prompts of this many tokens")
+    p.add_argument("--dtype", choices=_DTYPES, default=None, help="weights' and cache's dtype (default bfloat16)")
+    p.add_argument("--json", action="store_true", help="print the whole report as JSON instead of the table")
+    p.add_argument("--out", metavar="FILE", help="write the chosen plan here (for generate --plan FILE)")
+
+
+def _available_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def plan_file(candidate: Any, architecture: str) -> dict[str, Any]:
+    """The JSON a plan file holds: the model it was made for, the mesh's axes and the plan."""
+    import dataclasses
+
+    plan = dataclasses.replace(candidate.plan, model=architecture)
+    return {"model": architecture, "axes": dict(candidate.axes), "plan": plan.to_dict()}
+
+
+def read_plan_file(path: str, cfg: Any) -> tuple[dict[str, int], Any]:
+    """``(axes, plan)`` from a plan file, refused in one line if it is not one or is for another model."""
+    from ..parallel.plan import Plan
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--plan {path}: cannot read the plan file ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"--plan {path}: not JSON ({e}); write one with python -m functional_npu plan --out") from None
+    if not isinstance(data, dict) or not {"model", "axes", "plan"} <= set(data):
+        raise ValueError(
+            f"--plan {path}: a plan file is a JSON object with model, axes and plan (python -m functional_npu plan "
+            f"--out FILE writes one)"
+        )
+    if data["model"] != cfg.architecture:
+        raise ValueError(
+            f"--plan {path}: the plan was made for {data['model']}, but this model is a {cfg.architecture}; "
+            f"make a plan for this model (python -m functional_npu plan --model ...)"
+        )
+    axes = data["axes"]
+    if not (
+        isinstance(axes, dict)
+        and axes
+        and all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in axes.items()
+        )
+        and "tp" in axes
+        and "dp" in axes
+    ):
+        raise ValueError(f"--plan {path}: axes must map mesh axis names (dp, tp, ...) to positive ints, got {axes!r}")
+    return axes, Plan.from_dict(data["plan"], where=f"--plan {path}")
+
+
+def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``python -m functional_npu plan``: the ranked table (or ``--json``), why, and the chosen plan's JSON."""
+    import torch
+
+    from ..parallel.devices import device as device_profile
+    from ..runtime.checkpoint import read_config, read_quant
+    from ..runtime.planner import Workload, choose_plan
+
+    try:
+        cfg, quant = read_config(args.model), read_quant(args.model)
+        dev = device_profile(args.device)
+        if dev.name == "host":
+            from ..runtime.host_profile import host_device
+
+            dev = host_device(args.devices)
+        memory = args.memory_gb * 1e9 if args.memory_gb else dev.memory_bytes
+        if dev.name == "host" and not args.memory_gb:
+            memory = _available_bytes() / args.devices
+        if not memory:
+            parser.error(f"--memory-gb: the {dev.name} profile states no memory per device; give one")
+        dtype = getattr(torch, args.dtype or "bfloat16")
+        work = (
+            Workload.decode(args.batch, args.context, dtype)
+            if args.context
+            else Workload.prefill(args.prefill, args.batch, dtype)
+        )
+        chosen, report = choose_plan(cfg, args.devices, dev, memory, work, quant=quant)
+    except (OSError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    out = plan_file(chosen, cfg.architecture)
+    if args.json:
+        print(json.dumps(report.to_dict() | {"plan_file": out}, indent=1))
+    else:
+        print(report.table())
+        print(f"\nchosen: {report.why()}\n")
+        print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list, parser: Any) -> tuple:
+    """``(axes, plan)`` for ``generate --plan auto | FILE``: planned for this machine at ``--devices`` ranks with
+    the run's prompts as the workload, or read from the file (refused if it is for another model, or another
+    number of ranks than ``--devices``)."""
+    import torch
+
+    from ..runtime.host_profile import host_device
+    from ..runtime.planner import Workload, choose_plan
+
+    if args.plan_from != "auto":
+        axes, plan = read_plan_file(args.plan_from, cfg)
+        n = 1
+        for v in axes.values():
+            n *= v
+        if args.devices is not None and args.devices != n:
+            raise ValueError(
+                f"--plan {args.plan_from}: the plan is for {n} devices ({axes}), not --devices {args.devices}"
+            )
+        return axes, plan
+    devices = args.devices or 1
+    dtype = getattr(torch, args.dtype or "float32")
+    longest = max(len(p) for p in prompts)
+    work = Workload.decode(len(prompts), longest + args.max_new_tokens, dtype)
+    chosen, report = choose_plan(cfg, devices, host_device(devices), _available_bytes() / devices, work, quant=quant)
+    print(f"plan: {report.why()}", file=sys.stderr)
+    return dict(chosen.axes), chosen.plan

@@ -1,0 +1,170 @@
+"""This machine as a device profile, measured on first use and cached: what the planner models a CPU run with.
+
+:func:`host_device` starts ``world`` local gloo ranks (the shape of the run being planned) and measures,
+with every rank busy at once as in a real step:
+
+- the read bandwidth one rank gets (a sum over a buffer far larger than the caches);
+- the FLOP/s one rank gets (a square fp32 matmul);
+- every collective the model runs (:data:`~functional_npu.parallel.devices.COLLECTIVES`, through this
+  library's own :mod:`~functional_npu.core.collectives`) over every group size dividing ``world``, at a
+  small and a large payload: ``alpha`` is the small call's time, the per-byte time the slope between them.
+
+The profile is written atomically to ``$FUNCTIONAL_NPU_CACHE/host-profile/`` (default
+``~/.cache/functional_npu``), keyed by the host, its cores, torch's version and ``world``; a file that does not
+parse or does not carry every figure is measured again, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..parallel.devices import COLLECTIVES, Device, Link
+
+__all__ = ["host_device", "measure", "profile_path"]
+
+VERSION = 1
+SMALL, LARGE = 4096, 4 * 2**20  # payload bytes of the two calls each collective is timed at
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("FUNCTIONAL_NPU_CACHE") or Path.home() / ".cache" / "functional_npu")
+
+
+def profile_path(world: int) -> Path:
+    """Where the profile of this machine at ``world`` ranks is cached."""
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in platform.node() or "host")
+    name = f"{host}-{os.cpu_count()}cpu-torch{torch.__version__.split('+')[0]}-world{world}.json"
+    return _cache_root() / "host-profile" / name
+
+
+def _timed(fn: Any, repeat: int) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` calls (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _call(kind: str, mesh: Any, axis: str, payload: int) -> Any:
+    """A function running one ``kind`` collective of ``payload`` bytes over ``axis`` and waiting for it."""
+    import torch.distributed._functional_collectives as funcol
+
+    from ..core import collectives as c
+
+    n = mesh.axis_size(axis)
+    elements = max(n, payload // 4 // n * n)
+    x = torch.ones(elements)
+    part = torch.ones(elements // n)  # an all-gather's input: its payload is the gathered result
+    run = {
+        "all_reduce": lambda: c.all_reduce(x, mesh, axis),
+        "all_gather": lambda: c.all_gather(part, mesh, axis),
+        "reduce_scatter": lambda: c.reduce_scatter(x, mesh, axis),
+        "all_to_all": lambda: c.all_to_all_single(x, mesh, axis),
+        "broadcast": lambda: c.broadcast(x, mesh, axis),
+    }[kind]
+    return lambda: funcol.wait_tensor(run())
+
+
+def measure_on_rank(ctx: Any, world: int, repeat: int) -> dict[str, Any]:
+    """One rank's share of :func:`measure` (every rank runs it; the figures are rank 0's, taken while every
+    rank does the same)."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    x = torch.ones(64 * 2**18)  # 64 MiB
+    dist.barrier()
+    out["read_bytes_per_s"] = x.numel() * 4 / _timed(x.sum, repeat)
+    a = torch.randn(512, 512)
+    dist.barrier()
+    out["flop_per_s"] = 2 * 512**3 / _timed(lambda: a @ a, repeat)
+    measured = {}
+    for n in [d for d in range(2, world + 1) if world % d == 0]:
+        mesh = ctx.mesh({"outer": world // n, "inner": n})
+        for kind in COLLECTIVES:
+            times = []
+            for payload in (SMALL, LARGE):
+                fn = _call(kind, mesh, "inner", payload)
+                dist.barrier()
+                times.append(_timed(fn, repeat))
+            alpha = times[0]
+            per_byte = max(0.0, (times[1] - times[0]) / (LARGE - SMALL))
+            measured[f"{kind}/{n}"] = (alpha, per_byte)
+    out["measured"] = measured
+    return out
+
+
+def measure(world: int, *, repeat: int = 15) -> Device:
+    """Measure this machine with ``world`` local ranks (see the module docstring); nothing cached."""
+    return _device(_figures(world, repeat), world)
+
+
+def _figures(world: int, repeat: int) -> dict[str, Any]:
+    if world == 1:  # nothing to exchange: the roofline alone, in this process
+        x, a = torch.ones(64 * 2**18), torch.randn(512, 512)
+        return {
+            "read_bytes_per_s": x.numel() * 4 / _timed(x.sum, repeat),
+            "flop_per_s": 2 * 512**3 / _timed(lambda: a @ a, repeat),
+            "measured": {},
+        }
+    from .launch import LocalWorld
+
+    with LocalWorld(world, timeout=300.0) as w:
+        return w.run(measure_on_rank, world, repeat)[0]
+
+
+def _device(figures: dict[str, Any], world: int) -> Device:
+    measured = {k: (float(a), float(b)) for k, (a, b) in figures["measured"].items()}
+    bcast = measured.get(f"broadcast/{world}") or (1e-4, 1e-9)
+    return Device(
+        "host",
+        memory_bytes_per_s=float(figures["read_bytes_per_s"]),
+        flop_per_s=float(figures["flop_per_s"]),
+        link=Link(bytes_per_s=1 / max(bcast[1], 1e-12), alpha_s=bcast[0]),
+        source=f"measured on {platform.node() or 'this host'} with {world} local gloo ranks "
+        f"({os.cpu_count()} cores, torch {torch.__version__})",
+        measured=measured,
+        measured_world=world,
+    )
+
+
+def _read(path: Path, world: int) -> Device | None:
+    """The cached profile, or None for a missing, unparsable, stale or incomplete file."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != VERSION or data.get("world") != world:
+            return None
+        wanted = {f"{k}/{n}" for k in COLLECTIVES for n in range(2, world + 1) if world % n == 0}
+        figures = data["figures"]
+        if not wanted <= set(figures["measured"]) or min(figures["read_bytes_per_s"], figures["flop_per_s"]) <= 0:
+            return None
+        return _device(figures, world)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def host_device(world: int, *, refresh: bool = False, repeat: int = 15) -> Device:
+    """This machine's profile at ``world`` ranks: cached, else measured now (tens of seconds) and cached."""
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"host profile: world must be a positive int, got {world!r}")
+    path = profile_path(world)
+    cached = None if refresh else _read(path, world)
+    if cached is not None:
+        return cached
+    figures = _figures(world, repeat)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name + ".", delete=False) as f:
+        json.dump({"version": VERSION, "world": world, "figures": figures}, f)
+    os.replace(f.name, path)
+    return _device(figures, world)

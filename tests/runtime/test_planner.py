@@ -1,0 +1,170 @@
+"""The planner: bytes per rank against what the loader really holds, the choice's properties (fits, more memory is
+never slower, a refusal names a memory that does fit), the device profiles, and bad input in one line."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from functional_npu.core.mesh import Mesh
+from functional_npu.models import family as family_module
+from functional_npu.models import family_of
+from functional_npu.parallel.devices import DEVICES, Device, Link, collective_factor, device
+from functional_npu.parallel.layer_shard import resident_bytes
+from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.planner import PlanDoesNotFit, Workload, candidates, choose_plan, estimate
+from functional_npu.runtime.save import save_checkpoint
+
+from ..support.configs import DENSE, MLA, MOE
+
+F32 = torch.float32
+WORK = Workload.decode(8, 24, F32)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("planner_dense")
+    save_checkpoint(family_of(DENSE).init_params(DENSE, seed=0), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dense_estimates():
+    return {c.name: (c, estimate(DENSE, c, "910b", WORK)) for c in candidates(DENSE, 4)}
+
+
+def test_bytes_per_rank_are_what_the_loader_holds(dense_dir, dense_estimates):
+    """Every candidate of a 4-device plan: the weights the estimate counts on its busiest rank are the bytes of
+    the params ``load_checkpoint`` really gives that plan's ranks (the most any rank holds), and the KV cache is
+    what the family's ``init_kv`` allocates for the rank's sequences."""
+    assert len(dense_estimates) == 19  # 3 dp x tp splits; with dp > 1 (2 of them), 5 module TP and 3 series choices
+    for name, (c, e) in dense_estimates.items():
+        held = []
+        for r in range(c.devices):
+            mesh = Mesh.abstract(c.axes, r)
+            params = load_checkpoint(str(dense_dir), mesh, c.plan)
+            held.append(resident_bytes({k: v for k, v in params.items() if k not in ("config", "plan", "quant")}))
+        assert e.bytes["weights"] == max(held), name
+        mesh = Mesh.abstract(c.axes, 0)
+        dp = math.prod(c.axes.values()) // c.axes["tp"]
+        kv = family_of(DENSE).blocks(DENSE, c.plan).init_kv(mesh, math.ceil(WORK.batch / dp), WORK.cache_len, F32)
+        assert e.bytes["kv_cache"] == sum(t.numel() * t.element_size() for layer in kv for t in layer), name
+        if c.plan.layer_shard is not None:  # the ring: k + 1 slots of one layer of the series
+            assert e.bytes["prefetch"] > 0 and e.candidate.plan.prefetch_step >= 1
+
+
+def test_kv_cache_counts_an_independent_formula():
+    """Grouped-query attention at tp 2 over 2 KV heads: 2 tensors x layers x seqs x 1 head x positions x head_dim."""
+    c = next(c for c in candidates(DENSE, 2) if c.name == "dp 1 x tp 2")
+    e = estimate(DENSE, c, "h100", Workload.decode(3, 99, torch.bfloat16))
+    assert e.bytes["kv_cache"] == 2 * DENSE.num_layers * 3 * 1 * 100 * DENSE.head_dim * 2
+
+
+def test_experts_are_read_as_the_tokens_touch_them():
+    """One token touches top_k of the experts: a batch-1 decode reads far fewer expert bytes than a batch 64
+    one, and the same weights are held either way."""
+    c = next(c for c in candidates(MOE, 2) if c.name.endswith("EP 2"))
+    one, many = (estimate(MOE, c, "910b", Workload.decode(b, 16, F32)) for b in (1, 64))
+    assert one.bytes["weights"] == many.bytes["weights"]
+    assert one.parts["memory_s"] < many.parts["memory_s"]
+    assert "all_to_all" in one.parts  # EP's dispatch and combine
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(low=st.floats(0.05, 4.0), extra=st.floats(0.0, 4.0), cfg=st.sampled_from([DENSE, MOE, MLA]))
+def test_more_memory_never_gives_a_slower_plan_and_the_choice_fits(low, extra, cfg):
+    """Budgets in MB around the tiny models' needs: the chosen plan fits its budget, a larger budget's choice is
+    never slower, and a refusal names a memory that does fit (choosing with it succeeds)."""
+    work = Workload.decode(4, 32, F32)
+    chosen = {}
+    for mb in (low, low + extra):
+        try:
+            c, report = choose_plan(cfg, 4, "910b", mb * 1e6, work)
+        except PlanDoesNotFit as e:
+            need = float(str(e).split("the smallest need is ")[1].split(" ")[0]) * _unit(str(e))
+            c, report = choose_plan(cfg, 4, "910b", need * 1.001, work)
+            chosen[mb] = None
+            continue
+        assert report.chosen.fits and report.chosen.bytes["total"] <= mb * 1e6
+        assert report.chosen.candidate == c
+        chosen[mb] = report.chosen.step_s
+    a, b = chosen[low], chosen[low + extra]
+    if a is not None:
+        assert b is not None and b <= a
+
+
+def _unit(message: str) -> float:
+    unit = message.split("the smallest need is ")[1].split(" ")[1]
+    return {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
+
+
+def test_a_refusal_names_the_smallest_memory_and_its_plan():
+    with pytest.raises(
+        PlanDoesNotFit,
+        match=r"fits 1 B per device .* the smallest need is [\d.]+ [kM]B per device "
+        r"\(dp \d x tp \d.*\): give each device at least that, or use more devices",
+    ):
+        choose_plan(DENSE, 4, "910b", 1, WORK)
+
+
+def test_the_report_ranks_fitting_plans_first_and_says_why(dense_estimates):
+    tight = min(e.bytes["total"] for _, e in dense_estimates.values()) * 1.5
+    c, report = choose_plan(DENSE, 4, "910b", tight, WORK)
+    fits = [e.fits for e in report.ranked]
+    assert fits == sorted(fits, reverse=True) and report.chosen.candidate == c
+    steps = [e.step_s for e in report.ranked if e.fits]
+    assert steps == sorted(steps)
+    assert report.why().startswith(f"{c.name}: ")
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["chosen"]["axes"] == c.axes and len(data["candidates"]) == len(report.ranked)
+    assert "| rank | plan | step ms |" in report.table()
+
+
+def test_collective_costs():
+    d = Device("x", 1e12, 1e15, Link(100e9, 1e-5), links=7, node_size=8, inter_node=Link(10e9, 5e-5))
+    assert d.collective_s("all_reduce", 1, 1e9) == 0
+    assert d.collective_s("broadcast", 4, 1e9) == pytest.approx(1e-5 + 1e9 / 100e9)  # one link from the owner
+    assert d.collective_s("all_reduce", 8, 1e9) == pytest.approx(1e-5 + 2 * 7 / 8 * 1e9 / (7 * 100e9))
+    assert d.collective_s("all_gather", 16, 1e9) == pytest.approx(5e-5 + 15 / 16 * 1e9 / 10e9)  # across nodes
+    measured = dataclasses.replace(d, measured={"all_reduce/2": (1e-3, 1e-9)})
+    assert measured.collective_s("all_reduce", 2, 1e6) == pytest.approx(1e-3 + 1e-3)
+    assert collective_factor("all_to_all", 4) == 0.75
+    with pytest.raises(ValueError, match="collective 'scan' is not modelled; choose from all_reduce"):
+        d.collective_s("scan", 2, 1)
+
+
+def test_profiles_name_their_sources_and_assumptions():
+    for name in ("910b", "910c", "h100"):
+        d = device(name)
+        assert d.source and d.memory_bytes and d.assumed, name
+    assert device("ascend-910b") is DEVICES["ascend-910b"]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: choose_plan(DENSE, 4, "tpu-v5", 1e9, WORK),
+            r"device 'tpu-v5' is not known; choose one of ascend-910b",
+        ),
+        (lambda: choose_plan(DENSE, 4, "910b", -1, WORK), r"memory_per_device must be a positive number of bytes"),
+        (lambda: choose_plan(DENSE, 0, "910b", 1e9, WORK), r"devices must be a positive int, got 0"),
+        (lambda: Workload.decode(8, 0), r"decode needs a positive context"),
+        (lambda: Workload("train", 8), r"kind must be 'decode' or 'prefill', got 'train'"),
+    ],
+)
+def test_bad_input_is_one_line(call, message):
+    with pytest.raises(ValueError, match=message) as e:
+        call()
+    assert "\n" not in str(e.value)
+
+
+def test_a_family_without_cost_rules_is_refused_naming_it(monkeypatch):
+    bare = tuple(dataclasses.replace(f, cost=None) if f.name == "llama" else f for f in family_module.FAMILIES)
+    monkeypatch.setattr(family_module, "FAMILIES", bare)
+    with pytest.raises(ValueError, match=r"the llama family \(Qwen3ForCausalLM\) has no cost rules yet: it needs"):
+        choose_plan(DENSE, 2, "910b", 1e9, WORK)
