@@ -24,6 +24,7 @@ COMMANDS = {
     "eplb": ("bench_eplb", "bytes moved by an EPLB rebalance against moving every expert, and its time"),
     "moe": ("bench_moe", "MoE decode tokens/s on 2 gloo ranks: experts over both ranks vs replicated"),
     "planner": ("planner_check", "the planner's ranking of 7 plans on 4 gloo ranks against their measured decode step"),
+    "planner_paper": ("planner_paper", "the planner's choice for Qwen3, Llama-3-70B and DeepSeek-V3 on 910B / 910C"),
     "warm_start": ("warm_start", "a fresh process's load + compile + first generate: cold vs loaded from cache_dir"),
 }
 

@@ -26,6 +26,7 @@ from .parallel.plan import Plan
 from .runtime.checkpoint import load_checkpoint, read_config
 from .runtime.compile import CompiledModel, compile_model, greedy_generate
 from .runtime.plan import check_plan, plan_table
+from .runtime.planner import Workload, choose_plan
 from .runtime.train_state import from_dtensor_state
 
 __version__ = "0.1.0"
@@ -72,6 +73,8 @@ __all__ = [
     "permute",
     # the parallel plan
     "Plan",
+    "choose_plan",
+    "Workload",
     "ModuleTP",
     "split_dp",
     "LayerShard",

@@ -1,0 +1,110 @@
+"""``plan`` and ``generate --plan auto | FILE`` on the command line: the ranked table and the chosen plan, the
+planner's choice run against transformers, and plan files for another model or mesh refused by name."""
+
+import json
+
+import pytest
+
+from functional_npu.cli.main import main
+
+from ..support.cli import refused
+from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_plan")
+    hf = save_tiny("qwen3", path, 7)
+    return path, [hf_greedy(hf, p, 4) for p in PROMPTS]
+
+
+def test_plan_prints_the_ranked_table_and_writes_the_chosen_plan(qwen3, tmp_path, capsys):
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", "--model", str(qwen3[0]), "--devices", "4", "--device", "910b", "--memory-gb", "1"]
+    assert main(argv + ["--batch", "8", "--context", "64", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3ForCausalLM on 4 x ascend-910b (1.00 GB each), decode, batch 8, context 64" in out
+    assert "| 1 | " in out and "chosen: " in out
+    written = json.loads(out_file.read_text())
+    assert written["model"] == "Qwen3ForCausalLM" and written["plan"]["model"] == "Qwen3ForCausalLM"
+    assert sum(1 for _ in written["axes"]) >= 2
+    assert main(argv + ["--prefill", "128", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"] == "prefill of 128 tokens" and report["candidates"][0]["fits"]
+
+
+def test_generate_runs_the_planners_choice_with_transformers_tokens(qwen3, tmp_path):
+    """--plan auto on 2 ranks: this machine is measured (2 gloo ranks, cached under FUNCTIONAL_NPU_CACHE), the
+    chosen plan runs, and its tokens are transformers'."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "functional_npu", "generate", "--model", str(qwen3[0]), "--plan", "auto"]
+    argv += ["--devices", "2", "--backend", "none", "--max-new-tokens", "4", "--json"]
+    for p in PROMPTS:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    env = os.environ | {"FUNCTIONAL_NPU_CACHE": str(tmp_path)}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["token_ids"] == qwen3[1]
+    assert out.stderr.startswith("plan: ") and " ms per step" in out.stderr
+    assert list((tmp_path / "host-profile").glob("*world2.json"))  # measured once, kept for the next run
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dp", "2"], "--plan auto sets the mesh and the plan; drop --dp"),
+        (["--layer-shard", "o_proj", "--otp", "1"], "--plan auto sets the mesh and the plan; drop --layer-shard"),
+    ],
+)
+def test_plan_flags_that_conflict_are_refused(qwen3, extra, message, capsys):
+    refused(
+        ["generate", "--model", str(qwen3[0]), "--plan", "auto", *extra, "--prompt-ids", "1", "--max-new-tokens", "2"],
+        message,
+        capsys,
+    )
+
+
+def test_a_plan_file_for_another_model_or_mesh_is_refused_by_name(qwen3, tmp_path, capsys):
+    plan_file = tmp_path / "plan.json"
+    assert (
+        main(
+            ["plan", "--model", str(qwen3[0]), "--devices", "2", "--device", "h100", "--context", "32"]
+            + ["--out", str(plan_file)]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    moe = tmp_path / "moe"
+    save_tiny_moe("qwen3_moe", moe, 1)
+    gen = ["--prompt-ids", "1", "--max-new-tokens", "2"]
+    refused(
+        ["generate", "--model", str(moe), "--plan", str(plan_file), *gen],
+        f"--plan {plan_file}: the plan was made for Qwen3ForCausalLM, but this model is a Qwen3MoeForCausalLM",
+        capsys,
+    )
+    refused(
+        ["generate", "--model", str(qwen3[0]), "--plan", str(plan_file), "--devices", "4", *gen],
+        f"--plan {plan_file}: the plan is for 2 devices",
+        capsys,
+    )
+    (tmp_path / "bad.json").write_text("{nope")
+    refused(["generate", "--model", str(qwen3[0]), "--plan", str(tmp_path / "bad.json"), *gen], "not JSON", capsys)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "tpu"], "device 'tpu' is not known; choose one of ascend-910b"),
+        (["--device", "910b", "--memory-gb", "0.0001"], "the smallest need is"),
+    ],
+)
+def test_bad_plan_arguments_are_one_line(qwen3, args, message, capsys):
+    code = main(["plan", "--model", str(qwen3[0]), "--devices", "2", "--context", "64", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
