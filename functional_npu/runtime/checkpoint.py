@@ -84,13 +84,24 @@ def _read_hf(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: expected a HF model directory (config.json + *.safetensors)")
-    try:
-        hf = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    hf = _json_file(file, "download the model's config.json again")
     if not isinstance(hf, dict):
-        raise ValueError(f"{file}: a config.json holds a JSON object, got {type(hf).__name__}; download it again")
+        raise ValueError(
+            f"{file} holds a JSON {_JSON_TYPES.get(type(hf), 'value')}, not an object of the model's settings; "
+            f"download the model's config.json again"
+        )
     return hf
+
+
+_JSON_TYPES = {list: "array", str: "string", type(None): "null", int: "number", float: "number", bool: "boolean"}
+
+
+def _json_file(file: Path, fix: str) -> Any:
+    """The JSON value in ``file``; a file that is not UTF-8 JSON is one line naming it and the fix."""
+    try:
+        return json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({' '.join(str(e).split())[:120]}); {fix}") from None
 
 
 def read_config(path: str | Path) -> Any:
@@ -200,10 +211,13 @@ def _weight_files(root: Path) -> dict[str, Path]:
     """HF tensor name -> file, from the sharded index or the single file."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index ({e!r})") from None
+        weight_map = _json_file(index, "download the index again")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(
+                f'{index} is not a valid safetensors index (no "weight_map" object of tensor name -> file name); '
+                f"download the index again"
+            )
         return {name: root / file for name, file in weight_map.items()}
     single = root / "model.safetensors"
     if not single.is_file():

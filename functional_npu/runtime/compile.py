@@ -34,6 +34,7 @@ from ..parallel.prefetch_cost import auto_step
 from .backends import Backend, resolve_backend
 from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, saved_guards
 from .generate import Lockstep, check_length, generate
+from .inductor_cache import sweep
 from .plan import check_plan, resolved
 from .quant_plan import tensor_blocks
 
@@ -376,6 +377,8 @@ def compile_model(
     cfg, full, layouts = _check_params(params, mesh, plan, "compile_model")
     plan = resolved(cfg, plan)
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
+    if chosen.name == "inductor":
+        sweep()  # inductor would trust an object a killed compile left half-written in its cache
     # stored quantized weights -> the kernels' forms, float32 linears -> the layout that streams fastest; once
     weight = params["quant"].quant.weight_name if params.get("quant") is not None else None
     blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)

@@ -65,13 +65,19 @@ class DcpHandle:
 
     def __init__(self, root: Path, on_bytes: Callable[[str, int], None] | None = None):
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
         self.root, self._on_bytes = root, on_bytes
         try:
             metadata = FileSystemReader(str(root)).read_metadata()
         except Exception as e:  # DCP raises its own error types for a bad file
-            raise ValueError(f"{root}/.metadata cannot be read as a DCP checkpoint ({e})") from None
+            metadata = " ".join(str(e).split())[:160] or type(e).__name__
+        if not isinstance(metadata, Metadata):
+            why = metadata if isinstance(metadata, str) else f"it holds a {type(metadata).__name__}"
+            raise ValueError(
+                f"{root}/.metadata cannot be read as a DCP checkpoint ({why}); it is truncated or corrupted: "
+                f"{_copy_again('.metadata')}"
+            )
         self._tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self._storage = metadata.storage_data
         missing = sorted({i.relative_path for i in self._storage.values() if not (root / i.relative_path).is_file()})
@@ -87,6 +93,28 @@ class DcpHandle:
                     f"{root}: tensor {name!r} {tuple(meta.size)} has chunks covering {covered} of "
                     f"{math.prod(meta.size)} elements; a rank's shard is missing from the checkpoint"
                 )
+        self._check_byte_ranges()
+
+    def _check_byte_ranges(self) -> None:
+        """Every chunk has a file and lies inside it: a file cut short is named before anything is read."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        sizes: dict[str, int] = {}
+        for name, meta in self._tensors.items():
+            for chunk in meta.chunks:
+                info = self._storage.get(MetadataIndex(name, chunk.offsets))
+                if info is None:
+                    raise ValueError(
+                        f"{self.root}/.metadata lists a chunk of {name!r} at {tuple(chunk.offsets)} but no file "
+                        f"holding it; .metadata does not belong to these .distcp files, save the checkpoint again"
+                    )
+                size = sizes.setdefault(info.relative_path, (self.root / info.relative_path).stat().st_size)
+                if info.offset + info.length > size:
+                    raise ValueError(
+                        f"{self.root / info.relative_path} holds {size} bytes but .metadata places the chunk of "
+                        f"{name!r} at bytes {info.offset}..{info.offset + info.length}; the file is truncated: "
+                        f"{_copy_again(info.relative_path)}"
+                    )
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -106,4 +134,27 @@ class DcpHandle:
             data = f.read(info.length)
         if self._on_bytes is not None:
             self._on_bytes(name, len(data))
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        where = (
+            f"{file} bytes {info.offset}..{info.offset + info.length} (the chunk of {name!r} at {tuple(chunk.offsets)})"
+        )
+        return _tensor_of(data, where, tuple(chunk.sizes), self._tensors[name].properties.dtype, info.relative_path)
+
+
+def _copy_again(file: str) -> str:
+    return f"copy {file} again from where the checkpoint was saved (or save the checkpoint again)"
+
+
+def _tensor_of(data: bytes, where: str, shape: tuple[int, ...], dtype: torch.dtype, file: str) -> torch.Tensor:
+    """The tensor ``torch.save`` wrote in ``data``, checked against the shape and dtype ``.metadata`` gives it;
+    anything else (a short read, bytes that do not unpickle, another tensor) is one line naming ``where``."""
+    fix = f"the file is corrupted: {_copy_again(file)}"
+    try:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # EOFError, UnpicklingError, RuntimeError...: bytes that are not a saved tensor
+        first = (str(e).strip().splitlines() or [""])[0][:100]
+        why = type(e).__name__ if not first or "weights_only" in first else f"{type(e).__name__}: {first}"
+        raise ValueError(f"{where} is not a saved tensor ({why}); {fix}") from None
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        got = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{where} holds {got} but .metadata says {dtype} {shape}; {fix}")
+    return tensor

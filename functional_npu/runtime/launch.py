@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from tqdm import tqdm
 
 from ..core.mesh import Mesh, make_mesh
+from .inductor_cache import sweep
 
 __all__ = ["LocalWorld", "RankContext", "RemoteError", "free_port", "watch_parent"]
 
@@ -215,6 +216,7 @@ class LocalWorld:
         self._tasks: list[Any] = []
         self._results: Any = None
         self._tid = 0
+        self._started = 0.0  # when the ranks started: a kill sweeps inductor's cache of what they wrote since
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> LocalWorld:
@@ -222,6 +224,8 @@ class LocalWorld:
             return self
         ctx = mp.get_context("spawn")
         port = free_port()
+        sweep()  # what an earlier run killed outside this library left half-written in inductor's cache
+        self._started = time.time()
         orphan = (os.getpid(), self.remove_when_orphaned)  # what a rank watches, and removes if the parent dies
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -249,11 +253,13 @@ class LocalWorld:
                 q.put(None)
             for p in self._procs:
                 p.join(timeout=10)
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+        killed = [p for p in self._procs if p.is_alive()]
+        for p in killed:
+            p.kill()
+            p.join(timeout=10)
         self._procs, self._tasks, self._results = [], [], None
+        if killed:  # a rank killed while its compiler wrote leaves a partial object that inductor would trust
+            sweep(since=self._started)
 
     def __enter__(self) -> LocalWorld:
         return self.start()

@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources, unpack
+from functional_npu.npu.wheel import TorchairUnavailable, cached, torchair_sources, unpack
 from tools.aten_graphs import CASES
 from tools.ge_graphs import FIXES, case_artifacts, ge_artifacts
 
@@ -73,11 +73,21 @@ def test_install_refuses_a_folder_without_torchair(tmp_path):
         host.install(tmp_path)
 
 
-def _wheel(path, files):
+def _wheel(path, files, name: str = "torch_npu", version: str = "2.13.0"):
+    """A zip as pip writes a wheel: ``files`` and ``<name>-<version>.dist-info/METADATA`` naming its release."""
     with zipfile.ZipFile(path, "w") as z:
-        for name, data in files.items():
-            z.writestr(name, data)
+        z.writestr(f"{name}-{version}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        for file, data in files.items():
+            z.writestr(file, data)
     return path
+
+
+def _torchair_wheel(path, which: str, version: str = "2.13.0"):
+    return _wheel(path, {"torch_npu/dynamo/torchair/__init__.py": f"WHICH = {which!r}\n"}, version=version)
+
+
+def _which(root) -> str:
+    return (root / "torchair" / "__init__.py").read_text()
 
 
 def test_unpack_takes_the_python_sources_only_and_once(tmp_path):
@@ -96,14 +106,21 @@ def test_unpack_takes_the_python_sources_only_and_once(tmp_path):
     assert (root / "torchair" / "__init__.py").is_file() and (root / "torchair" / "ge" / "ge_ir.proto").is_file()
     assert not (root / "torchair" / "core" / "_torchair.so").exists()
     assert not (dest / "torch_npu" / "__init__.py").exists()
+    inode = dest.stat().st_ino
+    assert unpack(wheel, dest) == root and dest.stat().st_ino == inode  # cached: not unpacked again
     wheel.unlink()
-    assert unpack(wheel, dest) == root  # cached: the wheel is not read again
+    assert cached(dest) == root  # and needs no wheel to be read
 
 
 def test_a_bad_or_missing_wheel_is_one_line(tmp_path, monkeypatch):
     not_torch_npu = _wheel(tmp_path / "other.whl", {"other/__init__.py": ""})
     with pytest.raises(TorchairUnavailable, match="holds no torch_npu/dynamo/torchair package"):
         unpack(not_torch_npu, tmp_path / "a")
+    no_metadata = tmp_path / "bare.whl"
+    with zipfile.ZipFile(no_metadata, "w") as z:
+        z.writestr("torch_npu/dynamo/torchair/__init__.py", "")
+    with pytest.raises(TorchairUnavailable, match=r"bare.whl has 0 \*.dist-info/METADATA files, not 1; point"):
+        unpack(no_metadata, tmp_path / "a")
     broken = tmp_path / "broken.whl"
     broken.write_bytes(b"not a zip")
     with pytest.raises(TorchairUnavailable, match="cannot unpack"):
@@ -115,6 +132,67 @@ def test_a_bad_or_missing_wheel_is_one_line(tmp_path, monkeypatch):
     artifacts, problems, skipped = ge_artifacts({})
     assert (artifacts, problems) == ({}, [])
     assert skipped.startswith("GE conversion skipped: ") and "\n" not in skipped
+
+
+def test_a_wheel_of_another_release_is_refused_and_never_cached(tmp_path, monkeypatch):
+    """A zip holding some other torchair (torch-npu 2.5.1): refused in one line, naming what it is; the cache
+    stays empty, so the right wheel named next is the one used."""
+    monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path / "cache"))
+    old = _torchair_wheel(tmp_path / "torch_npu-2.5.1-cp311-cp311-linux_x86_64.whl", "old", version="2.5.1")
+    monkeypatch.setenv("FUNCTIONAL_NPU_TORCH_NPU_WHEEL", str(old))
+    with pytest.raises(TorchairUnavailable) as error:
+        torchair_sources()
+    assert str(error.value).startswith(f"{old} is torch_npu 2.5.1, not torch-npu 2.13.0; point ") and "\n" not in str(
+        error.value
+    )
+    assert not (tmp_path / "cache" / "torchair-2.13.0").exists()
+    other = _wheel(tmp_path / "x.whl", {"torch_npu/dynamo/torchair/__init__.py": ""}, name="torchair", version="2.13.0")
+    with pytest.raises(TorchairUnavailable, match=r"x.whl is torchair 2.13.0, not torch-npu 2.13.0"):
+        unpack(other, tmp_path / "cache" / "torchair-2.13.0")
+    monkeypatch.setenv("FUNCTIONAL_NPU_TORCH_NPU_WHEEL", str(_torchair_wheel(tmp_path / "good.whl", "good")))
+    assert _which(torchair_sources()) == "WHICH = 'good'\n"
+
+
+def test_the_named_wheel_replaces_a_cache_of_another(tmp_path, monkeypatch):
+    """A cache poisoned by an earlier release's marker (a wrong wheel, marked done, as a bare file name), or
+    holding another wheel than the one now named: the named wheel is unpacked, never the cache trusted."""
+    monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path / "cache"))
+    dest = tmp_path / "cache" / "torchair-2.13.0"
+    (dest / "torch_npu" / "dynamo" / "torchair").mkdir(parents=True)
+    (dest / "torch_npu" / "dynamo" / "torchair" / "__init__.py").write_text("WHICH = 'poisoned'\n")
+    (dest / ".unpacked").write_text("some-other.whl\n")  # what the marker said before it recorded digests
+    assert cached(dest) is None
+    first = _torchair_wheel(tmp_path / "first.whl", "first")
+    monkeypatch.setenv("FUNCTIONAL_NPU_TORCH_NPU_WHEEL", str(first))
+    assert _which(torchair_sources()) == "WHICH = 'first'\n"
+    monkeypatch.setenv("FUNCTIONAL_NPU_TORCH_NPU_WHEEL", str(_torchair_wheel(tmp_path / "second.whl", "second")))
+    assert _which(torchair_sources()) == "WHICH = 'second'\n"
+    monkeypatch.delenv("FUNCTIONAL_NPU_TORCH_NPU_WHEEL")
+    assert _which(torchair_sources()) == "WHICH = 'second'\n"  # no wheel named: the verified cache serves
+
+
+def test_a_cache_whose_files_changed_is_unpacked_again(tmp_path, monkeypatch):
+    """Files edited, removed or added after the unpack (a half-deleted cache, a stray edit) no longer match
+    the marker's digest: the cache is not trusted; with the wheel named it is unpacked again."""
+    monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path / "cache"))
+    wheel = _torchair_wheel(tmp_path / "good.whl", "good")
+    monkeypatch.setenv("FUNCTIONAL_NPU_TORCH_NPU_WHEEL", str(wheel))
+    root = torchair_sources()
+    dest = root.parent.parent
+    (root / "torchair" / "__pycache__").mkdir()
+    (root / "torchair" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"\0")  # an import's bytecode
+    assert cached(dest) == root
+    for change in (
+        lambda: (root / "torchair" / "__init__.py").write_text(""),
+        lambda: (root / "torchair" / "__init__.py").unlink(),
+        lambda: (root / "torchair" / "stray.py").write_text("x = 1\n"),
+        lambda: (dest / ".unpacked").write_text("{not json"),
+    ):
+        change()
+        assert cached(dest) is None
+        assert _which(torchair_sources()) == "WHICH = 'good'\n" and cached(dest) == root
+    (dest / ".unpacked").write_text("torch_npu-2.13.0-cp311-cp311-linux_x86_64.whl\n")  # an older cache: its name
+    assert cached(dest) == root
 
 
 def test_a_case_torchair_cannot_convert_names_the_op_family_and_phase():

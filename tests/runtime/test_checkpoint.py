@@ -13,7 +13,7 @@ from functional_npu import Mesh, greedy_generate, local_shape
 from functional_npu.core.shard import leaf_specs
 from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import llama
-from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.checkpoint import load_checkpoint, read_quant
 from functional_npu.runtime.save import save_checkpoint
 
 from ..support.hf_models import hf_greedy
@@ -215,9 +215,50 @@ def test_index_names_a_shard_that_lacks_the_tensor(ckpt):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 
-def test_invalid_config_json(ckpt):
-    (ckpt / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"{not json", "is not valid JSON (Expecting property name"),
+        (b"", "is not valid JSON (Expecting value: line 1 column 1"),
+        (b'{"architectures": ["\xff\xfe"]}', "is not valid JSON ('utf-8' codec can't decode byte 0xff"),
+        (b"[1, 2]", "holds a JSON array, not an object of the model's settings"),
+        (b"null", "holds a JSON null, not an object of the model's settings"),
+    ],
+    ids=["not-json", "empty", "not-utf8", "array", "null"],
+)
+def test_a_malformed_config_json_is_named_in_one_line(ckpt, content, message):
+    (ckpt / "config.json").write_bytes(content)
+    for read in (lambda: load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0)), lambda: read_quant(ckpt)):
+        with pytest.raises(ValueError) as error:
+            read()
+        assert str(error.value).startswith(f"{ckpt / 'config.json'} {message}") and "\n" not in str(error.value)
+        assert str(error.value).endswith("; download the model's config.json again")
+
+
+@pytest.mark.parametrize(
+    "index", [b"[]", b'{"metadata": {}}', b'{"weight_map": ["a"]}', b'{"weight_map": {"x": 3}}', b"\xff"]
+)
+def test_a_malformed_safetensors_index_is_named_in_one_line(ckpt, index):
+    (ckpt / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
+    assert str(error.value).startswith(f"{ckpt / 'model.safetensors.index.json'} is not ") and "\n" not in str(
+        error.value
+    )
+    assert str(error.value).endswith("; download the index again")
+
+
+def test_a_safetensors_header_whose_offsets_overrun_the_file_is_named(ckpt):
+    f = ckpt / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] += 4  # one tensor claims 4 bytes more than its shape and the file hold
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    f.write_bytes(bytes(data[:8]) + text.ljust(n) + bytes(data[8 + n :]))
+    with pytest.raises(ValueError, match=r"model.safetensors: cannot read the safetensors file .*download it again"):
         load_checkpoint(ckpt, Mesh.abstract({"tp": 1}, 0))
 
 

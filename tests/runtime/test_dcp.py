@@ -2,7 +2,9 @@
 ranks, ``state_dict()`` of DTensors written by ``torch.distributed.checkpoint``, loaded into this library's tp
 plan (each rank reading only its slices) and generating transformers' tokens; a damaged directory named."""
 
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +127,103 @@ def test_a_dcp_of_fused_experts_loads_into_experts_over_tp(world2, tmp_path):
         local = load_checkpoint(dcp_dir, Mesh.abstract({"tp": 2}, rank), Plan(expert_axes=("tp",)))
         stored = [x for p, x in flatten_with_paths(local) if not p.endswith("expert_map")]  # computed, not read
         assert read == sum(x.numel() * x.element_size() for x in stored)
+
+
+# ---- a damaged directory: one line naming the file, its bytes and the fix -------------------------------------------
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """A DCP directory written by one process (no process group): a tiny llama's tensors and its config.json."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from ..support.hf_models import save_tiny
+
+    hf = tmp_path_factory.mktemp("hf")
+    save_tiny("llama3", hf, 3)
+    path = tmp_path_factory.mktemp("dcp1")
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(load_file(hf / "model.safetensors"), checkpoint_id=str(path), no_dist=True)
+    shutil.copy(hf / "config.json", path / "config.json")
+    return path
+
+
+def _damaged(single, tmp_path, file: str, edit) -> Path:
+    damaged = shutil.copytree(single, tmp_path / "dcp")
+    data = (damaged / file).read_bytes()
+    (damaged / file).write_bytes(edit(data))
+    return damaged
+
+
+def _one_line(error) -> str:
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda b: b[: len(b) // 2], r"holds \d+ bytes but \.metadata places the chunk of '.*' at bytes \d+\.\.\d+"),
+        (
+            lambda b: b"",
+            r"holds 0 bytes but \.metadata places the chunk of 'model\.embed_tokens\.weight' at bytes 0\.\.",
+        ),
+        (lambda b: bytes(range(256)) * (len(b) // 256) + b"\0" * (len(b) % 256), r"is not a saved tensor \(\w+\)"),
+    ],
+    ids=["truncated", "empty", "garbage"],
+)
+def test_a_damaged_distcp_file_is_named_in_one_line(single, tmp_path, edit, message):
+    damaged = _damaged(single, tmp_path, "__0_0.distcp", edit)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(damaged, Mesh.abstract({"tp": 1}, 0))
+    assert re.search(rf"^{re.escape(str(damaged / '__0_0.distcp'))} .*{message}", _one_line(error))
+    assert "copy __0_0.distcp again from where the checkpoint was saved" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [lambda b: b"", lambda b: b[: len(b) // 2], lambda b: bytes(reversed(b))],
+    ids=["empty", "truncated", "garbage"],
+)
+def test_a_damaged_metadata_file_is_named_in_one_line(single, tmp_path, edit):
+    damaged = _damaged(single, tmp_path, ".metadata", edit)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(damaged, Mesh.abstract({"tp": 1}, 0))
+    assert _one_line(error).startswith(f"{damaged}/.metadata cannot be read as a DCP checkpoint (")
+    assert str(error.value).endswith(
+        "copy .metadata again from where the checkpoint was saved (or save the checkpoint again)"
+    )
+
+
+def test_a_chunk_holding_another_tensor_than_metadata_says_is_named(tmp_path):
+    """The bytes unpickle, but to a tensor of another shape than ``.metadata`` gives the chunk (two checkpoints'
+    files mixed up): named with both, never read into the wrong place."""
+    import torch.distributed.checkpoint as dcp
+
+    from functional_npu.runtime.dcp import DcpHandle
+
+    for name, shape in [("a", (4, 6)), ("b", (6, 4))]:
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.save({"w": torch.zeros(shape)}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    assert (tmp_path / "a" / "__0_0.distcp").stat().st_size == (tmp_path / "b" / "__0_0.distcp").stat().st_size
+    shutil.copy(tmp_path / "b" / "__0_0.distcp", tmp_path / "a" / "__0_0.distcp")
+    with pytest.raises(ValueError) as error:
+        DcpHandle(tmp_path / "a").get_slice("w")[(slice(0, 4),)]
+    assert "holds torch.float32 (6, 4) but .metadata says torch.float32 (4, 6)" in _one_line(error)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process groups are read from /proc (Linux)")
+def test_the_cli_names_a_truncated_distcp_file_in_one_line(single, tmp_path):
+    """``generate`` on a DCP directory whose rank file was cut short: exit 1, one line naming the file and its
+    sizes, no traceback, and no process of the run left behind."""
+    from ..support.cli import run_in_own_group
+
+    damaged = _damaged(single, tmp_path, "__0_0.distcp", lambda b: b[:1000])
+    code, stderr, left = run_in_own_group(
+        ["generate", "--model", str(damaged), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--backend", "none"],
+        timeout=120,
+    )
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert len(errors) == 1 and f"{damaged / '__0_0.distcp'} holds 1000 bytes but .metadata places" in errors[0]
+    assert left == []

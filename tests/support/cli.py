@@ -1,8 +1,12 @@
 """The command line as the CLI tests drive it: a subprocess run, ``generate --json`` over prompts, refusals."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +40,41 @@ def refused(argv, message: str, capsys) -> None:
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err
     assert len([ln for ln in err.splitlines() if "error" in ln]) == 1
+
+
+def live_in_group(pgid: int) -> list[int]:
+    """Pids of the live processes in process group ``pgid`` (from /proc; zombies are not alive)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def run_in_own_group(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, list[int]]:
+    """``python -m functional_npu *argv`` in a process group of its own: (exit code, stderr, pids of the group
+    still alive 10 s after it exited). The group is killed if it outlives ``timeout``."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "functional_npu", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = run.communicate(timeout=timeout)
+        deadline = time.monotonic() + 10
+        while live_in_group(run.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return run.returncode, stderr, live_in_group(run.pid)
+    finally:
+        if live_in_group(run.pid):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait(timeout=30)
