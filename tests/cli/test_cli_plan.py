@@ -107,4 +107,3 @@ def test_bad_plan_arguments_are_one_line(qwen3, args, message, capsys):
     code = main(["plan", "--model", str(qwen3[0]), "--devices", "2", "--context", "64", *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
-
