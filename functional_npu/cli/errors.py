@@ -2,7 +2,8 @@
 (``error: ...``) and exit code 1, never a traceback.
 
 A rank that raised is named with its exception's whole message (a mismatch report spans lines: they are joined);
-a rank that died, or ranks that gave no answer within ``--timeout``, are said as :class:`LocalWorld` says them.
+a rank that died, or ranks that gave no answer within ``--timeout`` (and the fix), are said as
+:class:`~functional_npu.runtime.launch.LocalWorld` says them.
 """
 
 from __future__ import annotations
@@ -20,5 +21,6 @@ WORLD_ERRORS = (RemoteError, TimeoutError, RuntimeError)
 def world_failed(error: BaseException) -> int:
     """Print ``error`` (one of :data:`WORLD_ERRORS`) as one line on stderr; returns the exit code, 1."""
     said = f"rank {error.rank} raised {error.summary}" if isinstance(error, RemoteError) else str(error)
-    print("error: " + " ".join(said.split()), file=sys.stderr)
+    fix = "; give the ranks more time with --timeout" if isinstance(error, TimeoutError) else ""
+    print("error: " + " ".join(said.split()) + fix, file=sys.stderr)
     return 1
