@@ -149,12 +149,14 @@ class ReceivedBytes(TorchDispatchMode):
     Attributes:
         received: bytes received from the other ranks, over every collective so far.
         calls: collectives per op name (``"_c10d_functional.all_to_all_single"``: 1, ...).
+        by_op: bytes received per op name.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.received = 0
         self.calls: Counter[str] = Counter()
+        self.by_op: Counter[str] = Counter()
 
     @property
     def collectives(self) -> int:
@@ -166,7 +168,9 @@ class ReceivedBytes(TorchDispatchMode):
         name = f"{func.namespace}.{func.overloadpacket.__name__}"
         if func.namespace in _NAMESPACES and func.overloadpacket.__name__ not in _NO_DATA:
             if name in _RULES:
-                self.received += _RULES[name](*args, **kwargs)
+                got = _RULES[name](*args, **kwargs)
+                self.received += got
+                self.by_op[name] += got
                 self.calls[name] += 1
             elif func.namespace != "functional_npu":  # this library's other ops move nothing between ranks
                 raise NotImplementedError(f"ReceivedBytes: no rule for {func}; add one to benchmarks/counting.py")

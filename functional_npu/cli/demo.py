@@ -18,7 +18,6 @@ quantized matmuls; the demo shows the bytes each rank holds against the float mo
 
 from __future__ import annotations
 
-import tempfile
 import time
 from typing import Any
 
@@ -34,7 +33,9 @@ from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.save import save_checkpoint
+from .errors import WORLD_ERRORS, world_failed
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
+from .scratch import scratch_dir
 
 DEMO_HF_CONFIG = {  # the embedded model, as its config.json would say it
     "architectures": ["Qwen3ForCausalLM"],
@@ -105,6 +106,20 @@ def layer_sharded_on_rank(
     }
 
 
+def _on_ranks(tmp: str, tp: int, new_tokens: int, timeout: float, quant: str | None, cache_dir: str | None) -> tuple:
+    """The demo's runs on ``tp`` local ranks: (eager, compiled, layer-sharded or None, bytes held or None)."""
+    axes = {"dp": 1, "tp": tp}
+    with LocalWorld(tp, timeout=timeout, remove_when_orphaned=(tmp,)) as world:
+        eager = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="none", repeat=2)
+        compiled = world.run(
+            generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="inductor", repeat=2, cache_dir=cache_dir
+        )
+        layered = tp == 2 and quant is None
+        sharded = world.run(layer_sharded_on_rank, tmp, new_tokens, timeout, cache_dir) if layered else None
+        held = world.run(held_bytes, tmp, tp) if quant else None
+    return eager, compiled, sharded, held
+
+
 def run_demo(
     tp: int = 2, new_tokens: int = 24, *, timeout: float = 600.0, quant: str | None = None, cache_dir: str | None = None
 ) -> int:
@@ -121,22 +136,17 @@ def run_demo(
         f"{len(DEMO_PROMPTS)} prompts, {new_tokens} new tokens each"
         + (f", weights quantized as {DEMO_QUANT[quant]!r} (compressed-tensors checkpoint)" if quant else "")
     )
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch_dir("demo") as tmp:  # removed by the next demo if this one is SIGKILLed before its ranks start
         save_checkpoint(DEMO_MODEL.init_params(cfg, seed=0), tmp, quant=DEMO_QUANT[quant] if quant else None)
         t0 = time.perf_counter()
         ref = generate_on_rank(
             RankContext(0, 1), tmp, {"dp": 1, "tp": 1}, DEMO_PROMPTS, new_tokens, backend="none", repeat=2
         )
         print(f"eager, 1 rank: done in {time.perf_counter() - t0:.1f}s; starting {tp} local ranks ...")
-        axes = {"dp": 1, "tp": tp}
-        with LocalWorld(tp, timeout=timeout, remove_when_orphaned=(tmp,)) as world:
-            eager = world.run(generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="none", repeat=2)
-            compiled = world.run(
-                generate_on_rank, tmp, axes, DEMO_PROMPTS, new_tokens, backend="inductor", repeat=2, cache_dir=cache_dir
-            )
-            layered = tp == 2 and quant is None
-            sharded = world.run(layer_sharded_on_rank, tmp, new_tokens, timeout, cache_dir) if layered else None
-            held = world.run(held_bytes, tmp, tp) if quant else None
+        try:
+            eager, compiled, sharded, held = _on_ranks(tmp, tp, new_tokens, timeout, quant, cache_dir)
+        except WORLD_ERRORS as e:  # as generate says it: one line, exit code 1
+            return world_failed(e)
     want = ref["tokens"]
     rows = [
         ("eager (plain forward)", 1, want, tokens_per_s([ref], new_tokens), None),

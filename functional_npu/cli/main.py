@@ -308,7 +308,8 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..runtime.launch import LocalWorld, RankContext, RemoteError
+    from ..runtime.launch import LocalWorld, RankContext
+    from .errors import WORLD_ERRORS, world_failed
     from .runner import generate_on_rank, in_prompt_order
 
     prompts, tok = _prepare(args, parser)
@@ -344,12 +345,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             with LocalWorld(args.dp * args.tp, timeout=args.timeout) as world_:
                 results = world_.run(*job, **extra)
-        except RemoteError as e:  # the rank's whole message (a mismatch report spans lines), not its traceback
-            print(f"error: rank {e.rank} raised {e.summary}", file=sys.stderr)
-            return 1
-        except (TimeoutError, RuntimeError) as e:
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-            return 1
+        except WORLD_ERRORS as e:  # one line: the rank's whole message, not its traceback
+            return world_failed(e)
     tokens = in_prompt_order(results, len(prompts))
     text = [tok.decode(t) for t in tokens] if tok is not None else [None] * len(tokens)
     timings = {k: max(r["timings"][k] for r in results) for k in results[0]["timings"]}

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..core.agree import agreed
 from ..core.layout import Block, Cyclic, DimSpec, Layout, Shard
 from ..core.mesh import Mesh
 from ..core.shard import local_shape
@@ -216,8 +217,9 @@ def from_megatron(
 ) -> dict[str, Any]:
     """This rank's stacked local tree from its Megatron state dicts (one per virtual chunk, layers numbered from 0).
 
-    Only renames and stacks: layer ``j`` of chunk ``v`` becomes local layer ``v * per_chunk + j``,
-    matching :func:`pipeline_dim`. Leaves this stage does not hold come out with a leading dim of 0.
+    Collective on a mesh of several ranks (every rank calls it). Only renames and stacks: layer ``j`` of chunk
+    ``v`` becomes local layer ``v * per_chunk + j``, matching :func:`pipeline_dim`. Leaves this stage does not
+    hold come out with a leading dim of 0.
 
     Args:
         chunks: ``model[v].state_dict()`` of this rank for each virtual chunk ``v`` (names as in
@@ -230,8 +232,16 @@ def from_megatron(
         This rank's local tree in the stacked form, ready for ``reshard(tree, specs, dst, mesh)``.
 
     Raises:
-        ValueError naming the Megatron parameter that is missing, unknown or of the wrong shape.
+        ValueError naming the Megatron parameter that is missing, unknown or of the wrong shape; on a mesh of
+        several ranks, the same error on every rank (the ranks agree on their checks,
+        :func:`~functional_npu.core.agree.agree`, so none goes on to an exchange that would wait for the others).
     """
+    return agreed(mesh, _from_megatron, chunks, cfg, specs, mesh)
+
+
+def _from_megatron(
+    chunks: Sequence[Mapping[str, torch.Tensor]], cfg: Any, specs: Mapping[str, Any], mesh: Mesh
+) -> dict[str, Any]:
     family = _megatron(cfg, "from_megatron")
     found, layers_per_chunk = _by_path(chunks, _table(family))
     out: dict[str, Any] = {"config": cfg}

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from ..core.agree import agreed
 from ..core.dtypes import float_dtype
 from ..core.layout import Layout, local_pieces
 from ..core.mesh import Mesh
@@ -161,8 +162,22 @@ def load_checkpoint(
         Params for the family's ``forward``: the local shards plus ``params["config"]`` and ``params["plan"]``.
 
     Raises:
-        ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis.
+        ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis; with a mesh of
+        several ranks (from ``make_mesh``: every rank calls it), the same error on every rank, since each rank's
+        files may differ (:func:`~functional_npu.core.agree.agree`).
     """
+    return agreed(mesh, _load, path, mesh, plan, dtype, progress, on_read)
+
+
+def _load(
+    path: str | Path,
+    mesh: Mesh,
+    plan: Plan | None,
+    dtype: torch.dtype | None,
+    progress: bool | None,
+    on_read: Callable[[str, int], None] | None,
+) -> dict[str, Any]:
+    """:func:`load_checkpoint` on this rank alone."""
     root = Path(path)
     dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
     plan = Plan() if plan is None else plan

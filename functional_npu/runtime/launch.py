@@ -333,9 +333,10 @@ class LocalWorld:
                 answered.add(r)
         dead = {p.name: p.exitcode for p in self._procs if not p.is_alive() and p.exitcode not in (0, None)}
         causes = [r for r, (summary, _) in errors.items() if not _ECHO.search(summary)]
-        first = causes[0] if causes else rank
+        first = min(causes) if causes else rank  # the lowest rank that says more than an echo
         summary, remote_traceback = errors[first]
-        others = [f"rank {r}: {errors[r][0].splitlines()[0]}" for r in errors if r != first]
+        # ranks that agreed on one error (functional_npu.core.agree) all say the same: said once
+        others = [f"rank {r}: {errors[r][0].splitlines()[0]}" for r in errors if errors[r][0] != summary]
         others += [f"{name} exited with {code}" for name, code in dead.items()]
         if others:
             summary += "\n(also: " + "; ".join(others) + ")"

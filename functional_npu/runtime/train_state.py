@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from ..core.agree import agree
 from ..core.dtensor import layout_from_dtensor, root_mesh
+from ..core.dtypes import float_dtype
 from ..core.layout import Cyclic, Layout
 from ..core.mesh import Mesh
-from ..core.reshard import plan_reshard, reshard
+from ..core.reshard import ReshardPlan, plan_reshard, reshard
 from ..core.tree import flatten_with_paths, map_with_path
 from ..models import family_of
 from ..parallel.layer_shard import present
@@ -42,13 +44,17 @@ def from_dtensor_state(
     mesh: Mesh,
     plan: Plan | None = None,
     *,
+    dtype: torch.dtype | None = None,
     report: list | None = None,
 ) -> dict[str, Any]:
     """This rank's params for ``cfg`` under ``plan`` (default ``Plan()``) on ``mesh`` from a training ``state`` of
     DTensors (HF names).
 
     Collective: every rank of ``mesh`` calls it. ``report``: if a list, the :class:`ReshardPlan` is appended
-    (its ``traffic`` gives each rank's bytes sent, received and the lower bound).
+    (its ``traffic`` gives each rank's bytes sent, received and the lower bound). ``dtype``: the params' floating
+    dtype (default: the embedding's, so a state holding a stray bf16 tensor among fp32 ones comes out in one
+    dtype, as :func:`~functional_npu.runtime.checkpoint.load_checkpoint` reads a checkpoint); each rank casts its
+    shards before they move.
 
     Stacked experts come either as transformers' fused tensors (``mlp.experts.gate_up_proj``, the family's
     ``module_names``) or as one tensor per expert (the checkpoint's names), each expert placed alike.
@@ -56,10 +62,49 @@ def from_dtensor_state(
     layer's tensor goes to its owner only, fetched ``plan.prefetch_step`` layers ahead by the compiled model.
 
     Raises:
-        ValueError before any byte moves: a name the family's table does not know or a missing one, a
-        placement with no layout (``Partial``, uneven), a training mesh that does not nest with ``mesh``.
+        ValueError / TypeError before any byte moves, the same on every rank (the checks of each rank's state are
+        agreed first, :func:`~functional_npu.core.agree.agree`): a name the family's table does not know or a
+        missing one, a tensor that is not a DTensor or not floating point, a placement with no layout
+        (``Partial``, uneven), a training mesh that does not nest with ``mesh``; ranks whose states differ in
+        dtypes or placements.
     """
-    family, plan = family_of(cfg), Plan() if plan is None else plan
+    try:
+        x = _exchange(state, cfg, mesh, Plan() if plan is None else plan, dtype)
+    except Exception as e:
+        agree(mesh, e)
+        raise  # agree raised already
+    same = {
+        "the params' dtype (the embedding's unless dtype= is given)": {k: v.dtype for k, v in x.local.items()},
+        "the state's training layouts": x.src,
+        "the plan's layouts": x.dst,
+    }
+    agree(mesh, None, same=same)
+    if report is not None:
+        report.append(x.program)
+    moved = reshard(x.local, x.src, x.dst, x.on, plan=x.program)
+    return _assemble(family_of(cfg), cfg, x.meta, x.targets, moved) | {"plan": x.plan}
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    """What one rank checked and planned before the exchange: the resolved plan and its leaves, the targets, this
+    rank's tensor for each target (in the params' dtype), their training and plan layouts over the common mesh
+    ``on``, and the exchange's plan."""
+
+    plan: Plan
+    meta: dict[str, Any]
+    targets: dict[str, _Target]
+    local: dict[str, torch.Tensor]
+    src: dict[str, Layout]
+    dst: dict[str, Layout]
+    on: Mesh
+    program: ReshardPlan
+
+
+def _exchange(state: Mapping[str, Any], cfg: Any, mesh: Mesh, plan: Plan, dtype: torch.dtype | None) -> _Exchange:
+    """Check this rank's ``state`` against ``cfg`` and ``plan`` and plan the exchange (nothing moves)."""
+    family = family_of(cfg)
+    dtype = None if dtype is None else float_dtype(dtype, "from_dtensor_state")
     check_plan_fits(cfg, mesh, plan, where="from_dtensor_state")
     plan = resolved(cfg, plan)
     ls = plan.layer_shard
@@ -75,18 +120,10 @@ def from_dtensor_state(
             f"from_dtensor_state: the state does not match this {cfg.architecture} config: "
             f"missing {sorted(known - given)[:8]}, unknown {sorted(given - known)[:8]}"
         )
+    dtype = dtype or _checked(state, targets)
     local, src, dst, common = {}, {}, {}, {}
     for key, t in targets.items():
         dts = [state[n] for n in t.names]
-        for name, dt in zip(t.names, dts):
-            if not hasattr(dt, "placements"):
-                raise TypeError(
-                    f"from_dtensor_state: {name!r} is a {type(dt).__name__}, not a DTensor; pass the state_dict() "
-                    f"of the FSDP2 / TP-wrapped model (or load a saved checkpoint with load_checkpoint)"
-                )
-            want = t.shape[1:] if t.stacked else t.shape
-            if tuple(dt.shape) != want:
-                raise ValueError(f"from_dtensor_state: {name!r} is {tuple(dt.shape)}, the config implies {want}")
         root = root_mesh(dts[0], path=t.names[0])
         mesh_key = (tuple(root.mesh_dim_names), tuple(root.mesh.shape))
         if mesh_key not in common:
@@ -107,13 +144,36 @@ def from_dtensor_state(
         src[key] = _over(Layout((None, *layout.dims)) if t.stacked else layout, train_runs, key)
         dst[key] = _over(t.layout, runs, key)
         # a tied model's lm_head.weight is the embedding: unread
-        local[key] = torch.stack([dt.to_local() for dt in dts]) if t.stacked else dts[0].to_local()
+        local[key] = (torch.stack([dt.to_local() for dt in dts]) if t.stacked else dts[0].to_local()).to(dtype)
     on = next(iter(common.values()))[0]
-    exchange = plan_reshard({k: (t.shape, state[t.names[0]].dtype) for k, t in targets.items()}, src, dst, on)
-    if report is not None:
-        report.append(exchange)
-    moved = reshard(local, src, dst, on, plan=exchange)
-    return _assemble(family, cfg, meta, targets, moved) | {"plan": plan}
+    program = plan_reshard({k: (t.shape, dtype) for k, t in targets.items()}, src, dst, on)
+    return _Exchange(plan, meta, targets, local, src, dst, on, program)
+
+
+def _checked(state: Mapping[str, Any], targets: Mapping[str, _Target]) -> torch.dtype:
+    """Check every tensor the targets read is a floating-point DTensor of the shape the config implies; returns the
+    embedding's dtype (the params' dtype unless the caller asks for another)."""
+    embed = torch.float32
+    for t in targets.values():
+        for name in t.names:
+            dt = state[name]
+            if not hasattr(dt, "placements"):
+                raise TypeError(
+                    f"from_dtensor_state: {name!r} is a {type(dt).__name__}, not a DTensor; pass the state_dict() "
+                    f"of the FSDP2 / TP-wrapped model (or load a saved checkpoint with load_checkpoint)"
+                )
+            want = t.shape[1:] if t.stacked else t.shape
+            if tuple(dt.shape) != want:
+                raise ValueError(f"from_dtensor_state: {name!r} is {tuple(dt.shape)}, the config implies {want}")
+            if not dt.dtype.is_floating_point:
+                raise ValueError(
+                    f"from_dtensor_state: {name!r} (for params[{t.path!r}]) is {dt.dtype}, but weights are floating "
+                    f"point (torch.float32, torch.bfloat16, torch.float16, torch.float64); the state was not taken "
+                    f"from this model's weights"
+                )
+            if t.path == "embed":
+                embed = dt.dtype
+    return embed
 
 
 @dataclass(frozen=True, slots=True)

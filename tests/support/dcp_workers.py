@@ -24,12 +24,14 @@ def save_fsdp2_dcp(ctx, family: str, path: str, seed: int) -> None:
 
 
 def counted_from_dtensor_state(state, cfg, mesh, plan=None):
-    """``from_dtensor_state`` with the bytes this rank received, counted at the collectives: (params, bytes)."""
+    """``from_dtensor_state`` with the bytes this rank received in its exchange, counted at the collectives: (params,
+    bytes). The ranks' agreement on their checks before the exchange (object all-gathers of each rank's outcome, the
+    dtypes and layouts it read: ``c10d.allgather_``, which the exchange does not use) is counted apart."""
     from functional_npu.runtime.train_state import from_dtensor_state
 
     with ReceivedBytes() as counted:
         params = from_dtensor_state(state, cfg, mesh, plan)
-    return params, counted.received
+    return params, counted.received - counted.by_op["c10d.allgather_"]
 
 
 def lower_bound(ids_state, ids_dir: str, axes: dict[str, int], rank: int, plan=None) -> int:

@@ -1,0 +1,26 @@
+"""What the command line says when its ranks fail, for ``generate`` and ``demo`` alike: one line on stderr
+(``error: ...``) and exit code 1, never a traceback.
+
+A rank that raised is named with its exception's whole message (a mismatch report spans lines: they are joined);
+a rank that died, or ranks that gave no answer within ``--timeout`` (and the fix), are said as
+:class:`~functional_npu.runtime.launch.LocalWorld` says them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..runtime.launch import RemoteError
+
+__all__ = ["WORLD_ERRORS", "world_failed"]
+
+# what LocalWorld raises when a rank raises (RemoteError), dies (RuntimeError) or does not answer (TimeoutError)
+WORLD_ERRORS = (RemoteError, TimeoutError, RuntimeError)
+
+
+def world_failed(error: BaseException) -> int:
+    """Print ``error`` (one of :data:`WORLD_ERRORS`) as one line on stderr; returns the exit code, 1."""
+    said = f"rank {error.rank} raised {error.summary}" if isinstance(error, RemoteError) else str(error)
+    fix = "; give the ranks more time with --timeout" if isinstance(error, TimeoutError) else ""
+    print("error: " + " ".join(said.split()) + fix, file=sys.stderr)
+    return 1
