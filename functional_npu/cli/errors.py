@@ -8,6 +8,7 @@ a rank that died, or ranks that gave no answer within ``--timeout`` (and the fix
 
 from __future__ import annotations
 
+import re
 import sys
 
 from ..runtime.launch import RemoteError
@@ -20,7 +21,14 @@ WORLD_ERRORS = (RemoteError, TimeoutError, RuntimeError)
 
 def world_failed(error: BaseException) -> int:
     """Print ``error`` (one of :data:`WORLD_ERRORS`) as one line on stderr; returns the exit code, 1."""
-    said = f"rank {error.rank} raised {error.summary}" if isinstance(error, RemoteError) else str(error)
+    said = str(error)
+    if isinstance(error, RemoteError):
+        agreed = re.fullmatch(r"(\w+): rank (\d+): (.*)", error.summary, re.S)  # every rank raised rank N's error
+        said = (
+            f"rank {agreed[2]} raised {agreed[1]}: {agreed[3]}"
+            if agreed
+            else f"rank {error.rank} raised {error.summary}"
+        )
     fix = "; give the ranks more time with --timeout" if isinstance(error, TimeoutError) else ""
     print("error: " + " ".join(said.split()) + fix, file=sys.stderr)
     return 1
