@@ -130,7 +130,7 @@ def measure(cfg, *, backend: str, batch: int, new: int, rounds: int) -> dict:
         "new": new,
         "rounds": rounds,
         "device": {
-            "read_GB_s": device.memory_bytes_per_s / 1e9,
+            "stream_GB_s": device.memory_bytes_per_s / 1e9,  # what decode linears stream at, per rank
             "flop_G_s": device.flop_per_s / 1e9,
             "collectives": {
                 k: {"alpha_us": a * 1e6, "GB_s": 1 / b / 1e9 if b else None} for k, (a, b) in device.measured.items()

@@ -3,15 +3,21 @@
 :func:`host_device` starts ``world`` local gloo ranks (the shape of the run being planned) and measures,
 with every rank busy at once as in a real step:
 
-- the read bandwidth one rank gets (a sum over a buffer far larger than the caches);
+- the rate one rank's decode linears stream their weights at (a few rows through 64 MiB of fp32 weights):
+  the profile's memory bandwidth, what a decode step's kernels reach here (a plain read, also recorded, is
+  about twice that on this project's host);
 - the FLOP/s one rank gets (a square fp32 matmul);
 - every collective the model runs (:data:`~functional_npu.parallel.devices.COLLECTIVES`, through this
   library's own :mod:`~functional_npu.core.collectives`) over every group size dividing ``world``, at a
-  small and a large payload: ``alpha`` is the small call's time, the per-byte time the slope between them.
+  small and a large payload, each after a layer's worth of compute as in a step (its cost is what it adds to
+  that compute: ranks sharing cores reach a collective at different times, which calls back to back hide):
+  ``alpha`` is the small call's cost, the per-byte time the slope between them.
 
-The profile is written atomically to ``$FUNCTIONAL_NPU_CACHE/host-profile/`` (default
-``~/.cache/functional_npu``), keyed by the host, its cores, torch's version and ``world``; a file that does not
-parse or does not carry every figure is measured again, never trusted.
+The profile says communication does not overlap compute (``overlap=False``): the ranks fill the cores, and
+gloo's transfers take turns with their compute. The profile is written atomically to
+``$FUNCTIONAL_NPU_CACHE/host-profile/`` (default ``~/.cache/functional_npu``), keyed by the host, its cores,
+torch's version and ``world``; a file that does not parse or does not carry every figure is measured again,
+never trusted.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from ..parallel.devices import COLLECTIVES, Device, Link
 
 __all__ = ["host_device", "measure", "profile_path"]
 
-VERSION = 1
+VERSION = 3
 SMALL, LARGE = 4096, 4 * 2**20  # payload bytes of the two calls each collective is timed at
 
 
@@ -82,13 +88,18 @@ def measure_on_rank(ctx: Any, world: int, repeat: int) -> dict[str, Any]:
     rank does the same)."""
     import torch.distributed as dist
 
-    out: dict[str, Any] = {}
-    x = torch.ones(64 * 2**18)  # 64 MiB
     dist.barrier()
-    out["read_bytes_per_s"] = x.numel() * 4 / _timed(x.sum, repeat)
-    a = torch.randn(512, 512)
+    out = _roofline(repeat)
+    # each collective runs after a layer's worth of compute, as in a step: what it adds to the compute alone is
+    # its cost there (ranks that share cores reach it at different times, which a back-to-back loop hides)
+    weights, rows = [torch.randn(1536, 512) for _ in range(2)], torch.randn(2, 512)
+
+    def layer() -> None:
+        for w in weights:
+            rows @ w.T
+
     dist.barrier()
-    out["flop_per_s"] = 2 * 512**3 / _timed(lambda: a @ a, repeat)
+    alone = _timed(layer, repeat)
     measured = {}
     for n in [d for d in range(2, world + 1) if world % d == 0]:
         mesh = ctx.mesh({"outer": world // n, "inner": n})
@@ -97,7 +108,7 @@ def measure_on_rank(ctx: Any, world: int, repeat: int) -> dict[str, Any]:
             for payload in (SMALL, LARGE):
                 fn = _call(kind, mesh, "inner", payload)
                 dist.barrier()
-                times.append(_timed(fn, repeat))
+                times.append(max(0.0, _timed(lambda f=fn: (layer(), f()), repeat) - alone))
             alpha = times[0]
             per_byte = max(0.0, (times[1] - times[0]) / (LARGE - SMALL))
             measured[f"{kind}/{n}"] = (alpha, per_byte)
@@ -105,19 +116,29 @@ def measure_on_rank(ctx: Any, world: int, repeat: int) -> dict[str, Any]:
     return out
 
 
-def measure(world: int, *, repeat: int = 15) -> Device:
+def measure(world: int, *, repeat: int = 25) -> Device:
     """Measure this machine with ``world`` local ranks (see the module docstring); nothing cached."""
     return _device(_figures(world, repeat), world)
 
 
+def _roofline(repeat: int) -> dict[str, Any]:
+    """This rank's rates: a plain read, the rate decode's linears stream their weights at (a few rows through
+    64 MiB of ``[1536, 512]`` fp32 weights, the size of a small model's), and a matmul's FLOP/s."""
+    x = torch.ones(64 * 2**18)
+    weights = [torch.randn(1536, 512) for _ in range(64 * 2**20 // (1536 * 512 * 4))]
+    rows = torch.randn(2, 512)
+    a = torch.randn(512, 512)
+    return {
+        "read_bytes_per_s": x.numel() * 4 / _timed(x.sum, repeat),
+        "linear_bytes_per_s": sum(w.nbytes for w in weights) / _timed(lambda: [rows @ w.T for w in weights], repeat),
+        "flop_per_s": 2 * 512**3 / _timed(lambda: a @ a, repeat),
+        "measured": {},
+    }
+
+
 def _figures(world: int, repeat: int) -> dict[str, Any]:
     if world == 1:  # nothing to exchange: the roofline alone, in this process
-        x, a = torch.ones(64 * 2**18), torch.randn(512, 512)
-        return {
-            "read_bytes_per_s": x.numel() * 4 / _timed(x.sum, repeat),
-            "flop_per_s": 2 * 512**3 / _timed(lambda: a @ a, repeat),
-            "measured": {},
-        }
+        return _roofline(repeat)
     from .launch import LocalWorld
 
     with LocalWorld(world, timeout=300.0) as w:
@@ -129,13 +150,14 @@ def _device(figures: dict[str, Any], world: int) -> Device:
     bcast = measured.get(f"broadcast/{world}") or (1e-4, 1e-9)
     return Device(
         "host",
-        memory_bytes_per_s=float(figures["read_bytes_per_s"]),
+        memory_bytes_per_s=float(figures["linear_bytes_per_s"]),  # what a decode step's kernels stream at
         flop_per_s=float(figures["flop_per_s"]),
         link=Link(bytes_per_s=1 / max(bcast[1], 1e-12), alpha_s=bcast[0]),
         source=f"measured on {platform.node() or 'this host'} with {world} local gloo ranks "
         f"({os.cpu_count()} cores, torch {torch.__version__})",
         measured=measured,
         measured_world=world,
+        overlap=False,  # the ranks' compute fills the cores: gloo's transfers take turns with it
     )
 
 
@@ -147,14 +169,15 @@ def _read(path: Path, world: int) -> Device | None:
             return None
         wanted = {f"{k}/{n}" for k in COLLECTIVES for n in range(2, world + 1) if world % n == 0}
         figures = data["figures"]
-        if not wanted <= set(figures["measured"]) or min(figures["read_bytes_per_s"], figures["flop_per_s"]) <= 0:
+        rates = (figures["read_bytes_per_s"], figures["linear_bytes_per_s"], figures["flop_per_s"])
+        if not wanted <= set(figures["measured"]) or min(rates) <= 0:
             return None
         return _device(figures, world)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def host_device(world: int, *, refresh: bool = False, repeat: int = 15) -> Device:
+def host_device(world: int, *, refresh: bool = False, repeat: int = 25) -> Device:
     """This machine's profile at ``world`` ranks: cached, else measured now (tens of seconds) and cached."""
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"host profile: world must be a positive int, got {world!r}")

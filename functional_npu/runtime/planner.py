@@ -348,7 +348,8 @@ def estimate(
             k = choose_k(layer_series, num_layers=shape.layers, compute_s=per_layer, link=dev.link)
         occupy = layer_series / dev.link.bytes_per_s
         latency = dev.link.time(layer_series)
-        parts["prefetch_exposed_s"] = exposed(shape.layers, k, per_layer, occupy, latency) * shape.layers * latency
+        hidden = exposed(shape.layers, k, per_layer, occupy, latency) if dev.overlap else 1.0
+        parts["prefetch_exposed_s"] = hidden * shape.layers * latency
         ring = (k + 1) * layer_series
         candidate = dataclasses.replace(candidate, plan=dataclasses.replace(plan, prefetch_step=k))
     step = max(memory_s, compute_s) + sum(v for name, v in parts.items() if name not in ("memory_s", "compute_s"))

@@ -168,3 +168,24 @@ def test_a_family_without_cost_rules_is_refused_naming_it(monkeypatch):
     monkeypatch.setattr(family_module, "FAMILIES", bare)
     with pytest.raises(ValueError, match=r"the llama family \(Qwen3ForCausalLM\) has no cost rules yet: it needs"):
         choose_plan(DENSE, 2, "910b", 1e9, WORK)
+
+
+def test_the_host_profile_is_cached_and_a_broken_cache_is_measured_again(tmp_path, monkeypatch):
+    """One rank (no collectives): measured once, read back from the cache, and a file that does not parse or
+    lacks a figure is measured again and rewritten, never trusted."""
+    from functional_npu.runtime import host_profile
+
+    monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path))
+    first = host_profile.host_device(1, repeat=2)
+    path = host_profile.profile_path(1)
+    assert path.is_file() and path.parent == tmp_path / "host-profile"
+    assert first.memory_bytes_per_s > 0 and first.flop_per_s > 0 and not first.overlap
+    assert host_profile.host_device(1) == first  # from the cache: the same figures
+    for broken in ("{nope", json.dumps({"version": host_profile.VERSION, "world": 1, "figures": {"measured": {}}})):
+        path.write_text(broken)
+        again = host_profile.host_device(1, repeat=2)
+        assert again.memory_bytes_per_s > 0
+        assert json.loads(path.read_text())["figures"]["linear_bytes_per_s"] > 0
+    assert not [p for p in path.parent.iterdir() if p != path]  # no temporary file left beside it
+    with pytest.raises(ValueError, match="host profile: world must be a positive int, got 0"):
+        host_profile.host_device(0)
