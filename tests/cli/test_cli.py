@@ -202,7 +202,7 @@ def test_the_package_runs_models_only(gone, capsys):
     from functional_npu.cli import build_parser
 
     refused([gone], f"invalid choice: '{gone}'", capsys)
-    assert "{demo,generate}" in build_parser().format_usage()
+    assert "{demo,plan,generate}" in build_parser().format_usage()
 
 
 def test_prompt_text_without_tokenizer_is_a_clear_error(model, tmp_path):
