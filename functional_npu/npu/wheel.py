@@ -26,6 +26,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..core.cache_dir import cache_dir
+
 __all__ = ["TORCH_NPU_VERSION", "TorchairUnavailable", "cache_dir", "cached", "torchair_sources", "unpack"]
 
 TORCH_NPU_VERSION = "2.13.0"  # the torch-npu release matching this project's torch line
@@ -39,10 +41,6 @@ _FALLBACK_TAGS = ("--python-version", "3.11", "--platform", "manylinux_2_28_x86_
 
 class TorchairUnavailable(RuntimeError):
     """torchair's sources could not be obtained; the message is one line saying why and what to do."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FUNCTIONAL_NPU_CACHE") or Path.home() / ".cache" / "functional_npu")
 
 
 def _is_release(got: str, version: str) -> bool:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..core.cache_dir import cache_dir
 from ..parallel.devices import COLLECTIVES, Device, Link
 
 __all__ = ["host_device", "measure", "profile_path"]
@@ -41,15 +42,11 @@ VERSION = 3
 SMALL, LARGE = 4096, 4 * 2**20  # payload bytes of the two calls each collective is timed at
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("FUNCTIONAL_NPU_CACHE") or Path.home() / ".cache" / "functional_npu")
-
-
 def profile_path(world: int) -> Path:
     """Where the profile of this machine at ``world`` ranks is cached."""
     host = "".join(c if c.isalnum() or c in "-_." else "_" for c in platform.node() or "host")
     name = f"{host}-{os.cpu_count()}cpu-torch{torch.__version__.split('+')[0]}-world{world}.json"
-    return _cache_root() / "host-profile" / name
+    return cache_dir() / "host-profile" / name
 
 
 def _timed(fn: Any, repeat: int) -> float:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -449,8 +448,3 @@ def choose_plan(
             f"or use more devices"
         )
     return ranked[0].candidate, report
-
-
-def plans_of(report: Report) -> Sequence[Candidate]:
-    """The ranked candidates of a report."""
-    return [e.candidate for e in report.ranked]
