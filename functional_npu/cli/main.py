@@ -20,27 +20,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from .args import positive, positive_number
 from .plan import add_parser as add_plan_parser
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return value
+_seconds = positive_number("seconds")
 
 
 def _step(text: str) -> int | str:
@@ -69,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m functional_npu", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="embedded model: eager on 1 rank vs compiled on tp ranks (no network)")
-    demo.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks for the compiled run; default 2")
-    demo.add_argument("--max-new-tokens", type=_positive, default=24)
+    demo.add_argument("--tp", type=positive, default=2, help="tensor-parallel ranks for the compiled run; default 2")
+    demo.add_argument("--max-new-tokens", type=positive, default=24)
     demo.add_argument(
         "--timeout", type=_seconds, default=600.0, help="seconds before the ranks are stopped; default 600"
     )
@@ -92,24 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)"
     )
     gen.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
-    gen.add_argument("--dp", type=_positive, default=1, help="data-parallel ranks: prompts are split across them")
+    gen.add_argument("--dp", type=positive, default=1, help="data-parallel ranks: prompts are split across them")
     gen.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         help="read floating weights in this dtype (default: as stored; a quantized checkpoint's integer "
         "tensors keep theirs, its scales and activations take this one)",
     )
-    gen.add_argument("--tp", type=_positive, default=1, help="tensor-parallel ranks")
+    gen.add_argument("--tp", type=positive, default=1, help="tensor-parallel ranks")
     gen.add_argument(
         "--ep",
-        type=_positive,
+        type=positive,
         default=1,
         help="expert-parallel ranks (MoE models): 1 (experts on every rank) or dp x tp (the flattened dp, tp ranks)",
     )
     for module, flag in _MODULE_FLAGS.items():
         gen.add_argument(
             flag,
-            type=_positive,
+            type=positive,
             default=1,
             dest=f"{module}_tp",
             metavar="N",
@@ -133,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--prompt-ids", type=_ids, action="append", metavar="1,2,3", help="a prompt as token ids; repeat for more"
     )
-    gen.add_argument("--max-new-tokens", type=_positive, required=True)
+    gen.add_argument("--max-new-tokens", type=positive, required=True)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    gen.add_argument("--top-k", type=_positive, default=None)
+    gen.add_argument("--top-k", type=positive, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument(
@@ -180,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         "python -m functional_npu plan --out; it sets the mesh and the plan (no --dp, --tp, --ep, module TP or "
         "--layer-shard with it)",
     )
-    gen.add_argument("--devices", type=_positive, default=None, help="with --plan: the ranks to plan for")
+    gen.add_argument("--devices", type=positive, default=None, help="with --plan: the ranks to plan for")
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before local ranks are stopped")
     return parser
@@ -297,7 +280,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
 
         try:
             quant = read_quant(model)
-            args.axes, args.plan = plan_for_generate(args, cfg, quant, prompts, parser)
+            args.axes, args.plan = plan_for_generate(args, cfg, quant, prompts)
             check_plan(cfg, Mesh.abstract(args.axes), args.plan, where=str(model), quant=quant)
         except (OSError, ValueError) as e:
             parser.error(" ".join(str(e).split()))

@@ -11,52 +11,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from .args import positive, positive_number
 
 __all__ = ["add_parser", "run_plan", "plan_for_generate", "read_plan_file", "plan_file"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _gigabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of gigabytes, got {text!r}")
-    return value
-
-
 def add_parser(sub: Any) -> None:
     """The ``plan`` subcommand's arguments."""
     p = sub.add_parser("plan", help="choose the fastest plan that fits: every candidate ranked, the chosen plan")
     p.add_argument("--model", required=True, help="HF model directory (its config.json and quantization_config)")
-    p.add_argument("--devices", type=_positive_int, required=True, help="how many devices the model runs on")
+    p.add_argument("--devices", type=positive, required=True, help="how many devices the model runs on")
     p.add_argument("--device", default="host", help="device profile: 910b, 910c, h100, or host (this machine)")
     p.add_argument(
         "--memory-gb",
-        type=_gigabytes,
+        type=positive_number("gigabytes"),
         default=None,
         help="memory per device in GB (1e9 bytes); default: the profile's (host: what is available now)",
     )
-    p.add_argument("--batch", type=_positive_int, default=1, help="sequences per step (decode) or prompts (prefill)")
+    p.add_argument("--batch", type=positive, default=1, help="sequences per step (decode) or prompts (prefill)")
     work = p.add_mutually_exclusive_group(required=True)
-    work.add_argument("--context", type=_positive_int, help="decode: tokens already in each sequence's cache")
-    work.add_argument("--prefill", type=_positive_int, metavar="LENGTH", help="prefill prompts of this many tokens")
+    work.add_argument("--context", type=positive, help="decode: tokens already in each sequence's cache")
+    work.add_argument("--prefill", type=positive, metavar="LENGTH", help="prefill prompts of this many tokens")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="weights' and cache's dtype (default bfloat16)")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON instead of the table")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan here (for generate --plan FILE)")
@@ -157,7 +140,7 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list, parser: Any) -> tuple:
+def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list) -> tuple:
     """``(axes, plan)`` for ``generate --plan auto | FILE``: planned for this machine at ``--devices`` ranks with
     the run's prompts as the workload, or read from the file (refused if it is for another model, or another
     number of ranks than ``--devices``)."""
@@ -168,9 +151,7 @@ def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: l
 
     if args.plan_from != "auto":
         axes, plan = read_plan_file(args.plan_from, cfg)
-        n = 1
-        for v in axes.values():
-            n *= v
+        n = math.prod(axes.values())
         if args.devices is not None and args.devices != n:
             raise ValueError(
                 f"--plan {args.plan_from}: the plan is for {n} devices ({axes}), not --devices {args.devices}"

@@ -1,0 +1,34 @@
+"""The command line's argument types: a bad value is argparse's one line naming the flag (exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+__all__ = ["positive", "positive_number"]
+
+
+def positive(text: str) -> int:
+    """A positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_number(unit: str) -> Callable[[str], float]:
+    """A finite number above 0 of ``unit`` (``"seconds"``, ``"gigabytes"``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive number of {unit}, got {text}")
+        return value
+
+    return parse
