@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_cli_signals import _default_sigint, _group, _left, _wait_for
+from .test_cli_signals import _default_sigint, _ended, _group, _left, _wait_for
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="processes are read from /proc (Linux)")
 
@@ -53,19 +53,6 @@ def _joined(pid: int) -> bool:
         return any(os.readlink(fd).startswith("socket:") for fd in Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return False
-
-
-def _ended(run: subprocess.Popen, tmp: Path) -> int:
-    """Wait for the run, its processes and its temporary files to end; returns its exit code."""
-    try:
-        code = run.wait(timeout=120)
-        _wait_for(lambda: not _group(run.pid), 15, f"the processes of the run to end: {_group(run.pid)}")
-        _wait_for(lambda: not _left(tmp), 15, f"the temporary files to go: {_left(tmp)}")
-    finally:
-        if _group(run.pid):
-            os.killpg(run.pid, signal.SIGKILL)
-        run.wait(timeout=30)
-    return code
 
 
 def _one_error_line(stderr: str) -> str:

@@ -11,20 +11,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _group(pgid: int) -> list[int]:
-    """Pids of the live processes in process group ``pgid`` (from /proc; zombies are not alive)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry.name))
-    return out
+from ..support.cli import live_in_group as _group
 
 
 def _default_sigint() -> None:
@@ -45,6 +32,19 @@ def _wait_for(predicate, seconds: float, what: str):
             return value
         time.sleep(0.2)
     raise AssertionError(f"gave up after {seconds:.0f}s waiting for {what}")
+
+
+def _ended(run: subprocess.Popen, tmp: Path, timeout: float = 120) -> int:
+    """Wait for the run, its processes and its temporary files to end; returns its exit code."""
+    try:
+        code = run.wait(timeout=timeout)
+        _wait_for(lambda: not _group(run.pid), 15, f"the processes of the run to end: {_group(run.pid)}")
+        _wait_for(lambda: not _left(tmp), 15, f"the temporary files to go: {_left(tmp)}")
+    finally:
+        if _group(run.pid):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait(timeout=30)
+    return code
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process groups are read from /proc (Linux)")
@@ -69,13 +69,11 @@ def test_a_signal_to_the_parent_ends_the_whole_run(tmp_path, sig):
                 os.killpg(run.pid, sig)  # Ctrl-C reaches the whole foreground group
             else:
                 os.kill(run.pid, sig)  # only the parent
-            code = run.wait(timeout=60)
-            _wait_for(lambda: not _group(run.pid), 15, f"the processes of the run to end: {_group(run.pid)}")
-            _wait_for(lambda: not _left(tmp), 15, f"the temporary files to go: {_left(tmp)}")
+            code = _ended(run, tmp, timeout=60)
         finally:
             if _group(run.pid):
                 os.killpg(run.pid, signal.SIGKILL)
-            run.wait(timeout=30)
+                run.wait(timeout=30)
     stderr = log.read_text()
     assert code == {signal.SIGTERM: 143, signal.SIGKILL: -9, signal.SIGINT: 130}[sig], stderr
     assert "Traceback" not in stderr, stderr
