@@ -8,7 +8,9 @@ which writes into memory owned outside the graph (a prefetch ring's slot): a cus
 it into ``auto_functionalized_v2`` and the compilers' reinplace passes write the graph input in place
 (no copy of the slot, no copy back). ``axis`` is one mesh axis or a tuple of axes
 in mesh order (one group over all of them, indexed row-major). Over an axis of size 1 every
-collective is the identity and emits nothing.
+collective is the identity and emits nothing. A collective of a tensor that requires grad is
+differentiable: its gradient is its transpose (:mod:`functional_npu.core.collective_grads`), the same
+collectives again.
 
 Example (row-parallel matmul, written where it happens):
     >>> y = all_reduce(x @ w_local.T, mesh, "tp")      # doctest: +SKIP
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from . import collective_grads as grads
 from .mesh import Axes, Mesh
 
 __all__ = [
@@ -47,6 +50,11 @@ def _op(op: str) -> str:
     return op
 
 
+def _tracked(x: torch.Tensor) -> bool:
+    """Whether autograd records ops on ``x`` (then the collective goes through its backward rule)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
     if not -x.ndim <= dim < x.ndim:
         raise ValueError(f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
@@ -57,6 +65,8 @@ def all_reduce(x: torch.Tensor, mesh: Mesh, axis: Axes, op: str = "sum") -> torc
     """Reduce ``x`` over ``axis``; every rank of the group gets the result."""
     if mesh.axis_size(axis) == 1:
         return x
+    if _tracked(x):
+        return grads.all_reduce(x, _op(op), mesh.group_name(axis))
     return funcol.all_reduce(x, _op(op), mesh.group_name(axis))
 
 
@@ -64,6 +74,8 @@ def all_gather(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0) -> torch.T
     """Concatenate every rank's ``x`` along ``dim``, in index order along ``axis``."""
     if mesh.axis_size(axis) == 1:
         return x
+    if _tracked(x):
+        return grads.all_gather(x, _dim(x, dim, "all_gather"), mesh.group_name(axis))
     return funcol.all_gather_single(x, _dim(x, dim, "all_gather"), mesh.group_name(axis))
 
 
@@ -78,6 +90,8 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axis: Axes, dim: int = 0, op: st
             f"reduce_scatter over mesh axis {axis!r} (size {n}): "
             f"dim {d} of shape {tuple(x.shape)} is not divisible by {n}"
         )
+    if _tracked(x):
+        return grads.reduce_scatter(x, _op(op), d, mesh.group_name(axis), n)
     return funcol.reduce_scatter_single(x, _op(op), d, mesh.group_name(axis))
 
 
@@ -93,6 +107,8 @@ def all_to_all_single(
         return x
     out = None if output_split_sizes is None else list(output_split_sizes)
     inp = None if input_split_sizes is None else list(input_split_sizes)
+    if _tracked(x):
+        return grads.all_to_all_single(x, out, inp, mesh.group_name(axis))
     return funcol.all_to_all_single(x, out, inp, mesh.group_name(axis))
 
 
@@ -111,7 +127,7 @@ def all_to_all(x: torch.Tensor, mesh: Mesh, axis: Axes, split_dim: int = 0, conc
             f"split dim {sd} of shape {tuple(x.shape)} is not divisible by {n}"
         )
     xs = x.movedim(sd, 0)  # [n*m, ...]: chunk j (m rows) goes to index j
-    recv = funcol.all_to_all_single(xs.contiguous(), None, None, mesh.group_name(axis))
+    recv = all_to_all_single(xs.contiguous(), mesh, axis)
     recv = recv.reshape(n, -1, *xs.shape[1:]).movedim(1, sd + 1)  # [n, ...x with the split dim cut to m...]
     return torch.cat(recv.unbind(0), dim=cd)
 
@@ -128,6 +144,8 @@ def broadcast(x: torch.Tensor, mesh: Mesh, axis: Axes, src: int = 0) -> torch.Te
     """Every rank of the group gets ``x`` of index ``src`` along ``axis``."""
     if _broadcast_size(mesh, axis, src) == 1:
         return x
+    if _tracked(x):
+        return grads.broadcast(x, src, mesh.group_name(axis), mesh.axis_index(axis) == src)
     return funcol.broadcast(x, src, mesh.group_name(axis))
 
 
@@ -205,4 +223,4 @@ def permute(x: torch.Tensor, mesh: Mesh, axis: Axes, dst: Sequence[int]) -> torc
     numel = flat.shape[0]
     send = [numel if j == dst[me] else 0 for j in range(n)]
     recv = [numel if j == src else 0 for j in range(n)]
-    return funcol.all_to_all_single(flat, recv, send, mesh.group_name(axis)).reshape(x.shape)
+    return all_to_all_single(flat, mesh, axis, recv, send).reshape(x.shape)

@@ -102,13 +102,16 @@ def decode(
     attention: str = "sdpa",
     streams: Streams = INLINE,
     greedy: bool = False,
+    differentiable: bool = False,
 ) -> torch.Tensor:
     """The forward through ``blocks`` (see the module docstring for the contract); ``streams`` are the
     compiler's ordering hints (:mod:`functional_npu.parallel.streams`). ``greedy``: return the greedy
-    tokens ``[B, S]`` (``blocks.argmax``) instead of the logits."""
+    tokens ``[B, S]`` (``blocks.argmax``) instead of the logits. ``differentiable``: layer-sharded weights
+    arrive by differentiable broadcasts, not through the ring (``state.prefetched`` empty; see
+    :func:`~functional_npu.parallel.prefetch.layer_weights`)."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]
     steps = blocks.prepare(positions, state.kv[0], x.dtype)
-    weights = layer_weights(params, state.prefetched, mesh, streams)
+    weights = layer_weights(params, state.prefetched, mesh, streams, differentiable=differentiable)
     norm = functools.partial(rms_norm, eps=blocks.eps, offset=blocks.norm_offset)
     for i, kv in enumerate(state.kv):
         layer = weights(i, x)

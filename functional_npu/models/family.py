@@ -272,11 +272,13 @@ def forward(
     attention: str = "sdpa",
     plan: Plan | None = None,
     streams: Streams = INLINE,
+    differentiable: bool = False,
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is
     :mod:`~functional_npu.models.decoder`'s. ``plan``: the params' (default ``params["plan"]``, else the
     default plan). ``streams`` are the compiler's ordering hints (:mod:`functional_npu.parallel.streams`;
-    the backend supplies them).
+    the backend supplies them). ``differentiable``: the forward a gradient is taken of (layer-sharded
+    weights by differentiable broadcasts; :mod:`functional_npu.runtime.grad`).
 
     Example:
         >>> state = init_state(params["config"], mesh, batch=1, max_seq_len=64)     # doctest: +SKIP
@@ -292,6 +294,7 @@ def forward(
         blocks=family_of(cfg).blocks(cfg, plan),
         attention=attention,
         streams=streams,
+        differentiable=differentiable,
     )
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from ..core.collectives import broadcast_into
+from ..core.collectives import broadcast, broadcast_into
 from ..core.mesh import Mesh
 from ..core.tree import flatten_with_paths, tree_from_paths
 from .layer_shard import series_of
@@ -219,7 +219,12 @@ def _local(params: dict[str, Any], i: int) -> Weights:
 
 
 def layer_weights(
-    params: dict[str, Any], prefetched: list[torch.Tensor], mesh: Mesh, streams: Streams = INLINE
+    params: dict[str, Any],
+    prefetched: list[torch.Tensor],
+    mesh: Mesh,
+    streams: Streams = INLINE,
+    *,
+    differentiable: bool = False,
 ) -> Callable[[int, torch.Tensor], Weights]:
     """The loop's source of weights: ``weights(i, x)`` is layer ``i``'s full weight dict, where ``x``
     is the residual stream entering layer ``i``; ask for ``i = 0, 1, ...`` in order.
@@ -229,12 +234,19 @@ def layer_weights(
     waits for layer ``i``'s slot; asking for the last layer leaves the next step's first ``k`` layers in
     flight and turns the ring (the list, in place) for the next step. An empty ring over an axis of size
     > 1 is a one-slot ring made here (synchronous; a compiled model always passes its own).
+
+    ``differentiable``: the weights are a gradient's inputs, so they arrive by out-of-place broadcasts
+    (:func:`~functional_npu.core.collectives.broadcast`, whose gradient is summed back to the owner) issued
+    ``params["plan"].prefetch_step`` layers ahead in program order, not written into a ring; the
+    backward holds every layer's weights, as any layer-sharded training step does (no ring bound).
     """
     layers = params["layers"]
     if not series_of(params):
         return lambda i, x: layers[i]
     if not ring_used(params, mesh):
         return lambda i, x: layers[i] | _local(params, i)
+    if differentiable:
+        return _broadcast_weights(params, mesh)
     ring = prefetched if prefetched else new_ring(params, mesh, 0)
     k = check_ring(params, mesh, ring)
     groups, L = len(coalesced(params)), len(layers)
@@ -254,6 +266,36 @@ def layer_weights(
                         funcol.wait_tensor(ring[slot_of(v, k) * groups + g])
             prefetched[:] = turn(ring, L, groups)
         return layer
+
+    return weights
+
+
+def _broadcast_weights(params: dict[str, Any], mesh: Mesh) -> Callable[[int, torch.Tensor], Weights]:
+    """:func:`layer_weights` for a gradient: layer ``i + k``'s series broadcast (out of place, differentiable) from
+    its owner when layer ``i`` is asked for; non-owners send zeros of the layer's size."""
+    axis, k = params["plan"].layer_shard.axis, params["plan"].prefetch_step
+    k = k if isinstance(k, int) else 1  # "auto" was resolved for inference; one layer ahead here
+    n, me = mesh.axis_size(axis), mesh.axis_index(axis)
+    series, groups, layers = _flat_series(params), coalesced(params), params["layers"]
+    sizes = [size for size, _ in ring_spec(params)]
+    issued: dict[int, list[torch.Tensor]] = {}
+
+    def issue(v: int) -> None:
+        if v >= len(layers) or v in issued:
+            return
+        out = []
+        for leaves, size in zip(groups, sizes):
+            if v % n == me:
+                flat = torch.cat([series[leaf][v // n].reshape(-1) for leaf in leaves])
+            else:
+                flat = series[leaves[0]].new_zeros(size)
+            out.append(broadcast(flat, mesh, axis, src=v % n))
+        issued[v] = out
+
+    def weights(i: int, x: torch.Tensor) -> Weights:
+        for v in range(i, i + k + 1):
+            issue(v)
+        return layers[i] | _unpack(params, issued.pop(i))  # a collective's output waits where it is read
 
     return weights
 

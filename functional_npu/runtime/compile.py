@@ -21,7 +21,6 @@ import torch
 
 from ..core.layout import Layout
 from ..core.mesh import Mesh
-from ..core.shard import local_shape
 from ..core.tree import flatten_with_paths
 from ..models import family_of, init_state
 from ..models.decoder import DecodeState, decode
@@ -35,7 +34,7 @@ from .backends import Backend, resolve_backend
 from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, saved_guards
 from .generate import Lockstep, check_length, generate
 from .inductor_cache import sweep
-from .plan import check_plan, resolved
+from .plan import check_params, resolved
 from .quant_plan import tensor_blocks
 
 __all__ = ["CompiledModel", "compile_model", "greedy_generate", "cache_length", "GraphBreakError"]
@@ -233,35 +232,6 @@ def _series_named(params: dict, plan: Plan) -> Plan:
         return plan
 
 
-def _check_params(params: dict, mesh: Mesh, plan: Plan, where: str) -> tuple[Any, dict, dict]:
-    """The config, and the full params (meta) and layouts by path, after checking that ``params`` are this
-    coordinate's shards of it for ``mesh`` under ``plan``."""
-    cfg = params.get("config") if isinstance(params, dict) else None
-    try:
-        family_of(cfg)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one"
-        ) from None
-    full, layouts = check_plan(cfg, mesh, plan, where=where, quant=params.get("quant"))
-    got = {p.removesuffix(".streamed"): x for p, x in flatten_with_paths(params)}  # a compiled model's own params
-    full = dict(flatten_with_paths(full))
-    for path, x in full.items():
-        if path not in got:
-            raise ValueError(f"{where}: params[{path!r}] is missing")
-        want = local_shape(x.shape, layouts[path], mesh, path=path)
-        if tuple(got[path].shape) != want:
-            raise ValueError(
-                f"{where}: params[{path!r}] has shape {tuple(got[path].shape)} but mesh {mesh.shape} at "
-                f"{mesh.coordinate} expects {want}; were the params sharded for another mesh?"
-            )
-        if not x.dtype.is_floating_point and got[path].dtype != x.dtype:
-            raise ValueError(
-                f"{where}: params[{path!r}] is {got[path].dtype} but {params['quant'].quant!r} stores it as {x.dtype}"
-            )
-    return cfg, full, layouts
-
-
 def _axis_groups(specs: Any) -> list[tuple[str, ...]]:
     """The multi-axis tuples some layout shards over (their collectives need a group of their own)."""
     layouts = [x for _, x in flatten_with_paths(specs, is_leaf=lambda x: isinstance(x, Layout))]
@@ -374,7 +344,7 @@ def compile_model(
     if kernels not in (None, *TARGETS):
         raise ValueError(f"compile_model: kernels={kernels!r} is not one of {TARGETS} (or None: the backend's)")
     plan = _plan_of(params, plan, "compile_model")
-    cfg, full, layouts = _check_params(params, mesh, plan, "compile_model")
+    cfg, full, layouts = check_params(params, mesh, plan, "compile_model")
     plan = resolved(cfg, plan)
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     if chosen.name == "inductor":

@@ -25,7 +25,7 @@ from ..parallel.prefetch import check_prefetch_step
 from .quant_config import QuantConfig
 from .quant_plan import quantize_plan
 
-__all__ = ["check_plan", "check_plan_fits", "plan_table", "resolved"]
+__all__ = ["check_plan", "check_plan_fits", "check_params", "plan_table", "resolved"]
 
 _COMMON = ("tp", "module_tp", "layer_shard", "prefetch_step", "prefetch_budget", "model")
 
@@ -205,3 +205,37 @@ def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.
             n = mesh.axis_size(s.axes)
             for c in range(n):
                 dim_pieces(s, shape[d], n, c, f"specs[{path!r}]", d)
+
+
+def check_params(params: dict, mesh: Mesh, plan: Plan, where: str) -> tuple[Any, dict, dict]:
+    """The config, and the full params (meta) and layouts by path, after checking that ``params`` are this
+    coordinate's shards of it for ``mesh`` under ``plan`` (``where``: what the messages start with).
+
+    Raises:
+        TypeError for params with no model config; ValueError naming the leaf for one missing, of another shape
+        (sharded for another mesh or plan) or of another stored dtype.
+    """
+    cfg = params.get("config") if isinstance(params, dict) else None
+    try:
+        family_of(cfg)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one"
+        ) from None
+    full, layouts = check_plan(cfg, mesh, plan, where=where, quant=params.get("quant"))
+    got = {p.removesuffix(".streamed"): x for p, x in flatten_with_paths(params)}  # a compiled model's own params
+    full = dict(flatten_with_paths(full))
+    for path, x in full.items():
+        if path not in got:
+            raise ValueError(f"{where}: params[{path!r}] is missing")
+        want = local_shape(x.shape, layouts[path], mesh, path=path)
+        if tuple(got[path].shape) != want:
+            raise ValueError(
+                f"{where}: params[{path!r}] has shape {tuple(got[path].shape)} but mesh {mesh.shape} at "
+                f"{mesh.coordinate} expects {want}; were the params sharded for another mesh?"
+            )
+        if not x.dtype.is_floating_point and got[path].dtype != x.dtype:
+            raise ValueError(
+                f"{where}: params[{path!r}] is {got[path].dtype} but {params['quant'].quant!r} stores it as {x.dtype}"
+            )
+    return cfg, full, layouts

@@ -1,0 +1,202 @@
+"""Gradients of the sharded forward: ``value_and_grad(loss_fn)(params, batch, mesh)``, as in JAX.
+
+``loss_fn(params, batch, mesh)`` is any function of this rank's params that returns this rank's scalar loss,
+typically through :func:`logits` / :func:`token_logprobs` (the family's one forward, run on a cache the
+length of the sequence, layer-sharded weights by differentiable broadcasts). The value differentiated is the
+**mean of every rank's loss**: ranks that compute the same loss (a tensor-parallel group on one batch) count
+as that loss, ranks with their own batches (data parallel) are averaged. So a data-parallel step's gradient
+is the mean over its batches, and every rank on the same batch gets transformers' own gradient.
+
+How: ``torch.func.grad_and_value`` differentiates ``loss / world`` on each rank; every collective in the
+forward is differentiated by its transpose (:mod:`functional_npu.core.collective_grads`), which sums
+contributions across ranks exactly where the forward exchanged them; the shares of a replicated
+parameter are then summed over the ranks that hold it, read from its layout
+(:mod:`functional_npu.core.replica_sum`). The gradients come back as a tree of the params' structure,
+each leaf a shard in its param's own layout (``None`` for a leaf that is not a float tensor, such as
+``expert_map``).
+
+Example:
+    >>> def loss_fn(params, tokens, mesh):                                   # doctest: +SKIP
+    ...     return -token_logprobs(params, tokens, mesh).mean()
+    >>> loss, grads = value_and_grad(loss_fn)(params, tokens, mesh)          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core.collectives import all_reduce
+from ..core.mesh import Mesh
+from ..core.replica_sum import ReplicaSum, replica_plan, sum_replicas
+from ..core.tree import flatten_with_paths, map_with_path
+from ..models import forward, init_state
+from ..parallel.plan import Plan
+from .plan import check_params
+
+__all__ = ["value_and_grad", "logits", "token_logprobs", "lm_loss", "Differentiable", "differentiable"]
+
+LossFn = Callable[[dict, Any, Mesh], torch.Tensor]
+
+
+def logits(params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa") -> torch.Tensor:
+    """``[B, S, V]`` logits of ``tokens [B, S]`` (positions ``0 .. S-1``): the family's forward, differentiable,
+    on a fresh cache of ``S`` slots (so training and inference run the same code)."""
+    cfg, plan = params["config"], params.get("plan") or Plan()
+    b, s = tokens.shape
+    state = init_state(cfg, mesh, b, s, _dtype(params), plan=plan)
+    positions = torch.arange(s, device=tokens.device).expand(b, s)
+    return forward(params, tokens, positions, state, mesh, attention=attention, plan=plan, differentiable=True)
+
+
+def token_logprobs(params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa") -> torch.Tensor:
+    """``[B, S - 1]``: log p(``tokens[:, t + 1]`` | ``tokens[:, :t + 1]``), in float32 (or float64 params)."""
+    out = logits(params, tokens, mesh, attention=attention)[:, :-1]
+    out = out if out.dtype == torch.float64 else out.float()
+    return torch.log_softmax(out, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def lm_loss(params: dict, tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The causal language-model loss transformers computes with ``labels=tokens``: the mean next-token
+    negative log-likelihood over ``B x (S - 1)`` tokens."""
+    return -token_logprobs(params, tokens, mesh).mean()
+
+
+def _dtype(params: dict) -> torch.dtype:
+    for _, x in flatten_with_paths(params):
+        if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+            return x.dtype
+    raise ValueError("params hold no floating-point tensor")
+
+
+class Differentiable:
+    """The parts of a params tree a gradient is taken over, checked once (:func:`differentiable`).
+
+    Attributes:
+        leaves: path -> the float tensor (detached), the gradient's inputs.
+        sums: path -> :class:`~functional_npu.core.replica_sum.ReplicaSum` for that leaf.
+        mesh: the mesh the params are sharded over.
+    """
+
+    def __init__(self, params: dict, mesh: Mesh, where: str) -> None:
+        if not isinstance(params, dict) or "config" not in params:
+            raise TypeError(f"{where}: params must be a params dict with a model config (params['config'])")
+        plan = params.get("plan") or Plan()
+        quantized = [p for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor) and _quantized(p, x)]
+        if params.get("quant") is not None or quantized:
+            raise ValueError(
+                f"{where}: params{[quantized[0]] if quantized else ''} are quantized "
+                f"({params.get('quant') or quantized[0]}); gradients need floating-point weights: load the checkpoint "
+                f"unquantized (or dequantize the params) to train"
+            )
+        _, full, layouts = check_params(params, mesh, plan, where)
+        full = dict(flatten_with_paths(full))
+        self.mesh, self.params = mesh, params
+        self.leaves = {
+            p: x.detach() for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor) and _float(x)
+        }
+        self.sums = {p: replica_plan(layouts[p], full[p].shape, mesh.shape) for p in self.leaves}
+
+    def tree(self, leaves: dict[str, torch.Tensor]) -> dict:
+        """The params with ``leaves`` in place of the float tensors (every other node as it was)."""
+        return map_with_path(lambda p, x: leaves.get(p, x), self.params)
+
+    def grads(self, shares: dict[str, torch.Tensor]) -> dict:
+        """This rank's gradient shares made whole (summed over each element's holders), as a params-shaped tree."""
+        whole = {p: sum_replicas(g, self.sums[p], self.mesh) for p, g in shares.items()}
+        return map_with_path(lambda p, x: whole.get(p), self.params)
+
+    def axes(self) -> list[tuple[str, ...]]:
+        """Every axis tuple the gradient's sums run over (their process groups must exist before tracing)."""
+        out = {s.axes for s in self.sums.values() if s.axes} | {a for s in self.sums.values() for _, a, _ in s.partial}
+        return sorted(out) + [tuple(self.mesh.axis_names)]
+
+
+def _float(x: torch.Tensor) -> bool:
+    return x.dtype.is_floating_point
+
+
+def _quantized(path: str, x: torch.Tensor) -> bool:
+    return not _float(x) and path.rsplit(".", 1)[-1] != "expert_map"
+
+
+def differentiable(params: dict, mesh: Mesh, where: str = "value_and_grad") -> Differentiable:
+    """The checked split of ``params`` into a gradient's inputs and the rest.
+
+    Raises:
+        TypeError / ValueError naming the leaf: params with no config, quantized params, a leaf of another
+        shape than the plan gives it on ``mesh`` (params of another plan or mesh).
+    """
+    return Differentiable(params, mesh, where)
+
+
+def check_loss(loss: Any, where: str = "loss_fn") -> torch.Tensor:
+    """``loss`` if it is a scalar floating-point tensor; else a one-line error naming what it is."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{where} must return a scalar tensor (this rank's loss), got {type(loss).__name__}")
+    if loss.ndim != 0:
+        raise ValueError(
+            f"{where} must return a scalar (this rank's loss), got a tensor of shape {tuple(loss.shape)}; "
+            f"reduce it (.mean() or .sum()) in the loss"
+        )
+    if not loss.dtype.is_floating_point:
+        raise TypeError(f"{where} must return a floating-point loss, got {loss.dtype}")
+    return loss
+
+
+def value_and_grad(loss_fn: LossFn) -> Callable[[dict, Any, Mesh], tuple[torch.Tensor, dict]]:
+    """``f(params, batch, mesh) -> (loss, grads)``: the mean of every rank's ``loss_fn(params, batch, mesh)``
+    and its gradient with respect to every float leaf of ``params``, each a shard in the leaf's layout.
+
+    Collective: every rank of ``mesh`` calls it. Works eagerly and under ``torch.compile(fullgraph=True)``
+    (:func:`functional_npu.runtime.train_step.compile_train_step` compiles it with an optimizer).
+
+    Raises:
+        TypeError / ValueError before any collective: params with no config, quantized or of another plan or mesh
+        (naming the leaf); a ``loss_fn`` that returns no scalar floating-point tensor (naming its shape or type).
+    """
+
+    def run(params: dict, batch: Any, mesh: Mesh) -> tuple[torch.Tensor, dict]:
+        return grad_step(loss_fn, differentiable(params, mesh), batch, mesh)
+
+    return run
+
+
+def grad_step(loss_fn: LossFn, split: Differentiable, batch: Any, mesh: Mesh) -> tuple[torch.Tensor, dict]:
+    """The traced part of :func:`value_and_grad` (no checks): the mean loss and the whole gradients."""
+    world = mesh.size
+
+    def scaled(leaves: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = check_loss(loss_fn(split.tree(leaves), batch, mesh))
+        return loss / world, loss.detach()
+
+    g, (_, loss) = torch.func.grad_and_value(scaled, has_aux=True)(split.leaves)
+    mean = all_reduce(loss, mesh, tuple(mesh.axis_names)) / world
+    return mean, split.grads(g)
+
+
+def global_norm(grads: dict, split: Differentiable) -> torch.Tensor:
+    """The L2 norm of the whole gradient (every element once, however many ranks hold it), the same on every
+    rank: each rank's sum of squares, each element weighted by one over its holder count, summed over the mesh."""
+    total = torch.zeros((), dtype=torch.float64 if _dtype(split.params) == torch.float64 else torch.float32)
+    for p, g in flatten_with_paths(grads):
+        if isinstance(g, torch.Tensor):
+            total = total + (g.to(total.dtype).pow(2) * _holder_weight(split.sums[p], split.mesh, g)).sum()
+    return all_reduce(total, split.mesh, tuple(split.mesh.axis_names)).sqrt()
+
+
+def _holder_weight(s: ReplicaSum, mesh: Mesh, g: torch.Tensor) -> torch.Tensor | float:
+    """One over the number of ranks holding each element of ``g`` (broadcastable to ``g``)."""
+    weight: torch.Tensor | float = 1.0 / math.prod(mesh.axis_size(a) for a in s.axes)
+    for d, axes, copies in s.partial:
+        count = [1] * g.shape[d]
+        for start, length, _, _ in copies[mesh.axis_index(axes)]:
+            for i in range(start, start + length):
+                count[i] += 1
+        shape = [1] * g.ndim
+        shape[d] = g.shape[d]
+        weight = weight * (1.0 / torch.tensor(count, dtype=g.dtype)).reshape(shape)
+    return weight
