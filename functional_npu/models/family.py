@@ -118,6 +118,8 @@ class Family:
         sizes: config -> the sizes that fix tensor shapes, by field name (named in the loader's shape errors).
         unread: config -> name prefixes of tensors a checkpoint stores that the model does not run.
         cost: config -> the sizes the planner's cost model reads (:class:`CostShape`; ``None``: no cost rules yet).
+        buffers: float leaves the forward reads that no gradient trains (transformers keeps them as buffers:
+            DeepSeek-V3's routing correction bias is moved by a balancing rule, not by the loss).
     """
 
     name: str
@@ -140,6 +142,7 @@ class Family:
     series_aliases: Mapping[str, tuple[str, ...]] | None = None
     megatron: Megatron | None = None
     cost: Callable[[Any], CostShape] | None = None
+    buffers: frozenset[str] = frozenset()
 
 
 LLAMA = Family(
@@ -199,6 +202,7 @@ DEEPSEEK = Family(
     deepseek.LAYER_LEAVES,
     deepseek.SERIES_ALIASES,
     cost=_deepseek_cost,
+    buffers=frozenset({"router_bias"}),
 )
 GEMMA3 = Family(
     "gemma3",

@@ -272,7 +272,8 @@ def layer_weights(
 
 def _broadcast_weights(params: dict[str, Any], mesh: Mesh) -> Callable[[int, torch.Tensor], Weights]:
     """:func:`layer_weights` for a gradient: layer ``i + k``'s series broadcast (out of place, differentiable) from
-    its owner when layer ``i`` is asked for; non-owners send zeros of the layer's size."""
+    its owner when layer ``i`` is asked for; non-owners send zeros of the layer's size, derived from their own
+    series so that autograd records the broadcast on every rank (its backward is a collective)."""
     axis, k = params["plan"].layer_shard.axis, params["plan"].prefetch_step
     k = k if isinstance(k, int) else 1  # "auto" was resolved for inference; one layer ahead here
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
@@ -287,8 +288,8 @@ def _broadcast_weights(params: dict[str, Any], mesh: Mesh) -> Callable[[int, tor
         for leaves, size in zip(groups, sizes):
             if v % n == me:
                 flat = torch.cat([series[leaf][v // n].reshape(-1) for leaf in leaves])
-            else:
-                flat = series[leaves[0]].new_zeros(size)
+            else:  # zeros that autograd tracks, so every rank takes the broadcast's backward (its all_reduce)
+                flat = series[leaves[0]].new_zeros(size) + series[leaves[0]].reshape(-1)[:0].sum()
             out.append(broadcast(flat, mesh, axis, src=v % n))
         issued[v] = out
 

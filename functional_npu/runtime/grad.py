@@ -13,7 +13,7 @@ contributions across ranks exactly where the forward exchanged them; the shares 
 parameter are then summed over the ranks that hold it, read from its layout
 (:mod:`functional_npu.core.replica_sum`). The gradients come back as a tree of the params' structure,
 each leaf a shard in its param's own layout (``None`` for a leaf that is not a float tensor, such as
-``expert_map``).
+``expert_map``, and for a family's buffers, such as DeepSeek-V3's routing correction bias).
 
 Example:
     >>> def loss_fn(params, tokens, mesh):                                   # doctest: +SKIP
@@ -33,7 +33,7 @@ from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
 from ..core.replica_sum import ReplicaSum, replica_plan, sum_replicas
 from ..core.tree import flatten_with_paths, map_with_path
-from ..models import forward, init_state
+from ..models import family_of, forward, init_state
 from ..parallel.plan import Plan
 from .plan import check_params
 
@@ -95,8 +95,11 @@ class Differentiable:
         _, full, layouts = check_params(params, mesh, plan, where)
         full = dict(flatten_with_paths(full))
         self.mesh, self.params = mesh, params
+        buffers = family_of(params["config"]).buffers
         self.leaves = {
-            p: x.detach() for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor) and _float(x)
+            p: x.detach()
+            for p, x in flatten_with_paths(params)
+            if isinstance(x, torch.Tensor) and _float(x) and p.rsplit(".", 1)[-1] not in buffers
         }
         self.sums = {p: replica_plan(layouts[p], full[p].shape, mesh.shape) for p in self.leaves}
 
