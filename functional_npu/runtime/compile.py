@@ -232,7 +232,7 @@ def _series_named(params: dict, plan: Plan) -> Plan:
         return plan
 
 
-def _axis_groups(specs: Any) -> list[tuple[str, ...]]:
+def axis_groups(specs: Any) -> list[tuple[str, ...]]:
     """The multi-axis tuples some layout shards over (their collectives need a group of their own)."""
     layouts = [x for _, x in flatten_with_paths(specs, is_leaf=lambda x: isinstance(x, Layout))]
     return sorted({d.axes for lay in layouts for d in lay.dims if d is not None and len(d.axes) > 1})
@@ -368,7 +368,7 @@ def compile_model(
     if not mesh.is_abstract:
         mesh.init_groups()  # collectively, before any tracing
         mesh.init_groups(
-            *_axis_groups(family_of(cfg).param_specs(cfg, plan))
+            *axis_groups(family_of(cfg).param_specs(cfg, plan))
         )  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
     options = prefetch_options(params, mesh) if chosen.name == "inductor" else {}

@@ -107,9 +107,12 @@ class Differentiable:
         """The params with ``leaves`` in place of the float tensors (every other node as it was)."""
         return map_with_path(lambda p, x: leaves.get(p, x), self.params)
 
-    def grads(self, shares: dict[str, torch.Tensor]) -> dict:
-        """This rank's gradient shares made whole (summed over each element's holders), as a params-shaped tree."""
-        whole = {p: sum_replicas(g, self.sums[p], self.mesh) for p, g in shares.items()}
+    def whole(self, shares: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's gradient shares made whole (summed over each element's holders), by path."""
+        return {p: sum_replicas(g, self.sums[p], self.mesh) for p, g in shares.items()}
+
+    def grads(self, whole: dict[str, torch.Tensor]) -> dict:
+        """Whole gradients by path as a params-shaped tree (``None`` where a leaf takes no gradient)."""
         return map_with_path(lambda p, x: whole.get(p), self.params)
 
     def axes(self) -> list[tuple[str, ...]]:
@@ -169,31 +172,45 @@ def value_and_grad(loss_fn: LossFn) -> Callable[[dict, Any, Mesh], tuple[torch.T
 
 
 def grad_step(loss_fn: LossFn, split: Differentiable, batch: Any, mesh: Mesh) -> tuple[torch.Tensor, dict]:
-    """The traced part of :func:`value_and_grad` (no checks): the mean loss and the whole gradients."""
+    """The traced part of :func:`value_and_grad` (no checks): the mean loss and the whole gradients as a tree."""
+    loss, whole = grad_leaves(loss_fn, split, split.leaves, batch, mesh)
+    return loss, split.grads(whole)
+
+
+def grad_leaves(
+    loss_fn: LossFn,
+    split: Differentiable,
+    leaves: dict[str, torch.Tensor],
+    batch: Any,
+    mesh: Mesh,
+    rest: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean loss over the ranks and the whole gradient of every leaf in ``leaves`` (by path), at ``leaves``;
+    ``rest``: other tensor leaves in place of the split's (a compiled step passes both as its inputs)."""
     world = mesh.size
 
     def scaled(leaves: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = check_loss(loss_fn(split.tree(leaves), batch, mesh))
+        loss = check_loss(loss_fn(split.tree(leaves | (rest or {})), batch, mesh))
         return loss / world, loss.detach()
 
-    g, (_, loss) = torch.func.grad_and_value(scaled, has_aux=True)(split.leaves)
+    g, (_, loss) = torch.func.grad_and_value(scaled, has_aux=True)(leaves)
     mean = all_reduce(loss, mesh, tuple(mesh.axis_names)) / world
-    return mean, split.grads(g)
+    return mean, split.whole(g)
 
 
-def global_norm(grads: dict, split: Differentiable) -> torch.Tensor:
-    """The L2 norm of the whole gradient (every element once, however many ranks hold it), the same on every
-    rank: each rank's sum of squares, each element weighted by one over its holder count, summed over the mesh."""
+def global_norm(grads: dict[str, torch.Tensor], split: Differentiable) -> torch.Tensor:
+    """The L2 norm of the whole gradient (``grads`` by path; every element once, however many ranks hold it), the
+    same on every rank: each rank's sum of squares, each element weighted by one over its holder count, summed
+    over the mesh."""
     total = torch.zeros((), dtype=torch.float64 if _dtype(split.params) == torch.float64 else torch.float32)
-    for p, g in flatten_with_paths(grads):
-        if isinstance(g, torch.Tensor):
-            total = total + (g.to(total.dtype).pow(2) * _holder_weight(split.sums[p], split.mesh, g)).sum()
+    for p, g in grads.items():
+        total = total + (g.to(total.dtype).pow(2) * _holder_weight(split.sums[p], split.mesh, g)).sum()
     return all_reduce(total, split.mesh, tuple(split.mesh.axis_names)).sqrt()
 
 
 def _holder_weight(s: ReplicaSum, mesh: Mesh, g: torch.Tensor) -> torch.Tensor | float:
     """One over the number of ranks holding each element of ``g`` (broadcastable to ``g``)."""
-    weight: torch.Tensor | float = 1.0 / math.prod(mesh.axis_size(a) for a in s.axes)
+    weight: torch.Tensor | float = 1.0 / math.prod([mesh.axis_size(a) for a in s.axes])
     for d, axes, copies in s.partial:
         count = [1] * g.shape[d]
         for start, length, _, _ in copies[mesh.axis_index(axes)]:

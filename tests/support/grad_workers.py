@@ -41,8 +41,6 @@ def grad_errors(
     if not mesh.is_abstract:
         mesh.init_groups()
     loss, grads = grad_step(lm_loss, split, batches[data_index(mesh, plan)], mesh)
-    errors = {
-        p: (g - want[p]).abs().max().item() for p, g in flatten_with_paths(grads) if isinstance(g, torch.Tensor)
-    }
+    errors = {p: (g - want[p]).abs().max().item() for p, g in flatten_with_paths(grads) if isinstance(g, torch.Tensor)}
     scale = max(want[p].abs().max().item() for p in errors)
     return {"loss": loss.item(), "errors": errors, "scale": scale, "none": sorted(set(want) - set(errors))}

@@ -1,0 +1,172 @@
+"""A compiled train step: forward, backward and the optimizer update traced whole.
+
+``step = compile_train_step(loss_fn, AdamW(lr=1e-4), params, mesh)`` checks the params once (a model config,
+floating-point weights of this plan and mesh) and compiles one function with ``torch.compile(fullgraph=True)``:
+:func:`~functional_npu.runtime.grad.grad_leaves` (the sharded forward differentiated with ``torch.func``, every
+collective by its transpose, replicated shares summed by their layouts), the global gradient norm, one
+``all_reduce`` of every leaf's finiteness, and :meth:`AdamW.update <functional_npu.runtime.optim.AdamW.update>`.
+Every trained leaf, the optimizer's moments and the step count are the graph's inputs, so one compiled graph
+serves every step.
+
+``params, state, stats = step(params, state, batch)`` returns new params and state and leaves the ones passed
+in as they were. A non-finite loss or gradient raises ``FloatingPointError`` naming the value or the first
+leaf (the same on every rank: the flags are reduced over the mesh) before anything is returned, so the
+caller's params and state are those of the last good step.
+
+Example:
+    >>> step = compile_train_step(lm_loss, AdamW(lr=1e-4), params, mesh)     # doctest: +SKIP
+    >>> state = step.init(params)                                             # doctest: +SKIP
+    >>> params, state, stats = step(params, state, tokens)                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.collectives import all_reduce
+from ..core.mesh import Mesh
+from ..core.tree import flatten_with_paths, map_with_path
+from ..models import family_of
+from ..parallel.plan import Plan
+from .backends import Backend, resolve_backend
+from .compile import axis_groups
+from .grad import Differentiable, LossFn, differentiable, global_norm, grad_leaves
+from .inductor_cache import sweep
+from .optim import AdamW, OptState
+
+__all__ = ["compile_train_step", "TrainStep", "StepStats"]
+
+
+class StepStats(NamedTuple):
+    """What one step measured: the mean loss over the ranks and the global gradient norm before clipping."""
+
+    loss: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """A compiled train step over one plan and mesh (:func:`compile_train_step`)."""
+
+    optimizer: AdamW
+    mesh: Mesh
+    backend: Backend
+    split: Differentiable
+    fn: Callable[..., Any]
+
+    def init(self, params: dict | None = None) -> OptState:
+        """The optimizer state for ``params`` (default: the params the step was compiled for): zero moments
+        laid out like the params, step 0."""
+        return self.optimizer.init(params if params is not None else self.split.params, set(self.split.leaves))
+
+    def __call__(self, params: dict, state: OptState, batch: Any) -> tuple[dict, OptState, StepStats]:
+        """One step on this rank's ``batch``: ``(new params, new state, stats)``; collective over the mesh.
+
+        Raises:
+            ValueError naming the leaf: params or state of another structure or shape than the step's.
+            FloatingPointError naming the value or the leaf: a non-finite loss or gradient (nothing is returned;
+            the params and state passed in are unchanged).
+        """
+        leaves, rest = self._inputs(params)
+        mu, nu = self._moments(state)
+        loss, norm, bad, new, new_mu, new_nu, count = self.fn(leaves, rest, mu, nu, state.step, batch)
+        paths = list(leaves)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"train step {int(state.step) + 1}: the loss is {loss.item()}; the params and optimizer state are "
+                f"those of the last step (lower the learning rate, or check the batch)"
+            )
+        if bad.any():
+            leaf = paths[int(bad.nonzero()[0])]
+            raise FloatingPointError(
+                f"train step {int(state.step) + 1}: the gradient of params[{leaf!r}] is not finite (global norm "
+                f"{norm.item()}); the step was not applied: the params and optimizer state are those of the last step"
+            )
+        swap = lambda new: lambda p, x: new.get(p, x)  # noqa: E731
+        out_state = OptState(count, map_with_path(swap(new_mu), state.mu), map_with_path(swap(new_nu), state.nu))
+        return map_with_path(swap(new), params), out_state, StepStats(loss.item(), norm.item())
+
+    def _inputs(self, params: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The trained leaves and every other tensor leaf (buffers, expert maps) of ``params``, checked."""
+        got = {p: x for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor)}
+        for path, want in self.split.leaves.items():
+            x = got.get(path)
+            if x is None or x.shape != want.shape or x.dtype != want.dtype:
+                seen = "missing" if x is None else f"{tuple(x.shape)} {x.dtype}"
+                raise ValueError(
+                    f"train step: params[{path!r}] is {seen}, but the step was compiled for {tuple(want.shape)} "
+                    f"{want.dtype} on mesh {self.mesh.shape}; pass params of the same plan and mesh"
+                )
+        leaves = {p: got[p].detach() for p in self.split.leaves}
+        return leaves, {p: x for p, x in got.items() if p not in leaves}
+
+    def _moments(self, state: OptState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        if not isinstance(state, OptState):
+            raise TypeError(f"train step: state must be the OptState step.init() returns, got {type(state).__name__}")
+        mu, nu = ({p: x for p, x in flatten_with_paths(t) if isinstance(x, torch.Tensor)} for t in (state.mu, state.nu))
+        for name, moments in (("mu", mu), ("nu", nu)):
+            for path, want in self.split.leaves.items():
+                if path not in moments or moments[path].shape != want.shape:
+                    raise ValueError(
+                        f"train step: state.{name}[{path!r}] is missing or of another shape than params[{path!r}] "
+                        f"{tuple(want.shape)}; make the state with step.init(params)"
+                    )
+        return mu, nu
+
+
+def compile_train_step(
+    loss_fn: LossFn,
+    optimizer: AdamW,
+    params: dict,
+    mesh: Mesh,
+    *,
+    backend: str = "auto",
+    mode: str | None = None,
+) -> TrainStep:
+    """Compile forward, backward and ``optimizer``'s update into one step for params of this plan on ``mesh``.
+
+    Args:
+        loss_fn: ``(params, batch, mesh) -> this rank's scalar loss`` (e.g. :func:`.grad.lm_loss`); the step
+            minimizes the mean over the ranks (:func:`~functional_npu.runtime.grad.value_and_grad`).
+        optimizer: an :class:`~functional_npu.runtime.optim.AdamW`.
+        params: this rank's params (``load_checkpoint``), floating-point, with their config and plan.
+        mesh: the mesh they are sharded over.
+        backend, mode: the compiler (:func:`~functional_npu.runtime.backends.resolve_backend`; ``"none"``: eager).
+
+    Raises:
+        TypeError / ValueError before any compile or collective: params with no config, quantized, or of another
+        plan or mesh (naming the leaf); an optimizer that is not an AdamW.
+    """
+    if not isinstance(optimizer, AdamW):
+        raise TypeError(f"compile_train_step: optimizer must be an AdamW, got {type(optimizer).__name__}")
+    split = differentiable(params, mesh, "compile_train_step")
+    chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
+    if chosen.name == "inductor":
+        sweep()
+    if not mesh.is_abstract:
+        cfg, plan = params["config"], params.get("plan") or Plan()
+        mesh.init_groups()
+        mesh.init_groups(*axis_groups(family_of(cfg).param_specs(cfg, plan)), *split.axes())
+    fn = chosen.compile(_step_fn(loss_fn, optimizer, split, mesh), dynamic=False)
+    return TrainStep(optimizer, mesh, chosen, split, fn)
+
+
+def _step_fn(loss_fn: LossFn, optimizer: AdamW, split: Differentiable, mesh: Mesh) -> Callable[..., Any]:
+    every = tuple(mesh.axis_names)
+
+    def step(leaves, rest, mu, nu, count, batch):
+        loss, whole = grad_leaves(loss_fn, split, leaves, batch, mesh, rest)
+        norm = global_norm(whole, split)
+        finite = torch.stack([torch.isfinite(whole[p]).all() for p in leaves])
+        bad = all_reduce((~finite).to(torch.float32), mesh, every, "max") > 0  # one verdict on every rank
+        state = OptState(count, split.grads(mu), split.grads(nu))
+        params, state = optimizer.update(split.tree(leaves | rest), split.grads(whole), state, norm)
+        new = {p: x for p, x in flatten_with_paths(params) if p in leaves}
+        moments = ({p: x for p, x in flatten_with_paths(t) if p in leaves} for t in (state.mu, state.nu))
+        return loss, norm, bad, new, *moments, state.step
+
+    return step
