@@ -86,7 +86,11 @@ def sum_replicas(grad: torch.Tensor, plan: ReplicaSum, mesh: Mesh) -> torch.Tens
     """``grad`` (this rank's shares) summed over the ranks that hold each of its elements (``plan`` from
     :func:`replica_plan`); a new tensor."""
     for d, axes, copies in plan.partial:
-        every = all_gather(grad.unsqueeze(0), mesh, axes, dim=0)  # [n, ...local]
+        # the group gathers in mesh order; coordinates along a layout's own axis order are found by rank
+        in_order = tuple([a for a in mesh.axis_names if a in axes])
+        every = all_gather(grad.unsqueeze(0), mesh, in_order, dim=0)  # [n, ...local]
+        group = mesh.group_ranks(in_order)
+        slot = [group.index(r) for r in mesh.group_ranks(axes)]
         ranges: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for start, length, other, other_start in copies[mesh.axis_index(axes)]:
             ranges.setdefault((start, length), []).append((other, other_start))
@@ -94,7 +98,7 @@ def sum_replicas(grad: torch.Tensor, plan: ReplicaSum, mesh: Mesh) -> torch.Tens
         for (start, length), others in sorted(ranges.items()):
             if start > at:
                 parts.append(grad.narrow(d, at, start - at))
-            parts.append(sum((every[o].narrow(d, s, length) for o, s in others), grad.narrow(d, start, length)))
+            parts.append(sum((every[slot[o]].narrow(d, s, length) for o, s in others), grad.narrow(d, start, length)))
             at = start + length
         if at < grad.shape[d]:
             parts.append(grad.narrow(d, at, grad.shape[d] - at))

@@ -44,3 +44,40 @@ def grad_errors(
     errors = {p: (g - want[p]).abs().max().item() for p, g in flatten_with_paths(grads) if isinstance(g, torch.Tensor)}
     scale = max(want[p].abs().max().item() for p in errors)
     return {"loss": loss.item(), "errors": errors, "scale": scale, "none": sorted(set(want) - set(errors))}
+
+
+def replica_grads(ctx, axes: dict, leaves, seed: int):
+    """Random leaves (``(shape, _, layout)``, float64 here) sharded on this rank, and a loss every rank computes
+    alike: ``sum(sin(W) * C)`` over the full leaves, each rank adding its elements once per holder weighted by one
+    over the holder count (counted by sharding an index tensor to every coordinate), then ``all_reduce``. Its
+    gradient is ``cos(W) * C``. Returns, per leaf, whether the shares summed by ``sum_replicas`` equal that
+    gradient sharded for this rank, and whether the unsummed shares already did."""
+    from functional_npu import all_reduce, shard
+    from functional_npu.core.replica_sum import replica_plan, sum_replicas
+
+    from .strategies import all_coordinates, make_tensor
+
+    mesh = ctx.mesh(axes)
+    full = {f"w{i}": make_tensor(shape, torch.float64, seed + i) for i, (shape, _, _) in enumerate(leaves)}
+    coef = {f"w{i}": make_tensor(shape, torch.float64, seed + 50 + i) for i, (shape, _, _) in enumerate(leaves)}
+    specs = {f"w{i}": layout for i, (_, _, layout) in enumerate(leaves)}
+    index = {p: torch.arange(w.numel(), dtype=torch.float64).reshape(w.shape) for p, w in full.items()}
+    counts = {p: torch.zeros(w.numel(), dtype=torch.float64) for p, w in full.items()}
+    for at in all_coordinates(mesh):
+        for p, idx in shard(index, specs, at).items():
+            counts[p].index_add_(0, idx.long().flatten(), torch.ones(idx.numel(), dtype=torch.float64))
+    mine = shard(index, specs, mesh)
+    weight = {p: 1.0 / counts[p][mine[p].long()] for p in full}
+    local, c_local = shard(full, specs, mesh), shard(coef, specs, mesh)
+
+    def loss(ws):
+        part = sum((ws[p].sin() * c_local[p] * weight[p]).sum() for p in ws)
+        return all_reduce(part, mesh, tuple(mesh.axis_names)) / mesh.size  # every rank's loss, seeded 1 / world
+
+    shares = torch.func.grad(loss)(local)
+    want = shard({p: full[p].cos() * coef[p] for p in full}, specs, mesh)
+    out = {}
+    for p, g in shares.items():
+        summed = sum_replicas(g, replica_plan(specs[p], full[p].shape, mesh.shape), mesh)
+        out[p] = (torch.allclose(summed, want[p], rtol=0, atol=1e-12), torch.allclose(g, want[p], rtol=0, atol=1e-12))
+    return out
