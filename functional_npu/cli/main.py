@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="save the compiled runs' graphs here; a later demo with the same flags loads them",
     )
+    demo.add_argument(
+        "--post-train",
+        action="store_true",
+        help="instead: one round of the post-training loop on 2 ranks (sample, reward, GRPO train step, reshard "
+        "to the inference plan, sample again)",
+    )
 
     add_plan_parser(sub)
     gen = sub.add_parser(
@@ -374,6 +380,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.command == "demo":
         if args.tp > 2 * (os.cpu_count() or 1) or 4 % args.tp:
             parser.error(f"--tp {args.tp}: the demo model has 4 heads; use 1, 2 or 4 ranks")
+        if args.post_train:
+            from .post_train import run_post_train
+
+            return run_post_train(timeout=args.timeout)
         from .demo import run_demo
 
         return run_demo(args.tp, args.max_new_tokens, timeout=args.timeout, quant=args.quant, cache_dir=args.cache_dir)

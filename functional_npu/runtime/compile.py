@@ -32,7 +32,7 @@ from ..parallel.prefetch import check_prefetch_step
 from ..parallel.prefetch_cost import auto_step
 from .backends import Backend, resolve_backend
 from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, saved_guards
-from .generate import Lockstep, check_length, generate
+from .generate import Lockstep, Samples, check_length, generate, sample
 from .inductor_cache import sweep
 from .plan import check_params, resolved
 from .quant_plan import tensor_blocks
@@ -83,6 +83,8 @@ class CompiledModel:
     _recompiles: Any = field(
         default_factory=lambda: torch._dynamo.config.patch(recompile_limit=256), repr=False, compare=False
     )
+    # loaded params -> the forms the graphs read (quantized kernels' forms, streamed linears), as compile_model did
+    _prepare: Callable[[dict], dict] = field(default=lambda params: params, repr=False, compare=False)
 
     @property
     def config(self) -> Any:
@@ -125,6 +127,17 @@ class CompiledModel:
             raise GraphBreakError(
                 f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}"
             ) from e
+
+    def with_params(self, params: dict) -> CompiledModel:
+        """The same model and graphs over other weights of the same plan, mesh and shapes (a post-training step's
+        updated params, resharded to this plan): checked against the plan, then put in the forms the graphs read.
+        No recompile: the weights are the graphs' inputs.
+
+        Raises:
+            ValueError / TypeError naming the leaf, as :func:`compile_model` does, for params of another plan or mesh.
+        """
+        check_params(params, self.mesh, _plan_of(params, self.plan, "with_params"), "with_params")
+        return dataclasses.replace(self, params=self._prepare(params) | {"plan": self.plan})
 
     def new_state(self, batch: int) -> DecodeState:
         """A fresh decode state for a batch bucket (``batch`` is rounded up to a bucket): a zeroed KV
@@ -200,6 +213,25 @@ class CompiledModel:
             top_p=top_p,
             seed=seed,
         )
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        lockstep: Lockstep | None = None,
+    ) -> Samples:
+        """:meth:`generate` (sampling at ``temperature`` 1 unless told), and each new token's log-probability from
+        the logits it was drawn from: a rollout's behaviour log-probabilities (see
+        :func:`functional_npu.runtime.generate.sample`)."""
+        return sample(
+            self, prompts, max_new_tokens, lockstep=lockstep, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed,
+        )  # fmt: skip
 
 
 def _plan_of(params: dict, plan: Plan | None, where: str) -> Plan:
@@ -356,7 +388,8 @@ def compile_model(
     # does a model whose layers are fetched by broadcast within the step: fused into one kernel with the streamed
     # reductions, the earlier layers' work moves after the broadcast's wait (the hazard check's overlap finding)
     linears = family_of(cfg).linears if chosen.name == "inductor" and not prefetch.ring_used(params, mesh, plan) else ()
-    params = prepare_params(params, blocks, kernels or chosen.kernels, linears)
+    prepare = functools.partial(prepare_params, blocks=blocks, target=kernels or chosen.kernels, linears=linears)
+    params = prepare(params)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     k = plan.prefetch_step
     if not series_of(params):
@@ -381,7 +414,7 @@ def compile_model(
     greedy = _forward(chosen, static | {"greedy": True}, options, where, "greedy") if greedy_head else None
     # the plain forward never recompiles: no config patch to make (making one costs about a third of a millisecond)
     recompiles = contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=256)
-    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, plan, greedy, recompiles)
+    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, plan, greedy, recompiles, prepare)
 
 
 def _graph_dir(cache_dir: Any, params: dict, mesh: Mesh, backend: Backend, *key: Any, **fields: Any) -> Any:

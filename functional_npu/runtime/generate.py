@@ -16,14 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..models.decoder import DecodeState
 from ..parallel.prefetch import drain
 
-__all__ = ["Lockstep", "generate", "sampler", "check_sampling", "check_token_ids", "check_length"]
+__all__ = ["Lockstep", "Samples", "generate", "sample", "sampler", "check_sampling", "check_token_ids", "check_length"]
 
 
 class Model(Protocol):
@@ -140,14 +140,17 @@ def _chunk(
     new: int,
     pick: Callable[[torch.Tensor], torch.Tensor] | None,
     length: int,
-) -> list[list[int]]:
+    temperature: float | None = None,
+) -> tuple[list[list[int]], list[list[float]] | None]:
     """``new`` tokens for each row of one batch: one prefill into a fresh state, then ``new - 1`` decode steps
-    (``pick`` None: greedy steps through the model's greedy head, which returns tokens, -1 where non-finite)."""
+    (``pick`` None: greedy steps through the model's greedy head, which returns tokens, -1 where non-finite);
+    with a ``temperature``, also each token's log-probability under ``softmax(logits / temperature)``."""
     state = model.new_state(len(rows))
     logits = model.prefill(rows, state, length=length)
     finite = torch.isfinite(logits).all()  # checked once per chunk: no sync per step
     step = logits.argmax(-1) if pick is None else pick(logits)
     pos, steps = torch.tensor([len(p) for p in rows]), [step]
+    scores = [] if temperature is None else [_logprob(logits, step, temperature)]
     for _ in range(new - 1):
         if pick is None:
             step = model.decode_greedy(step, pos, state)
@@ -156,6 +159,7 @@ def _chunk(
             logits = model.decode(step, pos, state)
             finite &= torch.isfinite(logits).all()
             step = pick(logits)
+            scores += [] if temperature is None else [_logprob(logits, step, temperature)]
         pos = pos + 1
         steps.append(step)
     drain(state.prefetched)
@@ -164,7 +168,21 @@ def _chunk(
             "generate: the model produced non-finite logits (NaN or Inf), so its tokens are meaningless; "
             "check the checkpoint's weights for NaN / Inf, or load them in a wider dtype (load_checkpoint(dtype=))"
         )
-    return torch.stack(steps, dim=1).tolist()
+    return torch.stack(steps, dim=1).tolist(), torch.stack(scores, dim=1).tolist() if scores else None
+
+
+def _logprob(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B]``: log p(``token``) under ``softmax(logits / temperature)``, in float32 (float64 logits: float64)."""
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, token[:, None])[:, 0]
+
+
+class Samples(NamedTuple):
+    """Generated tokens and, for each, its log-probability under the distribution it was drawn from
+    (``softmax(logits / temperature)``; temperature 1 when greedy), as the decode path computed it."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
 
 
 def generate(
@@ -179,6 +197,30 @@ def generate(
 
     ``sampling``: ``temperature``, ``top_k``, ``top_p``, ``seed`` (see :func:`sampler`).
     """
+    return _generate(model, prompts, max_new_tokens, lockstep, False, sampling).tokens
+
+
+def sample(
+    model: Model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    lockstep: Lockstep | None = None,
+    **sampling: Any,
+) -> Samples:
+    """:func:`generate`, and each new token's log-probability from the same logits it was drawn from (a
+    rollout's behaviour log-probabilities; decode steps read the logits, never the greedy head)."""
+    return _generate(model, prompts, max_new_tokens, lockstep, True, sampling)
+
+
+def _generate(
+    model: Model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    lockstep: Lockstep | None,
+    logprobs: bool,
+    sampling: dict[str, Any],
+) -> Samples:
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     check_token_ids(prompts, model.config.vocab_size)
@@ -189,8 +231,9 @@ def generate(
         )
     check_length(longest, max_new_tokens, model.config.max_position_embeddings)
     pick = sampler(**sampling)
-    if model.greedy_head and not sampling.get("temperature"):  # decode steps move tokens, not logits
+    if model.greedy_head and not sampling.get("temperature") and not logprobs:  # decode steps move tokens, not logits
         pick = None
+    temperature = (sampling.get("temperature") or 1.0) if logprobs else None
     width = lockstep.batch if lockstep else model.batch_sizes[-1]
     chunks = [list(prompts[i : i + width]) for i in range(0, len(prompts), width)]
     if lockstep is not None:
@@ -200,8 +243,11 @@ def generate(
                 f"more than the lockstep's {lockstep.chunks}"
             )
         chunks += [[]] * (lockstep.chunks - len(chunks))
-    out: list[list[int]] = []
+    tokens: list[list[int]] = []
+    scores: list[list[float]] = []
     for chunk in chunks:
         rows = chunk + [[0]] * (width - len(chunk)) if lockstep else chunk  # dummies keep the group's shapes
-        out += _chunk(model, rows, max_new_tokens, pick, lockstep.prompt_len if lockstep else 0)[: len(chunk)]
-    return out
+        t, lp = _chunk(model, rows, max_new_tokens, pick, lockstep.prompt_len if lockstep else 0, temperature)
+        tokens += t[: len(chunk)]
+        scores += lp[: len(chunk)] if lp is not None else []
+    return Samples(tokens, scores)

@@ -52,11 +52,14 @@ def logits(params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "
     return forward(params, tokens, positions, state, mesh, attention=attention, plan=plan, differentiable=True)
 
 
-def token_logprobs(params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa") -> torch.Tensor:
-    """``[B, S - 1]``: log p(``tokens[:, t + 1]`` | ``tokens[:, :t + 1]``), in float32 (or float64 params)."""
+def token_logprobs(
+    params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa", temperature: float = 1.0
+) -> torch.Tensor:
+    """``[B, S - 1]``: log p(``tokens[:, t + 1]`` | ``tokens[:, :t + 1]``) under ``softmax(logits / temperature)``,
+    in float32 (or float64 params)."""
     out = logits(params, tokens, mesh, attention=attention)[:, :-1]
     out = out if out.dtype == torch.float64 else out.float()
-    return torch.log_softmax(out, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.log_softmax(out / temperature, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
 def lm_loss(params: dict, tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""Params of one plan to params of another on the same ranks: the train-to-inference step of a post-training loop.
+
+``reshard_params(params, plan, mesh)`` takes this rank's params under their own plan (``params["plan"]``: a
+training plan, say data parallel with every layer's weights layer-sharded) and returns them under ``plan`` (an
+inference plan, say tensor parallel over the same axis), with one planned exchange
+(:func:`~functional_npu.core.reshard.reshard`: each rank receives only the bytes it needs and does not hold,
+each from one holder). The two plans may place layers differently (a layer-sharded series is a stacked leaf
+``series.o_proj`` whose dim 0 is cyclic over an axis; a plan without it keeps ``layers.3.o_proj``), so both
+sides are first seen in one form: every leaf that every layer has, stacked over the layers (``stack.o_proj``,
+``[L, ...]`` or the owned ``[L / n, ...]``), the rest as they are. Both plans run on one mesh: an inference plan
+over the training plan's data-parallel axis names it (``Plan(tp="dp")``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..core.reshard import ReshardPlan, plan_reshard, reshard
+from ..core.shard import full_shape
+from ..core.tree import flatten_with_paths, map_with_path
+from ..parallel.plan import Plan
+from .plan import check_params, check_plan
+
+__all__ = ["reshard_params", "plan_params_reshard"]
+
+
+def _every_layer(full: dict) -> set[str]:
+    """Leaves every layer has, counting a layer-sharded series (``full``: a plan's meta params tree)."""
+    layers = full.get("layers", [])
+    common = set.intersection(*(set(layer) for layer in layers)) if layers else set()
+    return common | set(full.get("series", {}))
+
+
+def _stacked_layouts(layouts: dict[str, Layout], every: set[str], num_layers: int) -> dict[str, Layout]:
+    """The plan's layouts by path in the stacked form (see the module docstring)."""
+    out: dict[str, Layout] = {}
+    for path, lay in layouts.items():
+        head, _, rest = path.partition(".")
+        if head == "series":
+            out[f"stack.{rest}"] = lay
+        elif head == "layers" and rest.partition(".")[2] in every:
+            i, _, leaf = rest.partition(".")
+            stacked = Layout((None,) + lay.dims)
+            if out.setdefault(f"stack.{leaf}", stacked) != stacked:
+                raise ValueError(
+                    f"reshard_params: layers of {leaf!r} have different layouts ({lay} at layer {i}); "
+                    f"layouts that differ by layer are not stacked"
+                )
+        else:
+            out[path] = lay
+    return out
+
+
+def _stacked(params: dict, every: set[str]) -> dict[str, torch.Tensor]:
+    """This rank's tensors by path in the stacked form."""
+    out: dict[str, torch.Tensor] = {}
+    per_layer: dict[str, list[torch.Tensor]] = {}
+    for path, x in flatten_with_paths(params):
+        if not isinstance(x, torch.Tensor):
+            continue
+        head, _, rest = path.partition(".")
+        leaf = rest.partition(".")[2]
+        if head == "series":
+            out[f"stack.{rest}"] = x
+        elif head == "layers" and leaf in every:
+            per_layer.setdefault(leaf, []).append(x)
+        else:
+            out[path] = x
+    return out | {f"stack.{leaf}": torch.stack(xs) for leaf, xs in per_layer.items()}
+
+
+def _unstacked(stacked: dict[str, torch.Tensor], full: dict, every: set[str]) -> dict[str, Any]:
+    """The tensors of ``full``'s structure (the destination plan's meta tree) from the stacked form."""
+
+    def pick(path: str, _: Any) -> torch.Tensor:
+        head, _, rest = path.partition(".")
+        i, _, leaf = rest.partition(".")
+        if head == "series":
+            return stacked[f"stack.{rest}"]
+        if head == "layers" and leaf in every:
+            return stacked[f"stack.{leaf}"][int(i)].clone()
+        return stacked[path]
+
+    return map_with_path(pick, full)
+
+
+def plan_params_reshard(params: dict, plan: Plan, mesh: Mesh) -> ReshardPlan:
+    """The exchange :func:`reshard_params` runs (pure: ``plan.traffic`` holds every rank's bytes and lower bound)."""
+    return _prepared(params, plan, mesh)[0]
+
+
+def _prepared(params: dict, plan: Plan, mesh: Mesh) -> tuple[ReshardPlan, dict, dict, dict, dict, set[str]]:
+    where = "reshard_params"
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
+    src_plan = (params.get("plan") or Plan()) if isinstance(params, dict) else Plan()
+    cfg, _, src_layouts = check_params(params, mesh, src_plan, where)
+    if params.get("quant") is not None:
+        raise ValueError(f"{where}: params are quantized ({params['quant']}); reshard floating-point params")
+    dst_full, dst_layouts = check_plan(cfg, mesh, plan, where=where)
+    src_every = _every_layer(check_plan(cfg, mesh, src_plan, where=where)[0])
+    every = src_every & _every_layer(dst_full)
+    local = _stacked(params, every)
+    src = _stacked_layouts(src_layouts, every, cfg.num_layers)
+    dst = _stacked_layouts(dst_layouts, every, cfg.num_layers)
+    shapes = {p: (full_shape(p, x, src[p], mesh), x.dtype) for p, x in local.items()}
+    return plan_reshard(shapes, src, dst, mesh), local, src, dst, dst_full, every
+
+
+def reshard_params(params: dict, plan: Plan, mesh: Mesh) -> dict:
+    """This rank's params under ``plan`` from its params under their own plan, on the same ``mesh``.
+
+    Collective: every rank of ``mesh`` calls it with the same plan. Pure: a new tree, never aliasing ``params``.
+
+    Args:
+        params: this rank's params with ``params["config"]`` and their plan ``params["plan"]`` (from
+            ``load_checkpoint``, or a train step's output).
+        plan: the plan to move them to, over axes of ``mesh`` (an inference plan over the training plan's
+            data-parallel axis: ``Plan(tp="dp")``).
+        mesh: the mesh both plans run on.
+
+    Raises:
+        TypeError / ValueError naming the leaf, before any byte moves: params of another plan or mesh than they
+        say, quantized params, a plan that does not fit the model or the mesh.
+
+    Example:
+        >>> serving = reshard_params(trained, Plan(tp="dp"), mesh)        # doctest: +SKIP
+    """
+    rp, local, src, dst, dst_full, every = _prepared(params, plan, mesh)
+    moved = reshard(local, src, dst, mesh, plan=rp)
+    return _unstacked(moved, dst_full, every) | {"config": params["config"], "plan": plan}
