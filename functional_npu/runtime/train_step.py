@@ -33,7 +33,7 @@ from ..core.tree import flatten_with_paths, map_with_path
 from ..models import family_of
 from ..parallel.plan import Plan
 from .backends import Backend, resolve_backend
-from .compile import axis_groups
+from .compile import GraphBreakError, axis_groups
 from .grad import Differentiable, LossFn, differentiable, global_norm, grad_leaves
 from .inductor_cache import sweep
 from .optim import AdamW, OptState
@@ -56,7 +56,8 @@ class TrainStep:
     mesh: Mesh
     backend: Backend
     split: Differentiable
-    fn: Callable[..., Any]
+    fn: Callable[..., Any]  # the compiled step
+    plain: Callable[..., Any]  # the same step uncompiled: run once to say what a failed trace met
 
     def init(self, params: dict | None = None) -> OptState:
         """The optimizer state for ``params`` (default: the params the step was compiled for): zero moments
@@ -70,10 +71,15 @@ class TrainStep:
             ValueError naming the leaf: params or state of another structure or shape than the step's.
             FloatingPointError naming the value or the leaf: a non-finite loss or gradient (nothing is returned;
             the params and state passed in are unchanged).
+            The loss function's own error where tracing it fails on one (a non-scalar loss); else GraphBreakError.
         """
         leaves, rest = self._inputs(params)
         mu, nu = self._moments(state)
-        loss, norm, bad, new, new_mu, new_nu, count = self.fn(leaves, rest, mu, nu, state.step, batch)
+        try:
+            loss, norm, bad, new, new_mu, new_nu, count = self.fn(leaves, rest, mu, nu, state.step, batch)
+        except torch._dynamo.exc.Unsupported as e:
+            self.plain(leaves, rest, mu, nu, state.step, batch)  # the loss's own error, if it raises one
+            raise GraphBreakError(f"train step: the step breaks under fullgraph tracing: {e}") from e
         paths = list(leaves)
         if not torch.isfinite(loss):
             raise FloatingPointError(
@@ -151,8 +157,8 @@ def compile_train_step(
         cfg, plan = params["config"], params.get("plan") or Plan()
         mesh.init_groups()
         mesh.init_groups(*axis_groups(family_of(cfg).param_specs(cfg, plan)), *split.axes())
-    fn = chosen.compile(_step_fn(loss_fn, optimizer, split, mesh), dynamic=False)
-    return TrainStep(optimizer, mesh, chosen, split, fn)
+    plain = _step_fn(loss_fn, optimizer, split, mesh)
+    return TrainStep(optimizer, mesh, chosen, split, chosen.compile(plain, dynamic=False), plain)
 
 
 def _step_fn(loss_fn: LossFn, optimizer: AdamW, split: Differentiable, mesh: Mesh) -> Callable[..., Any]:
