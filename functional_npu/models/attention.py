@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
@@ -174,15 +175,12 @@ def gqa(
     Heads are split over ``tp``; ``axes``: o_proj's module-TP group (data-parallel axes); ``scale``: of the scores
     (default ``head_dim ** -0.5``); ``norm_offset``: the q / k norms' (:func:`rms_norm`'s).
     """
-    b, s, _ = h.shape
     hd = cfg.head_dim
     nh, nkv = local_heads(cfg, mesh.axis_size(tp))
     qkv = linear(h, layer["qkv"])  # column-parallel: [B, S, (nh + 2 nkv) hd]
     if "qkv_bias" in layer:
         qkv = qkv + layer["qkv_bias"]
-    q, k, v = (
-        t.view(b, s, -1, hd).transpose(1, 2) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    )  # [B, heads, S, hd]
+    q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=hd) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1))
     if "q_norm" in layer:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, norm_offset)
@@ -190,7 +188,7 @@ def gqa(
     kv[0].scatter_(2, step.slot, k)
     kv[1].scatter_(2, step.slot, v)
     keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
-    attn = attend(q, keys, values, step.mask, kind, scale).transpose(1, 2).reshape(b, s, nh * hd)  # [B, S, nh hd]
+    attn = rearrange(attend(q, keys, values, step.mask, kind, scale), "b h s d -> b s (h d)")
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=axes)
 
 
@@ -205,12 +203,10 @@ def output_projection(attn: torch.Tensor, w: Any, mesh: Mesh, *, tp: str, axes: 
     n = mesh.axis_size(axes)
     if n == 1:
         return row_parallel(attn, w, mesh, tp)
-    b, s, _ = attn.shape
     full = all_gather(attn, mesh, tp, dim=-1)  # [B, S, H hd]
     t, nt = mesh.axis_index(tp), mesh.axis_size(tp)
-    width = full.shape[-1] // (n * nt)
-    send = full.reshape(b, s, n, nt, width)[:, :, :, t].permute(2, 0, 1, 3).contiguous()  # [n, B, S, w]: j's block
-    rows = all_to_all(send, mesh, axes).reshape(n * b, s, width)  # the group's rows, this rank's block
+    send = rearrange(full, "b s (j t w) -> t j b s w", j=n, t=nt)[t].contiguous()  # block j * tp + t goes to j
+    rows = rearrange(all_to_all(send, mesh, axes), "j b s w -> (j b) s w")  # the group's rows, this rank's block
     amax = all_gather(token_amax(full), mesh, axes) if int8_activations(w) else None  # W8A8: whole-row scales
     y = linear(rows, w, amax=amax)  # [n B, S, D], partial over the blocks
     return all_reduce(reduce_scatter(y, mesh, axes), mesh, tp)

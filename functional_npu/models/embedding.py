@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
@@ -78,10 +79,10 @@ def head(
     logits = _local_logits(params, x, mesh, eps, tied, axes, norm_offset, logit_softcap)
     if mesh.axis_size(axes) == 1:
         return all_gather(logits, mesh, tp, dim=-1)
-    return _home(logits, x, mesh, tp, axes).reshape(x.shape[0], x.shape[1], -1)  # [B, S, V]
+    return _home(logits, mesh, tp, axes).reshape(x.shape[0], x.shape[1], -1)  # [B, S, V]
 
 
-def _home(slices: torch.Tensor, x: torch.Tensor, mesh: Mesh, tp: str, axes: tuple[str, ...]) -> torch.Tensor:
+def _home(slices: torch.Tensor, mesh: Mesh, tp: str, axes: tuple[str, ...]) -> torch.Tensor:
     """Each rank's per-row vocab slices ``[(n) B, S, w]`` -> this rank's rows' slices from every rank of the group
     and of tp, in vocab order ``[B, S, n, tp, w]``: routed back over ``axes`` (all_to_all), gathered over ``tp``;
     slice ``j * tp + t`` is held by group index ``j`` at tp index ``t`` (mesh order)."""
@@ -89,8 +90,7 @@ def _home(slices: torch.Tensor, x: torch.Tensor, mesh: Mesh, tp: str, axes: tupl
     if n > 1:
         slices = all_to_all(slices, mesh, axes)  # [n B, S, w]: my rows' slice j from group index j
     everyone = all_gather(slices, mesh, tp)  # [t n B, S, w] ordered (t, j)
-    b, s = x.shape[0], x.shape[1]
-    return everyone.view(t, n, b, s, -1).permute(2, 3, 1, 0, 4)  # [B, S, j, t, w]
+    return rearrange(everyone, "(t j b) s w -> b s j t w", t=t, j=n)
 
 
 def head_argmax(
@@ -113,7 +113,7 @@ def head_argmax(
     v = logits.shape[-1]
     best, idx = logits.float().max(-1, keepdim=True)  # the first largest of this slice
     pair = torch.cat([best, (idx + mesh.axis_index(axes + (tp,)) * v).float()], dim=-1)  # [(n) B, S, 2]
-    pairs = _home(pair, x, mesh, tp, axes).flatten(2, 3)  # [B, S, n tp, 2]: every slice's pair, in vocab order
+    pairs = _home(pair, mesh, tp, axes).flatten(2, 3)  # [B, S, n tp, 2]: every slice's pair, in vocab order
     pick = pairs[..., 0].argmax(-1, keepdim=True)  # the first slice holding the largest value
     token = pairs[..., 1].gather(-1, pick).squeeze(-1).long()
     return torch.where(torch.isfinite(pairs[..., 0].gather(-1, pick).squeeze(-1)), token, -1)

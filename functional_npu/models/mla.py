@@ -31,6 +31,7 @@ import math
 from typing import NamedTuple, Protocol
 
 import torch
+from einops import rearrange
 
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
@@ -166,11 +167,11 @@ def mla(
 ) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's latents into ``kv``.
     Heads are split over ``plan.tp``; ``plan.absorb`` / ``plan.mla_cache`` pick the decode path and the cache."""
-    b, s, _ = h.shape
+    s = h.shape[1]
     tp = plan.tp
     dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     nh = local_heads(cfg, mesh.axis_size(tp))
-    q = _query(layer, h, cfg.rms_norm_eps).view(b, s, nh, dn + dr).transpose(1, 2)  # [B, nh, S, dn + dr]
+    q = rearrange(_query(layer, h, cfg.rms_norm_eps), "b s (h d) -> b h s d", h=nh)  # d = dn + dr
     q_nope, q_rot = q.split([dn, dr], dim=-1)
     c, k_rot = linear(h, layer["kv_a_proj"]).split([r, dr], dim=-1)  # [B, S, R], [B, S, dr]
     c = rms_norm(c, layer["kv_a_norm"], cfg.rms_norm_eps)[:, None]  # [B, 1, S, R]
@@ -190,14 +191,14 @@ def mla(
             out = _absorbed(w_kv, q_nope, q_rot, kv, step.mask, scale, nh, dn)
         else:
             out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv)
-    attn = out.transpose(1, 2).reshape(b, s, nh * dv)  # [B, S, nh dv]
+    attn = rearrange(out, "b h s d -> b s (h d)")
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=plan.module_tp.o_proj)
 
 
 def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, dv: int) -> KV:
     """Every head's keys ``[B, nh, L, dn + dr]`` and values ``[B, nh, L, dv]`` from latents ``[B, 1, L, R]``."""
     b, _, length, _ = latent.shape
-    expanded = linear(latent[:, 0], w_kv).view(b, length, nh, dn + dv).transpose(1, 2)  # [B, nh, L, dn + dv]
+    expanded = rearrange(linear(latent[:, 0], w_kv), "b l (h d) -> b h l d", h=nh)  # d = dn + dv
     k_nope, values = expanded.split([dn, dv], dim=-1)
     return torch.cat([k_nope, k_rot.expand(b, nh, length, k_rot.shape[-1])], dim=-1), values
 
