@@ -55,7 +55,7 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
     from functional_npu.runtime.launch import RankContext
 
     hints = npugraph_ex_streams()
-    cases = [c for c in CASES if not names or c.name in names]
+    cases = [c for c in CASES if (not names or c.name in names) and c.phase != "train"]  # forwards only
     runs = [(c.name, c, hints) for c in cases]
     runs += [(CONTROL + "-no-events", c, acl_graph.unordered_streams()) for c in cases if c.name == CONTROL]
     results: dict[str, Any] = {}
@@ -112,7 +112,7 @@ def acl_artifacts(
     artifacts: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     for case in CASES:
-        if names and case.name not in names:
+        if (names and case.name not in names) or case.phase == "train":  # ACL graph capture serves inference
             continue
         got = results.get(case.name, {"error": "not converted"})
         where = f"{case.name} (family {case.family}, {case.phase})"

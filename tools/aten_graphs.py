@@ -40,10 +40,14 @@ from functional_npu.parallel import prefetch
 from functional_npu.parallel.layer_shard import layer_shard, series_specs, stack_series
 from functional_npu.parallel.module_tp import split_dp
 from functional_npu.parallel.plan import Plan
+from functional_npu.parallel.streams import INLINE, Streams
+from functional_npu.runtime.grad import token_logprobs
 from functional_npu.runtime.launch import RankContext
+from functional_npu.runtime.optim import AdamW
 from functional_npu.runtime.plan import resolved
 from functional_npu.runtime.quant_config import QuantConfig
 from functional_npu.runtime.quant_plan import quantize_plan
+from functional_npu.runtime.train_step import compile_train_step
 
 __all__ = [
     "GRAPH_CONFIGS",
@@ -51,6 +55,8 @@ __all__ = [
     "CASES",
     "Case",
     "case_inputs",
+    "case_function",
+    "TRAIN",
     "case_mesh",
     "capture_artifacts",
     "write_artifacts",
@@ -131,6 +137,8 @@ GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekCo
     ),
 }
 PHASES = {"prefill": (2, 16), "decode": (2, 1)}  # (batch, tokens per sequence)
+TRAIN = (2, 16)  # a train step's batch: forward, backward and the AdamW update in one graph
+TRAIN_FAMILIES = ("qwen3", "qwen3_moe")  # one dense, one MoE (experts over tp: the token exchange and its transpose)
 CACHE_LEN = 32
 TP_SIZES = (1, 2)
 LAYER_SHARD_SERIES = "o_proj,down_proj"
@@ -161,6 +169,8 @@ class Case:
 
     @property
     def name(self) -> str:
+        if self.phase == "train":
+            return f"{self.family}-tp{self.tp}-train"
         if self.module_tp:
             return f"{self.family}-dp{MODULE_TP_DP}-module_tp-layer_shard-k{self.k}-{self.phase}"
         if self.series is not None:
@@ -207,6 +217,7 @@ CASES: tuple[Case, ...] = (
     + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, k) for k in LAYER_SHARD_STEPS for phase in PHASES)
     + tuple(Case("qwen3", phase, 2, quant=q) for q in GRAPH_QUANTS for phase in PHASES)
     + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, 1, module_tp=True) for phase in PHASES)
+    + tuple(Case(fam, "train", 2) for fam in TRAIN_FAMILIES)
 )
 
 
@@ -215,6 +226,28 @@ def case_mesh(case: Case, ctx: RankContext) -> Mesh:
     if case.world == 1:
         return Mesh.abstract({"tp": 1}, 0)
     return ctx.mesh(case.axes)
+
+
+def _math_lm_loss(params: dict, tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The causal-LM loss with math attention, as the torchair path traces it."""
+    return -token_logprobs(params, tokens, mesh, attention="math").mean()
+
+
+def case_function(
+    case: Case, mesh: Mesh, *, device: str | torch.device = "cpu", streams: Streams = INLINE
+) -> tuple[Any, tuple[Any, ...]]:
+    """``(fn, args)``: the function the case captures and its arguments on ``device``: the forward (math attention,
+    ``streams`` its ordering hints) for a prefill or decode, the whole train step (AdamW over
+    :func:`_math_lm_loss`) for a train case."""
+    if case.phase != "train":
+        return functools.partial(forward, attention="math", streams=streams), case_inputs(case, mesh, device=device)
+    cfg, plan = case.config, case.plan
+    model = family_of(cfg)
+    full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg, plan)
+    params = shard(full, model.param_specs(cfg, plan), mesh) | {"plan": plan}
+    step = compile_train_step(_math_lm_loss, AdamW(), params, mesh, backend="none")
+    tokens = torch.ones(*TRAIN, dtype=torch.long, device=device)
+    return step.plain, step.inputs(params, step.init(params), tokens)
 
 
 def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -> tuple[Any, ...]:
@@ -272,17 +305,13 @@ def _capture(case: Case, ctx: RankContext) -> torch.fx.GraphModule:
 
     if not mesh.is_abstract:
         mesh.init_groups()
-    args = case_inputs(case, mesh)
+    fn, args = case_function(case, mesh)
     torch._dynamo.reset()
-    fn = torch.compile(
-        functools.partial(forward, attention="math"),
-        backend=aot_autograd(fw_compiler=keep),
-        fullgraph=True,
-        dynamic=False,
-    )
+    compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
     with torch.no_grad():
-        fn(*args)
-    prefetch.drain(args[3].prefetched)
+        compiled(*args)
+    if case.phase != "train":
+        prefetch.drain(args[3].prefetched)
     if len(graphs) != 1:  # pragma: no cover - fullgraph=True makes a break an error first
         raise RuntimeError(f"{case.name}: expected one graph, captured {len(graphs)}")
     return graphs[0]

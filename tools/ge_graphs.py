@@ -22,7 +22,6 @@ GE could break).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 from functional_npu.npu import ge_graph
 from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
 
-from .aten_graphs import CASES, case_inputs, case_mesh
+from .aten_graphs import CASES, case_function, case_mesh
 from .conversion import run_conversion
 
 __all__ = ["ge_artifacts", "case_artifacts", "compare_schedules", "convert", "stable_names", "CONTROL", "FIXES"]
@@ -95,14 +94,13 @@ def stable_names(graph: Any) -> Any:
 
 
 def _convert(case: Any, streams: Any, ctx: Any) -> Any:
-    from functional_npu.models import forward
     from functional_npu.parallel.streams import INLINE
 
     mesh = case_mesh(case, ctx)
     if not mesh.is_abstract:
         mesh.init_groups()
-    args = case_inputs(case, mesh, device="meta")
-    return convert(functools.partial(forward, attention="math", streams=streams), args, ordered=streams is not INLINE)
+    fn, args = case_function(case, mesh, device="meta", streams=streams)
+    return convert(fn, args, ordered=streams is not INLINE)
 
 
 def _error(e: BaseException) -> dict[str, str]:

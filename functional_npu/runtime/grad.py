@@ -205,7 +205,10 @@ def global_norm(grads: dict[str, torch.Tensor], split: Differentiable) -> torch.
     """The L2 norm of the whole gradient (``grads`` by path; every element once, however many ranks hold it), the
     same on every rank: each rank's sum of squares, each element weighted by one over its holder count, summed
     over the mesh."""
-    total = torch.zeros((), dtype=torch.float64 if _dtype(split.params) == torch.float64 else torch.float32)
+    device = next(iter(grads.values())).device
+    total = torch.zeros(
+        (), dtype=torch.float64 if _dtype(split.params) == torch.float64 else torch.float32, device=device
+    )
     for p, g in grads.items():
         total = total + (g.to(total.dtype).pow(2) * _holder_weight(split.sums[p], split.mesh, g)).sum()
     return all_reduce(total, split.mesh, tuple(split.mesh.axis_names)).sqrt()
@@ -221,5 +224,5 @@ def _holder_weight(s: ReplicaSum, mesh: Mesh, g: torch.Tensor) -> torch.Tensor |
                 count[i] += 1
         shape = [1] * g.ndim
         shape[d] = g.shape[d]
-        weight = weight * (1.0 / torch.tensor(count, dtype=g.dtype)).reshape(shape)
+        weight = weight * (1.0 / torch.tensor(count, dtype=g.dtype, device=g.device)).reshape(shape)
     return weight

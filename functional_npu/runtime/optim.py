@@ -80,7 +80,8 @@ class AdamW:
             return torch.zeros_like(x) if trained and (grads_of is None or path in grads_of) else None
 
         mu = map_with_path(zeros, params)
-        return OptState(torch.zeros((), dtype=torch.int64), mu, map_with_path(zeros, params))
+        device = next(x.device for _, x in flatten_with_paths(mu) if isinstance(x, torch.Tensor))
+        return OptState(torch.zeros((), dtype=torch.int64, device=device), mu, map_with_path(zeros, params))
 
     def clip_scale(self, norm: torch.Tensor) -> torch.Tensor | float:
         """What the gradient is multiplied by for a global norm ``norm``: ``clip_grad_norm_``'s coefficient."""
@@ -101,7 +102,7 @@ class AdamW:
         grads = check_grads(grads, params, state)
         b1, b2 = self.betas
         step = state.step + 1
-        t = step.to(torch.float64)
+        t = step.to(torch.float32)  # bias corrections in float32: NPUs have no float64
         c1, c2 = 1 - b1**t, 1 - b2**t
         scale = self.clip_scale(norm)
         leaves, mu, nu = (dict(flatten_with_paths(t)) for t in (params, state.mu, state.nu))

@@ -50,9 +50,15 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def policy_batch(
-    prompts: Sequence[Sequence[int]], samples: Samples, advantages: Sequence[float], *, dtype=torch.float32
+    prompts: Sequence[Sequence[int]],
+    samples: Samples,
+    advantages: Sequence[float],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> PolicyBatch:
-    """The rollouts ``prompts[i] + samples.tokens[i]`` as a :class:`PolicyBatch` (one row per completion)."""
+    """The rollouts ``prompts[i] + samples.tokens[i]`` as a :class:`PolicyBatch` (one row per completion), on
+    ``device``."""
     if not len(prompts) == len(samples.tokens) == len(samples.logprobs) == len(advantages):
         raise ValueError(
             f"policy_batch: {len(prompts)} prompts, {len(samples.tokens)} completions, {len(samples.logprobs)} "
@@ -66,7 +72,8 @@ def policy_batch(
         tokens[i, : len(p) + len(c)] = torch.tensor(list(p) + list(c))
         mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1.0
         old[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=dtype)
-    return PolicyBatch(tokens, mask, torch.tensor(list(advantages), dtype=dtype), old)
+    batch = PolicyBatch(tokens, mask, torch.tensor(list(advantages), dtype=dtype), old)
+    return PolicyBatch(*(x.to(device) for x in batch))
 
 
 def grpo_loss(params: dict, batch: PolicyBatch, mesh: Mesh, *, clip: float = 0.2) -> torch.Tensor:

@@ -73,14 +73,13 @@ class TrainStep:
             the params and state passed in are unchanged).
             The loss function's own error where tracing it fails on one (a non-scalar loss); else GraphBreakError.
         """
-        leaves, rest = self._inputs(params)
-        mu, nu = self._moments(state)
+        args = self.inputs(params, state, batch)
         try:
-            loss, norm, bad, new, new_mu, new_nu, count = self.fn(leaves, rest, mu, nu, state.step, batch)
+            loss, norm, bad, new, new_mu, new_nu, count = self.fn(*args)
         except torch._dynamo.exc.Unsupported as e:
-            self.plain(leaves, rest, mu, nu, state.step, batch)  # the loss's own error, if it raises one
+            self.plain(*args)  # the loss's own error, if it raises one
             raise GraphBreakError(f"train step: the step breaks under fullgraph tracing: {e}") from e
-        paths = list(leaves)
+        paths = list(args[0])
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"train step {int(state.step) + 1}: the loss is {loss.item()}; the params and optimizer state are "
@@ -96,7 +95,12 @@ class TrainStep:
         out_state = OptState(count, map_with_path(swap(new_mu), state.mu), map_with_path(swap(new_nu), state.nu))
         return map_with_path(swap(new), params), out_state, StepStats(loss.item(), norm.item())
 
-    def _inputs(self, params: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def inputs(self, params: dict, state: OptState, batch: Any) -> tuple[Any, ...]:
+        """The compiled function's arguments for one step, checked: ``(trained leaves, other tensor leaves,
+        first moments, second moments, step count, batch)``, the leaves and moments by path."""
+        return (*self._leaves(params), *self._moments(state), state.step, batch)
+
+    def _leaves(self, params: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The trained leaves and every other tensor leaf (buffers, expert maps) of ``params``, checked."""
         got = {p: x for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor)}
         for path, want in self.split.leaves.items():

@@ -15,6 +15,8 @@ from tools.aten_graphs import (
     LAYER_SHARD_STEPS,
     PHASES,
     TP_SIZES,
+    TRAIN,
+    TRAIN_FAMILIES,
     read_artifact,
 )
 from tools.ge_graphs import CONTROL, compare_schedules
@@ -250,3 +252,52 @@ def test_deepseek_graphs_attend_in_the_latent_space_when_decoding(report):
         dense_layer = ["all_reduce", "all_reduce"]  # o_proj, down
         moe_layer = ["all_reduce", *moe_ops[phase], "all_gather_into_tensor", "all_reduce"]  # o_proj, experts, shared
         assert ops == ["all_reduce", *dense_layer, *moe_layer, "all_gather_into_tensor"], phase
+
+
+def _transpose(c: dict) -> tuple:
+    """A collective's backward, as the schedule records it (op, bytes of its input, reduction): a gather of ``b``
+    bytes per rank is reduce-scattered from ``2 b`` (tp 2), all-reduces and all-to-alls keep their size."""
+    op = c["op"].split(".")[1]
+    if op == "all_gather_into_tensor":
+        return ("reduce_scatter_tensor", 2 * c["bytes"], "sum")
+    if op == "reduce_scatter_tensor":
+        return ("all_gather_into_tensor", c["bytes"] // 2, None)
+    return (op, c["bytes"], c.get("reduce"))
+
+
+def _entry(c: dict) -> tuple:
+    return (c["op"].split(".")[1], c["bytes"], c.get("reduce"))
+
+
+@pytest.mark.parametrize("family", TRAIN_FAMILIES)
+def test_train_step_schedule_is_the_forward_then_its_transposes(drift, family):
+    """The joint graph of forward, backward and update at tp 2: the prefill graph's collectives (same batch and
+    length), then each one's transpose in reverse order, then the loss's mean, one all_reduce per leaf replicated
+    over tp (its bytes: the leaves the plan replicates, counted from the layouts), the gradient norm's sum and the
+    finiteness flags' max (one float per trained leaf)."""
+    from functional_npu.core.tree import flatten_with_paths
+    from functional_npu.models import family_of
+
+    cfg, case = GRAPH_CONFIGS[family], next(c for c in CASES if c.name == f"{family}-tp2-train")
+    assert TRAIN == PHASES["prefill"]
+    forward = read_artifact(GRAPHS, f"{family}-tp2-prefill", "collectives.json")
+    train = read_artifact(GRAPHS, case.name, "collectives.json")
+    n = len(forward)
+    assert [_entry(c) for c in train[:n]] == [_entry(c) for c in forward]
+    assert [_entry(c) for c in train[n : 2 * n]] == [_transpose(c) for c in reversed(forward)]
+    model = family_of(cfg)
+    meta, specs = model.abstract_params(cfg, case.plan), model.param_specs(cfg, case.plan)
+    layouts = dict(flatten_with_paths(specs, is_leaf=lambda x: hasattr(x, "dims")))
+    trained = [(p, x) for p, x in flatten_with_paths(meta) if x.dtype.is_floating_point]
+    replicated = sorted(x.numel() * 4 for p, x in trained if "tp" not in _layout_of(layouts, p).axes())
+    rest = [_entry(c) for c in train[2 * n :]]
+    assert rest[0] == ("all_reduce", 4, "sum") and rest[-2] == ("all_reduce", 4, "sum")
+    assert sorted(b for _, b, _ in rest[1:-2]) == replicated and {op for op, _, _ in rest[1:-2]} == {"all_reduce"}
+    assert rest[-1] == ("all_reduce", 4 * len(trained), "max")
+    assert {c["axis"] for c in train} == {"tp"}
+
+
+def _layout_of(layouts: dict, path: str):
+    while path not in layouts:  # a spec tree may be a prefix of the params tree
+        path = path.rsplit(".", 1)[0]
+    return layouts[path]
