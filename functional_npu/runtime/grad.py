@@ -107,6 +107,15 @@ class Differentiable:
         }
         self.sums = {p: replica_plan(layouts[p], full[p].shape, mesh.shape) for p in self.leaves}
 
+    def skeleton(self) -> Differentiable:
+        """This split with every tensor of its params on the meta device: the structure, shapes and dtypes a
+        compiled step needs, without holding the params it was made from."""
+        out = object.__new__(Differentiable)
+        out.mesh, out.sums = self.mesh, self.sums
+        out.params = map_with_path(lambda p, x: x.to("meta") if isinstance(x, torch.Tensor) else x, self.params)
+        out.leaves = {p: x.to("meta") for p, x in self.leaves.items()}
+        return out
+
     def tree(self, leaves: dict[str, torch.Tensor]) -> dict:
         """The params with ``leaves`` in place of the float tensors (every other node as it was)."""
         return map_with_path(lambda p, x: leaves.get(p, x), self.params)

@@ -55,14 +55,14 @@ class TrainStep:
     optimizer: AdamW
     mesh: Mesh
     backend: Backend
-    split: Differentiable
+    split: Differentiable  # its tensors on the meta device: shapes and structure only
     fn: Callable[..., Any]  # the compiled step
     plain: Callable[..., Any]  # the same step uncompiled: run once to say what a failed trace met
 
-    def init(self, params: dict | None = None) -> OptState:
-        """The optimizer state for ``params`` (default: the params the step was compiled for): zero moments
-        laid out like the params, step 0."""
-        return self.optimizer.init(params if params is not None else self.split.params, set(self.split.leaves))
+    def init(self, params: dict) -> OptState:
+        """The optimizer state for ``params``: zero moments laid out like the params, step 0."""
+        self._leaves(params)
+        return self.optimizer.init(params, set(self.split.leaves))
 
     def __call__(self, params: dict, state: OptState, batch: Any) -> tuple[dict, OptState, StepStats]:
         """One step on this rank's ``batch``: ``(new params, new state, stats)``; collective over the mesh.
@@ -116,7 +116,9 @@ class TrainStep:
 
     def _moments(self, state: OptState) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         if not isinstance(state, OptState):
-            raise TypeError(f"train step: state must be the OptState step.init() returns, got {type(state).__name__}")
+            raise TypeError(
+                f"train step: state must be the OptState step.init(params) returns, got {type(state).__name__}"
+            )
         mu, nu = ({p: x for p, x in flatten_with_paths(t) if isinstance(x, torch.Tensor)} for t in (state.mu, state.nu))
         for name, moments in (("mu", mu), ("nu", nu)):
             for path, want in self.split.leaves.items():
@@ -153,7 +155,7 @@ def compile_train_step(
     """
     if not isinstance(optimizer, AdamW):
         raise TypeError(f"compile_train_step: optimizer must be an AdamW, got {type(optimizer).__name__}")
-    split = differentiable(params, mesh, "compile_train_step")
+    split = differentiable(params, mesh, "compile_train_step").skeleton()  # holds no tensor of ``params``
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     if chosen.name == "inductor":
         sweep()

@@ -114,7 +114,7 @@ def test_a_non_scalar_loss_is_named_with_its_shape(one):
     for backend in ("none", "aot_eager"):  # traced, the loss's own error: not dynamo's
         step = compile_train_step(per_token, AdamW(), params, mesh, backend=backend)
         with pytest.raises(ValueError, match=r"must return a scalar .*shape \(3,\)"):
-            step(params, step.init(), batch)
+            step(params, step.init(params), batch)
 
 
 def test_params_of_another_plan_are_named_by_leaf(trained, one):
@@ -125,7 +125,7 @@ def test_params_of_another_plan_are_named_by_leaf(trained, one):
         compile_train_step(lm_loss, AdamW(), tp2, mesh, backend="none")
     step = compile_train_step(lm_loss, AdamW(), params, mesh, backend="none")
     with pytest.raises(ValueError, match=r"train step: params\['embed'\] is \(64, 64\) torch.float64, but the step"):
-        step(tp2, step.init(), batch)
+        step(tp2, step.init(params), batch)
 
 
 def test_a_gradient_tree_of_another_structure_is_named(one):
@@ -144,7 +144,7 @@ def test_a_gradient_tree_of_another_structure_is_named(one):
 def test_a_nan_loss_stops_the_step_and_keeps_params_and_state(one):
     params, mesh, batch = one
     step = compile_train_step(lambda p, b, m: lm_loss(p, b, m) * math.nan, AdamW(), params, mesh, backend="none")
-    state = step.init()
+    state = step.init(params)
     before = params["layers"][0]["qkv"].clone()
     with pytest.raises(FloatingPointError, match=r"train step 1: the loss is nan; the params and optimizer state"):
         step(params, state, batch)
@@ -158,7 +158,7 @@ def test_a_nan_gradient_is_named_by_leaf_and_not_applied(one):
         return lm_loss(p, b, m) + (p["norm"] * 0).sqrt().sum()
 
     step = compile_train_step(loss, AdamW(), params, mesh, backend="none")
-    state = step.init()
+    state = step.init(params)
     with pytest.raises(FloatingPointError, match=r"train step 1: the gradient of params\['norm'\] is not finite"):
         step(params, state, batch)
     assert int(state.step) == 0
