@@ -88,9 +88,9 @@ def post_train_on_rank(ctx: RankContext, model_dir: str, seed: int) -> dict[str,
         losses.append(stats.loss)
     first_step_s = time.perf_counter() - t0
 
-    traffic = plan_params_reshard(params, INFERENCE, mesh).traffic[mesh.rank]
+    exchange = plan_params_reshard(params, INFERENCE, mesh)
     t0 = time.perf_counter()
-    served = model.with_params(reshard_params(params, INFERENCE, mesh))
+    served = model.with_params(reshard_params(params, INFERENCE, mesh, exchange=exchange))
     reshard_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     after = served.sample(rows, NEW, seed=seed)
@@ -103,8 +103,8 @@ def post_train_on_rank(ctx: RankContext, model_dir: str, seed: int) -> dict[str,
         "step_s": times[-1],
         "compile_and_first_step_s": first_step_s - sum(times[1:]),
         "reshard_s": reshard_s,
-        "received": traffic.received,
-        "lower_bound": traffic.lower_bound,
+        "received": exchange.traffic[mesh.rank].received,
+        "lower_bound": exchange.traffic[mesh.rank].lower_bound,
         "rollout_s": rollout_s,
         "rollout_after_s": time.perf_counter() - t0,
     }

@@ -20,6 +20,7 @@ __all__ = [
     "check_structure",
     "expand_prefix",
     "register_static",
+    "replace_leaves",
 ]
 
 PyTree = Any
@@ -69,6 +70,11 @@ def flatten_with_paths(tree: PyTree, is_leaf: Callable[[Any], bool] | None = Non
 def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     """``fn(path, leaf, *other_leaves)`` applied to every leaf; returns a new tree."""
     return pytree.tree_map_with_path(lambda kp, *xs: fn(path_str(kp), *xs), tree, *rest)
+
+
+def replace_leaves(tree: PyTree, by_path: Mapping[str, Any]) -> PyTree:
+    """``tree`` with the leaf at each path of ``by_path`` replaced by its value (the other nodes as they were)."""
+    return map_with_path(lambda path, x: by_path.get(path, x), tree)
 
 
 def tree_from_paths(items: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
 from ..core.replica_sum import ReplicaSum, replica_plan, sum_replicas
-from ..core.tree import flatten_with_paths, map_with_path
+from ..core.tree import flatten_with_paths, map_with_path, replace_leaves
 from ..models import family_of, forward, init_state
 from ..parallel.plan import Plan
 from .plan import check_params
@@ -118,7 +118,7 @@ class Differentiable:
 
     def tree(self, leaves: dict[str, torch.Tensor]) -> dict:
         """The params with ``leaves`` in place of the float tensors (every other node as it was)."""
-        return map_with_path(lambda p, x: leaves.get(p, x), self.params)
+        return replace_leaves(self.params, leaves)
 
     def whole(self, shares: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's gradient shares made whole (summed over each element's holders), by path."""

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..core.tree import flatten_with_paths, map_with_path
+from ..core.tree import flatten_with_paths, map_with_path, replace_leaves
 
 __all__ = ["AdamW", "OptState"]
 
@@ -114,10 +114,8 @@ class AdamW:
             denom = (v / c2.to(v.dtype)).sqrt() + self.eps
             new_p[path] = p * (1 - self.lr * self.weight_decay) - self.lr * (m / c1.to(m.dtype)) / denom
             new_mu[path], new_nu[path] = m, v
-        replace = lambda new: lambda p, x: new.get(p, x)  # noqa: E731
-        return map_with_path(replace(new_p), params), OptState(
-            step, map_with_path(replace(new_mu), state.mu), map_with_path(replace(new_nu), state.nu)
-        )
+        moments = OptState(step, replace_leaves(state.mu, new_mu), replace_leaves(state.nu, new_nu))
+        return replace_leaves(params, new_p), moments
 
 
 def check_grads(grads: dict, params: dict, state: OptState) -> dict[str, torch.Tensor]:

@@ -13,6 +13,8 @@ over the training plan's data-parallel axis names it (``Plan(tp="dp")``).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,14 +30,14 @@ from .plan import check_params, check_plan
 __all__ = ["reshard_params", "plan_params_reshard"]
 
 
-def _every_layer(full: dict) -> set[str]:
-    """Leaves every layer has, counting a layer-sharded series (``full``: a plan's meta params tree)."""
-    layers = full.get("layers", [])
-    common = set.intersection(*(set(layer) for layer in layers)) if layers else set()
-    return common | set(full.get("series", {}))
+def _every_layer(paths: Iterable[str], num_layers: int) -> set[str]:
+    """Leaves every layer has, counting a layer-sharded series (``paths``: a plan's leaf paths)."""
+    per_layer = Counter(p.split(".", 2)[2] for p in paths if p.startswith("layers."))
+    series = {p.split(".", 1)[1] for p in paths if p.startswith("series.")}
+    return {leaf for leaf, n in per_layer.items() if n == num_layers} | series
 
 
-def _stacked_layouts(layouts: dict[str, Layout], every: set[str], num_layers: int) -> dict[str, Layout]:
+def _stacked_layouts(layouts: dict[str, Layout], every: set[str]) -> dict[str, Layout]:
     """The plan's layouts by path in the stacked form (see the module docstring)."""
     out: dict[str, Layout] = {}
     for path, lay in layouts.items():
@@ -89,11 +91,14 @@ def _unstacked(stacked: dict[str, torch.Tensor], full: dict, every: set[str]) ->
 
 
 def plan_params_reshard(params: dict, plan: Plan, mesh: Mesh) -> ReshardPlan:
-    """The exchange :func:`reshard_params` runs (pure: ``plan.traffic`` holds every rank's bytes and lower bound)."""
-    return _prepared(params, plan, mesh)[0]
+    """The exchange :func:`reshard_params` runs (pure: ``plan.traffic`` holds every rank's bytes and lower bound;
+    pass it back as ``exchange`` to run it without planning again)."""
+    return _prepared(params, plan, mesh, None)[0]
 
 
-def _prepared(params: dict, plan: Plan, mesh: Mesh) -> tuple[ReshardPlan, dict, dict, dict, dict, set[str]]:
+def _prepared(
+    params: dict, plan: Plan, mesh: Mesh, exchange: ReshardPlan | None
+) -> tuple[ReshardPlan, dict, dict, dict, dict, set[str]]:
     where = "reshard_params"
     if not isinstance(plan, Plan):
         raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
@@ -102,16 +107,16 @@ def _prepared(params: dict, plan: Plan, mesh: Mesh) -> tuple[ReshardPlan, dict, 
     if params.get("quant") is not None:
         raise ValueError(f"{where}: params are quantized ({params['quant']}); reshard floating-point params")
     dst_full, dst_layouts = check_plan(cfg, mesh, plan, where=where)
-    src_every = _every_layer(check_plan(cfg, mesh, src_plan, where=where)[0])
-    every = src_every & _every_layer(dst_full)
+    every = _every_layer(src_layouts, cfg.num_layers) & _every_layer(dst_layouts, cfg.num_layers)
     local = _stacked(params, every)
-    src = _stacked_layouts(src_layouts, every, cfg.num_layers)
-    dst = _stacked_layouts(dst_layouts, every, cfg.num_layers)
-    shapes = {p: (full_shape(p, x, src[p], mesh), x.dtype) for p, x in local.items()}
-    return plan_reshard(shapes, src, dst, mesh), local, src, dst, dst_full, every
+    src, dst = _stacked_layouts(src_layouts, every), _stacked_layouts(dst_layouts, every)
+    if exchange is None:
+        shapes = {p: (full_shape(p, x, src[p], mesh), x.dtype) for p, x in local.items()}
+        exchange = plan_reshard(shapes, src, dst, mesh)
+    return exchange, local, src, dst, dst_full, every
 
 
-def reshard_params(params: dict, plan: Plan, mesh: Mesh) -> dict:
+def reshard_params(params: dict, plan: Plan, mesh: Mesh, *, exchange: ReshardPlan | None = None) -> dict:
     """This rank's params under ``plan`` from its params under their own plan, on the same ``mesh``.
 
     Collective: every rank of ``mesh`` calls it with the same plan. Pure: a new tree, never aliasing ``params``.
@@ -122,6 +127,7 @@ def reshard_params(params: dict, plan: Plan, mesh: Mesh) -> dict:
         plan: the plan to move them to, over axes of ``mesh`` (an inference plan over the training plan's
             data-parallel axis: ``Plan(tp="dp")``).
         mesh: the mesh both plans run on.
+        exchange: the exchange :func:`plan_params_reshard` planned for these params (else planned here).
 
     Raises:
         TypeError / ValueError naming the leaf, before any byte moves: params of another plan or mesh than they
@@ -130,6 +136,6 @@ def reshard_params(params: dict, plan: Plan, mesh: Mesh) -> dict:
     Example:
         >>> serving = reshard_params(trained, Plan(tp="dp"), mesh)        # doctest: +SKIP
     """
-    rp, local, src, dst, dst_full, every = _prepared(params, plan, mesh)
+    rp, local, src, dst, dst_full, every = _prepared(params, plan, mesh, exchange)
     moved = reshard(local, src, dst, mesh, plan=rp)
     return _unstacked(moved, dst_full, every) | {"config": params["config"], "plan": plan}

@@ -29,7 +29,7 @@ import torch
 
 from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
-from ..core.tree import flatten_with_paths, map_with_path
+from ..core.tree import flatten_with_paths, replace_leaves
 from ..models import family_of
 from ..parallel.plan import Plan
 from .backends import Backend, resolve_backend
@@ -91,9 +91,8 @@ class TrainStep:
                 f"train step {int(state.step) + 1}: the gradient of params[{leaf!r}] is not finite (global norm "
                 f"{norm.item()}); the step was not applied: the params and optimizer state are those of the last step"
             )
-        swap = lambda new: lambda p, x: new.get(p, x)  # noqa: E731
-        out_state = OptState(count, map_with_path(swap(new_mu), state.mu), map_with_path(swap(new_nu), state.nu))
-        return map_with_path(swap(new), params), out_state, StepStats(loss.item(), norm.item())
+        out_state = OptState(count, replace_leaves(state.mu, new_mu), replace_leaves(state.nu, new_nu))
+        return replace_leaves(params, new), out_state, StepStats(loss.item(), norm.item())
 
     def inputs(self, params: dict, state: OptState, batch: Any) -> tuple[Any, ...]:
         """The compiled function's arguments for one step, checked: ``(trained leaves, other tensor leaves,
