@@ -23,7 +23,17 @@ import torch
 from ..models.decoder import DecodeState
 from ..parallel.prefetch import drain
 
-__all__ = ["Lockstep", "Samples", "generate", "sample", "sampler", "check_sampling", "check_token_ids", "check_length"]
+__all__ = [
+    "Lockstep",
+    "Samples",
+    "generate",
+    "sample",
+    "logprobs_of",
+    "sampler",
+    "check_sampling",
+    "check_token_ids",
+    "check_length",
+]
 
 
 class Model(Protocol):
@@ -150,7 +160,7 @@ def _chunk(
     finite = torch.isfinite(logits).all()  # checked once per chunk: no sync per step
     step = logits.argmax(-1) if pick is None else pick(logits)
     pos, steps = torch.tensor([len(p) for p in rows]), [step]
-    scores = [] if temperature is None else [_logprob(logits, step, temperature)]
+    scores = [] if temperature is None else [logprobs_of(logits, step, temperature)]
     for _ in range(new - 1):
         if pick is None:
             step = model.decode_greedy(step, pos, state)
@@ -159,7 +169,7 @@ def _chunk(
             logits = model.decode(step, pos, state)
             finite &= torch.isfinite(logits).all()
             step = pick(logits)
-            scores += [] if temperature is None else [_logprob(logits, step, temperature)]
+            scores += [] if temperature is None else [logprobs_of(logits, step, temperature)]
         pos = pos + 1
         steps.append(step)
     drain(state.prefetched)
@@ -171,10 +181,11 @@ def _chunk(
     return torch.stack(steps, dim=1).tolist(), torch.stack(scores, dim=1).tolist() if scores else None
 
 
-def _logprob(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[B]``: log p(``token``) under ``softmax(logits / temperature)``, in float32 (float64 logits: float64)."""
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``logits [..., V]``, ``tokens [...]`` -> ``[...]``: log p(token) under ``softmax(logits / temperature)``, in
+    float32 (float64 logits: float64). The rollout's and the training forward's log-probabilities both."""
     logits = logits if logits.dtype == torch.float64 else logits.float()
-    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, token[:, None])[:, 0]
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 class Samples(NamedTuple):

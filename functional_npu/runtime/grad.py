@@ -36,6 +36,7 @@ from ..core.replica_sum import ReplicaSum, replica_plan, sum_replicas
 from ..core.tree import flatten_with_paths, map_with_path, replace_leaves
 from ..models import family_of, forward, init_state
 from ..parallel.plan import Plan
+from .generate import logprobs_of
 from .plan import check_params
 
 __all__ = ["value_and_grad", "logits", "token_logprobs", "lm_loss", "Differentiable", "differentiable"]
@@ -58,9 +59,7 @@ def token_logprobs(
 ) -> torch.Tensor:
     """``[B, S - 1]``: log p(``tokens[:, t + 1]`` | ``tokens[:, :t + 1]``) under ``softmax(logits / temperature)``,
     in float32 (or float64 params)."""
-    out = logits(params, tokens, mesh, attention=attention)[:, :-1]
-    out = out if out.dtype == torch.float64 else out.float()
-    return torch.log_softmax(out / temperature, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return logprobs_of(logits(params, tokens, mesh, attention=attention)[:, :-1], tokens[:, 1:], temperature)
 
 
 def lm_loss(params: dict, tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
