@@ -89,12 +89,13 @@ def fnpu_runner(
     batch_sizes: tuple[int, ...] = (1,),
     mode: str | None = None,
     greedy_head: bool = False,
+    device: str = "cpu",
 ) -> tuple[Callable[[int, int], Any], CompiledModel]:
-    """This library's compiled model of the checkpoint at ``path`` on ``mesh``, and ``run(b, n)``: ``n`` new
-    tokens for ``b`` copies of ``prompt`` (``greedy_head``: decode steps through the argmax head, as the CLI
-    runs greedy generation)."""
+    """This library's compiled model of the checkpoint at ``path`` on ``mesh`` (its params on ``device``), and
+    ``run(b, n)``: ``n`` new tokens for ``b`` copies of ``prompt`` (``greedy_head``: decode steps through the argmax
+    head, as the CLI runs greedy generation)."""
     model: CompiledModel = compile_model(
-        load_checkpoint(path, mesh),
+        load_checkpoint(path, mesh, device=device),
         mesh,
         mode=mode,
         batch_sizes=list(batch_sizes),
@@ -111,13 +112,14 @@ def transformers_runner(
     *,
     compile_config: dict[str, Any] | None = None,
     quantize: Callable[[Any], Any] | None = None,
+    device: str = "cpu",
 ) -> Callable[[int, int], Any]:
-    """transformers' ``run(b, n)`` on the checkpoint at ``path`` in ``dtype``: ``generate`` eager, or compiled with
-    a static cache when ``compile_config`` (``CompileConfig`` arguments besides ``fullgraph``) is given;
-    ``quantize(model)`` first, if given."""
+    """transformers' ``run(b, n)`` on the checkpoint at ``path`` in ``dtype`` on ``device``: ``generate`` eager, or
+    compiled with a static cache when ``compile_config`` (``CompileConfig`` arguments besides ``fullgraph``) is
+    given; ``quantize(model)`` first, if given."""
     import transformers as T
 
-    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     if quantize is not None:
         quantize(model)
     if compile_config is not None:
@@ -125,7 +127,7 @@ def transformers_runner(
         cc._compile_all_devices = True  # transformers compiles generate on CUDA only unless told
         model.generation_config.compile_config = cc
         model.generation_config.cache_implementation = "static"
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
 
     def run(b: int, n: int) -> Any:
         with torch.no_grad():

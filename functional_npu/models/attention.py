@@ -212,8 +212,14 @@ def output_projection(attn: torch.Tensor, w: Any, mesh: Mesh, *, tp: str, axes: 
     return all_reduce(reduce_scatter(y, mesh, axes), mesh, tp)
 
 
-def init_kv(cfg: GroupedQuery, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, tp: str) -> list[KV]:
-    """A zeroed static KV cache: per layer ``(k, v)`` of shape ``[batch, local KV heads, max_seq_len, head_dim]``."""
+def init_kv(
+    cfg: GroupedQuery, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, device: Any = None, *, tp: str
+) -> list[KV]:
+    """A zeroed static KV cache on ``device``: per layer ``(k, v)`` of shape ``[batch, local KV heads, max_seq_len,
+    head_dim]``."""
     _, kv = local_heads(cfg, mesh.axis_size(tp))
     shape = (batch, kv, max_seq_len, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]

@@ -71,7 +71,7 @@ class Blocks:
         head: ``(params, x, mesh) -> logits [B, S, V]``.
         argmax: ``(params, x, mesh) -> greedy tokens [B, S]``: the head reduced to its argmax where the
             logits live, so a vocab-parallel head moves (max, index) pairs, not logits.
-        init_kv: ``(mesh, batch, max_seq_len, dtype) -> kv``: the attention kind's zeroed cache.
+        init_kv: ``(mesh, batch, max_seq_len, dtype, device) -> kv``: the attention kind's zeroed cache.
         eps: the pre-norms' epsilon (``attn_norm`` before attention, ``mlp_norm`` before the FFN; the post-norms'
             too).
         norm_offset: the norms' weight offset (:func:`~functional_npu.models.norm.rms_norm`'s; Gemma: 1).

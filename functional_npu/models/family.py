@@ -303,7 +303,15 @@ def forward(
 
 
 def init_state(
-    cfg: Any, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32, *, plan: Plan = Plan()
+    cfg: Any,
+    mesh: Mesh,
+    batch: int,
+    max_seq_len: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    plan: Plan = Plan(),
+    device: Any = None,
 ) -> DecodeState:
-    """A zeroed decode state: the KV cache for ``batch`` sequences of up to ``max_seq_len`` tokens, no prefetch."""
-    return DecodeState(family_of(cfg).blocks(cfg, plan).init_kv(mesh, batch, max_seq_len, dtype), [])
+    """A zeroed decode state on ``device``: the KV cache for ``batch`` sequences of up to ``max_seq_len`` tokens, no
+    prefetch."""
+    return DecodeState(family_of(cfg).blocks(cfg, plan).init_kv(mesh, batch, max_seq_len, dtype, device), [])

@@ -28,7 +28,7 @@ DeepSeek's interleaved pair layout (``rope_interleave``).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from einops import rearrange
@@ -221,7 +221,14 @@ def _absorbed(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, nh: int, dn: int)
 
 
 def init_kv(
-    cfg: LatentAttention, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, *, plan: Plan
+    cfg: LatentAttention,
+    mesh: Mesh,
+    batch: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    device: Any = None,
+    *,
+    plan: Plan,
 ) -> list[KV]:
     """A zeroed latent cache: per layer ``(c [batch, 1, max_seq_len, R], k_rot [batch, 1, max_seq_len, dr])``,
     the same on every tp rank (the latent is shared by all heads); with ``plan.mla_cache == "heads"`` this tp
@@ -233,4 +240,7 @@ def init_kv(
     else:
         c = (batch, 1, max_seq_len, cfg.kv_lora_rank)
         rot = (batch, 1, max_seq_len, cfg.qk_rope_head_dim)
-    return [(torch.zeros(c, dtype=dtype), torch.zeros(rot, dtype=dtype)) for _ in range(cfg.num_layers)]
+    return [
+        (torch.zeros(c, dtype=dtype, device=device), torch.zeros(rot, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]

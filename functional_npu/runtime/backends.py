@@ -58,6 +58,15 @@ class Backend:
     streams: Streams = field(default=INLINE, repr=False)  # ordering hints the forward puts in the graph
 
     @property
+    def captures(self) -> bool:
+        """Whether the compiled graphs are replayed as captured CUDA graphs (inductor's reduce-overhead and
+        max-autotune on CUDA): their inputs must keep their addresses and their outputs are overwritten by the
+        next replay."""
+        return (
+            self.name == "inductor" and self.device_type == "cuda" and self.mode in ("reduce-overhead", "max-autotune")
+        )
+
+    @property
     def kernels(self) -> str:
         """Whose quantized matmuls the weights are prepared for (:func:`functional_npu.models.linear.prepare`):
         ``"npu"`` (Ascend's, which torchair converts to their GE ops), ``"cpu"`` (torch's CPU kernels), or

@@ -130,6 +130,7 @@ def load_checkpoint(
     plan: Plan | None = None,
     *,
     dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
     progress: bool | None = None,
     on_read: Callable[[str, int], None] | None = None,
 ) -> dict[str, Any]:
@@ -150,6 +151,8 @@ def load_checkpoint(
         dtype: read floating weights in this dtype (default: the embedding's stored dtype, so a
             checkpoint holding a stray fp16 tensor among fp32 ones loads in one dtype). A quantized
             checkpoint's integer tensors keep theirs; its scales take this one.
+        device: where the params are put, each tensor as it is read (default: the CPU): ``"cuda"`` runs the
+            compiled model on the GPU.
         progress: a progress bar (tqdm, on stderr) on rank 0; default: when stderr is a terminal.
         on_read: called as ``on_read(tensor_name, bytes_read)`` for every slice read.
 
@@ -166,7 +169,20 @@ def load_checkpoint(
         several ranks (from ``make_mesh``: every rank calls it), the same error on every rank, since each rank's
         files may differ (:func:`~functional_npu.core.agree.agree`).
     """
-    return agreed(mesh, _load, path, mesh, plan, dtype, progress, on_read)
+    return agreed(mesh, _load, path, mesh, plan, dtype, device, progress, on_read)
+
+
+def _device(device: Any) -> torch.device:
+    """``device`` as a torch.device this process can allocate on; one line naming it otherwise."""
+    try:
+        out = torch.device("cpu" if device is None else device)
+        torch.empty(0, device=out)
+    except (RuntimeError, TypeError, AssertionError) as e:
+        raise ValueError(
+            f"load_checkpoint: device {device!r} is not usable here ({' '.join(str(e).split())[:160]}); "
+            f"pass 'cpu' or a device this machine has"
+        ) from None
+    return out
 
 
 def _load(
@@ -174,12 +190,14 @@ def _load(
     mesh: Mesh,
     plan: Plan | None,
     dtype: torch.dtype | None,
+    device: Any,
     progress: bool | None,
     on_read: Callable[[str, int], None] | None,
 ) -> dict[str, Any]:
     """:func:`load_checkpoint` on this rank alone."""
     root = Path(path)
     dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
+    device = _device(device)
     plan = Plan() if plan is None else plan
     wanted = _check_plan(root, mesh, plan)
     plan = resolved(wanted.cfg, plan)  # the series as leaves
@@ -187,7 +205,8 @@ def _load(
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
-    loaded = _read_leaves(ckpt, wanted, mesh, _not_owned(wanted, mesh, layer_shard), dtype or stored_dtype, show)
+    skip = _not_owned(wanted, mesh, layer_shard)
+    loaded = _read_leaves(ckpt, wanted, mesh, skip, dtype or stored_dtype, device, show)
     quant = {"quant": wanted.quant} if wanted.quant else {}
     quant["plan"] = plan
     if layer_shard is None:
@@ -325,16 +344,24 @@ def _sizes(cfg: Any) -> str:
 
 # ---- read -------------------------------------------------------------------------------------
 def _read_leaves(
-    ckpt: _Checkpoint, wanted: _Wanted, mesh: Mesh, skip: set[str], dtype: torch.dtype | None, show: bool
+    ckpt: _Checkpoint,
+    wanted: _Wanted,
+    mesh: Mesh,
+    skip: set[str],
+    dtype: torch.dtype | None,
+    device: torch.device,
+    show: bool,
 ) -> dict[str, torch.Tensor]:
-    """This coordinate's shard of every leaf not in ``skip``, converted to ``dtype``; progress on stderr if ``show``."""
+    """This coordinate's shard of every leaf not in ``skip``, converted to ``dtype`` and put on ``device``; progress on
+    stderr if ``show``."""
     loaded: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(wanted.leaves), desc=f"loading {ckpt.root.name}", unit="tensor", disable=not show)
     with bar:
         for p in wanted.leaves:
             if p not in skip:
                 x = _read_leaf(ckpt, wanted, p, mesh)
-                loaded[p] = x.to(dtype) if dtype is not None and x.is_floating_point() else x
+                x = x.to(dtype) if dtype is not None and x.is_floating_point() else x
+                loaded[p] = x.to(device)
             bar.update()
     return loaded
 
@@ -413,7 +440,8 @@ def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, 
     def empty(sub: str, m: torch.Tensor) -> torch.Tensor:  # more ranks on the axis than layers: none held
         path = f"layers.0.{leaf}.{sub}" if sub else f"layers.0.{leaf}"
         shape = local_shape(m.shape, wanted.layouts[path], mesh, path=path)
-        return torch.empty((0, *shape), dtype=loaded["embed"].dtype if m.is_floating_point() else m.dtype)
+        dtype = loaded["embed"].dtype if m.is_floating_point() else m.dtype
+        return torch.empty((0, *shape), dtype=dtype, device=loaded["embed"].device)
 
     series = {}
     for leaf in leaves:

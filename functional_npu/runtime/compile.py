@@ -85,10 +85,17 @@ class CompiledModel:
     )
     # loaded params -> the forms the graphs read (quantized kernels' forms, streamed linears), as compile_model did
     _prepare: Callable[[dict], dict] = field(default=lambda params: params, repr=False, compare=False)
+    # a captured backend's KV cache, one per batch bucket: a captured graph reads its inputs at fixed addresses
+    _kv: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def config(self) -> Any:
         return self.params["config"]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the params are, and so the graphs run (``load_checkpoint(device=...)``)."""
+        return self.params["embed"].device
 
     @property
     def prefetch_step(self) -> int:
@@ -120,9 +127,13 @@ class CompiledModel:
                     f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs a state from "
                     f"new_state(): {e}"
                 ) from None
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         try:
             with torch.no_grad(), self._recompiles:
-                return (forward or self.forward)(self.params, tokens, positions, state, self.mesh)
+                if not self.backend.captures:
+                    return (forward or self.forward)(self.params, tokens, positions, state, self.mesh)
+                torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
+                return (forward or self.forward)(self.params, tokens, positions, state, self.mesh).clone()
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(
                 f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}"
@@ -143,10 +154,20 @@ class CompiledModel:
         """A fresh decode state for a batch bucket (``batch`` is rounded up to a bucket): a zeroed KV
         cache and, with layer-sharded params, the prefetch ring (``k + 1`` slots, layers ``0 .. k-1`` issued now).
 
-        All ranks of the series axis must make the same sequence of calls.
+        On a backend that captures graphs (inductor's CUDA graphs) the KV cache of a bucket is one buffer at a fixed
+        address, zeroed by each ``new_state``, as a captured graph replays on the addresses it was captured with: a
+        state from an earlier ``new_state`` of the same bucket is then this one. All ranks of the series axis must
+        make the same sequence of calls.
         """
         b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
-        state = init_state(self.config, self.mesh, b, self.max_seq_len, self.params["embed"].dtype, plan=self.plan)
+        state = self._kv.get(b) if self.backend.captures else None
+        if state is None:
+            dtype = self.params["embed"].dtype
+            state = init_state(self.config, self.mesh, b, self.max_seq_len, dtype, plan=self.plan, device=self.device)
+        if self.backend.captures:
+            for t in (t for layer in state.kv for t in layer):
+                torch._dynamo.mark_static_address(t.zero_())
+            self._kv[b] = state
         return state._replace(prefetched=prefetch.start(self.params, self.mesh, self.prefetch_step))
 
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
@@ -158,7 +179,7 @@ class CompiledModel:
         if len(prompts) > b:
             raise ValueError(f"prefill: {len(prompts)} prompts do not fit a cache of batch {b}")
         s = self._bucket(self.prefill_lengths, width, "prompt length", "prefill_lengths")
-        tokens = torch.zeros(b, s, dtype=torch.long)
+        tokens = torch.zeros(b, s, dtype=torch.long)  # built here, moved to the params' device once
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.as_tensor(p)
         logits = self._run("prefill", tokens, torch.arange(s).expand(b, s), state)

@@ -80,7 +80,12 @@ def sampler(
     check_sampling(temperature, top_k, top_p, seed)
     if temperature == 0:
         return lambda logits: logits.argmax(-1)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gens: dict[torch.device, torch.Generator] = {}  # one seeded generator on the logits' device
+
+    def generator(device: torch.device) -> torch.Generator | None:
+        if seed is not None and device not in gens:
+            gens[device] = torch.Generator(device).manual_seed(seed)
+        return gens.get(device)
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float() / temperature
@@ -92,7 +97,7 @@ def sampler(
             probs = sorted_logits.softmax(-1)
             drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix with mass >= top_p
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator(logits.device))[:, 0]
 
     return sample
 

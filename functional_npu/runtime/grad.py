@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from ..core.collectives import all_reduce
 from ..core.mesh import Mesh
@@ -49,7 +48,7 @@ def logits(params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "
     on a fresh cache of ``S`` slots (so training and inference run the same code)."""
     cfg, plan = params["config"], params.get("plan") or Plan()
     b, s = tokens.shape
-    state = pytree.tree_map(lambda t: t.to(tokens.device), init_state(cfg, mesh, b, s, _dtype(params), plan=plan))
+    state = init_state(cfg, mesh, b, s, _dtype(params), plan=plan, device=tokens.device)
     positions = torch.arange(s, device=tokens.device).expand(b, s)
     return forward(params, tokens, positions, state, mesh, attention=attention, plan=plan, differentiable=True)
 

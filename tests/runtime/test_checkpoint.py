@@ -77,6 +77,13 @@ def test_dtype_conversion(base, dtype):
     assert params["config"].architecture == "Qwen2ForCausalLM"
 
 
+def test_params_are_put_on_the_device_asked_for(base):
+    params = load_checkpoint(base, Mesh.abstract({"tp": 2}, 0), device="meta")  # every leaf, none read twice
+    assert {x.device.type for _, x in flatten_with_paths(params)} == {"meta"}
+    with pytest.raises(ValueError, match=r"^load_checkpoint: device 'gpu0' is not usable here \(.*\); pass 'cpu'"):
+        load_checkpoint(base, Mesh.abstract({"tp": 2}, 0), device="gpu0")
+
+
 def test_progress_is_a_bar_on_rank_0_only(base, capsys):
     load_checkpoint(base, Mesh.abstract({"tp": 2}, 1), progress=True)
     assert capsys.readouterr().err == ""

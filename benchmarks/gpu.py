@@ -1,0 +1,237 @@
+"""The GPU script: ``python -m benchmarks gpu [--json FILE] [--repeat N] [--deadline S] [--no-tests]``.
+
+One command for a machine with one NVIDIA GPU, run from the repository root with the torch that machine has (the
+package is imported from the tree, nothing is installed, nothing is downloaded). Within ``--deadline`` seconds
+(default 420) it
+
+1. records the machine (GPU, torch, CUDA, transformers);
+2. samples the **roofline**: a plain streaming read over a 2 GiB buffer (bytes/s) and a matrix product's peak at
+   8192^3 in float32 and bfloat16 (FLOP/s), each the best of 10 timed with CUDA events;
+3. runs the **tests that need CUDA** (``tests/cuda``: params loaded onto the GPU, prefill and decode compiled with
+   inductor and captured as CUDA graphs, tokens equal to transformers' on the same GPU, graphs replayed with no
+   re-recording, skip or recompile, seeded sampling) in a pytest subprocess;
+4. runs the **scoreboard**: the benchmarks' 70.5M-parameter Qwen3-style model (:data:`benchmarks.configs.FULL`)
+   in fp32 and bf16 at batches 1, 8 and 32, this library in its default configuration on CUDA (``compile_model``
+   with no mode: inductor with CUDA graphs) against transformers' ``generate`` compiled with a static cache (its
+   own default compile on CUDA, CUDA graphs too), in interleaved rounds (:func:`benchmarks.timing.interleaved`),
+   the read bandwidth sampled between rounds. Each cell's share is of ``max(bytes / read, FLOPs / peak)`` for
+   one step (weights, plus the KV cache it reads; 2 FLOPs per weight and token plus attention's), and the term
+   that binds is named.
+
+The JSON is rewritten after every phase, so a run cut short keeps what it measured. Without CUDA it says so in
+one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functional_npu.core.mesh import Mesh
+
+from .configs import FULL
+from .formats import decode_bytes, fnpu_runner, transformers_runner, write_formats
+from .timing import interleaved, ratio, stats
+
+__all__ = ["main", "gpu_cells", "step_floor"]
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCHES = (1, 8, 32)
+FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PROMPT = 32
+
+
+def _events_seconds(fn: Any, repeat: int = 10) -> float:
+    """The fastest of ``repeat`` timings of ``fn()`` with CUDA events (after one untimed call)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def read_bandwidth(gib: int = 2) -> float:
+    """Bytes/s of a plain streaming read on the GPU: a sum over a float32 buffer of ``gib`` GiB."""
+    x = torch.rand(gib * 2**28, device="cuda")
+    return x.numel() * 4 / _events_seconds(x.sum)
+
+
+def gemm_peak(dtype: torch.dtype, n: int = 8192) -> float:
+    """FLOP/s of an ``n``-cubed matrix product of random ``dtype`` operands."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+    return 2 * n**3 / _events_seconds(lambda: a @ b)
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "multiprocessors": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+    }
+
+
+def run_tests(timeout: float) -> dict[str, Any]:
+    """``pytest tests/cuda`` in a subprocess: its exit code, summary line and output's tail."""
+    cmd = [sys.executable, "-m", "pytest", "tests/cuda", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfEs"]
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        code, out = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else ""
+    lines = [x for x in out.splitlines() if x.strip()]
+    return {"exit": code, "summary": lines[-1] if lines else "", "seconds": time.perf_counter() - t0,
+            "tail": "\n".join(lines[-60:])}  # fmt: skip
+
+
+def step_floor(nbytes: float, flops: float, read: float, peak: float) -> tuple[float, str]:
+    """The least time one decode step can take, and the term that binds: ``max(bytes / read, FLOPs / peak)``."""
+    memory, compute = nbytes / read, flops / peak
+    return (memory, "memory") if memory >= compute else (compute, "compute")
+
+
+def _step_cost(cfg: Any, weight_bytes: int, elem: int, b: int, new: int) -> tuple[float, float]:
+    """(bytes, FLOPs) of one decode step at batch ``b``: the weights once and each sequence's KV cache at the mean
+    context, 2 FLOPs per weight and token, and attention's ``4 * layers * heads * head_dim * context`` per token."""
+    ctx = PROMPT + new / 2
+    kv = b * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * ctx * elem
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
+    return weight_bytes + kv, b * (2 * weight_bytes / elem + attn)
+
+
+def gpu_cells(fmt: str, decode: dict, cost: dict, reads: list[float], peak: float) -> dict[str, Any]:
+    """Each batch of one format: our tok/s, the share of the memory-and-compute roofline and the ratio to
+    transformers compiled, round by round; the binding term."""
+    out = {}
+    for b, ours in decode[f"fnpu_{fmt}"].items():
+        nbytes, flops = cost[b]
+        floors = [step_floor(nbytes, flops, r, peak) for r in reads]
+        roof = [int(b) / t for t, _ in floors]
+        out[b] = {
+            "tok_s": stats(ours),
+            "roofline_tok_s": stats(roof),
+            "share_of_roofline": ratio(ours, roof),
+            "binds": floors[0][1],
+            "peers": {f"hf_{fmt}": ratio(ours, decode[f"hf_{fmt}"][b])},
+            "step_bytes": nbytes,
+            "step_flops": flops,
+        }
+    return out
+
+
+def scoreboard_format(
+    fmt: str, path: Path, repeat: int, new: int, peak: float, log: Any, device: str = "cuda"
+) -> dict[str, Any]:
+    """One format's interleaved rounds: ours against transformers compiled, the read bandwidth between rounds."""
+    prompt = [(7 * i) % FULL.vocab_size for i in range(1, PROMPT + 1)]
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    ours, model = fnpu_runner(path, mesh, prompt, new, batch_sizes=BATCHES, device=device)
+    hf = transformers_runner(path, prompt, FORMATS[fmt], compile_config={}, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    systems = {f"fnpu_{fmt}": ours, f"hf_{fmt}": lambda b, n: (hf(b, n), sync())}
+    t0 = time.perf_counter()
+    for name, run in systems.items():
+        for b in BATCHES:
+            run(b, new)
+            run(b, 1)
+        log(f"  gpu: {name} built and warm ({time.perf_counter() - t0:.0f} s)")
+    reads = [read_bandwidth()]
+    runs = interleaved(systems, BATCHES, new, PROMPT, repeat, lambda r: reads.append(read_bandwidth()))
+    decode = {s: {str(b): v["decode"] for b, v in per.items()} for s, per in runs.items()}
+    elem = FORMATS[fmt].itemsize
+    cost = {str(b): _step_cost(FULL, decode_bytes(model.params), elem, b, new) for b in BATCHES}
+    round_read = [(a + b) / 2 for a, b in zip(reads, reads[1:])]
+    return {
+        "systems": {name: {b: stats(v) for b, v in per.items()} for name, per in decode.items()},
+        "decode_runs": decode,
+        "read_gb_s": stats([r / 1e9 for r in reads]),
+        "cells": gpu_cells(fmt, decode, cost, round_read, peak),
+        "build_s": time.perf_counter() - t0,
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "gpu.json"), help="where the JSON goes")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved rounds per format (default 5)")
+    p.add_argument("--deadline", type=float, default=420.0, help="seconds the whole run may take (default 420)")
+    p.add_argument("--new", type=int, default=32, help="new tokens per generate (default 32)")
+    p.add_argument("--no-tests", action="store_true", help="skip tests/cuda")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if not torch.cuda.is_available():
+        print("python -m benchmarks gpu: no CUDA GPU here (torch.cuda.is_available() is False); run it on a "
+              "machine with one NVIDIA GPU", file=sys.stderr)  # fmt: skip
+        return 2
+    t0, out = time.perf_counter(), Path(args.json)
+    res: dict[str, Any] = {"environment": environment(), "settings": vars(args) | {"batches": list(BATCHES)}}
+
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+
+    res["roofline"] = {"read_gb_s": read_bandwidth() / 1e9}
+    res["roofline"] |= {f"gemm_tflops_{f}": gemm_peak(dt) / 1e12 for f, dt in FORMATS.items()}
+    print(f"gpu: {res['environment']}\n  roofline: {res['roofline']}", flush=True)
+    save()
+    if not args.no_tests:
+        res["tests"] = run_tests(timeout=max(60.0, 0.4 * args.deadline))
+        print(f"  tests/cuda: exit {res['tests']['exit']}: {res['tests']['summary']}", flush=True)
+        save()
+    res["decode"], res["skipped"] = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_formats(FULL, Path(tmp))
+        for fmt in FORMATS:
+            left = args.deadline - (time.perf_counter() - t0)
+            if left < 60:
+                res["skipped"][fmt] = f"deadline: {left:.0f} s left"
+                continue
+            peak = res["roofline"][f"gemm_tflops_{fmt}"] * 1e12
+            try:
+                res["decode"][fmt] = scoreboard_format(fmt, paths[fmt], args.repeat, args.new, peak, _log)
+            except Exception as e:  # noqa: BLE001 - one format's failure is recorded, the next still runs
+                res["skipped"][fmt] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
+            save()
+            _print_cells(fmt, res)
+    res["seconds"] = time.perf_counter() - t0
+    save()
+    return 0 if res.get("tests", {}).get("exit", 0) == 0 and not res["skipped"] else 1
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _print_cells(fmt: str, res: dict[str, Any]) -> None:
+    if fmt not in res["decode"]:
+        print(f"  {fmt}: not run ({res['skipped'].get(fmt)})", flush=True)
+        return
+    for b, c in res["decode"][fmt]["cells"].items():
+        peer = next(iter(c["peers"].values()))
+        print(f"  {fmt} b={b}: {c['tok_s']['median']:.0f} tok/s, {c['share_of_roofline']['median']:.1%} of the "
+              f"roofline ({c['binds']}), {peer['median']:.2f}x transformers compiled", flush=True)  # fmt: skip
