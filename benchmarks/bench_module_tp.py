@@ -23,10 +23,10 @@ from pathlib import Path
 
 from functional_npu import Plan, compile_model, flatten_with_paths, load_checkpoint, split_dp
 from functional_npu.models.llama import init_params
-from functional_npu.runtime.compile import cache_length
-from functional_npu.runtime.generate import Lockstep
 from functional_npu.runtime.launch import LocalWorld
-from functional_npu.runtime.save import save_checkpoint
+from functional_npu.runtime.loading.save import save_checkpoint
+from functional_npu.runtime.serving.compile import cache_length
+from functional_npu.runtime.serving.generate import Lockstep
 
 from . import timing
 from .configs import FULL, QUICK

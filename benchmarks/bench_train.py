@@ -98,7 +98,7 @@ def _imports() -> None:
     import transformers  # noqa: F401
     import transformers.distributed  # noqa: F401
 
-    import functional_npu.runtime.train_step  # noqa: F401
+    import functional_npu.runtime.training.train_step  # noqa: F401
 
 
 def _agreed(ok: bool) -> bool:

@@ -34,11 +34,11 @@ from functional_npu.core.reshard import plan_reshard, reshard
 from functional_npu.core.shard import shard
 from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import family_of
-from functional_npu.runtime.checkpoint import load_checkpoint
-from functional_npu.runtime.compile import cache_length, compile_model
-from functional_npu.runtime.hf_layout import stored_tensors
+from functional_npu.placement.check import check_plan
+from functional_npu.placement.hf_layout import stored_tensors
 from functional_npu.runtime.launch import RankContext
-from functional_npu.runtime.plan import check_plan
+from functional_npu.runtime.loading.checkpoint import load_checkpoint
+from functional_npu.runtime.serving.compile import cache_length, compile_model
 
 from .counting import ReceivedBytes, need_of_layouts
 from .formats import fnpu_runner

@@ -7,8 +7,8 @@ the decode step each one really takes.
 Seven of the planner's own candidates for 4 devices (plain DP, tp 2 and 4, lm_head and mlp TP over the dp
 ranks, o_proj/down_proj layer-sharded at k = 1 and k = 2) are loaded and compiled on 4 local gloo ranks, then
 timed in interleaved rounds (A B C ... A B C ...): the step is ``(T(N new) - T(1 new)) / (N - 1)`` on the slowest
-rank. Each candidate's modelled step is :func:`functional_npu.runtime.planner.estimate` on this machine's profile
-(:func:`functional_npu.runtime.host_profile.host_device`, measured now with 4 ranks). The report: each
+rank. Each candidate's modelled step is :func:`functional_npu.runtime.planning.estimate` on this machine's profile
+(:func:`functional_npu.runtime.planning.host_device`, measured now with 4 ranks). The report: each
 candidate's measured median and spread, its modelled step and the model's error, Kendall's tau between the
 modelled and the measured ranking, and how far the planner's choice is from the best measured plan.
 """
@@ -29,12 +29,12 @@ import torch
 from functional_npu import compile_model, load_checkpoint
 from functional_npu.models.llama import init_params
 from functional_npu.parallel.module_tp import dp_axes
-from functional_npu.runtime.compile import cache_length
-from functional_npu.runtime.generate import Lockstep
-from functional_npu.runtime.host_profile import host_device
 from functional_npu.runtime.launch import LocalWorld
-from functional_npu.runtime.planner import Candidate, Workload, candidates, estimate
-from functional_npu.runtime.save import save_checkpoint
+from functional_npu.runtime.loading.save import save_checkpoint
+from functional_npu.runtime.planning.choose import Candidate, Workload, candidates, estimate
+from functional_npu.runtime.planning.host_profile import host_device
+from functional_npu.runtime.serving.compile import cache_length
+from functional_npu.runtime.serving.generate import Lockstep
 
 from . import timing
 from .configs import FULL, QUICK

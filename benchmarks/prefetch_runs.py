@@ -37,9 +37,9 @@ from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
 from functional_npu.parallel.plan import Plan
 from functional_npu.parallel.prefetch import coalesced, drain
 from functional_npu.parallel.prefetch_cost import layer_bytes
-from functional_npu.runtime.checkpoint import load_checkpoint
-from functional_npu.runtime.compile import CompiledModel, compile_model
 from functional_npu.runtime.launch import LocalWorld, RankContext, watch_parent
+from functional_npu.runtime.loading.checkpoint import load_checkpoint
+from functional_npu.runtime.serving.compile import CompiledModel, compile_model
 
 from .shaped_link import rate_for, set_rate
 from .timing import rounds

@@ -23,11 +23,11 @@ from .core.tree import check_structure, flatten_with_paths, map_with_path, tree_
 from .parallel.layer_shard import LayerShard, layer_shard
 from .parallel.module_tp import ModuleTP, split_dp
 from .parallel.plan import Plan
-from .runtime.checkpoint import load_checkpoint, read_config
-from .runtime.compile import CompiledModel, compile_model, greedy_generate
-from .runtime.plan import check_plan, plan_table
-from .runtime.planner import Workload, choose_plan
-from .runtime.train_state import from_dtensor_state
+from .placement.check import check_plan, plan_table
+from .runtime.loading.checkpoint import load_checkpoint, read_config
+from .runtime.loading.dtensor_state import from_dtensor_state
+from .runtime.planning.choose import Workload, choose_plan
+from .runtime.serving.compile import CompiledModel, compile_model, greedy_generate
 
 __version__ = "0.1.0"
 

@@ -1,8 +1,9 @@
 """Expert-parallel load balancing: redundant expert slots, balanced placements, and the planned moves that
-rebalance a running model's experts (:mod:`functional_npu.parallel.eplb`,
+rebalance a running model's experts (:mod:`functional_npu.parallel.eplb_map`,
 :mod:`functional_npu.parallel.eplb_balance`)."""
 
-from .parallel.eplb import (
+from .parallel.eplb_balance import balanced_placement
+from .parallel.eplb_map import (
     Move,
     RankProgram,
     RebalancePlan,
@@ -13,7 +14,6 @@ from .parallel.eplb import (
     routing_table,
     validate_placement,
 )
-from .parallel.eplb_balance import balanced_placement
 
 __all__ = [
     "validate_placement",

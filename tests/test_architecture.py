@@ -1,5 +1,5 @@
-"""The package's folders are its layers: imports run one way, core <- parallel <- models <- interop, runtime <- cli
-(and npu, which reads converted graphs with core and parallel, <- cli). The applications (benchmarks/, tools/) sit
+"""The package's folders are its layers: imports run one way, core <- parallel <- models <- interop, placement <-
+runtime <- cli (and npu, which reads converted graphs with core and parallel, <- cli). The applications (benchmarks/, tools/) sit
 outside it: the package imports nothing of theirs, and no modules import each other in a circle."""
 
 import ast
@@ -15,10 +15,12 @@ ALLOWED = {
     "parallel": {"core", "parallel"},
     "models": {"core", "parallel", "models"},
     "interop": {"core", "parallel", "models", "interop"},
-    "runtime": {"core", "parallel", "models", "runtime"},
+    # a plan checked against a model and a mesh: the layouts, the stored tensors, the quantized leaves
+    "placement": {"core", "parallel", "models", "placement"},
+    "runtime": {"core", "parallel", "models", "placement", "runtime"},
     # torchair's and npugraph_ex's conversions on this host, checked with the ring's hazard check (parallel)
     "npu": {"core", "parallel", "npu"},
-    "cli": {"core", "parallel", "models", "interop", "runtime", "npu", "cli"},
+    "cli": {"core", "parallel", "models", "interop", "placement", "runtime", "npu", "cli"},
 }
 
 

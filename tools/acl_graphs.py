@@ -2,8 +2,8 @@
 
 Every case of :mod:`tools.aten_graphs` is compiled with npugraph_ex's backend (what
 ``torch.compile(backend="npugraph_ex")`` runs; this library's config,
-:func:`functional_npu.runtime.backends.npugraph_ex_config`) and the backend's ordering hints
-(:func:`functional_npu.runtime.backends.npugraph_ex_streams`), rank 0 of a world of torch's fake process
+:func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) and the backend's ordering hints
+(:func:`functional_npu.runtime.serving.backends.npugraph_ex_streams`), rank 0 of a world of torch's fake process
 group, from CPU inputs standing in for NPU ones (meta inputs make inductor's pattern matcher, which
 npugraph_ex's ``decompose_auto_functionalized`` uses, skip every node). Conversion ends where npugraph_ex
 would start capturing (:mod:`functional_npu.npu.acl_graph`); that graph is the artifact:
@@ -51,8 +51,8 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from functional_npu.models import forward
-    from functional_npu.runtime.backends import npugraph_ex_config, npugraph_ex_streams
     from functional_npu.runtime.launch import RankContext
+    from functional_npu.runtime.serving.backends import npugraph_ex_config, npugraph_ex_streams
 
     hints = npugraph_ex_streams()
     cases = [c for c in CASES if (not names or c.name in names) and c.phase != "train"]  # forwards only

@@ -41,13 +41,13 @@ from functional_npu.parallel.layer_shard import layer_shard, series_specs, stack
 from functional_npu.parallel.module_tp import split_dp
 from functional_npu.parallel.plan import Plan
 from functional_npu.parallel.streams import INLINE, Streams
-from functional_npu.runtime.grad import token_logprobs
+from functional_npu.placement.check import resolved
+from functional_npu.placement.quant_config import QuantConfig
+from functional_npu.placement.quant_layouts import quantize_plan
 from functional_npu.runtime.launch import RankContext
-from functional_npu.runtime.optim import AdamW
-from functional_npu.runtime.plan import resolved
-from functional_npu.runtime.quant_config import QuantConfig
-from functional_npu.runtime.quant_plan import quantize_plan
-from functional_npu.runtime.train_step import compile_train_step
+from functional_npu.runtime.training.grad import token_logprobs
+from functional_npu.runtime.training.optim import AdamW
+from functional_npu.runtime.training.train_step import compile_train_step
 
 __all__ = [
     "GRAPH_CONFIGS",

@@ -3,7 +3,7 @@
 Every case of :mod:`tools.aten_graphs` is compiled with ``torch.compile(backend=
 torchair.get_npu_backend())`` in GE graph mode (max-autotune), from meta inputs (so every input's
 placement reads ``NPU``, as on a device), with the torchair backend's ordering hints
-(:func:`functional_npu.runtime.backends.torchair_streams`), rank 0 of a two-rank world of torch's
+(:func:`functional_npu.runtime.serving.backends.torchair_streams`), rank 0 of a two-rank world of torch's
 fake process group. Conversion ends where torchair hands the serialized graph to GE
 (:mod:`functional_npu.npu.host`); that graph is the artifact:
 
@@ -46,14 +46,14 @@ FIXES = (
 # ---- in the conversion subprocess ---------------------------------------------------------------
 def convert(fn: Any, args: tuple[Any, ...], *, ordered: bool = True) -> Any:
     """Compile ``fn(*args)`` with torchair's backend (GE graph mode), configured as the torchair backend is
-    (:func:`functional_npu.runtime.ge_converters.configure`; ``ordered=False``: the ring's writes lose their
+    (:func:`functional_npu.runtime.serving.ge_converters.configure`; ``ordered=False``: the ring's writes lose their
     ``after``), and return the GE GraphDef it hands to GE. Run only in a process set up by
     :func:`functional_npu.npu.host.install`."""
     import torch
     import torchair  # type: ignore[import-not-found]
 
     from functional_npu.npu import host
-    from functional_npu.runtime.ge_converters import configure
+    from functional_npu.runtime.serving.ge_converters import configure
 
     config = configure(torchair.CompilerConfig(), ordered=ordered)  # the ring in place, as the backend has it
     config.mode = "max-autotune"
@@ -134,9 +134,9 @@ def _run(sources: Path, out: Path) -> None:
     from torchair._ge_concrete_graph.ge_ir_pb2 import DataType  # type: ignore[import-not-found]
 
     from functional_npu.parallel.streams import INLINE
-    from functional_npu.runtime import ge_converters  # noqa: F401 - registers the converters of this library's ops
-    from functional_npu.runtime.backends import torchair_streams
     from functional_npu.runtime.launch import RankContext
+    from functional_npu.runtime.serving import ge_converters  # noqa: F401 - registers the converters of this library's ops
+    from functional_npu.runtime.serving.backends import torchair_streams
 
     hints = torchair_streams()
     results: dict[str, Any] = {}

@@ -32,7 +32,7 @@ from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes
 from ..runtime.launch import LocalWorld, RankContext
-from ..runtime.save import save_checkpoint
+from ..runtime.loading.save import save_checkpoint
 from .errors import WORLD_ERRORS, world_failed
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
 from .scratch import scratch_dir
@@ -60,8 +60,8 @@ DEMO_QUANT = {"int8": Quant(8, "channel"), "int4": Quant(4, "group", group_size=
 def held_bytes(ctx: RankContext, model_dir: str, tp: int) -> tuple[int, int]:
     """(bytes of this rank's weights as the compiled model holds them, of the same weights in fp32)."""
     from ..core.mesh import Mesh
-    from ..runtime.checkpoint import load_checkpoint
-    from ..runtime.compile import compile_model
+    from ..runtime.loading.checkpoint import load_checkpoint
+    from ..runtime.serving.compile import compile_model
 
     mesh = Mesh.abstract({"dp": 1, "tp": tp}, ctx.rank)
     model = compile_model(load_checkpoint(model_dir, mesh), mesh, backend="none")
@@ -78,8 +78,8 @@ def layer_sharded_on_rank(
     from torch._inductor.utils import run_and_get_code
 
     from ..parallel.prefetch import coalesced, drain
-    from ..runtime.checkpoint import load_checkpoint
-    from ..runtime.compile import compile_model
+    from ..runtime.loading.checkpoint import load_checkpoint
+    from ..runtime.serving.compile import compile_model
 
     plan = Plan(layer_shard=layer_shard(DEMO_SERIES, "dp"), prefetch_step=1)
     axes = {"dp": ctx.world_size, "tp": 1}

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .args import positive, positive_number
-from .plan import add_parser as add_plan_parser
+from .plan_command import add_parser as add_plan_parser
 
 _seconds = positive_number("seconds")
 
@@ -196,10 +196,10 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
     from ..parallel.layer_shard import layer_shard
     from ..parallel.module_tp import MODULES, split_dp
     from ..parallel.plan import Plan
-    from ..runtime.backends import resolve_backend
-    from ..runtime.checkpoint import read_config, read_quant
-    from ..runtime.generate import check_length, check_sampling, check_token_ids
-    from ..runtime.plan import check_plan
+    from ..placement.check import check_plan
+    from ..runtime.loading.checkpoint import read_config, read_quant
+    from ..runtime.serving.backends import resolve_backend
+    from ..runtime.serving.generate import check_length, check_sampling, check_token_ids
 
     model = Path(args.model)
     sizes = {m: getattr(args, f"{m}_tp") for m in MODULES if getattr(args, f"{m}_tp") > 1}
@@ -282,7 +282,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         flags |= {"top_p": "--top-p", "seed": "--seed"}
         parser.error(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(e)))
     if args.plan_from is not None:  # the planner's (or a plan file's) mesh and plan replace the flags'
-        from .plan import plan_for_generate
+        from .plan_command import plan_for_generate
 
         try:
             quant = read_quant(model)
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.command == "plan":
-        from .plan import run_plan
+        from .plan_command import run_plan
 
         return run_plan(args, parser)
     if args.command == "demo":

@@ -28,7 +28,7 @@ import torch
 from ..core.collectives import all_reduce
 from ..parallel.plan import Plan
 from ..runtime.launch import LocalWorld, RankContext
-from ..runtime.save import save_checkpoint
+from ..runtime.loading.save import save_checkpoint
 from .demo import DEMO_CONFIG, DEMO_MODEL
 from .errors import WORLD_ERRORS, world_failed
 from .scratch import scratch_dir
@@ -49,13 +49,13 @@ def reward(completion: list[int], vocab: int) -> float:
 
 def post_train_on_rank(ctx: RankContext, model_dir: str, seed: int) -> dict[str, Any]:
     """One round of the loop on this rank (see the module docstring); returns its measurements."""
-    from ..runtime.checkpoint import load_checkpoint
-    from ..runtime.compile import compile_model
-    from ..runtime.grad import token_logprobs
-    from ..runtime.optim import AdamW
-    from ..runtime.policy import group_advantages, grpo_loss, logprob_gap, policy_batch
-    from ..runtime.replan import plan_params_reshard, reshard_params
-    from ..runtime.train_step import compile_train_step
+    from ..runtime.loading.checkpoint import load_checkpoint
+    from ..runtime.serving.compile import compile_model
+    from ..runtime.training.grad import token_logprobs
+    from ..runtime.training.optim import AdamW
+    from ..runtime.training.policy import group_advantages, grpo_loss, logprob_gap, policy_batch
+    from ..runtime.training.train_step import compile_train_step
+    from ..runtime.training.weight_sync import plan_params_reshard, reshard_params
 
     mesh = ctx.mesh({"dp": 2, "tp": 1})
     rows = [p for p in PROMPTS for _ in range(GROUP)]

@@ -3,7 +3,7 @@
 Prompts are dealt to data-parallel ranks round-robin (prompt ``i`` to dp index ``i % dp``); the
 caller puts the results back in prompt order with :func:`in_prompt_order`. When ranks share
 collective steps across dp (the experts of an MoE model sharded over ``dp``, or weights layer-sharded
-over an axis) they run in lockstep (:class:`functional_npu.runtime.generate.Lockstep`).
+over an axis) they run in lockstep (:class:`functional_npu.runtime.serving.generate.Lockstep`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from tqdm import tqdm
 from ..core.mesh import Mesh
 from ..parallel.module_tp import dp_axes
 from ..parallel.plan import Plan
-from ..runtime.checkpoint import load_checkpoint
-from ..runtime.compile import cache_length, compile_model
-from ..runtime.generate import Lockstep
 from ..runtime.launch import RankContext
+from ..runtime.loading.checkpoint import load_checkpoint
+from ..runtime.serving.compile import cache_length, compile_model
+from ..runtime.serving.generate import Lockstep
 
 
 def _in_lockstep(mesh: Mesh, plan: Plan) -> bool:
@@ -52,14 +52,14 @@ def generate_on_rank(
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
-    ``backend``: any of :data:`functional_npu.runtime.backends.BACKENDS` (``"none"``: the plain forward);
-    ``mode``: its mode (default: the device's fastest, :func:`functional_npu.runtime.backends.resolve_backend`).
+    ``backend``: any of :data:`functional_npu.runtime.serving.backends.BACKENDS` (``"none"``: the plain forward);
+    ``mode``: its mode (default: the device's fastest, :func:`functional_npu.runtime.serving.backends.resolve_backend`).
     ``plan``: the parallel plan over ``axes`` (default ``Plan()``); every axis but ``plan.tp`` is data-parallel.
     A ``plan.prefetch_step`` of ``"auto"`` is the cost model's choice, reported as ``prefetch_step`` in the result.
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
     ``progress``: the loading and compiling bars on rank 0 (default: when stderr is a terminal).
     ``cache_dir``: where the compiled graphs are saved and loaded from (each rank in its own subdirectory; see
-    :func:`functional_npu.runtime.compile.compile_model`).
+    :func:`functional_npu.runtime.serving.compile.compile_model`).
     """
     mesh = ctx.mesh(axes)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0  # the bars, decided once

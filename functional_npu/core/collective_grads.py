@@ -1,6 +1,6 @@
 """The collectives' backward rules, written once: each collective's gradient is its transpose.
 
-A sharded forward is differentiated as the sum of every rank's loss (:mod:`functional_npu.runtime.grad` seeds
+A sharded forward is differentiated as the sum of every rank's loss (:mod:`functional_npu.runtime.training.grad` seeds
 each rank with ``1 / world`` of its loss, so the sum is the mean over the data-parallel groups). Under that
 reading each collective is a linear map between the ranks' values, and its gradient is the transpose of that
 map, which is again a collective:

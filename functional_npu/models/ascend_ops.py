@@ -3,7 +3,7 @@
 Each op is a ``torch.library`` custom op with a reference implementation (any device; on CPU the
 int8 matmul is ``aten._int_mm``) and a fake kernel, so a model that calls it runs, traces and
 compiles anywhere. Under torchair each becomes one GE op through the converters in
-:mod:`functional_npu.runtime.ge_converters`:
+:mod:`functional_npu.runtime.serving.ge_converters`:
 
 - :func:`quant_matmul` (``functional_npu::quant_matmul``) -> ``QuantBatchMatmulV3``: int8
   activations ``[M, K]`` times int8 weights ``[K, N]``, int32 accumulation, then a float32 scale
@@ -28,7 +28,7 @@ from ..core.quant import pack_int32, unpack_int32
 
 __all__ = ["quant_matmul", "weight_quant_matmul", "pack_int4", "unpack_int4", "CONVERTED"]
 
-# the ops :mod:`functional_npu.runtime.ge_converters` gives GE converters, as FX graphs name them
+# the ops :mod:`functional_npu.runtime.serving.ge_converters` gives GE converters, as FX graphs name them
 CONVERTED = (
     "functional_npu.quant_matmul.default",
     "functional_npu.weight_quant_matmul.default",

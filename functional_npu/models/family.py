@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..core.mesh import Mesh
-from ..parallel.eplb import EXPERT_LEAVES
+from ..parallel.eplb_map import EXPERT_LEAVES
 from ..parallel.layer_shard import LayerShard
 from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
 from ..parallel.streams import INLINE, Streams
@@ -56,7 +56,7 @@ class Megatron:
 
 @dataclass(frozen=True)
 class CostShape:
-    """What a cost model reads of a config beyond the params' layouts (:mod:`functional_npu.runtime.planner`).
+    """What a cost model reads of a config beyond the params' layouts (:mod:`functional_npu.runtime.planning.choose`).
 
     Attributes:
         hidden: the residual stream's width (each tensor-parallel reduction moves ``tokens x hidden``).
@@ -107,11 +107,11 @@ class Family:
         stacked: leaves whose dim 0 indexes experts, stored by HF as one tensor per expert ``{j}``.
         derived: leaf name -> function of the config giving a leaf that is computed, not stored.
         linears: leaves holding a linear layer's weight ``[..., out, in]`` (a quantized checkpoint may
-            store them quantized; see :mod:`functional_npu.runtime.quant_plan`).
+            store them quantized; see :mod:`functional_npu.placement.quant_layouts`).
         module_names: config -> {leaf: the name a transformers model's ``state_dict()`` holds it under, as one
             tensor of the leaf's full shape} where that differs from ``hf_names`` (transformers' fused experts).
         plan_fields: the plan fields this family reads beyond every family's (tp, module TP, layer sharding):
-            a plan setting another is refused (:func:`functional_npu.runtime.plan.check_plan`).
+            a plan setting another is refused (:func:`functional_npu.placement.check.check_plan`).
         layer_leaves: the per-layer leaves that can be layer-sharded, in series order (the order a layer's
             series travel in); ``series_aliases``: other names users give some of them (``down_proj``).
         megatron: the family's Megatron-Core names and layouts (``None``: not known).
@@ -282,7 +282,7 @@ def forward(
     :mod:`~functional_npu.models.decoder`'s. ``plan``: the params' (default ``params["plan"]``, else the
     default plan). ``streams`` are the compiler's ordering hints (:mod:`functional_npu.parallel.streams`;
     the backend supplies them). ``differentiable``: the forward a gradient is taken of (layer-sharded
-    weights by differentiable broadcasts; :mod:`functional_npu.runtime.grad`).
+    weights by differentiable broadcasts; :mod:`functional_npu.runtime.training.grad`).
 
     Example:
         >>> state = init_state(params["config"], mesh, batch=1, max_seq_len=64)     # doctest: +SKIP

@@ -354,7 +354,7 @@ def prepare_params(
     params: dict[str, Any], blocks: Any = None, target: str = "cpu", linears: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """``params`` with every stored quantized leaf (a dict of ``weight``/``weight_packed``, ``weight_scale``,
-    ...; see :mod:`functional_npu.runtime.quant_plan`) in its kernel's form for ``target`` (:func:`prepare`),
+    ...; see :mod:`functional_npu.placement.quant_layouts`) in its kernel's form for ``target`` (:func:`prepare`),
     for activations in the embedding's dtype, and every linear leaf named in ``linears`` in the form that
     streams fastest: on the CPU, dense leaves take their ``streamed`` form
     (:func:`prepare_dense`, values unchanged; ``linears`` empty: none, as ``compile_model`` asks for a model that

@@ -178,7 +178,7 @@ def install(dynamo_dir: Path) -> None:
 
 def capture(fn: Any, args: tuple[Any, ...], config: Any) -> dict[str, Any]:
     """Compile ``fn(*args)`` with npugraph_ex's backend under ``config`` (this library's:
-    :func:`functional_npu.runtime.backends.npugraph_ex_config`) and return what it hands to capture (see
+    :func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) and return what it hands to capture (see
     :func:`handed`). Run only in a process set up by :func:`install`."""
     import npugraph_ex  # type: ignore[import-not-found]
     from npugraph_ex import npu_fx_compiler  # type: ignore[import-not-found]

@@ -1,9 +1,9 @@
 """Device profiles: a device's roofline, memory and links, each figure with its source or marked assumed.
 
 A :class:`Device` is what the cost models read: :mod:`.prefetch_cost` (how far ahead to fetch layer-sharded
-weights) and the planner (:mod:`functional_npu.runtime.planner`, which plan is fastest and fits). The named
+weights) and the planner (:mod:`functional_npu.runtime.planning.choose`, which plan is fastest and fits). The named
 profiles in :data:`DEVICES` are published figures; ``host`` is this project's CI-class machine, measured
-(:mod:`functional_npu.runtime.host_profile` measures the machine it runs on, which then replaces it).
+(:mod:`functional_npu.runtime.planning.host_profile` measures the machine it runs on, which then replaces it).
 
 A collective over ``n`` ranks costs ``alpha + factor * payload / bandwidth`` (:meth:`Device.collective_s`):
 ``payload`` is the tensor the call is given (an all-gather's or reduce-scatter's full result), the
@@ -51,7 +51,7 @@ class Device:
         inter_node: the per-device link between nodes.
         measured: ``"collective/n"`` -> ``(alpha_s, seconds per payload byte)`` over groups of ``n`` ranks,
             measured in a world of ``measured_world`` ranks (replaces the alpha-beta formula for those groups; see
-            :mod:`functional_npu.runtime.host_profile`).
+            :mod:`functional_npu.runtime.planning.host_profile`).
         measured_world: the world size ``measured`` was taken at.
         assumed: the figures no source gives (named in reports).
         overlap: whether a collective runs beside compute (its own DMA engines and streams); on a CPU host whose

@@ -24,7 +24,7 @@ from ..core.layout import Block, Layout, fused, sharded
 from ..core.mesh import Axes, Mesh
 from ..core.shard import as_bits
 from ..core.tree import PyTree, flatten_with_paths, map_with_path
-from .eplb import EXPERT_LEAVES
+from .eplb_map import EXPERT_LEAVES
 
 __all__ = ["expert_layouts", "ep_to_tp", "tp_to_ep"]
 

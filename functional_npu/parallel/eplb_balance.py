@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .eplb import validate_placement
+from .eplb_map import validate_placement
 
 __all__ = ["balanced_placement"]
 

@@ -15,7 +15,7 @@ how the forward moves it, as JAX keeps ``NamedSharding(mesh, PartitionSpec)`` ap
 
 The plan is built once (in Python, from the CLI's flags, or from a dict / JSON file with
 :meth:`Plan.from_dict` / :meth:`Plan.from_json`), checked once against the model config and the mesh
-(:func:`functional_npu.runtime.plan.check_plan`), and passed to ``load_checkpoint``, ``compile_model``
+(:func:`functional_npu.placement.check.check_plan`), and passed to ``load_checkpoint``, ``compile_model``
 and ``from_dtensor_state``; loaded params carry it as ``params["plan"]``. A changed plan is
 ``dataclasses.replace(plan, field=value)`` (the one setter: values are normalized and checked on
 construction).

@@ -16,7 +16,7 @@ run with these hints, as torchair's multi-stream scopes do:
 
 :data:`INLINE` (every backend but torchair) adds nothing to the graph. The torchair backend supplies
 ``torchair.scope.npu_stream_switch`` and ``torchair.scope.npu_wait_tensor``; the npugraph_ex backend
-its ``_user_stream_label`` scope and tagged events (see :mod:`functional_npu.runtime.backends`).
+its ``_user_stream_label`` scope and tagged events (see :mod:`functional_npu.runtime.serving.backends`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ import torch.utils._pytree as pytree
 from tqdm import tqdm
 
 from ..core.mesh import Mesh, make_mesh
-from .inductor_cache import sweep
+from .serving.inductor_cache import sweep
 
 __all__ = ["LocalWorld", "RankContext", "RemoteError", "free_port", "watch_parent"]
 

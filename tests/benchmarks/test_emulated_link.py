@@ -48,7 +48,7 @@ def test_layer_sharded_decode_on_the_emulated_link(tmp_path):
     and the fraction of the communication left exposed."""
     from functional_npu.cli.demo import DEMO_CONFIG, DEMO_SERIES
     from functional_npu.models.llama import init_params
-    from functional_npu.runtime.save import save_checkpoint
+    from functional_npu.runtime.loading.save import save_checkpoint
 
     why = link_unavailable()
     if why is not None:

@@ -10,7 +10,7 @@ def test_formats_are_one_model_written_four_ways(tmp_path):
     from benchmarks.formats import FORMATS, decode_bytes, write_formats
     from functional_npu import Mesh
     from functional_npu.models.linear import prepare_params
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     cfg = dataclasses.replace(QUICK, num_layers=1, vocab_size=512)
     paths = write_formats(cfg, tmp_path)

@@ -27,7 +27,7 @@ def _peers(ctx, path, cfg):
 
 def test_reshard_against_redistribute_and_transformers_tp(world2, tiny):
     from benchmarks.peers import peers_report
-    from functional_npu.runtime.checkpoint import read_config
+    from functional_npu.runtime.loading.checkpoint import read_config
 
     path, want = tiny
     for peer, hf_tp_tokens, decode in world2.run(_peers, path, read_config(path)):

@@ -251,7 +251,7 @@ def test_an_error_raised_on_a_rank_reaches_the_command_line_whole(model, tmp_pat
 def int4_model(tmp_path_factory):
     """The tiny Qwen2 model as a compressed-tensors int4 checkpoint (groups of 32), written by save_checkpoint."""
     from functional_npu import Mesh, Quant, load_checkpoint
-    from functional_npu.runtime.save import save_checkpoint
+    from functional_npu.runtime.loading.save import save_checkpoint
 
     float_dir = tmp_path_factory.mktemp("qwen2-float")
     save_tiny("qwen2", float_dir, 3)

@@ -13,7 +13,7 @@ import torch
 
 from functional_npu import Mesh, compile_model, load_checkpoint
 from functional_npu.models import llama
-from functional_npu.runtime.save import save_checkpoint
+from functional_npu.runtime.loading.save import save_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m benchmarks gpu)")
 

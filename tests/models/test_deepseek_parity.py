@@ -76,7 +76,7 @@ def test_parity_ep2(world2, models):
 def _local_bytes(path, axes, rank, expert_axes=()):
     """The bytes of one rank's shards: what it must read, no more."""
     from functional_npu import Mesh, Plan, flatten_with_paths
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     local = load_checkpoint(path, Mesh.abstract(axes, rank), Plan(expert_axes=expert_axes))
     return sum(x.numel() * x.element_size() for p, x in flatten_with_paths(local) if not p.endswith("expert_map"))
@@ -129,8 +129,8 @@ def test_unsupported_options_are_refused_in_one_line(models, change, message):
 
 def test_a_tp_that_does_not_divide_the_heads_is_named(models):
     from functional_npu import Mesh, Plan
-    from functional_npu.runtime.checkpoint import read_config
-    from functional_npu.runtime.plan import check_plan
+    from functional_npu.placement.check import check_plan
+    from functional_npu.runtime.loading.checkpoint import read_config
 
     cfg = read_config(models["deepseek_v3"][0])
     with pytest.raises(ValueError, match=r"specs\['layers.0.q_b_proj'\].*'tp' \(size 8\)"):
@@ -167,7 +167,7 @@ def test_mtp_layers_are_left_unread_and_a_wrong_shape_names_the_sizes(models, tm
     from safetensors.torch import load_file, save_file
 
     from functional_npu import Mesh
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     src = Path(models["deepseek_v3"][0])
     state = load_file(src / "model.safetensors")

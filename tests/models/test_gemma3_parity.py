@@ -93,7 +93,7 @@ def test_each_trait_moves_the_logits(models, change):
     than the parity tolerance, so the parity tests check each of them."""
     from functional_npu import Mesh
     from functional_npu.models import forward, init_state
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     path, prompts, ref_logits, _ = models["gemma3"]
     mesh = Mesh.abstract({"tp": 1}, 0)
@@ -137,7 +137,7 @@ def test_the_flat_config_reads_as_transformers_reads_it(models):
     """The older config.json form (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern) means
     the saved model to transformers and to the loader alike; the nested form this config writes reads back."""
     from functional_npu.models import Gemma3Config
-    from functional_npu.runtime.checkpoint import read_config
+    from functional_npu.runtime.loading.checkpoint import read_config
 
     path = models["gemma3_flat"][0]
     hf = T.AutoConfig.from_pretrained(path)
@@ -152,8 +152,8 @@ def test_a_saved_checkpoint_is_transformers_model(models, tmp_path):
     """Loaded, saved back (the untied form: lm_head, the four norms, [q|k|v] and [gate|up] split to HF tensors) and
     read by transformers: the same logits."""
     from functional_npu import Mesh
-    from functional_npu.runtime.checkpoint import load_checkpoint
-    from functional_npu.runtime.save import save_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.save import save_checkpoint
 
     path, prompts, ref_logits, _ = models["gemma3_flat"]
     save_checkpoint(load_checkpoint(path, Mesh.abstract({"tp": 1}, 0)), tmp_path)

@@ -12,8 +12,8 @@ from functional_npu.core.shard import leaf_specs, shard
 from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import family_of, forward, init_state, moe
 from functional_npu.models.experts import local_experts, route
-from functional_npu.runtime.checkpoint import load_checkpoint, read_config
-from functional_npu.runtime.save import save_checkpoint
+from functional_npu.runtime.loading.checkpoint import load_checkpoint, read_config
+from functional_npu.runtime.loading.save import save_checkpoint
 
 from ..support.hf_models import MOE_COMMON, MOE_FAMILIES, save_tiny_moe
 from ..support.workers import redundant_placement

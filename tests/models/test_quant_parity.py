@@ -122,7 +122,7 @@ def test_dense_tp2(world2, models, scheme):
 
     from functional_npu import Mesh
     from functional_npu.core.tree import flatten_with_paths
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     ref = models[f"qwen3-{scheme}"]
     results = world2.run(llama_generate, ref[0], 2, ref[1], NEW, False)
@@ -229,7 +229,7 @@ def test_ascend_kernels_tp2(world2, models, scheme):
     points), run through the ops' CPU references at tp 2, as a GE graph would call the kernels."""
     from functional_npu import Mesh, compile_model
     from functional_npu.models.linear import kernel_of
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     ref = models[f"qwen3-bf16-{scheme}"]
     mesh = Mesh.abstract({"dp": 1, "tp": 2}, 1)

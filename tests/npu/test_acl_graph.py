@@ -10,7 +10,7 @@ import torch
 from functional_npu.core import collectives  # noqa: F401 - defines functional_npu::broadcast_into
 from functional_npu.npu import acl_graph
 from functional_npu.parallel import hazard
-from functional_npu.runtime.backends import BACKENDS, resolve_backend
+from functional_npu.runtime.serving.backends import BACKENDS, resolve_backend
 from tools.aten_graphs import CASES, LAYER_SHARD_LAYERS, read_artifact
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"

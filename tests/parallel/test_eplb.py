@@ -15,7 +15,7 @@ from functional_npu.eplb import (
     routing_table,
     validate_placement,
 )
-from functional_npu.parallel.eplb import _assemble, _send_rows
+from functional_npu.parallel.eplb_map import _assemble, _send_rows
 
 from ..support.eplb_workers import expert_weights, moe_params, placed
 

@@ -19,7 +19,7 @@ from functional_npu.parallel.layer_shard import (
     stack_series,
     unstack_series,
 )
-from functional_npu.runtime.plan import check_plan
+from functional_npu.placement.check import check_plan
 
 from ..support.configs import DENSE, MLA, MOE
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe

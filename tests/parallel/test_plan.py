@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from functional_npu import LayerShard, Mesh, ModuleTP, Plan, check_plan, compile_model, layer_shard, shard
 from functional_npu.models import family_of, llama, moe
-from functional_npu.runtime.plan import plan_table
+from functional_npu.placement.check import plan_table
 
 from ..support.configs import DENSE, MLA, MOE
 

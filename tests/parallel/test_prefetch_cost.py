@@ -107,7 +107,7 @@ def test_auto_on_layer_sharded_params(qwen3_params):
     """``prefetch_step="auto"``: the cost model on the params' own sizes, through compile_model; errors name
     the series, the bytes and the devices."""
     from functional_npu.parallel.prefetch_cost import DEVICES, auto_step, layer_bytes
-    from functional_npu.runtime.compile import compile_model
+    from functional_npu.runtime.serving.compile import compile_model
 
     params, mesh = qwen3_params
     auto = dataclasses.replace(params["plan"], prefetch_step="auto")
@@ -129,7 +129,7 @@ def qwen3_params(tmp_path_factory):
     from functional_npu import Plan
     from functional_npu.core.mesh import Mesh
     from functional_npu.parallel.layer_shard import layer_shard
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     from ..support.hf_models import save_tiny
 
@@ -148,8 +148,8 @@ def test_auto_reads_quantized_layers(tmp_path, quant):
     from functional_npu.models import family_of
     from functional_npu.parallel.layer_shard import layer_shard
     from functional_npu.parallel.prefetch_cost import auto_step, layer_weight_bytes, layer_weight_elements
-    from functional_npu.runtime.checkpoint import load_checkpoint
-    from functional_npu.runtime.save import save_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.save import save_checkpoint
 
     from ..support.configs import DENSE
 

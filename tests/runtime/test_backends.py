@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from functional_npu.parallel.streams import COPY_BACK, INLINE
-from functional_npu.runtime.backends import BACKENDS, FASTEST_MODES, modes, resolve_backend
+from functional_npu.runtime.serving.backends import BACKENDS, FASTEST_MODES, modes, resolve_backend
 
 
 def test_auto_is_inductor_on_cpu_in_the_mode_measured_fastest_there():
@@ -43,7 +43,7 @@ def test_broken_torch_npu_falls_back_with_one_log_line(tmp_path):
         import logging, sys
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         sys.path.insert(0, sys.argv[1])
-        from functional_npu.runtime.backends import resolve_backend
+        from functional_npu.runtime.serving.backends import resolve_backend
         print(resolve_backend("auto").name)
         """
     )

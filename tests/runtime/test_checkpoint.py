@@ -13,8 +13,8 @@ from functional_npu import Mesh, greedy_generate, local_shape
 from functional_npu.core.shard import leaf_specs
 from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import llama
-from functional_npu.runtime.checkpoint import load_checkpoint, read_quant
-from functional_npu.runtime.save import save_checkpoint
+from functional_npu.runtime.loading.checkpoint import load_checkpoint, read_quant
+from functional_npu.runtime.loading.save import save_checkpoint
 
 from ..support.hf_models import hf_greedy
 
@@ -312,7 +312,7 @@ def test_a_rank_holds_only_its_shards_bytes(tmp_path, tp):
     from functional_npu.core.tree import flatten_with_paths
     from functional_npu.models import family_of
     from functional_npu.parallel.layer_shard import resident_bytes
-    from functional_npu.runtime.save import save_checkpoint
+    from functional_npu.runtime.loading.save import save_checkpoint
 
     from ..support.configs import DENSE
 

@@ -7,8 +7,8 @@ import torch
 
 from functional_npu import Mesh, compile_model, greedy_generate, load_checkpoint, shard
 from functional_npu.models import forward, llama
-from functional_npu.runtime.compile import GraphBreakError
-from functional_npu.runtime.generate import Lockstep
+from functional_npu.runtime.serving.compile import GraphBreakError
+from functional_npu.runtime.serving.generate import Lockstep
 
 from ..support.hf_models import hf_greedy, save_tiny
 
@@ -98,7 +98,7 @@ def test_graph_break_is_an_error_naming_its_cause(compiled):
 
 
 def test_cache_length_is_the_smallest_power_of_two_that_fits():
-    from functional_npu.runtime.compile import cache_length
+    from functional_npu.runtime.serving.compile import cache_length
 
     assert [cache_length(n) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
     assert cache_length(5, minimum=1) == 8

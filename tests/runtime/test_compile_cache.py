@@ -19,8 +19,8 @@ import torch
 
 from functional_npu import Mesh, compile_model, load_checkpoint
 from functional_npu.models import llama
-from functional_npu.runtime import compile_cache
-from functional_npu.runtime.save import save_checkpoint
+from functional_npu.runtime.loading.save import save_checkpoint
+from functional_npu.runtime.serving import compile_cache
 
 from ..support import ROOT
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from functional_npu import Mesh, Plan, flatten_with_paths
-from functional_npu.runtime.checkpoint import load_checkpoint
+from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
 from ..support.dcp_workers import save_fsdp2_dcp, save_ids
 from ..support.hf_models import hf_greedy, save_tiny
@@ -46,7 +46,7 @@ def test_a_dcp_directory_missing_a_ranks_file_is_named(saved, tmp_path):
 
 
 def test_a_dcp_box_reads_only_the_chunks_it_overlaps(saved):
-    from functional_npu.runtime.dcp import DcpHandle
+    from functional_npu.runtime.loading.dcp import DcpHandle
 
     read: list[int] = []
     handle = DcpHandle(saved[0], on_bytes=lambda _, n: read.append(n))
@@ -117,7 +117,7 @@ def test_a_dcp_of_fused_experts_loads_into_experts_over_tp(world2, tmp_path):
     dcp_dir = tmp_path / "dcp"
     world2.run(save_fsdp2_dcp, "qwen3_moe", str(dcp_dir), 5)
     hf = save_tiny_moe("qwen3_moe", tmp_path / "hf", 5)
-    from functional_npu.runtime.dcp import DcpHandle
+    from functional_npu.runtime.loading.dcp import DcpHandle
 
     assert "model.layers.0.mlp.experts.gate_up_proj" in DcpHandle(dcp_dir).keys()
     want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
@@ -200,7 +200,7 @@ def test_a_chunk_holding_another_tensor_than_metadata_says_is_named(tmp_path):
     files mixed up): named with both, never read into the wrong place."""
     import torch.distributed.checkpoint as dcp
 
-    from functional_npu.runtime.dcp import DcpHandle
+    from functional_npu.runtime.loading.dcp import DcpHandle
 
     for name, shape in [("a", (4, 6)), ("b", (6, 4))]:
         with pytest.warns(UserWarning, match="single process"):

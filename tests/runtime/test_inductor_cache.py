@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from functional_npu.runtime.inductor_cache import incomplete_objects, inductor_root, sweep
 from functional_npu.runtime.launch import LocalWorld
+from functional_npu.runtime.serving.inductor_cache import incomplete_objects, inductor_root, sweep
 
 REAL = Path(torch.__file__).parent / "lib" / "libtorch_global_deps.so"  # a small real shared object
 

@@ -15,9 +15,9 @@ from functional_npu.models import family as family_module
 from functional_npu.models import family_of
 from functional_npu.parallel.devices import DEVICES, Device, Link, collective_factor, device
 from functional_npu.parallel.layer_shard import resident_bytes
-from functional_npu.runtime.checkpoint import load_checkpoint
-from functional_npu.runtime.planner import PlanDoesNotFit, Workload, candidates, choose_plan, estimate
-from functional_npu.runtime.save import save_checkpoint
+from functional_npu.runtime.loading.checkpoint import load_checkpoint
+from functional_npu.runtime.loading.save import save_checkpoint
+from functional_npu.runtime.planning.choose import PlanDoesNotFit, Workload, candidates, choose_plan, estimate
 
 from ..support.configs import DENSE, MLA, MOE
 
@@ -173,7 +173,7 @@ def test_a_family_without_cost_rules_is_refused_naming_it(monkeypatch):
 def test_the_host_profile_is_cached_and_a_broken_cache_is_measured_again(tmp_path, monkeypatch):
     """One rank (no collectives): measured once, read back from the cache, and a file that does not parse or
     lacks a figure is measured again and rewritten, never trusted."""
-    from functional_npu.runtime import host_profile
+    from functional_npu.runtime.planning import host_profile
 
     monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path))
     first = host_profile.host_device(1, repeat=2)

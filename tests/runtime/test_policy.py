@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from functional_npu import Mesh, load_checkpoint
-from functional_npu.runtime.generate import Samples
-from functional_npu.runtime.grad import token_logprobs, value_and_grad
-from functional_npu.runtime.policy import group_advantages, grpo_loss, policy_batch
+from functional_npu.runtime.serving.generate import Samples
+from functional_npu.runtime.training.grad import token_logprobs, value_and_grad
+from functional_npu.runtime.training.policy import group_advantages, grpo_loss, policy_batch
 
 from ..support.hf_models import save_tiny
 

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from functional_npu import Mesh, Quant
-from functional_npu.runtime.checkpoint import load_checkpoint
-from functional_npu.runtime.quant_config import read_quant_config
-from functional_npu.runtime.save import save_checkpoint
+from functional_npu.placement.quant_config import read_quant_config
+from functional_npu.runtime.loading.checkpoint import load_checkpoint
+from functional_npu.runtime.loading.save import save_checkpoint
 
 from ..support.ct_models import SCHEMES, quantize_checkpoint
 from ..support.hf_models import save_tiny

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from functional_npu.core.quant import Quant
-from functional_npu.runtime.quant_config import QuantConfig, read_quant_config
+from functional_npu.placement.quant_config import QuantConfig, read_quant_config
 
 
 def _written(tmp_path, weights, activations=None, fmt=None, ignore=("lm_head", "re:.*mlp\\.gate$"), **extra):
@@ -132,7 +132,7 @@ def test_a_preset_reads_as_compressed_tensors_expands_it_or_is_refused_by_name(p
 def test_every_supported_preset_is_compressed_tensors_own():
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    from functional_npu.runtime.quant_config import PRESETS
+    from functional_npu.placement.quant_config import PRESETS
 
     for name, scheme in PRESETS.items():
         theirs = {k: v.model_dump(mode="json", exclude_none=True) for k, v in PRESET_SCHEMES[name].items()}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from functional_npu import Mesh, Plan, load_checkpoint
-from functional_npu.runtime.replan import reshard_params
+from functional_npu.runtime.training.weight_sync import reshard_params
 
 from ..support.hf_models import save_tiny
 from ..support.replan_workers import replan

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from functional_npu import Mesh, Plan, compile_model, load_checkpoint
-from functional_npu.runtime.grad import token_logprobs
-from functional_npu.runtime.policy import logprob_gap, policy_batch
+from functional_npu.runtime.training.grad import token_logprobs
+from functional_npu.runtime.training.policy import logprob_gap, policy_batch
 
 from ..support.hf_models import save_tiny
 

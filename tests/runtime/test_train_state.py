@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from functional_npu import Mesh
-from functional_npu.runtime.train_state import _common_mesh, from_dtensor_state
+from functional_npu.runtime.loading.dtensor_state import _common_mesh, from_dtensor_state
 
 
 class _DeviceMesh:
@@ -74,7 +74,7 @@ def test_meshes_that_do_not_nest_are_refused_by_name():
 
 
 def test_a_state_that_is_not_dtensors_or_not_this_model_is_refused_before_any_exchange(tmp_path):
-    from functional_npu.runtime.checkpoint import read_config
+    from functional_npu.runtime.loading.checkpoint import read_config
 
     from ..support.hf_models import save_tiny
 
@@ -89,7 +89,7 @@ def test_a_state_that_is_not_dtensors_or_not_this_model_is_refused_before_any_ex
 
 def test_layers_sharded_over_an_axis_the_training_mesh_cuts_are_refused():
     from functional_npu.core.layout import Cyclic, Layout, Shard
-    from functional_npu.runtime.train_state import _over
+    from functional_npu.runtime.loading.dtensor_state import _over
 
     runs = {"dp": ("dp", "dp_1"), "tp": ("tp",)}
     assert _over(Layout((Shard(("dp", "tp")),)), runs, "w") == Layout((Shard(("dp", "dp_1", "tp")),))

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from functional_npu import Mesh, load_checkpoint
-from functional_npu.runtime.grad import lm_loss, value_and_grad
-from functional_npu.runtime.optim import AdamW
-from functional_npu.runtime.train_step import compile_train_step
+from functional_npu.runtime.training.grad import lm_loss, value_and_grad
+from functional_npu.runtime.training.optim import AdamW
+from functional_npu.runtime.training.train_step import compile_train_step
 
 from ..support.hf_models import save_tiny, save_tiny_moe
 from ..support.train_workers import hf_train, train_errors

@@ -28,8 +28,8 @@ def one_rank_differs(ctx, model_dir: str, damaged_dir: str) -> tuple[dict, int]:
     from functional_npu import shard
     from functional_npu.interop.megatron import from_megatron, megatron_pipeline_specs, stack_layers, to_megatron
     from functional_npu.models.llama import init_params
-    from functional_npu.runtime.checkpoint import load_checkpoint, read_config
-    from functional_npu.runtime.train_state import from_dtensor_state
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint, read_config
+    from functional_npu.runtime.loading.dtensor_state import from_dtensor_state
 
     from .dcp_workers import _fsdp2_model
 
@@ -56,8 +56,8 @@ def mixed_dtypes_generate(ctx, new: int) -> dict:
     """The qwen3 tiny model under FSDP2 with o_proj of layer 1 in bf16 among fp32 weights, on every rank: the
     params' dtypes and greedy tokens, by default (the embedding's fp32) and with ``dtype=torch.bfloat16``."""
     from functional_npu import flatten_with_paths, greedy_generate
-    from functional_npu.runtime.checkpoint import read_config
-    from functional_npu.runtime.train_state import from_dtensor_state
+    from functional_npu.runtime.loading.checkpoint import read_config
+    from functional_npu.runtime.loading.dtensor_state import from_dtensor_state
 
     from .dcp_workers import _fsdp2_model
 

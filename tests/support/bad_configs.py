@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from functional_npu.core.quant import Quant
-from functional_npu.runtime.quant_config import QuantConfig
+from functional_npu.placement.quant_config import QuantConfig
 
 from .configs import DENSE, MLA
 

@@ -27,7 +27,7 @@ def counted_from_dtensor_state(state, cfg, mesh, plan=None):
     """``from_dtensor_state`` with the bytes this rank received in its exchange, counted at the collectives: (params,
     bytes). The ranks' agreement on their checks before the exchange (object all-gathers of each rank's outcome, the
     dtypes and layouts it read: ``c10d.allgather_``, which the exchange does not use) is counted apart."""
-    from functional_npu.runtime.train_state import from_dtensor_state
+    from functional_npu.runtime.loading.dtensor_state import from_dtensor_state
 
     with ReceivedBytes() as counted:
         params = from_dtensor_state(state, cfg, mesh, plan)
@@ -38,7 +38,7 @@ def lower_bound(ids_state, ids_dir: str, axes: dict[str, int], rank: int, plan=N
     """Bytes world rank ``rank`` needs for ``plan`` on ``axes`` and does not hold: element ids it needs (the loader's
     slices of the ids checkpoint at ``ids_dir``) missing from those its shards of ``ids_state`` hold. float32."""
     from functional_npu import Mesh, flatten_with_paths
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     local = load_checkpoint(ids_dir, Mesh.abstract(axes, rank), plan)
     needed = [x for p, x in flatten_with_paths(local) if not p.endswith("expert_map")]  # expert maps: computed
@@ -51,7 +51,7 @@ def fsdp2_to_tp_generate(ctx, family: str, seed: int, prompts, new: int, ids_dir
     greedy tokens, the bytes this rank received and its lower bound for each."""
     from functional_npu import Plan, compile_model, greedy_generate
     from functional_npu.parallel.layer_shard import layer_shard
-    from functional_npu.runtime.checkpoint import read_config
+    from functional_npu.runtime.loading.checkpoint import read_config
 
     model, path = _fsdp2_model(ctx, family, seed)
     ids, _ = _fsdp2_model(ctx, family, seed, ids=True)
@@ -80,7 +80,7 @@ def trained_meshes_to_tp_generate(ctx, family: str, seed: int, prompts, new: int
     on ``{"dp": 2, "tp": 2}``. Returns, per (training, serving) pair: greedy tokens, the bytes this rank received,
     its lower bound, and the placement types the state held."""
     from functional_npu import greedy_generate
-    from functional_npu.runtime.checkpoint import read_config
+    from functional_npu.runtime.loading.checkpoint import read_config
 
     out = {}
     for training in ("fsdp2+tp", "hsdp"):
@@ -107,7 +107,7 @@ def moe_states_to_plans(ctx, family: str, seed: int, prompts, new: int, checkpoi
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from functional_npu import Plan, greedy_generate
-    from functional_npu.runtime.checkpoint import read_config
+    from functional_npu.runtime.loading.checkpoint import read_config
 
     model, path = _fsdp2_model(ctx, family, seed)
     ids, _ = _fsdp2_model(ctx, family, seed, ids=True)

@@ -30,7 +30,7 @@ def grad_errors(
     the replica sums (a broken gradient, for the test that the check can fail)."""
     from functional_npu import flatten_with_paths, load_checkpoint
     from functional_npu.core.replica_sum import ReplicaSum
-    from functional_npu.runtime.grad import differentiable, grad_step, lm_loss
+    from functional_npu.runtime.training.grad import differentiable, grad_step, lm_loss
 
     plan, mesh = plan_and_mesh(ctx, axes, plan_fields, module_tp)
     params = load_checkpoint(model_dir, mesh, plan, dtype=torch.float64)

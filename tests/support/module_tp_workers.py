@@ -17,7 +17,7 @@ def module_tp_generate(
     from functional_npu.parallel.layer_shard import layer_shard
     from functional_npu.parallel.module_tp import dp_axes
     from functional_npu.parallel.prefetch import drain
-    from functional_npu.runtime.generate import Lockstep
+    from functional_npu.runtime.serving.generate import Lockstep
 
     out = []
     for sizes in plans:

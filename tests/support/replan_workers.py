@@ -9,7 +9,7 @@ def replan(ctx, model_dir: str, axes: dict, src_fields: dict, dst_fields: dict):
     ``load_checkpoint`` under the destination plan (and the trees have one structure), the bytes received (the
     plan's count and the exchange's own), and the independent need."""
     from functional_npu import Plan, flatten_with_paths, load_checkpoint
-    from functional_npu.runtime.replan import plan_params_reshard, reshard_params
+    from functional_npu.runtime.training.weight_sync import plan_params_reshard, reshard_params
 
     mesh = ctx.mesh(axes)
     src, dst = Plan(**src_fields), Plan(**dst_fields)

@@ -74,7 +74,7 @@ def megatron_parity(ctx, model_dir: str, prompts, new_tokens: int, vpp: int):
         unstack_layers,
     )
     from functional_npu.models.llama import param_specs
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     mesh = ctx.mesh({"pp": 2, "tp": 2})
     full = load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0))

@@ -33,9 +33,9 @@ def train_errors(ctx, model_dir, trained_dir, axes, plan_fields, batches, steps,
     per-step (loss, grad norm), the errors by path and the state's step count. ``change``: AdamW fields other
     than the reference's."""
     from functional_npu import flatten_with_paths, load_checkpoint
-    from functional_npu.runtime.grad import lm_loss
-    from functional_npu.runtime.optim import AdamW
-    from functional_npu.runtime.train_step import compile_train_step
+    from functional_npu.runtime.training.grad import lm_loss
+    from functional_npu.runtime.training.optim import AdamW
+    from functional_npu.runtime.training.train_step import compile_train_step
 
     from .grad_workers import data_index, plan_and_mesh
 

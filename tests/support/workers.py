@@ -122,7 +122,7 @@ def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_c
     the compiled graph's ops); ``kernels``: whose quantized matmuls (``compile_model``'s)."""
     from functional_npu import Mesh
     from functional_npu.models import forward
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     mesh = ctx.mesh({"dp": ctx.world_size // tp, "tp": tp}) if ctx is not None else Mesh.abstract({"tp": 1}, 0)
     read: list[int] = []
@@ -183,7 +183,7 @@ def moe_generate(
     from functional_npu import Mesh, Plan
     from functional_npu.core.shard import shard
     from functional_npu.models import forward, moe
-    from functional_npu.runtime.checkpoint import load_checkpoint
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     mesh = ctx.mesh(axes) if ctx is not None else Mesh.abstract(axes, 0)
     read: list[int] = []

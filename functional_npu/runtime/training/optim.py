@@ -5,7 +5,7 @@ returns new trees and leaves its inputs as they were (as optax does, not as ``to
 moments are trees of the params' structure, each leaf a shard of its param's shape, so they share the params'
 layouts and reshard with them. The update is torch's ``AdamW`` (decoupled weight decay, bias-corrected moments)
 after ``clip_grad_norm_``'s clipping by the global norm, element for element; the global norm is computed once
-for the whole sharded gradient by :func:`functional_npu.runtime.grad.global_norm` (every element counted once,
+for the whole sharded gradient by :func:`functional_npu.runtime.training.grad.global_norm` (every element counted once,
 however many ranks hold it) and passed in, so the update itself is rank-local and needs no collective.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..core.tree import flatten_with_paths, map_with_path, replace_leaves
+from ...core.tree import flatten_with_paths, map_with_path, replace_leaves
 
 __all__ = ["AdamW", "OptState"]
 
@@ -91,8 +91,8 @@ class AdamW:
 
     def update(self, params: dict, grads: dict, state: OptState, norm: torch.Tensor) -> tuple[dict, OptState]:
         """One step: new params and state. ``grads``: a tree of the params' structure, as
-        :func:`~functional_npu.runtime.grad.value_and_grad` returns it (this rank's whole gradient shards);
-        ``norm``: their global norm (:func:`~functional_npu.runtime.grad.global_norm`). Pure: nothing passed in is
+        :func:`~.grad.value_and_grad` returns it (this rank's whole gradient shards);
+        ``norm``: their global norm (:func:`~.grad.global_norm`). Pure: nothing passed in is
         modified.
 
         Raises:

@@ -23,7 +23,7 @@ from ..parallel.module_tp import check_module_tp
 from ..parallel.plan import EXPERT_FIELDS, Plan
 from ..parallel.prefetch import check_prefetch_step
 from .quant_config import QuantConfig
-from .quant_plan import quantize_plan
+from .quant_layouts import quantize_plan
 
 __all__ = ["check_plan", "check_plan_fits", "check_params", "plan_table", "resolved"]
 
@@ -91,7 +91,7 @@ def check_plan(
         plan: the parallel plan (default: ``Plan()``, tensor parallelism over ``"tp"``).
         where: what the messages start with (the model directory, ``compile_model``).
         quant: a quantized checkpoint's scheme: the linear leaves it covers are the dicts of their
-            stored tensors (:func:`functional_npu.runtime.quant_plan.quantize_plan`).
+            stored tensors (:func:`functional_npu.placement.quant_layouts.quantize_plan`).
 
     Returns:
         The full params on the meta device and each leaf's layout, for the caller to reuse; with

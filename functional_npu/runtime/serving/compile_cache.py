@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from ..core.mesh import Mesh
-from ..core.tree import flatten_with_paths
+from ...core.mesh import Mesh
+from ...core.tree import flatten_with_paths
 
 __all__ = ["GraphDir", "SavedGraphs", "cache_key", "open_graph_dir", "saved_guards", "write_bytes", "FORMAT", "SAVABLE"]
 

@@ -2,9 +2,9 @@
 
 ``step = compile_train_step(loss_fn, AdamW(lr=1e-4), params, mesh)`` checks the params once (a model config,
 floating-point weights of this plan and mesh) and compiles one function with ``torch.compile(fullgraph=True)``:
-:func:`~functional_npu.runtime.grad.grad_leaves` (the sharded forward differentiated with ``torch.func``, every
+:func:`~.grad.grad_leaves` (the sharded forward differentiated with ``torch.func``, every
 collective by its transpose, replicated shares summed by their layouts), the global gradient norm, one
-``all_reduce`` of every leaf's finiteness, and :meth:`AdamW.update <functional_npu.runtime.optim.AdamW.update>`.
+``all_reduce`` of every leaf's finiteness, and :meth:`AdamW.update <.optim.AdamW.update>`.
 Every trained leaf, the optimizer's moments and the step count are the graph's inputs, so one compiled graph
 serves every step.
 
@@ -27,15 +27,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..core.collectives import all_reduce
-from ..core.mesh import Mesh
-from ..core.tree import flatten_with_paths, replace_leaves
-from ..models import family_of
-from ..parallel.plan import Plan
-from .backends import Backend, resolve_backend
-from .compile import GraphBreakError, axis_groups
+from ...core.collectives import all_reduce
+from ...core.mesh import Mesh
+from ...core.tree import flatten_with_paths, replace_leaves
+from ...models import family_of
+from ...parallel.plan import Plan
+from ..serving.backends import Backend, resolve_backend
+from ..serving.compile import GraphBreakError, axis_groups
+from ..serving.inductor_cache import sweep
 from .grad import Differentiable, LossFn, differentiable, global_norm, grad_leaves
-from .inductor_cache import sweep
 from .optim import AdamW, OptState
 
 __all__ = ["compile_train_step", "TrainStep", "StepStats"]
@@ -142,11 +142,11 @@ def compile_train_step(
 
     Args:
         loss_fn: ``(params, batch, mesh) -> this rank's scalar loss`` (e.g. :func:`.grad.lm_loss`); the step
-            minimizes the mean over the ranks (:func:`~functional_npu.runtime.grad.value_and_grad`).
-        optimizer: an :class:`~functional_npu.runtime.optim.AdamW`.
+            minimizes the mean over the ranks (:func:`~functional_npu.runtime.training.grad.value_and_grad`).
+        optimizer: an :class:`~functional_npu.runtime.training.optim.AdamW`.
         params: this rank's params (``load_checkpoint``), floating-point, with their config and plan.
         mesh: the mesh they are sharded over.
-        backend, mode: the compiler (:func:`~functional_npu.runtime.backends.resolve_backend`; ``"none"``: eager).
+        backend, mode: the compiler (:func:`~functional_npu.runtime.serving.resolve_backend`; ``"none"``: eager).
 
     Raises:
         TypeError / ValueError before any compile or collective: params with no config, quantized, or of another

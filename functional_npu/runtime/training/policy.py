@@ -1,13 +1,13 @@
 """A GRPO-style policy-gradient loss over rollouts, from the same pure forward the rollouts were sampled with.
 
 A rollout samples ``K`` completions per prompt with a compiled inference model
-(:meth:`~functional_npu.runtime.compile.CompiledModel.sample`, which keeps each token's log-probability from
+(:meth:`~functional_npu.runtime.serving.compile.CompiledModel.sample`, which keeps each token's log-probability from
 the logits it was drawn from); a reward scores each completion; :func:`group_advantages` centres and scales
 the rewards within each prompt's group; :func:`policy_batch` lays the sequences out as one batch with a mask
 over the completion tokens; :func:`grpo_loss` is the clipped surrogate of the new log-probabilities (the
-training forward, :func:`~functional_npu.runtime.grad.token_logprobs`) against the rollout's. It is an ordinary
-``loss_fn`` for :func:`~functional_npu.runtime.grad.value_and_grad` and
-:func:`~functional_npu.runtime.train_step.compile_train_step`.
+training forward, :func:`~functional_npu.runtime.training.grad.token_logprobs`) against the rollout's. It is an ordinary
+``loss_fn`` for :func:`~functional_npu.runtime.training.grad.value_and_grad` and
+:func:`~functional_npu.runtime.training.train_step.compile_train_step`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.mesh import Mesh
-from .generate import Samples
+from ...core.mesh import Mesh
+from ..serving.generate import Samples
 from .grad import token_logprobs
 
 __all__ = ["PolicyBatch", "group_advantages", "policy_batch", "grpo_loss", "logprob_gap"]

@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from ..core.collectives import all_reduce
-from ..core.mesh import Mesh
-from ..core.replica_sum import ReplicaSum, replica_plan, sum_replicas
-from ..core.tree import flatten_with_paths, map_with_path, replace_leaves
-from ..models import family_of, forward, init_state
-from ..parallel.plan import Plan
-from .generate import logprobs_of
-from .plan import check_params
+from ...core.collectives import all_reduce
+from ...core.mesh import Mesh
+from ...core.replica_sum import ReplicaSum, replica_plan, sum_replicas
+from ...core.tree import flatten_with_paths, map_with_path, replace_leaves
+from ...models import family_of, forward, init_state
+from ...parallel.plan import Plan
+from ...placement.check import check_params
+from ..serving.generate import logprobs_of
 
 __all__ = ["value_and_grad", "logits", "token_logprobs", "lm_loss", "Differentiable", "differentiable"]
 
@@ -169,7 +169,7 @@ def value_and_grad(loss_fn: LossFn) -> Callable[[dict, Any, Mesh], tuple[torch.T
     and its gradient with respect to every float leaf of ``params``, each a shard in the leaf's layout.
 
     Collective: every rank of ``mesh`` calls it. Works eagerly and under ``torch.compile(fullgraph=True)``
-    (:func:`functional_npu.runtime.train_step.compile_train_step` compiles it with an optimizer).
+    (:func:`functional_npu.runtime.training.train_step.compile_train_step` compiles it with an optimizer).
 
     Raises:
         TypeError / ValueError before any collective: params with no config, quantized or of another plan or mesh

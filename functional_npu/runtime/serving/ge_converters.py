@@ -1,7 +1,7 @@
 """torchair converters for :mod:`functional_npu.models.ascend_ops`: each op becomes Ascend's own GE op.
 
 Importing this module registers them (torchair's ``register_fx_node_ge_converter``), so import it
-only where ``torchair`` imports: :mod:`functional_npu.runtime.backends` does before it hands torchair
+only where ``torchair`` imports: :mod:`functional_npu.runtime.serving.backends` does before it hands torchair
 a graph, and so does the CPU conversion process of ``python -m tools.graphs``.
 
 - ``functional_npu::quant_matmul`` -> ``QuantBatchMatmulV3(x1 int8, x2 int8, scale, pertoken_scale)``
@@ -38,8 +38,8 @@ from torchair._ge_concrete_graph.hcom_utils import get_group_name_and_record  # 
 from torchair.ge import DataType  # type: ignore[import-not-found]
 from torchair.ge._ge_graph import _ge_dtype_to_ge_proto_dtype, torch_type_to_ge_type  # type: ignore[import-not-found]
 
-from ..core import collectives  # noqa: F401 - defines functional_npu::broadcast_into
-from ..models import ascend_ops  # noqa: F401 - defines the ops converted here
+from ...core import collectives  # noqa: F401 - defines functional_npu::broadcast_into
+from ...models import ascend_ops  # noqa: F401 - defines the ops converted here
 
 __all__ = ["reinplace_ring", "configure", "RING_WRITE"]
 

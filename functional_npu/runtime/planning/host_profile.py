@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..core.cache_dir import cache_dir
-from ..parallel.devices import COLLECTIVES, Device, Link
+from ...core.cache_dir import cache_dir
+from ...parallel.devices import COLLECTIVES, Device, Link
 
 __all__ = ["host_device", "measure", "profile_path"]
 
@@ -64,7 +64,7 @@ def _call(kind: str, mesh: Any, axis: str, payload: int) -> Any:
     """A function running one ``kind`` collective of ``payload`` bytes over ``axis`` and waiting for it."""
     import torch.distributed._functional_collectives as funcol
 
-    from ..core import collectives as c
+    from ...core import collectives as c
 
     n = mesh.axis_size(axis)
     elements = max(n, payload // 4 // n * n)
@@ -136,7 +136,7 @@ def _roofline(repeat: int) -> dict[str, Any]:
 def _figures(world: int, repeat: int) -> dict[str, Any]:
     if world == 1:  # nothing to exchange: the roofline alone, in this process
         return _roofline(repeat)
-    from .launch import LocalWorld
+    from ..launch import LocalWorld
 
     with LocalWorld(world, timeout=300.0) as w:
         return w.run(measure_on_rank, world, repeat)[0]

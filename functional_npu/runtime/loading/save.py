@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from ..core.quant import Quant, quantize
-from ..core.shard import leaf_specs
-from ..core.tree import flatten_with_paths
-from ..models import Family, family_of
-from .hf_layout import block_ranges, fused_dim, hf_sources, stored_parts
-from .quant_config import QuantConfig
+from ...core.quant import Quant, quantize
+from ...core.shard import leaf_specs
+from ...core.tree import flatten_with_paths
+from ...models import Family, family_of
+from ...placement.hf_layout import block_ranges, fused_dim, hf_sources, stored_parts
+from ...placement.quant_config import QuantConfig
 
 __all__ = ["save_checkpoint"]
 

@@ -22,18 +22,18 @@ from typing import Any
 
 import torch
 
-from ..core.agree import agree
-from ..core.dtensor import layout_from_dtensor, root_mesh
-from ..core.dtypes import float_dtype
-from ..core.layout import Cyclic, Layout
-from ..core.mesh import Mesh
-from ..core.reshard import ReshardPlan, plan_reshard, reshard
-from ..core.tree import flatten_with_paths, map_with_path
-from ..models import family_of
-from ..parallel.layer_shard import present
-from ..parallel.plan import Plan
-from .hf_layout import fused_dim, stored_tensors
-from .plan import check_plan, check_plan_fits, resolved
+from ...core.agree import agree
+from ...core.dtensor import layout_from_dtensor, root_mesh
+from ...core.dtypes import float_dtype
+from ...core.layout import Cyclic, Layout
+from ...core.mesh import Mesh
+from ...core.reshard import ReshardPlan, plan_reshard, reshard
+from ...core.tree import flatten_with_paths, map_with_path
+from ...models import family_of
+from ...parallel.layer_shard import present
+from ...parallel.plan import Plan
+from ...placement.check import check_plan, check_plan_fits, resolved
+from ...placement.hf_layout import fused_dim, stored_tensors
 
 __all__ = ["from_dtensor_state"]
 
@@ -53,7 +53,7 @@ def from_dtensor_state(
     Collective: every rank of ``mesh`` calls it. ``report``: if a list, the :class:`ReshardPlan` is appended
     (its ``traffic`` gives each rank's bytes sent, received and the lower bound). ``dtype``: the params' floating
     dtype (default: the embedding's, so a state holding a stray bf16 tensor among fp32 ones comes out in one
-    dtype, as :func:`~functional_npu.runtime.checkpoint.load_checkpoint` reads a checkpoint); each rank casts its
+    dtype, as :func:`~functional_npu.load_checkpoint` reads a checkpoint); each rank casts its
     shards before they move.
 
     Stacked experts come either as transformers' fused tensors (``mlp.experts.gate_up_proj``, the family's

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from ..core.layout import Layout
-from ..core.mesh import Mesh
-from ..core.reshard import ReshardPlan, plan_reshard, reshard
-from ..core.shard import full_shape
-from ..core.tree import flatten_with_paths, map_with_path
-from ..parallel.plan import Plan
-from .plan import check_params, check_plan
+from ...core.layout import Layout
+from ...core.mesh import Mesh
+from ...core.reshard import ReshardPlan, plan_reshard, reshard
+from ...core.shard import full_shape
+from ...core.tree import flatten_with_paths, map_with_path
+from ...parallel.plan import Plan
+from ...placement.check import check_params, check_plan
 
 __all__ = ["reshard_params", "plan_params_reshard"]
 

@@ -3,7 +3,7 @@
 :func:`choose_plan` answers "this model, these devices, this much memory each, this workload: which plan is
 fastest, and does it fit?". It enumerates the candidates (:func:`candidates`: every ``dp x tp`` split, expert
 parallelism for a model with experts, each module's TP over the dp ranks, layer-sharded series with the
-prefetch step the cost model picks), checks each with :func:`~functional_npu.runtime.plan.check_plan` (a plan
+prefetch step the cost model picks), checks each with :func:`~functional_npu.placement.check.check_plan` (a plan
 the model cannot run is reported with the reason, never ranked), and estimates each (:func:`estimate`):
 
 - **bytes per rank**, counted from the real layouts at every coordinate (the rank that holds the most): the
@@ -31,19 +31,19 @@ from typing import Any
 
 import torch
 
-from ..core.mesh import Mesh
-from ..core.shard import local_shape
-from ..core.tree import flatten_with_paths
-from ..models import family_of
-from ..parallel.devices import Device
-from ..parallel.devices import device as device_profile
-from ..parallel.eplb import EXPERT_LEAVES
-from ..parallel.layer_shard import layer_shard
-from ..parallel.module_tp import MODULES, dp_axes, split_dp
-from ..parallel.plan import Plan
-from ..parallel.prefetch_cost import choose_k, exposed
-from .plan import check_plan
-from .quant_config import QuantConfig
+from ...core.mesh import Mesh
+from ...core.shard import local_shape
+from ...core.tree import flatten_with_paths
+from ...models import family_of
+from ...parallel.devices import Device
+from ...parallel.devices import device as device_profile
+from ...parallel.eplb_map import EXPERT_LEAVES
+from ...parallel.layer_shard import layer_shard
+from ...parallel.module_tp import MODULES, dp_axes, split_dp
+from ...parallel.plan import Plan
+from ...parallel.prefetch_cost import choose_k, exposed
+from ...placement.check import check_plan
+from ...placement.quant_config import QuantConfig
 
 __all__ = ["Workload", "Candidate", "Estimate", "Report", "candidates", "estimate", "choose_plan", "PlanDoesNotFit"]
 
@@ -277,7 +277,7 @@ def estimate(
     """The modelled step and bytes of ``candidate`` (see the module docstring).
 
     Raises:
-        ValueError: the model cannot run the candidate (:func:`~functional_npu.runtime.plan.check_plan`'s message).
+        ValueError: the model cannot run the candidate (:func:`~functional_npu.placement.check.check_plan`'s message).
     """
     dev, shape = device_profile(device), _shape(cfg)
     axes, plan = candidate.axes, candidate.plan

@@ -3,7 +3,7 @@
 ``python -m functional_npu plan --model DIR --devices 8 --device 910b --memory-gb 32 --batch 64 --context 4096``
 prints every candidate ranked by modelled step time (bytes per rank, fits or not), why the winner won, and the
 chosen plan as JSON; ``--out FILE`` writes that JSON, which ``generate --plan FILE`` runs. ``generate --plan auto``
-plans for this machine (:func:`functional_npu.runtime.host_profile.host_device`, measured once and cached) with
+plans for this machine (:func:`functional_npu.runtime.planning.host_profile.host_device`, measured once and cached) with
 ``--devices`` ranks, the memory available to each, and the run's own prompts and new tokens as the workload.
 """
 
@@ -103,14 +103,14 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     from ..parallel.devices import device as device_profile
-    from ..runtime.checkpoint import read_config, read_quant
-    from ..runtime.planner import Workload, choose_plan
+    from ..runtime.loading.checkpoint import read_config, read_quant
+    from ..runtime.planning.choose import Workload, choose_plan
 
     try:
         cfg, quant = read_config(args.model), read_quant(args.model)
         dev = device_profile(args.device)
         if dev.name == "host":
-            from ..runtime.host_profile import host_device
+            from ..runtime.planning.host_profile import host_device
 
             dev = host_device(args.devices)
         memory = args.memory_gb * 1e9 if args.memory_gb else dev.memory_bytes
@@ -146,8 +146,8 @@ def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: l
     number of ranks than ``--devices``)."""
     import torch
 
-    from ..runtime.host_profile import host_device
-    from ..runtime.planner import Workload, choose_plan
+    from ..runtime.planning.choose import Workload, choose_plan
+    from ..runtime.planning.host_profile import host_device
 
     if args.plan_from != "auto":
         axes, plan = read_plan_file(args.plan_from, cfg)

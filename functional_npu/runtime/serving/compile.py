@@ -19,23 +19,23 @@ from typing import Any
 
 import torch
 
-from ..core.layout import Layout
-from ..core.mesh import Mesh
-from ..core.tree import flatten_with_paths
-from ..models import family_of, init_state
-from ..models.decoder import DecodeState, decode
-from ..models.linear import TARGETS, prepare_params
-from ..parallel import prefetch
-from ..parallel.layer_shard import series_of
-from ..parallel.plan import LAYOUT_FIELDS, Plan
-from ..parallel.prefetch import check_prefetch_step
-from ..parallel.prefetch_cost import auto_step
+from ...core.layout import Layout
+from ...core.mesh import Mesh
+from ...core.tree import flatten_with_paths
+from ...models import family_of, init_state
+from ...models.decoder import DecodeState, decode
+from ...models.linear import TARGETS, prepare_params
+from ...parallel import prefetch
+from ...parallel.layer_shard import series_of
+from ...parallel.plan import LAYOUT_FIELDS, Plan
+from ...parallel.prefetch import check_prefetch_step
+from ...parallel.prefetch_cost import auto_step
+from ...placement.check import check_params, resolved
+from ...placement.quant_layouts import tensor_blocks
 from .backends import Backend, resolve_backend
 from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, saved_guards
 from .generate import Lockstep, Samples, check_length, generate, sample
 from .inductor_cache import sweep
-from .plan import check_params, resolved
-from .quant_plan import tensor_blocks
 
 __all__ = ["CompiledModel", "compile_model", "greedy_generate", "cache_length", "GraphBreakError"]
 
@@ -222,7 +222,7 @@ class CompiledModel:
         Prompts run in chunks of the largest batch bucket. Ranks that share collective steps (a
         layer-sharded series axis, experts over data-parallel ranks) pass the same ``lockstep``
         (:meth:`Lockstep.over`): each runs as many chunks of the same shapes, with dummy prompts
-        where it has fewer. See :func:`functional_npu.runtime.generate.generate`.
+        where it has fewer. See :func:`functional_npu.runtime.serving.generate.generate`.
         """
         return generate(
             self,
@@ -248,7 +248,7 @@ class CompiledModel:
     ) -> Samples:
         """:meth:`generate` (sampling at ``temperature`` 1 unless told), and each new token's log-probability from
         the logits it was drawn from: a rollout's behaviour log-probabilities (see
-        :func:`functional_npu.runtime.generate.sample`)."""
+        :func:`functional_npu.runtime.serving.generate.sample`)."""
         return sample(
             self, prompts, max_new_tokens, lockstep=lockstep, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed,
@@ -365,7 +365,7 @@ def compile_model(
             (:func:`functional_npu.parallel.prefetch_cost.auto_step`) within ``plan.prefetch_budget``.
         backend: "auto" (torchair on NPU, inductor elsewhere), "inductor", "torchair", "eager",
             "aot_eager", or "none" (the plain Python forward, no ``torch.compile``).
-        mode: the backend's mode (see :func:`functional_npu.runtime.backends.resolve_backend`).
+        mode: the backend's mode (see :func:`functional_npu.runtime.serving.backends.resolve_backend`).
         batch_sizes: decode/prefill batch buckets (default 1, 2, 4, 8).
         max_seq_len: KV-cache length (default min(max_position_embeddings, 2048)).
         prefill_lengths: prompt-length buckets (default powers of two from 16 up to max_seq_len).
@@ -374,7 +374,7 @@ def compile_model(
             params' device type).
         kernels: whose quantized matmuls the weights are prepared for (``"cpu"``, ``"npu"`` or ``"dense"``,
             see :func:`functional_npu.models.linear.prepare`); default: the backend's
-            (:attr:`functional_npu.runtime.backends.Backend.kernels`). ``"npu"`` off an NPU runs Ascend's
+            (:attr:`functional_npu.runtime.serving.backends.Backend.kernels`). ``"npu"`` off an NPU runs Ascend's
             kernels' CPU references (:mod:`functional_npu.models.ascend_ops`): the NPU's numerics, checked here.
         greedy_head: greedy generation's decode steps run the head reduced to its argmax where the logits are
             computed (the family's ``Blocks.argmax``): a vocab-parallel head (tp, lm_head module TP) then moves
@@ -384,7 +384,7 @@ def compile_model(
             per mesh coordinate, ``dp1of2-tp0of4``), and load it from there in a later process that compiles the
             same model: the same config and param shapes, plan, mesh shape and coordinate, shape buckets, backend
             and mode, kernels, greedy_head, dtype, torch, python and library (the key of its ``manifest.json``). A
-            warm process then skips dynamo, inductor and the C++ compiler (:mod:`functional_npu.runtime.compile_cache`,
+            warm process then skips dynamo, inductor and the C++ compiler (:mod:`.compile_cache`,
             docs/warm_start.md). A graph is saved right after its first compile; nothing is checked per step. A
             directory holding another key's graphs, a graph that cannot be loaded, a directory that cannot be
             written: one warning on the ``functional_npu`` logger, then a clean compile. Backends ``inductor`` and
@@ -439,7 +439,7 @@ def compile_model(
 
 
 def _graph_dir(cache_dir: Any, params: dict, mesh: Mesh, backend: Backend, *key: Any, **fields: Any) -> Any:
-    """This rank's :class:`~functional_npu.runtime.compile_cache.GraphDir` under ``cache_dir`` (None: no saving)."""
+    """This rank's :class:`~.compile_cache.GraphDir` under ``cache_dir`` (None: no saving)."""
     if cache_dir is None or backend.name == "none":
         return None
     if backend.name not in SAVABLE:

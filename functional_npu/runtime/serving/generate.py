@@ -20,8 +20,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..models.decoder import DecodeState
-from ..parallel.prefetch import drain
+from ...models.decoder import DecodeState
+from ...parallel.prefetch import drain
 
 __all__ = [
     "Lockstep",
@@ -37,7 +37,7 @@ __all__ = [
 
 
 class Model(Protocol):
-    """What generation needs of a model (:class:`~functional_npu.runtime.compile.CompiledModel`)."""
+    """What generation needs of a model (:class:`~functional_npu.runtime.serving.compile.CompiledModel`)."""
 
     batch_sizes: tuple[int, ...]
     max_seq_len: int

@@ -1,7 +1,7 @@
 """A quantized checkpoint's params: which linear leaves it stores quantized, and their stored trees.
 
 A compressed-tensors checkpoint quantizes the linear modules its ``targets`` match and its
-``ignore`` does not (:class:`functional_npu.runtime.quant_config.QuantConfig`). Here that becomes
+``ignore`` does not (:class:`functional_npu.placement.quant_config.QuantConfig`). Here that becomes
 data over the family's params: each covered linear leaf (``family.linears``) is replaced, in the
 full params on the meta device and in the plan, by the dict of its stored tensors
 (:func:`functional_npu.core.quant.quant_shapes`) and their layouts

@@ -20,21 +20,21 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ..core.agree import agreed
-from ..core.dtypes import float_dtype
-from ..core.layout import Layout, local_pieces
-from ..core.mesh import Mesh
-from ..core.schema import show
-from ..core.shard import leaf_specs, local_shape
-from ..core.tree import flatten_with_paths, map_with_path
-from ..models import Family, family_of
-from ..parallel.layer_shard import LayerShard, owned_layers, present
-from ..parallel.plan import Plan
+from ...core.agree import agreed
+from ...core.dtypes import float_dtype
+from ...core.layout import Layout, local_pieces
+from ...core.mesh import Mesh
+from ...core.schema import show
+from ...core.shard import leaf_specs, local_shape
+from ...core.tree import flatten_with_paths, map_with_path
+from ...models import Family, family_of
+from ...parallel.layer_shard import LayerShard, owned_layers, present
+from ...parallel.plan import Plan
+from ...placement.check import check_plan, resolved
+from ...placement.hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
+from ...placement.quant_config import QuantConfig, read_quant_config
+from ...placement.quant_layouts import quantize_plan
 from .dcp import DcpHandle, is_dcp
-from .hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
-from .plan import check_plan, resolved
-from .quant_config import QuantConfig, read_quant_config
-from .quant_plan import quantize_plan
 
 __all__ = ["load_checkpoint", "read_config", "read_quant"]
 
@@ -140,7 +140,7 @@ def load_checkpoint(
         path: a HF model directory: ``config.json`` and ``model.safetensors`` or a sharded index; or a
             torch.distributed.checkpoint directory (``.metadata`` and ``*.distcp``, as FSDP2 / torchtitan save
             an HF model's ``state_dict()``) with the model's ``config.json`` beside it
-            (:mod:`functional_npu.runtime.dcp`).
+            (:mod:`functional_npu.runtime.loading.dcp`).
         mesh: a mesh with the plan's axes (other axes hold replicas), from ``make_mesh`` or
             ``Mesh.abstract(...).at(...)`` to load one coordinate's shards in one process.
         plan: where each piece lives (:class:`~functional_npu.parallel.plan.Plan`; default ``Plan()``:
@@ -157,8 +157,8 @@ def load_checkpoint(
         on_read: called as ``on_read(tensor_name, bytes_read)`` for every slice read.
 
     A compressed-tensors checkpoint (``quantization_config`` in ``config.json``; see
-    :mod:`functional_npu.runtime.quant_config`) loads its quantized linears as the dicts of their stored
-    tensors, sharded like any leaf (:mod:`functional_npu.runtime.quant_plan`), with ``params["quant"]``;
+    :mod:`functional_npu.placement.quant_config`) loads its quantized linears as the dicts of their stored
+    tensors, sharded like any leaf (:mod:`functional_npu.placement.quant_layouts`), with ``params["quant"]``;
     :func:`functional_npu.compile_model` puts them in their kernels' forms.
 
     Returns:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..parallel.streams import COPY_BACK, INLINE, Streams
+from ...parallel.streams import COPY_BACK, INLINE, Streams
 
 __all__ = [
     "Backend",
@@ -207,7 +207,7 @@ def _npugraph_ex() -> Any:
 def _torchair(mode: str | None) -> Any:
     import torchair  # only importable after torch_npu
 
-    from . import ge_converters  # noqa: F401 - registers the GE converters of this library's ops
+    from .. import ge_converters  # noqa: F401 - registers the GE converters of this library's ops
 
     # the prefetch ring's slots are inputs the graph writes in place: RefData, no copy (see ge_converters.configure)
     config = ge_converters.configure(torchair.CompilerConfig())

@@ -1,0 +1,34 @@
+"""A model compiled and run: the backend chosen, prefill and decode traced whole on static buckets, the one
+generation path, saved graphs for a warm start.
+
+- :mod:`.backends`: which compiler (torchair, npugraph_ex, inductor, eager) and its mode;
+- :mod:`.compile`: ``compile_model`` and ``CompiledModel``;
+- :mod:`.generate`: chunks, padded prefill, decode, sampling, ``Lockstep``;
+- :mod:`.compile_cache`, :mod:`.inductor_cache`: graphs saved for a later process; inductor's cache swept;
+- :mod:`.ge_converters`: torchair converters for this library's ops (imported only where torchair is).
+"""
+
+from .backends import BACKENDS, FASTEST_MODES, INDUCTOR_MODES, Backend, modes, npu_status, resolve_backend
+from .compile import CompiledModel, GraphBreakError, cache_length, compile_model, greedy_generate
+from .generate import Lockstep, Samples, generate, logprobs_of, sample, sampler
+
+__all__ = [
+    "compile_model",
+    "CompiledModel",
+    "greedy_generate",
+    "cache_length",
+    "GraphBreakError",
+    "generate",
+    "sample",
+    "sampler",
+    "logprobs_of",
+    "Lockstep",
+    "Samples",
+    "Backend",
+    "BACKENDS",
+    "INDUCTOR_MODES",
+    "FASTEST_MODES",
+    "resolve_backend",
+    "modes",
+    "npu_status",
+]
