@@ -22,7 +22,7 @@ import argparse
 import torch
 
 from functional_npu.eplb import balanced_placement, plan_rebalance, rebalance
-from functional_npu.runtime.launch import LocalWorld
+from functional_npu.runtime import LocalWorld
 
 from .timing import best_time
 

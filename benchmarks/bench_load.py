@@ -19,10 +19,10 @@ import torch
 import transformers as T
 
 from functional_npu import Mesh
+from functional_npu.core import flatten_with_paths
 from functional_npu.core.shard import leaf_specs
-from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import llama
-from functional_npu.runtime.loading.checkpoint import load_checkpoint
+from functional_npu.runtime.loading import load_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from functional_npu import Mesh, Plan, compile_model
+from functional_npu.models import Routing
 from functional_npu.models.deepseek import DeepseekConfig, init_params
-from functional_npu.models.experts import Routing
 
 from . import timing
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from functional_npu import Plan, compile_model, flatten_with_paths, load_checkpoint, split_dp
 from functional_npu.models.llama import init_params
-from functional_npu.runtime.launch import LocalWorld
-from functional_npu.runtime.loading.save import save_checkpoint
-from functional_npu.runtime.serving.compile import cache_length
+from functional_npu.runtime import LocalWorld
+from functional_npu.runtime.loading import save_checkpoint
+from functional_npu.runtime.serving import cache_length
 from functional_npu.runtime.serving.generate import Lockstep
 
 from . import timing

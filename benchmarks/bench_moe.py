@@ -16,11 +16,10 @@ import tempfile
 import time
 
 from functional_npu.models import moe
-from functional_npu.parallel.plan import Plan
-from functional_npu.runtime.launch import LocalWorld
-from functional_npu.runtime.loading.checkpoint import load_checkpoint
-from functional_npu.runtime.loading.save import save_checkpoint
-from functional_npu.runtime.serving.compile import cache_length, compile_model, greedy_generate
+from functional_npu.parallel import Plan
+from functional_npu.runtime import LocalWorld
+from functional_npu.runtime.loading import load_checkpoint, save_checkpoint
+from functional_npu.runtime.serving import cache_length, compile_model, greedy_generate
 
 from .configs import QUICK
 from .timing import best_time

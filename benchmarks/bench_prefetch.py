@@ -19,7 +19,7 @@ import json
 import tempfile
 
 from functional_npu.models.llama import init_params
-from functional_npu.runtime.loading.save import save_checkpoint
+from functional_npu.runtime.loading import save_checkpoint
 
 from .configs import QUICK
 from .emulated_link import model_check, run_link_bench

@@ -28,10 +28,10 @@ import time
 import torch
 
 from functional_npu import Cyclic, gather, leaf_specs, plan_reshard, replicated, reshard, shard
-from functional_npu.core.tree import flatten_with_paths
-from functional_npu.interop.megatron import megatron_specs, stack_layers, stacked_specs
+from functional_npu.core import flatten_with_paths
+from functional_npu.interop import megatron_specs, stack_layers, stacked_specs
 from functional_npu.models.llama import abstract_params, init_params, param_specs
-from functional_npu.runtime.launch import LocalWorld
+from functional_npu.runtime import LocalWorld
 
 from .configs import FULL
 from .timing import best_time

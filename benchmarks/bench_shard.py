@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from functional_npu import Block, Mesh, fused, gather, shard, sharded
-from functional_npu.runtime.launch import LocalWorld
+from functional_npu.runtime import LocalWorld
 
 from .timing import best_time
 

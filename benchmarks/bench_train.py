@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functional_npu.runtime.launch import LocalWorld
+from functional_npu.runtime import LocalWorld
 
 from .peers import _between_barriers
 from .timing import ratio, rounds, stats

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from functional_npu.parallel.prefetch_cost import Link, choose_k, exposed
+from functional_npu.parallel import Link, choose_k, exposed
 
 from . import child_env
 from .prefetch_runs import run_prefetch_bench

@@ -26,14 +26,11 @@ from typing import Any
 
 import torch
 
-from functional_npu.core.mesh import Mesh
-from functional_npu.core.quant import Quant
-from functional_npu.core.tree import flatten_with_paths, map_with_path
+from functional_npu.core import Mesh, Quant, flatten_with_paths, map_with_path
 from functional_npu.models.llama import LlamaConfig, init_params
-from functional_npu.placement.quant_config import QuantConfig
-from functional_npu.runtime.loading.checkpoint import load_checkpoint
-from functional_npu.runtime.loading.save import save_checkpoint
-from functional_npu.runtime.serving.compile import CompiledModel, cache_length, compile_model
+from functional_npu.placement import QuantConfig
+from functional_npu.runtime.loading import load_checkpoint, save_checkpoint
+from functional_npu.runtime.serving import CompiledModel, cache_length, compile_model
 
 from .timing import interleaved, matvec_bandwidth, pin_threads, ratio, read_bandwidth, stats
 

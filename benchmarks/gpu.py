@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from functional_npu.core.mesh import Mesh
+from functional_npu.core import Mesh
 
 from .configs import FULL
 from .formats import decode_bytes, fnpu_runner, transformers_runner, write_formats

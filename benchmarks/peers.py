@@ -28,17 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functional_npu.core.dtensor import placements_of, to_dtensor
-from functional_npu.core.layout import Layout, Shard, sharded
+from functional_npu.core import Layout, Shard, flatten_with_paths, placements_of, sharded, to_dtensor
 from functional_npu.core.reshard import plan_reshard, reshard
 from functional_npu.core.shard import shard
-from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import family_of
-from functional_npu.placement.check import check_plan
-from functional_npu.placement.hf_layout import stored_tensors
-from functional_npu.runtime.launch import RankContext
-from functional_npu.runtime.loading.checkpoint import load_checkpoint
-from functional_npu.runtime.serving.compile import cache_length, compile_model
+from functional_npu.placement import check_plan, stored_tensors
+from functional_npu.runtime import RankContext
+from functional_npu.runtime.loading import load_checkpoint
+from functional_npu.runtime.serving import cache_length, compile_model
 
 from .counting import ReceivedBytes, need_of_layouts
 from .formats import fnpu_runner

@@ -28,12 +28,11 @@ import torch
 
 from functional_npu import compile_model, load_checkpoint
 from functional_npu.models.llama import init_params
-from functional_npu.parallel.module_tp import dp_axes
-from functional_npu.runtime.launch import LocalWorld
-from functional_npu.runtime.loading.save import save_checkpoint
-from functional_npu.runtime.planning.choose import Candidate, Workload, candidates, estimate
-from functional_npu.runtime.planning.host_profile import host_device
-from functional_npu.runtime.serving.compile import cache_length
+from functional_npu.parallel import dp_axes
+from functional_npu.runtime import LocalWorld
+from functional_npu.runtime.loading import save_checkpoint
+from functional_npu.runtime.planning import Candidate, Workload, candidates, estimate, host_device
+from functional_npu.runtime.serving import cache_length
 from functional_npu.runtime.serving.generate import Lockstep
 
 from . import timing

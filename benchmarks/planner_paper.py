@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from functional_npu.core.quant import Quant
+from functional_npu.core import Quant
 from functional_npu.models import family_of
-from functional_npu.parallel.devices import device
-from functional_npu.placement.quant_config import QuantConfig
-from functional_npu.runtime.planning.choose import PlanDoesNotFit, Workload, choose_plan
+from functional_npu.parallel import device
+from functional_npu.placement import QuantConfig
+from functional_npu.runtime.planning import PlanDoesNotFit, Workload, choose_plan
 
 # published config.json sizes (the fields the families read)
 MODELS = {

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from functional_npu.parallel.prefetch_cost import DEVICES, choose_k, exposed, roofline_layer_s
+from functional_npu.parallel import DEVICES, choose_k, exposed, roofline_layer_s
 
 __all__ = ["Workload", "WORKLOADS", "paper_rows", "paper_table", "main"]
 

@@ -29,17 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from functional_npu.core.collectives import broadcast
+from functional_npu.core import broadcast
 from functional_npu.models import forward
-from functional_npu.parallel.hazard import check
-from functional_npu.parallel.hazard_fx import from_inductor_code
+from functional_npu.parallel import Plan, check, coalesced, drain, from_inductor_code, layer_bytes
 from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
-from functional_npu.parallel.plan import Plan
-from functional_npu.parallel.prefetch import coalesced, drain
-from functional_npu.parallel.prefetch_cost import layer_bytes
-from functional_npu.runtime.launch import LocalWorld, RankContext, watch_parent
-from functional_npu.runtime.loading.checkpoint import load_checkpoint
-from functional_npu.runtime.serving.compile import CompiledModel, compile_model
+from functional_npu.runtime import LocalWorld, RankContext, watch_parent
+from functional_npu.runtime.loading import load_checkpoint
+from functional_npu.runtime.serving import CompiledModel, compile_model
 
 from .shaped_link import rate_for, set_rate
 from .timing import rounds

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from functional_npu.core.tree import flatten_with_paths
+from functional_npu.core import flatten_with_paths
 from functional_npu.models.llama import LlamaConfig, abstract_params, init_params
-from functional_npu.runtime.launch import LocalWorld
-from functional_npu.runtime.loading.save import save_checkpoint
+from functional_npu.runtime import LocalWorld
+from functional_npu.runtime.loading import save_checkpoint
 
 from .configs import FULL, QUICK
 from .formats import format_table, formats_plot, run_formats, targets, targets_table

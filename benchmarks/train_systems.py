@@ -39,9 +39,7 @@ class System(NamedTuple):
 
 def _fnpu(ctx: Any, path: str, tokens: torch.Tensor, compiled: bool) -> System:
     from functional_npu import Plan, flatten_with_paths, load_checkpoint
-    from functional_npu.runtime.training.grad import lm_loss
-    from functional_npu.runtime.training.optim import AdamW
-    from functional_npu.runtime.training.train_step import compile_train_step
+    from functional_npu.runtime.training import AdamW, compile_train_step, lm_loss
 
     mesh = ctx.mesh({"tp": 2})
     params = load_checkpoint(path, mesh, Plan(tp="tp"), dtype=torch.float32)

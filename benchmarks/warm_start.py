@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 
-from functional_npu.core.mesh import Mesh
+from functional_npu.core import Mesh
 from functional_npu.models.llama import init_params
-from functional_npu.runtime.loading.checkpoint import load_checkpoint
-from functional_npu.runtime.loading.save import save_checkpoint
-from functional_npu.runtime.serving.compile import cache_length, compile_model
+from functional_npu.runtime.loading import load_checkpoint, save_checkpoint
+from functional_npu.runtime.serving import cache_length, compile_model
 
 from . import child_env
 from .configs import FULL, QUICK

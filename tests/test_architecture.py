@@ -1,8 +1,11 @@
 """The package's folders are its layers: imports run one way, core <- parallel <- models <- interop, placement <-
-runtime <- cli (and npu, which reads converted graphs with core and parallel, <- cli). The applications (benchmarks/, tools/) sit
-outside it: the package imports nothing of theirs, and no modules import each other in a circle."""
+runtime <- cli (and npu, which reads converted graphs with core and parallel, <- cli). The applications
+(benchmarks/, tools/) sit outside it: the package imports nothing of theirs, and no modules import each other in a
+circle. Each folder is a face over its modules: the applications and the docs import faces, never a file; no two
+modules share a stem; no function runs past 60 lines of code."""
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -220,3 +223,92 @@ def test_no_import_hides_behind_type_checking():
         if isinstance(node, ast.If) and _type_checking(node)
     ]
     assert not bad, "imports under TYPE_CHECKING:\n" + "\n".join(bad)
+
+
+def _exports(package: Path) -> set[str]:
+    """The names a package's face (its ``__init__.py``) lists in ``__all__``."""
+    for node in ast.parse((package / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return {e.value for e in node.value.elts}
+    return set()
+
+
+def _is_face(module: str, root: Path = ROOT) -> bool:
+    """A package (a folder with a face), or a module its package's face lists by name (``functional_npu.models.llama``,
+    a family, is one)."""
+    path = root.joinpath(*module.split("."))
+    if (path / "__init__.py").is_file():
+        return True
+    return (path.parent / "__init__.py").is_file() and path.name in _exports(path.parent)
+
+
+def _app_and_doc_imports() -> list[tuple[str, str]]:
+    """(where, module) for every ``from functional_npu... import`` in the applications and the docs' code."""
+    out = []
+    for file in sorted(p for app in APPS for p in (ROOT / app).rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("functional_npu"):
+                out.append((f"{file.relative_to(ROOT)}:{node.lineno}", node.module))
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]:
+        for i, line in enumerate(doc.read_text().splitlines(), 1):
+            if m := re.match(r"\s*from (functional_npu[\w.]*) import ", line):
+                out.append((f"{doc.relative_to(ROOT)}:{i}", m.group(1)))
+    return out
+
+
+def test_applications_and_docs_import_faces_not_files():
+    imports = _app_and_doc_imports()
+    assert len(imports) > 50  # the check sees them
+    bad = [f"{where} imports {module}" for where, module in imports if not _is_face(module)]
+    assert not bad, "import the folder's face (its __init__ lists the name), not a file:\n" + "\n".join(bad)
+
+
+def test_the_face_check_refuses_a_file(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text('from .a import f\n__all__ = ["f", "family"]\n')
+    assert _is_face("pkg", tmp_path) and _is_face("pkg.family", tmp_path) and not _is_face("pkg.a", tmp_path)
+
+
+def test_no_two_modules_share_a_stem():
+    stems: dict[str, list[str]] = {}
+    for file in sorted(PACKAGE.rglob("*.py")):
+        if file.name not in ("__init__.py", "__main__.py"):
+            stems.setdefault(file.stem, []).append(str(file.relative_to(PACKAGE)))
+    bad = {stem: files for stem, files in stems.items() if len(files) > 1}
+    assert not bad, f"one name, one module: {bad}"
+
+
+MAX_LINES = 60  # code lines of a function: its body without the docstring, blank lines and comment lines
+
+
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    if not body:
+        return 0
+    text = lines[body[0].lineno - 1 : node.end_lineno]
+    return sum(1 for line in text if line.strip() and not line.strip().startswith("#"))
+
+
+def _long_functions(root: Path) -> list[str]:
+    out = []
+    for file in sorted(root.rglob("*.py")):
+        lines = file.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "build_parser":
+                n = _code_lines(node, lines)
+                if n > MAX_LINES:
+                    out.append(f"{file.relative_to(root.parent)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_runs_past_60_lines():
+    """The argparse table (``build_parser``) excepted."""
+    bad = _long_functions(PACKAGE)
+    assert not bad, f"split these into functions of at most {MAX_LINES} code lines:\n" + "\n".join(bad)
+
+
+def test_the_length_check_counts_code_lines(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(61))
+    (tmp_path / "pkg" / "a.py").write_text(f'def f():\n    """doc"""\n    # note\n\n{body}\ndef g():\n    return 1\n')
+    assert _long_functions(tmp_path / "pkg") == ["pkg/a.py:1 f (61 lines)"]

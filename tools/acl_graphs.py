@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
+from functional_npu.npu import TorchairUnavailable, torchair_sources
 
 from .aten_graphs import CASES, case_inputs, case_mesh
 from .conversion import run_conversion
@@ -51,8 +51,8 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from functional_npu.models import forward
-    from functional_npu.runtime.launch import RankContext
-    from functional_npu.runtime.serving.backends import npugraph_ex_config, npugraph_ex_streams
+    from functional_npu.runtime import RankContext
+    from functional_npu.runtime.serving import npugraph_ex_config, npugraph_ex_streams
 
     hints = npugraph_ex_streams()
     cases = [c for c in CASES if (not names or c.name in names) and c.phase != "train"]  # forwards only

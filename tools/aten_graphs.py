@@ -29,25 +29,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from functional_npu.core.collectives import BROADCAST_INTO
-from functional_npu.core.mesh import Mesh
-from functional_npu.core.quant import Quant, quantize
+from functional_npu.core import BROADCAST_INTO, Mesh, Quant, quantize
 from functional_npu.core.shard import shard
-from functional_npu.models import deepseek, family_of, forward, gemma3, init_state, llama, moe
-from functional_npu.models.experts import Routing
-from functional_npu.models.linear import prepare_params
-from functional_npu.parallel import prefetch
+from functional_npu.models import Routing, deepseek, family_of, forward, gemma3, init_state, llama, moe, prepare_params
+from functional_npu.parallel import INLINE, Plan, Streams, prefetch, split_dp
 from functional_npu.parallel.layer_shard import layer_shard, series_specs, stack_series
-from functional_npu.parallel.module_tp import split_dp
-from functional_npu.parallel.plan import Plan
-from functional_npu.parallel.streams import INLINE, Streams
-from functional_npu.placement.check import resolved
-from functional_npu.placement.quant_config import QuantConfig
-from functional_npu.placement.quant_layouts import quantize_plan
-from functional_npu.runtime.launch import RankContext
-from functional_npu.runtime.training.grad import token_logprobs
-from functional_npu.runtime.training.optim import AdamW
-from functional_npu.runtime.training.train_step import compile_train_step
+from functional_npu.placement import QuantConfig, quantize_plan, resolved
+from functional_npu.runtime import RankContext
+from functional_npu.runtime.training import AdamW, compile_train_step, token_logprobs
 
 __all__ = [
     "GRAPH_CONFIGS",

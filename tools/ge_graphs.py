@@ -28,8 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from functional_npu.npu import ge_graph
-from functional_npu.npu.wheel import TorchairUnavailable, torchair_sources
+from functional_npu.npu import TorchairUnavailable, ge_graph, torchair_sources
 
 from .aten_graphs import CASES, case_function, case_mesh
 from .conversion import run_conversion
@@ -53,9 +52,12 @@ def convert(fn: Any, args: tuple[Any, ...], *, ordered: bool = True) -> Any:
     import torchair  # type: ignore[import-not-found]
 
     from functional_npu.npu import host
-    from functional_npu.runtime.serving.ge_converters import configure
+    from functional_npu.runtime.serving import ge_converters
 
-    config = configure(torchair.CompilerConfig(), ordered=ordered)  # the ring in place, as the backend has it
+    # the ring in place, as the backend has it
+    config = ge_converters.configure(
+        torchair.CompilerConfig(), ordered=ordered
+    )  # the ring in place, as the backend has it
     config.mode = "max-autotune"
     torch._dynamo.reset()
     compiled = torch.compile(
@@ -94,7 +96,7 @@ def stable_names(graph: Any) -> Any:
 
 
 def _convert(case: Any, streams: Any, ctx: Any) -> Any:
-    from functional_npu.parallel.streams import INLINE
+    from functional_npu.parallel import INLINE
 
     mesh = case_mesh(case, ctx)
     if not mesh.is_abstract:
@@ -133,10 +135,12 @@ def _run(sources: Path, out: Path) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchair._ge_concrete_graph.ge_ir_pb2 import DataType  # type: ignore[import-not-found]
 
-    from functional_npu.parallel.streams import INLINE
-    from functional_npu.runtime.launch import RankContext
-    from functional_npu.runtime.serving import ge_converters  # noqa: F401 - registers the converters of this library's ops
-    from functional_npu.runtime.serving.backends import torchair_streams
+    from functional_npu.parallel import INLINE
+    from functional_npu.runtime import RankContext
+    from functional_npu.runtime.serving import (
+        ge_converters,  # noqa: F401 - registers the converters of this library's ops
+        torchair_streams,
+    )
 
     hints = torchair_streams()
     results: dict[str, Any] = {}

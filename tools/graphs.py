@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from functional_npu.runtime.launch import LocalWorld, RankContext
+from functional_npu.runtime import LocalWorld, RankContext
 
 from .acl_graphs import acl_artifacts
 from .aten_graphs import CASES, capture_artifacts, diff_artifacts, write_artifacts

@@ -13,8 +13,10 @@
 from . import deepseek, gemma3, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
+from .experts import Routing
 from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, series_leaves
 from .gemma3 import Gemma3Config
+from .linear import prepare_params
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -36,4 +38,6 @@ __all__ = [
     "series_leaves",
     "Blocks",
     "DecodeState",
+    "Routing",
+    "prepare_params",
 ]

@@ -1,3 +1,5 @@
+from .wheel import TorchairUnavailable, torchair_sources
+
 """NPU graphs without an NPU: torchair's own FX-to-GE converters, run on this host.
 
 - :mod:`.wheel`: torchair's Python sources from the torch-npu wheel, unpacked into a cache.
@@ -8,3 +10,8 @@
 The conversion itself runs in a subprocess (``python -m tools.ge_graphs``, from the repository), never
 in a process that imports torch for anything else.
 """
+
+__all__ = [
+    "TorchairUnavailable",
+    "torchair_sources",
+]

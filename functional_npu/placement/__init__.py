@@ -8,6 +8,7 @@
 """
 
 from .check import check_params, check_plan, check_plan_fits, plan_table, resolved
+from .hf_layout import stored_tensors
 from .quant_config import PRESETS, QuantConfig, read_quant_config
 from .quant_layouts import quantize_plan, quantized_leaves, tensor_blocks
 
@@ -23,4 +24,5 @@ __all__ = [
     "quantize_plan",
     "quantized_leaves",
     "tensor_blocks",
+    "stored_tensors",
 ]

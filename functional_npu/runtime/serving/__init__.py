@@ -8,7 +8,18 @@ generation path, saved graphs for a warm start.
 - :mod:`.ge_converters`: torchair converters for this library's ops (imported only where torchair is).
 """
 
-from .backends import BACKENDS, FASTEST_MODES, INDUCTOR_MODES, Backend, modes, npu_status, resolve_backend
+from .backends import (
+    BACKENDS,
+    FASTEST_MODES,
+    INDUCTOR_MODES,
+    Backend,
+    modes,
+    npu_status,
+    npugraph_ex_config,
+    npugraph_ex_streams,
+    resolve_backend,
+    torchair_streams,
+)
 from .compile import CompiledModel, GraphBreakError, cache_length, compile_model, greedy_generate
 from .generate import Lockstep, Samples, generate, logprobs_of, sample, sampler
 
@@ -31,4 +42,7 @@ __all__ = [
     "resolve_backend",
     "modes",
     "npu_status",
+    "npugraph_ex_config",
+    "npugraph_ex_streams",
+    "torchair_streams",
 ]
