@@ -19,8 +19,7 @@ import torch
 import transformers as T
 
 from functional_npu import Mesh
-from functional_npu.core import flatten_with_paths
-from functional_npu.core.shard import leaf_specs
+from functional_npu.core import flatten_with_paths, leaf_specs
 from functional_npu.models import llama
 from functional_npu.runtime.loading import load_checkpoint
 

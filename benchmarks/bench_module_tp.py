@@ -25,8 +25,7 @@ from functional_npu import Plan, compile_model, flatten_with_paths, load_checkpo
 from functional_npu.models.llama import init_params
 from functional_npu.runtime import LocalWorld
 from functional_npu.runtime.loading import save_checkpoint
-from functional_npu.runtime.serving import cache_length
-from functional_npu.runtime.serving.generate import Lockstep
+from functional_npu.runtime.serving import Lockstep, cache_length
 
 from . import timing
 from .configs import FULL, QUICK

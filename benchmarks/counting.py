@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from functional_npu.core import Layout, Mesh
-from functional_npu.core.shard import shard
+from functional_npu.core import Layout, Mesh, shard
 
 __all__ = ["ReceivedBytes", "Need", "need_of_ids", "need_of_layouts"]
 

@@ -28,9 +28,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functional_npu.core import Layout, Shard, flatten_with_paths, placements_of, sharded, to_dtensor
-from functional_npu.core.reshard import plan_reshard, reshard
-from functional_npu.core.shard import shard
+from functional_npu.core import (
+    Layout,
+    Shard,
+    flatten_with_paths,
+    placements_of,
+    plan_reshard,
+    reshard,
+    shard,
+    sharded,
+    to_dtensor,
+)
 from functional_npu.models import family_of
 from functional_npu.placement import check_plan, stored_tensors
 from functional_npu.runtime import RankContext

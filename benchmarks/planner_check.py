@@ -32,8 +32,7 @@ from functional_npu.parallel import dp_axes
 from functional_npu.runtime import LocalWorld
 from functional_npu.runtime.loading import save_checkpoint
 from functional_npu.runtime.planning import Candidate, Workload, candidates, estimate, host_device
-from functional_npu.runtime.serving import cache_length
-from functional_npu.runtime.serving.generate import Lockstep
+from functional_npu.runtime.serving import Lockstep, cache_length
 
 from . import timing
 from .configs import FULL, QUICK

@@ -92,7 +92,7 @@ def cells() -> list[dict]:
                         chosen, report = choose_plan(cfg, n, dev, memory, work, quant=quant)
                         best = report.chosen
                         row |= {
-                            "plan": chosen.name,
+                            "plan": best.candidate.name,
                             "prefetch_step": chosen.plan.prefetch_step if chosen.plan.layer_shard else None,
                             "step_ms": best.step_s * 1e3,
                             "gb_per_rank": best.bytes["total"] / 1e9,

@@ -31,8 +31,16 @@ import torch.distributed._functional_collectives as funcol
 
 from functional_npu.core import broadcast
 from functional_npu.models import forward
-from functional_npu.parallel import Plan, check, coalesced, drain, from_inductor_code, layer_bytes
-from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
+from functional_npu.parallel import (
+    Plan,
+    check,
+    coalesced,
+    drain,
+    from_inductor_code,
+    layer_bytes,
+    layer_shard,
+    resident_bytes,
+)
 from functional_npu.runtime import LocalWorld, RankContext, watch_parent
 from functional_npu.runtime.loading import load_checkpoint
 from functional_npu.runtime.serving import CompiledModel, compile_model
@@ -87,7 +95,7 @@ def _stepper(model: CompiledModel, batch: int) -> tuple[Callable[[int], float], 
 def _comm_alone(params: dict, mesh: Any, n: int) -> float:
     """Seconds for one step's broadcasts (one per layer and coalesced group, as the forward issues them)
     issued back to back, then waited; the mean over ``n`` steps."""
-    axis = params["plan"].layer_shard.axis
+    axis = params["placement"].plan.layer_shard.axis
     size = mesh.axis_size(axis)
     series = params["series"]
     bufs = [
@@ -145,7 +153,7 @@ def prefetch_rank(
     owned = resident_bytes(params["series"])
     configs = [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items() if stock]
     for name, k, schedule in configs:  # every graph compiled and warm before any timing
-        plan = dataclasses.replace(params["plan"], prefetch_step=k)
+        plan = dataclasses.replace(params["placement"].plan, prefetch_step=k)
         model = compile_model(params, mesh, plan=plan, batch_sizes=[batch], max_seq_len=cache_len)
         if schedule != "prefetch":
             model = _stock(model, SCHEDULES[schedule])

@@ -5,7 +5,8 @@ Parameters are pytrees of local shards; each leaf's placement is a :class:`Layou
 over mesh axes that trace whole under ``torch.compile``; a :class:`Plan` holds every parallel choice for
 a model (tensor, expert and module parallelism, layer sharding and its prefetch step).
 
-The top level is the core. Namespaces hold the rest:
+The top level is the core, the plan and its placement, and the entry points to load, compile, generate and train.
+Namespaces hold the rest:
 
 - :mod:`functional_npu.models`: the model families, their configs and the forward;
 - :mod:`functional_npu.interop`: other frameworks' layouts (DTensor placements, Megatron, EP <-> TP);
@@ -13,21 +14,50 @@ The top level is the core. Namespaces hold the rest:
 """
 
 from . import eplb, interop, models
-from .core.collectives import all_gather, all_reduce, all_to_all, all_to_all_single, broadcast, permute, reduce_scatter
-from .core.layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
-from .core.mesh import Mesh, make_mesh
-from .core.quant import Quant, dequantize, quant_layouts, quantize
-from .core.reshard import RankTraffic, ReshardPlan, Transfer, plan_reshard, reshard
-from .core.shard import gather, leaf_specs, local_shape, shard, unshard
-from .core.tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
-from .parallel.layer_shard import LayerShard, layer_shard
-from .parallel.module_tp import ModuleTP, split_dp
-from .parallel.plan import Plan
-from .placement.check import check_plan, plan_table
-from .runtime.loading.checkpoint import load_checkpoint, read_config
-from .runtime.loading.dtensor_state import from_dtensor_state
-from .runtime.planning.choose import Workload, choose_plan
-from .runtime.serving.compile import CompiledModel, compile_model, greedy_generate
+from .core import (
+    Block,
+    Cyclic,
+    Layout,
+    LayoutError,
+    Mesh,
+    Quant,
+    RankTraffic,
+    ReshardPlan,
+    Shard,
+    Transfer,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    broadcast,
+    check_structure,
+    cyclic,
+    dequantize,
+    flatten_with_paths,
+    fused,
+    gather,
+    leaf_specs,
+    local_shape,
+    make_mesh,
+    map_with_path,
+    permute,
+    plan_reshard,
+    quant_layouts,
+    quantize,
+    reduce_scatter,
+    replicated,
+    reshard,
+    shard,
+    sharded,
+    tree_from_paths,
+    unshard,
+)
+from .parallel import LayerShard, ModuleTP, Plan, layer_shard, split_dp
+from .placement import Placement, check_plan, place, plan_table, read_placement
+from .runtime.loading import from_dtensor_state, load_checkpoint, read_config, save_checkpoint
+from .runtime.planning import Workload, choose_plan
+from .runtime.serving import CompiledModel, compile_model, greedy_generate
+from .runtime.training import AdamW, compile_train_step, lm_loss, reshard_params, token_logprobs, value_and_grad
 
 __version__ = "0.1.0"
 
@@ -81,13 +111,24 @@ __all__ = [
     "layer_shard",
     "check_plan",
     "plan_table",
+    "Placement",
+    "place",
+    "read_placement",
     # load, compile, generate
     "load_checkpoint",
     "read_config",
     "from_dtensor_state",
+    "save_checkpoint",
     "compile_model",
     "CompiledModel",
     "greedy_generate",
+    # training
+    "value_and_grad",
+    "token_logprobs",
+    "lm_loss",
+    "AdamW",
+    "compile_train_step",
+    "reshard_params",
     # namespaces
     "models",
     "interop",

@@ -234,12 +234,21 @@ def _exports(package: Path) -> set[str]:
 
 
 def _is_face(module: str, root: Path = ROOT) -> bool:
-    """A package (a folder with a face), or a module its package's face lists by name (``functional_npu.models.llama``,
-    a family, is one)."""
+    """A package (a folder with a face), or a module its package's face exports as a module (``from . import llama``
+    and ``"llama"`` in ``__all__``: a family is one)."""
     path = root.joinpath(*module.split("."))
     if (path / "__init__.py").is_file():
         return True
-    return (path.parent / "__init__.py").is_file() and path.name in _exports(path.parent)
+    face = path.parent / "__init__.py"
+    if not face.is_file() or path.name not in _exports(path.parent):
+        return False
+    return any(
+        isinstance(node, ast.ImportFrom)
+        and node.level == 1
+        and not node.module
+        and path.name in {a.name for a in node.names}
+        for node in ast.parse(face.read_text()).body
+    )
 
 
 def _app_and_doc_imports() -> list[tuple[str, str]]:
@@ -265,8 +274,9 @@ def test_applications_and_docs_import_faces_not_files():
 
 def test_the_face_check_refuses_a_file(tmp_path):
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "__init__.py").write_text('from .a import f\n__all__ = ["f", "family"]\n')
-    assert _is_face("pkg", tmp_path) and _is_face("pkg.family", tmp_path) and not _is_face("pkg.a", tmp_path)
+    (tmp_path / "pkg" / "__init__.py").write_text('from . import family\nfrom .a import a\n__all__ = ["a", "family"]\n')
+    assert _is_face("pkg", tmp_path) and _is_face("pkg.family", tmp_path)
+    assert not _is_face("pkg.a", tmp_path)  # a module named like a name its face exports is still a file
 
 
 def test_no_two_modules_share_a_stem():

@@ -22,6 +22,7 @@ import gzip
 import json
 import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from functional_npu.core import BROADCAST_INTO, Mesh, Quant, quantize
-from functional_npu.core.shard import shard
+from functional_npu.core import BROADCAST_INTO, Mesh, Quant, quantize, shard
 from functional_npu.models import Routing, deepseek, family_of, forward, gemma3, init_state, llama, moe, prepare_params
-from functional_npu.parallel import INLINE, Plan, Streams, prefetch, split_dp
-from functional_npu.parallel.layer_shard import layer_shard, series_specs, stack_series
-from functional_npu.placement import QuantConfig, quantize_plan, resolved
+from functional_npu.parallel import INLINE, Plan, Streams, layer_shard, prefetch, series_specs, split_dp, stack_series
+from functional_npu.placement import QuantConfig, place, quantize_plan, resolved
 from functional_npu.runtime import RankContext
 from functional_npu.runtime.training import AdamW, compile_train_step, token_logprobs
 
@@ -229,11 +228,13 @@ def case_function(
     ``streams`` its ordering hints) for a prefill or decode, the whole train step (AdamW over
     :func:`_math_lm_loss`) for a train case."""
     if case.phase != "train":
-        return functools.partial(forward, attention="math", streams=streams), case_inputs(case, mesh, device=device)
+        inputs = case_inputs(case, mesh, device=device)
+        plan = inputs[0]["placement"].plan
+        return functools.partial(forward, attention="math", streams=streams, plan=plan), inputs
     cfg, plan = case.config, case.plan
     model = family_of(cfg)
     full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg, plan)
-    params = shard(full, model.param_specs(cfg, plan), mesh) | {"plan": plan}
+    params = shard(full, model.param_specs(cfg, plan), mesh) | {"placement": place(cfg, mesh, plan)}
     step = compile_train_step(_math_lm_loss, AdamW(), params, mesh, backend="none")
     tokens = torch.ones(*TRAIN, dtype=torch.long, device=device)
     return step.plain, step.inputs(params, step.init(params), tokens)
@@ -254,14 +255,15 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
         if plan.layer_shard is not None:
             ls = plan.layer_shard
             full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
-        params = shard(full, specs, mesh) | {"plan": plan}
+        params = shard(full, specs, mesh) | {"placement": place(cfg, mesh, plan)}
+    plan = params["placement"].plan  # its series resolved
     b, s = PHASES[case.phase]
     positions = torch.arange(s).expand(b, s) if case.phase == "prefill" else torch.full((b, 1), 5)
     tokens = torch.ones(b, s, dtype=torch.long)
     state = init_state(cfg, mesh, b, CACHE_LEN, params["embed"].dtype, plan=plan)
     if device == "meta":
         tokens, positions, state = pytree.tree_map(lambda t: t.to("meta"), (tokens, positions, state))
-    state = state._replace(prefetched=prefetch.start(params, mesh, case.k))
+    state = state._replace(prefetched=prefetch.start(params, mesh, plan, case.k))
     return params, tokens, positions, state, mesh
 
 
@@ -279,7 +281,8 @@ def _quantized(case: Case, mesh: Mesh) -> dict[str, Any]:
         stored,
         is_leaf=lambda x: isinstance(x, dict) and "weight_scale" in x,
     )
-    return prepare_params(shard(full, specs, mesh) | {"quant": qc, "plan": plan}, target="npu")
+    placed = {"placement": place(cfg, mesh, plan, qc)}
+    return prepare_params(shard(full, specs, mesh) | placed, qc, target="npu")
 
 
 def _capture(case: Case, ctx: RankContext) -> torch.fx.GraphModule:
@@ -348,11 +351,12 @@ def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[
     }
 
 
-def capture_artifacts(ctx: RankContext, world: int) -> dict[str, dict[str, Any]]:
-    """Every artifact of the cases that run on ``world`` ranks, as ``{name: {file: content}}`` (run on each rank)."""
+def capture_artifacts(ctx: RankContext, world: int, names: Collection[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every artifact of the cases (of ``names``; None: all) that run on ``world`` ranks, as ``{name: {file:
+    content}}`` (run on each rank)."""
     out = {}
     for case in CASES:
-        if case.world != world:
+        if case.world != world or (names is not None and case.name not in names):
             continue
         mesh = case_mesh(case, ctx)
         axes = {} if mesh.is_abstract else {mesh.group_name(a): a for a in mesh.axis_names if mesh.axis_size(a) > 1}

@@ -126,7 +126,7 @@ def _error(e: BaseException) -> dict[str, str]:
     return out
 
 
-def _run(sources: Path, out: Path) -> None:
+def _run(sources: Path, out: Path, names: list[str]) -> None:
     from functional_npu.npu import host
 
     host.install(sources)
@@ -144,8 +144,9 @@ def _run(sources: Path, out: Path) -> None:
 
     hints = torchair_streams()
     results: dict[str, Any] = {}
-    runs = [(case.name, case, hints) for case in CASES]
-    runs += [(CONTROL + "-no-hints", c, INLINE) for c in CASES if c.name == CONTROL]
+    cases = [c for c in CASES if not names or c.name in names]
+    runs = [(case.name, case, hints) for case in cases]
+    runs += [(CONTROL + "-no-hints", c, INLINE) for c in cases if c.name == CONTROL]
     world, ctx = 0, None
     for name, case, streams in sorted(runs, key=lambda r: max(2, r[1].world)):
         if max(2, case.world) != world:  # rank 0 of a fake world of the case's size (one-rank cases: abstract)
@@ -174,8 +175,8 @@ def _run(sources: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sources, out = (argv if argv is not None else sys.argv[1:])[:2]
-    _run(Path(sources), Path(out))
+    args = argv if argv is not None else sys.argv[1:]
+    _run(Path(args[0]), Path(args[1]), args[2:])
     return 0
 
 
@@ -238,9 +239,9 @@ def _installed(module: str) -> bool:
 
 
 def ge_artifacts(
-    aten: dict[str, list[dict[str, Any]]], *, timeout: float = 900.0
+    aten: dict[str, list[dict[str, Any]]], names: list[str] | None = None, *, timeout: float = 900.0
 ) -> tuple[dict[str, dict[str, Any]], list[str], str | None]:
-    """Convert every case; returns ``(artifacts, problems, skipped)``.
+    """Convert every case (or those ``names``); returns ``(artifacts, problems, skipped)``.
 
     ``aten`` is each case's aten collective schedule (its ``collectives.json``). ``skipped`` is one line
     when torchair's sources cannot be had (then nothing is converted); ``problems`` name the case,
@@ -253,12 +254,14 @@ def ge_artifacts(
         sources = torchair_sources()
     except TorchairUnavailable as e:
         return {}, [], f"GE conversion skipped: {e}"
-    results, failed = run_conversion("tools.ge_graphs", sources, [], "GE conversion", timeout)
+    results, failed = run_conversion("tools.ge_graphs", sources, list(names or []), "GE conversion", timeout)
     if results is None:
         return {}, failed, None
     artifacts: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     for case in CASES:
+        if names and case.name not in names:
+            continue
         files, found = case_artifacts(case, results.get(case.name, {"error": "not converted"}), aten[case.name])
         if files:
             artifacts[case.name] = files

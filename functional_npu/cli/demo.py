@@ -95,7 +95,7 @@ def layer_sharded_on_rank(
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
     ring = resident_bytes(state.prefetched)
     drain(state.prefetched)
-    k, groups = model.prefetch_step, len(coalesced(model.params))
+    k, groups = model.plan.prefetch_step, len(coalesced(model.params))
     program = from_inductor_code(code[0], k, groups)
     return out | {
         "held": resident_bytes(params["series"]) + ring,
@@ -148,27 +148,38 @@ def run_demo(
         except WORLD_ERRORS as e:  # as generate says it: one line, exit code 1
             return world_failed(e)
     want = ref["tokens"]
-    rows = [
-        ("eager (plain forward)", 1, want, tokens_per_s([ref], new_tokens), None),
-        ("eager (plain forward)", tp, in_prompt_order(eager, len(DEMO_PROMPTS)), tokens_per_s(eager, new_tokens), None),
-        (
-            "compiled (inductor, fullgraph)",
-            tp,
-            in_prompt_order(compiled, len(DEMO_PROMPTS)),
-            tokens_per_s(compiled, new_tokens),
-            max(r["timings"]["compile_s"] for r in compiled),
-        ),
-    ]
+    ok = _print_rows(_rows(ref, eager, compiled, sharded, tp, new_tokens), want)
     if sharded is not None:
-        rows.append(
-            (
-                f"compiled, dp = 2, {DEMO_SERIES} layer-sharded, prefetch 1 layer ahead",
-                2,
-                in_prompt_order(sharded, len(DEMO_PROMPTS)),
-                tokens_per_s(sharded, new_tokens),
-                max(r["timings"]["compile_s"] for r in sharded),
-            )
+        ok &= _print_layer_sharded(sharded)
+    if held is not None:
+        mine, fp32 = max(held)
+        print(
+            f"\n{quant}: each rank holds {mine / 2**10:.0f} KiB of weights as its kernels read them, against "
+            f"{fp32 / 2**10:.0f} KiB in fp32 ({mine / fp32:.0%}; lm_head and the embedding stay fp32)"
         )
+    print(f"\nfirst prompt -> {want[0][:12]} ...")
+    print("demo: OK" if ok else "demo: FAILED (tokens differ)")
+    return 0 if ok else 1
+
+
+def _rows(ref: dict, eager: list, compiled: list, sharded: list | None, tp: int, new_tokens: int) -> list[tuple]:
+    """The table's rows: (run, ranks, tokens in prompt order, tokens/s, compile s or None)."""
+    n = len(DEMO_PROMPTS)
+    rows = [
+        ("eager (plain forward)", 1, ref["tokens"], tokens_per_s([ref], new_tokens), None),
+        ("eager (plain forward)", tp, in_prompt_order(eager, n), tokens_per_s(eager, new_tokens), None),
+    ]
+    runs = [("compiled (inductor, fullgraph)", tp, compiled)]
+    if sharded is not None:
+        runs.append((f"compiled, dp = 2, {DEMO_SERIES} layer-sharded, prefetch 1 layer ahead", 2, sharded))
+    for name, ranks, results in runs:
+        compile_s = max(r["timings"]["compile_s"] for r in results)
+        rows.append((name, ranks, in_prompt_order(results, n), tokens_per_s(results, new_tokens), compile_s))
+    return rows
+
+
+def _print_rows(rows: list[tuple], want: list) -> bool:
+    """Print the table; whether every run gave the eager one-rank tokens."""
     print("\n| run | ranks | tokens | tokens/s | compile s | same tokens as eager 1-rank |")
     print("|---|---|---|---|---|---|")
     ok = True
@@ -179,30 +190,25 @@ def run_demo(
             f"| {name} | {ranks} | {sum(map(len, toks))} | {tps:.1f} "
             f"| {'' if comp is None else f'{comp:.1f}'} | {same} |"
         )
-    if sharded is not None:
-        r = max(sharded, key=lambda r: r["held"])
-        print(
-            f"\nlayer-sharded: each rank holds {r['held'] / 2**10:.0f} KiB of {DEMO_SERIES} (its layers and a "
-            f"prefetch ring of {r['slots']} slots) instead of {r['replicated'] / 2**10:.0f} KiB replicated "
-            f"({r['held'] / r['replicated']:.0%}); its compiled decode step writes {r['broadcasts']} broadcasts "
-            f"(one per layer) into the ring in place, "
-            + (
-                "every slot access ordered (hazard check on inductor's code)."
-                if not r["hazards"]
-                else f"with a hazard: {r['hazards'][0]}"
-            )
+    return ok
+
+
+def _print_layer_sharded(sharded: list) -> bool:
+    """The layer-sharded run's bytes and hazard check; whether no hazard was found."""
+    r = max(sharded, key=lambda r: r["held"])
+    print(
+        f"\nlayer-sharded: each rank holds {r['held'] / 2**10:.0f} KiB of {DEMO_SERIES} (its layers and a "
+        f"prefetch ring of {r['slots']} slots) instead of {r['replicated'] / 2**10:.0f} KiB replicated "
+        f"({r['held'] / r['replicated']:.0%}); its compiled decode step writes {r['broadcasts']} broadcasts "
+        f"(one per layer) into the ring in place, "
+        + (
+            "every slot access ordered (hazard check on inductor's code)."
+            if not r["hazards"]
+            else f"with a hazard: {r['hazards'][0]}"
         )
-        ok &= not r["hazards"]
-        print(
-            "the same decode on an emulated link as slow as one layer's compute, without and with prefetch: "
-            "python -m benchmarks prefetch (from a checkout)"
-        )
-    if held is not None:
-        mine, fp32 = max(held)
-        print(
-            f"\n{quant}: each rank holds {mine / 2**10:.0f} KiB of weights as its kernels read them, against "
-            f"{fp32 / 2**10:.0f} KiB in fp32 ({mine / fp32:.0%}; lm_head and the embedding stay fp32)"
-        )
-    print(f"\nfirst prompt -> {want[0][:12]} ...")
-    print("demo: OK" if ok else "demo: FAILED (tokens differ)")
-    return 0 if ok else 1
+    )
+    print(
+        "the same decode on an emulated link as slow as one layer's compute, without and with prefetch: "
+        "python -m benchmarks prefetch (from a checkout)"
+    )
+    return not r["hazards"]

@@ -191,17 +191,34 @@ def _tokenizer(model: Path) -> tuple[Any | None, str]:
 
 
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
-    """Validate everything a rank would trip on, before any rank starts."""
-    from ..core.mesh import Mesh
-    from ..parallel.layer_shard import layer_shard
-    from ..parallel.module_tp import MODULES, split_dp
-    from ..parallel.plan import Plan
-    from ..placement.check import check_plan
-    from ..runtime.loading.checkpoint import read_config, read_quant
-    from ..runtime.serving.backends import resolve_backend
-    from ..runtime.serving.generate import check_length, check_sampling, check_token_ids
+    """Validate everything a rank would trip on, before any rank starts: the flags, the model, the prompts and the
+    sampling; ``args.placement`` is then the run's mesh and plan, checked on the model."""
+    from ..runtime.loading import read_config, read_quant
 
     model = Path(args.model)
+    module_tp = _check_flags(args, parser)
+    try:
+        cfg, quant = read_config(model), read_quant(model)
+        if args.plan_from is None:
+            args.placement = _placement_of_flags(args, cfg, quant, module_tp)
+    except (OSError, ValueError) as e:
+        parser.error(" ".join(str(e).split()))  # one line, whatever the message
+    prompts, tok = _prompts(args, parser, model)
+    _check_generation(args, parser, cfg, prompts)
+    if args.plan_from is not None:  # the planner's (or a plan file's) mesh and plan replace the flags'
+        from .plan_command import plan_for_generate
+
+        try:
+            args.placement = plan_for_generate(args, cfg, quant, prompts)
+        except (OSError, ValueError) as e:
+            parser.error(" ".join(str(e).split()))
+    return prompts, tok
+
+
+def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The flags' own consistency (no file read); returns the module-TP plan the flags give."""
+    from ..parallel.module_tp import MODULES
+
     sizes = {m: getattr(args, f"{m}_tp") for m in MODULES if getattr(args, f"{m}_tp") > 1}
     if args.plan_from is not None:
         given = [f for f, v in (("--dp", args.dp > 1), ("--tp", args.tp > 1), ("--ep", args.ep > 1)) if v]
@@ -211,28 +228,7 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
             parser.error(f"--plan {args.plan_from} sets the mesh and the plan; drop {', '.join(given)}")
     elif args.devices is not None:
         parser.error("--devices is the number of ranks --plan plans for; without --plan give --dp and --tp")
-    for m, n in sizes.items():
-        flag = _MODULE_FLAGS[m]
-        if n > args.dp or args.dp % n:
-            divisors = [d for d in range(1, args.dp + 1) if args.dp % d == 0]
-            parser.error(
-                f"{flag} {n}: the {m} TP group is a chunk of dp ranks, so it must divide --dp {args.dp}; "
-                f"use one of {divisors}"
-            )
-    if sizes and args.ep > 1:
-        parser.error(
-            f"--ep {args.ep} with module TP ({', '.join(_MODULE_FLAGS[m] for m in sizes)}): experts and module TP "
-            "over the same dp ranks is not supported; drop one of them"
-        )
-    try:
-        args.axes, module_tp = split_dp({"dp": args.dp, "tp": args.tp}, sizes)
-    except ValueError as e:
-        parser.error(str(e))
-    if args.ep not in (1, args.dp * args.tp):
-        parser.error(
-            f"--ep {args.ep}: the expert group is the flattened dp x tp ranks, so --ep must be 1 (experts "
-            f"replicated) or --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}"
-        )
+    module_tp = _module_tp(args, parser, sizes)
     if args.layer_shard is None and args.prefetch_step is not None:
         parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
     if args.layer_shard is None and args.layer_shard_axis is not None:
@@ -248,31 +244,75 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
             )
     if args.cache_dir is not None and args.backend == "none":
         parser.error("--cache-dir saves compiled graphs, but --backend none compiles nothing; drop one of them")
-    try:
-        cfg = read_config(model)
-        series = layer_shard(args.layer_shard, args.layer_shard_axis or "dp") if args.layer_shard else None
-        step = args.prefetch_step
-        if series is not None and step is None:
-            step = min(1, cfg.num_layers - 1)
-        args.plan = Plan(
-            expert_axes=("dp", "tp") if args.ep > 1 else (),
-            module_tp=module_tp,
-            layer_shard=series,
-            prefetch_step=step or 0,
+    return module_tp
+
+
+def _module_tp(args: argparse.Namespace, parser: argparse.ArgumentParser, sizes: dict[str, int]) -> Any:
+    """The mesh's axes (``args.axes``: dp split for module TP) and the module-TP plan of ``--otp`` and the like,
+    checked against ``--dp`` and ``--ep``."""
+    from ..parallel.module_tp import split_dp
+
+    for m, n in sizes.items():
+        if n > args.dp or args.dp % n:
+            divisors = [d for d in range(1, args.dp + 1) if args.dp % d == 0]
+            parser.error(
+                f"{_MODULE_FLAGS[m]} {n}: the {m} TP group is a chunk of dp ranks, so it must divide --dp {args.dp}; "
+                f"use one of {divisors}"
+            )
+    if sizes and args.ep > 1:
+        parser.error(
+            f"--ep {args.ep} with module TP ({', '.join(_MODULE_FLAGS[m] for m in sizes)}): experts and module TP "
+            "over the same dp ranks is not supported; drop one of them"
         )
-        check_plan(cfg, Mesh.abstract(args.axes), args.plan, where=str(model), quant=read_quant(model))
-    except (OSError, ValueError) as e:
-        parser.error(" ".join(str(e).split()))  # one line, whatever the message
+    if args.ep not in (1, args.dp * args.tp):
+        parser.error(
+            f"--ep {args.ep}: the expert group is the flattened dp x tp ranks, so --ep must be 1 (experts "
+            f"replicated) or --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}"
+        )
+    try:
+        args.axes, module_tp = split_dp({"dp": args.dp, "tp": args.tp}, sizes)
+    except ValueError as e:
+        parser.error(str(e))
+    return module_tp
+
+
+def _placement_of_flags(args: argparse.Namespace, cfg: Any, quant: Any, module_tp: Any) -> Any:
+    """The placement ``--dp --tp --ep``, module TP and ``--layer-shard`` give, checked on the model."""
+    from ..parallel.layer_shard import layer_shard
+    from ..parallel.plan import Plan
+    from ..placement import place
+
+    series = layer_shard(args.layer_shard, args.layer_shard_axis or "dp") if args.layer_shard else None
+    step = args.prefetch_step
+    if series is not None and step is None:
+        step = min(1, cfg.num_layers - 1)
+    plan = Plan(
+        expert_axes=("dp", "tp") if args.ep > 1 else (),
+        module_tp=module_tp,
+        layer_shard=series,
+        prefetch_step=step or 0,
+    )
+    return place(cfg, args.axes, plan, quant, where=str(args.model))
+
+
+def _prompts(args: argparse.Namespace, parser: argparse.ArgumentParser, model: Path) -> tuple[list[list[int]], Any]:
+    """The prompts as token ids, and the tokenizer (None without one)."""
     tok, why = _tokenizer(model)
     if args.prompt is not None:
         if tok is None:
             parser.error(f"--prompt needs the model's tokenizer, but {why}; pass --prompt-ids instead")
-        prompts = [tok.encode(t).ids for t in args.prompt]
-    else:  # ids need no tokenizer: without one the output is ids only
-        prompts = args.prompt_ids
-        if tok is None and (model / "tokenizer.json").is_file():
-            print(f"warning: {why}; printing token ids only", file=sys.stderr)
-    try:  # the API's own checks, before any rank starts or any cache is allocated
+        return [tok.encode(t).ids for t in args.prompt], tok
+    if tok is None and (model / "tokenizer.json").is_file():  # ids need no tokenizer: without one, ids only
+        print(f"warning: {why}; printing token ids only", file=sys.stderr)
+    return args.prompt_ids, tok
+
+
+def _check_generation(args: argparse.Namespace, parser: argparse.ArgumentParser, cfg: Any, prompts: list) -> None:
+    """The API's own checks, before any rank starts or any cache is allocated, in the flags' names."""
+    from ..runtime.serving.backends import resolve_backend
+    from ..runtime.serving.generate import check_length, check_sampling, check_token_ids
+
+    try:
         resolve_backend(args.backend, mode=args.mode)
         check_token_ids(prompts, cfg.vocab_size)
         check_length(max(len(p) for p in prompts), args.max_new_tokens, cfg.max_position_embeddings)
@@ -281,19 +321,6 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         flags = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k"}
         flags |= {"top_p": "--top-p", "seed": "--seed"}
         parser.error(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(e)))
-    if args.plan_from is not None:  # the planner's (or a plan file's) mesh and plan replace the flags'
-        from .plan_command import plan_for_generate
-
-        try:
-            quant = read_quant(model)
-            args.axes, args.plan = plan_for_generate(args, cfg, quant, prompts)
-            check_plan(cfg, Mesh.abstract(args.axes), args.plan, where=str(model), quant=quant)
-        except (OSError, ValueError) as e:
-            parser.error(" ".join(str(e).split()))
-        args.tp = args.axes["tp"]
-        args.dp = math.prod(args.axes.values()) // args.tp
-        args.layer_shard = args.plan.layer_shard
-    return prompts, tok
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -302,14 +329,15 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .runner import generate_on_rank, in_prompt_order
 
     prompts, tok = _prepare(args, parser)
-    axes = args.axes  # dp split for module TP, if any
+    placed = args.placement
+    axes = placed.mesh_shape  # dp split for module TP, if any
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     job = (generate_on_rank, str(args.model), axes, prompts, args.max_new_tokens)
     extra = {
         "backend": args.backend,
         "mode": args.mode,
         "sampling": sampling,
-        "plan": args.plan,
+        "plan": placed,
         "dtype": args.dtype,
         "progress": False if args.json else None,  # a bar on a terminal, never under --json
         "cache_dir": args.cache_dir,
@@ -318,8 +346,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import torch.distributed as dist
 
         world = int(os.environ["WORLD_SIZE"])
-        if world != args.dp * args.tp:
-            parser.error(f"torchrun started {world} ranks but --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
+        if world != math.prod(axes.values()):
+            parser.error(f"torchrun started {world} ranks but the mesh {axes} has {math.prod(axes.values())}")
         dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=args.timeout))
         results: list[Any] = [None] * world
         try:
@@ -332,14 +360,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 0
     else:
         try:
-            with LocalWorld(args.dp * args.tp, timeout=args.timeout) as world_:
+            with LocalWorld(math.prod(axes.values()), timeout=args.timeout) as world_:
                 results = world_.run(*job, **extra)
         except WORLD_ERRORS as e:  # one line: the rank's whole message, not its traceback
             return world_failed(e)
     tokens = in_prompt_order(results, len(prompts))
     text = [tok.decode(t) for t in tokens] if tok is not None else [None] * len(tokens)
     timings = {k: max(r["timings"][k] for r in results) for k in results[0]["timings"]}
-    step = results[0].get("prefetch_step", 0) if args.layer_shard is not None else None
+    step = results[0].get("prefetch_step", 0) if placed.plan.layer_shard is not None else None
     if args.json:
         out = {"token_ids": tokens, "text": text, "timings": timings}
         print(json.dumps(out if step is None else out | {"prefetch_step": step}))

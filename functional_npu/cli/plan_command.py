@@ -19,7 +19,7 @@ from typing import Any
 
 from .args import positive, positive_number
 
-__all__ = ["add_parser", "run_plan", "plan_for_generate", "read_plan_file", "plan_file"]
+__all__ = ["add_parser", "run_plan", "plan_for_generate"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -56,48 +56,6 @@ def _available_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def plan_file(candidate: Any, architecture: str) -> dict[str, Any]:
-    """The JSON a plan file holds: the model it was made for, the mesh's axes and the plan."""
-    import dataclasses
-
-    plan = dataclasses.replace(candidate.plan, model=architecture)
-    return {"model": architecture, "axes": dict(candidate.axes), "plan": plan.to_dict()}
-
-
-def read_plan_file(path: str, cfg: Any) -> tuple[dict[str, int], Any]:
-    """``(axes, plan)`` from a plan file, refused in one line if it is not one or is for another model."""
-    from ..parallel.plan import Plan
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ValueError(f"--plan {path}: cannot read the plan file ({e.strerror or e})") from None
-    except ValueError as e:
-        raise ValueError(f"--plan {path}: not JSON ({e}); write one with python -m functional_npu plan --out") from None
-    if not isinstance(data, dict) or not {"model", "axes", "plan"} <= set(data):
-        raise ValueError(
-            f"--plan {path}: a plan file is a JSON object with model, axes and plan (python -m functional_npu plan "
-            f"--out FILE writes one)"
-        )
-    if data["model"] != cfg.architecture:
-        raise ValueError(
-            f"--plan {path}: the plan was made for {data['model']}, but this model is a {cfg.architecture}; "
-            f"make a plan for this model (python -m functional_npu plan --model ...)"
-        )
-    axes = data["axes"]
-    if not (
-        isinstance(axes, dict)
-        and axes
-        and all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in axes.items()
-        )
-        and "tp" in axes
-        and "dp" in axes
-    ):
-        raise ValueError(f"--plan {path}: axes must map mesh axis names (dp, tp, ...) to positive ints, got {axes!r}")
-    return axes, Plan.from_dict(data["plan"], where=f"--plan {path}")
-
-
 def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``python -m functional_npu plan``: the ranked table (or ``--json``), why, and the chosen plan's JSON."""
     import torch
@@ -128,39 +86,40 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    out = plan_file(chosen, cfg.architecture)
+    out = chosen.to_json()
     if args.json:
-        print(json.dumps(report.to_dict() | {"plan_file": out}, indent=1))
+        print(json.dumps(report.to_dict() | {"plan_file": json.loads(out)}, indent=1))
     else:
         print(report.table())
         print(f"\nchosen: {report.why()}\n")
-        print(json.dumps(out, indent=1))
+        print(out)
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        Path(args.out).write_text(out + "\n")
     return 0
 
 
-def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list) -> tuple:
-    """``(axes, plan)`` for ``generate --plan auto | FILE``: planned for this machine at ``--devices`` ranks with
-    the run's prompts as the workload, or read from the file (refused if it is for another model, or another
-    number of ranks than ``--devices``)."""
+def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list) -> Any:
+    """The :class:`~functional_npu.placement.Placement` for ``generate --plan auto | FILE``: planned for this machine
+    at ``--devices`` ranks with the run's prompts as the workload, or read from the file (refused if it is for
+    another model, or another number of ranks than ``--devices``)."""
     import torch
 
-    from ..runtime.planning.choose import Workload, choose_plan
-    from ..runtime.planning.host_profile import host_device
+    from ..placement import read_placement
+    from ..runtime.planning import Workload, choose_plan, host_device
 
     if args.plan_from != "auto":
-        axes, plan = read_plan_file(args.plan_from, cfg)
-        n = math.prod(axes.values())
+        placed = read_placement(args.plan_from, cfg, quant, where=f"--plan {args.plan_from}")
+        n = math.prod(placed.mesh_shape.values())
         if args.devices is not None and args.devices != n:
             raise ValueError(
-                f"--plan {args.plan_from}: the plan is for {n} devices ({axes}), not --devices {args.devices}"
+                f"--plan {args.plan_from}: the plan is for {n} devices ({placed.mesh_shape}), not --devices "
+                f"{args.devices}"
             )
-        return axes, plan
+        return placed
     devices = args.devices or 1
     dtype = getattr(torch, args.dtype or "float32")
     longest = max(len(p) for p in prompts)
     work = Workload.decode(len(prompts), longest + args.max_new_tokens, dtype)
     chosen, report = choose_plan(cfg, devices, host_device(devices), _available_bytes() / devices, work, quant=quant)
     print(f"plan: {report.why()}", file=sys.stderr)
-    return dict(chosen.axes), chosen.plan
+    return chosen

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ..core.mesh import Mesh
 from ..parallel.module_tp import dp_axes
 from ..parallel.plan import Plan
+from ..placement import Placement
 from ..runtime.launch import RankContext
 from ..runtime.loading.checkpoint import load_checkpoint
 from ..runtime.serving.compile import cache_length, compile_model
@@ -45,7 +46,7 @@ def generate_on_rank(
     mode: str | None = None,
     sampling: Mapping[str, Any] | None = None,
     repeat: int = 1,
-    plan: Plan | None = None,
+    plan: Plan | Placement | None = None,
     dtype: str | None = None,
     progress: bool | None = None,
     cache_dir: str | None = None,
@@ -54,7 +55,8 @@ def generate_on_rank(
 
     ``backend``: any of :data:`functional_npu.runtime.serving.backends.BACKENDS` (``"none"``: the plain forward);
     ``mode``: its mode (default: the device's fastest, :func:`functional_npu.runtime.serving.backends.resolve_backend`).
-    ``plan``: the parallel plan over ``axes`` (default ``Plan()``); every axis but ``plan.tp`` is data-parallel.
+    ``plan``: the parallel plan over ``axes`` (default ``Plan()``), or its placement already checked (the CLI's);
+    every axis but ``plan.tp`` is data-parallel.
     A ``plan.prefetch_step`` of ``"auto"`` is the cost model's choice, reported as ``prefetch_step`` in the result.
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
     ``progress``: the loading and compiling bars on rank 0 (default: when stderr is a terminal).
@@ -65,8 +67,8 @@ def generate_on_rank(
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0  # the bars, decided once
     t0 = time.perf_counter()
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype] if dtype else None
-    plan = Plan() if plan is None else plan
     params = load_checkpoint(model_dir, mesh, plan, dtype=dt, progress=show)
+    plan = params["placement"].plan
     timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
     data = dp_axes(mesh, plan.tp)
     dp = mesh.axis_size(data)
@@ -100,7 +102,7 @@ def generate_on_rank(
         "tokens": tokens,
         "timings": timings,
         "tp_index": mesh.axis_index(plan.tp),
-        "prefetch_step": model.prefetch_step,
+        "prefetch_step": model.plan.prefetch_step,
     }
 
 

@@ -14,7 +14,7 @@ from . import deepseek, gemma3, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
 from .experts import Routing
-from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, series_leaves
+from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, plan_of, series_leaves
 from .gemma3 import Gemma3Config
 from .linear import prepare_params
 from .llama import LlamaConfig
@@ -36,6 +36,7 @@ __all__ = [
     "forward",
     "init_state",
     "series_leaves",
+    "plan_of",
     "Blocks",
     "DecodeState",
     "Routing",

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.mesh import Mesh
+from ..parallel.plan import Plan
 from ..parallel.prefetch import layer_weights
 from ..parallel.streams import INLINE, Streams
 from .norm import rms_norm
@@ -99,19 +100,21 @@ def decode(
     mesh: Mesh,
     *,
     blocks: Blocks,
+    plan: Plan = Plan(),
     attention: str = "sdpa",
     streams: Streams = INLINE,
     greedy: bool = False,
     differentiable: bool = False,
 ) -> torch.Tensor:
     """The forward through ``blocks`` (see the module docstring for the contract); ``streams`` are the
-    compiler's ordering hints (:mod:`functional_npu.parallel.streams`). ``greedy``: return the greedy
+    compiler's ordering hints (:mod:`functional_npu.parallel.streams`); ``plan``: the one ``blocks`` were made for (its
+    layer-sharded series' axis and prefetch step). ``greedy``: return the greedy
     tokens ``[B, S]`` (``blocks.argmax``) instead of the logits. ``differentiable``: layer-sharded weights
     arrive by differentiable broadcasts, not through the ring (``state.prefetched`` empty; see
     :func:`~functional_npu.parallel.prefetch.layer_weights`)."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]
     steps = blocks.prepare(positions, state.kv[0], x.dtype)
-    weights = layer_weights(params, state.prefetched, mesh, streams, differentiable=differentiable)
+    weights = layer_weights(params, state.prefetched, mesh, plan, streams, differentiable=differentiable)
     norm = functools.partial(rms_norm, eps=blocks.eps, offset=blocks.norm_offset)
     for i, kv in enumerate(state.kv):
         layer = weights(i, x)

@@ -8,7 +8,7 @@ those functions, so no code outside ``models/`` names a family. :func:`forward` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "forward",
     "init_state",
     "series_leaves",
+    "plan_of",
 ]
 
 
@@ -241,16 +242,17 @@ def family_of(config_or_architecture: Any) -> Family:
     )
 
 
-def series_leaves(cfg: Any, ls: LayerShard, plan: Plan = Plan()) -> LayerShard:
+def series_leaves(cfg: Any, ls: LayerShard, plan: Plan = Plan(), layers: Sequence[Mapping] | None = None) -> LayerShard:
     """``ls`` with its series names resolved for ``cfg``: each a leaf every layer has, in the family's series
     order. A leaf name stands for itself, an alias for its leaves (``down_proj``: ``down``; ``q_proj``: the fused
-    ``qkv`` and its bias), ``layer`` for every per-layer leaf every layer has.
+    ``qkv`` and its bias), ``layer`` for every per-layer leaf every layer has. ``layers``: the per-layer params
+    (abstract) of ``cfg`` under ``plan`` when the caller has them (else built here).
 
     Raises:
         ValueError naming a series this model does not have (with the ones it has), or one some layers lack.
     """
     family = family_of(cfg)
-    layers = family.abstract_params(cfg, plan)["layers"]
+    layers = family.abstract_params(cfg, plan)["layers"] if layers is None else layers
     every = tuple(leaf for leaf in family.layer_leaves if all(leaf in layer for layer in layers))
     names = {leaf: (leaf,) for leaf in family.layer_leaves} | dict(family.series_aliases or {}) | {"layer": every}
     unknown = [n for n in ls.leaves if n not in names]
@@ -279,16 +281,17 @@ def forward(
     differentiable: bool = False,
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is
-    :mod:`~functional_npu.models.decoder`'s. ``plan``: the params' (default ``params["plan"]``, else the
-    default plan). ``streams`` are the compiler's ordering hints (:mod:`functional_npu.parallel.streams`;
-    the backend supplies them). ``differentiable``: the forward a gradient is taken of (layer-sharded
-    weights by differentiable broadcasts; :mod:`functional_npu.runtime.training.grad`).
+    :mod:`~functional_npu.models.decoder`'s. ``plan``: the plan the params were sharded by (default: :func:`plan_of`
+    the params). ``streams`` are the
+    compiler's ordering hints (:mod:`functional_npu.parallel.streams`; the backend supplies them).
+    ``differentiable``: the forward a gradient is taken of (layer-sharded weights by differentiable broadcasts;
+    :mod:`functional_npu.runtime.training.grad`).
 
     Example:
         >>> state = init_state(params["config"], mesh, batch=1, max_seq_len=64)     # doctest: +SKIP
         >>> logits = forward(params, tokens, positions, state, mesh)                # doctest: +SKIP
     """
-    cfg, plan = params["config"], plan or params.get("plan") or Plan()
+    cfg, plan = params["config"], plan_of(params) if plan is None else plan
     return decode(
         params,
         tokens,
@@ -296,10 +299,19 @@ def forward(
         state,
         mesh,
         blocks=family_of(cfg).blocks(cfg, plan),
+        plan=plan,
         attention=attention,
         streams=streams,
         differentiable=differentiable,
     )
+
+
+def plan_of(params: dict) -> Plan:
+    """The plan ``params`` were sharded by: their placement's (``params["placement"].plan``, as ``load_checkpoint``
+    leaves it), or for params that carry none (``shard`` of a family's full params by its default layouts) the
+    default plan. The one rule every consumer reads it by."""
+    own = params.get("placement") if isinstance(params, dict) else None
+    return Plan() if own is None else own.plan
 
 
 def init_state(

@@ -351,7 +351,11 @@ def prepare_dense(w: torch.Tensor, target: str = "cpu") -> Any:
 
 
 def prepare_params(
-    params: dict[str, Any], blocks: Any = None, target: str = "cpu", linears: tuple[str, ...] = ()
+    params: dict[str, Any],
+    quant: Any = None,
+    blocks: Any = None,
+    target: str = "cpu",
+    linears: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """``params`` with every stored quantized leaf (a dict of ``weight``/``weight_packed``, ``weight_scale``,
     ...; see :mod:`functional_npu.placement.quant_layouts`) in its kernel's form for ``target`` (:func:`prepare`),
@@ -360,8 +364,9 @@ def prepare_params(
     (:func:`prepare_dense`, values unchanged; ``linears`` empty: none, as ``compile_model`` asks for a model that
     is not compiled and for one whose layers arrive by broadcast within the step). Layer-sharded leaves
     (``series``) keep the plain forms.
+    ``quant``: the checkpoint's quantization config (its ``quant``, the scheme), None for float weights;
     ``blocks(path) -> [local sizes]``: the blocks of a per-tensor scale. Pure."""
-    qc = params.get("quant")
+    qc = quant
     dtype = params["embed"].dtype
     if qc is None and not linears:
         return params

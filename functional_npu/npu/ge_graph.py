@@ -260,6 +260,22 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
                 "stream": op["stream"],
             }
         )
+    waits, reads = _waits_and_reads(ops, index, consumers, slot_of, writes)
+    order = [ops[i]["name"] for i in topo]
+    after = {op["name"]: op["inputs"] + op["controls"] for op in ops}
+    program = Program(order, after, writes, waits, reads, allocs)
+    return program, {"slots": slots, "broadcasts": rows}
+
+
+def _waits_and_reads(
+    ops: Sequence[Op],
+    index: dict[str, int],
+    consumers: dict[str, list[str]],
+    slot_of: dict[str, str],
+    writes: dict[str, tuple[str, int]],
+) -> tuple[dict[str, str], dict[str, tuple[str, int | None]]]:
+    """:func:`ring_program`'s waits (a direct consumer of a broadcast's value) and reads (the first non-view ops a
+    slot's value reaches; ``(slot, the layer of the value it reads; None: carried)``)."""
     waits: dict[str, str] = {}
     reads: dict[str, tuple[str, int | None]] = {}  # a read -> (slot, the layer of the value it reads; None: carried)
     for value, slot in slot_of.items():
@@ -279,10 +295,7 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
                     todo.extend(consumers[x])
                 elif x not in writes and ops[index[x]]["type"] != "NetOutput":
                     reads[x] = (slot, held)
-    order = [ops[i]["name"] for i in topo]
-    after = {op["name"]: op["inputs"] + op["controls"] for op in ops}
-    program = Program(order, after, writes, waits, reads, allocs)
-    return program, {"slots": slots, "broadcasts": rows}
+    return waits, reads
 
 
 def ring_check(

@@ -5,7 +5,8 @@ it is a stacked leaf ``params["series"][leaf]`` of the layers this coordinate ow
 (``l = c, c + n, c + 2n, ...``), whose dim 0 has the layout ``Cyclic(axis, L)`` and whose other
 dims keep the per-layer (tensor-parallel) layout. The per-layer dicts in ``params["layers"]`` no
 longer hold the leaf. The choice is the plan's ``layer_shard`` (a :class:`LayerShard`, see
-:class:`functional_npu.parallel.plan.Plan`), which rides in loaded params as ``params["plan"]``.
+:class:`functional_npu.parallel.plan.Plan`), which loaded params carry in their placement
+(``params["placement"].plan``).
 
 Everything here is pure: the layouts, stacking full params into series and back, the layers a
 coordinate owns, and resident bytes measured from tensor storage. The forward fetches each layer's

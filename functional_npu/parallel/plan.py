@@ -13,20 +13,18 @@ how the forward moves it, as JAX keeps ``NamedSharding(mesh, PartitionSpec)`` ap
 - ``model``: the architecture the plan was made for (``None``: any), so a plan kept for one model is
   refused by name on another.
 
-The plan is built once (in Python, from the CLI's flags, or from a dict / JSON file with
-:meth:`Plan.from_dict` / :meth:`Plan.from_json`), checked once against the model config and the mesh
-(:func:`functional_npu.placement.check.check_plan`), and passed to ``load_checkpoint``, ``compile_model``
-and ``from_dtensor_state``; loaded params carry it as ``params["plan"]``. A changed plan is
+The plan is built once (in Python, from the CLI's flags, or from a dict with :meth:`Plan.from_dict`; a plan file
+holds it beside the mesh's axes, :func:`functional_npu.placement.read_placement`), checked once against the model
+config and the mesh (:func:`functional_npu.placement.place`), and passed to ``load_checkpoint``, ``compile_model``
+and ``from_dtensor_state``; loaded params carry the checked placement as ``params["placement"]``. A changed plan is
 ``dataclasses.replace(plan, field=value)`` (the one setter: values are normalized and checked on
 construction).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from ..core.tree import register_static
@@ -149,24 +147,6 @@ class Plan:
             return Plan(**data)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
-
-    @staticmethod
-    def from_json(source: str | Path) -> Plan:
-        """A plan from a JSON file (a path) or JSON text (a string starting with ``{``)."""
-        text, where = (source, "plan JSON") if str(source).lstrip().startswith("{") else (None, str(source))
-        if text is None:
-            try:
-                text = Path(source).read_text()
-            except OSError as e:
-                raise ValueError(f"{where}: cannot read the plan file ({e.strerror or e})") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-        return Plan.from_dict(data, where=where)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
 
     def __str__(self) -> str:
         rows = [(f.name, _show(getattr(self, f.name))) for f in fields(self)]

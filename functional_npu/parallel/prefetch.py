@@ -38,12 +38,12 @@ from ..core.collectives import broadcast, broadcast_into
 from ..core.mesh import Mesh
 from ..core.tree import flatten_with_paths, tree_from_paths
 from .layer_shard import series_of
+from .plan import Plan
 from .streams import INLINE, PREFETCH_STREAM, Streams
 
 __all__ = [
     "layer_weights",
     "ring_used",
-    "prefetch_step",
     "coalesced",
     "slot_of",
     "turn",
@@ -108,29 +108,29 @@ def ring_spec(params: dict[str, Any]) -> list[tuple[int, torch.dtype]]:
     ]
 
 
-def ring_used(params: dict[str, Any], mesh: Mesh, plan: Any = None) -> bool:
+def ring_used(params: dict[str, Any], mesh: Mesh, plan: Plan) -> bool:
     """Whether layers arrive through the ring within a step: layer-sharded series over an axis of more than one
-    rank (``plan``: the plan they were loaded for, default ``params["plan"]``)."""
-    return bool(series_of(params)) and mesh.axis_size((plan or params["plan"]).layer_shard.axis) > 1
+    rank (``plan``: the plan the params were loaded for)."""
+    return bool(series_of(params)) and mesh.axis_size(plan.layer_shard.axis) > 1
 
 
-def new_ring(params: dict[str, Any], mesh: Mesh, k: int) -> list[torch.Tensor]:
+def new_ring(params: dict[str, Any], mesh: Mesh, plan: Plan, k: int) -> list[torch.Tensor]:
     """An empty ring of ``k + 1`` slots (``[]`` when the series are local: no series, or an axis of size 1).
     Slot ``s`` group ``g`` is ``ring[s * groups + g]``."""
-    if not ring_used(params, mesh):
+    if not ring_used(params, mesh, plan):
         return []
     device = next(iter(_flat_series(params).values())).device
     return [torch.empty(size, dtype=dtype, device=device) for _ in range(k + 1) for size, dtype in ring_spec(params)]
 
 
-def check_ring(params: dict[str, Any], mesh: Mesh, ring: list[torch.Tensor], k: int | None = None) -> int:
+def check_ring(params: dict[str, Any], mesh: Mesh, plan: Plan, ring: list[torch.Tensor], k: int | None = None) -> int:
     """The prefetch step a ring implies, after checking it holds ``k + 1`` slots (of the given ``k``) each able to
     hold one layer of every series.
 
     Raises:
         ValueError naming the series, the slot and the sizes, for a ring of the wrong count, size or dtype.
     """
-    if not ring_used(params, mesh):
+    if not ring_used(params, mesh, plan):
         if ring:
             raise ValueError(
                 f"prefetched: the series are local (no layer-sharded axis > 1), yet got a ring of {len(ring)}"
@@ -154,21 +154,9 @@ def check_ring(params: dict[str, Any], mesh: Mesh, ring: list[torch.Tensor], k: 
     return slots - 1
 
 
-def prefetch_step(params: dict[str, Any], prefetched: list[torch.Tensor]) -> int:
-    """The prefetch distance the ring implies (0 with no ring or no series)."""
-    n = len(coalesced(params))
-    if not n or not prefetched:
-        return 0
-    if len(prefetched) % n:
-        raise ValueError(
-            f"prefetched holds {len(prefetched)} tensors, not a multiple of the {n} coalesced broadcasts "
-            f"per layer of the layer-sharded series {list(series_of(params))}"
-        )
-    return len(prefetched) // n - 1
-
-
 def _issue(
     params: dict[str, Any],
+    axis: str,
     ring: list[torch.Tensor],
     v: int,
     k: int,
@@ -180,7 +168,6 @@ def _issue(
     slot, one in-place broadcast per :func:`coalesced` group, on the prefetch stream, not before ``after`` exists,
     then marks :func:`ready` for the slot on that stream (the layer's first use waits for the mark). Returns the
     slot's buffers (in flight)."""
-    axis = params["plan"].layer_shard.axis
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = v % len(params["layers"])
     series, groups = _flat_series(params), coalesced(params)
@@ -222,6 +209,7 @@ def layer_weights(
     params: dict[str, Any],
     prefetched: list[torch.Tensor],
     mesh: Mesh,
+    plan: Plan,
     streams: Streams = INLINE,
     *,
     differentiable: bool = False,
@@ -237,23 +225,28 @@ def layer_weights(
 
     ``differentiable``: the weights are a gradient's inputs, so they arrive by out-of-place broadcasts
     (:func:`~functional_npu.core.collectives.broadcast`, whose gradient is summed back to the owner) issued
-    ``params["plan"].prefetch_step`` layers ahead in program order, not written into a ring; the
+    ``plan.prefetch_step`` layers ahead in program order, not written into a ring; the
     backward holds every layer's weights, as any layer-sharded training step does (no ring bound).
     """
     layers = params["layers"]
     if not series_of(params):
         return lambda i, x: layers[i]
-    if not ring_used(params, mesh):
+    if plan.layer_shard is None:
+        raise ValueError(
+            f"the params hold layer-sharded series {list(series_of(params))}, but the plan shards no layers; pass the "
+            f"plan they were loaded for (params['placement'].plan)"
+        )
+    if not ring_used(params, mesh, plan):
         return lambda i, x: layers[i] | _local(params, i)
     if differentiable:
-        return _broadcast_weights(params, mesh)
-    ring = prefetched if prefetched else new_ring(params, mesh, 0)
-    k = check_ring(params, mesh, ring)
+        return _broadcast_weights(params, mesh, plan)
+    ring = prefetched if prefetched else new_ring(params, mesh, plan, 0)
+    k, axis = check_ring(params, mesh, plan, ring), plan.layer_shard.axis
     groups, L = len(coalesced(params)), len(layers)
     sizes = [size for size, _ in ring_spec(params)]
 
     def weights(i: int, x: torch.Tensor) -> Weights:
-        _issue(params, ring, i + k, k, mesh, x, streams)
+        _issue(params, axis, ring, i + k, k, mesh, x, streams)
         s = slot_of(i, k)
         if i >= k:  # issued in this step (layers 0 .. k-1 came in flight from the last one, or from start())
             streams.wait(ready(s))
@@ -270,11 +263,11 @@ def layer_weights(
     return weights
 
 
-def _broadcast_weights(params: dict[str, Any], mesh: Mesh) -> Callable[[int, torch.Tensor], Weights]:
+def _broadcast_weights(params: dict[str, Any], mesh: Mesh, plan: Plan) -> Callable[[int, torch.Tensor], Weights]:
     """:func:`layer_weights` for a gradient: layer ``i + k``'s series broadcast (out of place, differentiable) from
     its owner when layer ``i`` is asked for; non-owners send zeros of the layer's size, derived from their own
     series so that autograd records the broadcast on every rank (its backward is a collective)."""
-    axis, k = params["plan"].layer_shard.axis, params["plan"].prefetch_step
+    axis, k = plan.layer_shard.axis, plan.prefetch_step
     k = k if isinstance(k, int) else 1  # "auto" was resolved for inference; one layer ahead here
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     series, groups, layers = _flat_series(params), coalesced(params), params["layers"]
@@ -301,12 +294,14 @@ def _broadcast_weights(params: dict[str, Any], mesh: Mesh) -> Callable[[int, tor
     return weights
 
 
-def start(params: dict[str, Any], mesh: Mesh, k: int, ring: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def start(
+    params: dict[str, Any], mesh: Mesh, plan: Plan, k: int, ring: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """The ring for the first step (``ring``, else a new one), with layers ``0 .. k-1`` issued into slots
     ``0 .. k-1`` now (run on every rank of the axis); ``[]`` when the series are local."""
-    ring = new_ring(params, mesh, k) if ring is None else ring
+    ring = new_ring(params, mesh, plan, k) if ring is None else ring
     for v in range(k if ring else 0):
-        _issue(params, ring, v, k, mesh)
+        _issue(params, plan.layer_shard.axis, ring, v, k, mesh)
     return ring
 
 

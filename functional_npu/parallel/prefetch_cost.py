@@ -21,7 +21,9 @@ from typing import Any
 
 import torch.utils._pytree as pytree
 
+from ..core.quant import Quant
 from .devices import DEVICES, Device, Link
+from .plan import Plan
 
 __all__ = [
     "Link",
@@ -173,10 +175,11 @@ def layer_weight_bytes(params: dict) -> int:
     return local + layer_bytes(params)
 
 
-def layer_weight_elements(params: dict) -> int:
+def layer_weight_elements(params: dict, quant: Any = None) -> int:
     """Weight values one layer multiplies per token at this rank's shard size: a float leaf's elements, a quantized
-    leaf's (``params["quant"]``) stored values times the values packed per element; scales add none."""
-    quant = getattr(params.get("quant"), "quant", None)
+    leaf's (stored as ``quant``, a :class:`~functional_npu.core.quant.Quant` or a config holding one) stored values
+    times the values packed per element; scales add none."""
+    quant = getattr(quant, "quant", quant)
 
     def values(leaf: Any, per_layer: bool) -> int:
         if isinstance(leaf, dict) and quant is not None and quant.weight_name in leaf:
@@ -190,10 +193,17 @@ def layer_weight_elements(params: dict) -> int:
 
 
 def auto_step(
-    params: dict, *, device: Device | str | None = None, budget_bytes: float | None = None, batch: int = 1
+    params: dict,
+    plan: Plan,
+    quant: Quant | None = None,
+    *,
+    device: Device | str | None = None,
+    budget_bytes: float | None = None,
+    batch: int = 1,
 ) -> int:
-    """``prefetch_step="auto"`` for layer-sharded ``params``: :func:`choose_k` with one layer's compute
-    from ``device``'s roofline (decode at ``batch`` tokens) and its link.
+    """``prefetch_step="auto"`` for layer-sharded ``params`` (loaded for ``plan``, their linears stored as ``quant``:
+    a quantization config's ``quant``, or one with a ``.quant``): :func:`choose_k` with one layer's compute from
+    ``device``'s roofline (decode at ``batch`` tokens) and its link.
 
     Raises:
         ValueError: an unknown device name, or a budget that does not hold one layer (see :func:`choose_k`).
@@ -206,12 +216,12 @@ def auto_step(
             )
         device = DEVICES[name]
     weights = layer_weight_bytes(params)
-    compute = roofline_layer_s(device, weights, 2.0 * batch * layer_weight_elements(params))
+    compute = roofline_layer_s(device, weights, 2.0 * batch * layer_weight_elements(params, quant))
     return choose_k(
         layer_bytes(params),
         num_layers=params["config"].num_layers,
         compute_s=compute,
         link=device.link,
         budget_bytes=budget_bytes,
-        series=",".join(params["plan"].layer_shard.leaves) if "plan" in params else "the layer-sharded series",
+        series=",".join(plan.layer_shard.leaves) if plan.layer_shard else "the layer-sharded series",
     )

@@ -1,7 +1,7 @@
-"""Whether a plan fits a model config and a mesh: its fields checked against the model, then every leaf's
-layout at every coordinate (no I/O).
+"""Whether a plan fits a model config and a mesh: its fields checked against the model (:func:`check_plan_fits`),
+then every leaf's layout at every coordinate (:func:`check_leaves`), no I/O; and the leaf table.
 
-The loader, the compiler and the CLI all ask this once, before any rank starts or any byte is read.
+:func:`functional_npu.placement.place` runs them once per model, mesh, plan and quantization.
 """
 
 from __future__ import annotations
@@ -9,28 +9,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..core.layout import Layout, LayoutError, dim_pieces, validate
 from ..core.mesh import Mesh
-from ..core.shard import leaf_specs, local_shape
+from ..core.shard import local_shape
 from ..core.tree import flatten_with_paths
 from ..models import family_of, series_leaves
-from ..parallel.layer_shard import series_specs, stack_series
 from ..parallel.module_tp import check_module_tp
 from ..parallel.plan import EXPERT_FIELDS, Plan
 from ..parallel.prefetch import check_prefetch_step
-from .quant_config import QuantConfig
-from .quant_layouts import quantize_plan
 
-__all__ = ["check_plan", "check_plan_fits", "check_params", "plan_table", "resolved"]
+__all__ = ["check_plan_fits", "check_leaves", "leaf_table", "resolved"]
 
 _COMMON = ("tp", "module_tp", "layer_shard", "prefetch_step", "prefetch_budget", "model")
 
 
-def check_plan_fits(cfg: Any, mesh: Mesh, plan: Plan, *, where: str = "model") -> None:
+def check_plan_fits(cfg: Any, mesh: Mesh, plan: Plan, *, where: str = "model", layers: Any = None) -> None:
     """Raise a ValueError (one line: the field, the sizes, a fix) if ``plan`` is not for this model or mesh:
     another architecture, a field this family does not read, an axis the mesh lacks, module TP the model
     cannot run, a layer-sharded series the model does not have, or a prefetch step past its layers."""
@@ -71,42 +69,11 @@ def check_plan_fits(cfg: Any, mesh: Mesh, plan: Plan, *, where: str = "model") -
             f"every expert needs a slot: use num_slots >= {cfg.num_experts}"
         )
     _check_module_tp(cfg, mesh, plan, where)
-    _check_series(cfg, plan, where)
+    _check_series(cfg, plan, where, layers)
 
 
-def check_plan(
-    cfg: Any,
-    mesh: Mesh,
-    plan: Plan | None = None,
-    *,
-    where: str = "model",
-    quant: QuantConfig | None = None,
-) -> tuple[dict[str, Any], dict[str, Layout]]:
-    """Raise a ValueError if ``plan`` does not fit ``cfg`` or ``mesh`` cannot shard it at any of its
-    coordinates (no I/O).
-
-    Args:
-        cfg: a model config (from ``read_config``).
-        mesh: the mesh; its coordinate is ignored, every coordinate is checked.
-        plan: the parallel plan (default: ``Plan()``, tensor parallelism over ``"tp"``).
-        where: what the messages start with (the model directory, ``compile_model``).
-        quant: a quantized checkpoint's scheme: the linear leaves it covers are the dicts of their
-            stored tensors (:func:`functional_npu.placement.quant_layouts.quantize_plan`).
-
-    Returns:
-        The full params on the meta device and each leaf's layout, for the caller to reuse; with
-        ``plan.layer_shard``, in the layer-sharded structure (series stacked under ``params["series"]``).
-    """
-    plan = Plan() if plan is None else plan
-    check_plan_fits(cfg, mesh, plan, where=where)
-    plan, family = resolved(cfg, plan), family_of(cfg)
-    meta, specs = family.abstract_params(cfg, plan), family.param_specs(cfg, plan)
-    if quant is not None:
-        meta, specs = quantize_plan(family, cfg, quant, meta, specs, where=where)
-    ls = plan.layer_shard
-    if ls is not None:
-        meta, specs = stack_series(meta, ls), series_specs(specs, ls, cfg.num_layers)
-    layouts = leaf_specs(specs, meta)
+def check_leaves(cfg: Any, mesh: Mesh, meta: Any, layouts: Mapping[str, Layout], *, where: str) -> None:
+    """Every leaf's layout valid for its shape, and its pieces placed at every coordinate of ``mesh``."""
     for p, m in flatten_with_paths(meta):
         try:
             _check_leaf(p, layouts[p], tuple(m.shape), m.dtype, mesh)
@@ -114,20 +81,10 @@ def check_plan(
             raise ValueError(
                 f"{where}: the mesh {mesh.shape} cannot shard this {cfg.architecture} config: {e}"
             ) from None
-    return meta, layouts
 
 
-def plan_table(cfg: Any, mesh: Mesh, plan: Plan | None = None, *, quant: QuantConfig | None = None) -> str:
-    """A readable table of ``plan`` on ``cfg`` over ``mesh``: each leaf (a layer leaf once for the layers whose
-    rows agree: ``layers.*`` for every layer, ``layers.1,3`` for some), its full shape, its layout and its bytes on
-    the rank that holds the most; then the plan's fields and the total bytes per rank. Checked first
-    (:func:`check_plan`).
-
-    Example:
-        >>> print(plan_table(read_config(path), Mesh.abstract({"tp": 2}), Plan()))     # doctest: +SKIP
-    """
-    plan = Plan() if plan is None else plan
-    meta, layouts = check_plan(cfg, mesh, plan, quant=quant)
+def leaf_table(cfg: Any, mesh: Mesh, plan: Plan, meta: Any, layouts: Mapping[str, Layout]) -> str:
+    """:func:`plan_table`'s text for checked ``meta`` and ``layouts``."""
     entries: dict[tuple, tuple[tuple[str, str, int], list[int]]] = {}  # (path) or (leaf, row) -> (row, layers)
     total = [0] * mesh.size
     for path, m in flatten_with_paths(meta):
@@ -171,25 +128,25 @@ def _check_module_tp(cfg: Any, mesh: Mesh, plan: Plan, where: str) -> None:
         )
 
 
-def _check_series(cfg: Any, plan: Plan, where: str) -> None:
+def _check_series(cfg: Any, plan: Plan, where: str, layers: Any) -> None:
     """The layer-sharded series are this model's (:func:`functional_npu.models.series_leaves`), and a numeric
     prefetch step fits its layers."""
     if plan.layer_shard is None:
         return
     try:
-        series_leaves(cfg, plan.layer_shard, plan)
+        series_leaves(cfg, plan.layer_shard, plan, layers)
         if plan.prefetch_step != "auto":
             check_prefetch_step(plan.prefetch_step, cfg.num_layers)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
 
-def resolved(cfg: Any, plan: Plan) -> Plan:
+def resolved(cfg: Any, plan: Plan, layers: Any = None) -> Plan:
     """``plan`` with its layer-sharded series resolved for ``cfg`` (leaf names, in the family's order), the
     form loaded params carry; checked by :func:`check_plan_fits` first."""
     if plan.layer_shard is None:
         return plan
-    return dataclasses.replace(plan, layer_shard=series_leaves(cfg, plan.layer_shard, plan))
+    return dataclasses.replace(plan, layer_shard=series_leaves(cfg, plan.layer_shard, plan, layers))
 
 
 def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> None:
@@ -205,37 +162,3 @@ def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.
             n = mesh.axis_size(s.axes)
             for c in range(n):
                 dim_pieces(s, shape[d], n, c, f"specs[{path!r}]", d)
-
-
-def check_params(params: dict, mesh: Mesh, plan: Plan, where: str) -> tuple[Any, dict, dict]:
-    """The config, and the full params (meta) and layouts by path, after checking that ``params`` are this
-    coordinate's shards of it for ``mesh`` under ``plan`` (``where``: what the messages start with).
-
-    Raises:
-        TypeError for params with no model config; ValueError naming the leaf for one missing, of another shape
-        (sharded for another mesh or plan) or of another stored dtype.
-    """
-    cfg = params.get("config") if isinstance(params, dict) else None
-    try:
-        family_of(cfg)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one"
-        ) from None
-    full, layouts = check_plan(cfg, mesh, plan, where=where, quant=params.get("quant"))
-    got = {p.removesuffix(".streamed"): x for p, x in flatten_with_paths(params)}  # a compiled model's own params
-    full = dict(flatten_with_paths(full))
-    for path, x in full.items():
-        if path not in got:
-            raise ValueError(f"{where}: params[{path!r}] is missing")
-        want = local_shape(x.shape, layouts[path], mesh, path=path)
-        if tuple(got[path].shape) != want:
-            raise ValueError(
-                f"{where}: params[{path!r}] has shape {tuple(got[path].shape)} but mesh {mesh.shape} at "
-                f"{mesh.coordinate} expects {want}; were the params sharded for another mesh?"
-            )
-        if not x.dtype.is_floating_point and got[path].dtype != x.dtype:
-            raise ValueError(
-                f"{where}: params[{path!r}] is {got[path].dtype} but {params['quant'].quant!r} stores it as {x.dtype}"
-            )
-    return cfg, full, layouts

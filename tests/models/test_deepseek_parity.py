@@ -129,7 +129,7 @@ def test_unsupported_options_are_refused_in_one_line(models, change, message):
 
 def test_a_tp_that_does_not_divide_the_heads_is_named(models):
     from functional_npu import Mesh, Plan
-    from functional_npu.placement.check import check_plan
+    from functional_npu.placement import check_plan
     from functional_npu.runtime.loading.checkpoint import read_config
 
     cfg = read_config(models["deepseek_v3"][0])

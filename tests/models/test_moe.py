@@ -172,7 +172,7 @@ def test_compile_model_refuses_params_of_another_expert_plan(saved):
     over_dp = Plan(expert_axes=("dp",))
     with pytest.raises(ValueError, match=r"the params were loaded for another plan \(expert_axes=\(\)"):
         compile_model(params, mesh, backend="eager", plan=over_dp)
-    del params["plan"]  # ... and params that carry no plan, compiled for ep over dp
+    del params["placement"]  # ... and params that carry no placement, compiled for ep over dp
     with pytest.raises(
         ValueError,
         match=r"params\['layers.0.experts_gate_up'\] has shape \(8, 96, 64\) "

@@ -19,7 +19,7 @@ from functional_npu.parallel.layer_shard import (
     stack_series,
     unstack_series,
 )
-from functional_npu.placement.check import check_plan
+from functional_npu.placement import check_plan
 
 from ..support.configs import DENSE, MLA, MOE
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
@@ -138,7 +138,7 @@ def test_load_reads_only_owned_layers(qwen3, n, tp):
         read_layers = {int(x.split(".")[2]) for x in names if ".o_proj." in x or ".down_proj." in x}
         assert read_layers == set(owned_layers(LAYERS, n, c))
         assert local["series"]["o_proj"].shape[0] == len(owned_layers(LAYERS, n, c))
-        assert local["plan"].layer_shard == ls and "o_proj" not in local["layers"][0]
+        assert local["placement"].plan.layer_shard == ls and "o_proj" not in local["layers"][0]
         if full_stacked is not None and c == 0:
             assert torch.equal(local["series"]["down"], full_stacked["series"]["down"][0::n])
 
@@ -292,10 +292,10 @@ def test_prefetch_step_errors(qwen3):
         ValueError,
         match=r"prefetch_step must be an int with 0 <= k <= num_layers - 1 = 5 \(the model has 6 layers, .*got 6",
     ):
-        compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=6))
+        compile_model(params, mesh, plan=dataclasses.replace(params["placement"].plan, prefetch_step=6))
     with pytest.raises(ValueError, match=r"got -1"):
-        compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=-1))
-    model = compile_model(params, mesh, plan=dataclasses.replace(params["plan"], prefetch_step=1))
+        compile_model(params, mesh, plan=dataclasses.replace(params["placement"].plan, prefetch_step=-1))
+    model = compile_model(params, mesh, plan=dataclasses.replace(params["placement"].plan, prefetch_step=1))
     with pytest.raises(
         ValueError, match=r"prefill: a model compiled with prefetch_step=1 needs a state from new_state\(\)"
     ):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from functional_npu import Mesh, ModuleTP, Plan, split_dp
 from functional_npu.models import LlamaConfig, llama, moe
-from functional_npu.placement.check import check_plan
+from functional_npu.placement import check_plan
 
 CFG = LlamaConfig(
     architecture="Qwen3ForCausalLM",

@@ -4,6 +4,7 @@ the mesh, with one line naming the field, the sizes and a fix; shown as a table 
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from functional_npu import LayerShard, Mesh, ModuleTP, Plan, check_plan, compile_model, layer_shard, shard
 from functional_npu.models import family_of, llama, moe
-from functional_npu.placement.check import plan_table
+from functional_npu.placement import place, plan_table, read_placement
 
 from ..support.configs import DENSE, MLA, MOE
 
@@ -53,7 +54,6 @@ def plans(draw):
 @given(plans())
 def test_a_plan_survives_dict_and_json_and_is_hashable(plan):
     assert Plan.from_dict(plan.to_dict()) == plan
-    assert Plan.from_json(plan.to_json()) == plan
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert hash(plan) == hash(Plan.from_dict(plan.to_dict()))
     assert dataclasses.replace(plan, dispatch_threshold=3).layout_key() == plan.layout_key()  # decides no layout
@@ -91,15 +91,37 @@ def test_bad_fields_are_one_line_naming_the_field(fields, message):
         Plan.from_dict(fields, where="p.json")
 
 
+def test_a_plan_file_is_the_placement_and_reads_back(tmp_path):
+    placed = place(DENSE, {"dp": 2, "tp": 2}, Plan(layer_shard="o_proj,down_proj", prefetch_step=1))
+    (tmp_path / "p.json").write_text(placed.to_json())
+    back = read_placement(tmp_path / "p.json", DENSE)  # the plan now names the model it was made for
+    assert back.axes == placed.axes and back.plan == dataclasses.replace(placed.plan, model=DENSE.architecture)
+    assert back.to_json() == placed.to_json() and back.layouts == placed.layouts
+    data = json.loads(placed.to_json())
+    assert data == {"model": DENSE.architecture, "axes": {"dp": 2, "tp": 2}, "plan": data["plan"]}
+    assert data["plan"]["layer_shard"] == {"axis": "dp", "leaves": ["o_proj", "down"]}
+
+
 def test_bad_plan_files_name_the_file(tmp_path):
-    with pytest.raises(ValueError, match=r"nope.json: cannot read the plan file"):
-        Plan.from_json(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match=r"nope.json: no such file; give the path of a plan file"):
+        read_placement(tmp_path / "nope.json", DENSE)
+    with pytest.raises(ValueError, match=r": not a regular file"):
+        read_placement(tmp_path, DENSE)
+    os.mkfifo(tmp_path / "fifo")  # no writer: reading it would block forever
+    with pytest.raises(ValueError, match=r"fifo: not a regular file"):
+        read_placement(tmp_path / "fifo", DENSE)
+    for bad in ("", None, b"{}"):
+        with pytest.raises(ValueError, match=r"plan file: expected the path of a plan file, got "):
+            read_placement(bad, DENSE)
     (tmp_path / "bad.json").write_text("{tp: 1")
-    with pytest.raises(ValueError, match=r"bad.json: not JSON \(.* at line 1 column 2\)"):
-        Plan.from_json(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match=r"bad.json: not JSON \(.* line 1 column 2"):
+        read_placement(tmp_path / "bad.json", DENSE)
     (tmp_path / "list.json").write_text("[1]")
-    with pytest.raises(ValueError, match=r"list.json: a plan is a JSON object of fields, got list"):
-        Plan.from_json(tmp_path / "list.json")
+    with pytest.raises(ValueError, match=r"list.json: a plan file is a JSON object with model, axes and plan"):
+        read_placement(tmp_path / "list.json", DENSE)
+    (tmp_path / "moe.json").write_text(place(MOE, {"dp": 1, "tp": 2}).to_json())
+    with pytest.raises(ValueError, match=r"moe.json: the plan was made for Qwen3MoeForCausalLM, but this model is"):
+        read_placement(tmp_path / "moe.json", DENSE)
 
 
 @pytest.mark.parametrize(
@@ -172,9 +194,9 @@ def test_the_table_counts_every_rank_s_bytes(cfg):
 
 def test_compile_refuses_a_plan_that_changes_a_layout_but_takes_one_that_does_not():
     mesh = Mesh.abstract({"tp": 1}, 0)
-    params = shard(llama.init_params(DENSE), llama.param_specs(DENSE), mesh) | {"plan": Plan()}
+    params = shard(llama.init_params(DENSE), llama.param_specs(DENSE), mesh) | {"placement": place(DENSE, mesh)}
     with pytest.raises(ValueError, match=r"loaded for another plan \(tp='tp', given tp='x'\)"):
-        compile_model(params, Mesh.abstract({"x": 1}, 0), plan=Plan(tp="x"), backend="none")
+        compile_model(params, mesh, plan=Plan(tp="x"), backend="none")
     model = compile_model(params, mesh, plan=Plan(prefetch_budget=1e6), backend="none")
-    assert model.plan.prefetch_budget == 1e6 and model.params["plan"] is model.plan
+    assert model.plan.prefetch_budget == 1e6 and model.params["placement"] is model.placement
     assert math.isfinite(float(model.generate([[1, 2, 3]], 2)[0][0]))

@@ -110,18 +110,19 @@ def test_auto_on_layer_sharded_params(qwen3_params):
     from functional_npu.runtime.serving.compile import compile_model
 
     params, mesh = qwen3_params
-    auto = dataclasses.replace(params["plan"], prefetch_step="auto")
+    plan = params["placement"].plan
+    auto = dataclasses.replace(plan, prefetch_step="auto")
     o, down = params["series"]["o_proj"], params["series"]["down"]
     assert layer_bytes(params) == (o[0].numel() + down[0].numel()) * 4
     for name in DEVICES:
-        k = auto_step(params, device=name)
+        k = auto_step(params, plan, device=name)
         assert 0 <= k <= params["config"].num_layers - 1
-        assert compile_model(params, mesh, backend="none", plan=auto, prefetch_device=name).prefetch_step == k
-    assert auto_step(params, device=DEVICES["host"], budget_bytes=layer_bytes(params)) == 0  # one buffer: k = 0
+        assert compile_model(params, mesh, backend="none", plan=auto, prefetch_device=name).plan.prefetch_step == k
+    assert auto_step(params, plan, device=DEVICES["host"], budget_bytes=layer_bytes(params)) == 0  # k = 0
     with pytest.raises(ValueError, match=r"does not hold one layer of o_proj,down \(\d+ bytes"):
-        auto_step(params, budget_bytes=layer_bytes(params) - 1)
+        auto_step(params, plan, budget_bytes=layer_bytes(params) - 1)
     with pytest.raises(ValueError, match="prefetch device 'tpu' is not known; choose one of ascend-910b"):
-        auto_step(params, device="tpu")
+        auto_step(params, plan, device="tpu")
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +159,10 @@ def test_auto_reads_quantized_layers(tmp_path, quant):
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
     params = load_checkpoint(str(tmp_path), mesh, Plan(layer_shard=layer_shard("o_proj,down_proj")))
     assert isinstance(params["series"]["o_proj"], dict)  # the case the cost model once read as a tensor
-    assert layer_weight_elements(params) == sum(t.numel() for t in full["layers"][0].values())
+    quant = params["placement"].quant
+    assert layer_weight_elements(params, quant) == sum(t.numel() for t in full["layers"][0].values())
     stored = pytree.tree_leaves(
         [params["layers"][0], {k: [t[0] for t in pytree.tree_leaves(v)] for k, v in params["series"].items()}]
     )
     assert layer_weight_bytes(params) == sum(t.numel() * t.element_size() for t in stored)
-    assert 0 <= auto_step(params) <= DENSE.num_layers - 1
+    assert 0 <= auto_step(params, params["placement"].plan, quant) <= DENSE.num_layers - 1

@@ -45,24 +45,24 @@ def _params(L: int, n: int, me: int, series: int) -> dict:
     """``series`` layer-sharded leaves (of up to three dtypes, so up to three coalesced groups) over ``dp``."""
     owned = owned_layers(L, n, me)
     stacked = {f"s{j}": torch.full((len(owned), 2 + j, 3), 1, dtype=_DTYPES[j % len(_DTYPES)]) for j in range(series)}
-    return {
-        "layers": [{"norm": torch.ones(3)} for _ in range(L)],
-        "series": stacked,
-        "plan": Plan(layer_shard=LayerShard("dp", tuple(stacked))),
-    }
+    return {"layers": [{"norm": torch.ones(3)} for _ in range(L)], "series": stacked}
+
+
+def _plan(params: dict) -> Plan:
+    return Plan(layer_shard=LayerShard("dp", tuple(params["series"])))
 
 
 def _run(L: int, n: int, me: int, k: int, series: int, steps: int = 2, turn: bool = True):
     """Record ``steps`` decode steps of the layer loop; returns (program, ring, the ring's first slots)."""
     params, mesh = _params(L, n, me, series), _AxisMesh(n, me)
     groups = len(prefetch.coalesced(params))
-    ring = prefetch.new_ring(params, mesh, k)
+    ring = prefetch.new_ring(params, mesh, _plan(params), k)
     first = list(ring)
     rec = Recorder(ring)
     with rec:
-        prefetch.start(params, mesh, k, ring)  # layers 0 .. k-1, issued before the first step
+        prefetch.start(params, mesh, _plan(params), k, ring)  # layers 0 .. k-1, issued before the first step
         for step in range(steps):
-            weights = prefetch.layer_weights(params, ring, mesh)
+            weights = prefetch.layer_weights(params, ring, mesh, _plan(params))
             x = torch.zeros(())
             before = list(ring)
             for i in range(L):
@@ -214,12 +214,13 @@ def _topo_key(op: str) -> tuple[int, int]:
 
 def test_ring_errors():
     params, mesh = _params(4, 2, 0, 2), _AxisMesh(2, 0)
-    ring = prefetch.new_ring(params, mesh, 1)
-    assert prefetch.check_ring(params, mesh, ring, 1) == 1
+    plan = _plan(params)
+    ring = prefetch.new_ring(params, mesh, plan, 1)
+    assert prefetch.check_ring(params, mesh, plan, ring, 1) == 1
     with pytest.raises(ValueError, match=r"a ring of 2 buffers; expected 4 = \(k \+ 1 = 2\) x 2 per slot"):
-        prefetch.check_ring(params, mesh, ring[:2], 1)
+        prefetch.check_ring(params, mesh, plan, ring[:2], 1)
     small = list(ring)
     small[1] = torch.empty(5, dtype=small[1].dtype)
     size = math.prod(params["series"]["s1"].shape[1:])
     with pytest.raises(ValueError, match=rf"slot 0 buffer for series \['s1'\] is \(5,\) .*needs .* of {size}"):
-        prefetch.check_ring(params, mesh, small, 1)
+        prefetch.check_ring(params, mesh, plan, small, 1)

@@ -90,7 +90,7 @@ def test_more_memory_never_gives_a_slower_plan_and_the_choice_fits(low, extra, c
             chosen[mb] = None
             continue
         assert report.chosen.fits and report.chosen.bytes["total"] <= mb * 1e6
-        assert report.chosen.candidate == c
+        assert report.chosen.placement is c and c.plan == report.chosen.candidate.plan
         chosen[mb] = report.chosen.step_s
     a, b = chosen[low], chosen[low + extra]
     if a is not None:
@@ -115,12 +115,13 @@ def test_the_report_ranks_fitting_plans_first_and_says_why(dense_estimates):
     tight = min(e.bytes["total"] for _, e in dense_estimates.values()) * 1.5
     c, report = choose_plan(DENSE, 4, "910b", tight, WORK)
     fits = [e.fits for e in report.ranked]
-    assert fits == sorted(fits, reverse=True) and report.chosen.candidate == c
+    assert fits == sorted(fits, reverse=True) and report.chosen.placement is c
     steps = [e.step_s for e in report.ranked if e.fits]
     assert steps == sorted(steps)
-    assert report.why().startswith(f"{c.name}: ")
+    assert report.why().startswith(f"{report.chosen.candidate.name}: ")
     data = json.loads(json.dumps(report.to_dict()))
-    assert data["chosen"]["axes"] == c.axes and len(data["candidates"]) == len(report.ranked)
+    assert data["chosen"] == json.loads(c.to_json()) and data["chosen"]["axes"] == report.chosen.candidate.axes
+    assert len(data["candidates"]) == len(report.ranked)
     assert "| rank | plan | step ms |" in report.table()
 
 

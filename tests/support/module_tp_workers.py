@@ -56,7 +56,7 @@ def module_tp_generate(
             with torch.no_grad():
                 for greedy in (False, True):
                     state = model.new_state(len(rows))
-                    y = decode(model.params, ids, pos, state, mesh, blocks=blocks, greedy=greedy)
+                    y = decode(model.params, ids, pos, state, mesh, blocks=blocks, plan=model.plan, greedy=greedy)
                     drain(state.prefetched)
                     result["argmax" if greedy else "logits"] = y
         out.append(result)

@@ -66,7 +66,7 @@ def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, ba
     params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp")))
     result = {}
     for k in ks:
-        got, same, slots = run(params, dataclasses.replace(params["plan"], prefetch_step=k))
+        got, same, slots = run(params, dataclasses.replace(params["placement"].plan, prefetch_step=k))
         result[k] = (float((got - ref).abs().max()), same, slots)
     return result
 
@@ -118,7 +118,8 @@ def ring_hazards(
 
     state = model.new_state(1)
     hints = {"inline": INLINE, "copy-back": COPY_BACK, "unordered": UNORDERED}[streams]
-    fn = functools.partial(forward, blocks=family_of(model.config).blocks(model.config, model.plan), streams=hints)
+    blocks = family_of(model.config).blocks(model.config, model.plan)
+    fn = functools.partial(forward, blocks=blocks, plan=model.plan, streams=hints)
     with torch.no_grad():
         torch.compile(fn, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(model.params, tok, pos, state, mesh)
     prefetch.drain(state.prefetched)
@@ -138,7 +139,10 @@ def ring_hazards(
             "reorder_for_compute_comm_overlap_passes": list(passes),
         }
         step = functools.partial(
-            forward, blocks=family_of(model.config).blocks(model.config, model.plan), streams=model.backend.streams
+            forward,
+            blocks=family_of(model.config).blocks(model.config, model.plan),
+            plan=model.plan,
+            streams=model.backend.streams,
         )
         model = dataclasses.replace(model, forward=model.backend.compile(step, dynamic=False, inductor_options=comm))
     with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=after_post_grad):

@@ -162,7 +162,7 @@ def redundant_placement(params, extra: list[int], order: list[int]):
             }
         layers.append(layer)
     assert moe.param_specs(cfg, plan)  # the placement is a valid plan
-    return params | {"plan": plan, "layers": layers}
+    return {k: v for k, v in params.items() if k != "placement"} | {"plan": plan, "layers": layers}
 
 
 def moe_generate(
@@ -183,6 +183,7 @@ def moe_generate(
     from functional_npu import Mesh, Plan
     from functional_npu.core.shard import shard
     from functional_npu.models import forward, moe
+    from functional_npu.placement import place
     from functional_npu.runtime.loading.checkpoint import load_checkpoint
 
     mesh = ctx.mesh(axes) if ctx is not None else Mesh.abstract(axes, 0)
@@ -195,7 +196,9 @@ def moe_generate(
         plan = dataclasses.replace(
             full["plan"], expert_axes=plan.expert_axes, dispatch_threshold=plan.dispatch_threshold
         )
-        params = shard(full, moe.param_specs(full["config"], plan), mesh) | {"plan": plan}
+        params = shard(full, moe.param_specs(full["config"], plan), mesh) | {
+            "placement": place(full["config"], mesh, plan)
+        }
     rot = mesh.axis_index("dp") if "dp" in axes else 0
     prompts = prompts[rot:] + prompts[:rot]
     ops: list[str] = []

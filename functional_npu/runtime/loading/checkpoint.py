@@ -25,15 +25,14 @@ from ...core.dtypes import float_dtype
 from ...core.layout import Layout, local_pieces
 from ...core.mesh import Mesh
 from ...core.schema import show
-from ...core.shard import leaf_specs, local_shape
+from ...core.shard import local_shape
 from ...core.tree import flatten_with_paths, map_with_path
 from ...models import Family, family_of
 from ...parallel.layer_shard import LayerShard, owned_layers, present
 from ...parallel.plan import Plan
-from ...placement.check import check_plan, resolved
 from ...placement.hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
+from ...placement.placement import Placement, place
 from ...placement.quant_config import QuantConfig, read_quant_config
-from ...placement.quant_layouts import quantize_plan
 from .dcp import DcpHandle, is_dcp
 
 __all__ = ["load_checkpoint", "read_config", "read_quant"]
@@ -50,14 +49,16 @@ _QUANT_IGNORED_SUFFIXES = (".weight_shape",)
 
 @dataclass(frozen=True, slots=True)
 class _Wanted:
-    """What the config needs, in the per-layer form the files store: every leaf's full (meta) tensor and layout."""
+    """What the config needs, in the per-layer form the files store: every leaf's full (meta) tensor and layout, and
+    the placement they come from."""
 
     family: Family
     cfg: Any
     meta: dict[str, Any]
     leaves: dict[str, torch.Tensor]
-    layouts: dict[str, Layout]
+    layouts: Mapping[str, Layout]
     quant: QuantConfig | None
+    placement: Placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +128,7 @@ def read_quant(path: str | Path) -> QuantConfig | None:
 def load_checkpoint(
     path: str | Path,
     mesh: Mesh,
-    plan: Plan | None = None,
+    plan: Plan | Placement | None = None,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
@@ -145,9 +146,10 @@ def load_checkpoint(
             ``Mesh.abstract(...).at(...)`` to load one coordinate's shards in one process.
         plan: where each piece lives (:class:`~functional_npu.parallel.plan.Plan`; default ``Plan()``:
             tensor parallelism over ``"tp"``), checked against the model and the mesh before any byte is
-            read. Each rank reads only its slices: its experts' tensors over ``plan.expert_axes``, its
-            module-TP slices, and with ``plan.layer_shard`` only the layers ``l`` it owns (``l % n``), stacked
-            under ``params["series"]`` (the forward fetches them with broadcasts).
+            read; or a :class:`~functional_npu.placement.Placement` already checked (of this checkpoint's config
+            and quantization, for ``mesh``'s axes). Each rank reads only its slices: its experts' tensors over
+            ``plan.expert_axes``, its module-TP slices, and with ``plan.layer_shard`` only the layers ``l`` it owns
+            (``l % n``), stacked under ``params["series"]`` (the forward fetches them with broadcasts).
         dtype: read floating weights in this dtype (default: the embedding's stored dtype, so a
             checkpoint holding a stray fp16 tensor among fp32 ones loads in one dtype). A quantized
             checkpoint's integer tensors keep theirs; its scales take this one.
@@ -158,11 +160,13 @@ def load_checkpoint(
 
     A compressed-tensors checkpoint (``quantization_config`` in ``config.json``; see
     :mod:`functional_npu.placement.quant_config`) loads its quantized linears as the dicts of their stored
-    tensors, sharded like any leaf (:mod:`functional_npu.placement.quant_layouts`), with ``params["quant"]``;
+    tensors, sharded like any leaf (:mod:`functional_npu.placement.quant_layouts`), the scheme in the placement;
     :func:`functional_npu.compile_model` puts them in their kernels' forms.
 
     Returns:
-        Params for the family's ``forward``: the local shards plus ``params["config"]`` and ``params["plan"]``.
+        Params for the family's ``forward``: the local shards plus ``params["config"]`` and ``params["placement"]``
+        (the :class:`~functional_npu.placement.Placement` they were read by: the resolved plan, the mesh's axes,
+        the quantization and every leaf's layout, which ``compile_model`` and the training entry points take).
 
     Raises:
         ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis; with a mesh of
@@ -188,7 +192,7 @@ def _device(device: Any) -> torch.device:
 def _load(
     path: str | Path,
     mesh: Mesh,
-    plan: Plan | None,
+    plan: Plan | Placement | None,
     dtype: torch.dtype | None,
     device: Any,
     progress: bool | None,
@@ -198,37 +202,39 @@ def _load(
     root = Path(path)
     dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
     device = _device(device)
-    plan = Plan() if plan is None else plan
     wanted = _check_plan(root, mesh, plan)
-    plan = resolved(wanted.cfg, plan)  # the series as leaves
-    layer_shard = plan.layer_shard
+    layer_shard = wanted.placement.plan.layer_shard  # the series as leaves
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
     skip = _not_owned(wanted, mesh, layer_shard)
     loaded = _read_leaves(ckpt, wanted, mesh, skip, dtype or stored_dtype, device, show)
-    quant = {"quant": wanted.quant} if wanted.quant else {}
-    quant["plan"] = plan
+    placed = {"placement": wanted.placement}
     if layer_shard is None:
-        return map_with_path(lambda p, _: loaded[p], wanted.meta) | quant
-    return _stack_owned(wanted, mesh, layer_shard, loaded) | quant
+        return map_with_path(lambda p, _: loaded[p], wanted.meta) | placed
+    return _stack_owned(wanted, mesh, layer_shard, loaded) | placed
 
 
 # ---- check ------------------------------------------------------------------------------------
-def _check_plan(root: Path, mesh: Mesh, plan: Plan) -> _Wanted:
-    """The config and what it needs, once the plan is known to fit it and the mesh (reads config.json only)."""
+def _check_plan(root: Path, mesh: Mesh, plan: Plan | Placement | None) -> _Wanted:
+    """The config, its placement and what it needs, once the plan is known to fit it and the mesh (reads config.json
+    only)."""
     cfg = read_config(root)
     quant = read_quant(root)
     if mesh.rank is None:
         raise ValueError(f"load_checkpoint: mesh {mesh.shape} has no coordinate; use make_mesh(...) or mesh.at(rank)")
-    meta, layouts = check_plan(cfg, mesh, plan, where=str(root), quant=quant)
-    family = family_of(cfg)
-    if plan.layer_shard is not None:  # checked in the layer-sharded form; the files hold the per-layer one
-        meta, specs = family.abstract_params(cfg, plan), family.param_specs(cfg, plan)
-        if quant is not None:
-            meta, specs = quantize_plan(family, cfg, quant, meta, specs, where=str(root))
-        layouts = leaf_specs(specs, meta)
-    return _Wanted(family, cfg, meta, dict(flatten_with_paths(meta)), layouts, quant)
+    if isinstance(plan, Placement):  # checked already (the CLI's, made before the ranks started)
+        placed = plan
+        placed.fits(mesh, str(root))
+        if placed.config != cfg or placed.quant != quant:
+            raise ValueError(
+                f"{root}: the placement was made for another model ({placed.describe()}); place this checkpoint's "
+                f"config ({cfg.architecture}) instead"
+            )
+    else:
+        placed = place(cfg, mesh, plan, quant, where=str(root))
+    meta, layouts = placed.stored  # the files hold the per-layer form
+    return _Wanted(family_of(cfg), cfg, meta, dict(flatten_with_paths(meta)), layouts, quant, placed)
 
 
 def _open_checkpoint(root: Path, on_read: Callable[[str, int], None] | None) -> _Checkpoint:

@@ -32,8 +32,8 @@ from ...core.tree import flatten_with_paths, map_with_path
 from ...models import family_of
 from ...parallel.layer_shard import present
 from ...parallel.plan import Plan
-from ...placement.check import check_plan, check_plan_fits, resolved
 from ...placement.hf_layout import fused_dim, stored_tensors
+from ...placement.placement import Placement, place
 
 __all__ = ["from_dtensor_state"]
 
@@ -82,7 +82,7 @@ def from_dtensor_state(
     if report is not None:
         report.append(x.program)
     moved = reshard(x.local, x.src, x.dst, x.on, plan=x.program)
-    return _assemble(family_of(cfg), cfg, x.meta, x.targets, moved) | {"plan": x.plan}
+    return _assemble(family_of(cfg), cfg, x.meta, x.targets, moved) | {"placement": x.placement}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ class _Exchange:
     rank's tensor for each target (in the params' dtype), their training and plan layouts over the common mesh
     ``on``, and the exchange's plan."""
 
-    plan: Plan
+    placement: Placement
     meta: dict[str, Any]
     targets: dict[str, _Target]
     local: dict[str, torch.Tensor]
@@ -105,15 +105,14 @@ def _exchange(state: Mapping[str, Any], cfg: Any, mesh: Mesh, plan: Plan, dtype:
     """Check this rank's ``state`` against ``cfg`` and ``plan`` and plan the exchange (nothing moves)."""
     family = family_of(cfg)
     dtype = None if dtype is None else float_dtype(dtype, "from_dtensor_state")
-    check_plan_fits(cfg, mesh, plan, where="from_dtensor_state")
-    plan = resolved(cfg, plan)
-    ls = plan.layer_shard
-    meta, layouts = check_plan(cfg, mesh, dataclasses.replace(plan, layer_shard=None), where="from_dtensor_state")
+    placement = place(cfg, mesh, plan, where="from_dtensor_state")
+    ls = placement.plan.layer_shard
+    meta, layouts = placement.stored  # the per-layer form the state's names are in
     given = set(state) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     targets = _targets(family, cfg, meta, layouts, given)
     if ls is not None:
         targets = _series(targets, present(ls, meta["layers"]), ls.axis, cfg.num_layers)
-        meta, _ = check_plan(cfg, mesh, plan, where="from_dtensor_state")
+    meta = placement.meta
     known = {n for t in targets.values() for n in t.names}
     if known != given:
         raise ValueError(
@@ -147,7 +146,7 @@ def _exchange(state: Mapping[str, Any], cfg: Any, mesh: Mesh, plan: Plan, dtype:
         local[key] = (torch.stack([dt.to_local() for dt in dts]) if t.stacked else dts[0].to_local()).to(dtype)
     on = next(iter(common.values()))[0]
     program = plan_reshard({k: (t.shape, dtype) for k, t in targets.items()}, src, dst, on)
-    return _Exchange(plan, meta, targets, local, src, dst, on, program)
+    return _Exchange(placement, meta, targets, local, src, dst, on, program)
 
 
 def _checked(state: Mapping[str, Any], targets: Mapping[str, _Target]) -> torch.dtype:

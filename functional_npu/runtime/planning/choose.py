@@ -3,7 +3,7 @@
 :func:`choose_plan` answers "this model, these devices, this much memory each, this workload: which plan is
 fastest, and does it fit?". It enumerates the candidates (:func:`candidates`: every ``dp x tp`` split, expert
 parallelism for a model with experts, each module's TP over the dp ranks, layer-sharded series with the
-prefetch step the cost model picks), checks each with :func:`~functional_npu.placement.check.check_plan` (a plan
+prefetch step the cost model picks), checks each with :func:`~functional_npu.placement.place` (a plan
 the model cannot run is reported with the reason, never ranked), and estimates each (:func:`estimate`):
 
 - **bytes per rank**, counted from the real layouts at every coordinate (the rank that holds the most): the
@@ -25,6 +25,7 @@ faster plans lacked in memory). Nothing here reads a checkpoint or starts a proc
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,6 @@ import torch
 
 from ...core.mesh import Mesh
 from ...core.shard import local_shape
-from ...core.tree import flatten_with_paths
 from ...models import family_of
 from ...parallel.devices import Device
 from ...parallel.devices import device as device_profile
@@ -42,7 +42,7 @@ from ...parallel.layer_shard import layer_shard
 from ...parallel.module_tp import MODULES, dp_axes, split_dp
 from ...parallel.plan import Plan
 from ...parallel.prefetch_cost import choose_k, exposed
-from ...placement.check import check_plan
+from ...placement.placement import Placement, place
 from ...placement.quant_config import QuantConfig
 
 __all__ = ["Workload", "Candidate", "Estimate", "Report", "candidates", "estimate", "choose_plan", "PlanDoesNotFit"]
@@ -131,6 +131,7 @@ class Estimate:
     parts: dict[str, float]
     bytes: dict[str, int]
     fits: bool
+    placement: Placement = field(repr=False)  # the candidate checked on the model, its prefetch step chosen
 
     def row(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -202,14 +203,13 @@ class Report:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        c = self.chosen.candidate
         return {
             "model": self.model,
             "device": self.device.name,
             "devices": self.devices,
             "memory_per_device": self.memory_per_device,
             "workload": str(self.workload),
-            "chosen": {"axes": c.axes, "plan": c.plan.to_dict()},
+            "chosen": json.loads(self.chosen.placement.to_json()),
             "why": self.why(),
             "candidates": [e.row() for e in self.ranked],
             "refused": [{"plan": n, "why": w} for n, w in self.refused],
@@ -277,39 +277,18 @@ def estimate(
     """The modelled step and bytes of ``candidate`` (see the module docstring).
 
     Raises:
-        ValueError: the model cannot run the candidate (:func:`~functional_npu.placement.check.check_plan`'s message).
+        ValueError: the model cannot run the candidate (:func:`~functional_npu.placement.place`'s message).
     """
     dev, shape = device_profile(device), _shape(cfg)
-    axes, plan = candidate.axes, candidate.plan
-    mesh = Mesh.abstract(axes, 0)
-    meta, layouts = check_plan(cfg, mesh, plan, where=candidate.name, quant=quant)
+    placed = place(cfg, candidate.axes, candidate.plan, quant, where=candidate.name)
+    plan, mesh = placed.plan, Mesh.abstract(candidate.axes, 0)
     e = workload.dtype.itemsize
     data = dp_axes(mesh, plan.tp)
     dp, tp = mesh.axis_size(data), mesh.axis_size(plan.tp)
     seqs = math.ceil(workload.batch / dp)  # sequences on the busiest dp rank
     tokens = seqs * workload.new_tokens
     ls = plan.layer_shard
-    # weights: held per rank (every coordinate), read per step, multiplied per token
-    held, series_held, series_layer, expert_held = ([0] * mesh.size for _ in range(4))
-    coords = [mesh.at(r) for r in range(mesh.size)]
-    shapes: dict[tuple, tuple[int, ...]] = {}  # layers repeat their leaves' shapes and layouts: cut each once
-    for path, m in flatten_with_paths(meta):
-        size = e if m.dtype.is_floating_point else m.element_size()
-        parts_of = path.split(".")
-        for r in range(mesh.size):
-            key = (tuple(m.shape), layouts[path], r)
-            if key not in shapes:
-                shapes[key] = tuple(local_shape(m.shape, layouts[path], coords[r], path=path))
-            local = shapes[key]
-            n = math.prod(local) * size
-            held[r] += n
-            if parts_of[0] == "series":  # stacked [owned layers, ...]: one layer is the rest
-                series_held[r] += n
-                series_layer[r] += math.prod(local[1:]) * size
-            if any(x in EXPERT_LEAVES for x in parts_of):
-                expert_held[r] += n
-    busiest = max(range(mesh.size), key=lambda r: (held[r], r))
-    weights, layer_series = held[busiest], series_layer[busiest]
+    weights, series, layer_series, experts = _held(placed, mesh, e)
 
     # KV cache: the family's own allocation for this rank's sequences, on the meta device
     with torch.device("meta"):
@@ -321,8 +300,7 @@ def estimate(
     ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
     routed_tokens = tokens * ep
     touched = 1 - (1 - shape.top_k / shape.experts) ** routed_tokens if shape.experts else 1.0
-    experts = expert_held[busiest]
-    dense = weights - experts - series_held[busiest] + layer_series * shape.layers
+    dense = weights - experts - series + layer_series * shape.layers
     read = dense + touched * experts + (kv_bytes if workload.kind == "decode" else 0)
     flops = 2 * tokens * dense / e
     if shape.experts:  # each routed (token, expert) pair multiplies one expert's held share
@@ -351,6 +329,7 @@ def estimate(
         parts["prefetch_exposed_s"] = hidden * shape.layers * latency
         ring = (k + 1) * layer_series
         candidate = dataclasses.replace(candidate, plan=dataclasses.replace(plan, prefetch_step=k))
+        placed = placed.with_plan(candidate.plan, candidate.name)
     step = max(memory_s, compute_s) + sum(v for name, v in parts.items() if name not in ("memory_s", "compute_s"))
 
     logits_rows = seqs  # the step's last tokens
@@ -358,7 +337,32 @@ def estimate(
     activations = int(tokens * (8 * shape.hidden + 2 * shape.attn_width / tp) * e + logits_rows * vocab_local * 4)
     total = weights + kv_bytes + ring + activations
     sizes = {"weights": weights, "kv_cache": kv_bytes, "prefetch": ring, "activations": activations, "total": total}
-    return Estimate(candidate, step, parts, sizes, total <= memory_per_device)
+    return Estimate(candidate, step, parts, sizes, total <= memory_per_device, placed)
+
+
+def _held(placed: Placement, mesh: Mesh, e: int) -> tuple[int, int, int, int]:
+    """On the rank holding the most weight bytes (floats at ``e`` bytes): ``(weights, layer-sharded series, one
+    layer of the series, experts)`` in bytes, counted from every leaf's layout at every coordinate."""
+    held, series_held, series_layer, expert_held = ([0] * mesh.size for _ in range(4))
+    coords = [mesh.at(r) for r in range(mesh.size)]
+    shapes: dict[tuple, tuple[int, ...]] = {}  # layers repeat their leaves' shapes and layouts: cut each once
+    for path, m in placed.meta_leaves.items():
+        size = e if m.dtype.is_floating_point else m.element_size()
+        parts_of, layout = path.split("."), placed.layouts[path]
+        for r in range(mesh.size):
+            key = (tuple(m.shape), layout, r)
+            if key not in shapes:
+                shapes[key] = tuple(local_shape(m.shape, layout, coords[r], path=path))
+            local = shapes[key]
+            n = math.prod(local) * size
+            held[r] += n
+            if parts_of[0] == "series":  # stacked [owned layers, ...]: one layer is the rest
+                series_held[r] += n
+                series_layer[r] += math.prod(local[1:]) * size
+            if any(x in EXPERT_LEAVES for x in parts_of):
+                expert_held[r] += n
+    busiest = max(range(mesh.size), key=lambda r: (held[r], r))
+    return held[busiest], series_held[busiest], series_layer[busiest], expert_held[busiest]
 
 
 def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int) -> list[tuple]:
@@ -403,13 +407,13 @@ def choose_plan(
     workload: Workload,
     *,
     quant: QuantConfig | None = None,
-) -> tuple[Candidate, Report]:
+) -> tuple[Placement, Report]:
     """The fastest plan (and its mesh) for ``model_config`` on ``devices`` devices of ``device`` with
     ``memory_per_device`` bytes each, and the report of every candidate.
 
     Returns:
-        ``(candidate, report)``: ``candidate.plan`` is the :class:`~functional_npu.parallel.plan.Plan` (with its
-        prefetch step when layer-sharded), ``candidate.axes`` the mesh's axis sizes.
+        ``(placement, report)``: the chosen plan's :class:`~functional_npu.placement.Placement` (its ``plan`` with
+        the prefetch step when layer-sharded, its ``mesh_shape`` the mesh's axis sizes; ``to_json()`` the plan file).
 
     Raises:
         PlanDoesNotFit: no candidate fits; the message names the smallest memory per device that would fit and
@@ -447,4 +451,4 @@ def choose_plan(
             f"{_gb(least.bytes['total'])} per device ({least.candidate.name}): give each device at least that, "
             f"or use more devices"
         )
-    return ranked[0].candidate, report
+    return ranked[0].placement, report

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ...core.layout import Layout
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
 from ...models import family_of, init_state
@@ -27,10 +26,10 @@ from ...models.decoder import DecodeState, decode
 from ...models.linear import TARGETS, prepare_params
 from ...parallel import prefetch
 from ...parallel.layer_shard import series_of
-from ...parallel.plan import LAYOUT_FIELDS, Plan
+from ...parallel.plan import Plan
 from ...parallel.prefetch import check_prefetch_step
 from ...parallel.prefetch_cost import auto_step
-from ...placement.check import check_params, resolved
+from ...placement.placement import Placement, placement_of
 from ...placement.quant_layouts import tensor_blocks
 from .backends import Backend, resolve_backend
 from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, saved_guards
@@ -76,7 +75,7 @@ class CompiledModel:
     max_seq_len: int
     prefill_lengths: tuple[int, ...]
     forward: Callable[..., torch.Tensor] = field(repr=False)
-    plan: Plan = Plan()  # the params' plan, its prefetch step resolved (never "auto")
+    placement: Placement  # the params' placement, its plan's prefetch step resolved (never "auto")
     greedy_forward: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
     # one bucket per graph: more recompiles than dynamo's default limit. Built once: making a
     # config patch costs far more than entering one, and this is entered on every step.
@@ -98,9 +97,10 @@ class CompiledModel:
         return self.params["embed"].device
 
     @property
-    def prefetch_step(self) -> int:
-        """The prefetch distance the graphs were built for (0 without layer-sharded series)."""
-        return self.plan.prefetch_step
+    def plan(self) -> Plan:
+        """The placement's plan; its ``prefetch_step`` is the distance the graphs were built for (an int: 0 without
+        layer-sharded series)."""
+        return self.placement.plan
 
     def _bucket(self, values: Sequence[int], n: int, what: str, knob: str) -> int:
         i = bisect.bisect_left(values, n)
@@ -121,10 +121,10 @@ class CompiledModel:
     ) -> torch.Tensor:
         if series_of(self.params):
             try:
-                prefetch.check_ring(self.params, self.mesh, state.prefetched, self.prefetch_step)
+                prefetch.check_ring(self.params, self.mesh, self.plan, state.prefetched, self.plan.prefetch_step)
             except ValueError as e:
                 raise ValueError(
-                    f"{phase}: a model compiled with prefetch_step={self.prefetch_step} needs a state from "
+                    f"{phase}: a model compiled with prefetch_step={self.plan.prefetch_step} needs a state from "
                     f"new_state(): {e}"
                 ) from None
         tokens, positions = tokens.to(self.device), positions.to(self.device)
@@ -140,15 +140,20 @@ class CompiledModel:
             ) from e
 
     def with_params(self, params: dict) -> CompiledModel:
-        """The same model and graphs over other weights of the same plan, mesh and shapes (a post-training step's
-        updated params, resharded to this plan): checked against the plan, then put in the forms the graphs read.
+        """The same model and graphs over other weights of the same model, placement and shapes (a post-training
+        step's updated params, resharded to this plan): checked against the model's own placement (its config, every
+        constant the graphs baked in, and its quantization, plan and mesh), then put in the forms the graphs read.
         No recompile: the weights are the graphs' inputs.
 
         Raises:
-            ValueError / TypeError naming the leaf, as :func:`compile_model` does, for params of another plan or mesh.
+            ValueError / TypeError naming the field or the leaf, for params of another model, plan or mesh.
         """
-        check_params(params, self.mesh, _plan_of(params, self.plan, "with_params"), "with_params")
-        return dataclasses.replace(self, params=self._prepare(params) | {"plan": self.plan})
+        placed = placement_of(params, self.mesh, self.plan, where="with_params")
+        self.placement.same_model(placed, "with_params")
+        new = self._prepare(params)
+        if self.backend.captures:
+            _static(new)
+        return dataclasses.replace(self, params=new | {"placement": self.placement})
 
     def new_state(self, batch: int) -> DecodeState:
         """A fresh decode state for a batch bucket (``batch`` is rounded up to a bucket): a zeroed KV
@@ -168,7 +173,7 @@ class CompiledModel:
             for t in (t for layer in state.kv for t in layer):
                 torch._dynamo.mark_static_address(t.zero_())
             self._kv[b] = state
-        return state._replace(prefetched=prefetch.start(self.params, self.mesh, self.prefetch_step))
+        return state._replace(prefetched=prefetch.start(self.params, self.mesh, self.plan, self.plan.prefetch_step))
 
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
         """Run the prompts (right-padded to the bucket of their longest, or of ``length``) into ``state``;
@@ -255,42 +260,6 @@ class CompiledModel:
         )  # fmt: skip
 
 
-def _plan_of(params: dict, plan: Plan | None, where: str) -> Plan:
-    """The plan to compile under: ``plan``, else the params' own (``params["plan"]``), else the default; a given
-    plan must agree with the params' own on every field that decides a layout."""
-    own = params.get("plan") if isinstance(params, dict) else None
-    if plan is None:
-        return own or Plan()
-    if not isinstance(plan, Plan):
-        raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
-    if own is None:
-        return plan
-    was, now = _series_named(params, own), _series_named(params, plan)
-    diff = [f for f, a, b in zip(LAYOUT_FIELDS, was.layout_key(), now.layout_key()) if a != b]
-    if diff:
-        raise ValueError(
-            f"{where}: the params were loaded for another plan ({', '.join(f'{f}={getattr(was, f)!r}' for f in diff)}"
-            f", given {', '.join(f'{f}={getattr(now, f)!r}' for f in diff)}); load them with this plan, or change "
-            f"only the fields that decide no layout (prefetch_step, dispatch_threshold, absorb, mla_cache)"
-        )
-    return plan
-
-
-def _series_named(params: dict, plan: Plan) -> Plan:
-    """``plan`` with its series resolved for the params' model where it can be (``down_proj`` is ``down``), so two
-    spellings of one plan compare equal; as it is where it cannot (the checks that follow name the problem)."""
-    try:
-        return resolved(params["config"], plan)
-    except (ValueError, TypeError, KeyError):
-        return plan
-
-
-def axis_groups(specs: Any) -> list[tuple[str, ...]]:
-    """The multi-axis tuples some layout shards over (their collectives need a group of their own)."""
-    layouts = [x for _, x in flatten_with_paths(specs, is_leaf=lambda x: isinstance(x, Layout))]
-    return sorted({d.axes for lay in layouts for d in lay.dims if d is not None and len(d.axes) > 1})
-
-
 # inductor's own pass that moves each wait down to right before its first consumer
 SINK_WAITS = {
     "reorder_for_compute_comm_overlap": True,
@@ -298,12 +267,12 @@ SINK_WAITS = {
 }
 
 
-def prefetch_options(params: dict, mesh: Mesh) -> dict[str, Any]:
+def prefetch_options(params: dict, mesh: Mesh, plan: Plan) -> dict[str, Any]:
     """Inductor's options for a model that prefetches into a ring: its ``sink_waits_iterative`` pass. The ring's data
     edges keep every write after the reads it overwrites, but inductor's default order hoists each wait to right
     after its write, which stalls the step until the layer arrives (the overlap check finds it,
     :mod:`functional_npu.parallel.hazard`); the pass moves each wait down to its first consumer."""
-    return dict(SINK_WAITS) if prefetch.ring_used(params, mesh) else {}
+    return dict(SINK_WAITS) if prefetch.ring_used(params, mesh, plan) else {}
 
 
 def _shape_buckets(
@@ -347,14 +316,16 @@ def compile_model(
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
     Args:
-        params: this rank's params with ``params["config"]`` (from ``load_checkpoint``); quantized weights
-            as stored (``params["quant"]``) are put in their kernels' forms here, and float32 linear
-            weights input-major on the CPU (:func:`functional_npu.models.linear.prepare_params`), once:
-            the model's ``params`` are then its own, and the loaded ones may be dropped.
-        mesh: the mesh they were sharded for (the plan's axes; other axes hold replicas).
-        plan: the parallel plan (default: the params' own ``params["plan"]``, as ``load_checkpoint`` leaves it,
-            else ``Plan()``). A given plan must agree with the params' own on the fields that decide a layout;
-            the others (``prefetch_step``, ``dispatch_threshold``, ``absorb``, ``mla_cache``) may differ.
+        params: this rank's params with ``params["config"]`` and ``params["placement"]`` (from ``load_checkpoint``;
+            params with no placement, ``shard`` of a family's full params, are placed here under ``plan``);
+            quantized weights as stored (the placement's quantization) are put in their kernels' forms here, and
+            float32 linear weights input-major on the CPU (:func:`functional_npu.models.linear.prepare_params`),
+            once: the model's ``params`` are then its own, and the loaded ones may be dropped.
+        mesh: the mesh they were sharded for (the placement's axes; other axes hold replicas).
+        plan: the parallel plan (default: the placement's). A plan given beside placed params may differ from
+            theirs only in fields that decide no layout (``prefetch_step``, ``prefetch_budget``,
+            ``dispatch_threshold``, ``absorb``, ``mla_cache``, ``model``;
+            :meth:`~functional_npu.placement.Placement.with_plan`).
             With layer-sharded params, ``plan.prefetch_step`` ``k`` fetches layer ``l + k``'s weights while
             layer ``l`` computes (``0 <= k <= num_layers - 1``; 0 is synchronous), into a ring of ``k + 1`` slots
             that :meth:`CompiledModel.new_state` allocates outside the graph: each broadcast writes its layer in
@@ -396,46 +367,73 @@ def compile_model(
     """
     if kernels not in (None, *TARGETS):
         raise ValueError(f"compile_model: kernels={kernels!r} is not one of {TARGETS} (or None: the backend's)")
-    plan = _plan_of(params, plan, "compile_model")
-    cfg, full, layouts = check_params(params, mesh, plan, "compile_model")
-    plan = resolved(cfg, plan)
+    placed = placement_of(params, mesh, plan, where="compile_model")
+    cfg = placed.config
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     if chosen.name == "inductor":
         sweep()  # inductor would trust an object a killed compile left half-written in its cache
-    # stored quantized weights -> the kernels' forms, float32 linears -> the layout that streams fastest; once
-    weight = params["quant"].quant.weight_name if params.get("quant") is not None else None
-    blocks = functools.partial(tensor_blocks, weight=weight, layouts=layouts, full=full, mesh=mesh)
     # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
     # does a model whose layers are fetched by broadcast within the step: fused into one kernel with the streamed
     # reductions, the earlier layers' work moves after the broadcast's wait (the hazard check's overlap finding)
-    linears = family_of(cfg).linears if chosen.name == "inductor" and not prefetch.ring_used(params, mesh, plan) else ()
-    prepare = functools.partial(prepare_params, blocks=blocks, target=kernels or chosen.kernels, linears=linears)
+    streamed = chosen.name == "inductor" and not prefetch.ring_used(params, mesh, placed.plan)
+    prepare = _preparer(placed, mesh, kernels or chosen.kernels, streamed)
     params = prepare(params)
+    if chosen.captures:  # the weights are inputs at fixed addresses: a captured graph reads them in place
+        _static(params)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
-    k = plan.prefetch_step
-    if not series_of(params):
-        k = 0
-    elif k == "auto":  # the cost model reads the series the plan names
-        k = auto_step(params | {"plan": plan}, device=prefetch_device, budget_bytes=plan.prefetch_budget)
-    plan = dataclasses.replace(plan, prefetch_step=check_prefetch_step(k, cfg.num_layers))
-    params = params | {"plan": plan}
+    placed = _with_step(placed, params, prefetch_device)
+    params = params | {"placement": placed}
+    plan = placed.plan
     if not mesh.is_abstract:
         mesh.init_groups()  # collectively, before any tracing
-        mesh.init_groups(
-            *axis_groups(family_of(cfg).param_specs(cfg, plan))
-        )  # and groups over several axes (expert parallelism)
+        mesh.init_groups(*placed.axis_groups())  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
-    options = prefetch_options(params, mesh) if chosen.name == "inductor" else {}
-    static = {"blocks": family_of(cfg).blocks(cfg, plan), "attention": attention, "streams": chosen.streams}
+    options = prefetch_options(params, mesh, plan) if chosen.name == "inductor" else {}
+    static = {"blocks": family_of(cfg).blocks(cfg, plan), "plan": plan, "attention": attention}
+    static["streams"] = chosen.streams
     where = _graph_dir(
-        cache_dir, params, mesh, chosen, plan, (sizes, seq, lengths), kernels=kernels or chosen.kernels,
+        cache_dir, params, mesh, chosen, placed, (sizes, seq, lengths), kernels=kernels or chosen.kernels,
         greedy_head=greedy_head, options=options,
     )  # fmt: skip
     fwd = _forward(chosen, static, options, where, "forward")
     greedy = _forward(chosen, static | {"greedy": True}, options, where, "greedy") if greedy_head else None
     # the plain forward never recompiles: no config patch to make (making one costs about a third of a millisecond)
     recompiles = contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=256)
-    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, plan, greedy, recompiles, prepare)
+    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, placed, greedy, recompiles, prepare)
+
+
+def _static(params: dict) -> None:
+    """Mark every tensor of ``params`` as an input whose address never changes (no guard on it), so that CUDA graphs
+    read the weights where they are. Unmarked, every replay first copies each weight into the graph's own input
+    buffer: on an H200 that was about 100 device-to-device copies per decode step, half the step's time
+    (benchmarks/results/gpu.json). Inductor's FX graph cache does not key on the mark: a graph cached unmarked keeps
+    its copies."""
+    for _, t in flatten_with_paths(params):
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.mark_static_address(t, guard=False)
+
+
+def _preparer(placed: Placement, mesh: Mesh, target: str, streamed: bool) -> Callable[[dict], dict]:
+    """Loaded params -> the forms the graphs read: stored quantized weights in ``target``'s kernels' forms, float32
+    linears (with ``streamed``) in the layout that streams fastest; applied once by ``compile_model`` and to every
+    ``with_params``."""
+    weight = placed.quant.quant.weight_name if placed.quant is not None else None
+    blocks = functools.partial(tensor_blocks, weight=weight, layouts=placed.layouts, full=placed.meta, mesh=mesh)
+    linears = family_of(placed.config).linears if streamed else ()
+    return functools.partial(prepare_params, quant=placed.quant, blocks=blocks, target=target, linears=linears)
+
+
+def _with_step(placed: Placement, params: dict, device: Any) -> Placement:
+    """``placed`` with its plan's prefetch step an int: 0 without layer-sharded series, the cost model's for
+    ``"auto"`` (:func:`~functional_npu.parallel.prefetch_cost.auto_step`), else the plan's, checked."""
+    plan = placed.plan
+    k = plan.prefetch_step
+    if not series_of(params):
+        k = 0
+    elif k == "auto":  # the cost model reads the series the plan names
+        k = auto_step(params, plan, placed.quant, device=device, budget_bytes=plan.prefetch_budget)
+    k = check_prefetch_step(k, placed.config.num_layers)
+    return placed if k == plan.prefetch_step else placed.with_plan(dataclasses.replace(plan, prefetch_step=k), "")
 
 
 def _graph_dir(cache_dir: Any, params: dict, mesh: Mesh, backend: Backend, *key: Any, **fields: Any) -> Any:

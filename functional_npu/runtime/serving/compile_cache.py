@@ -86,27 +86,27 @@ def _library() -> str:
     return f"{version} ({h.hexdigest()[:16]})"
 
 
-def cache_key(params: dict, mesh: Mesh, plan: Any, shapes: tuple, backend: Any, **fields: Any) -> dict[str, str]:
+def cache_key(params: dict, mesh: Mesh, placed: Any, shapes: tuple, backend: Any, **fields: Any) -> dict[str, str]:
     """What a saved graph was compiled for, as strings (the manifest's ``key``); a graph is loaded only under an
-    equal key. ``shapes`` is (batch buckets, max_seq_len, prefill lengths); ``fields`` (kernels, greedy_head,
-    inductor options) are added as their ``repr``."""
+    equal key. ``params`` are the graphs' own (prepared), ``placed`` their placement; ``shapes`` is (batch buckets,
+    max_seq_len, prefill lengths); ``fields`` (kernels, greedy_head, inductor options) are added as their ``repr``."""
     leaves = [
         (p, tuple(x.shape), str(x.dtype), x.stride()) if isinstance(x, torch.Tensor) else (p, repr(x))
         for p, x in flatten_with_paths(params)
     ]
-    cfg = params["config"]
+    cfg = placed.config
     return {
         "format": str(FORMAT),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "library": _library(),
         "model": f"{cfg.architecture} {_digest(repr(cfg))}",
-        "plan": repr(plan),
+        "plan": repr(placed.plan),
         "mesh": f"{mesh.shape} at {mesh.coordinate if mesh.rank is not None else 'no coordinate'}",
         "shapes": f"batch {shapes[0]}, max_seq_len {shapes[1]}, prefill {shapes[2]}",
         "backend": f"{backend.name} mode={backend.mode} on {backend.device_type}",
         "dtype": str(params["embed"].dtype),
-        "params": _digest(repr((leaves, params.get("quant")))),
+        "params": _digest(repr((leaves, placed.quant))),
         "threads": str(torch.get_num_threads()),  # a global-state guard of every graph
         "cpu": torch.backends.cpu.get_cpu_capability(),
         **{k: repr(v) for k, v in fields.items()},

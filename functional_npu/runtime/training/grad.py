@@ -33,9 +33,8 @@ from ...core.collectives import all_reduce
 from ...core.mesh import Mesh
 from ...core.replica_sum import ReplicaSum, replica_plan, sum_replicas
 from ...core.tree import flatten_with_paths, map_with_path, replace_leaves
-from ...models import family_of, forward, init_state
-from ...parallel.plan import Plan
-from ...placement.check import check_params
+from ...models import family_of, forward, init_state, plan_of
+from ...placement.placement import placement_of
 from ..serving.generate import logprobs_of
 
 __all__ = ["value_and_grad", "logits", "token_logprobs", "lm_loss", "Differentiable", "differentiable"]
@@ -46,7 +45,7 @@ LossFn = Callable[[dict, Any, Mesh], torch.Tensor]
 def logits(params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa") -> torch.Tensor:
     """``[B, S, V]`` logits of ``tokens [B, S]`` (positions ``0 .. S-1``): the family's forward, differentiable,
     on a fresh cache of ``S`` slots (so training and inference run the same code)."""
-    cfg, plan = params["config"], params.get("plan") or Plan()
+    cfg, plan = params["config"], plan_of(params)
     b, s = tokens.shape
     state = init_state(cfg, mesh, b, s, _dtype(params), plan=plan, device=tokens.device)
     positions = torch.arange(s, device=tokens.device).expand(b, s)
@@ -81,22 +80,23 @@ class Differentiable:
         leaves: path -> the float tensor (detached), the gradient's inputs.
         sums: path -> :class:`~functional_npu.core.replica_sum.ReplicaSum` for that leaf.
         mesh: the mesh the params are sharded over.
+        placement: their :class:`~functional_npu.placement.Placement`.
     """
 
     def __init__(self, params: dict, mesh: Mesh, where: str) -> None:
         if not isinstance(params, dict) or "config" not in params:
             raise TypeError(f"{where}: params must be a params dict with a model config (params['config'])")
-        plan = params.get("plan") or Plan()
         quantized = [p for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor) and _quantized(p, x)]
-        if params.get("quant") is not None or quantized:
+        scheme = getattr(params.get("placement"), "quant", None)
+        if scheme is not None or quantized:
             raise ValueError(
                 f"{where}: params{[quantized[0]] if quantized else ''} are quantized "
-                f"({params.get('quant') or quantized[0]}); gradients need floating-point weights: load the checkpoint "
+                f"({scheme or quantized[0]}); gradients need floating-point weights: load the checkpoint "
                 f"unquantized (or dequantize the params) to train"
             )
-        _, full, layouts = check_params(params, mesh, plan, where)
-        full = dict(flatten_with_paths(full))
-        self.mesh, self.params = mesh, params
+        placed = placement_of(params, mesh, where=where)
+        full, layouts = placed.meta_leaves, placed.layouts
+        self.mesh, self.params, self.placement = mesh, params, placed
         buffers = family_of(params["config"]).buffers
         self.leaves = {
             p: x.detach()
@@ -109,7 +109,7 @@ class Differentiable:
         """This split with every tensor of its params on the meta device: the structure, shapes and dtypes a
         compiled step needs, without holding the params it was made from."""
         out = object.__new__(Differentiable)
-        out.mesh, out.sums = self.mesh, self.sums
+        out.mesh, out.sums, out.placement = self.mesh, self.sums, self.placement
         out.params = map_with_path(lambda p, x: x.to("meta") if isinstance(x, torch.Tensor) else x, self.params)
         out.leaves = {p: x.to("meta") for p, x in self.leaves.items()}
         return out

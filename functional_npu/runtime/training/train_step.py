@@ -30,10 +30,8 @@ import torch
 from ...core.collectives import all_reduce
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths, replace_leaves
-from ...models import family_of
-from ...parallel.plan import Plan
 from ..serving.backends import Backend, resolve_backend
-from ..serving.compile import GraphBreakError, axis_groups
+from ..serving.compile import GraphBreakError
 from ..serving.inductor_cache import sweep
 from .grad import Differentiable, LossFn, differentiable, global_norm, grad_leaves
 from .optim import AdamW, OptState
@@ -144,7 +142,7 @@ def compile_train_step(
         loss_fn: ``(params, batch, mesh) -> this rank's scalar loss`` (e.g. :func:`.grad.lm_loss`); the step
             minimizes the mean over the ranks (:func:`~functional_npu.runtime.training.grad.value_and_grad`).
         optimizer: an :class:`~functional_npu.runtime.training.optim.AdamW`.
-        params: this rank's params (``load_checkpoint``), floating-point, with their config and plan.
+        params: this rank's params (``load_checkpoint``), floating-point, with their config and placement.
         mesh: the mesh they are sharded over.
         backend, mode: the compiler (:func:`~functional_npu.runtime.serving.resolve_backend`; ``"none"``: eager).
 
@@ -159,9 +157,8 @@ def compile_train_step(
     if chosen.name == "inductor":
         sweep()
     if not mesh.is_abstract:
-        cfg, plan = params["config"], params.get("plan") or Plan()
         mesh.init_groups()
-        mesh.init_groups(*axis_groups(family_of(cfg).param_specs(cfg, plan)), *split.axes())
+        mesh.init_groups(*split.placement.axis_groups(), *split.axes())
     plain = _step_fn(loss_fn, optimizer, split, mesh)
     return TrainStep(optimizer, mesh, chosen, split, chosen.compile(plain, dynamic=False), plain)
 

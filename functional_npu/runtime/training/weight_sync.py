@@ -1,6 +1,6 @@
 """Params of one plan to params of another on the same ranks: the train-to-inference step of a post-training loop.
 
-``reshard_params(params, plan, mesh)`` takes this rank's params under their own plan (``params["plan"]``: a
+``reshard_params(params, plan, mesh)`` takes this rank's params under their own plan (their placement's: a
 training plan, say data parallel with every layer's weights layer-sharded) and returns them under ``plan`` (an
 inference plan, say tensor parallel over the same axis), with one planned exchange
 (:func:`~functional_npu.core.reshard.reshard`: each rank receives only the bytes it needs and does not hold,
@@ -25,7 +25,7 @@ from ...core.reshard import ReshardPlan, plan_reshard, reshard
 from ...core.shard import full_shape
 from ...core.tree import flatten_with_paths, map_with_path
 from ...parallel.plan import Plan
-from ...placement.check import check_params, check_plan
+from ...placement.placement import Placement, place, placement_of
 
 __all__ = ["reshard_params", "plan_params_reshard"]
 
@@ -98,22 +98,23 @@ def plan_params_reshard(params: dict, plan: Plan, mesh: Mesh) -> ReshardPlan:
 
 def _prepared(
     params: dict, plan: Plan, mesh: Mesh, exchange: ReshardPlan | None
-) -> tuple[ReshardPlan, dict, dict, dict, dict, set[str]]:
+) -> tuple[ReshardPlan, dict, dict, dict, dict, set[str], Placement]:
     where = "reshard_params"
     if not isinstance(plan, Plan):
         raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
-    src_plan = (params.get("plan") or Plan()) if isinstance(params, dict) else Plan()
-    cfg, _, src_layouts = check_params(params, mesh, src_plan, where)
-    if params.get("quant") is not None:
-        raise ValueError(f"{where}: params are quantized ({params['quant']}); reshard floating-point params")
-    dst_full, dst_layouts = check_plan(cfg, mesh, plan, where=where)
+    source = placement_of(params, mesh, where=where)
+    cfg, src_layouts = source.config, source.layouts
+    if source.quant is not None:
+        raise ValueError(f"{where}: params are quantized ({source.quant}); reshard floating-point params")
+    target = place(cfg, mesh, plan, where=where)
+    dst_full, dst_layouts = target.meta, target.layouts
     every = _every_layer(src_layouts, cfg.num_layers) & _every_layer(dst_layouts, cfg.num_layers)
     local = _stacked(params, every)
     src, dst = _stacked_layouts(src_layouts, every), _stacked_layouts(dst_layouts, every)
     if exchange is None:
         shapes = {p: (full_shape(p, x, src[p], mesh), x.dtype) for p, x in local.items()}
         exchange = plan_reshard(shapes, src, dst, mesh)
-    return exchange, local, src, dst, dst_full, every
+    return exchange, local, src, dst, dst_full, every, target
 
 
 def reshard_params(params: dict, plan: Plan, mesh: Mesh, *, exchange: ReshardPlan | None = None) -> dict:
@@ -122,7 +123,7 @@ def reshard_params(params: dict, plan: Plan, mesh: Mesh, *, exchange: ReshardPla
     Collective: every rank of ``mesh`` calls it with the same plan. Pure: a new tree, never aliasing ``params``.
 
     Args:
-        params: this rank's params with ``params["config"]`` and their plan ``params["plan"]`` (from
+        params: this rank's params with ``params["config"]`` and their placement ``params["placement"]`` (from
             ``load_checkpoint``, or a train step's output).
         plan: the plan to move them to, over axes of ``mesh`` (an inference plan over the training plan's
             data-parallel axis: ``Plan(tp="dp")``).
@@ -136,6 +137,6 @@ def reshard_params(params: dict, plan: Plan, mesh: Mesh, *, exchange: ReshardPla
     Example:
         >>> serving = reshard_params(trained, Plan(tp="dp"), mesh)        # doctest: +SKIP
     """
-    rp, local, src, dst, dst_full, every = _prepared(params, plan, mesh, exchange)
+    rp, local, src, dst, dst_full, every, target = _prepared(params, plan, mesh, exchange)
     moved = reshard(local, src, dst, mesh, plan=rp)
-    return _unstacked(moved, dst_full, every) | {"config": params["config"], "plan": plan}
+    return _unstacked(moved, dst_full, every) | {"config": params["config"], "placement": target}
