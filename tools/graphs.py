@@ -1,8 +1,10 @@
-"""Golden captured graphs: ``python -m tools.graphs [--check] [--out DIR] [--no-ge] [--no-acl]``.
+"""Golden captured graphs: ``python -m tools.graphs [--check] [--all] [--out DIR] [--no-ge] [--no-acl]``.
 
-Regenerates (or, with ``--check``, compares) the artifacts in graphs/: every case's aten graph
-(:mod:`tools.aten_graphs`) and, through torchair's own converters, its GE graph (:mod:`tools.ge_graphs`), and
-through npugraph_ex's own passes, the FX graph ACL graph capture takes (:mod:`tools.acl_graphs`).
+Regenerates (or, with ``--check``, compares) the artifacts in graphs/ of every case whose key changed (its sources
+and torch's version, :mod:`tools.graph_keys`; ``--all``: every case): its aten graph (:mod:`tools.aten_graphs`) and,
+through torchair's own converters, its GE graph (:mod:`tools.ge_graphs`), and through npugraph_ex's own passes, the FX
+graph ACL graph capture takes (:mod:`tools.acl_graphs`); a full write records the regenerated cases' keys in
+``graphs/keys.json``.
 Drift, a failed conversion or a failed check is exit code 1. A SIGTERM stops the run cleanly (exit 143: local
 ranks stopped, temporary files removed), a Ctrl-C too, in one line (exit 130).
 """
@@ -15,59 +17,87 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from functional_npu.models import family_of
 from functional_npu.runtime import LocalWorld, RankContext
 
 from .acl_graphs import acl_artifacts
 from .aten_graphs import CASES, capture_artifacts, diff_artifacts, write_artifacts
 from .ge_graphs import ge_artifacts
+from .graph_keys import keys, stale, write_keys
 
-__all__ = ["Report", "regenerate", "main"]
+__all__ = ["Report", "regenerate", "current_keys", "main"]
 
 
-def _all_artifacts(world: LocalWorld | None) -> dict[str, dict[str, Any]]:
-    out = capture_artifacts(RankContext(0, 1), 1)
-    for size in sorted({c.world for c in CASES} - {1}):
+def _all_artifacts(world: LocalWorld | None, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The aten artifacts of the cases ``names``, each world size's cases on a world of that size (``world`` if it is
+    one, else a new one)."""
+    out = capture_artifacts(RankContext(0, 1), 1, names) if any(c.world == 1 for c in _cases(names)) else {}
+    for size in sorted({c.world for c in _cases(names)} - {1}):
         own = world if world is not None and world.world_size == size else LocalWorld(size)
         try:
-            out |= own.run(capture_artifacts, size)[0]
+            out |= own.run(capture_artifacts, size, names)[0]
         finally:
             if own is not world:
                 own.close()
     return out
 
 
+def _cases(names: list[str]) -> list[Any]:
+    return [c for c in CASES if c.name in names]
+
+
+def current_keys() -> dict[str, str]:
+    """Every case's key now (:mod:`tools.graph_keys`): its family's sources, the tools', torch's version."""
+    return keys((c.name, family_of(c.config).config.__module__.rsplit(".", 1)[1]) for c in CASES)
+
+
 class Report(NamedTuple):
     """What :func:`regenerate` found: ``drift`` (files that differ, with ``check``), ``problems``
-    (GE conversion failures and failed checks) and ``skipped`` (one line when no GE conversion ran)."""
+    (GE conversion failures and failed checks), ``skipped`` (one line when no GE conversion ran) and ``cases``
+    (the cases regenerated)."""
 
     drift: list[str]
     problems: list[str]
     skipped: str | None
+    cases: list[str] = []
 
 
 def regenerate(
-    root: Path, *, check: bool = False, world: LocalWorld | None = None, ge: bool = True, acl: bool = True
+    root: Path,
+    *,
+    check: bool = False,
+    world: LocalWorld | None = None,
+    ge: bool = True,
+    acl: bool = True,
+    names: list[str] | None = None,
 ) -> Report:
-    """Capture every artifact (and, with ``ge``, convert every case to a GE graph); write them under
-    ``root`` or, with ``check``, report the drifted files."""
-    artifacts = _all_artifacts(world)
+    """Capture the artifacts of the cases ``names`` (None: every case; and, with ``ge``, convert them to GE graphs;
+    with ``acl``, to ACL graphs); write them and their keys under ``root`` or, with ``check``, report the drifted
+    files."""
+    names = [c.name for c in CASES] if names is None else list(names)
+    if not names:
+        return Report([], [], None, [])
+    artifacts = _all_artifacts(world, names)
     problems: list[str] = []
     skipped = "GE conversion not requested" if not ge else None
     if ge:
         schedules = {name: files["collectives.json"] for name, files in artifacts.items()}
-        converted, problems, skipped = ge_artifacts(schedules)
+        converted, problems, skipped = ge_artifacts(schedules, names)
         for name, files in converted.items():
             artifacts[name] = artifacts.get(name, {}) | files
     if acl:
-        captured, found, acl_skipped = acl_artifacts()
+        captured, found, acl_skipped = acl_artifacts(names)
         problems += found
         skipped = "; ".join(s for s in (skipped, acl_skipped) if s) or None
         for name, files in captured.items():
             artifacts[name] = artifacts.get(name, {}) | files
     if check:
-        return Report(diff_artifacts(artifacts, root), problems, skipped)
+        return Report(diff_artifacts(artifacts, root), problems, skipped, names)
     write_artifacts(artifacts, root)
-    return Report([], problems, skipped)
+    if not problems and ge and acl and not skipped:  # a key says every artifact of its case is this source's
+        now = current_keys()
+        write_keys(root, {n: now[n] for n in names})
+    return Report([], problems, skipped, names)
 
 
 def _terminated(signum: int, _frame: Any) -> None:
@@ -76,9 +106,12 @@ def _terminated(signum: int, _frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.graphs", description="regenerate (or --check) the golden captured graphs in graphs/"
+        prog="python -m tools.graphs",
+        description="regenerate (or --check) the golden captured graphs in graphs/: the cases whose key (their "
+        "sources, torch's version) changed, or --all",
     )
     parser.add_argument("--check", action="store_true", help="fail (exit 1) on drift instead of writing")
+    parser.add_argument("--all", action="store_true", help="every case, not only those whose key changed")
     parser.add_argument("--out", default="graphs", help="the artifacts folder; default graphs/")
     parser.add_argument(
         "--no-ge",
@@ -89,26 +122,40 @@ def main(argv: list[str] | None = None) -> int:
         "--no-acl", action="store_true", help="skip the ACL graph conversion (npugraph_ex's passes, same wheel)"
     )
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    names = [c.name for c in CASES] if args.all else stale(out, current_keys())
+    if not names:
+        print(f"graphs: every case's key is current ({len(CASES)} cases): nothing to regenerate (--all: every case)")
+        return 0
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        drift, problems, skipped = regenerate(Path(args.out), check=args.check, ge=not args.no_ge, acl=not args.no_acl)
+        report = regenerate(out, check=args.check, ge=not args.no_ge, acl=not args.no_acl, names=names)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if skipped and not args.no_ge:
-        print(f"graphs: {skipped}", file=sys.stderr)
-    for problem in problems:
+    return _said(report, args, out)
+
+
+def _said(report: Report, args: argparse.Namespace, out: Path) -> int:
+    """Print the report; the exit code."""
+    if report.skipped and not args.no_ge:
+        print(f"graphs: {report.skipped}", file=sys.stderr)
+    for problem in report.problems:
         print(f"graphs: {problem}", file=sys.stderr)
-    if drift:
+    if report.drift:
         print(
-            f"{len(drift)} graph artifacts drifted (run: python -m tools.graphs): " + ", ".join(drift[:10]),
+            f"{len(report.drift)} graph artifacts drifted (run: python -m tools.graphs): "
+            + ", ".join(report.drift[:10]),
             file=sys.stderr,
         )
-    if drift or problems:
+    if report.drift or report.problems:
         return 1
-    print(f"graphs: {'up to date' if args.check else 'written to ' + args.out}" + (" (aten only)" if skipped else ""))
+    done = "up to date" if args.check else f"written to {out}"
+    print(f"graphs: {len(report.cases)} cases regenerated, {done}" + (" (aten only)" if report.skipped else ""))
+    if args.check and stale(out, current_keys()):
+        print("graphs: their keys are not recorded yet: run python -m tools.graphs to record them", file=sys.stderr)
     return 0
 
 
