@@ -163,12 +163,48 @@ def scoreboard_format(
     elem = FORMATS[fmt].itemsize
     cost = {str(b): _step_cost(FULL, decode_bytes(model.params), elem, b, new) for b in BATCHES}
     round_read = [(a + b) / 2 for a, b in zip(reads, reads[1:])]
+    profiles = {name: profile_decode(run, 1, new) for name, run in systems.items()}
     return {
+        "profile_batch1": profiles,
         "systems": {name: {b: stats(v) for b, v in per.items()} for name, per in decode.items()},
         "decode_runs": decode,
         "read_gb_s": stats([r / 1e9 for r in reads]),
         "cells": gpu_cells(fmt, decode, cost, round_read, peak),
         "build_s": time.perf_counter() - t0,
+    }
+
+
+def profile_decode(run: Any, b: int, new: int) -> dict[str, Any]:
+    """Where one generate's time goes (``torch.profiler``, CPU and the device): its wall time, the device's busy
+    time, and the ops that take the most of each, so a step far from the roofline says why."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    run(b, new)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run(b, new)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def device_us(e: Any) -> float:
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+
+    def top(key: Any, n: int) -> list[dict[str, Any]]:
+        rows = sorted(events, key=key, reverse=True)[:n]
+        return [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                 "self_device_ms": device_us(e) / 1e3} for e in rows]  # fmt: skip
+
+    return {
+        "batch": b,
+        "new_tokens": new,
+        "wall_ms": wall * 1e3,
+        "device_busy_ms": sum(device_us(e) for e in events) / 1e3,
+        "top_cpu": top(lambda e: e.self_cpu_time_total, 12),
+        "top_device": top(device_us, 8),
     }
 
 
