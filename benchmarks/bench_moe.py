@@ -15,7 +15,7 @@ import dataclasses
 import tempfile
 import time
 
-from functional_npu.models import moe
+from functional_npu.models import dense, moe
 from functional_npu.parallel import Plan
 from functional_npu.runtime import LocalWorld
 from functional_npu.runtime.loading import load_checkpoint, save_checkpoint
@@ -26,10 +26,10 @@ from .timing import best_time
 
 
 def config(layers: int) -> moe.MoeConfig:
-    base = dataclasses.replace(QUICK, num_layers=layers)  # the scoreboard's dense model, as the MoE's base
+    base = dataclasses.replace(QUICK, num_layers=layers)  # the scoreboard's dense model, with experts
     return moe.MoeConfig(
         architecture="Qwen3MoeForCausalLM",
-        base=base,
+        **dense.dense_fields(base),
         num_experts=16,
         top_k=2,
         moe_intermediate_size=512,
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             res = world.run(_rank, tmp, axes, args.backend, args.batch, args.new)
             step = max(r["all"] - r["one"] for r in res) / (args.new - 1)
             rows.append((name, 2 * args.batch / step, step * 1e3, max(r["warmup_s"] for r in res)))
-    expert_mb = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.base.hidden_size * 4 * args.layers / 2**20
+    expert_mb = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size * 4 * args.layers / 2**20
     print(
         f"MoE decode, 2 gloo ranks, {args.backend}, batch {args.batch} per rank, {args.new} new tokens, "
         f"{cfg.num_experts} experts top-{cfg.top_k}, {args.layers} layers, {expert_mb:.0f} MiB of experts"

@@ -104,6 +104,16 @@ def test_no_family_or_family_leaf_is_named_outside_models():
     assert not bad, "family knowledge outside models/:\n" + "\n".join(bad)
 
 
+def test_no_family_imports_another():
+    """Each family builds on the shared blocks (the dense decoder, attention, experts, ...), as torchtitan's families
+    build on its common helpers: no family module imports another."""
+    modules, _, _ = _family_knowledge()
+    graph = _import_graph(["functional_npu"], functions=True)
+    family = {f"functional_npu.models.{m}" for m in modules}
+    bad = sorted(f"{m} imports {d}" for m in family for d in graph[m] & family)
+    assert not bad, "families importing families:\n" + "\n".join(bad)
+
+
 def test_the_package_imports_no_application():
     """benchmarks/ and tools/ are applications of the package, not installed with it: nothing in it imports them
     (inside functions neither)."""

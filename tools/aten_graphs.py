@@ -76,7 +76,8 @@ GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekCo
     # prefill (16 tokens per rank) takes the all_to_all dispatch, decode (1 per rank) the gather / reduce-scatter path
     "qwen3_moe": moe.MoeConfig(
         architecture="Qwen3MoeForCausalLM",
-        base=llama.LlamaConfig(architecture="Qwen3ForCausalLM", qk_norm=True, **_BASE),
+        qk_norm=True,
+        **_BASE,
         norm_topk_prob=True,
         **_MOE,
     ),
@@ -107,7 +108,7 @@ GRAPH_CONFIGS: dict[str, llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekCo
     ),
     "mixtral": moe.MoeConfig(
         architecture="MixtralForCausalLM",
-        base=llama.LlamaConfig(architecture="MistralForCausalLM", **_BASE),
+        **_BASE,
         norm_topk_prob=True,
         **_MOE,
     ),

@@ -4,13 +4,14 @@
   (grouped-query attention with rotary embeddings and its KV cache, ``sdpa`` / ``math`` kinds),
   :mod:`.mlp` (gated MLP), :mod:`.experts` (mixture-of-experts FFN with expert parallelism);
 * :mod:`.decoder`: the params form, :class:`DecodeState` and the one layer loop;
+* :mod:`.dense`: the dense decoder every family builds on (its config fields, params, layouts and blocks);
 * families: :mod:`.llama` (Llama, Mistral, Qwen2, Qwen3), :mod:`.moe` (Qwen3-MoE, Mixtral),
   :mod:`.deepseek` (DeepSeek-V2/V3), :mod:`.gemma3` (Gemma 3 text): a config, HF names, a parallel plan
   and a choice of blocks each;
 * :mod:`.family`: :func:`family_of` and the :func:`forward` every family runs through.
 """
 
-from . import deepseek, gemma3, llama, moe
+from . import deepseek, dense, gemma3, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
 from .experts import Routing
@@ -22,6 +23,7 @@ from .moe import MoeConfig
 
 __all__ = [
     "deepseek",
+    "dense",
     "gemma3",
     "llama",
     "moe",

@@ -31,7 +31,7 @@ from ..core.layout import Block, Layout, fused, replicated, sharded
 from ..core.schema import Field, Rule, check_rules, read, show
 from ..core.tree import map_with_path, register_static
 from ..parallel.plan import Plan
-from . import llama, mla
+from . import dense, mla
 from .decoder import Blocks
 from .experts import Routing, expert_specs, identity_map, moe_ffn
 from .mlp import gated_mlp
@@ -229,7 +229,7 @@ class DeepseekConfig:
     def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> DeepseekConfig:
         """Build from a parsed HF ``config.json``, checked against :data:`FIELDS` and :data:`RULES`; one line
         naming ``where`` and the field for anything malformed, or an option this family does not run."""
-        arch = llama.architecture(hf, ARCHITECTURES, where)
+        arch = dense.architecture(hf, ARCHITECTURES, where)
         _refuse(hf, where)
         v = read(hf, FIELDS, where=where, needs=f"a {arch} config")
         v3 = arch == "DeepseekV3ForCausalLM"
@@ -460,26 +460,26 @@ def param_specs(cfg: DeepseekConfig, plan: Plan = Plan()) -> dict[str, Any]:
         "o_proj": sharded(1, mtp.o_proj + (tp,)),
         "mlp_norm": replicated(),
     }
-    dense = llama.gated_mlp_specs(cfg.intermediate_size, mtp.mlp + (tp,))
+    mlp = dense.gated_mlp_specs(cfg.intermediate_size, mtp.mlp + (tp,))
     moe = {"router": replicated(), "router_bias": replicated()}
     moe |= expert_specs(cfg, plan, cfg.moe_intermediate_size * cfg.n_shared_experts)
     meta = abstract_params(cfg, plan)
     layers = [
-        {k: v for k, v in (attention | (moe if i in cfg.moe_layers else dense)).items() if k in meta["layers"][i]}
+        {k: v for k, v in (attention | (moe if i in cfg.moe_layers else mlp)).items() if k in meta["layers"][i]}
         for i in range(cfg.num_layers)
     ]
-    return llama.with_ends(cfg, plan, layers)
+    return dense.with_ends(cfg, plan, layers)
 
 
 def blocks(cfg: DeepseekConfig, plan: Plan = Plan()) -> Blocks:
     """MLA in every layer; a dense gated MLP in the first ``first_k_dense_replace``, experts in the rest."""
-    dense = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp)
+    mlp = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp)
     experts = functools.partial(moe_ffn, cfg=cfg, plan=plan)
     return Blocks(
-        **llama.ends(cfg, plan),
+        **dense.ends(cfg, plan),
         prepare=functools.partial(mla.prepare, cfg),
         attention=functools.partial(mla.mla, cfg=cfg, plan=plan),
-        ffn=tuple(experts if i in cfg.moe_layers else dense for i in range(cfg.num_layers)),
+        ffn=tuple(experts if i in cfg.moe_layers else mlp for i in range(cfg.num_layers)),
         init_kv=functools.partial(mla.init_kv, cfg, plan=plan),
         eps=cfg.rms_norm_eps,
     )

@@ -19,7 +19,7 @@ from ..parallel.eplb_map import EXPERT_LEAVES
 from ..parallel.layer_shard import LayerShard
 from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
 from ..parallel.streams import INLINE, Streams
-from . import deepseek, gemma3, llama, moe
+from . import deepseek, dense, gemma3, llama, moe
 from .decoder import Blocks, DecodeState, decode
 from .deepseek import DeepseekConfig
 from .gemma3 import Gemma3Config
@@ -82,10 +82,8 @@ def _dense_cost(cfg: Any) -> CostShape:
 
 
 def _moe_cost(cfg: MoeConfig) -> CostShape:
-    b = cfg.base
-    return CostShape(
-        b.hidden_size, b.vocab_size, b.num_layers, b.num_heads * b.head_dim, cfg.num_experts, cfg.top_k, cfg.moe_layers
-    )
+    width = cfg.num_heads * cfg.head_dim
+    return CostShape(cfg.hidden_size, cfg.vocab_size, cfg.num_layers, width, cfg.num_experts, cfg.top_k, cfg.moe_layers)
 
 
 def _deepseek_cost(cfg: DeepseekConfig) -> CostShape:
@@ -93,7 +91,7 @@ def _deepseek_cost(cfg: DeepseekConfig) -> CostShape:
     return CostShape(cfg.hidden_size, cfg.vocab_size, cfg.num_layers, width, cfg.num_experts, cfg.top_k, cfg.moe_layers)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
     """One model family's functions.
 
@@ -147,15 +145,15 @@ class Family:
 
 
 LLAMA = Family(
-    "llama",
-    LlamaConfig,
-    llama.ARCHITECTURES,
-    LlamaConfig.from_hf,
-    lambda cfg: llama.HF_NAMES,
-    llama.abstract_params,
-    llama.param_specs,
-    llama.init_params,
-    llama.blocks,
+    name="llama",
+    config=LlamaConfig,
+    architectures=llama.ARCHITECTURES,
+    from_hf=LlamaConfig.from_hf,
+    hf_names=lambda cfg: llama.HF_NAMES,
+    abstract_params=llama.abstract_params,
+    param_specs=llama.param_specs,
+    init_params=llama.init_params,
+    blocks=llama.blocks,
     linears=frozenset(llama.LINEARS),
     sizes=lambda cfg: {f: getattr(cfg, f) for f in llama.SIZE_FIELDS},
     layer_leaves=llama.LAYER_LEAVES,
@@ -164,61 +162,61 @@ LLAMA = Family(
     cost=_dense_cost,
 )
 MOE = Family(
-    "moe",
-    MoeConfig,
-    moe.ARCHITECTURES,
-    MoeConfig.from_hf,
-    moe.hf_names,
-    moe.abstract_params,
-    moe.param_specs,
-    moe.init_params,
-    moe.blocks,
-    frozenset(EXPERT_LEAVES),
-    {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
-    frozenset(llama.LINEARS + moe.LINEARS),
-    moe.module_names,
-    frozenset(EXPERT_FIELDS),
-    moe.sizes,
-    layer_leaves=llama.LAYER_LEAVES,
-    series_aliases=llama.SERIES_ALIASES,
+    name="moe",
+    config=MoeConfig,
+    architectures=moe.ARCHITECTURES,
+    from_hf=MoeConfig.from_hf,
+    hf_names=moe.hf_names,
+    abstract_params=moe.abstract_params,
+    param_specs=moe.param_specs,
+    init_params=moe.init_params,
+    blocks=moe.blocks,
+    stacked=frozenset(EXPERT_LEAVES),
+    derived={"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
+    linears=frozenset(dense.LINEARS + moe.LINEARS),
+    module_names=moe.module_names,
+    plan_fields=frozenset(EXPERT_FIELDS),
+    sizes=moe.sizes,
+    layer_leaves=dense.LAYER_LEAVES,
+    series_aliases=dense.SERIES_ALIASES,
     cost=_moe_cost,
 )
 DEEPSEEK = Family(
-    "deepseek",
-    DeepseekConfig,
-    deepseek.ARCHITECTURES,
-    DeepseekConfig.from_hf,
-    deepseek.hf_names,
-    deepseek.abstract_params,
-    deepseek.param_specs,
-    deepseek.init_params,
-    deepseek.blocks,
-    frozenset(EXPERT_LEAVES),
-    {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
-    frozenset(deepseek.LINEARS),
-    lambda cfg: moe.EXPERT_MODULES,
-    frozenset(EXPERT_FIELDS + MLA_FIELDS),
-    lambda cfg: {f: getattr(cfg, f) for f in deepseek.SIZE_FIELDS},
-    deepseek.unread,
-    deepseek.LAYER_LEAVES,
-    deepseek.SERIES_ALIASES,
+    name="deepseek",
+    config=DeepseekConfig,
+    architectures=deepseek.ARCHITECTURES,
+    from_hf=DeepseekConfig.from_hf,
+    hf_names=deepseek.hf_names,
+    abstract_params=deepseek.abstract_params,
+    param_specs=deepseek.param_specs,
+    init_params=deepseek.init_params,
+    blocks=deepseek.blocks,
+    stacked=frozenset(EXPERT_LEAVES),
+    derived={"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
+    linears=frozenset(deepseek.LINEARS),
+    module_names=lambda cfg: moe.EXPERT_MODULES,
+    plan_fields=frozenset(EXPERT_FIELDS + MLA_FIELDS),
+    sizes=lambda cfg: {f: getattr(cfg, f) for f in deepseek.SIZE_FIELDS},
+    unread=deepseek.unread,
+    layer_leaves=deepseek.LAYER_LEAVES,
+    series_aliases=deepseek.SERIES_ALIASES,
     cost=_deepseek_cost,
     buffers=frozenset({"router_bias"}),
 )
 GEMMA3 = Family(
-    "gemma3",
-    Gemma3Config,
-    gemma3.ARCHITECTURES,
-    Gemma3Config.from_hf,
-    lambda cfg: gemma3.HF_NAMES,
-    gemma3.abstract_params,
-    gemma3.param_specs,
-    gemma3.init_params,
-    gemma3.blocks,
+    name="gemma3",
+    config=Gemma3Config,
+    architectures=gemma3.ARCHITECTURES,
+    from_hf=Gemma3Config.from_hf,
+    hf_names=lambda cfg: gemma3.HF_NAMES,
+    abstract_params=gemma3.abstract_params,
+    param_specs=gemma3.param_specs,
+    init_params=gemma3.init_params,
+    blocks=gemma3.blocks,
     linears=frozenset(gemma3.LINEARS),
-    sizes=lambda cfg: {f: getattr(cfg, f) for f in llama.SIZE_FIELDS},
+    sizes=lambda cfg: {f: getattr(cfg, f) for f in dense.SIZE_FIELDS},
     layer_leaves=gemma3.LAYER_LEAVES,
-    series_aliases=llama.SERIES_ALIASES,
+    series_aliases=dense.SERIES_ALIASES,
     cost=_dense_cost,
 )
 FAMILIES = (LLAMA, MOE, DEEPSEEK, GEMMA3)

@@ -42,7 +42,7 @@ from ..core.layout import Layout, fused, replicated, sharded
 from ..core.schema import Field, read, show
 from ..core.tree import register_static
 from ..parallel.plan import Plan
-from . import attention, llama
+from . import attention, dense
 from .attention import KV, Step, gqa, init_kv
 from .decoder import Blocks
 from .embedding import embed, head, head_argmax
@@ -71,19 +71,19 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "linear")  # of full_attention layers; sliding_attention layers rotate unscaled
 
 # HF tensor names of each param leaf, in block order ({i}: layer index)
-HF_NAMES: dict[str, list[str]] = {k: v for k, v in llama.HF_NAMES.items() if k != "qkv_bias"} | {
+HF_NAMES: dict[str, list[str]] = {k: v for k, v in dense.HF_NAMES.items() if k != "qkv_bias"} | {
     "post_attn_norm": ["model.layers.{i}.post_attention_layernorm.weight"],
     "mlp_norm": ["model.layers.{i}.pre_feedforward_layernorm.weight"],
     "post_mlp_norm": ["model.layers.{i}.post_feedforward_layernorm.weight"],
 }
-LINEARS = llama.LINEARS
+LINEARS = dense.LINEARS
 # the per-layer leaves that can be layer-sharded, in series order (the Llama family's names for the others)
 LAYER_LEAVES = (
     "attn_norm", "qkv", "q_norm", "k_norm", "o_proj", "post_attn_norm", "mlp_norm", "gate_up", "down", "post_mlp_norm",
 )  # fmt: skip
 NORM_OFFSET = 1.0  # every norm scales by 1 + weight
 
-# config.json beyond the sizes (llama.SIZES), as a schema (functional_npu.core.schema), with transformers' defaults
+# config.json beyond the sizes (dense.SIZES), as a schema (functional_npu.core.schema), with transformers' defaults
 # for what it may leave out (Gemma3TextConfig); the rope parameters: functional_npu.models.rope_params
 FIELDS = (
     Field("rms_norm_eps", "float", "the RMSNorm epsilon", default=1e-6, gt=0),
@@ -134,7 +134,7 @@ class Gemma3Config:
     def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Gemma3Config:
         """Build from a parsed HF ``config.json`` (either rope form), checked against :data:`FIELDS`; one line
         naming ``where`` and the field for anything malformed or unsupported."""
-        sizes = llama.read_sizes(hf, ARCHITECTURES, where)
+        sizes = dense.read_sizes(hf, ARCHITECTURES, where)
         _refuse_unsupported(hf, where)
         v = read(hf, FIELDS, where=where, needs="a Gemma3ForCausalLM config")
         full, sliding = _rope_parameters(v, where)
@@ -159,7 +159,7 @@ class Gemma3Config:
         if self.rope_type == "linear":
             full["factor"] = self.rope_factor
         return {
-            **llama.write_sizes(self),
+            **dense.write_sizes(self),
             "model_type": "gemma3_text",
             "rms_norm_eps": self.rms_norm_eps,
             "layer_types": list(self.layer_types),
@@ -288,12 +288,12 @@ def abstract_params(
 ) -> dict[str, Any]:
     """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory); no leaf
     depends on the plan."""
-    return llama.dense_params(cfg, _layer_shapes(cfg), dtype, device)
+    return dense.dense_params(cfg, _layer_shapes(cfg), dtype, device)
 
 
 def init_params(cfg: Gemma3Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Full params with seeded random weights (std 0.02; norms 0, which Gemma's ``1 + weight`` makes the identity)."""
-    return llama.seeded(abstract_params(cfg), seed, dtype, norms=0.0)
+    return dense.seeded(abstract_params(cfg), seed, dtype, norms=0.0)
 
 
 def param_specs(cfg: Gemma3Config, plan: Plan = Plan()) -> dict[str, Any]:
@@ -303,11 +303,11 @@ def param_specs(cfg: Gemma3Config, plan: Plan = Plan()) -> dict[str, Any]:
     norms = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
     layer: dict[str, Layout] = {
         **dict.fromkeys(norms, replicated()),
-        "qkv": fused(0, llama.qkv_blocks(cfg), tp),
+        "qkv": fused(0, dense.qkv_blocks(cfg), tp),
         "o_proj": sharded(1, mtp.o_proj + (tp,)),
-        **llama.gated_mlp_specs(cfg.intermediate_size, mtp.mlp + (tp,)),
+        **dense.gated_mlp_specs(cfg.intermediate_size, mtp.mlp + (tp,)),
     }
-    return llama.with_ends(cfg, plan, [layer] * cfg.num_layers)
+    return dense.with_ends(cfg, plan, [layer] * cfg.num_layers)
 
 
 _GELU_TANH = functools.partial(F.gelu, approximate="tanh")  # transformers' gelu_pytorch_tanh
@@ -319,7 +319,7 @@ def blocks(cfg: Gemma3Config, plan: Plan = Plan()) -> Blocks:
     tp_axis, mtp = plan.tp, plan.module_tp
     mlp = functools.partial(gated_mlp, tp=tp_axis, axes=mtp.mlp, activation=_GELU_TANH)
     head_args = {"tp": tp_axis, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings}
-    head_args |= {"axes": llama.head_axes(cfg, plan), "norm_offset": NORM_OFFSET}
+    head_args |= {"axes": dense.head_axes(cfg, plan), "norm_offset": NORM_OFFSET}
     head_args |= {"logit_softcap": cfg.final_logit_softcapping}
     return Blocks(
         embed=functools.partial(embed, tp=tp_axis, axes=mtp.embed, scale=cfg.hidden_size**0.5),

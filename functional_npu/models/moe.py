@@ -1,7 +1,7 @@
 """Mixture-of-experts families: Qwen3-MoE, Qwen2-MoE (with its gated shared expert) and Mixtral, with expert
 parallelism.
 
-Attention, embeddings and norms are the Llama family's; an MoE layer's FFN is the experts block of
+Attention, embeddings and norms are the dense decoder's (:mod:`.dense`); an MoE layer's FFN is the experts block of
 :mod:`functional_npu.models.experts` (a router and experts stacked over ``S`` physical slots, with an
 ``expert_map`` from logical experts to slots), and the other layers keep the dense gated MLP. The
 expert-parallel choices are the plan's (:class:`functional_npu.parallel.plan.Plan`: ``expert_axes``,
@@ -25,8 +25,11 @@ from ..core.layout import replicated
 from ..core.schema import REQUIRED, Field, Rule, read
 from ..core.tree import map_with_path, register_static
 from ..parallel.plan import Plan
-from . import llama
 from .decoder import Blocks
+from .dense import HF_NAMES, architecture, dense_params, layer_shapes, read_dense, write_dense
+from .dense import SIZE_FIELDS as DENSE_SIZES
+from .dense import blocks as dense_blocks
+from .dense import param_specs as dense_specs
 from .experts import Routing, expert_specs, identity_map, moe_ffn
 
 __all__ = [
@@ -53,12 +56,12 @@ _SIBLING = {
 }
 ARCHITECTURES = tuple(_SIBLING)
 
-SIZE_FIELDS = ("num_experts", "moe_intermediate_size")  # beside the attention's (llama.SIZE_FIELDS, in .base)
+SIZE_FIELDS = ("num_experts", "moe_intermediate_size")  # beside the dense decoder's (dense.SIZE_FIELDS)
 # the leaves that are linear layers' weights ([..., out, in]; the experts stacked on dim 0)
 LINEARS = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
 
 
-# ---- config.json, as a schema (functional_npu.core.schema), beside the attention's (llama.SIZES, llama.FIELDS) --
+# ---- config.json, as a schema (functional_npu.core.schema), beside the dense decoder's (dense.SIZES, dense.FIELDS)
 def schema(arch: str, hf: Mapping[str, Any]) -> tuple[tuple[Field, ...], tuple[Rule, ...]]:
     """The fields and rules of an ``arch`` config's experts. The expert count is Mixtral's ``num_local_experts``
     or the Qwen families' ``num_experts``; either name is read where the other is not given."""
@@ -138,19 +141,38 @@ _EXPERT_NAMES = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoeConfig:
-    """Static config of an MoE model (what its ``config.json`` says; the placement is the plan's).
+    """Static config of an MoE model (what its ``config.json`` says; the placement is the plan's): the dense
+    decoder's fields (:class:`~functional_npu.models.dense.DenseConfig`: attention, embeddings, the dense layers'
+    MLP) and the experts'.
 
     Attributes:
-        architecture: "Qwen3MoeForCausalLM" or "MixtralForCausalLM".
-        base: the attention / embedding / dense-MLP config (a :class:`LlamaConfig` of the dense sibling).
+        architecture: "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM" or "MixtralForCausalLM".
         num_experts: logical experts ``E``; top_k: experts per token.
         moe_intermediate_size: each expert's ``F``.
         norm_topk_prob: renormalize the top-k probabilities (always for Mixtral).
-        moe_layers: indices of the MoE layers (the others have a dense MLP of ``base.intermediate_size``).
+        moe_layers: indices of the MoE layers (the others have a dense MLP of ``intermediate_size``).
     """
 
     architecture: str
-    base: llama.LlamaConfig
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
     num_experts: int
     top_k: int
     moe_intermediate_size: int
@@ -159,61 +181,35 @@ class MoeConfig:
     routing: Routing = Routing()  # softmax top-k (every family here)
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (gated by sigmoid(h @ shared_gate.T))
 
-    # fields generic code reads from any family's config
-    @property
-    def vocab_size(self) -> int:
-        return self.base.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.base.num_layers
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.base.tie_word_embeddings
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.base.max_position_embeddings
-
     @staticmethod
     def from_hf(hf: Mapping[str, Any], where: str = "config.json") -> MoeConfig:
-        """Build from a parsed HF ``config.json`` (an architecture of :data:`ARCHITECTURES`), checked against
-        :func:`fields` and :data:`RULES` (one line naming ``where`` and the field for anything malformed)."""
-        arch = llama.architecture(hf, ARCHITECTURES, where)
-        base = llama.LlamaConfig.from_hf({**hf, "architectures": [_SIBLING[arch][0]]}, where)
+        """Build from a parsed HF ``config.json`` (an architecture of :data:`ARCHITECTURES`): the dense fields as
+        its dense sibling reads them (:func:`~functional_npu.models.dense.read_dense`), the experts' checked against
+        :func:`schema` (one line naming ``where`` and the field for anything malformed)."""
+        arch = architecture(hf, ARCHITECTURES, where)
+        base = read_dense(hf, _SIBLING[arch][0], where)
         fields, rules = schema(arch, hf)
         v = read(hf, fields, rules, where=where, needs=f"a {arch} config")
         experts, top_k, shared = v[fields[1].key], v["num_experts_per_tok"], v["shared_expert_intermediate_size"]
         if arch == "Qwen2MoeForCausalLM":
-            base = dataclasses.replace(base, qkv_bias=v["qkv_bias"])
+            base["qkv_bias"] = v["qkv_bias"]
         if arch == "MixtralForCausalLM":
-            return MoeConfig(
-                architecture=arch,
-                base=base,
-                num_experts=experts,
-                top_k=top_k,
-                moe_intermediate_size=base.intermediate_size,
-                norm_topk_prob=True,
-                moe_layers=tuple(range(base.num_layers)),
-            )
-        step, dense = v["decoder_sparse_step"], set(v["mlp_only_layers"])
-        layers = tuple(i for i in range(base.num_layers) if i not in dense and (i + 1) % step == 0)
-        return MoeConfig(
-            architecture=arch,
-            base=base,
-            num_experts=experts,
-            top_k=top_k,
-            moe_intermediate_size=v["moe_intermediate_size"],
-            norm_topk_prob=v["norm_topk_prob"],
-            moe_layers=layers,
-            shared_intermediate_size=shared,
-        )
+            every = tuple(range(base["num_layers"]))
+            moe = {"moe_intermediate_size": base["intermediate_size"], "norm_topk_prob": True, "moe_layers": every}
+        else:
+            step, dense = v["decoder_sparse_step"], set(v["mlp_only_layers"])
+            layers = tuple(i for i in range(base["num_layers"]) if i not in dense and (i + 1) % step == 0)
+            moe = {
+                "moe_intermediate_size": v["moe_intermediate_size"],
+                "norm_topk_prob": v["norm_topk_prob"],
+                "moe_layers": layers,
+                "shared_intermediate_size": shared,
+            }
+        return MoeConfig(architecture=arch, **base, num_experts=experts, top_k=top_k, **moe)
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` dict (read back by :meth:`from_hf`)."""
-        out = self.base.to_hf() | {
-            "architectures": [self.architecture],
+        out = write_dense(self) | {
             "model_type": _SIBLING[self.architecture][1],
             "num_experts_per_tok": self.top_k,
         }
@@ -228,7 +224,7 @@ class MoeConfig:
             "mlp_only_layers": dense,
         }
         if self.architecture == "Qwen2MoeForCausalLM":
-            out |= {"shared_expert_intermediate_size": self.shared_intermediate_size, "qkv_bias": self.base.qkv_bias}
+            out |= {"shared_expert_intermediate_size": self.shared_intermediate_size, "qkv_bias": self.qkv_bias}
         return out
 
 
@@ -236,13 +232,13 @@ register_static(MoeConfig)
 
 
 def sizes(cfg: MoeConfig) -> dict[str, int]:
-    """The config's sizes that fix tensor shapes: the attention's (in ``base``) and the experts'."""
-    return {f: getattr(cfg.base, f) for f in llama.SIZE_FIELDS} | {f: getattr(cfg, f) for f in SIZE_FIELDS}
+    """The config's sizes that fix tensor shapes: the attention's and the experts'."""
+    return {f: getattr(cfg, f) for f in DENSE_SIZES + SIZE_FIELDS}
 
 
 def hf_names(cfg: MoeConfig) -> dict[str, list[str]]:
     """HF tensor names of each param leaf in block order (``{i}``: layer, ``{j}``: expert); expert_map is computed."""
-    return {**llama.HF_NAMES, **_EXPERT_NAMES[cfg.architecture], "expert_map": []}
+    return {**HF_NAMES, **_EXPERT_NAMES[cfg.architecture], "expert_map": []}
 
 
 # transformers (5 and later) holds each layer's experts in memory as two tensors in the leaves' own shapes and
@@ -262,7 +258,7 @@ def module_names(cfg: MoeConfig) -> dict[str, str]:
 
 # ---- the parallel plan ------------------------------------------------------------------------
 def _moe_shapes(cfg: MoeConfig, plan: Plan) -> dict[str, tuple[int, ...]]:
-    d, f, s = cfg.base.hidden_size, cfg.moe_intermediate_size, plan.slots(cfg.num_experts)
+    d, f, s = cfg.hidden_size, cfg.moe_intermediate_size, plan.slots(cfg.num_experts)
     shapes = {"router": (cfg.num_experts, d), "experts_gate_up": (s, 2 * f, d), "experts_down": (s, d, f)}
     if cfg.shared_intermediate_size:
         fs = cfg.shared_intermediate_size
@@ -275,7 +271,7 @@ def abstract_params(
 ) -> dict[str, Any]:
     """The full (unsharded) params tree with empty tensors (on the meta device by default), with the plan's
     expert slots and copies."""
-    dense = llama.abstract_params(cfg.base, plan, dtype, device)
+    dense = dense_params(cfg, layer_shapes(cfg), dtype, device)
     layers = []
     for i, layer in enumerate(dense["layers"]):
         if i in cfg.moe_layers:
@@ -283,7 +279,7 @@ def abstract_params(
             layer |= {k: torch.empty(v, dtype=dtype, device=device) for k, v in _moe_shapes(cfg, plan).items()}
             layer["expert_map"] = torch.empty((cfg.num_experts, plan.max_copies), dtype=torch.int64, device=device)
         layers.append(layer)
-    return dense | {"config": cfg, "layers": layers}
+    return dense | {"layers": layers}
 
 
 def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -303,9 +299,9 @@ def init_params(cfg: MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float3
 
 
 def param_specs(cfg: MoeConfig, plan: Plan = Plan()) -> dict[str, Any]:
-    """The layouts: attention and dense MLPs as in ``llama.param_specs``; experts over ``plan.expert_axes``
-    (and ``plan.tp`` inside)."""
-    dense = llama.param_specs(cfg.base, plan)
+    """The layouts: attention and dense MLPs as the dense decoder's; experts over ``plan.expert_axes`` (and
+    ``plan.tp`` inside)."""
+    dense = dense_specs(cfg, plan)
     moe = expert_specs(cfg, plan, cfg.shared_intermediate_size)
     if cfg.shared_intermediate_size:  # Qwen2-MoE's shared expert is gated
         moe["shared_gate"] = replicated()
@@ -318,8 +314,8 @@ def param_specs(cfg: MoeConfig, plan: Plan = Plan()) -> dict[str, Any]:
 
 
 def blocks(cfg: MoeConfig, plan: Plan = Plan()) -> Blocks:
-    """The dense sibling's blocks with the experts block as the FFN of every MoE layer."""
-    dense = llama.blocks(cfg.base, plan)
+    """The dense decoder's blocks with the experts block as the FFN of every MoE layer."""
+    dense = dense_blocks(cfg, plan)
     experts = functools.partial(moe_ffn, cfg=cfg, plan=plan)
     ffn = tuple(experts if i in cfg.moe_layers else mlp for i, mlp in enumerate(dense.ffn))
     return dataclasses.replace(dense, ffn=ffn)

@@ -1,8 +1,8 @@
 """Module TP over data-parallel ranks (seed 003's o_proj / lm_head / embedding / MLP groups) against
 transformers: tiny random models saved with save_pretrained, every module alone and all together at
-dp 2 x tp 1, dp 2 x tp 2 and dp 4 x tp 1 (no world above 4 ranks on a 2-core machine), composed with layer sharding; prefill logits (1e-4), greedy tokens, the
-greedy head's argmax, each rank's slices and the bytes it read. Eager on gloo; one compiled case (all
-modules and layer sharding at once: compiling is what costs CI time)."""
+dp 2 x tp 1, dp 2 x tp 2 and dp 4 x tp 1 (no world above 4 ranks on a 2-core machine), composed with layer
+sharding; prefill logits (1e-4), greedy tokens, the greedy head's argmax, each rank's slices and the bytes it read.
+Eager on gloo; one compiled case (all modules and layer sharding at once: compiling is what costs CI time)."""
 
 import pytest
 

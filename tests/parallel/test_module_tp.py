@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, ModuleTP, Plan, split_dp
-from functional_npu.models import LlamaConfig, llama, moe
+from functional_npu.models import LlamaConfig, dense, llama, moe
 from functional_npu.placement import check_plan
 
 CFG = LlamaConfig(
@@ -99,7 +99,7 @@ def test_module_tp_with_experts_over_the_same_ranks_is_refused():
     base = dataclasses.replace(CFG, architecture="Qwen3ForCausalLM")
     cfg = moe.MoeConfig(
         architecture="Qwen3MoeForCausalLM",
-        base=base,
+        **dense.dense_fields(base),
         num_experts=4,
         top_k=2,
         moe_intermediate_size=32,

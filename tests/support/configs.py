@@ -1,7 +1,7 @@
 """Tiny model configs of each family, built in Python (no checkpoint): a dense Qwen3, a Qwen3-MoE with dense
 layers between its MoE layers, and a DeepSeek-V3 with a low-rank query, a dense first layer and grouped routing."""
 
-from functional_npu.models import DeepseekConfig, LlamaConfig, moe
+from functional_npu.models import DeepseekConfig, LlamaConfig, dense, moe
 from functional_npu.models.experts import Routing
 
 DENSE = LlamaConfig(
@@ -19,7 +19,7 @@ DENSE = LlamaConfig(
 )
 MOE = moe.MoeConfig(
     architecture="Qwen3MoeForCausalLM",
-    base=DENSE,
+    **dense.dense_fields(DENSE),
     num_experts=8,
     top_k=2,
     moe_intermediate_size=32,
