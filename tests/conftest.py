@@ -15,7 +15,10 @@ settings.register_profile("thorough", parent=settings.get_profile("default"), ma
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-@pytest.fixture(scope="module")
+# One world of each size for the whole session: starting one (spawning its ranks, importing torch, joining the
+# process group) costs seconds on 2 cores, once per module before. A rank's failure stops the world and the next
+# run starts it again (LocalWorld.run), so a failing test leaves the next a fresh one.
+@pytest.fixture(scope="session")
 def world2():
     from functional_npu.runtime.launch import LocalWorld
 
@@ -23,7 +26,7 @@ def world2():
         yield world
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world4():
     from functional_npu.runtime.launch import LocalWorld
 
