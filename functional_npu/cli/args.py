@@ -27,7 +27,9 @@ def positive_number(unit: str) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
-        if not 0 < value < float("inf"):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number of {unit}, got {text}")
+        if value <= 0:
             raise argparse.ArgumentTypeError(f"expected a positive number of {unit}, got {text}")
         return value
 

@@ -244,6 +244,14 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
             )
     if args.cache_dir is not None and args.backend == "none":
         parser.error("--cache-dir saves compiled graphs, but --backend none compiles nothing; drop one of them")
+    if args.cache_dir == "":
+        parser.error("--cache-dir: expected a directory for the saved graphs, got ''")
+    ranks = args.dp * args.tp if args.plan_from is None else (args.devices or 1)
+    if args.mode == "reduce-overhead" and args.backend in ("auto", "inductor") and ranks > 1:
+        parser.error(
+            f"--mode reduce-overhead on the CPU is inductor's C++ wrapper, which cannot compile the collectives of "
+            f"{ranks} ranks; use --mode default (the CPU's fastest) or one rank"
+        )
     return module_tp
 
 
@@ -380,6 +388,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _check_post_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``demo --post-train`` runs its own round on 2 ranks: the demo's other options would be silently unused."""
+    defaults = {"tp": 2, "max_new_tokens": 24, "quant": None, "cache_dir": None}
+    given = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
+    if given:
+        parser.error(f"demo --post-train runs one fixed round on 2 ranks; it takes no {', '.join(given)} (drop them)")
+
+
 def _terminated(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds like an error: local ranks are stopped, temporary files removed
 
@@ -406,10 +422,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         return run_plan(args, parser)
     if args.command == "demo":
-        if args.tp > 2 * (os.cpu_count() or 1) or 4 % args.tp:
+        if not args.post_train and (args.tp > 2 * (os.cpu_count() or 1) or 4 % args.tp):
             parser.error(f"--tp {args.tp}: the demo model has 4 heads; use 1, 2 or 4 ranks")
         if args.post_train:
             from .post_train import run_post_train
+
+            _check_post_train(args, parser)
 
             return run_post_train(timeout=args.timeout)
         from .demo import run_demo

@@ -58,32 +58,11 @@ def _available_bytes() -> float:
 
 def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``python -m functional_npu plan``: the ranked table (or ``--json``), why, and the chosen plan's JSON."""
-    import torch
-
-    from ..parallel.devices import device as device_profile
-    from ..runtime.loading.checkpoint import read_config, read_quant
-    from ..runtime.planning.choose import Workload, choose_plan
-
+    if args.out is not None:
+        _check_out(args.out, parser)
     try:
-        cfg, quant = read_config(args.model), read_quant(args.model)
-        dev = device_profile(args.device)
-        if dev.name == "host":
-            from ..runtime.planning.host_profile import host_device
-
-            dev = host_device(args.devices)
-        memory = args.memory_gb * 1e9 if args.memory_gb else dev.memory_bytes
-        if dev.name == "host" and not args.memory_gb:
-            memory = _available_bytes() / args.devices
-        if not memory:
-            parser.error(f"--memory-gb: the {dev.name} profile states no memory per device; give one")
-        dtype = getattr(torch, args.dtype or "bfloat16")
-        work = (
-            Workload.decode(args.batch, args.context, dtype)
-            if args.context
-            else Workload.prefill(args.prefill, args.batch, dtype)
-        )
-        chosen, report = choose_plan(cfg, args.devices, dev, memory, work, quant=quant)
-    except (OSError, ValueError) as e:
+        chosen, report = _choose(args, parser)
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     out = chosen.to_json()
@@ -93,9 +72,78 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(report.table())
         print(f"\nchosen: {report.why()}\n")
         print(out)
-    if args.out:
-        Path(args.out).write_text(out + "\n")
+    if args.out is not None:
+        try:
+            _write_atomically(Path(args.out), out + "\n")
+        except OSError as e:
+            print(f"error: --out {args.out}: cannot write the plan file ({e.strerror or e})", file=sys.stderr)
+            return 2
     return 0
+
+
+def _choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any]:
+    """The planner's choice and report for the ``plan`` command's model, devices, memory and workload."""
+    import torch
+
+    from ..parallel.devices import device as device_profile
+    from ..runtime.loading import read_config, read_quant
+    from ..runtime.planning import MAX_DEVICES, Workload, choose_plan, host_device
+
+    if args.devices > MAX_DEVICES:  # before measuring anything
+        raise ValueError(
+            f"--devices {args.devices}: the planner weighs at most {MAX_DEVICES} devices (its work grows "
+            f"with them); plan one node's or one replica's devices and repeat that plan over the rest"
+        )
+    cfg, quant = read_config(args.model), read_quant(args.model)
+    positions = args.context + 1 if args.context else args.prefill
+    if positions > cfg.max_position_embeddings:
+        flag = f"--context {args.context}" if args.context else f"--prefill {args.prefill}"
+        raise ValueError(
+            f"{flag}: the step needs {positions} positions, past the model's {cfg.max_position_embeddings} "
+            f"(max_position_embeddings); give at most {cfg.max_position_embeddings - (1 if args.context else 0)}"
+        )
+    dev = device_profile(args.device)
+    if dev.name == "host":
+        dev = host_device(args.devices)
+    memory = args.memory_gb * 1e9 if args.memory_gb else dev.memory_bytes
+    if dev.name == "host" and not args.memory_gb:
+        memory = _available_bytes() / args.devices
+    if not memory:
+        parser.error(f"--memory-gb: the {dev.name} profile states no memory per device; give one")
+    dtype = getattr(torch, args.dtype or "bfloat16")
+    work = (
+        Workload.decode(args.batch, args.context, dtype)
+        if args.context
+        else Workload.prefill(args.prefill, args.batch, dtype)
+    )
+    return choose_plan(cfg, args.devices, dev, memory, work, quant=quant)
+
+
+def _check_out(out: str, parser: argparse.ArgumentParser) -> None:
+    """``--out`` names a file that can be written, before anything is planned or printed."""
+    path = Path(out)
+    if not out:
+        parser.error("--out: expected the path of the plan file to write, got ''")
+    if path.is_dir():
+        parser.error(f"--out {out}: is a directory; give a file path such as {path / 'plan.json'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        parser.error(f"--out {out}: the directory {parent} does not exist; create it or give another path")
+    if not os.access(parent, os.W_OK):
+        parser.error(f"--out {out}: the directory {parent} is not writable; give another path")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``text`` to ``path`` through a temporary file beside it: a full device leaves the old file (or none)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        tmp = Path(f.name)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list) -> Any:

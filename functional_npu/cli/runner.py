@@ -87,7 +87,7 @@ def generate_on_rank(
     lockstep = Lockstep.over(len(prompts), dp, longest, model.batch_sizes) if _in_lockstep(mesh, plan) else None
     t0 = time.perf_counter()
     if batch or lockstep:
-        _warm_up(model, batch, sampling or {}, lockstep, show)
+        _warm_up(model, batch, sampling or {}, lockstep, show, max_new_tokens)
     timings["compile_s"] = time.perf_counter() - t0
     tokens: list[list[int]] = []
     for r in range(repeat):
@@ -106,11 +106,13 @@ def generate_on_rank(
     }
 
 
-def _warm_up(model: Any, batch: list, sampling: Mapping[str, Any], lockstep: Any, show: bool) -> None:
+def _warm_up(model: Any, batch: list, sampling: Mapping[str, Any], lockstep: Any, show: bool, new: int) -> None:
     """Compile the graphs this job runs before timing it: generate once with one new token (the prefill graph of
-    the batch's buckets), then with two (the decode graph); a bar on stderr if ``show``."""
-    with tqdm(total=2, desc="compiling", unit="graph", disable=not show) as bar:
-        for n, graph in ((1, "prefill"), (2, "decode")):
+    the batch's buckets), then, if the job decodes (``new`` > 1), with two (the decode graph): never more tokens
+    than the job's own, which fit the model's positions; a bar on stderr if ``show``."""
+    runs = ((1, "prefill"), (2, "decode"))[: min(new, 2)]
+    with tqdm(total=len(runs), desc="compiling", unit="graph", disable=not show) as bar:
+        for n, graph in runs:
             bar.set_postfix_str(graph)
             model.generate(batch, n, **sampling, lockstep=lockstep)
             bar.update()

@@ -203,7 +203,7 @@ def _layer_types(v: Mapping[str, Any], n: int, where: str) -> tuple[str, ...]:
     """``layer_types``, or (older configs) every ``sliding_window_pattern``-th layer full, the rest sliding."""
     pattern = v["sliding_window_pattern"]
     derived = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
-    types = v["layer_types"] or derived
+    types = derived if v["layer_types"] is None else v["layer_types"]  # [] is refused below, as transformers does
     if len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise ValueError(
             f"{where}: layer_types must give one of {LAYER_TYPES} for each of the num_hidden_layers={n} layers, got "

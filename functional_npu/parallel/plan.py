@@ -98,8 +98,12 @@ class Plan:
         if self.prefetch_step != "auto" and not _int(self.prefetch_step, 0):
             raise ValueError(f"Plan.prefetch_step must be an int >= 0 or 'auto', got {self.prefetch_step!r}")
         budget = self.prefetch_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
-            raise ValueError(f"Plan.prefetch_budget must be a positive number of bytes (or None), got {budget!r}")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < float("inf")
+        ):
+            raise ValueError(
+                f"Plan.prefetch_budget must be a positive, finite number of bytes (or None), got {budget!r}"
+            )
         if not isinstance(self.absorb, bool):
             raise ValueError(f"Plan.absorb must be True or False, got {self.absorb!r}")
         if self.mla_cache not in MLA_CACHES:

@@ -63,11 +63,8 @@ def check_plan_fits(cfg: Any, mesh: Mesh, plan: Plan, *, where: str = "model", l
             f"{where}: plan.expert_axes names axis {missing[0]!r}, but the mesh {mesh.shape} has no such axis; "
             f"use some of {list(mesh.axis_names)}"
         )
-    if "num_slots" in family.plan_fields and plan.slots(cfg.num_experts) < cfg.num_experts:
-        raise ValueError(
-            f"{where}: plan.num_slots={plan.num_slots} is fewer than the model's {cfg.num_experts} experts; "
-            f"every expert needs a slot: use num_slots >= {cfg.num_experts}"
-        )
+    if "num_slots" in family.plan_fields:
+        _check_slots(cfg, plan, where)
     _check_module_tp(cfg, mesh, plan, where)
     _check_series(cfg, plan, where, layers)
 
@@ -110,6 +107,22 @@ def leaf_table(cfg: Any, mesh: Mesh, plan: Plan, meta: Any, layouts: Mapping[str
     return "\n".join(
         [f"{cfg.architecture} on mesh {mesh.shape}: {fields}", *lines, f"total bytes per rank: {max(total):,} (most)"]
     )
+
+
+def _check_slots(cfg: Any, plan: Plan, where: str) -> None:
+    """Every expert has a slot, and no slot is left without an expert to copy: at most ``max_copies`` of each."""
+    slots, experts, copies = plan.slots(cfg.num_experts), cfg.num_experts, plan.max_copies
+    if slots < experts:
+        raise ValueError(
+            f"{where}: plan.num_slots={plan.num_slots} is fewer than the model's {experts} experts; "
+            f"every expert needs a slot: use num_slots >= {experts}"
+        )
+    if slots > experts * copies:
+        raise ValueError(
+            f"{where}: plan.num_slots={plan.num_slots} is more than the model's {experts} experts x max_copies "
+            f"{copies} = {experts * copies}: some slot would hold no expert; use num_slots <= {experts * copies} "
+            f"or raise max_copies"
+        )
 
 
 def _check_module_tp(cfg: Any, mesh: Mesh, plan: Plan, where: str) -> None:

@@ -101,9 +101,22 @@ def test_a_plan_file_for_another_model_or_mesh_is_refused_by_name(qwen3, tmp_pat
     [
         (["--device", "tpu"], "device 'tpu' is not known; choose one of ascend-910b"),
         (["--device", "910b", "--memory-gb", "0.0001"], "the smallest need is"),
+        (["--devices", "1000000"], "--devices 1000000: the planner weighs at most 1024 devices"),  # once never returned
+        (["--memory-gb", "inf"], "argument --memory-gb: expected a finite number of gigabytes, got inf"),
+        (["--context", "300"], "--context 300: the step needs 301 positions, past the model's 256"),
+        (["--out", "/nonexistent/dir/plan.json"], "--out /nonexistent/dir/plan.json: the directory /nonexistent/dir"),
+        (["--out", "/tmp"], "--out /tmp: is a directory; give a file path such as /tmp/plan.json"),
+        (["--out", ""], "--out: expected the path of the plan file to write, got ''"),
     ],
 )
 def test_bad_plan_arguments_are_one_line(qwen3, args, message, capsys):
-    code = main(["plan", "--model", str(qwen3[0]), "--devices", "2", "--context", "64", *args])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    """Exit 2 with one line, before anything is printed or measured (an --out that cannot be written once came after
+    the report, as a traceback)."""
+    argv = ["plan", "--model", str(qwen3[0]), "--devices", "2", "--context", "64", *args]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2 and message in captured.err and captured.out == ""
+    assert len([ln for ln in captured.err.strip().splitlines() if "error" in ln]) == 1

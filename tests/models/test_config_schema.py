@@ -119,6 +119,13 @@ def _runs(cfg) -> None:
         assert experts.shape == (3, cfg.top_k) and bool((experts < cfg.num_experts).all())
 
 
+def test_gemma3_layer_types_empty_is_refused_not_replaced():
+    """transformers refuses ``layer_types: []``; read as "no layer types" it once became the default pattern."""
+    hf = dict(VALID["gemma3"][0]) | {"layer_types": []}
+    with pytest.raises(ValueError, match=r"^config.json: layer_types must give one of .* layers, got 0: \[\]"):
+        family_of("Gemma3ForCausalLM").from_hf(hf)
+
+
 @pytest.mark.parametrize("family", list(VALID))
 def test_the_valid_configs_read(family):
     for hf in VALID[family]:

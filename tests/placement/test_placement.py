@@ -141,6 +141,9 @@ def test_swapping_another_models_weights_into_a_compiled_model_names_the_fields(
     with pytest.raises(ValueError, match=r"^with_params: the params are not of the compiled model: rms_norm_eps=1e-05"):
         model.with_params(other)
     assert isinstance(model.with_params(load_checkpoint(ckpt, mesh)).placement, Placement)
+    bf16 = load_checkpoint(ckpt, mesh, dtype=torch.bfloat16)  # once a raw matmul error at the first step
+    with pytest.raises(ValueError, match=r"^with_params: params\['embed'\] is torch.bfloat16 on cpu, the compiled"):
+        model.with_params(bf16)
 
 
 def test_params_with_no_placement_are_placed_by_the_plan_given(ckpt):

@@ -64,9 +64,20 @@ def test_compile_model_errors(compiled, qwen3):
         compiled.generate(PROMPTS, 60)
     with pytest.raises(ValueError, match=r"sampling: top_p must be a number in \(0, 1\] \(None: no cut\), got 0.0"):
         compiled.generate(PROMPTS, 2, temperature=1.0, top_p=0.0)
-    for bad in (float("nan"), float("inf"), -1.0, "1"):
-        with pytest.raises(ValueError, match=r"sampling: temperature must be a finite number >= 0"):
+    for bad in (float("nan"), float("inf"), -1.0, "1", 1e-300):  # 1e-300: logits / temperature would overflow
+        with pytest.raises(ValueError, match=r"sampling: temperature must be 0 \(greedy\) or a finite number >= 1e-06"):
             compiled.generate(PROMPTS, 2, temperature=bad)
+    for prompts, message in (
+        ([[1, True]], r"generate: prompt 0 holds True \(bool\); token ids are ints"),
+        ([[1.5, 2]], r"generate: prompt 0 holds 1.5 \(float\); token ids are ints"),
+        (["abc"], r"generate: prompt 0 is a str; give a list of int token ids"),
+        ("abc", r"generate: prompts must be a list of token-id lists, got str"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            compiled.sample(prompts, 2)
+    for new in (2.0, True, 0):
+        with pytest.raises(ValueError, match=r"generate: max_new_tokens must be an int >= 1, got "):
+            compiled.sample([[1, 2]], new)
     with pytest.raises(ValueError, match=r"sampling: seed must be an int in \[0, 2\*\*64\)"):
         compiled.generate(PROMPTS, 2, temperature=1.0, seed=2**70)
     with pytest.raises(

@@ -190,3 +190,47 @@ def test_the_host_profile_is_cached_and_a_broken_cache_is_measured_again(tmp_pat
     assert not [p for p in path.parent.iterdir() if p != path]  # no temporary file left beside it
     with pytest.raises(ValueError, match="host profile: world must be a positive int, got 0"):
         host_profile.host_device(0)
+
+
+def test_a_host_profile_for_many_devices_starts_a_few_ranks_and_a_failure_is_one_line(tmp_path, monkeypatch):
+    """64 devices once started 64 local ranks (and exhausted the memory); a rank's failure was its traceback."""
+    from functional_npu.runtime.planning import host_profile
+
+    monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path))
+    started = []
+
+    def figures(world, repeat):
+        started.append(world)
+        return {"read_bytes_per_s": 1e10, "linear_bytes_per_s": 5e9, "flop_per_s": 1e11, "measured": {}}
+
+    monkeypatch.setattr(host_profile, "_figures", figures)
+    dev = host_profile.host_device(64)
+    assert started == [host_profile.MEASURED_RANKS] and dev.measured_world == host_profile.MEASURED_RANKS
+    assert dev.collective_s("all_reduce", 64, 1e6) > dev.collective_s("all_reduce", 2, 1e6) > 0  # the link's model
+    monkeypatch.undo()
+
+    class Failing:  # a world whose rank fails, as LocalWorld reports it: the rank's message, then its traceback
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, *args, **kwargs):
+            raise RuntimeError("rank 1 raised: OSError: no memory left\n--- remote traceback (rank 1) ---\n...")
+
+    from functional_npu.runtime import launch
+
+    monkeypatch.setattr(launch, "LocalWorld", Failing)
+    with pytest.raises(RuntimeError, match=r"^host profile: measuring this machine with 2 local ranks failed \(rank 1"):
+        host_profile.measure(2, repeat=1)
+
+
+def test_the_planner_refuses_a_device_count_it_cannot_weigh_in_bounded_time():
+    from functional_npu.runtime.planning import MAX_DEVICES
+
+    with pytest.raises(ValueError, match=rf"choose_plan: {MAX_DEVICES + 1} devices is more than the planner weighs"):
+        choose_plan(DENSE, MAX_DEVICES + 1, "910b", 1e9, WORK)

@@ -65,7 +65,8 @@ def test_a_cases_key_follows_its_own_sources_only():
     llama_key = case_key("llama")
     assert case_key("llama", read=edited("deepseek.py")) == llama_key  # another family's module: not an input
     assert case_key("llama", read=edited("llama.py")) != llama_key
-    assert case_key("deepseek", read=edited("llama.py")) != case_key("deepseek")  # deepseek reads llama's blocks
+    assert case_key("deepseek", read=edited("llama.py")) == case_key("deepseek")  # no family reads another's
+    assert case_key("deepseek", read=edited("dense.py")) != case_key("deepseek")  # the dense decoder's ends
     assert case_key("moe", read=edited("collectives.py")) != case_key("moe")  # shared by every family
     assert case_key("llama", read=edited("aten_graphs.py")) != llama_key  # the tools that capture the graph
 
@@ -88,7 +89,7 @@ def test_a_stale_case_is_regenerated_and_its_drift_found(tmp_path):
 def test_the_command_is_python_m_tools_graphs(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--no-such-flag"])
-    assert exit_.value.code == 2 and "usage: python -m tools.graphs [-h] [--check] [--out OUT] [--no-ge]" in (
+    assert exit_.value.code == 2 and "usage: python -m tools.graphs [-h] [--check] [--all] [--out OUT] [--no-ge]" in (
         capsys.readouterr().err
     )
 

@@ -5,11 +5,22 @@ that fits; this machine's own profile, measured once and cached.
 - :mod:`.host_profile`: ``host_device``, this host measured.
 """
 
-from .choose import Candidate, Estimate, PlanDoesNotFit, Report, Workload, candidates, choose_plan, estimate
+from .choose import (
+    MAX_DEVICES,
+    Candidate,
+    Estimate,
+    PlanDoesNotFit,
+    Report,
+    Workload,
+    candidates,
+    choose_plan,
+    estimate,
+)
 from .host_profile import host_device, measure, profile_path
 
 __all__ = [
     "choose_plan",
+    "MAX_DEVICES",
     "Workload",
     "Candidate",
     "Estimate",

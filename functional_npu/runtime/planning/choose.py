@@ -45,6 +45,9 @@ from ...parallel.prefetch_cost import choose_k, exposed
 from ...placement.placement import Placement, place
 from ...placement.quant_config import QuantConfig
 
+# the most devices a plan is made for (every candidate's bytes are counted at every rank)
+MAX_DEVICES = 1024
+
 __all__ = ["Workload", "Candidate", "Estimate", "Report", "candidates", "estimate", "choose_plan", "PlanDoesNotFit"]
 
 SERIES_CHOICES = ("o_proj", "o_proj,down_proj", "layer")  # the layer-sharded series a candidate may use
@@ -235,6 +238,12 @@ def candidates(cfg: Any, devices: int) -> list[Candidate]:
     series of :data:`SERIES_CHOICES` over dp (prefetch step chosen when estimated)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"choose_plan: devices must be a positive int, got {devices!r}")
+    if devices > MAX_DEVICES:
+        raise ValueError(
+            f"choose_plan: {devices} devices is more than the planner weighs ({MAX_DEVICES}): it counts every "
+            f"candidate's bytes at every rank, so its work grows with the devices; plan one node's or one replica's "
+            f"devices (at most {MAX_DEVICES}) and repeat that plan over the rest with data parallelism"
+        )
     experts = getattr(_shape(cfg), "experts", 0)
     out: list[Candidate] = []
     for tp in _divisors(devices):

@@ -1,7 +1,9 @@
 """This machine as a device profile, measured on first use and cached: what the planner models a CPU run with.
 
-:func:`host_device` starts ``world`` local gloo ranks (the shape of the run being planned) and measures,
-with every rank busy at once as in a real step:
+:func:`host_device` starts ``world`` local gloo ranks (the shape of the run being planned), at most
+:data:`MEASURED_RANKS` (a profile asked for more ranks than that is measured with that many and the larger groups'
+collectives follow its link, :meth:`~functional_npu.parallel.devices.Device.collective_s`: starting one process per
+planned device would exhaust the machine), and measures, with every rank busy at once as in a real step:
 
 - the rate one rank's decode linears stream their weights at (a few rows through 64 MiB of fp32 weights):
   the profile's memory bandwidth, what a decode step's kernels reach here (a plain read, also recorded, is
@@ -39,6 +41,7 @@ from ...parallel.devices import COLLECTIVES, Device, Link
 __all__ = ["host_device", "measure", "profile_path"]
 
 VERSION = 3
+MEASURED_RANKS = 4  # the most local ranks a profile starts (the cores are shared: more measure nothing new)
 SMALL, LARGE = 4096, 4 * 2**20  # payload bytes of the two calls each collective is timed at
 
 
@@ -138,8 +141,12 @@ def _figures(world: int, repeat: int) -> dict[str, Any]:
         return _roofline(repeat)
     from ..launch import LocalWorld
 
-    with LocalWorld(world, timeout=300.0) as w:
-        return w.run(measure_on_rank, world, repeat)[0]
+    try:
+        with LocalWorld(world, timeout=300.0) as w:
+            return w.run(measure_on_rank, world, repeat)[0]
+    except Exception as e:  # noqa: BLE001 - a rank's failure, a timeout: one line, not the ranks' tracebacks
+        first = " ".join(str(e).split("\n")[0].split())[:200]
+        raise RuntimeError(f"host profile: measuring this machine with {world} local ranks failed ({first})") from None
 
 
 def _device(figures: dict[str, Any], world: int) -> Device:
@@ -175,9 +182,15 @@ def _read(path: Path, world: int) -> Device | None:
 
 
 def host_device(world: int, *, refresh: bool = False, repeat: int = 25) -> Device:
-    """This machine's profile at ``world`` ranks: cached, else measured now (tens of seconds) and cached."""
+    """This machine's profile at ``world`` ranks (measured with at most :data:`MEASURED_RANKS` of them): cached,
+    else measured now (tens of seconds) and cached.
+
+    Raises:
+        ValueError for a world that is not a positive int; RuntimeError (one line) when a measuring rank fails.
+    """
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"host profile: world must be a positive int, got {world!r}")
+    world = min(world, MEASURED_RANKS)
     path = profile_path(world)
     cached = None if refresh else _read(path, world)
     if cached is not None:

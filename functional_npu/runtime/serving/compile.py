@@ -150,6 +150,7 @@ class CompiledModel:
         """
         placed = placement_of(params, self.mesh, self.plan, where="with_params")
         self.placement.same_model(placed, "with_params")
+        _same_tensors(params, self.params["embed"], "with_params")
         new = self._prepare(params)
         if self.backend.captures:
             _static(new)
@@ -367,9 +368,12 @@ def compile_model(
     """
     if kernels not in (None, *TARGETS):
         raise ValueError(f"compile_model: kernels={kernels!r} is not one of {TARGETS} (or None: the backend's)")
+    if cache_dir is not None and not str(cache_dir):
+        raise ValueError("compile_model: cache_dir is '': give a directory for the saved graphs (None: save nothing)")
     placed = placement_of(params, mesh, plan, where="compile_model")
     cfg = placed.config
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
+    _check_wrapper(chosen, mesh)
     if chosen.name == "inductor":
         sweep()  # inductor would trust an object a killed compile left half-written in its cache
     # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
@@ -411,6 +415,31 @@ def _static(params: dict) -> None:
     for _, t in flatten_with_paths(params):
         if isinstance(t, torch.Tensor):
             torch._dynamo.mark_static_address(t, guard=False)
+
+
+def _same_tensors(params: dict, like: torch.Tensor, where: str) -> None:
+    """Every float leaf of ``params`` in ``like``'s dtype and on its device (the graphs were compiled for those)."""
+    for path, x in flatten_with_paths(params):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and (x.dtype, x.device) != (like.dtype, like.device):
+            raise ValueError(
+                f"{where}: params[{path!r}] is {x.dtype} on {x.device}, the compiled model's weights {like.dtype} on "
+                f"{like.device}; load them in that dtype on that device (load_checkpoint(dtype=..., device=...))"
+            )
+
+
+def _check_wrapper(backend: Backend, mesh: Mesh) -> None:
+    """On the CPU, mode ``reduce-overhead`` is inductor's C++ wrapper, which refuses a graph with collectives (torch
+    2.13: ``arg type Any is not yet supported by custom_op_wrapper``) only after compiling it: refused here."""
+    if (
+        backend.name == "inductor"
+        and backend.device_type == "cpu"
+        and backend.mode == "reduce-overhead"
+        and mesh.size > 1
+    ):
+        raise ValueError(
+            f"compile_model: mode 'reduce-overhead' on the CPU is inductor's C++ wrapper, which cannot compile the "
+            f"collectives of a {mesh.size}-rank mesh {mesh.shape}; use mode 'default' (the CPU's fastest) or one rank"
+        )
 
 
 def _preparer(placed: Placement, mesh: Mesh, target: str, streamed: bool) -> Callable[[dict], dict]:

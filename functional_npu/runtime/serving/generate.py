@@ -23,7 +23,10 @@ import torch
 from ...models.decoder import DecodeState
 from ...parallel.prefetch import drain
 
+MIN_TEMPERATURE = 1e-6  # the smallest sampling temperature (logits / temperature must stay finite)
+
 __all__ = [
+    "MIN_TEMPERATURE",
     "Lockstep",
     "Samples",
     "generate",
@@ -111,14 +114,24 @@ def check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> None:
     def integer(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
-    if not (number(temperature) and temperature >= 0):
-        raise ValueError(f"sampling: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if not (number(temperature) and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise ValueError(
+            f"sampling: temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (below it the scaled "
+            f"logits overflow), got {temperature!r}"
+        )
     if top_k is not None and not (integer(top_k) and top_k >= 1):
         raise ValueError(f"sampling: top_k must be an int >= 1 (None: all tokens), got {top_k!r}")
     if top_p is not None and not (number(top_p) and 0 < top_p <= 1):
         raise ValueError(f"sampling: top_p must be a number in (0, 1] (None: no cut), got {top_p!r}")
     if seed is not None and not (integer(seed) and 0 <= seed < 2**64):
         raise ValueError(f"sampling: seed must be an int in [0, 2**64) (torch's generator range), got {seed!r}")
+
+
+def _int(x: Any) -> bool:
+    """An int token id (a Python int or a 0-d integer tensor), not a bool or a float."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.dtype.is_floating_point and x.dtype != torch.bool
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_length(prompt_len: int, max_new_tokens: int, max_positions: int) -> None:
@@ -137,10 +150,18 @@ def check_length(prompt_len: int, max_new_tokens: int, max_positions: int) -> No
 
 
 def check_token_ids(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
-    """Raise a ValueError naming the first prompt with a token id outside ``[0, vocab_size)`` (or no tokens)."""
+    """Raise a TypeError naming the first prompt that is not a sequence of ints, a ValueError naming the first with
+    a token id outside ``[0, vocab_size)`` (or no tokens)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"generate: prompts must be a list of token-id lists, got {type(prompts).__name__}")
     for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise TypeError(f"generate: prompt {i} is a {type(p).__name__}; give a list of int token ids")
         if len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
+        wrong = next((t for t in p if not _int(t)), None)
+        if wrong is not None:
+            raise TypeError(f"generate: prompt {i} holds {wrong!r} ({type(wrong).__name__}); token ids are ints")
         bad = [t for t in p if not 0 <= int(t) < vocab_size]
         if bad:
             raise ValueError(
@@ -237,8 +258,8 @@ def _generate(
     logprobs: bool,
     sampling: dict[str, Any],
 ) -> Samples:
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     check_token_ids(prompts, model.config.vocab_size)
     longest = max([len(p) for p in prompts] + [lockstep.prompt_len if lockstep else 0])
     if longest + max_new_tokens > model.max_seq_len:

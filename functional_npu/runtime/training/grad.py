@@ -36,6 +36,7 @@ from ...core.tree import flatten_with_paths, map_with_path, replace_leaves
 from ...models import family_of, forward, init_state, plan_of
 from ...placement.placement import placement_of
 from ..serving.generate import logprobs_of
+from .batch import check_batch
 
 __all__ = ["value_and_grad", "logits", "token_logprobs", "lm_loss", "Differentiable", "differentiable"]
 
@@ -86,14 +87,13 @@ class Differentiable:
     def __init__(self, params: dict, mesh: Mesh, where: str) -> None:
         if not isinstance(params, dict) or "config" not in params:
             raise TypeError(f"{where}: params must be a params dict with a model config (params['config'])")
-        quantized = [p for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor) and _quantized(p, x)]
         scheme = getattr(params.get("placement"), "quant", None)
-        if scheme is not None or quantized:
+        if scheme is not None:
             raise ValueError(
-                f"{where}: params{[quantized[0]] if quantized else ''} are quantized "
-                f"({scheme or quantized[0]}); gradients need floating-point weights: load the checkpoint "
-                f"unquantized (or dequantize the params) to train"
+                f"{where}: the params are quantized ({scheme.quant!r}); gradients need floating-point weights: load "
+                f"the checkpoint unquantized (or dequantize the params) to train"
             )
+        _check_leaves(params, where)
         placed = placement_of(params, mesh, where=where)
         full, layouts = placed.meta_leaves, placed.layouts
         self.mesh, self.params, self.placement = mesh, params, placed
@@ -132,12 +132,26 @@ class Differentiable:
         return sorted(out) + [tuple(self.mesh.axis_names)]
 
 
+def _check_leaves(params: dict, where: str) -> None:
+    """Every weight floating-point, in one dtype, on one device (the expert map excepted: integer slot indices)."""
+    tensors = [(p, x) for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor)]
+    ints = [(p, x) for p, x in tensors if not _float(x) and p.rsplit(".", 1)[-1] != "expert_map"]
+    if ints:
+        p, x = ints[0]
+        raise ValueError(f"{where}: params[{p!r}] is {x.dtype}, not floating point; gradients need float weights")
+    floats = [(p, x) for p, x in tensors if _float(x)]
+    for what, key in (("dtype", lambda x: x.dtype), ("device", lambda x: x.device)):
+        first = key(floats[0][1])
+        odd = next(((p, key(x)) for p, x in floats if key(x) != first), None)
+        if odd is not None:
+            raise ValueError(
+                f"{where}: params[{odd[0]!r}] is {odd[1]}, params[{floats[0][0]!r}] {first}: every weight must share "
+                f"one {what}; load the params with one dtype (load_checkpoint(dtype=...)) on one device"
+            )
+
+
 def _float(x: torch.Tensor) -> bool:
     return x.dtype.is_floating_point
-
-
-def _quantized(path: str, x: torch.Tensor) -> bool:
-    return not _float(x) and path.rsplit(".", 1)[-1] != "expert_map"
 
 
 def differentiable(params: dict, mesh: Mesh, where: str = "value_and_grad") -> Differentiable:
@@ -172,12 +186,16 @@ def value_and_grad(loss_fn: LossFn) -> Callable[[dict, Any, Mesh], tuple[torch.T
     (:func:`functional_npu.runtime.training.train_step.compile_train_step` compiles it with an optimizer).
 
     Raises:
-        TypeError / ValueError before any collective: params with no config, quantized or of another plan or mesh
-        (naming the leaf); a ``loss_fn`` that returns no scalar floating-point tensor (naming its shape or type).
+        TypeError / ValueError before any collective: params with no config, quantized, of mixed float dtypes or
+        devices, or of another plan or mesh (naming the leaf); a batch of token ids or a PolicyBatch that the model
+        cannot take (:mod:`.batch`); a ``loss_fn`` that returns no scalar floating-point tensor (naming its shape or
+        type).
     """
 
     def run(params: dict, batch: Any, mesh: Mesh) -> tuple[torch.Tensor, dict]:
-        return grad_step(loss_fn, differentiable(params, mesh), batch, mesh)
+        split = differentiable(params, mesh)
+        check_batch(batch, split.placement.config.vocab_size, params["embed"].device, "value_and_grad")
+        return grad_step(loss_fn, split, batch, mesh)
 
     return run
 

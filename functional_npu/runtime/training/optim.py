@@ -102,7 +102,13 @@ class AdamW:
         grads = check_grads(grads, params, state)
         b1, b2 = self.betas
         step = state.step + 1
-        t = step.to(torch.float32)  # bias corrections in float32: NPUs have no float64
+        # bias corrections in the wider of float32 and the params' dtype: float64 params get torch.optim.AdamW's
+        # exact ones, the others float32's (NPUs have no float64)
+        wide = torch.float32
+        for _, x in flatten_with_paths(params):  # a loop dynamo traces
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
+                wide = torch.float64
+        t = step.to(wide)
         c1, c2 = 1 - b1**t, 1 - b2**t
         scale = self.clip_scale(norm)
         leaves, mu, nu = (dict(flatten_with_paths(t)) for t in (params, state.mu, state.nu))

@@ -13,31 +13,15 @@ training forward, :func:`~functional_npu.runtime.training.grad.token_logprobs`) 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from ...core.mesh import Mesh
 from ..serving.generate import Samples
+from .batch import PolicyBatch
 from .grad import token_logprobs
 
 __all__ = ["PolicyBatch", "group_advantages", "policy_batch", "grpo_loss", "logprob_gap"]
-
-
-class PolicyBatch(NamedTuple):
-    """One rank's rollouts as a training batch.
-
-    Attributes:
-        tokens: ``[B, S]`` prompt then completion, right-padded with 0.
-        mask: ``[B, S - 1]`` 1.0 where position ``t`` predicts a completion token ``tokens[:, t + 1]``, else 0.
-        advantages: ``[B]`` each sequence's advantage.
-        old_logprobs: ``[B, S - 1]`` the rollout's log-probability of ``tokens[:, t + 1]`` under the mask, else 0.
-    """
-
-    tokens: torch.Tensor
-    mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logprobs: torch.Tensor
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

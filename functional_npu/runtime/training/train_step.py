@@ -33,6 +33,7 @@ from ...core.tree import flatten_with_paths, replace_leaves
 from ..serving.backends import Backend, resolve_backend
 from ..serving.compile import GraphBreakError
 from ..serving.inductor_cache import sweep
+from .batch import check_batch
 from .grad import Differentiable, LossFn, differentiable, global_norm, grad_leaves
 from .optim import AdamW, OptState
 
@@ -67,11 +68,15 @@ class TrainStep:
 
         Raises:
             ValueError naming the leaf: params or state of another structure or shape than the step's.
+            TypeError / ValueError naming what is wrong with a batch of token ids or a PolicyBatch (its type, shape,
+            dtype, device, an id outside the vocabulary, an empty mask; :mod:`.batch`).
             FloatingPointError naming the value or the leaf: a non-finite loss or gradient (nothing is returned;
             the params and state passed in are unchanged).
             The loss function's own error where tracing it fails on one (a non-scalar loss); else GraphBreakError.
         """
         args = self.inputs(params, state, batch)
+        embed = args[0]["embed"] if "embed" in args[0] else args[1]["embed"]
+        check_batch(batch, self.split.placement.config.vocab_size, embed.device, "train step")
         try:
             loss, norm, bad, new, new_mu, new_nu, count = self.fn(*args)
         except torch._dynamo.exc.Unsupported as e:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ...core.agree import agree
 from ...core.layout import Layout
 from ...core.mesh import Mesh
 from ...core.reshard import ReshardPlan, plan_reshard, reshard
@@ -100,13 +101,19 @@ def _prepared(
     params: dict, plan: Plan, mesh: Mesh, exchange: ReshardPlan | None
 ) -> tuple[ReshardPlan, dict, dict, dict, dict, set[str], Placement]:
     where = "reshard_params"
-    if not isinstance(plan, Plan):
-        raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
-    source = placement_of(params, mesh, where=where)
+    try:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
+        source = placement_of(params, mesh, where=where)
+        if source.quant is not None:
+            raise ValueError(f"{where}: params are quantized ({source.quant}); reshard floating-point params")
+        target = place(source.config, mesh, plan, where=where)
+    except (TypeError, ValueError) as e:
+        agree(mesh, e)
+        raise  # agree raised already
+    # every rank moves its params to the same plan, or none moves a byte (a difference aborts inside gloo)
+    agree(mesh, None, same={"the target plan": {"plan": repr(target.plan)}, "the source": {"plan": repr(source.plan)}})
     cfg, src_layouts = source.config, source.layouts
-    if source.quant is not None:
-        raise ValueError(f"{where}: params are quantized ({source.quant}); reshard floating-point params")
-    target = place(cfg, mesh, plan, where=where)
     dst_full, dst_layouts = target.meta, target.layouts
     every = _every_layer(src_layouts, cfg.num_layers) & _every_layer(dst_layouts, cfg.num_layers)
     local = _stacked(params, every)
