@@ -144,16 +144,25 @@ class Family:
     buffers: frozenset[str] = frozenset()
 
 
+def _functions(module: Any) -> dict[str, Any]:
+    """A family module's params, layouts and blocks (every family module defines them by these names)."""
+    names = ("abstract_params", "param_specs", "init_params", "blocks")
+    return {name: getattr(module, name) for name in names}
+
+
+# what every family with experts declares: experts stacked on dim 0, the expert map computed, not stored
+_EXPERTS: dict[str, Any] = {
+    "stacked": frozenset(EXPERT_LEAVES),
+    "derived": {"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
+}
+
 LLAMA = Family(
     name="llama",
     config=LlamaConfig,
     architectures=llama.ARCHITECTURES,
     from_hf=LlamaConfig.from_hf,
     hf_names=lambda cfg: llama.HF_NAMES,
-    abstract_params=llama.abstract_params,
-    param_specs=llama.param_specs,
-    init_params=llama.init_params,
-    blocks=llama.blocks,
+    **_functions(llama),
     linears=frozenset(llama.LINEARS),
     sizes=lambda cfg: {f: getattr(cfg, f) for f in llama.SIZE_FIELDS},
     layer_leaves=llama.LAYER_LEAVES,
@@ -167,12 +176,8 @@ MOE = Family(
     architectures=moe.ARCHITECTURES,
     from_hf=MoeConfig.from_hf,
     hf_names=moe.hf_names,
-    abstract_params=moe.abstract_params,
-    param_specs=moe.param_specs,
-    init_params=moe.init_params,
-    blocks=moe.blocks,
-    stacked=frozenset(EXPERT_LEAVES),
-    derived={"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
+    **_functions(moe),
+    **_EXPERTS,
     linears=frozenset(dense.LINEARS + moe.LINEARS),
     module_names=moe.module_names,
     plan_fields=frozenset(EXPERT_FIELDS),
@@ -187,12 +192,8 @@ DEEPSEEK = Family(
     architectures=deepseek.ARCHITECTURES,
     from_hf=DeepseekConfig.from_hf,
     hf_names=deepseek.hf_names,
-    abstract_params=deepseek.abstract_params,
-    param_specs=deepseek.param_specs,
-    init_params=deepseek.init_params,
-    blocks=deepseek.blocks,
-    stacked=frozenset(EXPERT_LEAVES),
-    derived={"expert_map": lambda cfg: moe.identity_map(cfg.num_experts)},
+    **_functions(deepseek),
+    **_EXPERTS,
     linears=frozenset(deepseek.LINEARS),
     module_names=lambda cfg: moe.EXPERT_MODULES,
     plan_fields=frozenset(EXPERT_FIELDS + MLA_FIELDS),
@@ -209,10 +210,7 @@ GEMMA3 = Family(
     architectures=gemma3.ARCHITECTURES,
     from_hf=Gemma3Config.from_hf,
     hf_names=lambda cfg: gemma3.HF_NAMES,
-    abstract_params=gemma3.abstract_params,
-    param_specs=gemma3.param_specs,
-    init_params=gemma3.init_params,
-    blocks=gemma3.blocks,
+    **_functions(gemma3),
     linears=frozenset(gemma3.LINEARS),
     sizes=lambda cfg: {f: getattr(cfg, f) for f in dense.SIZE_FIELDS},
     layer_leaves=gemma3.LAYER_LEAVES,

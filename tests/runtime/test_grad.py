@@ -18,6 +18,8 @@ from ..support.hf_models import (
     FAMILIES,
     GEMMA3_FAMILIES,
     MOE_FAMILIES,
+    causal_lm_loss,
+    float64_norms,
     save_tiny,
     save_tiny_deepseek,
     save_tiny_gemma3,
@@ -30,7 +32,12 @@ SAVERS = (
     | {f: save_tiny_deepseek for f in DEEPSEEK_FAMILIES}
     | {f: save_tiny_gemma3 for f in GEMMA3_FAMILIES}
 )
-TOL = 2e-6  # float64 everywhere but transformers' rope tables (float32): ~3e-7 seen
+# float64 on both sides (transformers' norms and loss computed in float64 too: float64_norms, causal_lm_loss): the
+# dense families agree to ~2e-15 (seen); transformers' MoE routers still score in float32 (their own code: Qwen's
+# and Mixtral's softmax, DeepSeek's router linear), up to ~4e-8 in the loss and ~2e-7 in a gradient (DeepSeek-V2's
+# embedding, seen), against which the experts' families are held
+TOL = 1e-12
+ROUTER_TOL = 1e-6
 B, S = 2, 10  # rows per data-parallel batch, tokens per row
 
 
@@ -41,11 +48,11 @@ def _four_layers(name, path, seed):
 def hf_grad_dir(model, batch: torch.Tensor, path) -> float:
     """transformers' loss on ``batch`` (labels = inputs) in float64; its gradients saved as a checkpoint at ``path``
     (every parameter's ``.grad`` in place of its value, with ``save_pretrained``). Returns the loss."""
-    model = model.double()
+    model = float64_norms(model.double())
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
     model.zero_grad()
-    loss = model(batch, labels=batch).loss
+    loss = causal_lm_loss(model, batch)
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -70,10 +77,11 @@ def refs(tmp_path_factory):
 
 
 def _check(results, ref, *, buffers=()):
+    tol = ROUTER_TOL if any("router" in p for p in results[0]["errors"]) else TOL
     for rank, r in enumerate(results):
-        assert abs(r["loss"] - ref[3]) < TOL, f"rank {rank}: loss {r['loss']} vs transformers' {ref[3]}"
+        assert abs(r["loss"] - ref[3]) < tol, f"rank {rank}: loss {r['loss']} vs transformers' {ref[3]}"
         worst = max(r["errors"], key=r["errors"].get)
-        assert r["errors"][worst] < TOL * max(1.0, r["scale"]), f"rank {rank}: {worst} off by {r['errors'][worst]}"
+        assert r["errors"][worst] < tol * max(1.0, r["scale"]), f"rank {rank}: {worst} off by {r['errors'][worst]}"
         assert [p for p in r["none"] if not p.endswith("expert_map")] == sorted(buffers)
 
 

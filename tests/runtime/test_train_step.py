@@ -21,11 +21,18 @@ from ..support.hf_models import save_tiny, save_tiny_moe
 from ..support.train_workers import hf_train, train_errors
 
 STEPS = 2
-TOL = 1e-6  # losses and norms (float64; transformers' rope tables are float32)
-# updated params: Adam divides each gradient by its own root mean square, so the ~1e-7 rope differences of
-# near-zero gradient entries reach ~3e-6 after two steps at lr 1e-2; a wrong clip, decay or bias correction moves
-# params by ~lr (test_a_wrong_optimizer_fails_the_check)
-PARAM_TOL = 2e-5
+# losses and norms, float64 on both sides (transformers' norms and loss in float64 too): dense ~2e-15 (seen); the
+# MoE's router softmax is float32 in transformers' own code: ~4e-9 in the loss, ~3e-6 in the second step's norm
+TOL = 1e-12
+ROUTER_TOL = 1e-5
+# updated params: Adam divides each gradient by its own root mean square, so the router's float32 differences of
+# near-zero gradient entries grow over two steps at lr 1e-2 (dense: ~1e-13 seen); a wrong clip, decay or bias
+# correction moves params by ~lr (test_a_wrong_optimizer_fails_the_check)
+PARAM_TOL = 1e-10
+ROUTER_PARAM_TOL = 2e-5
+# compiled: inductor's vectorized cos and sin of the float32 rope tables (the same float32 tables as eager and as
+# transformers') differ from eager's in the last bits, ~3e-10 in the loss (seen)
+COMPILED_TOL, COMPILED_PARAM_TOL = 1e-8, 1e-5  # params: ~1.5e-6 seen, after Adam
 
 
 @pytest.fixture(scope="module")
@@ -45,22 +52,25 @@ def trained(tmp_path_factory):
     return out
 
 
-def _check(results, ref):
+def _check(results, ref, *, compiled=False):
+    router = any("router" in p for p in results[0]["errors"])
+    tol, param_tol = (ROUTER_TOL, ROUTER_PARAM_TOL) if router else (TOL, PARAM_TOL)
+    tol, param_tol = (max(tol, COMPILED_TOL), max(param_tol, COMPILED_PARAM_TOL)) if compiled else (tol, param_tol)
     for rank, r in enumerate(results):
         assert r["step"] == STEPS
         for i, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(r["stats"], ref[3])):
-            assert abs(loss - want_loss) < TOL, f"rank {rank} step {i}: loss {loss} vs {want_loss}"
-            assert abs(norm - want_norm) < TOL, f"rank {rank} step {i}: grad norm {norm} vs {want_norm}"
+            assert abs(loss - want_loss) < tol, f"rank {rank} step {i}: loss {loss} vs {want_loss}"
+            assert abs(norm - want_norm) < tol, f"rank {rank} step {i}: grad norm {norm} vs {want_norm}"
         assert ref[3][0][1] > 1.0, "the reference must clip (its norm exceeds max_grad_norm)"
         worst = max(r["errors"], key=r["errors"].get)
-        assert r["errors"][worst] < PARAM_TOL, f"rank {rank}: params[{worst!r}] off by {r['errors'][worst]}"
+        assert r["errors"][worst] < param_tol, f"rank {rank}: params[{worst!r}] off by {r['errors'][worst]}"
 
 
 @pytest.mark.parametrize("backend", ["none", "inductor"], ids=["eager", "compiled"])
 def test_train_step_tp2_matches_torch_adamw(world2, trained, backend):
     model_dir, trained_dir, batches, ref = trained["qwen3"]
     results = world2.run(train_errors, model_dir, trained_dir, {"tp": 2}, {}, [torch.cat(batches)], STEPS, backend)
-    _check(results, trained["qwen3"])
+    _check(results, trained["qwen3"], compiled=backend != "none")
 
 
 def test_train_step_ep2_matches_torch_adamw(world2, trained):

@@ -286,3 +286,27 @@ def check_parity(result, reference, tol: float = 1e-4) -> None:
         err = (logits[i, : len(p)] - ref_logits[i]).abs().max().item()
         assert err < tol, f"prompt {i}: prefill logits differ by {err}"
         assert tokens[i] == ref_tokens[i], f"prompt {i}: greedy tokens differ"
+
+
+def causal_lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss (labels = inputs, each token predicted from the ones before it) computed in the
+    logits' dtype: ``labels=`` computes it in float32 (``logits.float()``), which in a float64 model is a float32
+    step of about 5e-7 in the loss."""
+    logits = model(batch).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def float64_norms(model):
+    """``model`` with every RMSNorm computed in the input's dtype. transformers computes them in float32 whatever the
+    model's dtype (``hidden_states.to(torch.float32)``), a float32 step inside a float64 reference; this library's
+    norm follows the params' dtype. The norms' formulas are transformers' own (Gemma's ``1 + weight`` kept)."""
+    for m in model.modules():
+        if not type(m).__name__.endswith("RMSNorm"):
+            continue
+        if hasattr(m, "variance_epsilon"):  # Llama's form: weight * normalized
+            m.forward = lambda x, m=m: (
+                m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
+            )
+        else:  # Gemma's: normalized * (1 + weight)
+            m.forward = lambda x, m=m: m._norm(x) * (1.0 + m.weight)
+    return model

@@ -2,6 +2,8 @@
 
 import torch
 
+from .hf_models import causal_lm_loss, float64_norms
+
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
 
 
@@ -9,7 +11,7 @@ def hf_train(model, batches, steps: int, path) -> list[tuple[float, float]]:
     """``steps`` steps of transformers' causal-LM loss over ``batches`` (all at once) in float64 with
     ``clip_grad_norm_`` and ``torch.optim.AdamW``; the trained model saved to ``path``. Returns (loss, grad norm
     before clipping) per step."""
-    model = model.double().train()
+    model = float64_norms(model.double()).train()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
     hp = dict(ADAMW)
@@ -18,7 +20,7 @@ def hf_train(model, batches, steps: int, path) -> list[tuple[float, float]]:
     batch, out = torch.cat(batches), []
     for _ in range(steps):
         opt.zero_grad()
-        loss = model(batch, labels=batch).loss
+        loss = causal_lm_loss(model, batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
