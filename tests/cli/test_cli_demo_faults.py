@@ -29,6 +29,11 @@ def _demo(tmp: Path, *args: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     )
 
 
+def _scratch(tmp: Path) -> list[Path]:
+    """The demo's scratch directories in ``tmp`` (``functional-npu-demo-<pid>-<start>-XXXXXXXX``)."""
+    return sorted(tmp.glob("functional-npu-demo-*"))
+
+
 def _ranks(pid: int) -> list[int]:
     """The pids of the ranks ``pid`` started (its children that multiprocessing's spawn runs)."""
     children = Path(f"/proc/{pid}/task/{pid}/children")
@@ -71,11 +76,11 @@ def test_a_demo_killed_before_its_ranks_start_is_cleaned_up_by_the_next_whose_ti
     tmp.mkdir()
     first = _demo(tmp, "--timeout", "2")
     try:  # the tiny model saves and runs its eager pass in about 60 ms: stop the demo the moment its directory shows
-        deadline = time.monotonic() + 60
-        while not _left(tmp) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60  # its own directory: imports may make and remove other files there
+        while not _scratch(tmp) and time.monotonic() < deadline:
             time.sleep(0.002)
         os.kill(first.pid, signal.SIGSTOP)
-        left = _left(tmp)
+        left = _scratch(tmp)
         assert left and not _ranks(first.pid)  # no rank yet, so no watchdog
         first.kill()
         first.wait(timeout=30)
