@@ -1,10 +1,12 @@
 """``plan``: the planner on the command line, and ``generate --plan auto | FILE``.
 
 ``python -m functional_npu plan --model DIR --devices 8 --device 910b --memory-gb 32 --batch 64 --context 4096``
-prints every candidate ranked by modelled step time (bytes per rank, fits or not), why the winner won, and the
-chosen plan as JSON; ``--out FILE`` writes that JSON, which ``generate --plan FILE`` runs. ``generate --plan auto``
-plans for this machine (:func:`functional_npu.runtime.planning.host_profile.host_device`, measured once and cached) with
-``--devices`` ranks, the memory available to each, and the run's own prompts and new tokens as the workload.
+prints every candidate ranked by modelled step time (bytes per rank, bottleneck, fits or not), why the winner won,
+and the chosen plan as JSON; ``--serve CONTEXT`` (with ``--prompt-share`` and ``--max-seqs``) ranks them instead
+by the tokens/s per device each serves at the batch the memory admits. ``--out FILE`` writes the JSON, which
+``generate --plan FILE`` runs. ``generate --plan auto`` plans for this machine
+(:func:`functional_npu.runtime.planning.host_profile.host_device`, measured once and cached) with ``--devices``
+ranks, the memory available to each, and the run's own prompts and new tokens as the workload.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import math
 import os
 import sys
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +39,25 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="memory per device in GB (1e9 bytes); default: the profile's (host: what is available now)",
     )
-    p.add_argument("--batch", type=positive, default=1, help="sequences per step (decode) or prompts (prefill)")
+    p.add_argument("--batch", type=positive, default=None, help="sequences per step (decode) or prompts (prefill)")
     work = p.add_mutually_exclusive_group(required=True)
     work.add_argument("--context", type=positive, help="decode: tokens already in each sequence's cache")
     work.add_argument("--prefill", type=positive, metavar="LENGTH", help="prefill prompts of this many tokens")
+    work.add_argument(
+        "--serve",
+        type=positive,
+        metavar="CONTEXT",
+        help="serving: sequences of CONTEXT positions (prompt and generated), as many at once as the memory left "
+        "after the weights admits; plans are ranked by tokens/s per device",
+    )
+    p.add_argument(
+        "--prompt-share",
+        type=float,
+        default=None,
+        help="with --serve: the share of the tokens processed that are prompt tokens, in [0, 1) (default 0: "
+        "decode alone)",
+    )
+    p.add_argument("--max-seqs", type=int, default=None, help="with --serve: at most this many sequences at once")
     p.add_argument("--dtype", choices=_DTYPES, default=None, help="weights' and cache's dtype (default bfloat16)")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON instead of the table")
     p.add_argument("--out", metavar="FILE", help="write the chosen plan here (for generate --plan FILE)")
@@ -94,10 +112,10 @@ def _choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
             f"--devices {args.devices}: the planner weighs at most {MAX_DEVICES} devices (its work grows "
             f"with them); plan one node's or one replica's devices and repeat that plan over the rest"
         )
+    work_options(args, parser)
     cfg, quant = read_config(args.model), read_quant(args.model)
-    positions = args.context + 1 if args.context else args.prefill
+    flag, positions = _positions(args)
     if positions > cfg.max_position_embeddings:
-        flag = f"--context {args.context}" if args.context else f"--prefill {args.prefill}"
         raise ValueError(
             f"{flag}: the step needs {positions} positions, past the model's {cfg.max_position_embeddings} "
             f"(max_position_embeddings); give at most {cfg.max_position_embeddings - (1 if args.context else 0)}"
@@ -105,18 +123,51 @@ def _choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     dev = device_profile(args.device)
     if dev.name == "host":
         dev = host_device(args.devices)
-    memory = args.memory_gb * 1e9 if args.memory_gb else dev.memory_bytes
+    # exact decimal bytes: the figure a refusal names (rounded up) is accepted when given back
+    memory = int(Decimal(repr(args.memory_gb)) * 10**9) if args.memory_gb else dev.memory_bytes
     if dev.name == "host" and not args.memory_gb:
         memory = _available_bytes() / args.devices
     if not memory:
         parser.error(f"--memory-gb: the {dev.name} profile states no memory per device; give one")
     dtype = getattr(torch, args.dtype or "bfloat16")
-    work = (
-        Workload.decode(args.batch, args.context, dtype)
-        if args.context
-        else Workload.prefill(args.prefill, args.batch, dtype)
-    )
+    if args.serve:
+        work = Workload.serve(args.serve, args.prompt_share or 0.0, args.max_seqs, dtype)
+    elif args.context:
+        work = Workload.decode(args.batch or 1, args.context, dtype)
+    else:
+        work = Workload.prefill(args.prefill, args.batch or 1, dtype)
     return choose_plan(cfg, args.devices, dev, memory, work, quant=quant)
+
+
+def work_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The workload's options agree: ``--prompt-share`` and ``--max-seqs`` go with ``--serve`` (which sizes its
+    own batch), each in range; one line each, before anything is read."""
+    if not args.serve:
+        for flag, value in (("--prompt-share", args.prompt_share), ("--max-seqs", args.max_seqs)):
+            if value is not None:
+                parser.error(f"{flag} goes with --serve CONTEXT (a serving workload); drop it or plan with --serve")
+        return
+    if args.batch is not None:
+        parser.error("--batch: a serving workload sizes its own batch from the memory; cap it with --max-seqs")
+    share = args.prompt_share
+    if share is not None and not 0 <= share < 1:
+        parser.error(
+            f"--prompt-share {share}: the share of tokens that are prompt tokens is a number in [0, 1) (0: decode "
+            f"alone)"
+        )
+    if share is not None and round(share * args.serve) >= args.serve:
+        parser.error(f"--prompt-share {share}: leaves no generated token in a context of {args.serve}")
+    if args.max_seqs is not None and args.max_seqs < 1:
+        parser.error(f"--max-seqs {args.max_seqs}: caps the sequences served at once; give a positive number")
+
+
+def _positions(args: argparse.Namespace) -> tuple[str, int]:
+    """The workload's flag and the positions one sequence needs."""
+    if args.serve:
+        return f"--serve {args.serve}", args.serve
+    if args.context:
+        return f"--context {args.context}", args.context + 1
+    return f"--prefill {args.prefill}", args.prefill
 
 
 def _check_out(out: str, parser: argparse.ArgumentParser) -> None:
@@ -148,7 +199,8 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list) -> Any:
     """The :class:`~functional_npu.placement.Placement` for ``generate --plan auto | FILE``: planned for this machine
-    at ``--devices`` ranks with the run's prompts as the workload, or read from the file (refused if it is for
+    at ``--devices`` ranks with the run's prompts as a serving workload (their context and prompt share, at most as
+    many sequences at once as prompts), or read from the file (refused if it is for
     another model, or another number of ranks than ``--devices``)."""
     import torch
 
@@ -167,7 +219,8 @@ def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: l
     devices = args.devices or 1
     dtype = getattr(torch, args.dtype or "float32")
     longest = max(len(p) for p in prompts)
-    work = Workload.decode(len(prompts), longest + args.max_new_tokens, dtype)
+    context = longest + args.max_new_tokens  # served: the run's prompts, each to its whole context, all at once
+    work = Workload.serve(context, round(longest / context, 6), len(prompts), dtype)
     chosen, report = choose_plan(cfg, devices, host_device(devices), _available_bytes() / devices, work, quant=quant)
     print(f"plan: {report.why()}", file=sys.stderr)
     return chosen

@@ -57,7 +57,7 @@ class Megatron:
 
 @dataclass(frozen=True)
 class CostShape:
-    """What a cost model reads of a config beyond the params' layouts (:mod:`functional_npu.runtime.planning.choose`).
+    """What a cost model reads of a config beyond the params' layouts (:mod:`~functional_npu.runtime.planning`).
 
     Attributes:
         hidden: the residual stream's width (each tensor-parallel reduction moves ``tokens x hidden``).

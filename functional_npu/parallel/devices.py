@@ -1,7 +1,7 @@
 """Device profiles: a device's roofline, memory and links, each figure with its source or marked assumed.
 
 A :class:`Device` is what the cost models read: :mod:`.prefetch_cost` (how far ahead to fetch layer-sharded
-weights) and the planner (:mod:`functional_npu.runtime.planning.choose`, which plan is fastest and fits). The named
+weights) and the planner (:mod:`functional_npu.runtime.planning`, which plan is best and fits). The named
 profiles in :data:`DEVICES` are published figures; ``host`` is this project's CI-class machine, measured
 (:mod:`functional_npu.runtime.planning.host_profile` measures the machine it runs on, which then replaces it).
 
@@ -10,13 +10,14 @@ A collective over ``n`` ranks costs ``alpha + factor * payload / bandwidth`` (:m
 factor is the bytes each rank must move for it in a bandwidth-optimal algorithm (all-reduce
 ``2 (n - 1) / n``, all-gather / reduce-scatter / all-to-all ``(n - 1) / n``, broadcast 1), and the
 bandwidth is what one rank can send at once: ``links`` point-to-point links of a full mesh (Ascend's
-HCCS), one switch port (NVLink, Ascend's UB), or the inter-node network once the group spans nodes.
+HCCS), one switch port (NVLink, Ascend's UB), or the inter-node network once the group's ranks sit on more
+than one node (rank ``r`` on node ``r // node_size``: :meth:`Device.nodes_spanned`).
 A profile measured per collective (``measured``) uses its own alpha and per-byte time instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["Link", "Device", "DEVICES", "ALIASES", "COLLECTIVES", "device", "collective_factor"]
@@ -72,9 +73,11 @@ class Device:
     assumed: tuple[str, ...] = ()
     overlap: bool = True
 
-    def collective_s(self, name: str, n: int, payload_bytes: float) -> float:
+    def collective_s(self, name: str, n: int, payload_bytes: float, *, nodes: int | None = None) -> float:
         """Seconds one collective ``name`` over ``n`` ranks takes for a payload of ``payload_bytes``
-        (0 on one rank)."""
+        (0 on one rank). ``nodes``: how many nodes the group's ranks sit on (:meth:`nodes_spanned`; ``None``: as
+        few as ``n`` ranks can, i.e. consecutive ranks). A group on more than one node runs at the inter-node
+        link's rate, one port per device."""
         if name not in COLLECTIVES:
             raise ValueError(f"collective {name!r} is not modelled; choose from {', '.join(COLLECTIVES)}")
         if n <= 1:
@@ -82,10 +85,21 @@ class Device:
         if f"{name}/{n}" in self.measured:
             alpha, per_byte = self.measured[f"{name}/{n}"]
             return alpha + payload_bytes * per_byte
-        across = self.node_size is not None and n > self.node_size and self.inter_node is not None
-        link = self.inter_node if across else self.link
+        link = self.link_for(nodes if nodes is not None else self.nodes_spanned(range(n)))
+        across = link is not self.link
         width = 1 if across or name == "broadcast" else min(self.links, n - 1)
         return link.alpha_s + collective_factor(name, n) * payload_bytes / (link.bytes_per_s * width)
+
+    def nodes_spanned(self, ranks: Iterable[int]) -> int:
+        """How many nodes the global ``ranks`` sit on: rank ``r`` on node ``r // node_size`` (ranks filled node
+        by node, as launchers place them); 1 when the profile has no nodes."""
+        if self.node_size is None:
+            return 1
+        return len({r // self.node_size for r in ranks})
+
+    def link_for(self, nodes: int) -> Link:
+        """The link a group on ``nodes`` nodes runs at: the inter-node one once it spans nodes."""
+        return self.inter_node if nodes > 1 and self.inter_node is not None else self.link
 
 
 def collective_factor(name: str, n: int) -> float:

@@ -2,6 +2,7 @@
 planner's choice run against transformers, and plan files for another model or mesh refused by name."""
 
 import json
+from decimal import Decimal
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_generate_runs_the_planners_choice_with_transformers_tokens(qwen3, tmp_p
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["token_ids"] == qwen3[1]
-    assert out.stderr.startswith("plan: ") and " ms per step" in out.stderr
+    assert out.stderr.startswith("plan: ") and "sequences at once" in out.stderr  # the run's prompts, served
     assert list((tmp_path / "host-profile").glob("*world2.json"))  # measured once, kept for the next run
 
 
@@ -116,6 +117,44 @@ def test_bad_plan_arguments_are_one_line(qwen3, args, message, capsys):
     try:
         code = main(argv)
     except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2 and message in captured.err and captured.out == ""
+    assert len([ln for ln in captured.err.strip().splitlines() if "error" in ln]) == 1
+
+
+def test_plan_serve_ranks_by_tokens_per_device_and_a_refused_figure_is_accepted_given_back(qwen3, capsys):
+    argv = ["plan", "--model", str(qwen3[0]), "--devices", "4", "--device", "910b", "--serve", "64"]
+    assert main(argv + ["--prompt-share", "0.25", "--max-seqs", "16", "--memory-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "serving, context 64, 25% prompt tokens, at most 16 sequences" in out
+    assert "| rank | plan | batch | tok/s/device | step ms |" in out and "sequences at once" in out
+    assert main(argv + ["--memory-gb", "0.00001"]) == 2
+    err = capsys.readouterr().err
+    figure = err.split("the smallest need is ")[1].split(" per device")[0]
+    number, unit = figure.split(" ")
+    gb = Decimal(number) * {"GB": 1, "MB": Decimal("1e-3"), "kB": Decimal("1e-6"), "B": Decimal("1e-9")}[unit]
+    assert main(argv + ["--memory-gb", str(gb), "--json"]) == 0  # exactly the figure named
+    assert json.loads(capsys.readouterr().out)["candidates"][0]["batch"] >= 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--serve", "64", "--prompt-share", "1.5"], "--prompt-share 1.5: the share of tokens that are prompt tokens"),
+        (["--serve", "64", "--prompt-share", "nan"], "--prompt-share nan: the share"),
+        (["--serve", "4", "--prompt-share", "0.9"], "--prompt-share 0.9: leaves no generated token in a context of 4"),
+        (["--serve", "64", "--max-seqs", "0"], "--max-seqs 0: caps the sequences served at once"),
+        (["--serve", "64", "--batch", "8"], "--batch: a serving workload sizes its own batch from the memory"),
+        (["--serve", "300"], "--serve 300: the step needs 300 positions, past the model's 256"),
+        (["--context", "64", "--prompt-share", "0.5"], "--prompt-share goes with --serve CONTEXT"),
+        (["--context", "64", "--max-seqs", "4"], "--max-seqs goes with --serve CONTEXT"),
+    ],
+)
+def test_bad_serving_arguments_are_one_line(qwen3, args, message, capsys):
+    try:
+        code = main(["plan", "--model", str(qwen3[0]), "--devices", "2", "--device", "910b", *args])
+    except SystemExit as e:
         code = e.code
     captured = capsys.readouterr()
     assert code == 2 and message in captured.err and captured.out == ""

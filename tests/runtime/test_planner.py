@@ -4,6 +4,7 @@ never slower, a refusal names a memory that does fit), the device profiles, and 
 import dataclasses
 import json
 import math
+from decimal import Decimal
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from functional_npu.parallel.devices import DEVICES, Device, Link, collective_fa
 from functional_npu.parallel.layer_shard import resident_bytes
 from functional_npu.runtime.loading.checkpoint import load_checkpoint
 from functional_npu.runtime.loading.save import save_checkpoint
-from functional_npu.runtime.planning.choose import PlanDoesNotFit, Workload, candidates, choose_plan, estimate
+from functional_npu.runtime.planning import PlanDoesNotFit, Workload, candidates, choose_plan, estimate, gb_at_least
 
 from ..support.configs import DENSE, MLA, MOE
 
@@ -84,9 +85,11 @@ def test_more_memory_never_gives_a_slower_plan_and_the_choice_fits(low, extra, c
     for mb in (low, low + extra):
         try:
             c, report = choose_plan(cfg, 4, "910b", mb * 1e6, work)
-        except PlanDoesNotFit as e:
-            need = float(str(e).split("the smallest need is ")[1].split(" ")[0]) * _unit(str(e))
-            c, report = choose_plan(cfg, 4, "910b", need * 1.001, work)
+        except PlanDoesNotFit as e:  # the figure named, read back exactly, is accepted: no slack
+            figure = str(e).split("the smallest need is ")[1].split(" per device")[0]
+            assert figure == e.figure and _bytes(figure) >= e.need
+            c, report = choose_plan(cfg, 4, "910b", _bytes(figure), work)
+            assert report.chosen.bytes["total"] == e.need
             chosen[mb] = None
             continue
         assert report.chosen.fits and report.chosen.bytes["total"] <= mb * 1e6
@@ -97,9 +100,17 @@ def test_more_memory_never_gives_a_slower_plan_and_the_choice_fits(low, extra, c
         assert b is not None and b <= a
 
 
-def _unit(message: str) -> float:
-    unit = message.split("the smallest need is ")[1].split(" ")[1]
-    return {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
+def _bytes(figure: str) -> int:
+    """``"1.23 MB"`` as exact bytes (decimal units)."""
+    number, unit = figure.split(" ")
+    return int(Decimal(number) * {"GB": 10**9, "MB": 10**6, "kB": 10**3, "B": 1}[unit])
+
+
+def test_a_refused_figure_is_rounded_up_never_to_nearest():
+    """67,164,931,072 bytes once read "67.16 GB", which is refused when given back."""
+    assert gb_at_least(67_164_931_072) == "67.17 GB" and _bytes("67.17 GB") >= 67_164_931_072
+    assert gb_at_least(67_170_000_000) == "67.17 GB"  # exact stays exact
+    assert gb_at_least(999) == "999 B" and gb_at_least(1001) == "1.01 kB"
 
 
 def test_a_refusal_names_the_smallest_memory_and_its_plan():
@@ -155,7 +166,7 @@ def test_profiles_name_their_sources_and_assumptions():
         (lambda: choose_plan(DENSE, 4, "910b", -1, WORK), r"memory_per_device must be a positive number of bytes"),
         (lambda: choose_plan(DENSE, 0, "910b", 1e9, WORK), r"devices must be a positive int, got 0"),
         (lambda: Workload.decode(8, 0), r"decode needs a positive context"),
-        (lambda: Workload("train", 8), r"kind must be 'decode' or 'prefill', got 'train'"),
+        (lambda: Workload("train", 8), r"kind must be 'decode', 'prefill' or 'serve', got 'train'"),
     ],
 )
 def test_bad_input_is_one_line(call, message):

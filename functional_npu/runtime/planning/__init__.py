@@ -1,22 +1,16 @@
-"""Choosing the plan: every candidate plan's modelled step and bytes per rank on a device profile, the fastest
-that fits; this machine's own profile, measured once and cached.
+"""Choosing the plan: every candidate plan's modelled step or served throughput and its bytes per rank on a device
+profile, the best that fits; this machine's own profile, measured once and cached.
 
-- :mod:`.choose`: ``choose_plan``, ``Workload``, ``candidates``, ``estimate``;
+- :mod:`.step_model`: ``Workload``, ``Candidate``, ``Estimate``, ``estimate`` (one step of one candidate);
+- :mod:`.serve`: ``Served``, ``serve_estimate`` (the batch a budget admits and the tokens/s it serves);
+- :mod:`.choose`: ``choose_plan``, ``candidates``, ``Report``, ``PlanDoesNotFit``;
 - :mod:`.host_profile`: ``host_device``, this host measured.
 """
 
-from .choose import (
-    MAX_DEVICES,
-    Candidate,
-    Estimate,
-    PlanDoesNotFit,
-    Report,
-    Workload,
-    candidates,
-    choose_plan,
-    estimate,
-)
+from .choose import MAX_DEVICES, PlanDoesNotFit, Report, candidates, choose_plan, gb_at_least
 from .host_profile import host_device, measure, profile_path
+from .serve import Served, serve_estimate
+from .step_model import Candidate, Estimate, Workload, estimate
 
 __all__ = [
     "choose_plan",
@@ -24,10 +18,13 @@ __all__ = [
     "Workload",
     "Candidate",
     "Estimate",
+    "Served",
     "Report",
     "PlanDoesNotFit",
     "candidates",
     "estimate",
+    "serve_estimate",
+    "gb_at_least",
     "host_device",
     "measure",
     "profile_path",

@@ -1,207 +1,118 @@
-"""Choose the plan: every candidate plan of a model on ``n`` devices, its modelled step time and bytes per rank.
+"""Choose the plan: every candidate plan of a model on ``n`` devices, ranked for a workload.
 
-:func:`choose_plan` answers "this model, these devices, this much memory each, this workload: which plan is
-fastest, and does it fit?". It enumerates the candidates (:func:`candidates`: every ``dp x tp`` split, expert
+:func:`choose_plan` answers "this model, these devices, this much memory each, this workload: which plan serves it
+best, and does it fit?". It enumerates the candidates (:func:`candidates`: every ``dp x tp`` split, expert
 parallelism for a model with experts, each module's TP over the dp ranks, layer-sharded series with the
-prefetch step the cost model picks), checks each with :func:`~functional_npu.placement.place` (a plan
-the model cannot run is reported with the reason, never ranked), and estimates each (:func:`estimate`):
+prefetch step the cost model picks) and prices each: for a fixed batch (decode or prefill), by its modelled step
+(:func:`~.step_model.estimate`), the fastest that fits winning; for a serving workload, by the batch the budget
+admits and the tokens/s per device it serves (:func:`~.serve.serve_estimate`), the most winning. A plan the model
+cannot run is reported with the reason, never ranked; so is a layer-sharded plan that saves no memory (its owned
+layers and ring hold at least what the same split holds replicated).
 
-- **bytes per rank**, counted from the real layouts at every coordinate (the rank that holds the most): the
-  weights in the workload's dtype (a quantized checkpoint's stored tensors as stored), the KV cache the
-  family's own ``init_kv`` allocates for the rank's sequences (on the meta device), the prefetch ring's
-  ``k + 1`` slots of one layer, and the activations (an estimate: a few ``tokens x hidden`` buffers and the
-  rank's logits);
-- **step time**: the weights the step reads (every held weight once; of the experts, the share the step's
-  tokens are expected to touch) and the KV cache at the device's memory bandwidth, or the step's FLOPs at its
-  peak, whichever is slower; plus each collective on the critical path as ``alpha + bytes / bandwidth``
-  (:meth:`~functional_npu.parallel.devices.Device.collective_s`): tensor-parallel reductions, module TP's
-  exchanges, expert dispatch and combine; plus the layer-shard broadcasts' exposed time from the prefetch
-  cost model (:mod:`~functional_npu.parallel.prefetch_cost`).
-
-The winner is the fastest candidate that fits; the report says why (the runner-up's step time, and what the
-faster plans lacked in memory). Nothing here reads a checkpoint or starts a process.
+The report says why the winner won (the runner-up, and what the better plans lacked in memory); a refusal names
+the smallest memory per device that would fit, rounded up so that the figure given back is accepted. Nothing here
+reads a checkpoint or starts a process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ...core.mesh import Mesh
-from ...core.shard import local_shape
-from ...models import family_of
 from ...parallel.devices import Device
 from ...parallel.devices import device as device_profile
-from ...parallel.eplb_map import EXPERT_LEAVES
 from ...parallel.layer_shard import layer_shard
-from ...parallel.module_tp import MODULES, dp_axes, split_dp
+from ...parallel.module_tp import MODULES, split_dp
 from ...parallel.plan import Plan
-from ...parallel.prefetch_cost import choose_k, exposed
-from ...placement.placement import Placement, place
+from ...placement.placement import Placement
 from ...placement.quant_config import QuantConfig
+from .serve import Served, serve_estimate
+from .step_model import Candidate, Estimate, Workload, cost_shape, estimate
 
 # the most devices a plan is made for (every candidate's bytes are counted at every rank)
 MAX_DEVICES = 1024
 
-__all__ = ["Workload", "Candidate", "Estimate", "Report", "candidates", "estimate", "choose_plan", "PlanDoesNotFit"]
+__all__ = ["Report", "candidates", "choose_plan", "PlanDoesNotFit", "MAX_DEVICES", "gb_at_least"]
 
 SERIES_CHOICES = ("o_proj", "o_proj,down_proj", "layer")  # the layer-sharded series a candidate may use
 
 
 class PlanDoesNotFit(ValueError):
-    """No candidate fits the memory budget; the message names the smallest memory that would and its plan."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one step does: ``decode`` (one new token for each of ``batch`` sequences holding ``context``
-    tokens) or ``prefill`` (``batch`` prompts of ``length`` tokens), with weights and cache in ``dtype``."""
-
-    kind: str
-    batch: int = 1
-    context: int = 0
-    length: int = 0
-    dtype: torch.dtype = torch.bfloat16
-
-    def __post_init__(self) -> None:
-        def positive(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-        if self.kind not in ("decode", "prefill"):
-            raise ValueError(f"workload: kind must be 'decode' or 'prefill', got {self.kind!r}")
-        if not positive(self.batch):
-            raise ValueError(f"workload: batch must be a positive int, got {self.batch!r}")
-        size = self.context if self.kind == "decode" else self.length
-        if not positive(size):
-            what = "context (tokens in each sequence's cache)" if self.kind == "decode" else "length (prompt tokens)"
-            raise ValueError(f"workload: {self.kind} needs a positive {what}, got {size!r}")
-
-    @staticmethod
-    def decode(batch: int, context: int, dtype: torch.dtype = torch.bfloat16) -> Workload:
-        return Workload("decode", batch, context=context, dtype=dtype)
-
-    @staticmethod
-    def prefill(length: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> Workload:
-        return Workload("prefill", batch, length=length, dtype=dtype)
-
-    @property
-    def cache_len(self) -> int:
-        """Positions each sequence's cache holds after the step."""
-        return self.context + 1 if self.kind == "decode" else self.length
-
-    @property
-    def new_tokens(self) -> int:
-        """Tokens per sequence the step computes."""
-        return 1 if self.kind == "decode" else self.length
-
-    def __str__(self) -> str:
-        if self.kind == "decode":
-            return f"decode, batch {self.batch}, context {self.context}"
-        return f"prefill of {self.length} tokens" + (f" x {self.batch}" if self.batch > 1 else "")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A mesh (axis sizes) and a plan over it; ``name`` is how reports show it."""
-
-    name: str
-    axes: dict[str, int]
-    plan: Plan
-
-    @property
-    def devices(self) -> int:
-        return math.prod(self.axes.values())
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """One candidate's modelled step and bytes on its busiest rank.
+    """No candidate fits the memory budget; the message names the smallest memory that would and its plan.
 
     Attributes:
-        step_s: the modelled step time; ``parts``: its terms (``memory_s``, ``compute_s``, one per collective kind,
-            ``prefetch_exposed_s``), ``step_s`` being ``max(memory_s, compute_s)`` plus the rest.
-        bytes: ``weights``, ``kv_cache``, ``prefetch``, ``activations`` and ``total`` on the rank holding the most.
-        fits: ``bytes["total"] <= memory``.
+        need: that memory in bytes (exact); ``figure``: as the message states it, rounded up (never below ``need``).
+        plan: the candidate that would use it.
     """
 
-    candidate: Candidate
-    step_s: float
-    parts: dict[str, float]
-    bytes: dict[str, int]
-    fits: bool
-    placement: Placement = field(repr=False)  # the candidate checked on the model, its prefetch step chosen
+    def __init__(self, message: str, need: int = 0, figure: str = "", plan: str = ""):
+        super().__init__(message)
+        self.need, self.figure, self.plan = need, figure, plan
 
-    def row(self) -> dict[str, Any]:
-        """JSON-ready."""
-        return {
-            "plan": self.candidate.name,
-            "axes": self.candidate.axes,
-            "step_ms": self.step_s * 1e3,
-            "parts_ms": {k: v * 1e3 for k, v in self.parts.items()},
-            "bytes_per_rank": self.bytes,
-            "fits": self.fits,
-        }
+
+Ranked = Estimate | Served
 
 
 @dataclass(frozen=True)
 class Report:
-    """Every candidate considered, ranked (fitting ones first, fastest first), the chosen one and why."""
+    """Every candidate considered, ranked (fitting ones first; then the fastest step for a fixed batch, the most
+    tokens/s per device for a serving workload), the chosen one and why."""
 
     model: str
     device: Device
     devices: int
     memory_per_device: float
     workload: Workload
-    ranked: list[Estimate]
-    refused: list[tuple[str, str]] = field(default_factory=list)  # (candidate, why the model cannot run it)
+    ranked: list[Ranked]
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (candidate, why it is not ranked)
 
     @property
-    def chosen(self) -> Estimate:
+    def chosen(self) -> Ranked:
         return self.ranked[0]
 
+    @property
+    def serving(self) -> bool:
+        return self.workload.kind == "serve"
+
     def why(self) -> str:
-        """One paragraph: the winner's step and bytes, the runner-up, and the faster plans that did not fit."""
+        """One paragraph: the winner's figure and bytes, the runner-up, and the better plans that did not fit."""
         best = self.chosen
-        out = (
-            f"{best.candidate.name}: {best.step_s * 1e3:.3g} ms per step, {_gb(best.bytes['total'])} per rank "
-            f"of {_gb(self.memory_per_device)}"
-        )
         fitting = [e for e in self.ranked if e.fits]
+        out = f"{best.candidate.name}: {_figure(best)}, {_gb(best.bytes['total'])} per rank of "
+        out += f"{_gb(self.memory_per_device)}, waiting on {best.bottleneck}"
         if len(fitting) > 1:
-            second = fitting[1]
-            out += f"; the next fastest that fits, {second.candidate.name}, takes {second.step_s * 1e3:.3g} ms"
-        faster = [e for e in self.ranked if not e.fits and e.step_s < best.step_s]
-        if faster:
-            f = min(faster, key=lambda e: e.step_s)
+            out += f"; the next best that fits, {fitting[1].candidate.name}: {_figure(fitting[1])}"
+        better = [e for e in self.ranked if not e.fits and _key(self.workload, e)[1:2] < _key(self.workload, best)[1:2]]
+        if better and not self.serving:
+            f = min(better, key=lambda e: e.step_s)
             out += (
-                f"; {len(faster)} faster plan(s) do not fit, the fastest {f.candidate.name} "
+                f"; {len(better)} faster plan(s) do not fit, the fastest {f.candidate.name} "
                 f"({f.step_s * 1e3:.3g} ms) needs {_gb(f.bytes['total'])}"
             )
         return out
 
     def table(self) -> str:
-        """The ranked table (plan, step time, bytes per rank, fits), as Markdown."""
+        """The ranked table (plan, figures, bytes per rank by kind, bottleneck, fits), as Markdown."""
+        head = "| rank | plan | step ms |" if not self.serving else "| rank | plan | batch | tok/s/device | step ms |"
         lines = [
             f"{self.model} on {self.devices} x {self.device.name} ({_gb(self.memory_per_device)} each), "
             f"{self.workload}",
             "",
-            "| rank | plan | step ms | weights | KV cache | prefetch | activations | total / rank | fits |",
-            "|---|---|---|---|---|---|---|---|---|",
+            head + " weights | KV cache | prefetch | activations | total / rank | bottleneck | fits |",
+            "|---" * (head.count("|") + 6) + "|",
         ]
         for i, e in enumerate(self.ranked, 1):
             b = e.bytes
+            served = f" {e.batch} | {e.per_device:.4g} |" if self.serving else ""
             lines.append(
-                f"| {i} | {e.candidate.name} | {e.step_s * 1e3:.3g} | {_gb(b['weights'])} | {_gb(b['kv_cache'])} "
-                f"| {_gb(b['prefetch'])} | {_gb(b['activations'])} | {_gb(b['total'])} "
-                f"| {'yes' if e.fits else 'no'} |"
+                f"| {i} | {e.candidate.name} |{served} {e.step_s * 1e3:.3g} | {_gb(b['weights'])} "
+                f"| {_gb(b['kv_cache'])} | {_gb(b['prefetch'])} | {_gb(b['activations'])} | {_gb(b['total'])} "
+                f"| {e.bottleneck} | {'yes' if e.fits else 'no'} |"
             )
         if self.refused:
-            lines += ["", f"{len(self.refused)} candidate(s) the model cannot run:"]
+            lines += ["", f"{len(self.refused)} candidate(s) not ranked:"]
             lines += [f"- {name}: {why}" for name, why in self.refused]
         return "\n".join(lines)
 
@@ -219,12 +130,37 @@ class Report:
         }
 
 
+def _figure(e: Ranked) -> str:
+    if isinstance(e, Served):
+        return f"{e.batch} sequences at once, {e.per_device:.4g} tokens/s per device"
+    return f"{e.step_s * 1e3:.3g} ms per step"
+
+
+def _key(workload: Workload, e: Ranked) -> tuple:
+    """The ranking: fitting first; the most tokens/s per device (serving) or the fastest step; then fewer bytes."""
+    figure = -e.per_device if workload.kind == "serve" else e.step_s
+    return (not e.fits, figure, e.bytes["total"], e.candidate.name)
+
+
+_UNITS = (("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+
 def _gb(n: float) -> str:
     """Bytes in decimal units (GB = 1e9 bytes, as device memory is stated)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, size in _UNITS:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def gb_at_least(n: int) -> str:
+    """``n`` bytes in decimal units with two decimals, rounded up: the figure, read back as that many units
+    (``Decimal``), is never below ``n`` (``_gb`` rounds to nearest, which can name a memory that is refused)."""
+    for unit, size in _UNITS:
+        if n >= size:
+            hundredths = -(-int(n) * 100 // size)
+            return f"{hundredths // 100}.{hundredths % 100:02d} {unit}"
+    return f"{math.ceil(n)} B"
 
 
 def _divisors(n: int) -> list[int]:
@@ -244,7 +180,7 @@ def candidates(cfg: Any, devices: int) -> list[Candidate]:
             f"candidate's bytes at every rank, so its work grows with the devices; plan one node's or one replica's "
             f"devices (at most {MAX_DEVICES}) and repeat that plan over the rest with data parallelism"
         )
-    experts = getattr(_shape(cfg), "experts", 0)
+    experts = getattr(cost_shape(cfg), "experts", 0)
     out: list[Candidate] = []
     for tp in _divisors(devices):
         dp = devices // tp
@@ -264,150 +200,6 @@ def candidates(cfg: Any, devices: int) -> list[Candidate]:
     return out
 
 
-def _shape(cfg: Any) -> Any:
-    family = family_of(cfg)
-    if family.cost is None:
-        raise ValueError(
-            f"choose_plan: the {family.name} family ({cfg.architecture}) has no cost rules yet: it needs a "
-            f"Family.cost giving the sizes the cost model reads (models.family.CostShape)"
-        )
-    return family.cost(cfg)
-
-
-def estimate(
-    cfg: Any,
-    candidate: Candidate,
-    device: Device | str,
-    workload: Workload,
-    *,
-    memory_per_device: float = math.inf,
-    quant: QuantConfig | None = None,
-) -> Estimate:
-    """The modelled step and bytes of ``candidate`` (see the module docstring).
-
-    Raises:
-        ValueError: the model cannot run the candidate (:func:`~functional_npu.placement.place`'s message).
-    """
-    dev, shape = device_profile(device), _shape(cfg)
-    placed = place(cfg, candidate.axes, candidate.plan, quant, where=candidate.name)
-    plan, mesh = placed.plan, Mesh.abstract(candidate.axes, 0)
-    e = workload.dtype.itemsize
-    data = dp_axes(mesh, plan.tp)
-    dp, tp = mesh.axis_size(data), mesh.axis_size(plan.tp)
-    seqs = math.ceil(workload.batch / dp)  # sequences on the busiest dp rank
-    tokens = seqs * workload.new_tokens
-    ls = plan.layer_shard
-    weights, series, layer_series, experts = _held(placed, mesh, e)
-
-    # KV cache: the family's own allocation for this rank's sequences, on the meta device
-    with torch.device("meta"):
-        kv = family_of(cfg).blocks(cfg, plan).init_kv(mesh, seqs, workload.cache_len, workload.dtype)
-    kv_bytes = sum(t.numel() * t.element_size() for layer in kv for t in layer)
-
-    # what the step reads: every held weight but the experts once, the experts its tokens touch (uniform
-    # routing over the expert group's tokens), every layer's series (its own and the ones broadcast to it)
-    ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
-    routed_tokens = tokens * ep
-    touched = 1 - (1 - shape.top_k / shape.experts) ** routed_tokens if shape.experts else 1.0
-    dense = weights - experts - series + layer_series * shape.layers
-    read = dense + touched * experts + (kv_bytes if workload.kind == "decode" else 0)
-    flops = 2 * tokens * dense / e
-    if shape.experts:  # each routed (token, expert) pair multiplies one expert's held share
-        flops += 2 * routed_tokens * shape.top_k / shape.experts * experts / e
-    ctx = workload.context if workload.kind == "decode" else workload.length / 2
-    flops += 4 * tokens * ctx * shape.attn_width / tp * shape.layers  # scores and values
-    memory_s = read / dev.memory_bytes_per_s
-    compute_s = flops / dev.flop_per_s
-    parts: dict[str, float] = {"memory_s": memory_s, "compute_s": compute_s}
-
-    # collectives on the critical path
-    comm = _collectives(shape, mesh, plan, tokens, seqs, e)
-    for kind, n, payload, count in comm:
-        parts[kind] = parts.get(kind, 0.0) + count * dev.collective_s(kind, n, payload)
-
-    # layer-shard broadcasts: their exposed time under the prefetch schedule
-    ring, k = 0, 0
-    if ls is not None and mesh.axis_size(ls.axis) > 1:
-        per_layer = max(memory_s, compute_s) / shape.layers
-        k = plan.prefetch_step if isinstance(plan.prefetch_step, int) and plan.prefetch_step else None
-        if k is None:
-            k = choose_k(layer_series, num_layers=shape.layers, compute_s=per_layer, link=dev.link)
-        occupy = layer_series / dev.link.bytes_per_s
-        latency = dev.link.time(layer_series)
-        hidden = exposed(shape.layers, k, per_layer, occupy, latency) if dev.overlap else 1.0
-        parts["prefetch_exposed_s"] = hidden * shape.layers * latency
-        ring = (k + 1) * layer_series
-        candidate = dataclasses.replace(candidate, plan=dataclasses.replace(plan, prefetch_step=k))
-        placed = placed.with_plan(candidate.plan, candidate.name)
-    step = max(memory_s, compute_s) + sum(v for name, v in parts.items() if name not in ("memory_s", "compute_s"))
-
-    logits_rows = seqs  # the step's last tokens
-    vocab_local = shape.vocab / max(1, tp)
-    activations = int(tokens * (8 * shape.hidden + 2 * shape.attn_width / tp) * e + logits_rows * vocab_local * 4)
-    total = weights + kv_bytes + ring + activations
-    sizes = {"weights": weights, "kv_cache": kv_bytes, "prefetch": ring, "activations": activations, "total": total}
-    return Estimate(candidate, step, parts, sizes, total <= memory_per_device, placed)
-
-
-def _held(placed: Placement, mesh: Mesh, e: int) -> tuple[int, int, int, int]:
-    """On the rank holding the most weight bytes (floats at ``e`` bytes): ``(weights, layer-sharded series, one
-    layer of the series, experts)`` in bytes, counted from every leaf's layout at every coordinate."""
-    held, series_held, series_layer, expert_held = ([0] * mesh.size for _ in range(4))
-    coords = [mesh.at(r) for r in range(mesh.size)]
-    shapes: dict[tuple, tuple[int, ...]] = {}  # layers repeat their leaves' shapes and layouts: cut each once
-    for path, m in placed.meta_leaves.items():
-        size = e if m.dtype.is_floating_point else m.element_size()
-        parts_of, layout = path.split("."), placed.layouts[path]
-        for r in range(mesh.size):
-            key = (tuple(m.shape), layout, r)
-            if key not in shapes:
-                shapes[key] = tuple(local_shape(m.shape, layout, coords[r], path=path))
-            local = shapes[key]
-            n = math.prod(local) * size
-            held[r] += n
-            if parts_of[0] == "series":  # stacked [owned layers, ...]: one layer is the rest
-                series_held[r] += n
-                series_layer[r] += math.prod(local[1:]) * size
-            if any(x in EXPERT_LEAVES for x in parts_of):
-                expert_held[r] += n
-    busiest = max(range(mesh.size), key=lambda r: (held[r], r))
-    return held[busiest], series_held[busiest], series_layer[busiest], expert_held[busiest]
-
-
-def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int) -> list[tuple]:
-    """``(kind, group size, payload bytes, count per step)`` for the collectives a step waits on."""
-    d, layers = shape.hidden, shape.layers
-    tp = mesh.axis_size(plan.tp)
-    moe = set(shape.moe_layers)
-    out: list[tuple] = []
-    ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
-    mtp = plan.module_tp
-    if tp > 1:  # vocab-parallel embedding, attention and FFN reductions, the head's logits
-        out.append(("all_reduce", tp, tokens * d * e, 1 + layers + (layers - len(moe) if ep > 1 else layers)))
-        out.append(("all_gather", tp, seqs * shape.vocab * 4, 1))
-    if ep > 1 and moe:  # dispatch and combine
-        out.append(("all_to_all", ep, tokens * shape.top_k * d * e, 2 * len(moe)))
-    for module, axes in mtp.items():
-        n = mesh.axis_size(axes) if axes else 1
-        if n <= 1:
-            continue
-        group = n * tokens
-        if module == "o_proj":
-            out.append(("all_to_all", n, group * shape.attn_width / tp * e, layers))
-            out.append(("reduce_scatter", n, group * d * e, layers))
-        elif module == "mlp":
-            dense = layers - len(moe)
-            out.append(("all_gather", n, group * d * e, dense))
-            out.append(("reduce_scatter", n, group * d * e, dense))
-        elif module == "lm_head":
-            out.append(("all_gather", n, n * seqs * d * e, 1))
-            out.append(("all_to_all", n, n * seqs * shape.vocab / tp * 4, 1))
-        elif module == "embed":
-            out.append(("all_gather", n, group * 8, 1))
-            out.append(("reduce_scatter", n, group * d * e, 1))
-    return out
-
-
 def choose_plan(
     model_config: Any,
     devices: int,
@@ -417,16 +209,17 @@ def choose_plan(
     *,
     quant: QuantConfig | None = None,
 ) -> tuple[Placement, Report]:
-    """The fastest plan (and its mesh) for ``model_config`` on ``devices`` devices of ``device`` with
-    ``memory_per_device`` bytes each, and the report of every candidate.
+    """The best plan (and its mesh) for ``model_config`` on ``devices`` devices of ``device`` with
+    ``memory_per_device`` bytes each, and the report of every candidate: the fastest step that fits for a fixed
+    batch, the most tokens/s per device at the batch the memory admits for a serving workload.
 
     Returns:
         ``(placement, report)``: the chosen plan's :class:`~functional_npu.placement.Placement` (its ``plan`` with
         the prefetch step when layer-sharded, its ``mesh_shape`` the mesh's axis sizes; ``to_json()`` the plan file).
 
     Raises:
-        PlanDoesNotFit: no candidate fits; the message names the smallest memory per device that would fit and
-            the plan that would use it.
+        PlanDoesNotFit: no candidate fits (serving: not one sequence); the message names the smallest memory per
+            device that would fit, rounded up, and the plan that would use it.
         ValueError: an unknown device (the message lists the known ones), a bad budget or workload, or a family
             without cost rules.
     """
@@ -438,26 +231,84 @@ def choose_plan(
             f"choose_plan: memory_per_device must be a positive number of bytes, got {memory_per_device!r}"
         )
     if not isinstance(workload, Workload):
-        raise ValueError(f"choose_plan: workload must be a Workload (decode or prefill), got {workload!r}")
-    estimates, refused = [], []
-    for c in candidates(model_config, devices):
-        try:
-            estimates.append(estimate(model_config, c, dev, workload, memory_per_device=memory_per_device, quant=quant))
-        except ValueError as e:
-            refused.append((c.name, " ".join(str(e).split())))
+        raise ValueError(f"choose_plan: workload must be a Workload (decode, prefill or serve), got {workload!r}")
+    _check_profile(dev)
+    estimates, refused = _priced(model_config, devices, dev, workload, memory_per_device, quant)
     if not estimates:
         raise ValueError(
             f"choose_plan: no candidate plan of {model_config.architecture} runs on {devices} devices: "
             + "; ".join(f"{n}: {w}" for n, w in refused[:3])
         )
-    ranked = sorted(estimates, key=lambda x: (not x.fits, x.step_s, x.bytes["total"], x.candidate.name))
+    ranked = sorted(estimates, key=lambda e: _key(workload, e))
     report = Report(model_config.architecture, dev, devices, memory_per_device, workload, ranked, refused)
     if not ranked[0].fits:
         least = min(estimates, key=lambda x: (x.bytes["total"], x.step_s))
+        need, figure = least.bytes["total"], gb_at_least(least.bytes["total"])
+        what = f"serves one sequence of {workload.context} positions in" if report.serving else "fits"
         raise PlanDoesNotFit(
-            f"choose_plan: no plan of {model_config.architecture} on {devices} x {dev.name} fits "
-            f"{_gb(memory_per_device)} per device for {workload}; the smallest need is "
-            f"{_gb(least.bytes['total'])} per device ({least.candidate.name}): give each device at least that, "
-            f"or use more devices"
+            f"choose_plan: no plan of {model_config.architecture} on {devices} x {dev.name} {what} "
+            f"{_gb(memory_per_device)} per device for {workload}; the smallest need is {figure} per device "
+            f"({least.candidate.name}): give each device at least that, or use more devices",
+            need,
+            figure,
+            least.candidate.name,
         )
     return ranked[0].placement, report
+
+
+def _priced(
+    cfg: Any, devices: int, dev: Device, workload: Workload, memory: float, quant: QuantConfig | None
+) -> tuple[list[Ranked], list[tuple[str, str]]]:
+    """Every candidate priced for ``workload``, and the ones not ranked with why: those the model cannot run,
+    and the layer-sharded ones that save no memory against the same split replicated."""
+    priced: list[Ranked] = []
+    refused: list[tuple[str, str]] = []
+    for c in candidates(cfg, devices):
+        try:
+            if workload.kind == "serve":
+                priced.append(serve_estimate(cfg, c, dev, workload, memory_per_device=memory, quant=quant))
+            else:
+                priced.append(estimate(cfg, c, dev, workload, memory_per_device=memory, quant=quant))
+        except ValueError as e:
+            refused.append((c.name, " ".join(str(e).split())))
+    replicated = {_axes_key(e): e.bytes["weights"] for e in priced if e.candidate.plan == Plan()}
+    kept = []
+    for e in priced:
+        plain = replicated.get(_axes_key(e))
+        held = e.bytes["weights"] + e.bytes["prefetch"]
+        if e.candidate.plan.layer_shard is not None and plain is not None and held >= plain:
+            refused.append((e.candidate.name, _no_saving(e, held, plain)))
+        else:
+            kept.append(e)
+    return kept, refused
+
+
+def _axes_key(e: Ranked) -> tuple:
+    return tuple(sorted(e.candidate.axes.items()))
+
+
+def _no_saving(e: Ranked, held: int, plain: int) -> str:
+    k = e.candidate.plan.prefetch_step
+    return (
+        f"its owned layers and a ring of {k} + 1 slots hold {_gb(held)} of weights per rank, {held / plain:.0%} "
+        f"of the {_gb(plain)} the same split holds replicated: it saves no memory"
+    )
+
+
+def _check_profile(dev: Device) -> None:
+    """The figures every objective reads are positive and finite: one line naming the first that is not."""
+    figures = {
+        "memory_bytes_per_s": dev.memory_bytes_per_s,
+        "flop_per_s": dev.flop_per_s,
+        "link.bytes_per_s": dev.link.bytes_per_s,
+        "link.alpha_s": dev.link.alpha_s + 1,  # may be 0
+    }
+    if dev.inter_node is not None:
+        figures["inter_node.bytes_per_s"] = dev.inter_node.bytes_per_s
+    for name, value in figures.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            shown = value - 1 if name == "link.alpha_s" else value
+            raise ValueError(
+                f"choose_plan: the device profile {dev.name!r} needs a positive finite {name} to price a plan, "
+                f"got {shown!r}; give the figure (see functional_npu.parallel.devices.DEVICES for sourced ones)"
+            )

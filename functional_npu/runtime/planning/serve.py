@@ -1,0 +1,146 @@
+"""Served throughput: how many sequences a memory budget admits under a plan, and the tokens/s that batch serves.
+
+A serving engine gives the KV cache the memory the weights leave, and freed memory pays only as more sequences
+served at once. :func:`serve_estimate` prices a candidate that way for a ``serve`` workload
+(:meth:`~.choose.Workload.serve`: sequences of ``context`` positions, a share of prompt tokens, an optional cap):
+
+- **the batch admitted**: the most sequences whose bytes on the busiest rank fit the budget: the weights, the
+  prefetch ring, every sequence's KV cache at its full context (as the family's ``init_kv`` allocates it), and
+  the larger of a decode step's activations and a prefill's (one prompt per data-parallel rank). Bytes grow
+  linearly with the sequences per rank, so two counts give the slope and the largest batch is checked exactly;
+  the batch is a multiple of the data-parallel ranks (each takes as many) unless the cap is smaller;
+- **tokens/s** (prompt and generated tokens, all ranks): decode steps of that batch at the sequences' mean
+  context serve ``batch / step`` tokens/s, prefills of one prompt per data-parallel rank ``dp x prompt / step``;
+  a mix with prompt share ``p`` serves ``1 / ((1 - p) / decode + p / prefill)``. Candidates are ranked by that
+  per device;
+- **the bottleneck**: the term the phase that takes most of the time waits on
+  (:attr:`~.choose.Estimate.bottleneck`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...placement.placement import Placement
+from ...placement.quant_config import QuantConfig
+from .step_model import Candidate, Estimate, Workload, estimate
+
+__all__ = ["Served", "serve_estimate"]
+
+
+@dataclass(frozen=True)
+class Served:
+    """One candidate under a serving workload.
+
+    Attributes:
+        batch: the sequences served at once (0: not even one fits; ``bytes`` is then what one needs).
+        tokens_per_s: prompt and generated tokens per second over all ranks; ``per_device``: that over the devices.
+        decode: the decode step at ``batch`` (mean context); ``prefill``: one prompt per data-parallel rank (None:
+            decode alone).
+        bytes: on the busiest rank at ``batch``: ``weights``, ``kv_cache`` (full contexts), ``prefetch``,
+            ``activations`` (the larger phase's), ``total``.
+        bottleneck: what the phase taking most of the serving time waits on (:attr:`Estimate.bottleneck`).
+    """
+
+    candidate: Candidate
+    batch: int
+    tokens_per_s: float
+    per_device: float
+    decode: Estimate
+    prefill: Estimate | None
+    bytes: dict[str, int]
+    fits: bool
+    bottleneck: str
+    placement: Placement = field(repr=False)
+
+    @property
+    def step_s(self) -> float:
+        """The decode step's time at the admitted batch."""
+        return self.decode.step_s
+
+    def row(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "plan": self.candidate.name,
+            "axes": self.candidate.axes,
+            "batch": self.batch,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_device": self.per_device,
+            "decode_step_ms": self.decode.step_s * 1e3,
+            "decode_parts_ms": {k: v * 1e3 for k, v in self.decode.parts.items()},
+            "prefill_step_ms": self.prefill.step_s * 1e3 if self.prefill is not None else None,
+            "bytes_per_rank": self.bytes,
+            "bottleneck": self.bottleneck,
+            "fits": self.fits,
+        }
+
+
+def serve_estimate(
+    cfg: Any,
+    candidate: Candidate,
+    device: Any,
+    workload: Workload,
+    *,
+    memory_per_device: float,
+    quant: QuantConfig | None = None,
+) -> Served:
+    """``candidate``'s admitted batch, tokens/s and bytes under the serving ``workload`` (module docstring).
+
+    Raises:
+        ValueError: the model cannot run the candidate, or ``workload`` is not a serving one.
+    """
+    if workload.kind != "serve":
+        raise ValueError(f"serve_estimate: needs a serving workload (Workload.serve), got {workload}")
+    dp, dtype = candidate.devices // candidate.axes.get(candidate.plan.tp, 1), workload.dtype
+
+    def step(work: Workload) -> Estimate:
+        return estimate(cfg, candidate, device, work, quant=quant)
+
+    prompt = workload.prompt_len
+    prefill = step(Workload.prefill(prompt, dp, dtype)) if prompt else None  # one prompt per data-parallel rank
+
+    def need(per_rank: int) -> dict[str, int]:  # bytes on the busiest rank with ``per_rank`` sequences each
+        full = step(Workload.decode(per_rank * dp, workload.context - 1, dtype))
+        sizes = dict(full.bytes, activations=max(full.bytes["activations"], _activations(prefill)))
+        sizes["total"] = sum(v for k, v in sizes.items() if k != "total")
+        return sizes
+
+    per_rank = _admitted(need, memory_per_device)
+    batch = per_rank * dp if workload.max_seqs is None else min(per_rank * dp, workload.max_seqs)
+    mean = prompt + (workload.context - prompt) // 2  # a generated token's mean context
+    decode = step(Workload.decode(max(1, batch), max(1, mean), dtype))
+    share = prompt / workload.context
+    decode_s = (1 - share) * decode.step_s / max(1, batch)  # seconds per token served, by phase
+    prefill_s = share * prefill.step_s / (dp * prompt) if prefill is not None else 0.0
+    rate = 1 / (decode_s + prefill_s) if batch else 0.0
+    slow = prefill if prefill is not None and prefill_s > decode_s else decode
+    sizes = need(max(1, math.ceil(batch / dp)))
+    return Served(
+        decode.candidate, batch, rate, rate / candidate.devices, decode, prefill, sizes, batch > 0,
+        slow.bottleneck, decode.placement,
+    )  # fmt: skip
+
+
+def _activations(prefill: Estimate | None) -> int:
+    return prefill.bytes["activations"] if prefill is not None else 0
+
+
+def _admitted(need: Any, memory: float) -> int:
+    """The most sequences per rank whose bytes (``need(n)["total"]``, growing with ``n``) fit ``memory``; 0 if one
+    does not. Bytes grow linearly until a decode step's activations outgrow a prefill's, then faster: the slope at
+    one sequence bounds the answer from above, and a bisection finds it exactly."""
+    one = need(1)["total"]
+    if one > memory:
+        return 0
+    slope = need(2)["total"] - one
+    if slope <= 0:
+        raise ValueError("serve_estimate: a sequence's bytes must grow with the sequences held")
+    lo, hi = 1, int((memory - one) // slope) + 2  # need(lo) fits; need(hi) does not
+    while need(hi)["total"] <= memory:  # rounding: the bound was short
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid)["total"] <= memory else (lo, mid)
+    return lo

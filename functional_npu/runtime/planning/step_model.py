@@ -1,0 +1,367 @@
+"""The step model: one candidate plan's modelled decode or prefill step and its bytes per rank.
+
+:func:`estimate` checks the candidate with :func:`~functional_npu.placement.place` (a plan the model cannot run is
+a ValueError with the reason) and models:
+
+- **bytes per rank**, counted from the real layouts at every coordinate (the rank that holds the most): the
+  weights in the workload's dtype (a quantized checkpoint's stored tensors as stored), the KV cache the
+  family's own ``init_kv`` allocates for the rank's sequences (on the meta device), the prefetch ring's
+  ``k + 1`` slots of one layer, and the activations (an estimate: a few ``tokens x hidden`` buffers and the
+  rank's logits);
+- **step time**: the weights the step reads (every held weight once; of the experts, the share the step's
+  tokens are expected to touch) and the KV cache at the device's memory bandwidth, or the step's FLOPs (counted
+  from the logical weights, so a weight-only quantized model does the same matmuls as its float twin) at its
+  peak, whichever is slower; plus each collective on the critical path as ``alpha + bytes / bandwidth``
+  (:meth:`~functional_npu.parallel.devices.Device.collective_s`) on the links its group spans (a group whose
+  ranks sit on two nodes runs on the inter-node link): tensor-parallel reductions, module TP's exchanges, expert
+  dispatch and combine; plus the layer-shard broadcasts' exposed time from the prefetch cost model
+  (:mod:`~functional_npu.parallel.prefetch_cost`), on the link the broadcast's group spans;
+- **the bottleneck**: weight reads, KV reads, compute or exposed communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from ...core.mesh import Mesh
+from ...core.shard import local_shape
+from ...models import family_of
+from ...parallel.devices import Device
+from ...parallel.devices import device as device_profile
+from ...parallel.eplb_map import EXPERT_LEAVES
+from ...parallel.module_tp import dp_axes
+from ...parallel.plan import Plan
+from ...parallel.prefetch_cost import choose_k, exposed
+from ...placement.placement import Placement, place
+from ...placement.quant_config import QuantConfig
+
+__all__ = ["Workload", "Candidate", "Estimate", "estimate", "cost_shape"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the plan is for. Fixed-batch workloads time one step: ``decode`` (one new token for each of ``batch``
+    sequences holding ``context`` tokens) or ``prefill`` (``batch`` prompts of ``length`` tokens). A ``serve``
+    workload is a server's steady state (:mod:`.serve`): sequences of ``context`` positions (prompt and generated
+    tokens), ``prompt_share`` of the tokens processed being prompt tokens (0: decode alone), as many sequences at
+    once as the memory left after the weights admits (at most ``max_seqs``; ``None``: no cap); it is ranked by
+    tokens/s per device at that batch. Weights and cache in ``dtype``."""
+
+    kind: str
+    batch: int = 1
+    context: int = 0
+    length: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    prompt_share: float = 0.0
+    max_seqs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("decode", "prefill", "serve"):
+            raise ValueError(f"workload: kind must be 'decode', 'prefill' or 'serve', got {self.kind!r}")
+        if not _positive(self.batch):
+            raise ValueError(f"workload: batch must be a positive int, got {self.batch!r}")
+        size = self.length if self.kind == "prefill" else self.context
+        if not _positive(size):
+            what = "length (prompt tokens)" if self.kind == "prefill" else "context (tokens in each sequence's cache)"
+            raise ValueError(f"workload: {self.kind} needs a positive {what}, got {size!r}")
+        share = self.prompt_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+            raise ValueError(
+                f"workload: prompt_share is the share of the tokens processed that are prompt tokens, a number in "
+                f"[0, 1) (0: decode alone), got {share!r}"
+            )
+        if self.max_seqs is not None and not _positive(self.max_seqs):
+            raise ValueError(
+                f"workload: max_seqs caps the sequences served at once: a positive int or None (no cap), got "
+                f"{self.max_seqs!r}"
+            )
+        if self.kind == "serve" and round(share * self.context) >= self.context:
+            raise ValueError(
+                f"workload: a prompt share of {share} leaves no generated token in a context of {self.context}; "
+                f"lower the share or lengthen the context"
+            )
+
+    @staticmethod
+    def decode(batch: int, context: int, dtype: torch.dtype = torch.bfloat16) -> Workload:
+        return Workload("decode", batch, context=context, dtype=dtype)
+
+    @staticmethod
+    def prefill(length: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> Workload:
+        return Workload("prefill", batch, length=length, dtype=dtype)
+
+    @staticmethod
+    def serve(
+        context: int, prompt_share: float = 0.0, max_seqs: int | None = None, dtype: torch.dtype = torch.bfloat16
+    ) -> Workload:
+        return Workload("serve", context=context, dtype=dtype, prompt_share=prompt_share, max_seqs=max_seqs)
+
+    @property
+    def prompt_len(self) -> int:
+        """A served sequence's prompt tokens (its share of the context)."""
+        return round(self.prompt_share * self.context)
+
+    @property
+    def cache_len(self) -> int:
+        """Positions each sequence's cache holds after the step (a served sequence: its whole context)."""
+        return {"decode": self.context + 1, "prefill": self.length, "serve": self.context}[self.kind]
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens per sequence the step computes."""
+        return self.length if self.kind == "prefill" else 1
+
+    def __str__(self) -> str:
+        if self.kind == "decode":
+            return f"decode, batch {self.batch}, context {self.context}"
+        if self.kind == "serve":
+            mix = f"{self.prompt_share:.0%} prompt tokens" if self.prompt_share else "decode alone"
+            cap = f", at most {self.max_seqs} sequences" if self.max_seqs else ""
+            return f"serving, context {self.context}, {mix}{cap}"
+        return f"prefill of {self.length} tokens" + (f" x {self.batch}" if self.batch > 1 else "")
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A mesh (axis sizes) and a plan over it; ``name`` is how reports show it."""
+
+    name: str
+    axes: dict[str, int]
+    plan: Plan
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.axes.values())
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate's modelled step and bytes on its busiest rank.
+
+    Attributes:
+        step_s: the modelled step time; ``parts``: its terms (``memory_s``, ``compute_s``, one per collective kind,
+            ``prefetch_exposed_s``), ``step_s`` being ``max(memory_s, compute_s)`` plus the rest.
+        bytes: ``weights``, ``kv_cache``, ``prefetch``, ``activations`` and ``total`` on the rank holding the most.
+        fits: ``bytes["total"] <= memory``.
+    """
+
+    candidate: Candidate
+    step_s: float
+    parts: dict[str, float]
+    bytes: dict[str, int]
+    fits: bool
+    placement: Placement = field(repr=False)  # the candidate checked on the model, its prefetch step chosen
+    reads: dict[str, float] = field(default_factory=dict)  # bytes the step reads: "weights", "kv_cache"
+
+    @property
+    def bottleneck(self) -> str:
+        """The term the step waits on most: ``weight reads``, ``KV reads``, ``compute`` or ``exposed
+        communication`` (the collectives and the broadcasts the prefetch does not hide)."""
+        mem, comp = self.parts["memory_s"], self.parts["compute_s"]
+        total = sum(self.reads.values()) or 1
+        terms = {
+            "weight reads": mem * self.reads.get("weights", 0) / total if mem >= comp else 0.0,
+            "KV reads": mem * self.reads.get("kv_cache", 0) / total if mem >= comp else 0.0,
+            "compute": comp if comp > mem else 0.0,
+            "exposed communication": self.step_s - max(mem, comp),
+        }
+        return max(terms, key=lambda k: terms[k])
+
+    def row(self) -> dict[str, Any]:
+        """JSON-ready."""
+        return {
+            "plan": self.candidate.name,
+            "axes": self.candidate.axes,
+            "step_ms": self.step_s * 1e3,
+            "parts_ms": {k: v * 1e3 for k, v in self.parts.items()},
+            "bytes_per_rank": self.bytes,
+            "bottleneck": self.bottleneck,
+            "fits": self.fits,
+        }
+
+
+def cost_shape(cfg: Any) -> Any:
+    family = family_of(cfg)
+    if family.cost is None:
+        raise ValueError(
+            f"choose_plan: the {family.name} family ({cfg.architecture}) has no cost rules yet: it needs a "
+            f"Family.cost giving the sizes the cost model reads (models.family.CostShape)"
+        )
+    return family.cost(cfg)
+
+
+def estimate(
+    cfg: Any,
+    candidate: Candidate,
+    device: Device | str,
+    workload: Workload,
+    *,
+    memory_per_device: float = math.inf,
+    quant: QuantConfig | None = None,
+) -> Estimate:
+    """The modelled step and bytes of ``candidate`` for a decode or prefill step (see the module docstring).
+
+    Raises:
+        ValueError: the model cannot run the candidate (:func:`~functional_npu.placement.place`'s message), or
+            ``workload`` is a serving one (:func:`~.serve.serve_estimate` ranks those).
+    """
+    if workload.kind == "serve":
+        raise ValueError("estimate times one decode or prefill step; serve_estimate sizes a serving workload's batch")
+    dev, shape = device_profile(device), cost_shape(cfg)
+    placed = place(cfg, candidate.axes, candidate.plan, quant, where=candidate.name)
+    plan, mesh = placed.plan, Mesh.abstract(candidate.axes, 0)
+    e = workload.dtype.itemsize
+    dp, tp = mesh.axis_size(dp_axes(mesh, plan.tp)), mesh.axis_size(plan.tp)
+    seqs = math.ceil(workload.batch / dp)  # sequences on the busiest dp rank
+    tokens = seqs * workload.new_tokens
+    axes = tuple(candidate.axes.items())
+    held = _held_at(cfg, axes, candidate.plan, quant, e)
+    # FLOPs count the logical weights: a quantized checkpoint multiplies as many weights as its float twin
+    logical = held if quant is None else _held_at(cfg, axes, candidate.plan, None, e)
+    with torch.device("meta"):  # KV cache: the family's own allocation for this rank's sequences
+        kv = family_of(cfg).blocks(cfg, plan).init_kv(mesh, seqs, workload.cache_len, workload.dtype)
+    kv_bytes = sum(t.numel() * t.element_size() for layer in kv for t in layer)
+    reads, flops = _reads_and_flops(shape, plan, mesh, held, logical, tokens, workload)
+    reads["kv_cache"] = kv_bytes if workload.kind == "decode" else 0
+    memory_s, compute_s = sum(reads.values()) / dev.memory_bytes_per_s, flops / dev.flop_per_s
+    parts: dict[str, float] = {"memory_s": memory_s, "compute_s": compute_s}
+    for kind, axes, payload, count in _collectives(shape, mesh, plan, tokens, seqs, e):  # on the critical path
+        n, nodes = mesh.axis_size(axes), _nodes(dev, mesh, axes)
+        parts[kind] = parts.get(kind, 0.0) + count * dev.collective_s(kind, n, payload, nodes=nodes)
+    ring = 0
+    if plan.layer_shard is not None and mesh.axis_size(plan.layer_shard.axis) > 1:
+        k, parts["prefetch_exposed_s"] = _prefetch(dev, mesh, plan, shape, held.layer_series, max(memory_s, compute_s))
+        ring = (k + 1) * held.layer_series
+        candidate = dataclasses.replace(candidate, plan=dataclasses.replace(plan, prefetch_step=k))
+        placed = placed.with_plan(candidate.plan, candidate.name)
+    step = max(memory_s, compute_s) + sum(v for name, v in parts.items() if name not in ("memory_s", "compute_s"))
+    vocab_local = shape.vocab / max(1, tp)  # the step's last tokens' logits, in float32
+    activations = int(tokens * (8 * shape.hidden + 2 * shape.attn_width / tp) * e + seqs * vocab_local * 4)
+    total = held.weights + kv_bytes + ring + activations
+    sizes = {"weights": held.weights, "kv_cache": kv_bytes, "prefetch": ring, "activations": activations}
+    sizes["total"] = total
+    return Estimate(candidate, step, parts, sizes, total <= memory_per_device, placed, reads)
+
+
+def _reads_and_flops(
+    shape: Any, plan: Plan, mesh: Mesh, held: _Held, logical: _Held, tokens: int, workload: Workload
+) -> tuple[dict[str, float], float]:
+    """The weight bytes a step reads (every held weight but the experts once, every layer's series, its own and
+    the ones broadcast to it; of the experts, the share its tokens touch under uniform routing over the expert
+    group's tokens) and its FLOPs (from the logical weights, at 2 per weight per token, plus attention's)."""
+    e = workload.dtype.itemsize
+    ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
+    routed_tokens = tokens * ep
+    touched = 1 - (1 - shape.top_k / shape.experts) ** routed_tokens if shape.experts else 1.0
+    dense = held.weights - held.experts - held.series + held.layer_series * shape.layers
+    reads = {"weights": dense + touched * held.experts}
+    logical_dense = logical.weights - logical.experts - logical.series + logical.layer_series * shape.layers
+    flops = 2 * tokens * logical_dense / e
+    if shape.experts:  # each routed (token, expert) pair multiplies one expert's held share
+        flops += 2 * routed_tokens * shape.top_k / shape.experts * logical.experts / e
+    ctx = workload.context if workload.kind == "decode" else workload.length / 2
+    flops += 4 * tokens * ctx * shape.attn_width / mesh.axis_size(plan.tp) * shape.layers  # scores and values
+    return reads, flops
+
+
+def _prefetch(dev: Device, mesh: Mesh, plan: Plan, shape: Any, layer_bytes: int, compute_s: float) -> tuple[int, float]:
+    """The layer-shard broadcasts' prefetch step and exposed seconds per step under the prefetch schedule, on the
+    link the axis' groups span (an owner's broadcast crosses nodes if its group does)."""
+    per_layer = compute_s / shape.layers
+    link = dev.link_for(_nodes(dev, mesh, plan.layer_shard.axis))
+    k = plan.prefetch_step if isinstance(plan.prefetch_step, int) and plan.prefetch_step else None
+    if k is None:
+        k = choose_k(layer_bytes, num_layers=shape.layers, compute_s=per_layer, link=link)
+    occupy, latency = layer_bytes / link.bytes_per_s, link.time(layer_bytes)
+    hidden = exposed(shape.layers, k, per_layer, occupy, latency) if dev.overlap else 1.0
+    return k, hidden * shape.layers * latency
+
+
+class _Held(NamedTuple):
+    """Weight bytes on the rank holding the most: all, the layer-sharded series, one layer of it, the experts."""
+
+    weights: int
+    series: int
+    layer_series: int
+    experts: int
+
+
+@functools.lru_cache(maxsize=256)
+def _held_at(cfg: Any, axes: tuple[tuple[str, int], ...], plan: Plan, quant: QuantConfig | None, e: int) -> _Held:
+    """:func:`_held` of the candidate's placement, counted once per candidate and dtype (a serving workload's
+    batch search prices one candidate at many batches; the weights do not change with the batch)."""
+    return _held(place(cfg, dict(axes), plan, quant), Mesh.abstract(dict(axes), 0), e)
+
+
+def _held(placed: Placement, mesh: Mesh, e: int) -> _Held:
+    """On the rank holding the most weight bytes (floats at ``e`` bytes): ``(weights, layer-sharded series, one
+    layer of the series, experts)`` in bytes, counted from every leaf's layout at every coordinate."""
+    held, series_held, series_layer, expert_held = ([0] * mesh.size for _ in range(4))
+    coords = [mesh.at(r) for r in range(mesh.size)]
+    shapes: dict[tuple, tuple[int, ...]] = {}  # layers repeat their leaves' shapes and layouts: cut each once
+    for path, m in placed.meta_leaves.items():
+        size = e if m.dtype.is_floating_point else m.element_size()
+        parts_of, layout = path.split("."), placed.layouts[path]
+        for r in range(mesh.size):
+            key = (tuple(m.shape), layout, r)
+            if key not in shapes:
+                shapes[key] = tuple(local_shape(m.shape, layout, coords[r], path=path))
+            local = shapes[key]
+            n = math.prod(local) * size
+            held[r] += n
+            if parts_of[0] == "series":  # stacked [owned layers, ...]: one layer is the rest
+                series_held[r] += n
+                series_layer[r] += math.prod(local[1:]) * size
+            if any(x in EXPERT_LEAVES for x in parts_of):
+                expert_held[r] += n
+    busiest = max(range(mesh.size), key=lambda r: (held[r], r))
+    return _Held(held[busiest], series_held[busiest], series_layer[busiest], expert_held[busiest])
+
+
+def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int) -> list[tuple]:
+    """``(kind, group axes, payload bytes, count per step)`` for the collectives a step waits on."""
+    d, layers = shape.hidden, shape.layers
+    tp = mesh.axis_size(plan.tp)
+    moe = set(shape.moe_layers)
+    out: list[tuple] = []
+    ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
+    if tp > 1:  # vocab-parallel embedding, attention and FFN reductions, the head's logits
+        out.append(("all_reduce", plan.tp, tokens * d * e, 1 + layers + (layers - len(moe) if ep > 1 else layers)))
+        out.append(("all_gather", plan.tp, seqs * shape.vocab * 4, 1))
+    if ep > 1 and moe:  # dispatch and combine
+        out.append(("all_to_all", plan.expert_axes, tokens * shape.top_k * d * e, 2 * len(moe)))
+    for module, axes in plan.module_tp.items():
+        n = mesh.axis_size(axes) if axes else 1
+        if n <= 1:
+            continue
+        group = n * tokens
+        if module == "o_proj":
+            out.append(("all_to_all", axes, group * shape.attn_width / tp * e, layers))
+            out.append(("reduce_scatter", axes, group * d * e, layers))
+        elif module == "mlp":
+            dense = layers - len(moe)
+            out.append(("all_gather", axes, group * d * e, dense))
+            out.append(("reduce_scatter", axes, group * d * e, dense))
+        elif module == "lm_head":
+            out.append(("all_gather", axes, n * seqs * d * e, 1))
+            out.append(("all_to_all", axes, n * seqs * shape.vocab / tp * 4, 1))
+        elif module == "embed":
+            out.append(("all_gather", axes, group * 8, 1))
+            out.append(("reduce_scatter", axes, group * d * e, 1))
+    return out
+
+
+def _nodes(dev: Device, mesh: Mesh, axes: Any) -> int:
+    """The most nodes any group along ``axes`` spans (ranks filled node by node in the mesh's row-major order)."""
+    if dev.node_size is None or mesh.axis_size(axes) <= 1:
+        return 1
+    return max(dev.nodes_spanned(g) for g in mesh.all_group_ranks(axes))
