@@ -5,10 +5,12 @@ temp dir. Two local gloo ranks load it with tp=2 (each reads only its slices), c
 decode with inductor, and generate; the tokens must equal the eager single-rank run. Then the same
 two ranks run it data-parallel with ``o_proj`` and ``down`` layer-sharded (each rank holds half the
 layers of those weights and prefetches the others one layer ahead, in the compiled graph): the
-tokens must agree again, and the demo shows the bytes each rank holds and the broadcasts in flight,
-read back from inductor's generated code. The same decode on an emulated link as slow as one layer's
-compute, which shows how much of the communication prefetch hides, is a benchmark: ``python -m
-benchmarks prefetch``, from a checkout of the repository.
+tokens must agree again, and the demo shows the bytes each rank holds (its 3 of the 6 layers and a ring
+of 2 slots: 5 layers' worth, where 4 layers would hold 2 + 2, all of them) against replicated, the
+saving, and the broadcasts in flight that pay for it, read back from inductor's generated code. The
+same decode on an emulated link as slow as one layer's compute, which shows how much of the
+communication prefetch hides, is a benchmark: ``python -m benchmarks prefetch``, from a checkout of
+the repository.
 
 With ``--quant int8|int4`` the checkpoint is written quantized instead, as compressed-tensors writes it
 (every linear layer but ``lm_head``, int8 per channel or int4 in groups of 32, weight-only, fp32 scales
@@ -42,7 +44,7 @@ DEMO_HF_CONFIG = {  # the embedded model, as its config.json would say it
     "vocab_size": 512,
     "hidden_size": 128,
     "intermediate_size": 384,
-    "num_hidden_layers": 4,
+    "num_hidden_layers": 6,  # over 2 ranks with a 2-slot ring a rank holds 3 + 2 = 5 layers of a series: it saves
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
@@ -196,11 +198,14 @@ def _print_rows(rows: list[tuple], want: list) -> bool:
 def _print_layer_sharded(sharded: list) -> bool:
     """The layer-sharded run's bytes and hazard check; whether no hazard was found."""
     r = max(sharded, key=lambda r: r["held"])
+    saved = r["replicated"] - r["held"]
     print(
         f"\nlayer-sharded: each rank holds {r['held'] / 2**10:.0f} KiB of {DEMO_SERIES} (its layers and a "
         f"prefetch ring of {r['slots']} slots) instead of {r['replicated'] / 2**10:.0f} KiB replicated "
-        f"({r['held'] / r['replicated']:.0%}); its compiled decode step writes {r['broadcasts']} broadcasts "
-        f"(one per layer) into the ring in place, "
+        f"({r['held'] / r['replicated']:.0%}), "
+        + (f"saving {saved / 2**10:.0f} KiB" if saved > 0 else f"saving nothing ({-saved / 2**10:.0f} KiB more)")
+        + f" for {r['broadcasts']} broadcasts per step; its compiled decode step writes them (one per layer) into "
+        f"the ring in place, "
         + (
             "every slot access ordered (hazard check on inductor's code)."
             if not r["hazards"]

@@ -6,6 +6,8 @@
   every coordinate), the leaf table;
 - :mod:`.hf_layout`: each leaf's tensors in a Hugging Face checkpoint and how they are cut;
 - :mod:`.quant_config`: a checkpoint's compressed-tensors ``quantization_config``, read and written;
+- :mod:`.ring_memory`: whether layer sharding saves memory: a rank's owned layers plus its prefetch ring against the
+  series replicated (:func:`ring_memory`), and the one warning when it does not (:class:`RingMemoryWarning`);
 - :mod:`.quant_layouts`: the linear leaves a quantization scheme covers, as the dicts of their stored tensors with
   their layouts.
 """
@@ -15,6 +17,7 @@ from .hf_layout import stored_tensors
 from .placement import Placement, builds, check_plan, place, placement_of, plan_table, read_placement
 from .quant_config import PRESETS, QuantConfig, read_quant_config
 from .quant_layouts import quantize_plan, quantized_leaves, tensor_blocks
+from .ring_memory import RingMemory, RingMemoryWarning, ring_memory, warn_ring_memory
 
 __all__ = [
     "check_plan",
@@ -33,4 +36,8 @@ __all__ = [
     "quantized_leaves",
     "tensor_blocks",
     "stored_tensors",
+    "ring_memory",
+    "RingMemory",
+    "RingMemoryWarning",
+    "warn_ring_memory",
 ]

@@ -29,9 +29,27 @@ def test_demo_runs_and_verifies():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo: OK" in out.stdout
     assert out.stdout.count("| True |") == 4  # eager 1 and 2 ranks, compiled tp 2, compiled layer-sharded dp 2
-    assert "layer-sharded: each rank holds" in out.stdout
+    _check_layer_sharding_saves(out.stdout)
     # the emulated link is the prefetch benchmark's (tests/benchmarks/test_emulated_link.py): the demo names it
     assert "python -m benchmarks prefetch" in out.stdout
+
+
+def _check_layer_sharding_saves(stdout):
+    """The layer-sharded line's replicated bytes are the demo model's o_proj and down tensors, counted here; the
+    rank holds fewer (its layers and the ring), and the saving printed is the difference."""
+    from functional_npu.cli.demo import DEMO_CONFIG, DEMO_MODEL
+
+    line = re.search(
+        r"layer-sharded: each rank holds (\d+) KiB of o_proj,down_proj .* instead of (\d+) KiB replicated \((\d+)%\), "
+        r"saving (\d+) KiB for (\d+) broadcasts per step",
+        stdout,
+    )
+    assert line, stdout
+    held, replicated, share, saved, broadcasts = map(int, line.groups())
+    layers = DEMO_MODEL.abstract_params(DEMO_CONFIG)["layers"]
+    assert replicated * 2**10 == sum(layer[leaf].nbytes for layer in layers for leaf in ("o_proj", "down"))
+    assert held < replicated and saved == replicated - held and share == round(100 * held / replicated)
+    assert broadcasts == DEMO_CONFIG.num_layers  # one per layer and step
 
 
 def test_generate_dp2_json_in_prompt_order(model):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_cli_signals import _default_sigint, _ended, _group, _left, _wait_for
+from .test_cli_signals import _default_sigint, _ended, _group, _wait_for
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="processes are read from /proc (Linux)")
 

@@ -33,6 +33,7 @@ from ...parallel.plan import Plan
 from ...placement.hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
 from ...placement.placement import Placement, place
 from ...placement.quant_config import QuantConfig, read_quant_config
+from ...placement.ring_memory import warn_ring_memory
 from .dcp import DcpHandle, is_dcp
 
 __all__ = ["load_checkpoint", "read_config", "read_quant"]
@@ -203,6 +204,8 @@ def _load(
     dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
     device = _device(device)
     wanted = _check_plan(root, mesh, plan)
+    # the series' owned layers plus the prefetch ring against replication (prefetch_step "auto": compile_model's)
+    warn_ring_memory(wanted.placement, "load_checkpoint", stacklevel=4)  # the caller of load_checkpoint
     layer_shard = wanted.placement.plan.layer_shard  # the series as leaves
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)

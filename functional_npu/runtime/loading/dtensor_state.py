@@ -34,6 +34,7 @@ from ...parallel.layer_shard import present
 from ...parallel.plan import Plan
 from ...placement.hf_layout import fused_dim, stored_tensors
 from ...placement.placement import Placement, place
+from ...placement.ring_memory import warn_ring_memory
 
 __all__ = ["from_dtensor_state"]
 
@@ -79,6 +80,7 @@ def from_dtensor_state(
         "the plan's layouts": x.dst,
     }
     agree(mesh, None, same=same)
+    warn_ring_memory(x.placement, "from_dtensor_state")
     if report is not None:
         report.append(x.program)
     moved = reshard(x.local, x.src, x.dst, x.on, plan=x.program)

@@ -31,6 +31,7 @@ from ...parallel.prefetch import check_prefetch_step
 from ...parallel.prefetch_cost import auto_step
 from ...placement.placement import Placement, placement_of
 from ...placement.quant_layouts import tensor_blocks
+from ...placement.ring_memory import warn_ring_memory
 from .backends import Backend, resolve_backend
 from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, saved_guards
 from .generate import Lockstep, Samples, check_length, generate, sample
@@ -371,6 +372,7 @@ def compile_model(
     if cache_dir is not None and not str(cache_dir):
         raise ValueError("compile_model: cache_dir is '': give a directory for the saved graphs (None: save nothing)")
     placed = placement_of(params, mesh, plan, where="compile_model")
+    carried = params.get("placement")  # the one its loader made (and warned about), if any
     cfg = placed.config
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     _check_wrapper(chosen, mesh)
@@ -386,6 +388,8 @@ def compile_model(
         _static(params)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     placed = _with_step(placed, params, prefetch_device)
+    if placed != carried:  # a placement its loader made was warned about there (load_checkpoint, from_dtensor_state)
+        warn_ring_memory(placed, "compile_model")  # the series' owned layers plus the ring against replication
     params = params | {"placement": placed}
     plan = placed.plan
     if not mesh.is_abstract:

@@ -1,0 +1,228 @@
+"""Whether layer sharding saves memory: the bytes a rank holds of the layer-sharded series (its owned layers plus
+the prefetch ring's ``k + 1`` slots of one layer) against the bytes the same series take replicated.
+
+A rank of an axis of ``n`` holds about ``L / n`` layers of the series and, while the compiled model runs, a ring
+of ``k + 1`` slots of one layer each (:mod:`functional_npu.parallel.prefetch`); over an axis of one rank there is
+no ring and every layer is local. That can reach or pass replication (4 layers over 2 ranks with ``k = 1``: 2
+owned + 2 slots = 4 layers). :func:`ring_memory` counts it for every rank from the placement's layouts and, when
+it does not save, finds the smallest change that does by counting the changed placement (stacked and checked as
+:func:`~functional_npu.placement.place` would, none built): more ranks on the axis, then a smaller ``k``, then
+another series. :func:`warn_ring_memory` turns a placement that does not
+save into one :class:`RingMemoryWarning` line (``load_checkpoint`` when the plan's ``k`` is an int, else
+``compile_model`` where ``"auto"`` becomes one).
+
+Example:
+    >>> ring_memory(place(cfg, {"dp": 2, "tp": 1}, Plan(layer_shard="layer", prefetch_step=1)))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..core.shard import leaf_specs, local_shape
+from ..core.tree import flatten_with_paths, tree_from_paths
+from ..models import family_of
+from ..parallel.layer_shard import LayerShard, series_specs, stack_series
+from .check import check_leaves, check_plan_fits
+from .placement import Placement
+
+__all__ = ["RingMemory", "RingMemoryWarning", "ring_memory", "warn_ring_memory"]
+
+
+class RingMemoryWarning(UserWarning):
+    """A layer-sharded plan whose owned layers plus prefetch ring hold at least what replication holds."""
+
+
+@dataclass(frozen=True)
+class RingMemory:
+    """The layer-sharded series' bytes on the rank where they cost the most against replication.
+
+    Attributes:
+        series: the series (the plan's resolved leaves); ``axis``, ``ranks``: the mesh axis and its size.
+        step: the prefetch step ``k`` counted (a ring of ``k + 1`` slots; none over an axis of one rank).
+        rank: the worst rank (the highest share of replication; the lowest such rank).
+        layers: the layers that rank owns; ``owned``: their bytes; ``ring``: the ring's bytes on it.
+        replicated: the bytes the same series take on that rank replicated (every layer, its own shard of each).
+        change: when it does not save, the smallest change that does (or a sentence saying none does).
+    """
+
+    series: tuple[str, ...]
+    axis: str
+    ranks: int
+    step: int
+    rank: int
+    layers: int
+    owned: int
+    ring: int
+    replicated: int
+    change: str | None = None
+
+    @property
+    def held(self) -> int:
+        return self.owned + self.ring
+
+    @property
+    def saves(self) -> bool:
+        return self.held < self.replicated
+
+    @property
+    def share(self) -> float:
+        """``held / replicated``."""
+        return self.held / self.replicated if self.replicated else 0.0
+
+    def message(self, where: str) -> str:
+        """One line: the series, the axis, both figures with the share, the rank, and the change that saves."""
+        ring = f"a prefetch ring of {self.step + 1} slots, {self.ring} bytes" if self.ring else "no ring"
+        verdict = f"saves {self.replicated - self.held} bytes" if self.saves else "saves no memory"
+        return (
+            f"{where}: layer_shard {','.join(self.series)} over mesh axis {self.axis!r} of size {self.ranks} with "
+            f"prefetch_step {self.step} {verdict}: rank {self.rank} holds {self.held} bytes of the series "
+            f"({self.layers} owned layer{'s' * (self.layers != 1)}, {self.owned} bytes, and {ring}) against "
+            f"{self.replicated} bytes replicated ({self.share:.0%})" + (f"; {self.change}" if self.change else "")
+        )
+
+
+def ring_memory(placed: Placement, step: int | None = None) -> RingMemory | None:
+    """The bytes the layer-sharded series of ``placed`` cost on its worst rank (owned layers plus the ring of
+    ``k + 1`` slots) against the same series replicated, in the placement's stored dtypes; with the smallest
+    change that saves when it does not. ``None`` for a plan with no layer sharding.
+
+    Args:
+        placed: a placement (:func:`functional_npu.placement.place`) whose plan has ``layer_shard``.
+        step: the prefetch step to count (default: the plan's ``prefetch_step``, which must then be an int).
+
+    Raises:
+        ValueError: the plan's ``prefetch_step`` is ``"auto"`` (``compile_model`` resolves it: pass ``step``), or
+            ``step`` is not an int >= 0.
+    """
+    ls = placed.plan.layer_shard
+    if ls is None:
+        return None
+    k = placed.plan.prefetch_step if step is None else step
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(
+            f"ring_memory: series {','.join(ls.leaves)} over mesh axis {ls.axis!r} have prefetch_step {k!r}; the "
+            f"ring's size needs an int k >= 0 ('auto' is resolved by compile_model: pass step=k, e.g. "
+            f"model.plan.prefetch_step)"
+        )
+    found = _count(placed, k, ls, placed.mesh_shape)
+    return found if found.saves else dataclasses.replace(found, change=_smallest_change(placed, k))
+
+
+def _count(placed: Placement, k: int, ls: LayerShard, axes: dict[str, int]) -> RingMemory:
+    """Every rank's bytes of series ``ls`` over ``axes``, from the layouts (stacked and per-layer) at its
+    coordinate; the worst rank's."""
+    mesh = Mesh.abstract(axes)
+    stacked, layouts = _stacked(placed, ls)
+    stored_meta, stored_layouts = placed.stored
+    per_layer = {p: m for p, m in flatten_with_paths(stored_meta) if _series_path(p, ls)}
+    n = mesh.axis_size(ls.axis)
+    slots = k + 1 if n > 1 else 0  # over one rank every layer is local: no ring
+    rows = []
+    for r in range(mesh.size):
+        at = mesh.at(r)
+        shapes = {p: local_shape(m.shape, layouts[p], at, path=p) for p, m in stacked.items()}
+        owned = sum(math.prod(s) * stacked[p].element_size() for p, s in shapes.items())
+        slot = sum(math.prod(s[1:]) * stacked[p].element_size() for p, s in shapes.items())
+        replicated = sum(
+            math.prod(local_shape(m.shape, stored_layouts[p], at, path=p)) * m.element_size()
+            for p, m in per_layer.items()
+        )
+        layers = next(iter(shapes.values()))[0] if shapes else 0
+        rows.append(RingMemory(ls.leaves, ls.axis, n, k, r, layers, owned, slots * slot, replicated))
+    return max(rows, key=lambda row: row.share)
+
+
+def _series_path(path: str, ls: LayerShard) -> bool:
+    """Whether ``path`` is a per-layer leaf (or one of its stored tensors) of series ``ls``: ``layers.<l>.<leaf>``."""
+    parts = path.split(".")
+    return len(parts) > 2 and parts[0] == "layers" and parts[2] in ls.leaves
+
+
+def _stacked(placed: Placement, ls: LayerShard) -> tuple[dict[str, torch.Tensor], dict[str, Layout]]:
+    """The stacked series' meta leaves and layouts by path (``series.<leaf>``) under ``ls``: the placement's own,
+    else stacked from its stored per-layer form as placing ``ls`` does (no placement is built or cached).
+
+    Raises:
+        ValueError (from :func:`~functional_npu.parallel.layer_shard.series_specs`) for a series ``ls`` cannot take.
+    """
+    if ls == placed.plan.layer_shard:
+        meta = {p: m for p, m in placed.meta_leaves.items() if p.split(".")[0] == "series"}
+        return meta, {p: placed.layouts[p] for p in meta}
+    stored_meta, stored_layouts = placed.stored
+    by_layer = tree_from_paths({p: lay for p, lay in stored_layouts.items() if _series_path(p, ls)})["layers"]
+    layers = range(len(stored_meta["layers"]))
+    specs = series_specs({"layers": [by_layer[str(i)] for i in layers]}, ls, len(layers))["series"]
+    meta = stack_series({"layers": [{f: stored_meta["layers"][i][f] for f in ls.leaves} for i in layers]}, ls)
+    series = {"series": meta["series"]}
+    return dict(flatten_with_paths(series)), leaf_specs({"series": specs}, series)
+
+
+def _smallest_change(placed: Placement, k: int) -> str:
+    """The first change that saves, each counted under the changed plan or mesh (checked as placing it would be):
+    more ranks on the axis, a smaller ``k``, another series; or a sentence saying none does."""
+    ls, cfg = placed.plan.layer_shard, placed.config
+    n = placed.mesh_shape[ls.axis]
+    for more in range(n + 1, cfg.num_layers + 1):
+        found = _checked_count(placed, k, ls, placed.mesh_shape | {ls.axis: more})
+        if found is not None and found.saves:
+            return f"the smallest change that saves: {more} ranks on mesh axis {ls.axis!r} ({_figures(found)})"
+    for smaller in range(k - 1, -1, -1):
+        found = _count(placed, smaller, ls, placed.mesh_shape)  # k decides no layout: the same placement
+        if found.saves:
+            return f"the smallest change that saves: prefetch_step {smaller} ({_figures(found)})"
+    for leaf in _other_series(placed):
+        found = _checked_count(placed, k, LayerShard(ls.axis, (leaf,)), placed.mesh_shape)
+        if found is not None and found.saves:
+            return f"the smallest change that saves: layer_shard {leaf!r} ({_figures(found)})"
+    return (
+        f"no single change saves (more ranks on mesh axis {ls.axis!r} up to {cfg.num_layers}, a smaller "
+        f"prefetch_step, another series): replicate the series (layer_shard=None) or give the model more layers"
+    )
+
+
+def _checked_count(placed: Placement, k: int, ls: LayerShard, axes: dict[str, int]) -> RingMemory | None:
+    """:func:`_count` for series ``ls`` over ``axes`` where the changed placement is valid (the plan fits the mesh,
+    every leaf shards at every coordinate); ``None`` where it is not."""
+    mesh, cfg = Mesh.abstract(axes), placed.config
+    plan = dataclasses.replace(placed.plan, layer_shard=ls)
+    try:
+        check_plan_fits(cfg, mesh, plan, where="ring_memory", layers=placed.stored[0]["layers"])
+        stacked, layouts = _stacked(placed, ls)
+        check_leaves(cfg, mesh, tree_from_paths(stacked), layouts, where="ring_memory")
+        if ls == placed.plan.layer_shard:
+            check_leaves(cfg, mesh, placed.meta, placed.layouts, where="ring_memory")
+    except (TypeError, ValueError):
+        return None
+    return _count(placed, k, ls, axes)
+
+
+def _other_series(placed: Placement) -> list[str]:
+    """The family's series leaves every layer has, other than the plan's, in series order."""
+    layers = placed.stored[0]["layers"]
+    mine = set(placed.plan.layer_shard.leaves)
+    every = [leaf for leaf in family_of(placed.config).layer_leaves if all(leaf in layer for layer in layers)]
+    return [leaf for leaf in every if leaf not in mine]
+
+
+def _figures(found: RingMemory) -> str:
+    return f"rank {found.rank} would hold {found.held} of {found.replicated} bytes, {found.share:.0%}"
+
+
+def warn_ring_memory(placed: Placement, where: str, *, stacklevel: int = 2) -> RingMemory | None:
+    """Warn (one :class:`RingMemoryWarning` line, :meth:`RingMemory.message`) if the layer-sharded series of
+    ``placed`` hold at least what replication holds on some rank; nothing for a plan with no layer sharding or
+    with ``prefetch_step="auto"`` (not yet resolved: ``compile_model`` warns once it is). Returns the count."""
+    if placed.plan.layer_shard is None or placed.plan.prefetch_step == "auto":
+        return None
+    found = ring_memory(placed)
+    if not found.saves:
+        warnings.warn(found.message(where), RingMemoryWarning, stacklevel=stacklevel + 1)
+    return found
