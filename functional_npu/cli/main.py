@@ -349,6 +349,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "dtype": args.dtype,
         "progress": False if args.json else None,  # a bar on a terminal, never under --json
         "cache_dir": args.cache_dir,
+        "time_steps": getattr(args, "plan_prediction", None) is not None,
     }
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its world
         import torch.distributed as dist
@@ -374,10 +375,11 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return world_failed(e)
     tokens = in_prompt_order(results, len(prompts))
     text = [tok.decode(t) for t in tokens] if tok is not None else [None] * len(tokens)
-    timings = {k: max(r["timings"][k] for r in results) for k in results[0]["timings"]}
+    timings = {k: max(r["timings"].get(k, 0.0) for r in results) for k in {k for r in results for k in r["timings"]}}
     step = results[0].get("prefetch_step", 0) if placed.plan.layer_shard is not None else None
+    check = _plan_check(args, timings)
     if args.json:
-        out = {"token_ids": tokens, "text": text, "timings": timings}
+        out = {"token_ids": tokens, "text": text, "timings": timings} | check
         print(json.dumps(out if step is None else out | {"prefetch_step": step}))
     else:
         for i, (t, s) in enumerate(zip(tokens, text)):
@@ -386,6 +388,20 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"prefetch step: {step} (chosen by the cost model)")
         print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     return 0
+
+
+def _plan_check(args: argparse.Namespace, timings: dict[str, float]) -> dict[str, Any]:
+    """``--plan auto``: the measured decode step against the prediction, for the JSON (``plan_check``); a miss past
+    the tolerance is one warning line on stderr."""
+    predicted = getattr(args, "plan_prediction", None)
+    if predicted is None:
+        return {}
+    from .plan_command import plan_check
+
+    record, warning = plan_check(predicted, timings.get("decode_step_s"))
+    if warning:
+        print(warning, file=sys.stderr)
+    return {"plan_check": record}
 
 
 def _check_post_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

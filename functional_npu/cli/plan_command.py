@@ -22,7 +22,7 @@ from typing import Any
 
 from .args import positive, positive_number
 
-__all__ = ["add_parser", "run_plan", "plan_for_generate"]
+__all__ = ["add_parser", "run_plan", "plan_for_generate", "plan_check", "PLAN_CHECK_TOLERANCE"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -223,4 +223,37 @@ def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: l
     work = Workload.serve(context, round(longest / context, 6), len(prompts), dtype)
     chosen, report = choose_plan(cfg, devices, host_device(devices), _available_bytes() / devices, work, quant=quant)
     print(f"plan: {report.why()}", file=sys.stderr)
+    args.plan_prediction = report.chosen.decode  # the decode step the run's own will be checked against
     return chosen
+
+
+# a measured decode step further than this from the prediction (as a share of it) is warned about: the host
+# profile's validation runs put the step model within -12% to +62% of the measured steps
+PLAN_CHECK_TOLERANCE = 0.75
+
+
+def plan_check(predicted: Any, measured_s: float | None) -> tuple[dict[str, Any], str | None]:
+    """``generate --plan auto``'s check of its choice: the run's measured decode step against the planner's
+    prediction (``predicted``: the chosen plan's decode :class:`~functional_npu.runtime.planning.Estimate`).
+    Returns the JSON record and, when the error passes :data:`PLAN_CHECK_TOLERANCE`, a one-line warning naming
+    the term of the model that the step was predicted to wait on (the one that missed)."""
+    parts = {k: v * 1e3 for k, v in predicted.parts.items()}
+    record: dict[str, Any] = {
+        "predicted_decode_ms": predicted.step_s * 1e3,
+        "measured_decode_ms": None if measured_s is None else measured_s * 1e3,
+        "error": None,
+        "tolerance": PLAN_CHECK_TOLERANCE,
+        "term": predicted.bottleneck,
+        "predicted_parts_ms": parts,
+    }
+    if measured_s is None:  # one new token: no decode step to time
+        return record, None
+    record["error"] = error = measured_s / predicted.step_s - 1
+    if abs(error) <= PLAN_CHECK_TOLERANCE:
+        return record, None
+    return record, (
+        f"warning: plan check: the decode step took {measured_s * 1e3:.3g} ms against {predicted.step_s * 1e3:.3g} "
+        f"ms predicted ({error:+.0%}, tolerance {PLAN_CHECK_TOLERANCE:.0%}); the model's {predicted.bottleneck} "
+        f"term missed: the plan was chosen on figures this run does not match (re-measure the host profile by "
+        f"removing $FUNCTIONAL_NPU_CACHE/host-profile, or plan with --plan FILE)"
+    )

@@ -50,6 +50,7 @@ def generate_on_rank(
     dtype: str | None = None,
     progress: bool | None = None,
     cache_dir: str | None = None,
+    time_steps: bool = False,
 ) -> dict[str, Any]:
     """Generate for this rank's share of ``prompts``; ``repeat > 1`` reruns the model to time it warm.
 
@@ -62,6 +63,8 @@ def generate_on_rank(
     ``progress``: the loading and compiling bars on rank 0 (default: when stderr is a terminal).
     ``cache_dir``: where the compiled graphs are saved and loaded from (each rank in its own subdirectory; see
     :func:`functional_npu.runtime.serving.compile.compile_model`).
+    ``time_steps``: also time a prefill alone, to give the decode step's time (``decode_step_s``: the generation's
+    time less the prefill's, over its decode steps) that ``generate --plan auto`` checks against the prediction.
     """
     mesh = ctx.mesh(axes)
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0  # the bars, decided once
@@ -97,6 +100,11 @@ def generate_on_rank(
         )
         timings["first_generate_s" if r == 0 else "generate_s"] = time.perf_counter() - t0
     timings.setdefault("generate_s", timings["first_generate_s"])
+    if time_steps and max_new_tokens > 1 and (batch or lockstep):
+        t0 = time.perf_counter()
+        model.generate(batch, 1, **(sampling or {}), lockstep=lockstep)
+        timings["prefill_s"] = time.perf_counter() - t0
+        timings["decode_step_s"] = max(0.0, timings["generate_s"] - timings["prefill_s"]) / (max_new_tokens - 1)
     return {
         "indices": mine,
         "tokens": tokens,

@@ -50,8 +50,14 @@ def test_generate_runs_the_planners_choice_with_transformers_tokens(qwen3, tmp_p
     env = os.environ | {"FUNCTIONAL_NPU_CACHE": str(tmp_path)}
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["token_ids"] == qwen3[1]
+    result = json.loads(out.stdout)
+    assert result["token_ids"] == qwen3[1]
     assert out.stderr.startswith("plan: ") and "sequences at once" in out.stderr  # the run's prompts, served
+    check = result["plan_check"]  # the choice checks itself: its decode step measured against the prediction
+    assert check["predicted_decode_ms"] > 0 and check["measured_decode_ms"] > 0 and check["term"]
+    assert check["error"] == pytest.approx(check["measured_decode_ms"] / check["predicted_decode_ms"] - 1)
+    warned = [ln for ln in out.stderr.splitlines() if ln.startswith("warning: plan check:")]
+    assert len(warned) == (abs(check["error"]) > check["tolerance"])
     assert list((tmp_path / "host-profile").glob("*world2.json"))  # measured once, kept for the next run
 
 
@@ -159,3 +165,18 @@ def test_bad_serving_arguments_are_one_line(qwen3, args, message, capsys):
     captured = capsys.readouterr()
     assert code == 2 and message in captured.err and captured.out == ""
     assert len([ln for ln in captured.err.strip().splitlines() if "error" in ln]) == 1
+
+
+def test_the_plan_check_warns_past_its_tolerance_naming_the_term():
+    from functional_npu.cli.plan_command import PLAN_CHECK_TOLERANCE, plan_check
+    from functional_npu.runtime.planning import Workload, candidates, estimate
+
+    from ..support.configs import DENSE
+
+    predicted = estimate(DENSE, candidates(DENSE, 1)[0], "910b", Workload.decode(2, 16))
+    record, warning = plan_check(predicted, predicted.step_s * (1 + PLAN_CHECK_TOLERANCE / 2))
+    assert warning is None and record["error"] == pytest.approx(PLAN_CHECK_TOLERANCE / 2)
+    record, warning = plan_check(predicted, predicted.step_s * (2 + PLAN_CHECK_TOLERANCE))
+    assert warning.startswith("warning: plan check: the decode step took ") and "\n" not in warning
+    assert f"the model's {predicted.bottleneck} term missed" in warning and record["term"] == predicted.bottleneck
+    assert plan_check(predicted, None) == ({**record, "measured_decode_ms": None, "error": None}, None)
