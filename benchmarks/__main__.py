@@ -25,6 +25,10 @@ COMMANDS = {
     "moe": ("bench_moe", "MoE decode tokens/s on 2 gloo ranks: experts over both ranks vs replicated"),
     "planner": ("planner_check", "the planner's ranking of 7 plans on 4 gloo ranks against their measured decode step"),
     "planner_paper": ("planner_paper", "the planner's choice for Qwen3, Llama-3-70B and DeepSeek-V3 on 910B / 910C"),
+    "planner_serve": (
+        "planner_serve_check",
+        "the serving planner on 4 gloo ranks: batches sized from a budget, measured",
+    ),
     "planner_map": ("planner_map", "where each technique pays, on paper: the serving planner over models and budgets"),
     "warm_start": ("warm_start", "a fresh process's load + compile + first generate: cold vs loaded from cache_dir"),
     "gpu": ("gpu", "the GPU script: the CUDA tests and the scoreboard on one NVIDIA GPU (exit 2 without CUDA)"),

@@ -279,8 +279,8 @@ def _prefetch(dev: Device, mesh: Mesh, plan: Plan, shape: Any, layer_bytes: int,
     per_layer = compute_s / shape.layers
     link = dev.link_for(_nodes(dev, mesh, plan.layer_shard.axis))
     k = plan.prefetch_step if isinstance(plan.prefetch_step, int) and plan.prefetch_step else None
-    if k is None:
-        k = choose_k(layer_bytes, num_layers=shape.layers, compute_s=per_layer, link=link)
+    if k is None:  # where transfers take turns with compute, fetching ahead hides nothing: one slot is enough
+        k = choose_k(layer_bytes, num_layers=shape.layers, compute_s=per_layer, link=link) if dev.overlap else 0
     occupy, latency = layer_bytes / link.bytes_per_s, link.time(layer_bytes)
     hidden = exposed(shape.layers, k, per_layer, occupy, latency) if dev.overlap else 1.0
     return k, hidden * shape.layers * latency
