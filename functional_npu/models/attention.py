@@ -37,6 +37,7 @@ __all__ = [
     "attend",
     "prepare",
     "gqa",
+    "store",
     "output_projection",
     "init_kv",
 ]
@@ -70,12 +71,17 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 class Step(NamedTuple):
     """What every attention layer of one step shares: rotary ``cos``/``sin`` ``[B, 1, S, hd]``, the
-    mask ``[B, 1, S, C]`` and the cache slots the new keys go to ``[B, kv heads, S, hd]``."""
+    mask ``[B, 1, S, C]`` and the cache slots the new keys go to ``[B, kv heads, S, hd]``.
+
+    ``gather``: the queries attend over ``[cache | this step's keys]`` (mask ``[B, 1, S, C + S]``) and the new
+    cache is that gathered at ``slot [B, kv heads, C, hd]`` (a sliding window's ring filled by a prefill:
+    :mod:`functional_npu.models.ring`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     mask: torch.Tensor
     slot: torch.Tensor
+    gather: bool = False
 
 
 def local_heads(cfg: GroupedQuery, tp: int) -> tuple[int, int]:
@@ -185,11 +191,22 @@ def gqa(
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, norm_offset)
     q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
-    kv[0].scatter_(2, step.slot, k)
-    kv[1].scatter_(2, step.slot, v)
-    keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in kv)
+    keys, values = (c.repeat_interleave(nh // nkv, dim=1) for c in store(kv, k, v, step))
     attn = rearrange(attend(q, keys, values, step.mask, kind, scale), "b h s d -> b s (h d)")
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=axes)
+
+
+def store(kv: KV, k: torch.Tensor, v: torch.Tensor, step: Step) -> KV:
+    """Write this step's keys and values ``[B, kv heads, S, hd]`` into the cache ``kv`` (in place); returns what
+    the queries attend over: the cache, or (``step.gather``) ``[cache as it was | k, v]``."""
+    if not step.gather:
+        kv[0].scatter_(2, step.slot, k)
+        kv[1].scatter_(2, step.slot, v)
+        return kv
+    keys, values = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)
+    kv[0].copy_(keys.gather(2, step.slot))
+    kv[1].copy_(values.gather(2, step.slot))
+    return keys, values
 
 
 def output_projection(attn: torch.Tensor, w: Any, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:

@@ -19,7 +19,10 @@ prefetched from their owner ``k`` layers ahead, is :func:`functional_npu.paralle
 ``positions [B, S]`` (a decode step is ``S == 1`` with each sequence's own position). The state is
 donated and updated in place: each layer writes its keys and values into ``state.kv`` at
 ``positions``, and ``state.prefetched`` is replaced by the next step's first ``k`` layers' weights.
-Padded slots may hold garbage at positions a query never sees. Every rank of a mesh axis that the
+Padded slots may hold garbage at positions a query never sees. A step's positions are consecutive per
+sequence from its first, but for a right-padded prefill's pads: these take the position after the prompt's
+last, which the first decode step overwrites (a sliding window's ring cache, :mod:`functional_npu.models.ring`,
+keeps a step's latest positions). Every rank of a mesh axis that the
 step communicates over (tp, expert axes, a layer-sharded series axis) must make the same calls.
 
 **Blocks** (:class:`Blocks`): a family is a choice of blocks bound to its config and tensor-parallel
@@ -66,7 +69,7 @@ class Blocks:
     Attributes:
         embed: ``(params, tokens, mesh) -> x [B, S, D]``.
         prepare: ``(positions, kv of layer 0, dtype) -> step``: what every attention layer shares (with
-            ``layer_types``, a mapping from each layer type to its step).
+            ``layer_types``: ``(positions, {layer type: kv of its first layer}, dtype) -> {layer type: step}``).
         attention: ``(layer, h, step, kv, mesh, kind) -> residual update``; writes ``kv`` in place.
         ffn: per layer, ``(layer, h, mesh) -> residual update`` (a dense MLP, an MoE, ...).
         head: ``(params, x, mesh) -> logits [B, S, V]``.
@@ -113,7 +116,9 @@ def decode(
     arrive by differentiable broadcasts, not through the ring (``state.prefetched`` empty; see
     :func:`~functional_npu.parallel.prefetch.layer_weights`)."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]
-    steps = blocks.prepare(positions, state.kv[0], x.dtype)
+    types = blocks.layer_types
+    first = {t: state.kv[types.index(t)] for t in dict.fromkeys(types)} if types else state.kv[0]
+    steps = blocks.prepare(positions, first, x.dtype)
     weights = layer_weights(params, state.prefetched, mesh, plan, streams, differentiable=differentiable)
     norm = functools.partial(rms_norm, eps=blocks.eps, offset=blocks.norm_offset)
     for i, kv in enumerate(state.kv):

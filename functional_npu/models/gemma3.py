@@ -11,7 +11,9 @@ each as transformers' ``modeling_gemma3`` computes it:
   add, ``mlp_norm`` before the MLP and ``post_mlp_norm`` on its output;
 - ``layer_types``: a ``sliding_attention`` layer sees the last ``sliding_window`` positions and rotates with
   base ``rope_local_base_freq``; a ``full_attention`` layer sees every position and rotates with base
-  ``rope_theta`` (scaled linearly by ``rope_factor`` where ``rope_type`` is ``"linear"``);
+  ``rope_theta`` (scaled linearly by ``rope_factor`` where ``rope_type`` is ``"linear"``). A sliding layer's KV
+  cache holds ``min(sliding_window, max_seq_len)`` positions, a ring (:mod:`functional_npu.models.ring`); a full
+  layer's ``max_seq_len``;
 - scores scaled by ``query_pre_attn_scalar ** -0.5``; the MLP's gate is the tanh GELU;
 - the embedding multiplied by ``sqrt(hidden_size)`` rounded to the params' dtype; tied embeddings by default;
 - the logits soft-capped (``tanh(x / c) * c``) when ``final_logit_softcapping`` is set.
@@ -39,11 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from ..core.layout import Layout, fused, replicated, sharded
+from ..core.mesh import Mesh
 from ..core.schema import Field, read, show
 from ..core.tree import register_static
 from ..parallel.plan import Plan
-from . import attention, dense
-from .attention import KV, Step, gqa, init_kv
+from . import attention, dense, ring
+from .attention import KV, Step, gqa
 from .decoder import Blocks
 from .embedding import embed, head, head_argmax
 from .mlp import gated_mlp
@@ -63,6 +66,8 @@ __all__ = [
     "init_params",
     "param_specs",
     "prepare",
+    "cache_len",
+    "init_kv",
     "blocks",
 ]
 
@@ -261,9 +266,31 @@ def layer_attention(cfg: Gemma3Config, layer_type: str) -> LayerAttention:
     return LayerAttention(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factor, None)
 
 
-def prepare(cfg: Gemma3Config, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> dict[str, Step]:
-    """Each layer type's step (its rotary embedding, its mask), computed once for all layers of the type."""
-    return {t: attention.prepare(layer_attention(cfg, t), positions, kv, dtype) for t in dict.fromkeys(cfg.layer_types)}
+def prepare(cfg: Gemma3Config, positions: torch.Tensor, kv: Mapping[str, KV], dtype: torch.dtype) -> dict[str, Step]:
+    """Each layer type's step (its rotary embedding, its mask, its cache slots), computed once for all layers of the
+    type; ``kv``: each layer type's first layer's cache. A windowed type's cache is a ring."""
+    steps = {}
+    for t, cache in kv.items():
+        shared = layer_attention(cfg, t)
+        make = attention.prepare if shared.sliding_window is None else ring.prepare
+        steps[t] = make(shared, positions, cache, dtype)
+    return steps
+
+
+def cache_len(cfg: Gemma3Config, layer_type: str, max_seq_len: int) -> int:
+    """The positions a ``layer_type`` layer's KV cache holds: a sliding layer's window (at most ``max_seq_len``),
+    a full layer's ``max_seq_len``."""
+    return ring.cache_len(layer_attention(cfg, layer_type).sliding_window, max_seq_len)
+
+
+def init_kv(
+    cfg: Gemma3Config, mesh: Mesh, batch: int, max_seq_len: int, dtype: torch.dtype, device: Any = None, *, tp: str
+) -> list[KV]:
+    """A zeroed KV cache on ``device``: per layer ``(k, v)`` of shape ``[batch, local KV heads, n, head_dim]``, ``n``
+    the layer type's :func:`cache_len`."""
+    _, heads = attention.local_heads(cfg, mesh.axis_size(tp))
+    shapes = [(batch, heads, cache_len(cfg, t, max_seq_len), cfg.head_dim) for t in cfg.layer_types]
+    return [(torch.zeros(s, dtype=dtype, device=device), torch.zeros(s, dtype=dtype, device=device)) for s in shapes]
 
 
 # ---- the parallel plan ------------------------------------------------------------------------

@@ -245,3 +245,36 @@ def test_the_planner_refuses_a_device_count_it_cannot_weigh_in_bounded_time():
 
     with pytest.raises(ValueError, match=rf"choose_plan: {MAX_DEVICES + 1} devices is more than the planner weighs"):
         choose_plan(DENSE, MAX_DEVICES + 1, "910b", 1e9, WORK)
+
+
+GEMMA3_27B = {  # Gemma-3-27B's published text config (google/gemma-3-27b-it), as config.json gives it
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_size": 5376,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "intermediate_size": 21504,
+    "vocab_size": 262208,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemma3_kv_cache_holds_the_window_on_sliding_layers(tp):
+    """Gemma-3-27B at 32768 positions: each sliding layer holds (and a decode step reads) the window's 1024
+    positions, each full layer all of them: (52 x 1024 + 10 x 32768) x 2 x (16 / tp) heads x 128 x 2 bytes."""
+    from functional_npu.models import Gemma3Config
+
+    cfg = Gemma3Config.from_hf(GEMMA3_27B)
+    full = sum((i + 1) % 6 == 0 for i in range(62))
+    per_position = 2 * (16 // tp) * 128 * 2  # k and v, the rank's KV heads, bf16
+    want = ((62 - full) * min(1024, 32768) + full * 32768) * per_position
+    c = next(c for c in candidates(cfg, tp) if c.name == f"dp 1 x tp {tp}")
+    decode = estimate(cfg, c, "h100", Workload.decode(1, 32767))  # the step's token makes 32768 positions
+    assert decode.bytes["kv_cache"] == decode.reads["kv_cache"] == want
+    assert estimate(cfg, c, "h100", Workload.prefill(32768)).bytes["kv_cache"] == want
+    assert want < 62 * 32768 * per_position / 5  # a full-length cache per layer: over five times more

@@ -178,8 +178,8 @@ class CompiledModel:
         return state._replace(prefetched=prefetch.start(self.params, self.mesh, self.plan, self.plan.prefetch_step))
 
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
-        """Run the prompts (right-padded to the bucket of their longest, or of ``length``) into ``state``;
-        returns each prompt's last logits ``[B, V]``."""
+        """Run the prompts (right-padded to the bucket of their longest, or of ``length``; the pads at the position
+        after their prompt's last) into ``state``; returns each prompt's last logits ``[B, V]``."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill: every prompt needs at least one token")
         b, width = state.kv[0][0].shape[0], max(length, *(len(p) for p in prompts))
@@ -189,7 +189,10 @@ class CompiledModel:
         tokens = torch.zeros(b, s, dtype=torch.long)  # built here, moved to the params' device once
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = torch.as_tensor(p)
-        logits = self._run("prefill", tokens, torch.arange(s).expand(b, s), state)
+        # pads at the position after their prompt: the slot the first decode step overwrites (a ring cache's too)
+        ends = torch.tensor([len(p) for p in prompts] + [s] * (b - len(prompts)))
+        positions = torch.minimum(torch.arange(s), ends[:, None])
+        logits = self._run("prefill", tokens, positions, state)
         last = torch.tensor([len(p) - 1 for p in prompts] + [0] * (b - len(prompts)))
         return logits[torch.arange(b), last][: len(prompts)]
 
