@@ -53,7 +53,9 @@ def prepare(cfg: Rotary, positions: torch.Tensor, kv: KV, dtype: torch.dtype) ->
         return Step(cos, sin, mask, slot)
     before = held(positions[:, 0] - 1, n)  # [B, C]: the ring's positions before this step
     mask = window_mask(positions, torch.cat([before, positions], dim=1), cfg.sliding_window)
-    source = held(positions.amax(dim=1), n) - positions[:, :1]  # [B, C]: each slot's new position, as a step index
+    # [B, C]: each slot's new position, as a step index (the last column is a row's latest position: prompts are
+    # right-padded and pads take the position after their prompt's last; no amax, which GE cannot convert)
+    source = held(positions[:, -1], n) - positions[:, :1]
     keep = torch.arange(n, device=positions.device).expand(b, n)
     index = torch.where(source >= 0, n + source.clamp(max=s - 1), keep)  # into [ring | this step's keys]
     return Step(cos, sin, mask, index[:, None, :, None].expand(b, heads, n, cfg.head_dim), gather=True)
