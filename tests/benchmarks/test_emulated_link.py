@@ -56,9 +56,9 @@ def test_layer_sharded_decode_on_the_emulated_link(tmp_path):
         pytest.skip(why)  # a machine without namespaces or tc: the benchmark reports this line instead
     save_checkpoint(init_params(DEMO_CONFIG, seed=0), tmp_path)
     res = run_emulated(
-        str(tmp_path), series=DEMO_SERIES, ks=(0, 1), batch=256, steps=6, repeat=5, stock=False, timeout=600
-    )
-    assert set(res["runs"]) == {"k0", "k1"} and res["rounds"] == 5
+        str(tmp_path), series=DEMO_SERIES, ks=(0, 1), batch=256, steps=4, repeat=3, stock=False, timeout=600
+    )  # a smoke run of the benchmark's path: its figures come from python -m benchmarks prefetch
+    assert set(res["runs"]) == {"k0", "k1"} and res["rounds"] == 3
     assert res["rate_bits"] >= 1_000_000 and res["local_step_s"] > 0
     assert res["per_layer_comm_s"] > 0 and res["per_layer_compute_s"] > 0
     for r in res["runs"].values():
