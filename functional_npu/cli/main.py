@@ -375,7 +375,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return world_failed(e)
     tokens = in_prompt_order(results, len(prompts))
     text = [tok.decode(t) for t in tokens] if tok is not None else [None] * len(tokens)
-    timings = {k: max(r["timings"].get(k, 0.0) for r in results) for k in {k for r in results for k in r["timings"]}}
+    names = dict.fromkeys(k for r in results for k in r["timings"])  # every rank's, in the order they were taken
+    timings = {k: max(r["timings"].get(k, 0.0) for r in results) for k in names}
     step = results[0].get("prefetch_step", 0) if placed.plan.layer_shard is not None else None
     check = _plan_check(args, timings)
     if args.json:
