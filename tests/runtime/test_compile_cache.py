@@ -231,6 +231,54 @@ def test_a_killed_writer_leaves_nothing_that_is_trusted(ckpt, tmp_path, caplog):
     child.wait(timeout=60)
     assert list(cache.glob("tp0of1/*/.forward-1x8.*.tmp")), "the child was not caught building its first graph"
     assert _clean_compile(ckpt, cache, caplog) == []
+    assert not list(cache.glob("tp0of1/*/.*.tmp"))  # its staging directory was removed: its pid is gone
+
+
+def test_staging_of_a_live_writer_or_another_host_is_left_until_stale(tmp_path):
+    """The sweep removes this host's staging directories whose pid is gone, keeps a live writer's, and keeps another
+    host's until a day old."""
+    where = tmp_path / "digest"
+    where.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = compile_cache._HOST
+    names = {
+        "mine-dead": f".forward-1x8.{host}.{int(dead.stdout)}.0123abcd.tmp",
+        "mine-live": f".forward-1x1.{host}.{os.getpid()}.0123abcd.tmp",
+        "foreign-new": ".forward-1x8.ffffffff.1.0123abcd.tmp",
+        "foreign-old": ".forward-1x1.eeeeeeee.1.0123abcd.tmp",
+        "graph": "forward-1x8",
+    }
+    for name in names.values():
+        (where / name).mkdir()
+    old = time.time() - compile_cache._FOREIGN_STAGING_S - 60
+    os.utime(where / names["foreign-old"], (old, old))
+    compile_cache._sweep_staging(where)
+    left = sorted(p.name for p in where.iterdir())
+    assert left == sorted([names["mine-live"], names["foreign-new"], names["graph"]])
+
+
+@pytest.mark.parametrize("damage", ["manifest-dir", "graph-missing", "entry-file"])
+def test_a_damaged_entry_is_one_warning_then_repaired(ckpt, cache, caplog, damage):
+    """A manifest that is a directory, a graph directory without its graph.bin, or a file in place of a graph's
+    directory: one warning naming it, a clean compile, and the cache repaired, so that the next run loads every
+    graph with no warning (before, each was silent or permanent: every run recompiled)."""
+    rank = cache / "tp0of1"
+    (entry,) = rank.glob("*/forward-1x8")
+    if damage == "manifest-dir":
+        (rank / "manifest.json").unlink()
+        (rank / "manifest.json").mkdir()
+        expect, loaded = f"cache_dir {rank}: its manifest.json is not a file; compiling from scratch", []
+    elif damage == "graph-missing":
+        (entry / "graph.bin").unlink()
+        expect, loaded = f"cache_dir {rank}: graph forward-1x8 has no graph.bin; removing it and compiling it", GRAPHS[1:]
+    else:
+        shutil.rmtree(entry)
+        entry.write_text("not a graph")
+        expect, loaded = f"cache_dir {rank}: graph forward-1x8 is not a directory; removing it and compiling", GRAPHS[1:]
+    (warning,) = _clean_compile(ckpt, cache, caplog, loaded=loaded)
+    assert expect in warning
+    caplog.clear()
+    assert _clean_compile(ckpt, cache, caplog, loaded=GRAPHS) == []  # repaired
 
 
 def test_write_bytes_replaces_whole_or_not_at_all(tmp_path):

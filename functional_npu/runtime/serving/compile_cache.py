@@ -12,10 +12,12 @@ dynamo tracing, no inductor and no C++ compiler. The layout, one directory per r
 ``<rank>`` is the rank's place on the mesh, ``dp1of2-tp0of4``.
 
 A graph directory is built under a temporary name beside its final one and renamed into place once
-complete, so a killed process leaves only a ``.tmp`` directory that nothing reads. A manifest whose key
-differs (another torch, model, plan, mesh coordinate, shapes, ...) or that cannot be read, a graph that
-cannot be loaded or whose guards reject the inputs, a directory that cannot be written: each is one
-warning on the ``functional_npu`` logger naming the directory and what was wrong, then a clean compile.
+complete, so a killed process leaves only a ``.tmp`` directory that nothing reads (and that the next process on
+that host removes once the writer's pid is gone; another host's, once a day old). A manifest whose key differs
+(another torch, model, plan, mesh coordinate, shapes, ...), that cannot be read or is not a file, a graph entry
+without its ``graph.bin`` or that is not a directory, a graph that cannot be loaded or whose guards reject the
+inputs, a directory that cannot be written: each is one warning on the ``functional_npu`` logger naming the
+directory and what was wrong, then a clean compile, and the damaged part is replaced so that the next run loads.
 
 While one graph compiles or loads, inductor's cache directory is that graph's own (torch's
 ``temporary_cache_dir``: ``TORCHINDUCTOR_CACHE_DIR`` set for the call); another thread compiling at the
@@ -34,6 +36,7 @@ import os
 import platform
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -157,7 +160,10 @@ def open_graph_dir(cache_dir: str | os.PathLike, mesh: Mesh, key: Mapping[str, s
         os.close(fd)
         os.unlink(probe)
         manifest = root / MANIFEST
-        if manifest.exists():
+        if manifest.is_symlink() or (manifest.exists() and not manifest.is_file()):
+            problem = "its manifest.json is not a file"
+            _remove(manifest)
+        elif manifest.exists():
             try:
                 problem = _differences(json.loads(manifest.read_text()), key)
             except (ValueError, UnicodeDecodeError) as e:
@@ -167,6 +173,7 @@ def open_graph_dir(cache_dir: str | os.PathLike, mesh: Mesh, key: Mapping[str, s
                 if old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
             write_bytes(manifest, json.dumps({"format": FORMAT, "key": dict(key)}, indent=1).encode())
+        _sweep_staging(root / digest)
     except OSError as e:
         why = f"{problem}; " if problem else ""
         log.warning(
@@ -179,6 +186,53 @@ def open_graph_dir(cache_dir: str | os.PathLike, mesh: Mesh, key: Mapping[str, s
     if problem:
         log.warning("compile_model: cache_dir %s: %s; compiling from scratch", root, problem)
     return GraphDir(root, digest)
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path`` whatever it is (a directory tree, a file, a link)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+_HOST = _digest(platform.node(), 8)  # staging names carry the writer's host, so that only its own host judges its pid
+_FOREIGN_STAGING_S = 24 * 3600  # a staging directory of another host is removed once this old
+
+
+def _staging_name(graph: str) -> str:
+    return f".{graph}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _sweep_staging(where: Path) -> None:
+    """Remove the staging directories under ``where`` that no live writer owns: those of this host whose process is
+    gone (a writer killed while it built a graph), and any other host's older than a day."""
+    if not where.is_dir():
+        return
+    now = time.time()
+    for entry in where.iterdir():
+        parts = entry.name.split(".")
+        if not (entry.name.startswith(".") and entry.name.endswith(".tmp") and len(parts) >= 6):
+            continue
+        host, pid = parts[-4], parts[-3]
+        if not pid.isdigit():
+            continue
+        try:
+            stale = not _alive(int(pid)) if host == _HOST else now - entry.lstat().st_mtime > _FOREIGN_STAGING_S
+            if stale:
+                _remove(entry)
+        except OSError:  # removed by another process meanwhile, or not ours to remove: left alone
+            continue
 
 
 def _line(e: BaseException) -> str:
@@ -281,7 +335,18 @@ class SavedGraphs:
         if self._where is None:
             return self._fallback
         entry = self._where.path(name)
-        if (entry / GRAPH).is_file():
+        if entry.is_symlink() or (entry.exists() and not (entry / GRAPH).is_file()):
+            # graphs are published whole by a rename: an entry without its graph.bin was damaged after that
+            what = "is not a directory" if entry.is_symlink() or not entry.is_dir() else f"has no {GRAPH}"
+            log.warning(
+                "compile_model: cache_dir %s: graph %s %s; removing it and compiling it from scratch",
+                self._root,
+                name,
+                what,
+            )
+            with contextlib.suppress(OSError):
+                _remove(entry)
+        elif (entry / GRAPH).is_file():
             try:
                 graph = _load(entry)
                 if graph.guard_check(*args, **self._kwargs):
@@ -300,7 +365,7 @@ class SavedGraphs:
         return self._compile(name, entry, args)
 
     def _compile(self, name: str, entry: Path, args: tuple) -> Callable[..., Any]:
-        staging = entry.with_name(f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        staging = entry.with_name(_staging_name(name))
         graph = None
         try:
             with _inductor_dir(staging / "inductor"):
