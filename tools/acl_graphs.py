@@ -29,7 +29,7 @@ from typing import Any
 
 from functional_npu.npu import TorchairUnavailable, torchair_sources
 
-from .aten_graphs import CASES, case_inputs, case_mesh
+from .aten_graphs import CASES, case_inputs, case_mesh, known_cases
 from .conversion import run_conversion
 
 __all__ = ["acl_artifacts", "CONTROL"]
@@ -102,6 +102,7 @@ def acl_artifacts(
 ) -> tuple[dict[str, dict[str, Any]], list[str], str | None]:
     """Convert every case (or those ``names``); returns ``(artifacts, problems, skipped)``: ``skipped`` is one line
     when npugraph_ex's sources cannot be had; ``problems`` name the case and what failed."""
+    names = known_cases(names)
     try:
         sources = torchair_sources()
     except TorchairUnavailable as e:

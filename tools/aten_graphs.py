@@ -38,6 +38,7 @@ from functional_npu.runtime import RankContext
 from functional_npu.runtime.training import AdamW, compile_train_step, token_logprobs
 
 __all__ = [
+    "known_cases",
     "GRAPH_CONFIGS",
     "GRAPH_QUANTS",
     "CASES",
@@ -210,6 +211,25 @@ CASES: tuple[Case, ...] = (
 )
 
 
+def known_cases(names: Collection[str] | None) -> list[str] | None:
+    """``names`` as a list, each checked to be a golden case (None stays None: every case).
+
+    Raises:
+        ValueError: a name that is no case, naming it and the cases there are.
+    """
+    if names is None:
+        return None
+    if isinstance(names, str):
+        names = [names]
+    have = {c.name for c in CASES}
+    unknown = [n for n in names if n not in have]
+    if unknown:
+        raise ValueError(
+            f"unknown golden case {', '.join(map(repr, unknown))}; the cases are: {', '.join(c.name for c in CASES)}"
+        )
+    return list(names)
+
+
 def case_mesh(case: Case, ctx: RankContext) -> Mesh:
     """The case's mesh on this rank (abstract for one-rank cases, whatever world this process is in)."""
     if case.world == 1:
@@ -355,6 +375,7 @@ def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[
 def capture_artifacts(ctx: RankContext, world: int, names: Collection[str] | None = None) -> dict[str, dict[str, Any]]:
     """Every artifact of the cases (of ``names``; None: all) that run on ``world`` ranks, as ``{name: {file:
     content}}`` (run on each rank)."""
+    names = known_cases(names)
     out = {}
     for case in CASES:
         if case.world != world or (names is not None and case.name not in names):

@@ -30,7 +30,7 @@ from typing import Any
 
 from functional_npu.npu import TorchairUnavailable, ge_graph, torchair_sources
 
-from .aten_graphs import CASES, case_function, case_mesh
+from .aten_graphs import CASES, case_function, case_mesh, known_cases
 from .conversion import run_conversion
 
 __all__ = ["ge_artifacts", "case_artifacts", "compare_schedules", "convert", "stable_names", "CONTROL", "FIXES"]
@@ -247,6 +247,7 @@ def ge_artifacts(
     when torchair's sources cannot be had (then nothing is converted); ``problems`` name the case,
     family, phase and what to do.
     """
+    names = known_cases(names)
     missing = [m for m in ("google.protobuf", "packaging") if not _installed(m)]
     if missing:
         return {}, [], f"GE conversion skipped: {', '.join(missing)} not installed (pip install 'functional-npu[ge]')"

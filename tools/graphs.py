@@ -21,7 +21,7 @@ from functional_npu.models import family_of
 from functional_npu.runtime import LocalWorld, RankContext
 
 from .acl_graphs import acl_artifacts
-from .aten_graphs import CASES, capture_artifacts, diff_artifacts, write_artifacts
+from .aten_graphs import CASES, capture_artifacts, diff_artifacts, known_cases, write_artifacts
 from .ge_graphs import ge_artifacts
 from .graph_keys import keys, stale, write_keys
 
@@ -74,7 +74,7 @@ def regenerate(
     """Capture the artifacts of the cases ``names`` (None: every case; and, with ``ge``, convert them to GE graphs;
     with ``acl``, to ACL graphs); write them and their keys under ``root`` or, with ``check``, report the drifted
     files."""
-    names = [c.name for c in CASES] if names is None else list(names)
+    names = [c.name for c in CASES] if names is None else known_cases(names)
     if not names:
         return Report([], [], None, [])
     artifacts = _all_artifacts(world, names)
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         description="regenerate (or --check) the golden captured graphs in graphs/: the cases whose key (their "
         "sources, torch's version) changed, or --all",
     )
+    parser.add_argument("cases", nargs="*", help="these cases only (default: those whose key changed)")
     parser.add_argument("--check", action="store_true", help="fail (exit 1) on drift instead of writing")
     parser.add_argument("--all", action="store_true", help="every case, not only those whose key changed")
     parser.add_argument("--out", default="graphs", help="the artifacts folder; default graphs/")
@@ -123,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     out = Path(args.out)
-    names = [c.name for c in CASES] if args.all else stale(out, current_keys())
+    try:
+        chosen = known_cases(args.cases)
+    except ValueError as e:
+        parser.error(str(e))  # exit 2
+    names = chosen or ([c.name for c in CASES] if args.all else stale(out, current_keys()))
     if not names:
         print(f"graphs: every case's key is current ({len(CASES)} cases): nothing to regenerate (--all: every case)")
         return 0

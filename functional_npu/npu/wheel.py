@@ -26,7 +26,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..core.cache_dir import cache_dir
+from ..core.cache_dir import cache_dir, cache_problem
 
 __all__ = ["TORCH_NPU_VERSION", "TorchairUnavailable", "cache_dir", "cached", "torchair_sources", "unpack"]
 
@@ -134,7 +134,13 @@ def unpack(wheel: Path, dest: Path, version: str = TORCH_NPU_VERSION) -> Path:
             if not any(n == _PREFIX + "torchair/__init__.py" for n in members):
                 raise TorchairUnavailable(f"{wheel} holds no {_PREFIX}torchair package; is it a torch-npu wheel?")
             marker = {"wheel": wheel.name, "name": name, "version": got, "wheel_sha256": _file_digest(wheel)}
-            _replace(z, members, dest, marker)
+            try:
+                _replace(z, members, dest, marker)
+            except OSError as e:  # the destination's fault, not the wheel's
+                raise TorchairUnavailable(
+                    f"cannot unpack {wheel.name} into {dest}: {e.strerror or e}"
+                    f"{f' ({e.filename})' if e.filename else ''}; set FUNCTIONAL_NPU_CACHE to a writable directory"
+                ) from None
     except (zipfile.BadZipFile, OSError) as e:
         raise TorchairUnavailable(f"cannot unpack {wheel}: {e}") from None
     return dest / "torch_npu" / "dynamo"
@@ -180,6 +186,9 @@ def torchair_sources(version: str = TORCH_NPU_VERSION, *, timeout: float = 300.0
         TorchairUnavailable: no wheel could be had (offline, pip failed, a bad wheel).
     """
     dest = cache_dir() / f"torchair-{version}"
+    problem = cache_problem(dest.parent)
+    if problem is not None:  # before any download, and not blamed on the wheel
+        raise TorchairUnavailable(f"torchair's sources cannot be unpacked: {problem}")
     local = os.environ.get("FUNCTIONAL_NPU_TORCH_NPU_WHEEL")
     if local:  # the named wheel, whatever the cache holds: unpacked again unless the cache holds it unchanged
         if not Path(local).is_file():

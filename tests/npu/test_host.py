@@ -238,3 +238,20 @@ def test_torchair_names_the_op_it_has_no_converter_for():
     error = json.loads(lines[-1])
     assert error["op"] == "aten._weight_int8pack_mm.default"
     assert "converter" in error["error"]
+
+
+def test_a_cache_path_that_is_a_file_is_named_not_the_wheel(tmp_path, monkeypatch):
+    """FUNCTIONAL_NPU_CACHE naming a file: one line naming the cache and the fix, before any download (before:
+    "cannot unpack <the wheel>: Not a directory", blaming a good wheel)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path / "file"))
+    monkeypatch.setenv("FUNCTIONAL_NPU_TORCH_NPU_WHEEL", str(_torchair_wheel(tmp_path / "good.whl", "good")))
+    with pytest.raises(TorchairUnavailable) as error:
+        torchair_sources()
+    assert str(error.value) == (
+        f"torchair's sources cannot be unpacked: the cache directory {tmp_path / 'file'} cannot be made: "
+        f"{tmp_path / 'file'} is not a directory; set FUNCTIONAL_NPU_CACHE to a writable directory"
+    )
+    (tmp_path / "dest").write_text("")  # a destination that cannot be written, given to unpack directly
+    with pytest.raises(TorchairUnavailable, match=r"cannot unpack good.whl into .*dest/x: .*set FUNCTIONAL_NPU_CACHE"):
+        unpack(tmp_path / "good.whl", tmp_path / "dest" / "x")

@@ -278,3 +278,24 @@ def test_gemma3_kv_cache_holds_the_window_on_sliding_layers(tp):
     assert decode.bytes["kv_cache"] == decode.reads["kv_cache"] == want
     assert estimate(cfg, c, "h100", Workload.prefill(32768)).bytes["kv_cache"] == want
     assert want < 62 * 32768 * per_position / 5  # a full-length cache per layer: over five times more
+
+
+def test_a_cache_path_that_is_a_file_measures_and_warns_without_caching(tmp_path, monkeypatch, caplog):
+    """FUNCTIONAL_NPU_CACHE naming a file: the profile is measured and used, one warning says why it is not kept
+    (before: a raw NotADirectoryError after the measurement)."""
+    import logging
+
+    from functional_npu.runtime.planning import host_profile
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("FUNCTIONAL_NPU_CACHE", str(tmp_path / "file"))
+    figures = {"read_bytes_per_s": 1e10, "linear_bytes_per_s": 5e9, "flop_per_s": 1e11, "measured": {}}
+    monkeypatch.setattr(host_profile, "_figures", lambda world, repeat: figures)
+    with caplog.at_level(logging.WARNING, logger="functional_npu"):
+        dev = host_profile.host_device(1)
+    assert dev.memory_bytes_per_s == 5e9 and dev.flop_per_s == 1e11  # the measured figures, used
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "functional_npu"]
+    assert warning == (
+        f"host profile: measured, not cached: the cache directory {tmp_path / 'file' / 'host-profile'} cannot be "
+        f"made: {tmp_path / 'file'} is not a directory; set FUNCTIONAL_NPU_CACHE to a writable directory"
+    )

@@ -24,7 +24,9 @@ never trusted.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -35,13 +37,14 @@ from typing import Any
 
 import torch
 
-from ...core.cache_dir import cache_dir
+from ...core.cache_dir import cache_dir, cache_problem
 from ...parallel.devices import COLLECTIVES, Device, Link
 
 __all__ = ["host_device", "measure", "profile_path"]
 
 VERSION = 3
 MEASURED_RANKS = 4  # the most local ranks a profile starts (the cores are shared: more measure nothing new)
+log = logging.getLogger("functional_npu")
 SMALL, LARGE = 4096, 4 * 2**20  # payload bytes of the two calls each collective is timed at
 
 
@@ -195,9 +198,22 @@ def host_device(world: int, *, refresh: bool = False, repeat: int = 25) -> Devic
     cached = None if refresh else _read(path, world)
     if cached is not None:
         return cached
+    problem = cache_problem(path.parent)  # known before measuring: the figures are used, not kept
     figures = _figures(world, repeat)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name + ".", delete=False) as f:
-        json.dump({"version": VERSION, "world": world, "figures": figures}, f)
-    os.replace(f.name, path)
+    if problem is not None:
+        log.warning("host profile: measured, not cached: %s", problem)
+        return _device(figures, world)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": VERSION, "world": world, "figures": figures}, f)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:  # a full disk: measured, not cached
+        log.warning("host profile: measured, not cached: %s writing %s", e.strerror or e, path)
     return _device(figures, world)
