@@ -26,8 +26,9 @@ _PREFIX = "functional-npu-"
 @contextlib.contextmanager
 def scratch_dir(what: str) -> Iterator[str]:
     """A new directory for this run in the temporary directory, removed when the run ends; the directories of
-    ``what`` runs that were killed are removed first."""
-    remove_orphaned(what)
+    every run (of any kind: a ``post-train`` run's are removed by the next ``demo``) that was killed are removed
+    first."""
+    remove_orphaned()
     pid = os.getpid()
     path = tempfile.mkdtemp(prefix=f"{_PREFIX}{what}-{pid}-{_start_time(pid) or 0}-")
     try:
@@ -36,18 +37,19 @@ def scratch_dir(what: str) -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_orphaned(what: str, root: str | Path | None = None) -> list[Path]:
-    """Remove this user's ``what`` scratch directories in ``root`` (default: the temporary directory) whose owner
-    is no longer running; returns them."""
-    named = re.compile(rf"{re.escape(_PREFIX + what)}-(\d+)-(\d+)-")
+def remove_orphaned(what: str | None = None, root: str | Path | None = None) -> list[Path]:
+    """Remove this user's scratch directories (of ``what`` runs; None: of every kind) in ``root`` (default: the
+    temporary directory) whose owner is no longer running; returns them."""
+    kind = re.escape(what) if what is not None else r"[a-z][a-z-]*?"
+    named = re.compile(rf"{re.escape(_PREFIX)}({kind})-(\d+)-(\d+)-[^-]+$")
     removed = []
-    for entry in Path(root or tempfile.gettempdir()).glob(f"{_PREFIX}{what}-*"):
+    for entry in Path(root or tempfile.gettempdir()).glob(f"{_PREFIX}{what or ''}*"):
         m = named.match(entry.name)
         try:
             mine = entry.is_dir() and not entry.is_symlink() and entry.stat().st_uid == os.getuid()
         except OSError:  # removed meanwhile
             continue
-        if m and mine and not _running(int(m[1]), m[2]):
+        if m and mine and not _running(int(m[2]), m[3]):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

@@ -20,7 +20,6 @@ import datetime
 import io
 import os
 import pickle
-import queue
 import re
 import shutil
 import signal
@@ -31,6 +30,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
@@ -147,9 +147,15 @@ def _loopback_store(rank: int, world: int, port: int, timeout: datetime.timedelt
     return dist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, master_listen_fd=listener.detach())
 
 
-def _worker(
-    rank: int, world: int, port: int, tasks: Any, results: Any, threads: int, pg_timeout: float, orphan: tuple
-) -> None:
+def _send(conn: Any, message: tuple) -> None:
+    """Send ``message`` to the parent; a parent that is gone ends this rank quietly (the watchdog's case)."""
+    try:
+        conn.send_bytes(pickle.dumps(message))
+    except OSError:  # BrokenPipeError, ConnectionResetError: nobody is listening any more
+        os._exit(1)
+
+
+def _worker(rank: int, world: int, port: int, conn: Any, threads: int, pg_timeout: float, orphan: tuple) -> None:
     threading.Thread(target=watch_parent, args=orphan, daemon=True, name="parent-watchdog").start()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool per rank
@@ -163,20 +169,24 @@ def _worker(
         store = _loopback_store(rank, world, port, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except BaseException:
-        results.put((0, rank, "err", _failure()))
+        _send(conn, (0, rank, "err", _failure()))
         return
-    results.put((0, rank, "ok", _encode(None)))
+    _send(conn, (0, rank, "ok", _encode(None)))
     ctx = RankContext(rank, world)
     while True:
-        task = tasks.get()
+        try:
+            task = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the parent is gone (SIGKILL): end quietly, no traceback on its terminal
+            os._exit(1)
         if task is None:
             break
         tid, payload = task
         try:
             fn, args, kwargs = pickle.loads(payload)
-            results.put((tid, rank, "ok", _encode(fn(ctx, *args, **kwargs))))
+            result = (tid, rank, "ok", _encode(fn(ctx, *args, **kwargs)))
         except BaseException:
-            results.put((tid, rank, "err", _failure()))
+            result = (tid, rank, "err", _failure())
+        _send(conn, result)
     dist.destroy_process_group()
 
 
@@ -213,8 +223,7 @@ class LocalWorld:
         self.pg_timeout = pg_timeout
         self.remove_when_orphaned = tuple(str(p) for p in remove_when_orphaned)
         self._procs: list[Any] = []
-        self._tasks: list[Any] = []
-        self._results: Any = None
+        self._conns: list[Any] = []  # the parent's end of each rank's pipe (tasks out, answers in)
         self._tid = 0
         self._started = 0.0  # when the ranks started: a kill sweeps inductor's cache of what they wrote since
 
@@ -227,12 +236,14 @@ class LocalWorld:
         sweep()  # what an earlier run killed outside this library left half-written in inductor's cache
         self._started = time.time()
         orphan = (os.getpid(), self.remove_when_orphaned)  # what a rank watches, and removes if the parent dies
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        # one pipe per rank, no multiprocessing.Queue: a queue's locks are named semaphores, which the resource
+        # tracker reports as leaked (a warning on the user's terminal) whenever this process is SIGKILLed
+        pipes = [ctx.Pipe(duplex=True) for _ in range(self.world_size)]
+        self._conns = [parent for parent, _ in pipes]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._tasks[r], self._results, self.threads, self.pg_timeout, orphan),
+                args=(r, self.world_size, port, pipes[r][1], self.threads, self.pg_timeout, orphan),
                 daemon=True,
                 name=f"fnpu-rank{r}",
             )
@@ -241,6 +252,8 @@ class LocalWorld:
         with _sigint_ignored():  # inherited from the start: a Ctrl-C during a rank's imports is the parent's to handle
             for p in self._procs:
                 p.start()
+        for _, child in pipes:
+            child.close()  # the ranks hold their ends: a rank that dies is an EOF here
         self._collect(0, self.start_timeout, "start")
         return self
 
@@ -249,15 +262,18 @@ class LocalWorld:
         if not self._procs:
             return
         if not kill:
-            for q in self._tasks:
-                q.put(None)
+            for conn in self._conns:
+                with contextlib.suppress(OSError):  # a rank that is gone already
+                    conn.send_bytes(pickle.dumps(None))
             for p in self._procs:
                 p.join(timeout=10)
         killed = [p for p in self._procs if p.is_alive()]
         for p in killed:
             p.kill()
             p.join(timeout=10)
-        self._procs, self._tasks, self._results = [], [], None
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
         if killed:  # a rank killed while its compiler wrote leaves a partial object that inductor would trust
             sweep(since=self._started)
 
@@ -284,13 +300,32 @@ class LocalWorld:
             ) from e
         self.start()
         self._tid += 1
-        for q in self._tasks:
-            q.put((self._tid, task))
+        message = pickle.dumps((self._tid, task))
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(message)
+            except OSError:  # the rank is gone: said as a death below
+                self._fail(
+                    RuntimeError(f"{getattr(fn, '__name__', 'task')}: rank {rank} is gone; the world was stopped")
+                )
         return self._collect(self._tid, self.timeout if timeout is None else timeout, getattr(fn, "__name__", "task"))
+
+    def _answers(self, waiting: set[int], timeout: float) -> list[tuple[int, int, str, Any]]:
+        """The answers that arrive within ``timeout`` seconds from the ranks ``waiting``; a rank whose pipe is closed
+        (it died) is dropped from ``waiting`` and says nothing."""
+        conns = {self._conns[r]: r for r in waiting}
+        got = []
+        for conn in mp_connection.wait(list(conns), timeout=timeout):
+            try:
+                got.append(pickle.loads(conn.recv_bytes()))
+            except (EOFError, OSError):
+                waiting.discard(conns[conn])
+        return got
 
     def _collect(self, tid: int, timeout: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout
         got: dict[int, Any] = {}
+        waiting = set(range(self.world_size))
         while len(got) < self.world_size:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -298,39 +333,42 @@ class LocalWorld:
                 self._fail(
                     TimeoutError(f"{what}: ranks {missing} gave no answer within {timeout:.0f}s; the world was stopped")
                 )
-            try:
-                item_tid, rank, status, payload = self._results.get(timeout=min(left, 0.5))
-            except queue.Empty:
+            answers = self._answers(waiting, min(left, 0.5))
+            if not answers:
                 dead = {p.name: p.exitcode for p in self._procs if not p.is_alive()}
-                if dead:
+                if dead or len(waiting) + len(got) < self.world_size:
+                    for p in self._procs:
+                        p.join(timeout=0.5)  # a closed pipe comes just before the exit code
+                    dead = {p.name: p.exitcode for p in self._procs if not p.is_alive()}
                     self._fail(RuntimeError(f"{what}: processes died {dead} (exit codes); the world was stopped"))
                 continue
-            if item_tid != tid:
-                continue  # a late answer to an earlier call
-            if status == "err":
-                self._fail(self._cause(tid, rank, payload, set(got)))
-            got[rank] = _decode(payload)
+            for item_tid, rank, status, payload in answers:
+                if item_tid != tid:
+                    continue  # a late answer to an earlier call
+                waiting.discard(rank)
+                if status == "err":
+                    self._fail(self._cause(tid, rank, payload, set(got), waiting))
+                got[rank] = _decode(payload)
         return [got[r] for r in range(self.world_size)]
 
-    def _cause(self, tid: int, rank: int, payload: Any, answered: set[int]) -> BaseException:
+    def _cause(self, tid: int, rank: int, payload: Any, answered: set[int], waiting: set[int]) -> BaseException:
         """The error to report once ``rank`` failed: the other ranks' answers are awaited for a moment,
         since a rank whose peer died reports only "connection closed by peer"; the first error that is
         not such an echo is the cause, and the others are listed after it."""
         errors = {rank: payload}
         grace = time.monotonic() + _GRACE_S
-        while len(answered) + len(errors) < self.world_size and time.monotonic() < grace:
-            try:
-                item_tid, r, status, p = self._results.get(timeout=0.1)
-            except queue.Empty:
-                if any(not proc.is_alive() for proc in self._procs):
-                    break
-                continue
-            if item_tid != tid:
-                continue
-            if status == "err":
-                errors[r] = p
-            else:
-                answered.add(r)
+        while waiting and time.monotonic() < grace:
+            answers = self._answers(waiting, 0.1)
+            if not answers and any(not proc.is_alive() for proc in self._procs):
+                break
+            for item_tid, r, status, p in answers:
+                if item_tid != tid:
+                    continue
+                waiting.discard(r)
+                if status == "err":
+                    errors[r] = p
+                else:
+                    answered.add(r)
         dead = {p.name: p.exitcode for p in self._procs if not p.is_alive() and p.exitcode not in (0, None)}
         causes = [r for r, (summary, _) in errors.items() if not _ECHO.search(summary)]
         first = min(causes) if causes else rank  # the lowest rank that says more than an echo

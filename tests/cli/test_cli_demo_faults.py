@@ -130,3 +130,19 @@ def test_only_scratch_directories_whose_owner_is_gone_are_removed(tmp_path):
         d.mkdir()
     assert sorted(remove_orphaned("demo", tmp_path)) == sorted([reused, gone])
     assert mine.is_dir() and other.is_dir() and not reused.exists() and not gone.exists()
+
+
+def test_a_killed_post_train_runs_scratch_is_removed_by_the_next_run_of_any_kind(tmp_path):
+    """A post-train run SIGKILLed before its ranks start leaves its directory; the next plain demo removes it (before:
+    only the next post-train run did). A live owner's directory of another kind stays."""
+    from functional_npu.cli.scratch import _start_time, remove_orphaned
+
+    me = os.getpid()
+    killed = tmp_path / f"functional-npu-post-train-{2**22 + 1}-5-abcd1234"
+    live = tmp_path / f"functional-npu-post-train-{me}-{_start_time(me)}-abcd1234"
+    conversion = tmp_path / "functional-npu-ge_graphs.abcd1234"  # another tool's temporary directory
+    for d in (killed, live, conversion):
+        d.mkdir()
+    assert remove_orphaned("demo", tmp_path) == []  # one kind only: the other kinds are left
+    assert remove_orphaned(root=tmp_path) == [killed]
+    assert live.is_dir() and conversion.is_dir()

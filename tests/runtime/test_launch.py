@@ -1,5 +1,6 @@
 """The multi-rank harness fails fast: remote errors carry their rank, hangs and dead ranks time out."""
 
+import contextlib
 import os
 import time
 
@@ -162,3 +163,36 @@ def test_a_world_killed_in_a_collective_leaves_no_semaphore_behind():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stderr.strip() == "error: ValueError: refused on rank 0", out.stderr
+
+
+def test_a_sigkilled_parent_leaves_no_rank_and_prints_nothing():
+    """The parent of a running world SIGKILLed: its ranks end within the watchdog's poll, and nothing reaches the
+    terminal: no rank's EOFError traceback, no resource-tracker warning about leaked semaphores (a
+    multiprocessing.Queue's locks are named semaphores; the world now talks over pipes)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys, time\n"
+        "from functional_npu.runtime.launch import LocalWorld\n"
+        "w = LocalWorld(2, timeout=60).start()\n"
+        "print(' '.join(str(p.pid) for p in w._procs), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen([sys.executable, "-c", script], **pipes, start_new_session=True)
+    try:
+        ranks = [int(p) for p in run.stdout.readline().split()]
+        assert len(ranks) == 2
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_state(r) not in ("gone", "Z") for r in ranks):
+            time.sleep(0.1)
+        assert all(_state(r) in ("gone", "Z") for r in ranks), "a rank outlived its parent"
+        _, err = run.communicate(timeout=20)  # its stderr closes once every process holding it (the tracker) ended
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+    assert err == "", err
