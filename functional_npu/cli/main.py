@@ -212,6 +212,15 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
             args.placement = plan_for_generate(args, cfg, quant, prompts)
         except (OSError, ValueError) as e:
             parser.error(" ".join(str(e).split()))
+    if args.plan_from is not None and args.dtype is not None:  # else the stored dtype decides: load_checkpoint
+        import torch  # checks it on the ranks, before any weight is read
+
+        from ..placement.ring_memory import check_ring_budget
+
+        try:
+            check_ring_budget(args.placement, f"--plan {args.plan_from}", getattr(torch, args.dtype))
+        except ValueError as e:
+            parser.error(str(e))
     return prompts, tok
 
 

@@ -477,11 +477,19 @@ def _check_program(
 ) -> None:
     planned = [p for p, _, _, _, _ in program.leaves]
     if planned != list(local):
-        diff = sorted(set(planned) ^ set(local))
-        raise ValueError(
-            f"reshard: the plan covers leaves {diff[:4]} differently "
-            f"from the tree (missing or extra); plan again for this tree"
-        )
+        missing, extra = [p for p in local if p not in planned], [p for p in planned if p not in local]
+        if missing or extra:
+            what = "; ".join(
+                f"{label} {len(ps)} leaves ({', '.join(ps[:3])}{', ...' if len(ps) > 3 else ''})"
+                for label, ps in (("it lacks the tree's", missing), ("it has", extra))
+                if ps
+            )
+            what += " the tree does not" if extra else ""
+        else:
+            first = next(i for i, (a, b) in enumerate(zip(planned, local)) if a != b)
+            tree = list(local)[first]
+            what = f"it orders the same leaves otherwise (at #{first}: {planned[first]!r}, the tree {tree!r})"
+        raise ValueError(f"reshard: the plan was made for another tree: {what}; plan again for this tree")
     for path, shape, dtype, src_layout, dst_layout in program.leaves:
         x = local[path]
         if tuple(x.shape) != shape or x.dtype != dtype:
@@ -491,6 +499,6 @@ def _check_program(
             )
         if src[path] != src_layout or dst[path] != dst_layout:
             raise ValueError(
-                f"reshard: the plan was made for other layouts of params[{path!r}] "
-                f"({src_layout!r} -> {dst_layout!r}); plan again for these specs"
+                f"reshard: the plan was made for params[{path!r}] going {src_layout!r} -> {dst_layout!r}, but these "
+                f"params go {src[path]!r} -> {dst[path]!r}; plan again for these layouts"
             )

@@ -85,6 +85,12 @@ class Plan:
         axes = (self.expert_axes,) if isinstance(self.expert_axes, str) else self.expert_axes
         if not isinstance(axes, (tuple, list)) or not all(_axis_name(a) for a in axes):
             raise ValueError(f"Plan.expert_axes must be mesh axis names such as ('dp', 'tp'), got {self.expert_axes!r}")
+        twice = sorted({a for a in axes if list(axes).count(a) > 1})
+        if twice:  # the slots would be cut over one axis twice: two coordinates on one rank
+            raise ValueError(
+                f"Plan.expert_axes names {', '.join(map(repr, twice))} more than once ({tuple(axes)}); name each mesh "
+                f"axis once, in mesh order, e.g. ('dp', 'tp')"
+            )
         _set(self, "expert_axes", tuple(axes))
         if isinstance(self.module_tp, Mapping):
             unknown = sorted(set(self.module_tp) - set(MODULES))
@@ -108,8 +114,10 @@ class Plan:
             raise ValueError(f"Plan.absorb must be True or False, got {self.absorb!r}")
         if self.mla_cache not in MLA_CACHES:
             raise ValueError(f"Plan.mla_cache must be one of {MLA_CACHES}, got {self.mla_cache!r}")
-        if self.model is not None and not isinstance(self.model, str):
-            raise ValueError(f"Plan.model must be an architecture name such as 'Qwen3ForCausalLM', got {self.model!r}")
+        if self.model is not None and not (isinstance(self.model, str) and self.model.strip()):
+            raise ValueError(
+                f"Plan.model must be an architecture name such as 'Qwen3ForCausalLM' (or None: any), got {self.model!r}"
+            )
 
     def slots(self, num_experts: int) -> int:
         """Physical expert slots for a model of ``num_experts`` experts."""

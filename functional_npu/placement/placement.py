@@ -317,6 +317,11 @@ def read_placement(path: str | Path, cfg: Any, quant: QuantConfig | None = None,
             f"{where}: a plan file is a JSON object with model, axes and plan (python -m functional_npu plan --out "
             f"FILE writes one)"
         )
+    if not isinstance(data["model"], str) or not data["model"].strip():
+        raise ValueError(
+            f"{where}: model must name the architecture the plan was made for (e.g. {cfg.architecture!r}), got "
+            f"{data['model']!r}; python -m functional_npu plan --out FILE writes it"
+        )
     if data["model"] != cfg.architecture:
         raise ValueError(
             f"{where}: the plan was made for {data['model']}, but this model is a {cfg.architecture}; "
@@ -344,9 +349,28 @@ def _read_json(path: Any, where: str) -> Any:
     except OSError as e:
         raise ValueError(f"{where}: cannot read the plan file ({e.strerror or e})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=functools.partial(_once, where=where))
+    except _Twice as e:
+        raise ValueError(str(e)) from None
     except ValueError as e:
         raise ValueError(f"{where}: not JSON ({e}); write one with python -m functional_npu plan --out FILE") from None
+
+
+class _Twice(Exception):
+    """A JSON object in a plan file that names one key twice."""
+
+
+def _once(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (JSON would keep the last silently: a mesh axis
+    written twice would be a mesh of other ranks than the file shows)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise _Twice(
+            f"{where}: the plan file names {', '.join(map(repr, twice))} twice in one object ({dict(pairs)!r} keeps "
+            f"only the last); write each key once"
+        )
+    return dict(pairs)
 
 
 def _axis_size(name: Any, size: Any) -> bool:

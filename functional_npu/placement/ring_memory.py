@@ -33,7 +33,7 @@ from ..parallel.layer_shard import LayerShard, series_specs, stack_series
 from .check import check_leaves, check_plan_fits
 from .placement import Placement
 
-__all__ = ["RingMemory", "RingMemoryWarning", "ring_memory", "warn_ring_memory"]
+__all__ = ["RingMemory", "RingMemoryWarning", "check_ring_budget", "one_layer_bytes", "ring_memory", "warn_ring_memory"]
 
 
 class RingMemoryWarning(UserWarning):
@@ -214,6 +214,44 @@ def _other_series(placed: Placement) -> list[str]:
 
 def _figures(found: RingMemory) -> str:
     return f"rank {found.rank} would hold {found.held} of {found.replicated} bytes, {found.share:.0%}"
+
+
+def one_layer_bytes(placed: Placement, dtype: torch.dtype | None = None) -> int:
+    """The bytes of one layer of the layer-sharded series (one ring slot, every series coalesced) on the rank where it
+    is largest; 0 without layer sharding. ``dtype``: the floating leaves are counted in it (the dtype they are loaded
+    in), the others (quantized integers) as stored."""
+    ls = placed.plan.layer_shard
+    if ls is None:
+        return 0
+    stacked, layouts = _stacked(placed, ls)
+    mesh = Mesh.abstract(placed.mesh_shape)
+
+    def size(m: torch.Tensor) -> int:
+        return torch.empty((), dtype=dtype).element_size() if dtype and m.dtype.is_floating_point else m.element_size()
+
+    return max(
+        sum(math.prod(local_shape(m.shape, layouts[p], mesh.at(r), path=p)[1:]) * size(m) for p, m in stacked.items())
+        for r in range(mesh.size)
+    )
+
+
+def check_ring_budget(placed: Placement, where: str, dtype: torch.dtype | None = None) -> None:
+    """Refuse (before any weight is read) a plan whose ``prefetch_step="auto"`` budget cannot hold one layer of its
+    series, in the words ``compile_model`` would use once the weights were loaded.
+
+    Raises:
+        ValueError: naming the budget, the series and one layer's bytes.
+    """
+    plan = placed.plan
+    if plan.layer_shard is None or plan.prefetch_step != "auto" or plan.prefetch_budget is None:
+        return
+    need = one_layer_bytes(placed, dtype)
+    if plan.prefetch_budget < need:
+        raise ValueError(
+            f"{where}: prefetch_step='auto': the prefetch ring budget of {plan.prefetch_budget:.0f} bytes does not "
+            f"hold one layer of {','.join(plan.layer_shard.leaves)} ({need} bytes, needed even at k = 0); raise the "
+            f"budget or layer-shard fewer series"
+        )
 
 
 def warn_ring_memory(placed: Placement, where: str, *, stacklevel: int = 2) -> RingMemory | None:

@@ -101,6 +101,16 @@ def test_a_plan_file_for_another_model_or_mesh_is_refused_by_name(qwen3, tmp_pat
     )
     (tmp_path / "bad.json").write_text("{nope")
     refused(["generate", "--model", str(qwen3[0]), "--plan", str(tmp_path / "bad.json"), *gen], "not JSON", capsys)
+    budget = json.loads(plan_file.read_text())
+    budget["axes"] = {"dp": 2, "tp": 1}
+    budget["plan"] |= {"tp": "tp", "layer_shard": "o_proj", "prefetch_step": "auto", "prefetch_budget": 10}
+    (tmp_path / "budget.json").write_text(json.dumps(budget))
+    refused(  # before any rank starts (before: after the checkpoint had loaded)
+        ["generate", "--model", str(qwen3[0]), "--plan", str(tmp_path / "budget.json"), "--dtype", "bfloat16", *gen],
+        f"--plan {tmp_path / 'budget.json'}: prefetch_step='auto': the prefetch ring budget of 10 bytes does not hold "
+        "one layer of o_proj (",
+        capsys,
+    )
 
 
 @pytest.mark.parametrize(

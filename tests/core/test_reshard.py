@@ -305,11 +305,21 @@ def test_error_plan_for_another_tree_or_mesh():
         reshard({"w": torch.zeros(6)}, replicated(), sharded(0, "tp"), MESH, plan=plan)
     with pytest.raises(
         ValueError,
-        match=r"the plan was made for other layouts of params\['w'\] \(replicated\(\) -> Layout\(dim0=shard\(tp\)\)\)",
+        match=r"the plan was made for params\['w'\] going replicated\(\) -> Layout\(dim0=shard\(tp\)\), but these "
+        r"params go replicated\(\) -> replicated\(\); plan again",
     ):
         reshard({"w": torch.zeros(4)}, replicated(), replicated(), MESH, plan=plan)
-    with pytest.raises(ValueError, match=r"the plan covers leaves \['v'\] differently from the tree"):
+    with pytest.raises(ValueError, match=r"made for another tree: it lacks the tree's 1 leaves \(v\); plan again"):
         reshard({"w": torch.zeros(4), "v": torch.zeros(4)}, replicated(), replicated(), MESH, plan=plan)
+    two = {"w": ((4,), torch.float32), "v": ((4,), torch.float32)}
+    both = plan_reshard(
+        two, dict.fromkeys(two, replicated()), dict.fromkeys(two, sharded(0, "tp")), Mesh.abstract({"tp": 2})
+    )
+    with pytest.raises(ValueError, match=r"made for another tree: it has 1 leaves \(v\) the tree does not; plan"):
+        reshard({"w": torch.zeros(4)}, replicated(), sharded(0, "tp"), MESH, plan=both)
+    with pytest.raises(ValueError, match=r"it orders the same leaves otherwise \(at #0: 'w', the tree 'v'\)"):
+        # before: "the plan covers leaves [] differently", the same leaves in another order
+        reshard({"v": torch.zeros(4), "w": torch.zeros(4)}, replicated(), sharded(0, "tp"), MESH, plan=both)
     with pytest.raises(ValueError, match=r"the plan is for mesh \{'tp': 2\} but the mesh is \{'dp': 1, 'tp': 2\}"):
         reshard({"w": torch.zeros(4)}, replicated(), sharded(0, "tp"), Mesh.abstract({"dp": 1, "tp": 2}, 0), plan=plan)
 

@@ -84,6 +84,8 @@ def test_one_setter_normalizes_what_it_is_given():
         ({"layer_shard": {"axis": "dp", "leaves": "o_proj"}}, r"Plan.layer_shard: leaves must be a list of series"),
         ({"layer_shard": 3}, r"Plan.layer_shard must be a LayerShard, series names"),
         ({"layer_shard": "o_proj,no-such"}, r"'no-such' is not a name"),
+        ({"expert_axes": ("dp", "dp")}, r"Plan.expert_axes names 'dp' more than once \(\('dp', 'dp'\)\); name each"),
+        ({"model": ""}, r"Plan.model must be an architecture name such as 'Qwen3ForCausalLM' \(or None: any\), got ''"),
     ],
 )
 def test_bad_fields_are_one_line_naming_the_field(fields, message):
@@ -91,6 +93,35 @@ def test_bad_fields_are_one_line_naming_the_field(fields, message):
         Plan(**fields)
     with pytest.raises(ValueError, match=r"^p.json: "):  # read from a file: the file names the line
         Plan.from_dict(fields, where="p.json")
+
+
+def test_a_budget_that_cannot_hold_one_layer_is_refused_before_any_weight_is_read(tmp_path):
+    """prefetch_step 'auto' with a budget under one layer of the series: refused from the placement (the CLI) and by
+    load_checkpoint before it reads a weight, in the words compile_model used after the load."""
+    from functional_npu import load_checkpoint
+    from functional_npu.placement.ring_memory import check_ring_budget, one_layer_bytes
+    from functional_npu.runtime.loading.save import save_checkpoint
+
+    plan = Plan(layer_shard="o_proj,down_proj", prefetch_step="auto", prefetch_budget=10)
+    placed = place(DENSE, {"dp": 2, "tp": 1}, plan)
+    h, i = DENSE.hidden_size, DENSE.intermediate_size
+    n_heads_dim = DENSE.num_heads * DENSE.head_dim
+    layer = (h * n_heads_dim + i * h) * 4  # o_proj and down, whole on the owner (tp 1), float32: counted by hand
+    assert one_layer_bytes(placed) == layer and one_layer_bytes(placed, torch.bfloat16) == layer // 2
+    message = (
+        rf"here: prefetch_step='auto': the prefetch ring budget of 10 bytes does not hold one layer of o_proj,down "
+        rf"\({layer} bytes, needed even at k = 0\); raise the budget"
+    )
+    with pytest.raises(ValueError, match=message):
+        check_ring_budget(placed, "here")
+    check_ring_budget(place(DENSE, {"dp": 2, "tp": 1}, dataclasses.replace(plan, prefetch_budget=layer)), "here")
+    save_checkpoint(family_of(DENSE).init_params(DENSE, seed=0), tmp_path / "ckpt")
+    read = []
+    with pytest.raises(ValueError, match=message.replace("here", "load_checkpoint")):
+        load_checkpoint(
+            tmp_path / "ckpt", Mesh.abstract({"dp": 2, "tp": 1}, 0), plan, on_read=lambda *a: read.append(a)
+        )
+    assert read == []  # nothing read
 
 
 def test_a_plan_file_is_the_placement_and_reads_back(tmp_path):
@@ -121,6 +152,14 @@ def test_bad_plan_files_name_the_file(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ValueError, match=r"list.json: a plan file is a JSON object with model, axes and plan"):
         read_placement(tmp_path / "list.json", DENSE)
+    (tmp_path / "noname.json").write_text(json.dumps({"model": "", "axes": {"tp": 2}, "plan": {}}))
+    with pytest.raises(ValueError, match=r"noname.json: model must name the architecture the plan was made for \(e.g"):
+        read_placement(tmp_path / "noname.json", DENSE)  # before: "the plan was made for , but this model is ..."
+    (tmp_path / "twice.json").write_text(
+        '{"model": "Qwen3ForCausalLM", "axes": {"dp": 2, "tp": 1, "dp": 1}, "plan": {}}'
+    )
+    with pytest.raises(ValueError, match=r"twice.json: the plan file names 'dp' twice in one object \(\{'dp': 1, 'tp'"):
+        read_placement(tmp_path / "twice.json", DENSE)  # before: the last 'dp' silently
     (tmp_path / "moe.json").write_text(place(MOE, {"dp": 1, "tp": 2}).to_json())
     with pytest.raises(ValueError, match=r"moe.json: the plan was made for Qwen3MoeForCausalLM, but this model is"):
         read_placement(tmp_path / "moe.json", DENSE)

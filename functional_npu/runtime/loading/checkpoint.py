@@ -33,7 +33,7 @@ from ...parallel.plan import Plan
 from ...placement.hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
 from ...placement.placement import Placement, place
 from ...placement.quant_config import QuantConfig, read_quant_config
-from ...placement.ring_memory import warn_ring_memory
+from ...placement.ring_memory import check_ring_budget, warn_ring_memory
 from .dcp import DcpHandle, is_dcp
 
 __all__ = ["load_checkpoint", "read_config", "read_quant"]
@@ -209,6 +209,7 @@ def _load(
     layer_shard = wanted.placement.plan.layer_shard  # the series as leaves
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)
+    check_ring_budget(wanted.placement, "load_checkpoint", dtype or stored_dtype)  # before any weight is read
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
     skip = _not_owned(wanted, mesh, layer_shard)
     loaded = _read_leaves(ckpt, wanted, mesh, skip, dtype or stored_dtype, device, show)
