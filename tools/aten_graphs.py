@@ -283,7 +283,9 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
     tokens = torch.ones(b, s, dtype=torch.long)
     state = init_state(cfg, mesh, b, CACHE_LEN, params["embed"].dtype, plan=plan)
     if device == "meta":
-        tokens, positions, state = pytree.tree_map(lambda t: t.to("meta"), (tokens, positions, state))
+        tokens, positions, state = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to("meta"), (tokens, positions, state)
+        )
     state = state._replace(prefetched=prefetch.start(params, mesh, plan, case.k))
     return params, tokens, positions, state, mesh
 

@@ -13,12 +13,13 @@ A layer-sharded leaf is absent from ``params["layers"]`` and lives in ``params["
 :mod:`functional_npu.parallel.layer_shard`); where each layer's weights come from, local or
 prefetched from their owner ``k`` layers ahead, is :func:`functional_npu.parallel.prefetch.layer_weights`.
 
-**State** is one :class:`DecodeState`: the KV cache and the carried prefetch buffers.
+**State** is one :class:`DecodeState`: the KV cache, the carried prefetch ring and the ring's phase.
 
 **The forward's contract** (:func:`forward`): ``logits [B, S, V]`` for ``tokens [B, S]`` at absolute
 ``positions [B, S]`` (a decode step is ``S == 1`` with each sequence's own position). The state is
 donated and updated in place: each layer writes its keys and values into ``state.kv`` at
-``positions``, and ``state.prefetched`` is replaced by the next step's first ``k`` layers' weights.
+``positions``, ``state.prefetched``'s slots take the next step's first ``k`` layers' weights, and
+``state.phase`` advances (the ring's list keeps its order: a graph per phase sees the same tensor at each slot).
 Padded slots may hold garbage at positions a query never sees. A step's positions are consecutive per
 sequence from its first, but for a right-padded prefill's pads: these take the position after the prompt's
 last, which the first decode step overwrites (a sliding window's ring cache, :mod:`functional_npu.models.ring`,
@@ -42,7 +43,7 @@ import torch
 
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
-from ..parallel.prefetch import layer_weights
+from ..parallel.prefetch import RingPhase, layer_weights
 from ..parallel.streams import INLINE, Streams
 from .norm import rms_norm
 
@@ -55,11 +56,14 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecodeState(NamedTuple):
-    """Everything a step carries to the next: ``kv`` (per layer ``(k, v)``, written in place) and
-    ``prefetched`` (the first ``k`` layers' layer-sharded weights, in flight; empty without prefetch)."""
+    """Everything a step carries to the next: ``kv`` (per layer ``(k, v)``, written in place),
+    ``prefetched`` (the prefetch ring, holding the first ``k`` layers' layer-sharded weights in flight; empty without
+    prefetch) and ``phase``, the ring's phase (:class:`~functional_npu.parallel.prefetch.RingPhase`: which slot holds
+    which layer; advanced by each step, the ring's list never reordered)."""
 
     kv: list[KV]
     prefetched: list[torch.Tensor]
+    phase: RingPhase
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,9 @@ def decode(
     types = blocks.layer_types
     first = {t: state.kv[types.index(t)] for t in dict.fromkeys(types)} if types else state.kv[0]
     steps = blocks.prepare(positions, first, x.dtype)
-    weights = layer_weights(params, state.prefetched, mesh, plan, streams, differentiable=differentiable)
+    weights = layer_weights(
+        params, state.prefetched, mesh, plan, streams, phase=state.phase, differentiable=differentiable
+    )
     norm = functools.partial(rms_norm, eps=blocks.eps, offset=blocks.norm_offset)
     for i, kv in enumerate(state.kv):
         layer = weights(i, x)

@@ -18,6 +18,7 @@ from ..core.mesh import Mesh
 from ..parallel.eplb_map import EXPERT_LEAVES
 from ..parallel.layer_shard import LayerShard
 from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
+from ..parallel.prefetch import RingPhase
 from ..parallel.streams import INLINE, Streams
 from . import deepseek, dense, gemma3, llama, moe
 from .decoder import Blocks, DecodeState, decode
@@ -322,4 +323,6 @@ def init_state(
 ) -> DecodeState:
     """A zeroed decode state on ``device``: the KV cache for ``batch`` sequences of up to ``max_seq_len`` tokens, no
     prefetch."""
-    return DecodeState(family_of(cfg).blocks(cfg, plan).init_kv(mesh, batch, max_seq_len, dtype, device), [])
+    return DecodeState(
+        family_of(cfg).blocks(cfg, plan).init_kv(mesh, batch, max_seq_len, dtype, device), [], RingPhase()
+    )

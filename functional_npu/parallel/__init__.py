@@ -36,18 +36,20 @@ from .layer_shard import (
 from .module_tp import MODULES, ModuleTP, check_module_tp, dp_axes, split_dp
 from .plan import EXPERT_FIELDS, LAYOUT_FIELDS, MLA_CACHES, MLA_FIELDS, Plan
 from .prefetch import (
+    RingPhase,
     check_prefetch_step,
     check_ring,
     coalesced,
     drain,
     layer_weights,
     new_ring,
+    next_phase,
+    phases,
     ready,
     ring_spec,
     ring_used,
     slot_of,
     start,
-    turn,
 )
 from .prefetch_cost import (
     auto_step,
@@ -114,7 +116,9 @@ __all__ = [
     "ring_used",
     "coalesced",
     "slot_of",
-    "turn",
+    "RingPhase",
+    "phases",
+    "next_phase",
     "ring_spec",
     "new_ring",
     "check_ring",

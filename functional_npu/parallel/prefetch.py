@@ -11,15 +11,20 @@ the carried state ``prefetched``, like the KV cache. Each broadcast writes its l
 place (:func:`functional_npu.core.collectives.broadcast_into`); nothing in the graph allocates a
 prefetch buffer, so the bound is the ring's size whatever a compiler or an allocator does.
 
-Asking for layer ``i`` issues the broadcast of layer ``v = i + k`` into slot ``v mod (k + 1)``, once
-the residual stream entering layer ``i`` exists (so after every read of layer ``i - 1``, the slot's
-previous contents), then waits for layer ``i``'s slot. Layers ``v >= L`` are the next step's first
-``k`` layers, left in flight across the step boundary. Their slot is ``v mod (k + 1)`` in this
-step's numbering; the next step numbers its layer ``j`` from ``j mod (k + 1)``, so between steps the
-ring turns by ``L mod (k + 1)`` (:func:`turn`): a reordering of the list of slots, no data moved.
-Numbering the next step's layers ``j mod (k + 1)`` without the turn puts a layer in a slot still in
-use when ``L`` is not a multiple of ``k + 1`` (the hazard :mod:`functional_npu.parallel.hazard`
-finds).
+Asking for layer ``i`` issues the broadcast of layer ``v = i + k`` into its slot, once the residual stream
+entering layer ``i`` exists (so after every read of layer ``i - 1``, the slot's previous contents), then waits
+for layer ``i``'s slot. Layers ``v >= L`` are the next step's first ``k`` layers, left in flight across the step
+boundary.
+
+**Phases.** The slot of virtual layer ``v`` is ``(v + p) mod (k + 1)`` (:func:`slot_of`), where ``p`` is the ring's
+phase (:class:`RingPhase`, carried in the decode state beside the ring). A step leaves the next step's layer
+``j`` in slot ``(j + L + p) mod (k + 1)``, so it advances the phase by ``L mod (k + 1)``; the list of slots never
+changes order. A compiled step reads the phase as a constant, so the compiler makes one graph per phase, at most
+:func:`phases` ``= (k + 1) / gcd(L, k + 1)`` of them (one when ``k + 1`` divides ``L``), and each graph sees the same
+tensor at each of its slot inputs on every replay: a captured graph (npugraph_ex's ACL graphs, CUDA graphs) records
+a mutated input's address once and never recaptures. Numbering every step from phase 0 without advancing puts a
+layer in a slot still in use when ``L`` is not a multiple of ``k + 1`` (the hazard
+:mod:`functional_npu.parallel.hazard` finds).
 
 ``k = len(prefetched) // groups - 1``, so the state fixes the schedule; ``k = 0`` (one slot) is
 synchronous. Over an axis of size 1 every layer is local: no ring, no broadcast.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +52,9 @@ __all__ = [
     "ring_used",
     "coalesced",
     "slot_of",
-    "turn",
+    "RingPhase",
+    "phases",
+    "next_phase",
     "ring_spec",
     "new_ring",
     "check_ring",
@@ -70,19 +78,29 @@ def check_prefetch_step(k: int, num_layers: int) -> int:
     return k
 
 
-def slot_of(v: int, k: int) -> int:
-    """The ring slot of virtual layer ``v`` (``v >= L``: the next step's layer ``v - L``) at prefetch step ``k``."""
-    return v % (k + 1)
+@dataclass
+class RingPhase:
+    """The phase ``at`` of a prefetch ring (see the module docstring): virtual layer ``v`` of the next step is in
+    slot ``(v + at) mod (k + 1)``. The step's forward advances it (:func:`next_phase`); a new ring starts at 0."""
+
+    at: int = 0
 
 
-def turn(ring: list[Any], num_layers: int, groups: int) -> list[Any]:
-    """The ring as the next step numbers it: slot ``s`` of the next step is slot ``(s + L) mod (k + 1)`` of this
-    one (``groups`` buffers per slot)."""
-    slots = len(ring) // groups if groups else 0
-    if slots <= 1:
-        return list(ring)
-    r = num_layers % slots
-    return ring[r * groups :] + ring[: r * groups]
+def slot_of(v: int, k: int, phase: int = 0) -> int:
+    """The ring slot of virtual layer ``v`` (``v >= L``: the next step's layer ``v - L``) at prefetch step ``k`` in a
+    step of phase ``phase``."""
+    return (v + phase) % (k + 1)
+
+
+def next_phase(phase: int, num_layers: int, k: int) -> int:
+    """The phase of the step after one of phase ``phase``: its layer ``j`` is this step's virtual layer ``j + L``."""
+    return (phase + num_layers) % (k + 1)
+
+
+def phases(num_layers: int, k: int) -> int:
+    """How many phases a ring of ``k + 1`` slots goes through over steps of ``L`` layers (from phase 0): the graphs
+    a compiled step needs, ``(k + 1) / gcd(L, k + 1)``."""
+    return (k + 1) // math.gcd(num_layers, k + 1)
 
 
 def _flat_series(params: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -163,6 +181,7 @@ def _issue(
     mesh: Mesh,
     after: torch.Tensor | None = None,
     streams: Streams = INLINE,
+    phase: int = 0,
 ) -> list[torch.Tensor]:
     """Start fetching virtual layer ``v``'s series weights (``v >= L``: the next step's layer ``v - L``) into its
     slot, one in-place broadcast per :func:`coalesced` group, on the prefetch stream, not before ``after`` exists,
@@ -171,7 +190,7 @@ def _issue(
     n, me = mesh.axis_size(axis), mesh.axis_index(axis)
     li = v % len(params["layers"])
     series, groups = _flat_series(params), coalesced(params)
-    s = slot_of(v, k)
+    s = slot_of(v, k, phase)
     out = []
     with streams.side(PREFETCH_STREAM):
         for g, leaves in enumerate(groups):
@@ -212,6 +231,7 @@ def layer_weights(
     plan: Plan,
     streams: Streams = INLINE,
     *,
+    phase: RingPhase | None = None,
     differentiable: bool = False,
 ) -> Callable[[int, torch.Tensor], Weights]:
     """The loop's source of weights: ``weights(i, x)`` is layer ``i``'s full weight dict, where ``x``
@@ -219,9 +239,14 @@ def layer_weights(
 
     Without layer-sharded series it is ``params["layers"][i]``. With them, asking for layer ``i`` issues
     the broadcasts of layer ``i + k`` into the ring ``prefetched`` (after ``x``, under ``streams``) and
-    waits for layer ``i``'s slot; asking for the last layer leaves the next step's first ``k`` layers in
-    flight and turns the ring (the list, in place) for the next step. An empty ring over an axis of size
+    waits for layer ``i``'s slot, in the slots of ``phase`` (read once, as a constant: a compiled step is a graph of
+    that phase); asking for the last layer leaves the next step's first ``k`` layers in flight and advances
+    ``phase`` for the next step. The list ``prefetched`` is never reordered. An empty ring over an axis of size
     > 1 is a one-slot ring made here (synchronous; a compiled model always passes its own).
+
+    Raises:
+        ValueError: a ring carried across steps (``prefetched``, ``L`` not a multiple of ``k + 1``) with no
+            ``phase``.
 
     ``differentiable``: the weights are a gradient's inputs, so they arrive by out-of-place broadcasts
     (:func:`~functional_npu.core.collectives.broadcast`, whose gradient is summed back to the owner) issued
@@ -244,10 +269,16 @@ def layer_weights(
     k, axis = check_ring(params, mesh, plan, ring), plan.layer_shard.axis
     groups, L = len(coalesced(params)), len(layers)
     sizes = [size for size, _ in ring_spec(params)]
+    if phase is None and prefetched and next_phase(0, L, k) != 0:
+        raise ValueError(
+            f"prefetched: a ring of k + 1 = {k + 1} slots carried across steps of {L} layers needs its phase "
+            f"(L mod (k + 1) = {L % (k + 1)}): pass the decode state's phase (DecodeState.phase, a RingPhase)"
+        )
+    p = phase.at if phase is not None else 0  # a constant of the graph: one graph per phase
 
     def weights(i: int, x: torch.Tensor) -> Weights:
-        _issue(params, axis, ring, i + k, k, mesh, x, streams)
-        s = slot_of(i, k)
+        _issue(params, axis, ring, i + k, k, mesh, x, streams, p)
+        s = slot_of(i, k, p)
         if i >= k:  # issued in this step (layers 0 .. k-1 came in flight from the last one, or from start())
             streams.wait(ready(s))
         flats = [funcol.wait_tensor(ring[s * groups + g]) for g in range(groups)]
@@ -256,8 +287,9 @@ def layer_weights(
             if not streams.hand_over:  # the compiler copies the slots back: let the copy read whole layers
                 for v in range(L, L + k):
                     for g in range(groups):
-                        funcol.wait_tensor(ring[slot_of(v, k) * groups + g])
-            prefetched[:] = turn(ring, L, groups)
+                        funcol.wait_tensor(ring[slot_of(v, k, p) * groups + g])
+            if phase is not None:
+                phase.at = next_phase(p, L, k)
         return layer
 
     return weights
@@ -298,7 +330,8 @@ def start(
     params: dict[str, Any], mesh: Mesh, plan: Plan, k: int, ring: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
     """The ring for the first step (``ring``, else a new one), with layers ``0 .. k-1`` issued into slots
-    ``0 .. k-1`` now (run on every rank of the axis); ``[]`` when the series are local."""
+    ``0 .. k-1`` now (run on every rank of the axis), for a step of phase 0 (a new :class:`RingPhase`); ``[]`` when
+    the series are local."""
     ring = new_ring(params, mesh, plan, k) if ring is None else ring
     for v in range(k if ring else 0):
         _issue(params, plan.layer_shard.axis, ring, v, k, mesh)

@@ -23,7 +23,7 @@ from functional_npu.placement import check_plan
 
 from ..support.configs import DENSE, MLA, MOE
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
-from ..support.prefetch_workers import generate_layer_sharded, ring_hazards, ring_logits
+from ..support.prefetch_workers import generate_layer_sharded, ring_addresses, ring_hazards, ring_logits
 
 LAYERS = 6
 PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]
@@ -304,3 +304,44 @@ def test_prefetch_step_errors(qwen3):
         resident_bytes({"a": params["series"]["o_proj"], "b": params["series"]["o_proj"][1:]})
         == params["series"]["o_proj"].numel() * 4
     )
+
+
+def test_each_graph_sees_its_ring_slots_at_one_address_over_many_steps(world2, qwen3):
+    """The ring's list never turns: over 2(k + 1) decode steps every graph is called with one tuple of ring-slot
+    addresses (what a captured graph records once and a replay needs unchanged), and the decode graphs number the
+    ring's phases, (k + 1) / gcd(L, k + 1) (2 at k = 3, 5 at k = 4 with L = 6), each reading the slots in its own
+    roles (k = 3 here). The counterexample, the list turned between steps as before, gives one decode graph called
+    with as many address tuples as there are phases (each a recapture on a device), though its logits are the
+    same."""
+    from functional_npu.parallel.prefetch import phases
+
+    k = 3
+    steps = 2 * (k + 1)
+    (graphs, logits), _ = world2.run(ring_addresses, qwen3[0], {"dp": 2, "tp": 1}, "o_proj,down_proj", k, steps)
+    prefill, *decodes = graphs
+    assert len(decodes) == phases(LAYERS, k) == 2
+    assert [len(calls) for calls in graphs] == [1] * len(graphs), graphs  # one address tuple per graph
+    assert len({calls[0] for calls in graphs}) == 1  # the same tensors at the same inputs, in every phase's graph
+    (old_graphs, old_logits), _ = world2.run(
+        ring_addresses, qwen3[0], {"dp": 2, "tp": 1}, "o_proj,down_proj", k, steps, True
+    )
+    _, old_decode = old_graphs
+    assert len(old_decode) == phases(LAYERS, k)  # one graph, replayed on every turn of the list
+    assert torch.equal(old_logits, logits)
+
+
+def test_a_ring_with_more_graphs_than_the_budget_is_refused_naming_k_and_l(qwen3):
+    """k = 4 over 6 layers: 5 phases; with 13 batch buckets and 3 prefill lengths, 5 x 52 = 260 graphs > 256, refused
+    before anything compiles; k = 2 (k + 1 divides 6: one phase) compiles with the same buckets."""
+    mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
+    params = load_checkpoint(qwen3[0], mesh, Plan(layer_shard=layer_shard("o_proj")))
+    shapes = dict(backend="inductor", batch_sizes=list(range(1, 14)), prefill_lengths=[8, 16, 32], max_seq_len=64)
+    plan = params["placement"].plan
+    with pytest.raises(
+        ValueError,
+        match=r"compile_model: prefetch_step 4 over 6 layers turns a ring of 5 slots through 5 phases, one graph each: "
+        r"5 x 52 shapes = 260 graphs, over the budget of 256; use a prefetch_step k with k \+ 1 dividing 6 \(one "
+        r"phase: k in \[0, 1, 2, 5\]\)",
+    ):
+        compile_model(params, mesh, plan=dataclasses.replace(plan, prefetch_step=4), **shapes)
+    compile_model(params, mesh, plan=dataclasses.replace(plan, prefetch_step=2), **shapes)  # traced lazily: no cost

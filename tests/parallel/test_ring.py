@@ -53,24 +53,28 @@ def _plan(params: dict) -> Plan:
 
 
 def _run(L: int, n: int, me: int, k: int, series: int, steps: int = 2, turn: bool = True):
-    """Record ``steps`` decode steps of the layer loop; returns (program, ring, the ring's first slots)."""
+    """Record ``steps`` decode steps of the layer loop; returns (program, ring, the ring's first slots).
+    ``turn=False``: every step numbered from phase 0 (the phase not carried)."""
     params, mesh = _params(L, n, me, series), _AxisMesh(n, me)
     groups = len(prefetch.coalesced(params))
     ring = prefetch.new_ring(params, mesh, _plan(params), k)
     first = list(ring)
     rec = Recorder(ring)
+    phase = prefetch.RingPhase()
     with rec:
         prefetch.start(params, mesh, _plan(params), k, ring)  # layers 0 .. k-1, issued before the first step
         for step in range(steps):
-            weights = prefetch.layer_weights(params, ring, mesh, _plan(params))
+            if not turn:
+                phase = prefetch.RingPhase()
+            weights = prefetch.layer_weights(params, ring, mesh, _plan(params), phase=phase)
             x = torch.zeros(())
-            before = list(ring)
             for i in range(L):
                 rec.layer = step * L + i
                 layer = weights(i, x)
                 x = x + sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(layer))
-            if not turn:  # the slot index computed as l mod (k + 1) in every step: the ring not turned
-                ring[:] = before
+        assert [t.data_ptr() for t in ring] == [t.data_ptr() for t in first]  # the list is never reordered
+        if turn and n > 1:
+            assert phase.at == steps * L % (k + 1)
     return rec.program(0, groups), ring, first, groups
 
 
@@ -98,17 +102,17 @@ def test_ring_never_overflows_and_every_access_is_ordered(L, n, data, series):
     assert check(program, k, slots=(k + 1) * groups) == []
 
 
-def test_vllm_54975_slot_index_without_the_turn():
+def test_vllm_54975_slot_index_without_the_phase():
     """vLLM's issue 54975: with L not a multiple of k + 1, numbering each step's slots l mod (k + 1) afresh puts the
-    next step's first layers into slots still holding this step's last ones. The turn fixes it; without it the
-    check finds the wrong layer read."""
+    next step's first layers into slots still holding this step's last ones. The ring's phase fixes it; without it
+    the check finds the wrong layer read."""
     for L, k in [(5, 1), (7, 2), (6, 3)]:
         assert L % (k + 1)
         good, *_ = _run(L, 2, 0, k, 1)
         assert check(good, k, slots=k + 1) == []
         bad, *_ = _run(L, 2, 0, k, 1, steps=3, turn=False)
         assert any("holds layer" in v for v in check(bad, k, slots=k + 1)), (L, k)
-    ok, *_ = _run(6, 2, 0, 1, 1, steps=3, turn=False)  # L a multiple of k + 1: the turn is the identity
+    ok, *_ = _run(6, 2, 0, 1, 1, steps=3, turn=False)  # L a multiple of k + 1: the phase stays 0
     assert check(ok, 1, slots=2) == []
 
 

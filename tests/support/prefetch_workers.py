@@ -184,3 +184,54 @@ def decode_code(ctx, model_dir: str, axes: dict, series: str, k: int):
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
     drain(state.prefetched)
     return code[0]
+
+
+def ring_addresses(ctx, model_dir: str, axes: dict, series: str, k: int, steps: int, old_turn: bool = False):
+    """Prefill then ``steps`` decode steps of a layer-sharded model at prefetch step ``k``, compiled by dynamo with a
+    backend that records, at every call of every graph, the address of each ring slot among its inputs (by input
+    index). Returns ``(graphs, logits)``: per graph, the set of address tuples it was called with, and each step's
+    logits. ``old_turn``: the counterexample, the ring as it was kept before phases (its list turned by
+    ``L mod (k + 1)`` between steps, every step numbered from phase 0)."""
+    import functools
+
+    from functional_npu import Plan, compile_model, load_checkpoint
+    from functional_npu.models.decoder import decode
+    from functional_npu.parallel import prefetch
+    from functional_npu.parallel.layer_shard import layer_shard
+
+    mesh = ctx.mesh(axes)
+    params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp"), prefetch_step=k))
+    model = compile_model(params, mesh, backend="none", batch_sizes=[2], max_seq_len=32)
+    graphs: list[set] = []
+
+    def recording(gm, example_inputs):
+        slots = {t.untyped_storage().data_ptr() for t in state.prefetched}
+        graphs.append(set())
+        calls = graphs[-1]
+
+        def run(*args):
+            calls.add(tuple((i, a.data_ptr()) for i, a in enumerate(args) if _ptr(a) in slots))
+            return gm(*args)
+
+        return run
+
+    def _ptr(a):
+        return a.untyped_storage().data_ptr() if isinstance(a, torch.Tensor) else None
+
+    torch._dynamo.reset()
+    static = model.forward.keywords  # backend "none": the plain forward, its static keywords bound
+    fwd = torch.compile(functools.partial(decode, **static), backend=recording, fullgraph=True, dynamic=False)
+    model = dataclasses.replace(model, forward=fwd)
+    state = model.new_state(2)
+    L, groups = model.config.num_layers, len(prefetch.coalesced(model.params))
+    out = [model.prefill([[5, 9, 2], [7, 1]], state, length=4)]
+    tok = out[0].argmax(-1)
+    for i in range(steps):
+        if old_turn:  # the list turned as the next step numbers it, the phase left at 0
+            r = L % (k + 1) * groups
+            state.prefetched[:] = state.prefetched[r:] + state.prefetched[:r]
+            state.phase.at = 0
+        out.append(model.decode(tok, torch.tensor([3 + i, 2 + i]), state))
+        tok = out[-1].argmax(-1)
+    prefetch.drain(state.prefetched)
+    return [sorted(calls) for calls in graphs], torch.stack(out)

@@ -61,6 +61,10 @@ def _buckets(limit: int, start: int = 1) -> tuple[int, ...]:
     return tuple(out + [limit])
 
 
+# the graphs one compiled forward may hold (the recompile limit compile_model sets): a graph per shape and ring phase
+GRAPH_BUDGET = 256
+
+
 @dataclass(frozen=True)
 class CompiledModel:
     """A model bound to a mesh and a compiled forward. Build it with :func:`compile_model`.
@@ -81,12 +85,14 @@ class CompiledModel:
     # one bucket per graph: more recompiles than dynamo's default limit. Built once: making a
     # config patch costs far more than entering one, and this is entered on every step.
     _recompiles: Any = field(
-        default_factory=lambda: torch._dynamo.config.patch(recompile_limit=256), repr=False, compare=False
+        default_factory=lambda: torch._dynamo.config.patch(recompile_limit=GRAPH_BUDGET), repr=False, compare=False
     )
     # loaded params -> the forms the graphs read (quantized kernels' forms, streamed linears), as compile_model did
     _prepare: Callable[[dict], dict] = field(default=lambda params: params, repr=False, compare=False)
-    # a captured backend's KV cache, one per batch bucket: a captured graph reads its inputs at fixed addresses
+    # a captured backend's KV cache, one per batch bucket, and its prefetch ring (one for every bucket): a captured
+    # graph reads its inputs at fixed addresses
     _kv: dict = field(default_factory=dict, repr=False, compare=False)
+    _ring: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def config(self) -> Any:
@@ -162,20 +168,27 @@ class CompiledModel:
         cache and, with layer-sharded params, the prefetch ring (``k + 1`` slots, layers ``0 .. k-1`` issued now).
 
         On a backend that captures graphs (inductor's CUDA graphs) the KV cache of a bucket is one buffer at a fixed
-        address, zeroed by each ``new_state``, as a captured graph replays on the addresses it was captured with: a
-        state from an earlier ``new_state`` of the same bucket is then this one. All ranks of the series axis must
-        make the same sequence of calls.
+        address, zeroed by each ``new_state``, and the ring's slots are the same tensors in every state, as a captured
+        graph replays on the addresses it was captured with: a state from an earlier ``new_state`` of the same bucket
+        is then this one. The ring starts at phase 0 (one graph per phase, :func:`~.prefetch.phases`). All ranks of
+        the series axis must make the same sequence of calls.
         """
         b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
         state = self._kv.get(b) if self.backend.captures else None
         if state is None:
             dtype = self.params["embed"].dtype
             state = init_state(self.config, self.mesh, b, self.max_seq_len, dtype, plan=self.plan, device=self.device)
+        k = self.plan.prefetch_step
         if self.backend.captures:
             for t in (t for layer in state.kv for t in layer):
                 torch._dynamo.mark_static_address(t.zero_())
             self._kv[b] = state
-        return state._replace(prefetched=prefetch.start(self.params, self.mesh, self.plan, self.plan.prefetch_step))
+            if not self._ring:
+                self._ring[:] = prefetch.new_ring(self.params, self.mesh, self.plan, k)
+                for t in self._ring:
+                    torch._dynamo.mark_static_address(t)
+        ring = prefetch.start(self.params, self.mesh, self.plan, k, list(self._ring) if self._ring else None)
+        return state._replace(prefetched=ring, phase=prefetch.RingPhase())
 
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
         """Run the prompts (right-padded to the bucket of their longest, or of ``length``; the pads at the position
@@ -391,6 +404,8 @@ def compile_model(
         _static(params)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
     placed = _with_step(placed, params, prefetch_device)
+    if chosen.name != "none" and prefetch.ring_used(params, mesh, placed.plan):
+        _check_phases(placed.plan.prefetch_step, cfg.num_layers, len(sizes) * (len(lengths) + 1) * (1 + greedy_head))
     if placed != carried:  # a placement its loader made was warned about there (load_checkpoint, from_dtensor_state)
         warn_ring_memory(placed, "compile_model")  # the series' owned layers plus the ring against replication
     params = params | {"placement": placed}
@@ -409,8 +424,24 @@ def compile_model(
     fwd = _forward(chosen, static, options, where, "forward")
     greedy = _forward(chosen, static | {"greedy": True}, options, where, "greedy") if greedy_head else None
     # the plain forward never recompiles: no config patch to make (making one costs about a third of a millisecond)
-    recompiles = contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=256)
+    recompiles = (
+        contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=GRAPH_BUDGET)
+    )
     return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, placed, greedy, recompiles, prepare)
+
+
+def _check_phases(k: int, num_layers: int, shapes: int) -> None:
+    """Refuse a ring whose phases times the shapes compiled exceed :data:`GRAPH_BUDGET` graphs, in one line naming
+    ``k``, ``L`` and the graphs, with the prefetch steps that need one graph per shape."""
+    n = prefetch.phases(num_layers, k)
+    if n * shapes > GRAPH_BUDGET:
+        whole = [j for j in range(num_layers) if num_layers % (j + 1) == 0]
+        raise ValueError(
+            f"compile_model: prefetch_step {k} over {num_layers} layers turns a ring of {k + 1} slots through {n} "
+            f"phases, one graph each: {n} x {shapes} shapes = {n * shapes} graphs, over the budget of {GRAPH_BUDGET}; "
+            f"use a prefetch_step k with k + 1 dividing {num_layers} (one phase: k in {whole}), or fewer batch and "
+            f"prefill buckets"
+        )
 
 
 def _static(params: dict) -> None:

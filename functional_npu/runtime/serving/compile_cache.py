@@ -291,8 +291,9 @@ def saved_guards(entries: Sequence[Any]) -> list[bool]:
 
 
 class SavedGraphs:
-    """A forward ``fn(params, tokens, positions, state, mesh)`` whose graphs, one per ``tokens`` shape, are loaded
-    from a :class:`GraphDir` when saved there, else compiled ahead of the call and saved.
+    """A forward ``fn(params, tokens, positions, state, mesh)`` whose graphs, one per ``tokens`` shape and prefetch
+    ring phase (``state.phase``), are loaded from a :class:`GraphDir` when saved there, else compiled ahead of the
+    call and saved.
 
     ``precompile`` is ``torch.compile(fn)`` with the guard filter :func:`saved_guards` (its ``aot_compile`` makes
     each graph), ``fallback`` the plain ``torch.compile(fn)``; ``kwargs`` are the static keywords every call
@@ -310,9 +311,10 @@ class SavedGraphs:
         self.compiled_now: list[str] = []
 
     def __call__(self, *args: Any) -> Any:
-        graph = self._graphs.get(args[1].shape)
+        key = _key(args)
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[args[1].shape] = self._first(args)
+            graph = self._graphs[key] = self._first(args)
         try:
             return graph(*args, **self._kwargs)
         except RuntimeError as e:  # a saved graph checks its guards first: nothing has run
@@ -324,11 +326,12 @@ class SavedGraphs:
                 self._graph_name(args),
                 _line(e),
             )
-            self._graphs[args[1].shape] = self._fallback
+            self._graphs[key] = self._fallback
             return self._fallback(*args, **self._kwargs)
 
     def _graph_name(self, args: tuple) -> str:
-        return f"{self._name}-{'x'.join(map(str, args[1].shape))}"
+        shape, phase = _key(args)
+        return f"{self._name}-{'x'.join(map(str, shape))}" + (f"-phase{phase}" if phase else "")
 
     def _first(self, args: tuple) -> Callable[..., Any]:
         name = self._graph_name(args)
@@ -387,6 +390,12 @@ class SavedGraphs:
             return self._fallback if graph is None else graph
         self.compiled_now.append(name)
         return graph
+
+
+def _key(args: tuple) -> tuple[tuple[int, ...], int]:
+    """What picks a forward's graph: the tokens' shape and the prefetch ring's phase (a graph per phase, each reading
+    the ring's slots in fixed roles: :mod:`functional_npu.parallel.prefetch`)."""
+    return tuple(args[1].shape), args[3].phase.at
 
 
 def _publish(staging: Path, entry: Path) -> None:
