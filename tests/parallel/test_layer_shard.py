@@ -23,7 +23,13 @@ from functional_npu.placement import check_plan
 
 from ..support.configs import DENSE, MLA, MOE
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
-from ..support.prefetch_workers import generate_layer_sharded, ring_addresses, ring_hazards, ring_logits
+from ..support.prefetch_workers import (
+    generate_layer_sharded,
+    ring_addresses,
+    ring_hazards,
+    ring_logits,
+    ring_saved_graphs,
+)
 
 LAYERS = 6
 PROMPTS = [[5, 9, 2], [7] * 11, [1, 2, 3, 4, 5, 6]]
@@ -345,3 +351,13 @@ def test_a_ring_with_more_graphs_than_the_budget_is_refused_naming_k_and_l(qwen3
     ):
         compile_model(params, mesh, plan=dataclasses.replace(plan, prefetch_step=4), **shapes)
     compile_model(params, mesh, plan=dataclasses.replace(plan, prefetch_step=2), **shapes)  # traced lazily: no cost
+
+
+def test_saved_graphs_are_one_per_shape_and_phase_and_load_warm(world2, qwen3, tmp_path):
+    """compile_model(cache_dir=...) with a ring of 2 phases (k = 3, L = 6): the decode graph of each phase is saved
+    under its own name and loaded by the next compile, which compiles nothing and gives transformers' tokens."""
+    results = world2.run(ring_saved_graphs, qwen3[0], str(tmp_path / "cache"), 3, PROMPTS[:1], 4)
+    names = ["forward-1x4", "forward-1x1-phase2", "forward-1x1"]
+    for rank, ((cold, loaded_cold, compiled), (warm, loaded, compiled_warm)) in enumerate(results):
+        assert cold == warm == [qwen3[1][0][:4]], rank
+        assert (loaded_cold, compiled) == ([], names) and (loaded, compiled_warm) == (names, []), (rank, compiled)

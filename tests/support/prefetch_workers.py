@@ -235,3 +235,20 @@ def ring_addresses(ctx, model_dir: str, axes: dict, series: str, k: int, steps: 
         tok = out[-1].argmax(-1)
     prefetch.drain(state.prefetched)
     return [sorted(calls) for calls in graphs], torch.stack(out)
+
+
+def ring_saved_graphs(ctx, model_dir: str, cache_dir: str, k: int, prompts, new_tokens: int):
+    """Compile a layer-sharded model at prefetch step ``k`` with ``cache_dir`` twice (dynamo reset between): the
+    tokens, the graphs loaded and the graphs compiled, each time."""
+    from functional_npu import Plan, compile_model, load_checkpoint
+    from functional_npu.parallel.layer_shard import layer_shard
+
+    mesh = ctx.mesh({"dp": 2, "tp": 1})
+    params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard("o_proj,down_proj", "dp"), prefetch_step=k))
+    out = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        shapes = dict(batch_sizes=[1], max_seq_len=16, prefill_lengths=[4])
+        model = compile_model(params, mesh, backend="aot_eager", cache_dir=cache_dir, **shapes)
+        out.append((model.generate(prompts, new_tokens), list(model.forward.loaded), list(model.forward.compiled_now)))
+    return out
