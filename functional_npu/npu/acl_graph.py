@@ -17,7 +17,8 @@ subprocess of its own: it changes the import system), with stand-ins only for wh
   ids and do nothing (npugraph_ex creates its events and reads the current stream's id while compiling).
 - ``npugraph_ex._acl_concrete_graph.fx2acl_converter.AclGraph``: the capture. The stand-in records the FX
   graph it is given (after every pass), the stream labels and tagged events npugraph_ex collected, and
-  raises :class:`HandedToCapture`: conversion ends exactly where capture would begin.
+  raises :class:`HandedToCapture`: conversion ends exactly where capture would begin (a replay,
+  :mod:`functional_npu.npu.acl_replay`, lets the compile go on to npugraph_ex's generated graph module).
 
 One pass does not run: ``pattern_fusion_pass`` (``patterns/``), whose patterns are written with torch_npu's
 ops (e.g. ``torch.ops.npu.npu_add_rms_norm``, ``patterns/add_rms_norm_dynamic_quant.py:75``), which exist only
