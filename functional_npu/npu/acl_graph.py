@@ -199,19 +199,9 @@ def install(dynamo_dir: Path) -> None:
 
 def backend(config: Any) -> Any:
     """npugraph_ex's ``torch.compile`` backend under ``config``, after ``torch._dynamo.reset()``; the next graph is
-    named as the first of a fresh process. Run only in a process set up by :func:`install`.
-
-    Raises:
-        ValueError: ``config`` sets an option this library refuses
-            (:func:`functional_npu.runtime.serving.backends.check_npugraph_ex_config`).
-    """
-    from ..runtime.serving.backends import check_npugraph_ex_config
-
-    return _backend(check_npugraph_ex_config(config))
-
-
-def _backend(config: Any) -> Any:
-    """:func:`backend` without the check of ``config`` (to show what a refused option would do)."""
+    named as the first of a fresh process. Run only in a process set up by :func:`install`. ``config`` is taken as
+    given: this library's own (:func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) was checked when
+    it was made."""
     import npugraph_ex  # type: ignore[import-not-found]
     from npugraph_ex import npu_fx_compiler  # type: ignore[import-not-found]
     from npugraph_ex._acl_concrete_graph import graph_pass, replace_stream_event  # type: ignore[import-not-found]

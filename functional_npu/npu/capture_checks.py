@@ -194,12 +194,24 @@ def _functionalized(node: torch.fx.Node) -> tuple[Any, list[Any]] | None:
     return op, [b for v in bases for b in (v if isinstance(v, (list, tuple)) else [v])]
 
 
-def copies(gm: torch.fx.GraphModule) -> list[str]:
-    """Host <-> device transfers, copies of graph inputs and buffers for collectives made inside the graph (see the
-    module docstring for what is allowed)."""
-    device = _device(gm)
+@dataclass
+class _Writes:
+    """What a graph writes in place: the nodes written (bases of views), and those a communication op writes."""
+
+    mutated: set[str]
+    comm: dict[str, str]  # base node -> the communication op that writes it
+
+    def input_of(self, arg: Any) -> str | None:
+        """The graph input ``arg`` views (its name, marked when the graph writes it), or None."""
+        base = _base(arg)
+        if isinstance(base, torch.fx.Node) and base.op == "placeholder":
+            return base.name + (f" {WRITTEN}" if base.name in self.mutated else "")
+        return None
+
+
+def _writes(gm: torch.fx.GraphModule) -> _Writes:
     mutated = {b.name for n in gm.graph.nodes if n.op == "call_function" for w in _written(n) for b in [_base(w)]}
-    comm_writes: dict[str, str] = {}  # base node written by a communication op -> that op
+    comm: dict[str, str] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -208,70 +220,75 @@ def copies(gm: torch.fx.GraphModule) -> list[str]:
             mutated |= {_base(b).name for b in functionalized[1] if isinstance(b, torch.fx.Node)}
             if isinstance(functionalized[0], torch._ops.OpOverload) and _is_comm_target(str(functionalized[0])):
                 for b in functionalized[1]:
-                    comm_writes.setdefault(_base(b).name, n.name)
+                    comm.setdefault(_base(b).name, n.name)
         elif _is_comm(n):
             for w in _written(n):
-                comm_writes.setdefault(_base(w).name, n.name)
+                comm.setdefault(_base(w).name, n.name)
+    return _Writes(mutated, comm)
 
-    def input_of(arg: Any) -> str | None:
-        base = _base(arg)
-        if isinstance(base, torch.fx.Node) and base.op == "placeholder":
-            return base.name + (f" {WRITTEN}" if base.name in mutated else "")
-        return None
 
-    out = []
+def copies(gm: torch.fx.GraphModule) -> list[str]:
+    """Host <-> device transfers, copies of graph inputs and buffers for collectives made inside the graph (see the
+    module docstring for what is allowed)."""
+    device, writes = _device(gm), _writes(gm)
+    out: list[str] = []
     for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        target, val = str(n.target), _val(n)
-        if target in TO_HOST:
-            out.append(f"transfer: {n.name} ({target}) {TO_HOST[target]} inside the captured region")
-            continue
-        if device is not None and _is_tensor(val) and val.device != device:
-            out.append(f"transfer: {n.name} ({target}) puts a value on {val.device}, not {device}, {IN_CAPTURE}")
-            continue
-        functionalized = _functionalized(n)
-        if functionalized is not None:
-            inputs = [name for b in functionalized[1] for name in [input_of(b)] if name is not None]
-            if inputs:
-                out.append(
-                    f"copy: {n.name} ({target} of {functionalized[0]}) copies graph input {', '.join(inputs)} to write "
-                    "the copy: npugraph_ex did not reinplace it"
-                )
-            continue
-        if target == COPY_INTO:
-            dst, src = n.args[0], n.args[1]
-            if _is_tensor(_val(dst)) and _is_tensor(_val(src)) and _val(dst).device != _val(src).device:
-                out.append(
-                    f"transfer: {n.name} ({target}) copies from {_val(src).device} to {_val(dst).device} {IN_CAPTURE}"
-                )
-                continue
-            name = input_of(src)
-            if name is not None:
-                out.append(f"copy: {n.name} ({target}) copies from graph input {name}: {WHERE_IT_LIES}")
-            into = input_of(dst)
-            if into is not None and _base(dst).name in comm_writes:
-                out.append(
-                    f"copy: {n.name} ({target}) copies into graph input {into}, which "
-                    f"{comm_writes[_base(dst).name]} writes: {BROADCAST_ONLY}"
-                )
-            elif into is not None and _base(src).name in comm_writes:
-                out.append(
-                    f"copy: {n.name} ({target}) copies into graph input {into} what {comm_writes[_base(src).name]} "
-                    f"wrote: {BROADCAST_ONLY}"
-                )
-            continue
-        if target in COPIES and n.args:
-            name, source = input_of(n.args[0]), _val(n.args[0])
-            cast = target == "aten._to_copy.default" and _is_tensor(source) and _is_tensor(val)
-            if name is not None and not (cast and val.dtype != source.dtype):
-                out.append(f"copy: {n.name} ({target}) copies graph input {name}: {WHERE_IT_LIES}")
-            continue
-        if target in ALLOCATIONS and n.name in comm_writes:
-            out.append(
-                f"alloc: {n.name} ({target}) allocates the buffer {comm_writes[n.name]} writes inside the captured "
-                "region: a prefetch buffer is the ring, a graph input"
-            )
+        if n.op == "call_function":
+            out += _copy_problems(n, device, writes)
+    return out
+
+
+def _copy_problems(n: torch.fx.Node, device: torch.device | None, writes: _Writes) -> list[str]:
+    target, val = str(n.target), _val(n)
+    if target in TO_HOST:
+        return [f"transfer: {n.name} ({target}) {TO_HOST[target]} inside the captured region"]
+    if device is not None and _is_tensor(val) and val.device != device:
+        return [f"transfer: {n.name} ({target}) puts a value on {val.device}, not {device}, {IN_CAPTURE}"]
+    functionalized = _functionalized(n)
+    if functionalized is not None:
+        inputs = [name for b in functionalized[1] for name in [writes.input_of(b)] if name is not None]
+        if not inputs:
+            return []
+        return [
+            f"copy: {n.name} ({target} of {functionalized[0]}) copies graph input {', '.join(inputs)} to write the "
+            "copy: npugraph_ex did not reinplace it"
+        ]
+    if target == COPY_INTO:
+        return _copy_into_problems(n, writes)
+    if target in COPIES and n.args:
+        name, source = writes.input_of(n.args[0]), _val(n.args[0])
+        cast = target == "aten._to_copy.default" and _is_tensor(source) and _is_tensor(val)
+        if name is not None and not (cast and val.dtype != source.dtype):
+            return [f"copy: {n.name} ({target}) copies graph input {name}: {WHERE_IT_LIES}"]
+        return []
+    if target in ALLOCATIONS and n.name in writes.comm:
+        return [
+            f"alloc: {n.name} ({target}) allocates the buffer {writes.comm[n.name]} writes inside the captured region: "
+            "a prefetch buffer is the ring, a graph input"
+        ]
+    return []
+
+
+def _copy_into_problems(n: torch.fx.Node, writes: _Writes) -> list[str]:
+    """``copy_(dst, src)``: across devices, from a graph input, or into a ring slot (or from what a collective wrote
+    into an input)."""
+    target, (dst, src) = str(n.target), n.args[:2]
+    if _is_tensor(_val(dst)) and _is_tensor(_val(src)) and _val(dst).device != _val(src).device:
+        return [f"transfer: {n.name} ({target}) copies from {_val(src).device} to {_val(dst).device} {IN_CAPTURE}"]
+    out = []
+    name, into = writes.input_of(src), writes.input_of(dst)
+    if name is not None:
+        out.append(f"copy: {n.name} ({target}) copies from graph input {name}: {WHERE_IT_LIES}")
+    if into is not None and _base(dst).name in writes.comm:
+        out.append(
+            f"copy: {n.name} ({target}) copies into graph input {into}, which {writes.comm[_base(dst).name]} writes: "
+            f"{BROADCAST_ONLY}"
+        )
+    elif into is not None and _base(src).name in writes.comm:
+        out.append(
+            f"copy: {n.name} ({target}) copies into graph input {into} what {writes.comm[_base(src).name]} wrote: "
+            f"{BROADCAST_ONLY}"
+        )
     return out
 
 

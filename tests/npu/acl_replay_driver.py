@@ -7,7 +7,7 @@ changes the import system): ``python -m tests.npu.acl_replay_driver SOURCES OUT`
   ``prefetch.turn`` turns the ring between steps (the planted address change), and the same ring unturned;
 - ``limited``: the turning ring under ``capture_limit=1``;
 - ``unsafe_skip`` / ``forced``: the turning ring with ``unsafe_skip_npugraph_capture_validation`` and the still one with
-  ``force_recapture``, compiled past this library's refusal (what the refused options would do);
+  ``force_recapture``, in npugraph_ex's own ``CompilerConfig`` (what the options ``npugraph_ex_config`` refuses do);
 - ``refused``: the one-line refusal of each refused option by ``npugraph_ex_config``, and the options it accepts;
 - ``copies_ring`` / ``copies_unordered``: :func:`functional_npu.npu.capture_checks.copies` on the graph npugraph_ex
   hands to capture for a ring slot written by its broadcast, on the capture stream, and on a side stream with no
@@ -65,18 +65,6 @@ def _ring() -> tuple[list[Any], Any]:
     return [torch.zeros(8) for _ in range(3)], torch.ones(8)
 
 
-def _unchecked(fn: Any) -> Any:
-    """``fn()`` with :func:`functional_npu.npu.acl_graph.backend` not refusing any option."""
-    from functional_npu.npu import acl_graph
-
-    checked = acl_graph.backend
-    acl_graph.backend = acl_graph._backend
-    try:
-        return fn()
-    finally:
-        acl_graph.backend = checked
-
-
 def _golden() -> tuple[dict[str, Any], Any]:
     """The golden case's replay, and its mesh (rank 0 of a fake process group, left up)."""
     import torch.distributed as dist
@@ -121,15 +109,11 @@ def main(argv: list[str]) -> int:
             setattr(config, name, value)
         return config
 
-    out["unsafe_skip"] = _unchecked(
-        lambda: acl_replay.replay(
-            _turning, _ring(), raw(unsafe_skip_npugraph_capture_validation=True), STEPS, names=names
-        )
+    out["unsafe_skip"] = acl_replay.replay(
+        _turning, _ring(), raw(unsafe_skip_npugraph_capture_validation=True), STEPS, names=names
     )
     out["limited"] = acl_replay.replay(_turning, _ring(), npugraph_ex_config(capture_limit=1), STEPS, names=names)
-    out["forced"] = _unchecked(
-        lambda: acl_replay.replay(_still, _ring(), raw(force_recapture=True), STEPS, names=names)
-    )
+    out["forced"] = acl_replay.replay(_still, _ring(), raw(force_recapture=True), STEPS, names=names)
     refused = {}
     for name, value in (
         ("unsafe_skip_npugraph_capture_validation", True),
@@ -149,10 +133,10 @@ def main(argv: list[str]) -> int:
     out["copies_ring"] = capture_checks.copies(acl_graph.capture(write, ring_args, npugraph_ex_config())["gm"])
     out["copies_unordered"] = capture_checks.copies(acl_graph.capture(unordered, ring_args, npugraph_ex_config())["gm"])
     try:
-        _unchecked(lambda: acl_graph.capture(write, ring_args, raw(input_inplace_pass=False)))
+        acl_graph.capture(write, ring_args, raw(input_inplace_pass=False))
     except Exception as e:  # noqa: BLE001 - what npugraph_ex raises is the result
         out["no_inplace_ring"] = [line for line in str(e).splitlines() if "pickleable" in line][:1]
-    got = _unchecked(lambda: acl_graph.capture(_bump, (torch.zeros(8), torch.ones(8)), raw(input_inplace_pass=False)))
+    got = acl_graph.capture(_bump, (torch.zeros(8), torch.ones(8)), raw(input_inplace_pass=False))
     out["no_inplace_bump"] = {
         "targets": [str(n.target) for n in got["gm"].graph.nodes if n.op == "call_function"],
         "copies": capture_checks.copies(got["gm"]),
