@@ -12,7 +12,20 @@ would start capturing (:mod:`functional_npu.npu.acl_graph`); that graph is the a
 - ``acl_streams.json``: its ops per stream in capture order, and the event edges between streams;
 - ``acl_prefetch.json`` (layer-sharded cases): the ring's hazard check over capture order
   (:func:`functional_npu.npu.acl_graph.prefetch_report`): violations, ring slots and bytes, and the
-  prefetch bytes the graph allocates (zero: the ring is the graph's input).
+  prefetch bytes the graph allocates (zero: the ring is the graph's input);
+- ``acl_checks.json``: what capture needs of the graph (:mod:`functional_npu.npu.capture_checks`): side streams
+  joined back, no transfer or copy of an input inside it, the streams that run communication at once against each
+  device profile's budget, and npugraph_ex's own ``deadlock_check`` run on the same capture order;
+- ``acl_replay.json`` (layer-sharded cases): the forward compiled again and called :data:`REPLAY_STEPS` times with
+  the same state through npugraph_ex's generated graph module (:mod:`functional_npu.npu.acl_replay`): per graph, its
+  calls, the distinct tuples of its written-in-place inputs' addresses and how often npugraph_ex would capture it
+  again;
+- ``acl_prefetch_no_events.json`` and ``acl_checks_no_events.json`` (:data:`CONTROL` only): the hazard check and
+  the capture checks on the graph compiled with the side stream but no events, where npugraph_ex clones the ring's
+  slots: both must fail there.
+
+A failed join or copy check and a graph the replay captures again are problems of the case (``python -m
+tools.graphs`` then writes no keys); the communication budget is recorded, not a problem (:func:`_check_problems`).
 
 The conversion runs in a subprocess (``python -m tools.acl_graphs SOURCES OUT [CASE ...]``) that never
 imports the real ``torch_npu``; :func:`acl_artifacts` starts it.
@@ -32,9 +45,11 @@ from functional_npu.npu import TorchairUnavailable, torchair_sources
 from .aten_graphs import CASES, case_inputs, case_mesh, known_cases
 from .conversion import run_conversion
 
-__all__ = ["acl_artifacts", "CONTROL"]
+__all__ = ["acl_artifacts", "CONTROL", "REPLAY_STEPS"]
 
 CONTROL = "qwen3-dp2-layer_shard-k1-decode"  # also captured without events: the check must fail there
+REPLAY_STEPS = 6  # calls of each layer-sharded forward: every ring phase (k + 1 <= 3) twice
+ARG_NAMES = ("params", "tokens", "positions", "state", "mesh")
 
 
 # ---- in the conversion subprocess ---------------------------------------------------------------
@@ -43,14 +58,46 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def _run(sources: Path, out: Path, names: list[str]) -> None:
-    from functional_npu.npu import acl_graph
+def _checks(gm: Any) -> dict[str, Any]:
+    """:mod:`functional_npu.npu.capture_checks` on one graph, and npugraph_ex's own ``deadlock_check`` rule on its
+    capture order (the pairs of communication kernels it finds deadlocking, per device profile)."""
+    from npugraph_ex.tools.aclgraph_check import deadlock_check as dc  # type: ignore[import-not-found]
 
-    acl_graph.install(sources)
+    from functional_npu.npu import capture_checks as cc
+
+    comm = cc.concurrent_comm(gm)
+    budgets = {}
+    for name, budget in cc.COMM_BUDGETS.items():
+        trace = cc.deadlock_trace(gm, budget.collective_cores)
+        tasks = dc._build_stream_tasks(trace)
+        vc, index = dc._compute_vector_clocks(tasks, dc._build_sync_pairs(tasks))
+        pairs = dc._find_deadlock_tasks(tasks, vc, index, budget.vector_cores)
+        budgets[name] = {
+            "streams": budget.streams,
+            "problems": cc.comm_problems(gm, budget),
+            "deadlock_check_pairs": sorted(sorted(t["name"][len("aiv_") :] for t in pair) for pair in pairs),
+        }
+    return {
+        "join": cc.unjoined_streams(gm),
+        "copies": cc.copies(gm),
+        "comm": {
+            "ops_per_stream": {s: len(ops) for s, ops in comm["streams"].items()},
+            "max_concurrent": comm["max_concurrent"],
+            "at_once": comm["at_once"],
+            "budgets": budgets,
+        },
+    }
+
+
+def _run(sources: Path, out: Path, names: list[str]) -> None:
+    from functional_npu.npu import acl_graph, acl_replay
+
+    acl_replay.install(sources)
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from functional_npu.models import forward
+    from functional_npu.parallel import prefetch
     from functional_npu.runtime import RankContext
     from functional_npu.runtime.serving import npugraph_ex_config, npugraph_ex_streams
 
@@ -82,10 +129,20 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
         entry: dict[str, Any] = {
             "graph": str(gm.graph),
             "streams": acl_graph.streams_summary(gm) | {"labels": got["stream_labels"]},
-            "seconds": round(time.perf_counter() - start, 2),
         }
+        entry["checks"] = _checks(gm)
         if case.series is not None:
             entry["prefetch"] = acl_graph.prefetch_report(gm, case.k)
+        if case.series is not None and name == case.name:
+            try:
+                args = case_inputs(case, mesh, device="cpu")
+                replayed = acl_replay.replay(fn, args, npugraph_ex_config(), REPLAY_STEPS, names=ARG_NAMES)
+                prefetch.drain(args[3].prefetched)
+            except Exception as e:  # noqa: BLE001 - reported per case
+                entry["replay"] = {"error": _error(e)}
+            else:
+                entry["replay"] = replayed | {"problems": acl_replay.recapture_problems(replayed)}
+        entry["seconds"] = round(time.perf_counter() - start, 2)
         results[name] = entry
     out.write_text(json.dumps(results))
 
@@ -97,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- in the parent ------------------------------------------------------------------------------
+def _check_problems(checks: dict[str, Any]) -> list[str]:
+    """The capture checks that make a problem of the case: joins and copies. The communication budget is recorded in
+    ``acl_checks.json`` only: it assumes an AIV collective holds every vector core, which only a device trace can
+    confirm, and the module-TP case exceeds it (its TP collectives on main run beside the prefetch broadcasts)."""
+    return checks["join"] + checks["copies"]
+
+
 def acl_artifacts(
     names: list[str] | None = None, *, timeout: float = 1800.0
 ) -> tuple[dict[str, dict[str, Any]], list[str], str | None]:
@@ -120,16 +184,31 @@ def acl_artifacts(
         if "error" in got:
             problems.append(f"{where}: npugraph_ex conversion failed: {got['error']}")
             continue
-        files: dict[str, Any] = {"acl_graph.txt": got["graph"], "acl_streams.json": got["streams"]}
+        files: dict[str, Any] = {
+            "acl_graph.txt": got["graph"],
+            "acl_streams.json": got["streams"],
+            "acl_checks.json": got["checks"],
+        }
+        problems += [f"{where}: ACL graph capture: {p}" for p in _check_problems(got["checks"])]
         if "prefetch" in got:
             files["acl_prefetch.json"] = got["prefetch"]
             problems += [f"{where}: ACL graph prefetch: {p}" for p in got["prefetch"]["problems"]]
+        if "replay" in got:
+            if "error" in got["replay"]:
+                problems.append(f"{where}: ACL graph replay failed: {got['replay']['error']}")
+            else:
+                files["acl_replay.json"] = got["replay"]
+                problems += [f"{where}: ACL graph replay: {p}" for p in got["replay"]["problems"]]
         artifacts[case.name] = files
     control = results.get(CONTROL + "-no-events", {})
     if "prefetch" in control:
         if control["prefetch"]["ok"]:
             problems.append(f"{CONTROL} without events passes the ACL graph hazard check: the check proves nothing")
         artifacts.setdefault(CONTROL, {})["acl_prefetch_no_events.json"] = control["prefetch"]
+    if "checks" in control:
+        if not control["checks"]["copies"]:
+            problems.append(f"{CONTROL} without events passes the ACL graph copy check: the check proves nothing")
+        artifacts.setdefault(CONTROL, {})["acl_checks_no_events.json"] = control["checks"]
     return artifacts, problems, None
 
 

@@ -17,7 +17,8 @@ subprocess of its own: it changes the import system), with stand-ins only for wh
   ids and do nothing (npugraph_ex creates its events and reads the current stream's id while compiling).
 - ``npugraph_ex._acl_concrete_graph.fx2acl_converter.AclGraph``: the capture. The stand-in records the FX
   graph it is given (after every pass), the stream labels and tagged events npugraph_ex collected, and
-  raises :class:`HandedToCapture`: conversion ends exactly where capture would begin.
+  raises :class:`HandedToCapture`: conversion ends exactly where capture would begin (a replay,
+  :mod:`functional_npu.npu.acl_replay`, lets the compile go on to npugraph_ex's generated graph module).
 
 One pass does not run: ``pattern_fusion_pass`` (``patterns/``), whose patterns are written with torch_npu's
 ops (e.g. ``torch.ops.npu.npu_add_rms_norm``, ``patterns/add_rms_norm_dynamic_quant.py:75``), which exist only
@@ -52,9 +53,11 @@ __all__ = [
     "HandedToCapture",
     "handed",
     "install",
+    "backend",
     "capture",
     "CaptureOrder",
     "capture_order",
+    "edges",
     "program",
     "prefetch_report",
 ]
@@ -85,7 +88,8 @@ def handed() -> list[dict[str, Any]]:
 
 # ---- stand-ins ----------------------------------------------------------------------------------
 class _Stream:
-    """``torch.npu.Stream`` as npugraph_ex reads it while compiling: ids only."""
+    """``torch.npu.Stream`` as npugraph_ex reads it while compiling: ids only. Its waits are reached only by a replay
+    (:mod:`functional_npu.npu.acl_replay`), which runs every op in program order on the CPU: nothing to order."""
 
     _ids = itertools.count(1)
 
@@ -94,18 +98,22 @@ class _Stream:
         self.device_index, self.device_type = device_index, device_type
 
     def wait_event(self, event: Any) -> None:
-        raise RuntimeError("no NPU stream on this host")
+        return None
 
     record_event = wait_stream = wait_event
 
 
 class _Event:
-    """``torch.npu.Event``: created while compiling (npugraph_ex registers its tagged events), never used."""
+    """``torch.npu.Event``: created while compiling (npugraph_ex registers its tagged events); recorded and waited
+    only by a replay, where every op runs in program order on the CPU, so they do nothing."""
 
     def record(self, *_: Any) -> None:
-        raise RuntimeError("no NPU event on this host")
+        return None
 
     wait = record
+
+
+CORE_LIMITS = {"cube_core_num": 24, "vector_core_num": 48}  # what the stand-in stream reports (fixed: never changes)
 
 
 def _npu_namespace() -> types.ModuleType:
@@ -120,25 +128,38 @@ def _npu_namespace() -> types.ModuleType:
         stream=lambda *_: contextlib.nullcontext(),
         is_available=lambda: False,
         device_count=lambda: 0,
+        current_device=lambda: 0,
+        synchronize=lambda *_: None,
+        get_stream_limit=lambda *_: dict(CORE_LIMITS),
+        get_device_limit=lambda *_: dict(CORE_LIMITS),
     )
     return npu
 
 
 class _AclGraph:
-    """Stand-in for npugraph_ex's ``AclGraph`` (the capture into an NPU graph)."""
+    """Stand-in for npugraph_ex's ``AclGraph`` (the capture into an NPU graph) as its compiler makes it
+    (``fx2acl_converter.py``, ``AclGraph(fx_graph=...).load(info)``): records what it is handed, then stops the
+    compile (``stop``; a replay, :mod:`functional_npu.npu.acl_replay`, lets it go on to npugraph_ex's generated
+    module)."""
+
+    stop = True
 
     def __init__(self, fx_graph: torch.fx.GraphModule, config: Any = None, **_: Any) -> None:
         self.fx_graph = fx_graph
+        self.name = None  # the graph's name once loaded (npugraph_ex logs it after codegen)
 
     def load(self, info: Any, *_: Any, **__: Any) -> None:
+        self.name = getattr(info, "fx_graph_name", None)
         _HANDED.append(
             {
                 "gm": self.fx_graph,
+                "name": getattr(info, "fx_graph_name", None),
                 "tagged_events": list(getattr(info, "tagged_event_names", [])),
                 "stream_labels": sorted(getattr(info, "user_stream_label", ())),
             }
         )
-        raise HandedToCapture(f"FX graph with {len(self.fx_graph.graph.nodes)} nodes handed to capture")
+        if self.stop:
+            raise HandedToCapture(f"FX graph with {len(self.fx_graph.graph.nodes)} nodes handed to capture")
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -176,10 +197,11 @@ def install(dynamo_dir: Path) -> None:
     fx2acl_converter.AclGraph = _AclGraph
 
 
-def capture(fn: Any, args: tuple[Any, ...], config: Any) -> dict[str, Any]:
-    """Compile ``fn(*args)`` with npugraph_ex's backend under ``config`` (this library's:
-    :func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) and return what it hands to capture (see
-    :func:`handed`). Run only in a process set up by :func:`install`."""
+def backend(config: Any) -> Any:
+    """npugraph_ex's ``torch.compile`` backend under ``config``, after ``torch._dynamo.reset()``; the next graph is
+    named as the first of a fresh process. Run only in a process set up by :func:`install`. ``config`` is taken as
+    given: this library's own (:func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) was checked when
+    it was made."""
     import npugraph_ex  # type: ignore[import-not-found]
     from npugraph_ex import npu_fx_compiler  # type: ignore[import-not-found]
     from npugraph_ex._acl_concrete_graph import graph_pass, replace_stream_event  # type: ignore[import-not-found]
@@ -192,8 +214,14 @@ def capture(fn: Any, args: tuple[Any, ...], config: Any) -> dict[str, Any]:
     # its fusion patterns replace matches with torch_npu's own ops (torch.ops.npu.npu_add_rms_norm, ...,
     # npu_transpose_batchmatmul), which need torch_npu's native op library: not run here (see PASSES_NOT_RUN)
     config.pattern_fusion_pass = False
-    backend = npugraph_ex.get_npu_backend(compiler_config=config)
-    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    return npugraph_ex.get_npu_backend(compiler_config=config)
+
+
+def capture(fn: Any, args: tuple[Any, ...], config: Any) -> dict[str, Any]:
+    """Compile ``fn(*args)`` with npugraph_ex's backend under ``config`` (this library's:
+    :func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) and return what it hands to capture (see
+    :func:`handed`). Run only in a process set up by :func:`install`."""
+    compiled = torch.compile(fn, backend=backend(config), fullgraph=True, dynamic=False)
     before = len(_HANDED)
     try:
         with torch.no_grad():
@@ -323,17 +351,10 @@ def _bytes(node: torch.fx.Node) -> int:
     return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
 
 
-def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[hazard.Program, dict[str, Any]]:
-    """The :class:`~functional_npu.parallel.hazard.Program` of a capture order, and what it found about the ring.
-
-    ``after``: the previous op on the same stream, and for an event wait the op after which the event was
-    recorded. Data edges between streams order nothing in a captured graph; with ``data_edges`` they are
-    added too (what a compiler that synchronizes streams on data, as inductor does, would give).
-    A *write* is a ``functional_npu.broadcast_into`` (its slot: the graph input its first argument views);
-    its *wait* the ``wait_tensor`` of that slot, a *read* any other op that uses the waited slot (through
-    views); an *alloc* a broadcast into memory the graph creates.
-    """
-    ops: list[str] = []
+def edges(order: CaptureOrder, *, data_edges: bool = False) -> dict[str, list[str]]:
+    """Each op's direct predecessors in a captured graph: the previous op on its stream and, for an event wait, the op
+    after which the event was recorded (none when recorded before any op of its stream); with ``data_edges`` also
+    the ops whose values it reads (see :func:`program`)."""
     after: dict[str, list[str]] = {}
     prev: dict[str, str] = {}
     record_of = {w: src for src, w, _ in order.events}
@@ -347,8 +368,22 @@ def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[h
         if data_edges and node is not None:
             deps += [a.name for a in node.all_input_nodes if a.name in order.stream]
         after[op] = sorted(set(deps))
-        ops.append(op)
         prev[s] = op
+    return after
+
+
+def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[hazard.Program, dict[str, Any]]:
+    """The :class:`~functional_npu.parallel.hazard.Program` of a capture order, and what it found about the ring.
+
+    ``after``: the previous op on the same stream, and for an event wait the op after which the event was
+    recorded. Data edges between streams order nothing in a captured graph; with ``data_edges`` they are
+    added too (what a compiler that synchronizes streams on data, as inductor does, would give).
+    A *write* is a ``functional_npu.broadcast_into`` (its slot: the graph input its first argument views);
+    its *wait* the ``wait_tensor`` of that slot, a *read* any other op that uses the waited slot (through
+    views); an *alloc* a broadcast into memory the graph creates.
+    """
+    ops = list(order.ops)
+    after = edges(order, data_edges=data_edges)
     writes: dict[str, tuple[str, int]] = {}
     waits: dict[str, str] = {}
     reads: dict[str, tuple[str, int | None]] = {}

@@ -142,5 +142,8 @@ def test_conversion_of_one_case_reproduces_its_golden_artifacts():
         "acl_streams.json",
         "acl_prefetch.json",
         "acl_prefetch_no_events.json",
+        "acl_checks.json",
+        "acl_checks_no_events.json",
+        "acl_replay.json",
     }
     assert diff_artifacts(artifacts, GRAPHS) == []  # the same graph alone as among every case: no per-process names

@@ -30,6 +30,8 @@ __all__ = [
     "torchair_streams",
     "npugraph_ex_streams",
     "npugraph_ex_config",
+    "check_npugraph_ex_config",
+    "REFUSED_NPUGRAPH_EX_OPTIONS",
     "EVENT_PREFIX",
     "modes",
     "INDUCTOR_MODES",
@@ -188,14 +190,68 @@ def _create_events(gm: torch.fx.GraphModule, *_: Any) -> None:
             _create_event_by_name(node.args[0])
 
 
-def npugraph_ex_config() -> Any:
-    """npugraph_ex's ``CompilerConfig`` as this library compiles with it: its defaults, plus the pre-pass that
-    creates the tagged events of :func:`npugraph_ex_streams`."""
+# npugraph_ex options (``CompilerConfig``) this library refuses, with the value refused and why. The ring's slots and
+# the KV caches are graph inputs the graph writes in place (npugraph_ex's ``mutated_user_inputs``); a captured graph
+# writes them at the addresses it was captured with, so npugraph_ex must keep checking those addresses
+# (``AclGraph.is_need_to_recapture``, acl_graph.py) and must write the inputs where they lie. ``clone_input`` is not
+# here: it copies only the inputs npugraph_ex does not see mutated (``AclGraph.capture`` skips
+# ``mutated_user_inputs``; ``process_input`` copies only the inputs capture recorded), never a slot.
+REFUSED_NPUGRAPH_EX_OPTIONS: dict[str, tuple[Any, str]] = {
+    "unsafe_skip_npugraph_capture_validation": (
+        True,
+        "it skips npugraph_ex's recapture check, so a replay writes the ring slots and KV caches at the addresses of "
+        "the capture, not where they now lie",
+    ),
+    "force_recapture": (
+        True,
+        "it recaptures on every call, which hides a ring slot or cache whose address moved between steps and "
+        "captures the graph anew each step",
+    ),
+    "input_inplace_pass": (
+        False,
+        "without it npugraph_ex leaves the writes into graph inputs out of place: an in-place update becomes a new "
+        "buffer copied back into the input, and a ring slot's broadcast stays functionalized (on a copy of the slot), "
+        "which npugraph_ex then fails to compile",
+    ),
+}
+
+
+def check_npugraph_ex_config(config: Any) -> Any:
+    """``config`` (npugraph_ex's ``CompilerConfig``), after checking it sets none of
+    :data:`REFUSED_NPUGRAPH_EX_OPTIONS`.
+
+    Raises:
+        ValueError: one line naming the option, the value, why, and the value to leave it at.
+    """
+    for name, (refused, why) in REFUSED_NPUGRAPH_EX_OPTIONS.items():
+        option = getattr(config, name, None)
+        value = getattr(option, "value", option)
+        if option is not None and value == refused:
+            raise ValueError(f"npugraph_ex option {name}={value!r} is refused: {why}; leave {name} at {not refused!r}")
+    return config
+
+
+def npugraph_ex_config(**options: Any) -> Any:
+    """npugraph_ex's ``CompilerConfig`` as this library compiles with it: its defaults, ``options`` (its option
+    names, e.g. ``capture_limit=8``, ``deadlock_check=True``), and the pre-pass that creates the tagged events of
+    :func:`npugraph_ex_streams`.
+
+    Raises:
+        ValueError: an option of :data:`REFUSED_NPUGRAPH_EX_OPTIONS` at its refused value (one line naming it), or
+            ``post_grad_custom_pre_pass`` (this library's own).
+    """
     import npugraph_ex  # type: ignore[import-not-found]
 
+    if "post_grad_custom_pre_pass" in options:
+        raise ValueError(
+            "npugraph_ex option post_grad_custom_pre_pass is this library's (it creates the tagged events of the "
+            "stream hints); use post_grad_custom_post_pass"
+        )
     config = npugraph_ex.CompilerConfig()
+    for name, value in options.items():
+        setattr(config, name, value)
     config.post_grad_custom_pre_pass = _create_events
-    return config
+    return check_npugraph_ex_config(config)
 
 
 def _npugraph_ex() -> Any:

@@ -1,0 +1,301 @@
+"""What ACL graph capture needs of a graph, checked before any device (functional_npu/npu/capture_checks.py): each
+check on graphs built with the counterexample planted (an unjoined side stream, copies of inputs, transfers, a
+collective's buffer allocated inside, two communication streams at once) and without it; the communication rule
+against npugraph_ex's own deadlock_check; the golden artifacts."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from functional_npu.core import collectives  # noqa: F401 - defines functional_npu::broadcast_into
+from functional_npu.npu import capture_checks
+from functional_npu.npu.capture_checks import COMM_BUDGETS, CommBudget
+from tools.aten_graphs import CASES, read_artifact
+
+from ..support import GRAPHS
+
+if not hasattr(torch.ops.npugraph_ex, "scope_enter"):  # the schemas npugraph_ex defines (ops/, scope/): no kernels
+    _lib = torch.library.Library("npugraph_ex", "FRAGMENT")
+    _lib.define("scope_enter(str[] keys, str[] values, bool need_execute=False) -> None")
+    _lib.define("scope_exit(bool need_execute=False) -> None")
+    _lib.define("tagged_event_record(str tag, bool created_inside=False) -> ()")
+    _lib.define("tagged_event_wait(str tag, bool created_inside=False) -> ()")
+
+ops = torch.ops
+JOIN_FAILS = "(ACL capture fails with 107025, a stream not joined to the original stream)"
+INPUT_USED = "an input is used where it lies"
+RING = "(written in place by the graph: a ring slot or a cache)"
+
+
+class Builder:
+    """An FX graph as npugraph_ex leaves it, node by node, each node named and given its value."""
+
+    def __init__(self) -> None:
+        self.g = torch.fx.Graph()
+
+    def input(self, name: str, dtype: torch.dtype = torch.float32) -> torch.fx.Node:
+        n = self.g.placeholder(name)
+        n.meta["val"] = torch.zeros(16, dtype=dtype)
+        return n
+
+    def op(self, name: str, target, *args, val=None, **kwargs) -> torch.fx.Node:
+        n = self.g.create_node("call_function", target, args, kwargs, name=name)
+        n.meta["val"] = torch.zeros(16) if val is None else val
+        return n
+
+    def record(self, tag: str) -> None:
+        self.g.call_function(ops.npugraph_ex.tagged_event_record.default, (tag, True))
+
+    def wait(self, tag: str) -> None:
+        self.g.call_function(ops.npugraph_ex.tagged_event_wait.default, (tag, True))
+
+    def enter(self, label: str) -> None:
+        self.g.call_function(ops.npugraph_ex.scope_enter.default, (["_user_stream_label"], [label]))
+
+    def exit(self) -> None:
+        self.g.call_function(ops.npugraph_ex.scope_exit.default, ())
+
+    def bcast(self, name: str, slot: torch.fx.Node, after: torch.fx.Node) -> torch.fx.Node:
+        return self.op(name, ops.functional_npu.broadcast_into.default, slot, [], after, 0, "0", 2, val=None)
+
+    def done(self, out: torch.fx.Node) -> torch.fx.GraphModule:
+        self.g.output(out)
+        return torch.fx.GraphModule(torch.nn.Module(), self.g)
+
+
+# ---- joins -----------------------------------------------------------------------------------------------------------
+def _prefetch(*, join: bool, record_early: bool = False) -> torch.fx.GraphModule:
+    """A broadcast into a slot on the ``prefetch`` stream beside an add on main; ``join``: an event recorded after it is
+    waited on main before the end; ``record_early``: that event recorded before a second broadcast."""
+    b = Builder()
+    x, slot = b.input("x"), b.input("slot")
+    b.record("go")
+    b.enter("prefetch")
+    b.wait("go")
+    b.bcast("bcast", slot, x)
+    if record_early:
+        b.record("back")
+        b.bcast("bcast2", slot, x)
+    elif join:
+        b.record("back")
+    b.exit()
+    y = b.op("y", ops.aten.add.Tensor, x, x)
+    if join or record_early:
+        b.wait("back")
+    return b.done(y)
+
+
+def test_a_side_stream_joined_before_the_end_passes():
+    assert capture_checks.unjoined_streams(_prefetch(join=True)) == []
+
+
+def test_an_unjoined_side_stream_is_named_with_its_last_op():
+    assert capture_checks.unjoined_streams(_prefetch(join=False)) == [
+        "join: stream 'prefetch' is not joined to the capture stream before the graph ends: no event recorded after "
+        f"its last op bcast is waited on 'main' {JOIN_FAILS}"
+    ]
+
+
+def test_an_event_recorded_before_the_streams_last_op_does_not_join_it():
+    assert capture_checks.unjoined_streams(_prefetch(join=False, record_early=True)) == [
+        "join: stream 'prefetch' is not joined to the capture stream before the graph ends: no event recorded after "
+        f"its last op bcast2 is waited on 'main' {JOIN_FAILS}"
+    ]
+
+
+def test_a_stream_joined_through_another_side_stream_is_joined():
+    b = Builder()
+    x, slot = b.input("x"), b.input("slot")
+    b.record("go")
+    b.enter("prefetch")
+    b.wait("go")
+    b.bcast("bcast", slot, x)
+    b.record("to_other")
+    b.exit()
+    b.enter("other")
+    b.wait("to_other")
+    b.op("z", ops.aten.mul.Tensor, x, x)
+    b.record("back")
+    b.exit()
+    b.wait("back")
+    gm = b.done(b.op("y", ops.aten.add.Tensor, x, x))
+    assert capture_checks.unjoined_streams(gm) == []
+
+
+# ---- copies ----------------------------------------------------------------------------------------------------------
+def _copies(plant: str) -> list[str]:
+    b = Builder()
+    x, slot, w, cache = b.input("x"), b.input("slot"), b.input("w"), b.input("cache")
+    b.bcast("bcast", slot, x)
+    y = b.op("y", ops.aten.add.Tensor, x, x)
+    b.op("act", ops.aten.clone.default, y)  # a copy of an activation: compute
+    b.op("cast", ops.aten._to_copy.default, x, dtype=torch.float16, val=torch.zeros(16, dtype=torch.float16))
+    b.op("acc", ops.aten.zeros_like.default, x)  # an allocation no collective writes
+    b.op("store", ops.aten.copy_.default, cache, y)  # a computed value into an input no collective writes: a cache
+    if plant == "transfer":
+        b.op("t", ops.aten._to_copy.default, x, device="meta", val=torch.zeros(16, device="meta"))
+    elif plant == "item":
+        b.op("s", ops.aten._local_scalar_dense.default, x, val=0.0)
+    elif plant == "clone_slot":
+        b.op("c", ops.aten.clone.default, slot)
+    elif plant == "clone_weight_view":
+        b.op("c2", ops.aten.clone.default, b.op("v", ops.aten.view.default, w, [4, 4], val=torch.zeros(4, 4)))
+    elif plant == "copy_back":
+        b.op("back", ops.aten.copy_.default, slot, y)
+    elif plant == "copy_from_input":
+        b.op("from_w", ops.aten.copy_.default, b.op("tmp", ops.aten.empty_like.default, x), w)
+    elif plant == "functionalized":
+        bases = {"_slot_base_index": 0, "_all_bases": [slot]}
+        op = ops.functional_npu.broadcast_into.default
+        b.op(
+            "af",
+            torch.ops.higher_order.auto_functionalized_v2,
+            op,
+            parts=[],
+            after=x,
+            src=0,
+            group_name="0",
+            size=2,
+            **bases,
+        )
+    elif plant == "alloc":
+        buf = b.op("buf", ops.aten.empty.memory_format, [16])
+        b.bcast("bcast_buf", buf, x)
+    return capture_checks.copies(b.done(y))
+
+
+def test_compute_copies_casts_and_allocations_no_collective_writes_pass():
+    assert _copies("none") == []
+
+
+@pytest.mark.parametrize(
+    "plant,message",
+    [
+        (
+            "transfer",
+            "transfer: t (aten._to_copy.default) puts a value on meta, not cpu, inside the captured region (a "
+            "synchronous memcpy in capture fails with 107030)",
+        ),
+        (
+            "item",
+            "transfer: s (aten._local_scalar_dense.default) reads a device value on the host (.item()) inside the "
+            "captured region",
+        ),
+        ("clone_slot", f"copy: c (aten.clone.default) copies graph input slot {RING}: {INPUT_USED}"),
+        ("clone_weight_view", f"copy: c2 (aten.clone.default) copies graph input w: {INPUT_USED}"),
+        (
+            "copy_back",
+            f"copy: back (aten.copy_.default) copies into graph input slot {RING}, which bcast writes: a ring slot is "
+            "written by its broadcast only",
+        ),
+        ("copy_from_input", f"copy: from_w (aten.copy_.default) copies from graph input w: {INPUT_USED}"),
+        (
+            "functionalized",
+            "copy: af (auto_functionalized_v2 of functional_npu.broadcast_into.default) copies graph input slot "
+            f"{RING} to write the copy: npugraph_ex did not reinplace it",
+        ),
+        (
+            "alloc",
+            "alloc: buf (aten.empty.memory_format) allocates the buffer bcast_buf writes inside the captured region: a "
+            "prefetch buffer is the ring, a graph input",
+        ),
+    ],
+)
+def test_each_planted_copy_is_found_with_its_message(plant, message):
+    assert _copies(plant) == [message]
+
+
+# ---- communication streams -------------------------------------------------------------------------------------------
+def _comm(*, ordered: bool) -> torch.fx.GraphModule:
+    """A TP all-reduce on main and a ring broadcast on ``prefetch``; ``ordered``: the broadcast's stream enters after
+    the all-reduce (event ``go`` recorded after it), and main waits for the broadcast before going on."""
+    b = Builder()
+    x, slot = b.input("x"), b.input("slot")
+    y = b.op("y", ops.aten.add.Tensor, x, x)
+    if not ordered:
+        b.record("go")
+    ar = b.op("ar", ops._c10d_functional.all_reduce_.default, y, "sum", "0")
+    if ordered:
+        b.record("go")
+    b.enter("prefetch")
+    b.wait("go")
+    b.bcast("bcast", slot, x)
+    b.record("back")
+    b.exit()
+    b.wait("back")
+    return b.done(b.op("z", ops._c10d_functional.wait_tensor.default, ar))
+
+
+def test_one_communication_stream_at_a_time_passes_every_budget():
+    gm = _comm(ordered=True)
+    got = capture_checks.concurrent_comm(gm)
+    assert got["streams"] == {"main": ["ar"], "prefetch": ["bcast"]} and got["max_concurrent"] == 1
+    assert all(capture_checks.comm_problems(gm, budget) == [] for budget in COMM_BUDGETS.values())
+
+
+def test_two_communication_streams_at_once_exceed_one_vector_core_budget():
+    gm = _comm(ordered=False)
+    assert capture_checks.concurrent_comm(gm)["at_once"] == ["ar", "bcast"]
+    assert capture_checks.comm_problems(gm, COMM_BUDGETS["ascend-910b"]) == [
+        "comm: 2 streams may run communication at once (ar on 'main', bcast on 'prefetch'); ascend-910b allows 1 (40 "
+        "vector cores, an AIV collective may hold 40): concurrent AIV collectives over the device's vector cores "
+        "deadlock (npugraph_ex's deadlock_check)"
+    ]
+    assert capture_checks.comm_problems(gm, CommBudget("half", 48, 24)) == []  # collectives of half the cores: 2 fit
+
+
+def test_the_budgets_are_one_stream_on_both_ascend_profiles():
+    assert {name: b.streams for name, b in COMM_BUDGETS.items()} == {"ascend-910b": 1, "ascend-910c": 1}
+
+
+def _deadlock_check():
+    """npugraph_ex's own tools/aclgraph_check/deadlock_check.py (standard library only), loaded from the wheel."""
+    from functional_npu.npu import TorchairUnavailable, torchair_sources
+
+    try:
+        path = torchair_sources() / "npugraph_ex" / "tools" / "aclgraph_check" / "deadlock_check.py"
+    except TorchairUnavailable as e:
+        pytest.skip(str(e))
+    spec = importlib.util.spec_from_file_location("npugraph_ex_deadlock_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_the_rule_is_npugraph_ex_deadlock_checks_own(ordered):
+    dc = _deadlock_check()
+    gm = _comm(ordered=ordered)
+    budget = COMM_BUDGETS["ascend-910c"]
+    tasks = dc._build_stream_tasks(capture_checks.deadlock_trace(gm, budget.collective_cores))
+    vc, index = dc._compute_vector_clocks(tasks, dc._build_sync_pairs(tasks))
+    pairs = [sorted(t["name"] for t in pair) for pair in dc._find_deadlock_tasks(tasks, vc, index, budget.vector_cores)]
+    assert pairs == ([] if ordered else [["aiv_ar", "aiv_bcast"]])
+    assert bool(pairs) == bool(capture_checks.comm_problems(gm, budget))
+
+
+# ---- the golden artifacts (python -m tools.graphs writes them) ------------------------------------------------------
+ACL_CASES = [c for c in CASES if c.phase != "train"]
+LAYER_SHARDED = [c for c in ACL_CASES if c.series is not None]
+
+
+@pytest.mark.parametrize("case", ACL_CASES, ids=lambda c: c.name)
+def test_golden_graphs_join_their_streams_and_copy_no_input(case):
+    checks = read_artifact(GRAPHS, case.name, "acl_checks.json")
+    assert checks["join"] == [] and checks["copies"] == []
+
+
+@pytest.mark.parametrize("case", LAYER_SHARDED, ids=lambda c: c.name)
+def test_golden_prefetch_communication_is_on_one_stream(case):
+    comm = read_artifact(GRAPHS, case.name, "acl_checks.json")["comm"]
+    assert comm["ops_per_stream"]["prefetch"] == 4  # every layer's broadcast, on the one prefetch stream
+    # module TP's collectives run on main beside the broadcasts: two communication streams at once
+    assert comm["max_concurrent"] == (2 if case.module_tp else 1)
+    for budget in comm["budgets"].values():
+        assert bool(budget["problems"]) == bool(budget["deadlock_check_pairs"]) == case.module_tp
+
+
+def test_golden_control_without_events_copies_the_ring():
+    checks = read_artifact(GRAPHS, "qwen3-dp2-layer_shard-k1-decode", "acl_checks_no_events.json")
+    assert checks["copies"] and all(RING in p for p in checks["copies"])
