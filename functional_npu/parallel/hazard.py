@@ -31,8 +31,9 @@ position in the ring (:func:`bind`: the ring list is the step's input ``state.pr
 is ``ring[s * groups + g]``; an adapter reads the position off the slot's graph input index) to the ring's schedule
 (:func:`expected_slot`: virtual layer ``v`` belongs in slot ``(v + phase) mod (k + 1)``; layers ``0 .. k-1`` are in
 their slots, in flight, when the step starts). A read's layer is the layer of the compute that uses it, read off the
-graph's other per-layer inputs (:func:`read_layers`), never off the value it consumes. So a graph that reads or
-writes a slot other than the schedule's fails, however consistent its own data flow is.
+graph's other per-layer inputs (:func:`read_layers`; the reads of one value of a slot share their layer, but which
+layer it is never comes from that value or the write that made it). So a graph that reads or writes a slot other
+than the schedule's fails, however consistent its own data flow is.
 
 **Orders.** What can fire depends on the order an adapter reads. Over a partial order (a GE graph's edges, a
 captured graph's streams and events, an FX graph's data edges) every claim can fire. Over a total order (an

@@ -250,7 +250,7 @@ def test_compiled_ring_is_hazard_free_with_nothing_allocated(world2, qwen3, seri
         assert facts["fx_read_layers"] == list(range(LAYERS))  # every read of the FX graph names its layer
         program = from_inductor_code(facts["code"], k, inputs=facts["inputs"])
         labelled = {layer for _, layer in program.reads.values() if layer is not None}
-        assert labelled == set(range(1 if series == "layer" else 0, LAYERS)), labelled  # (*)
+        assert set(range(1 if series == "layer" else 0, LAYERS)) <= labelled, labelled  # (*)
         if k == 0:
             moved = _write_moved_before_read(facts["code"], "arg5_1")
             found = check(from_inductor_code(moved, 0, inputs=facts["inputs"]), 0, 1)
@@ -267,7 +267,8 @@ def test_compiled_ring_is_hazard_free_with_nothing_allocated(world2, qwen3, seri
 
 
 # (*) the whole-layer series leaves layer 0 no per-layer input of its own but its KV cache, which inductor's first
-# kernel touches with every layer's: there its reads name no layer, and are not checked for it (the FX graph's are)
+# kernel touches with every layer's (torch 2.13): there its reads may name no layer, and are then not checked for it
+# (the FX graph's are)
 
 
 def _write_moved_before_read(code: str, slot: str) -> str:
