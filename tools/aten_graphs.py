@@ -9,7 +9,9 @@ ops (``functional_npu.quant_matmul`` / ``weight_quant_matmul``) where the matmul
 
 For every artifact ``graphs/<family>-tp<N>-<phase>/``: ``census.json`` (op -> count),
 ``collectives.json`` (the ordered collective schedule: op, mesh axis, bytes), ``summary.json``
-(node and collective counts) and ``graph.txt`` (the FX graph). ``python -m tools.graphs`` regenerates
+(node and collective counts) and ``graph.txt`` (the FX graph); for the layer-sharded cases ``inputs.json``
+(the graph's input layout: each input's path, from dynamo's sources, which the hazard check binds slots and
+layers by). ``python -m tools.graphs`` regenerates
 them (and the GE graphs of the same cases, :mod:`tools.ge_graphs`); ``--check`` (and the test suite)
 fails on drift that was not regenerated.
 """
@@ -308,28 +310,38 @@ def _quantized(case: Case, mesh: Mesh) -> dict[str, Any]:
     return prepare_params(shard(full, specs, mesh) | placed, qc, target="npu")
 
 
-def _capture(case: Case, ctx: RankContext) -> torch.fx.GraphModule:
+def _capture(case: Case, ctx: RankContext) -> tuple[torch.fx.GraphModule, list[str | None]]:
+    """The case's AOT graph, and its input layout (each input's path, from dynamo's sources)."""
     from torch._dynamo.backends.common import aot_autograd
+
+    from functional_npu.parallel import dynamo_inputs
 
     mesh = case_mesh(case, ctx)
     graphs: list[torch.fx.GraphModule] = []
+    layouts: list[list[str | None]] = []
 
     def keep(gm: torch.fx.GraphModule, _: Any) -> Any:
         graphs.append(gm)
         return gm.forward
 
+    aot = aot_autograd(fw_compiler=keep)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        layouts.append(dynamo_inputs(gm))
+        return aot(gm, example_inputs)
+
     if not mesh.is_abstract:
         mesh.init_groups()
     fn, args = case_function(case, mesh)
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     with torch.no_grad():
         compiled(*args)
     if case.phase != "train":
         prefetch.drain(args[3].prefetched)
     if len(graphs) != 1:  # pragma: no cover - fullgraph=True makes a break an error first
         raise RuntimeError(f"{case.name}: expected one graph, captured {len(graphs)}")
-    return graphs[0]
+    return graphs[0], layouts[0]
 
 
 def _summarize(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> dict[str, Any]:
@@ -384,7 +396,10 @@ def capture_artifacts(ctx: RankContext, world: int, names: Collection[str] | Non
             continue
         mesh = case_mesh(case, ctx)
         axes = {} if mesh.is_abstract else {mesh.group_name(a): a for a in mesh.axis_names if mesh.axis_size(a) > 1}
-        out[case.name] = _summarize(_capture(case, ctx), axes)
+        gm, layout = _capture(case, ctx)
+        out[case.name] = _summarize(gm, axes)
+        if case.series is not None:  # which input is which: the ring's slots, each layer's own inputs
+            out[case.name]["inputs.json"] = layout
     return out
 
 

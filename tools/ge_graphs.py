@@ -11,8 +11,10 @@ fake process group. Conversion ends where torchair hands the serialized graph to
 - ``ge_census.json``: GE op type -> count;
 - ``ge_hcom.json``: the ordered Hcom ops with their group's ranks and mesh axis, bytes, root, stream;
 - ``ge_prefetch.json`` (layer-sharded cases): :func:`functional_npu.npu.ge_graph.ring_check`'s findings: the
-  prefetch ring's hazard check over the graph's partial order, its slots and bytes, and the prefetch bytes
-  allocated inside the graph (0).
+  prefetch ring's hazard check over the graph's partial order (its slots bound and its reads' layers read with the
+  case's input layout, ``inputs.json``), its slots and bytes, and the prefetch bytes allocated inside the graph (0);
+- ``ge_graph_no_hints.pbtxt.gz`` and ``ge_prefetch_no_hints.json`` (the control, :data:`CONTROL`): the same case
+  converted without the ordering hints, and its check, which must fail.
 
 The conversion runs in a subprocess (``python -m tools.ge_graphs SOURCES OUT``) that
 never imports ``torch_npu``; :func:`ge_artifacts` starts it and turns its output into artifacts and
@@ -201,16 +203,19 @@ def compare_schedules(aten: list[dict[str, Any]], hcom: list[dict[str, Any]]) ->
     return out
 
 
-def _prefetch_order(case: Any, ops: list[dict[str, Any]]) -> dict[str, Any]:
-    # one coalesced broadcast per layer carries every layer-sharded leaf (they share a dtype)
-    return ge_graph.ring_check(ops, k=case.k, num_layers=case.config.num_layers, series=1, axis_size=case.axes["dp"])
+def _prefetch_order(case: Any, ops: list[dict[str, Any]], inputs: list[str | None] | None = None) -> dict[str, Any]:
+    # one coalesced broadcast per layer carries every layer-sharded leaf (they share a dtype); ``inputs``: the
+    # graph's input layout (the aten graph's: the same inputs in the same order), which binds the slots and reads
+    return ge_graph.ring_check(
+        ops, k=case.k, num_layers=case.config.num_layers, series=1, axis_size=case.axes["dp"], inputs=inputs
+    )
 
 
 def case_artifacts(
-    case: Any, got: dict[str, Any], aten_schedule: list[dict[str, Any]]
+    case: Any, got: dict[str, Any], aten_schedule: list[dict[str, Any]], inputs: list[str | None] | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """One case's GE artifact files and problems, from the conversion process's result ``got``
-    (``{"pbtxt", "ops", "axes"}``, or ``{"error"[, "op"]}``)."""
+    (``{"pbtxt", "ops", "axes"}``, or ``{"error"[, "op"]}``); ``inputs``: the case's input layout."""
     where = f"{case.name} (family {case.family}, {case.phase})"
     if "error" in got and "op" in got:
         return {}, [f"{where}: torchair cannot convert {got['op']} ({got['error']}); {FIXES}"]
@@ -225,7 +230,7 @@ def case_artifacts(
     }
     problems = [f"{where}: Hcom schedule != aten schedule: {d}" for d in compare_schedules(aten_schedule, hcom)]
     if case.series is not None:
-        order = _prefetch_order(case, got["ops"])
+        order = _prefetch_order(case, got["ops"], inputs)
         files["ge_prefetch.json"] = order
         problems += [f"{where}: prefetch order: {p}" for p in order["problems"]]
     return files, problems
@@ -239,11 +244,16 @@ def _installed(module: str) -> bool:
 
 
 def ge_artifacts(
-    aten: dict[str, list[dict[str, Any]]], names: list[str] | None = None, *, timeout: float = 900.0
+    aten: dict[str, list[dict[str, Any]]],
+    names: list[str] | None = None,
+    *,
+    timeout: float = 900.0,
+    inputs: dict[str, list[str | None]] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[str], str | None]:
     """Convert every case (or those ``names``); returns ``(artifacts, problems, skipped)``.
 
-    ``aten`` is each case's aten collective schedule (its ``collectives.json``). ``skipped`` is one line
+    ``aten`` is each case's aten collective schedule (its ``collectives.json``), ``inputs`` its input layout (its
+    ``inputs.json``, for the layer-sharded cases). ``skipped`` is one line
     when torchair's sources cannot be had (then nothing is converted); ``problems`` name the case,
     family, phase and what to do.
     """
@@ -263,17 +273,19 @@ def ge_artifacts(
     for case in CASES:
         if names and case.name not in names:
             continue
-        files, found = case_artifacts(case, results.get(case.name, {"error": "not converted"}), aten[case.name])
+        got = results.get(case.name, {"error": "not converted"})
+        files, found = case_artifacts(case, got, aten[case.name], (inputs or {}).get(case.name))
         if files:
             artifacts[case.name] = files
         problems += found
     control = results.get(CONTROL + "-no-hints", {})
     if "ops" in control:
         case = next(c for c in CASES if c.name == CONTROL)
-        order = _prefetch_order(case, control["ops"])
+        order = _prefetch_order(case, control["ops"], (inputs or {}).get(CONTROL))
         if order["ok"]:
             problems.append(f"{CONTROL} without ordering hints passes the prefetch check: the check proves nothing")
         artifacts.setdefault(CONTROL, {})["ge_prefetch_no_hints.json"] = order
+        artifacts[CONTROL]["ge_graph_no_hints.pbtxt.gz"] = control["pbtxt"]  # so its verdict can be recomputed
     return artifacts, problems, None
 
 

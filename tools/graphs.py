@@ -82,7 +82,8 @@ def regenerate(
     skipped = "GE conversion not requested" if not ge else None
     if ge:
         schedules = {name: files["collectives.json"] for name, files in artifacts.items()}
-        converted, problems, skipped = ge_artifacts(schedules, names)
+        layouts = {name: files["inputs.json"] for name, files in artifacts.items() if "inputs.json" in files}
+        converted, problems, skipped = ge_artifacts(schedules, names, inputs=layouts)
         for name, files in converted.items():
             artifacts[name] = artifacts.get(name, {}) | files
     if acl:

@@ -372,7 +372,9 @@ def edges(order: CaptureOrder, *, data_edges: bool = False) -> dict[str, list[st
     return after
 
 
-def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[hazard.Program, dict[str, Any]]:
+def program(
+    order: CaptureOrder, k: int, *, data_edges: bool = False, phase: int = 0
+) -> tuple[hazard.Program, dict[str, Any]]:
     """The :class:`~functional_npu.parallel.hazard.Program` of a capture order, and what it found about the ring.
 
     ``after``: the previous op on the same stream, and for an event wait the op after which the event was
@@ -380,18 +382,22 @@ def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[h
     added too (what a compiler that synchronizes streams on data, as inductor does, would give).
     A *write* is a ``functional_npu.broadcast_into`` (its slot: the graph input its first argument views);
     its *wait* the ``wait_tensor`` of that slot, a *read* any other op that uses the waited slot (through
-    views); an *alloc* a broadcast into memory the graph creates.
+    views); an *alloc* a broadcast into memory the graph creates. A slot is bound by its input index (its place
+    in the ring, ``phase`` the schedule's, :func:`functional_npu.parallel.hazard.bind`); a read means the layer of
+    the compute that uses it, read off the per-layer inputs named by each placeholder's ``meta["input_path"]``
+    (:func:`functional_npu.parallel.hazard_fx.fx_read_layers`; none named: no read names a layer).
     """
+    from ..parallel.hazard_fx import fx_bind, fx_read_layers, fx_ring
+
     ops = list(order.ops)
     after = edges(order, data_edges=data_edges)
-    writes: dict[str, tuple[str, int]] = {}
+    graph = next(iter(order.nodes.values())).graph if order.nodes else torch.fx.Graph()
+    writes: dict[str, tuple[str, int]] = {}  # in capture order
     waits: dict[str, str] = {}
-    reads: dict[str, tuple[str, int | None]] = {}
     allocs: dict[str, int] = {}
-    initial: dict[str, int] = {}
-    slots: dict[str, int] = {}  # slot placeholder -> bytes
-    waited: dict[str, tuple[str, int]] = {}  # node whose value is a waited slot (or a view of one) -> (slot, layer)
-    writes_in_order: list[str] = []
+    slots = {n.name: _bytes(n) for n in fx_ring(graph)}  # slot placeholder -> bytes
+    waited: dict[str, tuple[str, str]] = {}  # node whose value is a waited slot (or a view of one) -> (slot, wait)
+    read_of: dict[str, tuple[str, str]] = {}  # read -> (slot, the wait whose value it reads)
     for op in ops:  # the ring: every graph input a broadcast writes (a read of one may come before any write)
         node = order.nodes.get(op)
         if node is not None and str(node.target) == BROADCAST_INTO and _base(node.args[0]).op == "placeholder":
@@ -407,25 +413,24 @@ def program(order: CaptureOrder, k: int, *, data_edges: bool = False) -> tuple[h
                 slots[base.name] = _bytes(base)
             else:
                 allocs[op] = _bytes(base)
-            writes_in_order.append(op)
             writes[op] = (base.name, -1)
             continue
         if str(node.target) == WAIT_TENSOR and _base(node.args[0]).name in slots:
             waits[op] = _base(node.args[0]).name
-            layer = (len(waits) - 1) // groups  # the loop asks for layers 0, 1, ... in order
-            waited[op] = (waits[op], layer)
-            if layer < k:  # carried in flight from the step before
-                initial[waits[op]] = layer
+            waited[op] = (waits[op], op)
             continue
         used = {waited[a.name] for a in node.all_input_nodes if a.name in waited}
         if used and (_is_view(node) or node.target is operator.getitem):
             waited[op] = next(iter(used))
             continue
         if used:
-            reads[op] = next(iter(used))
-    for j, op in enumerate(writes_in_order):
+            read_of[op] = next(iter(used))
+    layers = fx_read_layers(graph, {r: w for r, (_, w) in read_of.items()}, set(slots) | set(writes) | set(waited))
+    reads = {r: (slot, layers.get(r)) for r, (slot, _) in read_of.items()}
+    for j, op in enumerate(list(writes)):
         writes[op] = (writes[op][0], k + j // groups)
-    prog = hazard.Program(ops, after, writes, waits, reads, allocs, initial)
+    slot_index, initial = fx_bind(graph, list(slots), k, groups, phase)
+    prog = hazard.Program(ops, after, writes, waits, reads, allocs, initial, slot_index, phase)
     return prog, {"slots": slots, "groups": groups, "allocs": allocs}
 
 

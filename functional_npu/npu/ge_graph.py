@@ -1,6 +1,7 @@
 """What a converted GE graph says, read from the graph itself.
 
-:func:`records` turns a GE ``GraphDef`` (torchair's protobuf message) into plain op records; all
+:func:`records` turns a GE ``GraphDef`` (torchair's protobuf message) into plain op records, and
+:func:`records_from_text` a stored one (its protobuf text format, ``ge_graph.pbtxt``) into the same records; all
 else here works on those records, so it needs neither torchair nor protobuf:
 
 - :func:`census`: GE op type -> count;
@@ -9,8 +10,9 @@ else here works on those records, so it needs neither torchair nor protobuf:
 - :func:`ring_program` / :func:`ring_check`: the prefetch ring (graph inputs written in place by
   ``HcomBroadcast``, and by the owner's ``ViewCopy`` of its parts) as a
   :class:`functional_npu.parallel.hazard.Program` over the graph's **partial order** (data and control
-  edges; GE may run any order they allow), checked for write after read, read before write, write
-  after write, overlap, the slot bound and any prefetch buffer allocated inside the graph;
+  edges; GE may run any order they allow), each slot bound to the schedule by its input index and each read to
+  the layer of its compute, checked for write after read, read before write, write after write, the right
+  layer, overlap, the slot bound and any prefetch buffer allocated inside the graph;
 
 Allocation is counted from the op that creates the memory: a broadcast whose buffer is not a graph
 input (a ``Fill``, a ``ConcatV2``) allocates inside the graph, whatever edges gate the broadcast.
@@ -18,13 +20,23 @@ input (a ``Fill``, a ``ConcatV2``) allocates inside the graph, whatever edges ga
 
 from __future__ import annotations
 
+import codecs
 import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["records", "census", "hcom_schedule", "HCOM_OF", "ring_program", "ring_check"]
+__all__ = [
+    "records",
+    "records_from_text",
+    "parse_pbtxt",
+    "census",
+    "hcom_schedule",
+    "HCOM_OF",
+    "ring_program",
+    "ring_check",
+]
 
 Op = dict[str, Any]
 
@@ -76,8 +88,8 @@ def records(graph: Any, dtype_name: Any = str) -> list[Op]:
     """Plain records of a GE ``GraphDef``'s ops, in graph order.
 
     Each is ``{"name", "type", "inputs": [op names], "controls": [op names], "stream", "attrs": {group,
-    root_rank, reduction (when present)}, "in": [desc], "out": [desc]}`` with ``desc = {"dtype",
-    "shape", "fx"}``. ``dtype_name`` maps GE's dtype enum to its name (``DataType.Name``).
+    root_rank, reduction, index (a graph input's; when present)}, "in": [desc], "out": [desc]}`` with ``desc =
+    {"dtype", "shape", "fx"}``. ``dtype_name`` maps GE's dtype enum to its name (``DataType.Name``).
     """
     out = []
     for op in graph.op:
@@ -91,8 +103,9 @@ def records(graph: Any, dtype_name: Any = str) -> list[Op]:
         for key in ("group", "reduction"):
             if key in op.attr:
                 attrs[key] = op.attr[key].s.decode()
-        if "root_rank" in op.attr:
-            attrs["root_rank"] = op.attr["root_rank"].i
+        for key in ("root_rank", "index"):
+            if key in op.attr:
+                attrs[key] = op.attr[key].i
         stream = op.attr["_user_stream_label"].s.decode() if "_user_stream_label" in op.attr else None
         out.append(
             {
@@ -104,6 +117,107 @@ def records(graph: Any, dtype_name: Any = str) -> list[Op]:
                 "attrs": attrs,
                 "in": [_desc(d, dtype_name) for d in op.input_desc],
                 "out": [_desc(d, dtype_name) for d in op.output_desc],
+            }
+        )
+    return out
+
+
+_PB_TOKEN = re.compile(r'\s+|#[^\n]*|"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|[{}:<>\[\],;]|[^\s{}:<>\[\],;"\']+')
+
+
+def parse_pbtxt(text: str) -> dict[str, list[Any]]:
+    """A protobuf message in text format, without its schema: field name -> the list of its values (a nested
+    message as a dict of the same kind, a string as ``str``, a number as ``int``/``float``, anything else -- an
+    enum, a bool -- as the bare word)."""
+    tokens = [t for t in _PB_TOKEN.findall(text) if t.strip() and not t.startswith("#")]
+    pos = 0
+
+    def message(end: str | None) -> dict[str, list[Any]]:
+        nonlocal pos
+        out: dict[str, list[Any]] = {}
+        while pos < len(tokens) and tokens[pos] != end:
+            name = tokens[pos]
+            pos += 1
+            if tokens[pos] == ":":
+                pos += 1
+            if tokens[pos] in ("{", "<"):
+                close = "}" if tokens[pos] == "{" else ">"
+                pos += 1
+                value: Any = message(close)
+                pos += 1
+            else:
+                value = scalar()
+            out.setdefault(name, []).append(value)
+            if pos < len(tokens) and tokens[pos] in (",", ";"):
+                pos += 1
+        return out
+
+    def scalar() -> Any:
+        nonlocal pos
+        t = tokens[pos]
+        if t[0] in "\"'":
+            parts = []
+            while pos < len(tokens) and tokens[pos][0] in "\"'":  # adjacent strings are one
+                parts.append(codecs.escape_decode(tokens[pos][1:-1].encode("latin-1"))[0])
+                pos += 1
+            return b"".join(parts).decode("utf-8", "replace")
+        pos += 1
+        for kind in (int, float):
+            try:
+                return kind(t)
+            except ValueError:
+                pass
+        return t
+
+    return message(None)
+
+
+def records_from_text(text: str) -> list[Op]:
+    """:func:`records` of a GE graph stored in protobuf text format (a golden ``ge_graph.pbtxt``), read without
+    torchair or protobuf: the same records, so a stored graph is checked by what checks a converted one."""
+    graph = parse_pbtxt(text)
+
+    def attrs_of(msg: dict[str, list[Any]]) -> dict[str, dict[str, list[Any]]]:
+        return {a["key"][0]: a["value"][0] for a in msg.get("attr", [])}
+
+    def desc(d: dict[str, list[Any]]) -> dict[str, Any]:
+        attrs = attrs_of(d)
+        meta = attrs["_meta"]["s"][0] if "_meta" in attrs else ""
+        found = _SHAPE.search(meta)
+        if found:
+            shape = [int(x) for x in found.group(1).split(",") if x.strip()]
+        else:
+            shape = [int(x) for x in d.get("shape", [{}])[0].get("dim", [])]
+        fx = attrs["_fx_tensor_name"]["s"][0] if "_fx_tensor_name" in attrs else ""
+        return {"dtype": d.get("dtype", ["DT_UNDEFINED"])[0], "shape": shape, "fx": fx}
+
+    out = []
+    for op in graph.get("graph", [graph])[0].get("op", []):
+        data, controls = [], []
+        for src in op.get("input", []):
+            if not src:
+                continue
+            name, _, index = src.rpartition(":")
+            (controls if index == "-1" else data).append(name)
+        attrs = attrs_of(op)
+        found: dict[str, Any] = {}
+        for key in ("group", "reduction"):
+            if key in attrs:
+                found[key] = attrs[key].get("s", [""])[0]
+        for key in ("root_rank", "index"):
+            if key in attrs:
+                found[key] = attrs[key].get("i", [0])[0]
+        stream = attrs["_user_stream_label"].get("s", [""])[0] if "_user_stream_label" in attrs else None
+        out.append(
+            {
+                "name": op["name"][0],
+                "type": op["type"][0],
+                "inputs": data,
+                "controls": controls,
+                "stream": stream,
+                "attrs": found,
+                "in": [desc(d) for d in op.get("input_desc", [])],
+                "out": [desc(d) for d in op.get("output_desc", [])],
             }
         )
     return out
@@ -189,13 +303,24 @@ def _topological(ops: Sequence[Op]) -> list[int]:
     return done
 
 
-def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, dict[str, Any]]:
+def ring_program(
+    ops: Sequence[Op],
+    *,
+    k: int,
+    series: int = 1,
+    inputs: Sequence[str | None] | None = None,
+    phase: int = 0,
+) -> tuple[Any, dict[str, Any]]:
     """The prefetch ring's accesses in a GE graph, as a :class:`functional_npu.parallel.hazard.Program` over the graph's
     partial order (data and control edges), and what the ring is made of.
 
     - a **slot** is a graph input (``RefData``; ``Data`` where torchair was not told it is written) whose value
       reaches an ``HcomBroadcast``'s buffer through in-place writes (``ViewCopy``'s ``dst``, ``HcomBroadcast``'s
-      input; the op's output is the slot's next value);
+      input; the op's output is the slot's next value), or that the input layout puts in the ring;
+    - a slot is **bound** by its graph input index (its ``index``): its place among the ring's inputs (with the
+      layout ``inputs``, its place in ``state.prefetched``) is its ring slot ``s`` (``series`` buffers per slot),
+      which holds the layers ``v`` with ``(v + phase) mod (k + 1) = s``
+      (:func:`functional_npu.parallel.hazard.bind`);
     - **writes**: every ``HcomBroadcast`` on a slot, and the owner's ``ViewCopy`` of its parts into the slot, with
       the virtual layer in issue order: broadcast ``j`` (graph order) fetches layer ``k + j // series`` (the
       slots' carried contents are layers ``0 .. k - 1``);
@@ -203,14 +328,17 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
       ``Identity`` for ``wait_tensor``) starts only after it, GE synchronizing the two streams, so each direct
       consumer of a slot's value written by a broadcast (other than the next write) is a wait on that slot;
     - **reads**: the first non-view ops a slot's value reaches (through ``Identity``, ``Reshape``, ``SplitV``, ...),
-      other than writes into it and ``NetOutput`` (the next step's);
+      other than writes into it and ``NetOutput`` (the next step's); each means the layer of the compute that
+      uses it, read off the graph's per-layer inputs named by the layout
+      (:func:`functional_npu.parallel.hazard.read_layers`; no layout: none);
     - **allocs**: where an ``HcomBroadcast``'s buffer comes from an op of this graph (``Fill``, ``ConcatV2``, ...)
       and not from a graph input: that op, with the broadcast's bytes.
 
     Returns ``(program, ring)``, ``ring = {"slots": {slot: bytes}, "broadcasts": [{"broadcast", "layer", "slot",
     "root", "stream"}]}``.
     """
-    from ..parallel.hazard import Program
+    from ..parallel.hazard import Program, bind, input_layout, read_layers
+    from ..parallel.hazard_fx import ring_order
 
     topo = _topological(ops)  # first: it refuses an unknown input or a cycle
     index = {op["name"]: i for i, op in enumerate(ops)}
@@ -218,6 +346,41 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
     for op in ops:
         for src in op["inputs"]:
             consumers[src].append(op["name"])
+    ring_pos, layer_of = input_layout(inputs or [])
+    graph_inputs = {op["attrs"]["index"]: op["name"] for op in ops if op["type"] in _INPUTS and "index" in op["attrs"]}
+    slot_of: dict[str, str] = {}  # op whose output is a value of a slot -> the slot
+    slots: dict[str, int] = {}
+    for i in ring_pos:
+        if i in graph_inputs:
+            name = graph_inputs[i]
+            slots[name], slot_of[name] = _bytes(ops[index[name]]["out"][0]) if ops[index[name]]["out"] else 0, name
+    allocs, writes, rows = _ring_writes(ops, topo, index, k, series, slots, slot_of)
+    waits, reads, value_of, views = _waits_and_reads(ops, index, consumers, slot_of, writes)
+    order = [ops[i]["name"] for i in topo]
+    input_layer = {graph_inputs[i]: layer for i, layer in layer_of.items() if i in graph_inputs}
+    ring = set(slot_of) | set(writes) | views | {op["name"] for op in ops if op["type"] == "NetOutput"}
+    layers = read_layers(order, {op["name"]: op["inputs"] for op in ops}, input_layer, value_of, ring)
+    reads = {r: (slot, layers.get(r)) for r, (slot, _) in reads.items()}
+    position = {name: i for i, name in graph_inputs.items()}
+    slot_index, initial = bind(
+        ring_order({position.get(s, len(ops) + n): s for n, s in enumerate(slots)}, ring_pos), k, series, phase
+    )
+    after = {op["name"]: op["inputs"] + op["controls"] for op in ops}
+    program = Program(order, after, writes, waits, reads, allocs, initial, slot_index, phase)
+    return program, {"slots": slots, "broadcasts": rows}
+
+
+def _ring_writes(
+    ops: Sequence[Op],
+    topo: Sequence[int],
+    index: dict[str, int],
+    k: int,
+    series: int,
+    slots: dict[str, int],
+    slot_of: dict[str, str],
+) -> tuple[dict[str, int], dict[str, tuple[str, int]], list[dict[str, Any]]]:
+    """:func:`ring_program`'s allocs, writes (each broadcast and the in-place writes it takes its buffer from, with the
+    virtual layer in issue order) and broadcast rows; fills in ``slots`` and ``slot_of``."""
 
     def origin(name: str) -> tuple[str, list[str]]:
         """Walk a buffer back through in-place writes and views to where its memory comes from."""
@@ -232,8 +395,6 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
             else:
                 return name, chain
 
-    slot_of: dict[str, str] = {}  # op whose output is a value of a slot -> the slot
-    slots: dict[str, int] = {}
     allocs: dict[str, int] = {}
     writes: dict[str, tuple[str, int]] = {}
     rows = []
@@ -260,11 +421,7 @@ def ring_program(ops: Sequence[Op], *, k: int, series: int = 1) -> tuple[Any, di
                 "stream": op["stream"],
             }
         )
-    waits, reads = _waits_and_reads(ops, index, consumers, slot_of, writes)
-    order = [ops[i]["name"] for i in topo]
-    after = {op["name"]: op["inputs"] + op["controls"] for op in ops}
-    program = Program(order, after, writes, waits, reads, allocs)
-    return program, {"slots": slots, "broadcasts": rows}
+    return allocs, writes, rows
 
 
 def _waits_and_reads(
@@ -273,13 +430,14 @@ def _waits_and_reads(
     consumers: dict[str, list[str]],
     slot_of: dict[str, str],
     writes: dict[str, tuple[str, int]],
-) -> tuple[dict[str, str], dict[str, tuple[str, int | None]]]:
-    """:func:`ring_program`'s waits (a direct consumer of a broadcast's value) and reads (the first non-view ops a
-    slot's value reaches; ``(slot, the layer of the value it reads; None: carried)``)."""
+) -> tuple[dict[str, str], dict[str, tuple[str, int | None]], dict[str, str], set[str]]:
+    """:func:`ring_program`'s waits (a direct consumer of a broadcast's value), reads (the first non-view ops a
+    slot's value reaches), the slot value each read reads, and the views between them."""
     waits: dict[str, str] = {}
-    reads: dict[str, tuple[str, int | None]] = {}  # a read -> (slot, the layer of the value it reads; None: carried)
+    reads: dict[str, tuple[str, int | None]] = {}
+    value_of: dict[str, str] = {}
+    views: set[str] = set()
     for value, slot in slot_of.items():
-        held = writes[value][1] if value in writes else None
         for c in consumers[value]:
             if c in writes or ops[index[c]]["type"] == "NetOutput":
                 continue
@@ -292,24 +450,35 @@ def _waits_and_reads(
                     continue
                 seen.add(x)
                 if ops[index[x]]["type"] in _VIEWS:
+                    views.add(x)
                     todo.extend(consumers[x])
                 elif x not in writes and ops[index[x]]["type"] != "NetOutput":
-                    reads[x] = (slot, held)
-    return waits, reads
+                    reads[x] = (slot, None)
+                    value_of[x] = value
+    return waits, reads, value_of, views
 
 
 def ring_check(
-    ops: Sequence[Op], *, k: int, num_layers: int, series: int = 1, axis_size: int, stream: str = "prefetch"
+    ops: Sequence[Op],
+    *,
+    k: int,
+    num_layers: int,
+    series: int = 1,
+    axis_size: int,
+    stream: str = "prefetch",
+    inputs: Sequence[str | None] | None = None,
+    phase: int = 0,
 ) -> dict[str, Any]:
     """Check a layer-sharded GE graph's prefetch ring with :func:`functional_npu.parallel.hazard.check` over its
-    partial order (:func:`ring_program`), and each broadcast's stream and root (``layer % axis_size``).
+    partial order (:func:`ring_program`; ``inputs``: the graph's input layout, ``phase``: the schedule's), and each
+    broadcast's stream and root (``layer % axis_size``).
 
     Returns ``{"ok", "problems", "violations", "k", "ring_slots", "ring_bytes", "allocated_prefetch_bytes",
     "broadcasts": [...]}``; ``problems`` are the violations and the stream and root mismatches.
     """
     from ..parallel.hazard import check
 
-    program, ring = ring_program(ops, k=k, series=series)
+    program, ring = ring_program(ops, k=k, series=series, inputs=inputs, phase=phase)
     violations = check(program, k, series * (k + 1))
     problems = list(violations)
     expected = series * num_layers

@@ -20,8 +20,19 @@ from .eplb_map import (
     routing_table,
     validate_placement,
 )
-from .hazard import Program, ancestors, check
-from .hazard_fx import VIEWS, Recorder, from_fx, from_inductor_code
+from .hazard import Program, ancestors, bind, check, expected_slot, input_layout, input_path, read_layers
+from .hazard_fx import (
+    VIEWS,
+    Recorder,
+    dynamo_inputs,
+    from_fx,
+    from_inductor_code,
+    fx_bind,
+    fx_read_layers,
+    fx_ring,
+    parse_fx_text,
+    ring_order,
+)
 from .layer_shard import (
     LayerShard,
     layer_shard,
@@ -93,6 +104,17 @@ __all__ = [
     "from_inductor_code",
     "Recorder",
     "VIEWS",
+    "bind",
+    "expected_slot",
+    "input_layout",
+    "input_path",
+    "read_layers",
+    "dynamo_inputs",
+    "fx_read_layers",
+    "parse_fx_text",
+    "ring_order",
+    "fx_ring",
+    "fx_bind",
     "LayerShard",
     "layer_shard",
     "series_specs",

@@ -2,13 +2,16 @@
 
 The positive cases run the real :func:`functional_npu.parallel.prefetch.layer_weights` over two steps under a
 dispatch-mode recorder (the broadcasts are recorded, not sent; the order is what is checked); the negative cases
-are programs made by :func:`_simulate`, a schedule written here independently of the library, with the one thing
-wrong that the check must find.
+are programs made by :func:`_simulate`, a schedule written here independently of the library, or recorded runs
+reordered, with the one thing wrong that the check must find, each matched by its exact message. A recorded run is
+a total order: no two accesses are unordered, so write after read and write after write cannot fire there; a write
+moved before a read of its slot shows as the right layer read and a read before its wait.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from hypothesis import strategies as st
 
 from functional_npu import Plan
 from functional_npu.parallel import prefetch
-from functional_npu.parallel.hazard import Program, check
+from functional_npu.parallel.hazard import Program, bind, check, expected_slot, input_layout, input_path, read_layers
 from functional_npu.parallel.hazard_fx import Recorder
 from functional_npu.parallel.layer_shard import LayerShard, owned_layers
 
@@ -111,7 +114,15 @@ def test_vllm_54975_slot_index_without_the_phase():
         good, *_ = _run(L, 2, 0, k, 1)
         assert check(good, k, slots=k + 1) == []
         bad, *_ = _run(L, 2, 0, k, 1, steps=3, turn=False)
-        assert any("holds layer" in v for v in check(bad, k, slots=k + 1)), (L, k)
+        out = check(bad, k, slots=k + 1)
+        # the next step's first layer, v = L + k, written into the slot its step-local number k names, not its own
+        v, wrong = L + k, k % (k + 1)
+        write = rf"the right layer: \d+:write:slot{wrong} writes layer {v} into slot{wrong} \(ring slot {wrong}\); "
+        assert any(re.fullmatch(write + rf"layer {v} belongs in ring slot {v % (k + 1)}", x) for x in out), out
+        # ... and the next step's layer L + j read from where the unturned ring put it
+        read = r"the right layer: \d+:read:slot(\d) reads layer (\d+) from slot\1 \(ring slot \1\), which holds layer "
+        read += r"\d+ then"
+        assert any(re.fullmatch(read, x) for x in out), out
     ok, *_ = _run(6, 2, 0, 1, 1, steps=3, turn=False)  # L a multiple of k + 1: the phase stays 0
     assert check(ok, 1, slots=2) == []
 
@@ -163,32 +174,40 @@ def test_simulated_ring_passes(L, k):
 def test_no_gate_is_write_after_read():
     """The no-hints control: the write into a slot not ordered after the reads of the layer it held."""
     out = check(_simulate(6, 1, 2, gate=False), 1, slots=2)
-    assert out and all(v.startswith("write after read") for v in out)
+    # every issue into a slot races every read of the slot that comes before its own layer's
+    assert out == [
+        f"write after read: issue{v} writes slot{v % 2} unordered with read{i}, which reads it"
+        for i in range(6)
+        for v in range(i + 2, 7, 2)
+    ]
 
 
 def test_allocation_inside_the_graph_is_reported():
     out = check(_simulate(4, 1, 2, alloc=True), 1, slots=2)
-    assert sum(v.startswith("alloc:") for v in out) == 4
+    assert out == [f"alloc: issue{v} allocates a 64-byte prefetch buffer inside the graph" for v in range(1, 5)]
 
 
 def test_a_ring_one_slot_too_small():
     """k = 2 over two slots: layer i + 2 is written into the slot layer i is still to be read from."""
     out = check(_simulate(6, 2, 2), 2)
-    assert out and all(v.startswith("write after read") for v in out)
+    assert out == [
+        f"write after read: issue{i + 2} writes slot{i % 2} unordered with read{i}, which reads it" for i in range(6)
+    ]
     assert check(_simulate(6, 2, 3), 2, slots=3) == []
 
 
 def test_slot_index_wrong_when_L_is_not_a_multiple_of_k_plus_1():
     assert check(_simulate(5, 1, 2, turn=True), 1, slots=2) == []
     out = check(_simulate(5, 1, 2, turn=False), 1, slots=2)
-    assert any("write after read" in v or "holds layer" in v for v in out)
+    # the next step's layer 0 (v = 5) numbered 0 mod 2 lands in slot 0, whose layer 4 is being read
+    assert out == ["write after read: issue5 writes slot0 unordered with read4, which reads it"]
 
 
 def test_a_read_without_its_wait_is_read_before_write():
     p = _simulate(4, 1, 2)
     waits = dict(list(p.waits.items())[:-1])
     out = check(Program(p.ops, p.after, p.writes, waits, p.reads, {}, p.initial), 1)
-    assert any(v.startswith("read before write") for v in out)
+    assert out == ["read before write: read3 reads slot1 with no wait after issue3, which writes it"]
 
 
 def test_synchronous_issue_cannot_overlap():
@@ -205,7 +224,10 @@ def test_synchronous_issue_cannot_overlap():
     after = {op: late.get(op, deps) for op, deps in p.after.items()}
     order = sorted(p.ops, key=lambda o: _topo_key(o))
     out = check(Program(order, after, p.writes, p.waits, p.reads, {}, p.initial), 1)
-    assert any(v.startswith("overlap") for v in out)
+    assert out == [
+        f"overlap: issue{v} (layer {v}) is waited on before any earlier layer's reads can run alongside it"
+        for v in (1, 2, 3)
+    ]
 
 
 def _topo_key(op: str) -> tuple[int, int]:
@@ -214,6 +236,82 @@ def _topo_key(op: str) -> tuple[int, int]:
     rank = {"x": 0, "wait": 1, "read": 2, "out": 3, "issue": 4}[kind]
     layer = num - 1 if kind == "issue" else num
     return (layer, rank)
+
+
+def _moved(program: Program, op: str, before: str) -> Program:
+    """A recorded (total-order) program with ``op`` moved to just before ``before``."""
+    ops = [o for o in program.ops if o != op]
+    ops.insert(ops.index(before), op)
+    return Program(
+        ops,
+        {b: [a] for a, b in zip(ops, ops[1:])},
+        program.writes,
+        program.waits,
+        program.reads,
+        program.allocs,
+        program.initial,
+        program.slot_index,
+        program.phase,
+    )
+
+
+def test_a_write_moved_before_a_read_of_its_slot_is_caught_in_a_total_order():
+    """An eager run is a total order: write after read cannot fire. Moving layer 2's write into slot 0 before layer
+    0's read of it: the read finds layer 2 (the right layer), and no wait after the write (read before write)."""
+    good, *_ = _run(4, 2, 0, 1, 1, steps=1)
+    assert check(good, 1, slots=2) == []
+    assert good.writes["4:write:slot0"] == ("slot0", 2) and good.reads["3:read:slot0"] == ("slot0", 0)
+    bad = _moved(good, "4:write:slot0", "3:read:slot0")
+    assert check(bad, 1, slots=2) == [
+        "read before write: 3:read:slot0 reads slot0 with no wait after 4:write:slot0, which writes it",
+        "the right layer: 3:read:slot0 reads layer 0 from slot0 (ring slot 0), which holds layer 2 then",
+    ]
+
+
+def test_a_recorded_read_of_the_wrong_slot_is_the_right_layer():
+    """The loop computing layer 1 while reading slot 0: the recorder is told the layer by the caller, not by the slot.
+    (Layer 2's write, whose read is now this one, has no earlier layer's read alongside it: overlap too.)"""
+    good, *_ = _run(4, 2, 0, 1, 1, steps=1)
+    reads = dict(good.reads) | {"6:read:slot1": ("slot0", 1)}
+    bad = Program(good.ops, good.after, good.writes, good.waits, reads, {}, good.initial, good.slot_index)
+    assert check(bad, 1, slots=2) == [
+        "read before write: 6:read:slot1 reads slot0 with no wait after 4:write:slot0, which writes it",
+        "the right layer: 6:read:slot1 reads layer 1 from slot0 (ring slot 0), which holds layer 2 then",
+        "overlap: 4:write:slot0 (layer 2) is waited on before any earlier layer's reads can run alongside it",
+    ]
+
+
+def test_the_binding_follows_the_schedule_and_its_phase():
+    """Slot s holds the layers v with (v + phase) mod (k + 1) = s; layers 0 .. k-1 are in flight on entry."""
+    assert [expected_slot(v, 2) for v in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert [expected_slot(v, 2, phase=1) for v in range(6)] == [1, 2, 0, 1, 2, 0]
+    assert bind(["a", "b", "c"], 2) == ({"a": 0, "b": 1, "c": 2}, {"a": 0, "b": 1})
+    assert bind(["a", "b", "c"], 2, phase=2) == ({"a": 0, "b": 1, "c": 2}, {"c": 0, "a": 1})
+    two = bind(["a0", "a1", "b0", "b1"], 1, groups=2)  # two buffers (dtypes) per slot
+    assert two == ({"a0": 0, "a1": 0, "b0": 1, "b1": 1}, {"a0": 0, "a1": 0})
+    # layer 2 belongs in slot 0 at phase 1, in slot 2 at phase 0
+    write = {"w": ("a", 2)}
+    assert check(Program(["w"], {}, write, slot_index={"a": 0}, phase=1), 2) == []
+    assert check(Program(["w"], {}, write, slot_index={"a": 0}), 2) == [
+        "the right layer: w writes layer 2 into a (ring slot 0); layer 2 belongs in ring slot 2"
+    ]
+
+
+def test_input_layout_and_read_layers():
+    assert input_path("L['args'][3].prefetched[2]") == "args.3.prefetched.2"
+    assert input_path("L['params']['layers'][10]['qkv']") == "params.layers.10.qkv"
+    paths = ["params.embed", "state.kv.0.0", "state.prefetched.1", "params.layers.1.norm", "state.prefetched.0"]
+    assert input_layout(paths) == ({2: 1, 4: 0}, {1: 0, 3: 1})
+    # x0 -> a (read, used with layer 0's w0) -> x1 -> b (read, used with layer 1's w1) -> c (reads b's value)
+    preds = {"x0": [], "w0": [], "w1": [], "a": ["x0"], "m0": ["a", "w0"], "x1": ["m0"], "b": ["x1"]}
+    preds |= {"m1": ["b", "w1"], "c": ["m1"], "x2": ["c"]}
+    order = list(preds)
+    # b alone is after layer 0 and before layer 1's w1 (either layer); c, reading the same value, is after w1
+    got = read_layers(order, preds, {"w0": 0, "w1": 1}, {"a": "v0", "b": "v1", "c": "v1"})
+    assert got == {"a": 0, "b": 1, "c": 1}
+    assert read_layers(order, preds, {"w0": 0, "w1": 1}, {"a": "v0", "b": "v1"}) == {"a": 0, "b": None}
+    # without the per-layer inputs nothing says which layer a read is
+    assert read_layers(order, preds, {}, {"a": "v0"}) == {"a": None}
 
 
 def test_ring_errors():

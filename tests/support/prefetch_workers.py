@@ -38,17 +38,18 @@ def generate_layer_sharded(
     return tokens, shapes, resident_bytes(params["series"]), state_bytes, replicated
 
 
-def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, backend: str):
+def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, backend: str, also=()):
     """Prefill then ``steps`` decode steps (crossing step boundaries, so the carried layers and the ring's turn
-    matter), unsharded and layer-sharded at each prefetch step of ``ks``, compiled with ``backend``: the largest
-    logit difference per k, and the ring's tensors before and after (the same ones, by storage)."""
+    matter), unsharded and layer-sharded at each prefetch step of ``ks``, compiled with ``backend`` (and at each
+    ``(k, backend)`` of ``also``, keyed so): the largest logit difference from the unsharded model (compiled with
+    ``backend``), and the ring's tensors before and after (the same ones, by storage)."""
     from functional_npu import Plan, compile_model, load_checkpoint
     from functional_npu.parallel import prefetch
     from functional_npu.parallel.layer_shard import layer_shard
 
     mesh = ctx.mesh(axes)
 
-    def run(params, plan=None):
+    def run(params, plan=None, backend=backend):
         torch._dynamo.reset()
         model = compile_model(params, mesh, plan=plan, backend=backend, batch_sizes=[2], max_seq_len=32)
         state = model.new_state(2)
@@ -68,6 +69,9 @@ def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, ba
     for k in ks:
         got, same, slots = run(params, dataclasses.replace(params["placement"].plan, prefetch_step=k))
         result[k] = (float((got - ref).abs().max()), same, slots)
+    for k, other in also:
+        got, same, slots = run(params, dataclasses.replace(params["placement"].plan, prefetch_step=k), other)
+        result[(k, other)] = (float((got - ref).abs().max()), same, slots)
     return result
 
 
@@ -87,7 +91,7 @@ def ring_hazards(
     slots. ``streams``: the hints the FX graph is traced with, "inline" (inductor's), "copy-back" (aot_eager's) or
     "unordered" (the control; then only the FX check runs). ``passes``: inductor's comm reordering passes to compile
     with instead of compile_model's (``()``: none, inductor's default order). Returns (fx violations, inductor
-    violations, facts)."""
+    violations, facts: the post-grad graph's writes, its code and the input layout)."""
     import functools
 
     from torch._dynamo.backends.common import aot_autograd
@@ -98,7 +102,7 @@ def ring_hazards(
     from functional_npu.models.decoder import decode as forward
     from functional_npu.parallel import prefetch
     from functional_npu.parallel.hazard import check
-    from functional_npu.parallel.hazard_fx import from_fx, from_inductor_code
+    from functional_npu.parallel.hazard_fx import dynamo_inputs, from_fx, from_inductor_code
     from functional_npu.parallel.layer_shard import layer_shard
     from functional_npu.parallel.streams import COPY_BACK, INLINE, UNORDERED
 
@@ -110,20 +114,28 @@ def ring_hazards(
     slots = (k + 1) * groups
     tok, pos = torch.tensor([[3]]), torch.tensor([[5]])
 
-    graphs = []
+    graphs, layouts = [], []
 
     def keep(gm, _):
         graphs.append(gm)
         return gm.forward
+
+    aot = aot_autograd(fw_compiler=keep)
+
+    def backend(gm, example_inputs):  # the input layout: which graph input is which (dynamo's sources)
+        layouts.append(dynamo_inputs(gm))
+        return aot(gm, example_inputs)
 
     state = model.new_state(1)
     hints = {"inline": INLINE, "copy-back": COPY_BACK, "unordered": UNORDERED}[streams]
     blocks = family_of(model.config).blocks(model.config, model.plan)
     fn = functools.partial(forward, blocks=blocks, plan=model.plan, streams=hints)
     with torch.no_grad():
-        torch.compile(fn, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(model.params, tok, pos, state, mesh)
+        torch.compile(fn, backend=backend, fullgraph=True)(model.params, tok, pos, state, mesh)
     prefetch.drain(state.prefetched)
-    fx = check(from_fx(graphs[0].graph, k, groups, copy_back=copy_back), k, slots)
+    inputs = layouts[0]
+    fx_program = from_fx(graphs[0].graph, k, groups, copy_back=copy_back, inputs=inputs)
+    fx = check(fx_program, k, slots)
     if streams != "inline":
         return fx, None, None
     torch._dynamo.reset()
@@ -149,6 +161,11 @@ def ring_hazards(
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
     prefetch.drain(state.prefetched)
     nodes = list(post[0].nodes)
+    # inductor compiled the same function of the same arguments: the same inputs, in the same order
+    shapes = [
+        [tuple(n.meta["val"].shape) for n in g.nodes if n.op == "placeholder"] for g in (graphs[0].graph, post[0])
+    ]
+    assert shapes[0] == shapes[1], shapes
     writes = [n for n in nodes if str(n.target) == "functional_npu.broadcast_into.default"]
     slots = {n.args[0] for n in writes}
     facts = {
@@ -163,8 +180,11 @@ def ring_hazards(
             for n in nodes
             if str(n.target) == "aten.copy_.default" and n.args[0] in slots and n.args[1] is not n.args[0]
         ],  # a copy of a slot into itself is dropped at lowering
+        "code": code[0],
+        "inputs": inputs,
+        "fx_read_layers": sorted({layer for _, layer in fx_program.reads.values() if layer is not None}),
     }
-    return fx, check(from_inductor_code(code[0], k, groups), k, (k + 1) * groups), facts
+    return fx, check(from_inductor_code(code[0], k, groups, inputs=inputs), k, (k + 1) * groups), facts
 
 
 def decode_code(ctx, model_dir: str, axes: dict, series: str, k: int):

@@ -1,0 +1,109 @@
+"""The hazard check over the stored golden aten graphs (graphs/<case>/graph.txt, the functionalized FX graph every
+compiler starts from), read back from their text with their input layout: every verdict recomputed, and faults
+planted in the text found, each by its exact findings. An FX graph's order is its data edges, a partial order: every
+claim of the check can fire there."""
+
+import re
+
+import pytest
+
+from functional_npu.parallel.hazard import check
+from functional_npu.parallel.hazard_fx import from_fx, parse_fx_text
+from tools.aten_graphs import CASES, LAYER_SHARD_LAYERS, read_artifact
+
+from ..support import GRAPHS, golden
+
+LAYER_SHARDED = [c for c in CASES if c.series is not None]
+
+
+def _check(case, text=None):
+    program = from_fx(golden.fx_graph(case.name, text), case.k, copy_back=False)  # the reinplacing compilers'
+    return check(program, case.k, case.k + 1), program
+
+
+def _case(name):
+    return next(c for c in LAYER_SHARDED if c.name == name)
+
+
+@pytest.mark.parametrize("case", LAYER_SHARDED, ids=lambda c: c.name)
+def test_golden_aten_graph_keeps_the_ring_safe(case):
+    found, program = _check(case)
+    assert found == []
+    assert program.slot_index == dict(zip(sorted(program.slot_index, key=lambda s: int(s[3:-2])), range(case.k + 1)))
+    assert sorted({layer for _, layer in program.reads.values()}) == list(range(LAYER_SHARD_LAYERS))
+    assert sorted(layer for _, layer in program.writes.values()) == list(range(case.k, case.k + LAYER_SHARD_LAYERS))
+
+
+def _swap(text, a, b):
+    assert a in text and b in text
+    return text.replace(a, "\0").replace(b, a).replace("\0", b)
+
+
+def test_golden_aten_graph_with_two_slot_inputs_swapped_reads_and_writes_the_wrong_layers():
+    """The k = 2 graph with the input indices of slots 0 and 1 swapped (their places in the signature)."""
+    case = _case("qwen3-dp2-layer_shard-k2-decode")
+    text = _swap(read_artifact(GRAPHS, case.name, "graph.txt"), 'arg5_1: "f32[12288]"', 'arg7_1: "f32[12288]"')
+    assert _check(case, text)[0] == [
+        "the right layer: auto_functionalized_v2_1 writes layer 3 into arg5_1 (ring slot 1); layer 3 belongs in ring "
+        "slot 0",
+        "the right layer: auto_functionalized_v2_2 writes layer 4 into arg7_1 (ring slot 0); layer 4 belongs in ring "
+        "slot 1",
+        "the right layer: mm_1 reads layer 0 from arg5_1 (ring slot 1), which holds layer 1 then",
+        "the right layer: mm_3 reads layer 0 from arg5_1 (ring slot 1), which holds layer 1 then",
+        "the right layer: mm_5 reads layer 1 from arg7_1 (ring slot 0), which holds layer 0 then",
+        "the right layer: mm_7 reads layer 1 from arg7_1 (ring slot 0), which holds layer 0 then",
+    ]
+
+
+def _edit(text, line_start, old, new):
+    """``text`` with ``old`` replaced by ``new`` in its line starting with ``line_start``."""
+    lines = text.splitlines(keepends=True)
+    (i,) = [i for i, ln in enumerate(lines) if ln.lstrip().startswith(line_start)]
+    assert old in lines[i]
+    lines[i] = lines[i].replace(old, new, 1)
+    return "".join(lines)
+
+
+def test_golden_aten_graph_without_a_gate_writes_a_slot_still_read():
+    """Data edges: layer 3's write into slot 1 (auto_functionalized_v2_2) without its ``after`` (the residual
+    entering layer 2) depends only on layer 1's write: it races layer 1's reads of the slot."""
+    case = _case("qwen3-dp2-layer_shard-k1-decode")
+    text = read_artifact(GRAPHS, case.name, "graph.txt")
+    ungated = _edit(text, "auto_functionalized_v2_2 =", "after = add_15", "after = None")
+    assert _check(case, ungated)[0] == [
+        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
+        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
+    ]
+
+
+def test_golden_aten_graph_with_two_writes_of_a_slot_unordered_is_write_after_write():
+    """Data edges: the same write, ungated and written into the slot's input instead of layer 1's version of it, is
+    unordered with layer 1's write (write after write) and with its reads."""
+    case = _case("qwen3-dp2-layer_shard-k1-decode")
+    text = read_artifact(GRAPHS, case.name, "graph.txt")
+    text = _edit(text, "auto_functionalized_v2_2 =", "after = add_15", "after = None")
+    text = _edit(text, "auto_functionalized_v2_2 =", "_all_bases = [getitem_1]", "_all_bases = [arg7_1]")
+    assert _check(case, text)[0] == [
+        "write after write: auto_functionalized_v2 and auto_functionalized_v2_2 write arg7_1 unordered",
+        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
+        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
+    ]
+
+
+def test_the_parsed_graph_is_the_stored_graph():
+    """Both printed forms read back to the nodes, targets and arguments they print: ``print_readable``'s code (the
+    aten graph) node for node, ``str(graph)`` (the ACL graph) character for character."""
+    name = "qwen3-dp2-layer_shard-k1-decode"
+    text = read_artifact(GRAPHS, name, "graph.txt")
+    printed = re.findall(r"^ +(\w+)(?:: \"[^\"]*\")? = (torch\.ops\.[\w.]+|\w+\[)", text, re.M)
+    graph = golden.fx_graph(name)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    assert [(n.name, "getitem" if n.target.__name__ == "getitem" else str(n.target)) for n in nodes] == [
+        (node, "getitem" if target.endswith("[") else target.removeprefix("torch.ops.").removeprefix("higher_order."))
+        for node, target in printed
+    ]
+    assert [n.name for n in graph.nodes if n.op == "placeholder"] == [
+        f"arg{i}_1" for i in range(len(golden.inputs(name)))
+    ]
+    acl = read_artifact(GRAPHS, name, "acl_graph.txt")
+    assert str(parse_fx_text(acl)).strip() == acl.strip()
