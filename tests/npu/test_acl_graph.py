@@ -15,15 +15,10 @@ from functional_npu.parallel.hazard_fx import parse_fx_text
 from functional_npu.runtime.serving.backends import BACKENDS, resolve_backend
 from tools.aten_graphs import CASES, LAYER_SHARD_LAYERS, read_artifact
 
+from ..support import npugraph_ex_ops  # noqa: F401 - defines npugraph_ex's op schemas
+
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 LAYER_SHARDED = [c for c in CASES if c.series is not None]
-
-if not hasattr(torch.ops.npugraph_ex, "scope_enter"):  # the schemas npugraph_ex defines (ops/, scope/): no kernels
-    _lib = torch.library.Library("npugraph_ex", "FRAGMENT")
-    _lib.define("scope_enter(str[] keys, str[] values, bool need_execute=False) -> None")
-    _lib.define("scope_exit(bool need_execute=False) -> None")
-    _lib.define("tagged_event_record(str tag, bool created_inside=False) -> ()")
-    _lib.define("tagged_event_wait(str tag, bool created_inside=False) -> ()")
 
 
 # ---- the golden artifacts: every verdict recomputed from the stored graph text ----------------------

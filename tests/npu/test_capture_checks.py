@@ -13,14 +13,7 @@ from functional_npu.npu import capture_checks
 from functional_npu.npu.capture_checks import COMM_BUDGETS, CommBudget
 from tools.aten_graphs import CASES, read_artifact
 
-from ..support import GRAPHS
-
-if not hasattr(torch.ops.npugraph_ex, "scope_enter"):  # the schemas npugraph_ex defines (ops/, scope/): no kernels
-    _lib = torch.library.Library("npugraph_ex", "FRAGMENT")
-    _lib.define("scope_enter(str[] keys, str[] values, bool need_execute=False) -> None")
-    _lib.define("scope_exit(bool need_execute=False) -> None")
-    _lib.define("tagged_event_record(str tag, bool created_inside=False) -> ()")
-    _lib.define("tagged_event_wait(str tag, bool created_inside=False) -> ()")
+from ..support import GRAPHS, npugraph_ex_ops  # noqa: F401 - defines npugraph_ex's op schemas
 
 ops = torch.ops
 JOIN_FAILS = "(ACL capture fails with 107025, a stream not joined to the original stream)"
