@@ -218,14 +218,14 @@ def test_moe_attention_projections_layer_sharded_match_transformers(request, wor
 
 def test_ring_logits_equal_the_unsharded_model_on_gloo(world2, qwen3):
     """The compiled step (AOT-functionalized: the ring writes as auto_functionalized, then run) over several steps:
-    the logits of the layer-sharded model at k = 0, 1, 2 and 3 (6 layers: k + 1 = 4 does not divide L, so the ring
-    turns by 2 each step) equal the unsharded model's; the ring keeps its tensors from step to step. And once through
-    inductor (k = 3, where the ring turns), whose reinplace pass writes the slots in place and whose order is its
-    own."""
+    the logits of the layer-sharded model at k = 1 and 3 (6 layers: k + 1 = 4 does not divide L, so the ring goes
+    through 2 phases, a graph each) equal the unsharded model's; the ring keeps its tensors from step to step. And
+    once through inductor (k = 3), whose reinplace pass writes the slots in place and whose order is its own. (k = 0
+    and 2 run compiled in the hazard tests below and eagerly in the generation cases above.)"""
     axes, extra = {"dp": 2, "tp": 1}, ((3, "inductor"),)
-    results = world2.run(ring_logits, qwen3[0], axes, "o_proj,down_proj", (0, 1, 2, 3), 4, "aot_eager", extra)
+    results = world2.run(ring_logits, qwen3[0], axes, "o_proj,down_proj", (1, 3), 4, "aot_eager", extra)
     for rank, by_k in enumerate(results):
-        assert set(by_k) == {0, 1, 2, 3, (3, "inductor")}
+        assert set(by_k) == {1, 3, (3, "inductor")}
         for k, (diff, same, buffers) in by_k.items():
             slots = (k[0] if isinstance(k, tuple) else k) + 1
             assert diff <= 1e-5 and same and buffers == slots, (rank, k, diff, same, buffers)
