@@ -91,8 +91,10 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"\nchosen: {report.why()}\n")
         print(out)
     if args.out is not None:
+        from ..core.files import write_bytes  # whole or not at all: a full device leaves the old file (or none)
+
         try:
-            _write_atomically(Path(args.out), out + "\n")
+            write_bytes(Path(args.out), (out + "\n").encode())
         except OSError as e:
             print(f"error: --out {args.out}: cannot write the plan file ({e.strerror or e})", file=sys.stderr)
             return 2
@@ -182,19 +184,6 @@ def _check_out(out: str, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--out {out}: the directory {parent} does not exist; create it or give another path")
     if not os.access(parent, os.W_OK):
         parser.error(f"--out {out}: the directory {parent} is not writable; give another path")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``text`` to ``path`` through a temporary file beside it: a full device leaves the old file (or none)."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        tmp = Path(f.name)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list) -> Any:

@@ -28,6 +28,7 @@ from .dtensor import (
     to_dtensor,
 )
 from .dtypes import float_dtype
+from .files import write_bytes
 from .layout import (
     Block,
     Cyclic,
@@ -74,6 +75,7 @@ __all__ = [
     "agree",
     "agreed",
     "cache_dir",
+    "write_bytes",
     "all_reduce",
     "all_gather",
     "reduce_scatter",

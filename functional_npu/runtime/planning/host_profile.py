@@ -24,13 +24,11 @@ never trusted.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from typing import Any
 import torch
 
 from ...core.cache_dir import cache_dir, cache_problem
+from ...core.files import write_bytes
 from ...parallel.devices import COLLECTIVES, Device, Link
 
 __all__ = ["host_device", "measure", "profile_path"]
@@ -205,15 +204,7 @@ def host_device(world: int, *, refresh: bool = False, repeat: int = 25) -> Devic
         return _device(figures, world)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": VERSION, "world": world, "figures": figures}, f)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_bytes(path, json.dumps({"version": VERSION, "world": world, "figures": figures}).encode())
     except OSError as e:  # a full disk: measured, not cached
         log.warning("host profile: measured, not cached: %s writing %s", e.strerror or e, path)
     return _device(figures, world)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ...core.files import write_bytes
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
 
@@ -57,19 +58,6 @@ FORMAT = 1  # of this directory's layout and manifest
 MANIFEST = "manifest.json"
 GRAPH = "graph.bin"
 SAVABLE = ("inductor", "aot_eager")  # the backends whose compiled graphs torch can serialize
-
-
-def write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file in the same directory, then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _digest(text: str, n: int = 16) -> str:
