@@ -64,6 +64,7 @@ from .prefetch import (
 )
 from .prefetch_cost import (
     auto_step,
+    check_budget,
     choose_k,
     exposed,
     layer_bytes,
@@ -154,6 +155,7 @@ __all__ = [
     "choose_k",
     "roofline_layer_s",
     "auto_step",
+    "check_budget",
     "layer_bytes",
     "layer_weight_bytes",
     "layer_weight_elements",

@@ -26,6 +26,7 @@ from .devices import DEVICES, Device, Link
 from .plan import Plan
 
 __all__ = [
+    "check_budget",
     "Link",
     "Device",
     "DEVICES",
@@ -101,6 +102,17 @@ def exposed(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_
     return (t - num_layers * compute_s) / (num_layers * latency_s)
 
 
+def check_budget(budget_bytes: float, layer_bytes: int, series: str, where: str = "") -> None:
+    """Refuse a prefetch ring budget that cannot hold one layer of ``series`` (``layer_bytes``: the ring's one slot,
+    needed even at ``k = 0``); ``where`` starts the message."""
+    if budget_bytes < layer_bytes:
+        raise ValueError(
+            f"{f'{where}: ' if where else ''}prefetch_step='auto': the prefetch ring budget of {budget_bytes:.0f} "
+            f"bytes does not hold one layer of {series} ({layer_bytes} bytes, needed even at k = 0); raise the "
+            f"budget or layer-shard fewer series"
+        )
+
+
 def choose_k(
     layer_bytes: int,
     *,
@@ -141,12 +153,7 @@ def choose_k(
         )
     top = max(0, num_layers - 1)
     if budget_bytes is not None:
-        if budget_bytes < layer_bytes:
-            raise ValueError(
-                f"prefetch_step='auto': the prefetch ring budget of {budget_bytes:.0f} bytes does not hold one "
-                f"layer of {series} ({layer_bytes} bytes, needed even at k = 0); raise the budget or "
-                f"layer-shard fewer series"
-            )
+        check_budget(budget_bytes, layer_bytes, series)
         if layer_bytes:
             top = min(top, int(budget_bytes // layer_bytes) - 1)
     if layer_bytes == 0:

@@ -30,6 +30,7 @@ from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths, tree_from_paths
 from ..models import family_of
 from ..parallel.layer_shard import LayerShard, series_specs, stack_series
+from ..parallel.prefetch_cost import check_budget
 from .check import check_leaves, check_plan_fits
 from .placement import Placement
 
@@ -245,13 +246,7 @@ def check_ring_budget(placed: Placement, where: str, dtype: torch.dtype | None =
     plan = placed.plan
     if plan.layer_shard is None or plan.prefetch_step != "auto" or plan.prefetch_budget is None:
         return
-    need = one_layer_bytes(placed, dtype)
-    if plan.prefetch_budget < need:
-        raise ValueError(
-            f"{where}: prefetch_step='auto': the prefetch ring budget of {plan.prefetch_budget:.0f} bytes does not "
-            f"hold one layer of {','.join(plan.layer_shard.leaves)} ({need} bytes, needed even at k = 0); raise the "
-            f"budget or layer-shard fewer series"
-        )
+    check_budget(plan.prefetch_budget, one_layer_bytes(placed, dtype), ",".join(plan.layer_shard.leaves), where)
 
 
 def warn_ring_memory(placed: Placement, where: str, *, stacklevel: int = 2) -> RingMemory | None:
