@@ -1,10 +1,11 @@
 """A linear layer's matmul, chosen by what its weight leaf holds.
 
 - a float tensor ``[out, in]``: ``x @ w.T``;
-- ``{"streamed": w}``, the CPU's form of a float weight (:func:`prepare_dense`): under ``torch.compile`` one row
-  (a batch-1 decode step) is one multiply-and-sum reduction that inductor generates (:func:`streamed`), reading
-  the weight once, at 80-90% of the memory's read bandwidth where the CPU matmul reaches about half; more rows,
-  and eager, take the matmul;
+- ``{"streamed": w}``, the CPU's form of a float weight (:func:`prepare_dense`): under ``torch.compile`` a few
+  rows (a decode step's batch: up to 8 in float32, one in other dtypes, :data:`STREAM_ROWS`) are one
+  multiply-and-sum reduction per row that inductor fuses into one pass over the weight (:func:`streamed`), at
+  80-90% of the memory's read bandwidth at one row where the CPU matmul reaches about half; more rows, and
+  eager, take the matmul;
 - a quantized weight prepared for the CPU kernels by :func:`prepare` (a dict; its keys name the form):
 
   - ``{"w8", "scale"}``: int8 weights with a scale per output channel, ``aten._weight_int8pack_mm``;
@@ -65,7 +66,10 @@ __all__ = [
     "prepare",
     "prepare_params",
     "prepare_dense",
+    "stream_rows",
+    "STREAM_ROWS",
     "TARGETS",
+    "KINDS",
     "kernel_of",
     "expert_weights",
     "quantized_activations",
@@ -74,14 +78,15 @@ __all__ = [
 ]
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
-# up to this many rows, a CPU linear is one streaming reduction (:func:`streamed`); at 8 rows inductor's reduction
-# re-reads the weight per row and a decode step measured 10x slower than the matmul (benchmarks/README.md)
-_STREAM_ROWS = 1
+# up to this many rows a CPU linear over a float32 weight is one pass over the weight (:func:`streamed`); other dtypes
+# stream one row only: at 8 rows of bf16 the per-row reductions convert each weight element once per row and measured
+# 2.3x slower than the matmul's bf16 kernel (44 against 19 ms a step, benchmarks/README.md)
+STREAM_ROWS = {torch.float32: 8}
 _INT4_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 _INT4_TILE = 16  # it needs out_features divisible by this
 _NPU_GROUP = 32  # WeightQuantBatchMatmulV2 takes group sizes that are multiples of this
 TARGETS = ("cpu", "npu", "dense")  # whose kernels prepare() aims at
-_KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8", "streamed")
+KINDS = ("w8", "w4", "w8a8", "qbmm", "wqbmm", "a8", "streamed")
 _INT8_ACTIVATIONS = ("w8a8", "qbmm", "a8")
 
 
@@ -90,11 +95,11 @@ def kernel_of(w: Any) -> str:
     ``streamed`` (the CPU's dense weight one row streams, :func:`streamed`)."""
     if isinstance(w, torch.Tensor):
         return "dense"
-    for kind in _KINDS:
+    for kind in KINDS:
         if kind in w:
             return kind
     raise TypeError(
-        f"a linear weight is a tensor or a prepared quantized weight (keys {' / '.join(_KINDS)}), "
+        f"a linear weight is a tensor or a prepared quantized weight (keys {' / '.join(KINDS)}), "
         f"got keys {sorted(w)}; "
         f"stored quantized weights go through functional_npu.models.linear.prepare first"
     )
@@ -144,19 +149,27 @@ def row_parallel(x: torch.Tensor, w: Any, mesh: Mesh, tp: str) -> torch.Tensor:
 
 
 def streamed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [..., in] @ w.T`` for one row as one reduction over ``in`` that inductor generates, reading the weight
-    ``[out, in]`` once from memory, in float32 (the matmul's accumulation). On the CPU this streams a batch-1
-    decode step's weights at 70-90% of a plain read's bandwidth, where the CPU matmul reaches about half
-    (``benchmarks/README.md``)."""
+    """``x [..., in] @ w.T`` as one multiply-and-sum reduction over ``in`` per row of ``x``, in float32 (the matmul's
+    accumulation). The reductions share their loop over the weight ``[out, in]``, so inductor fuses them into one
+    pass that reads each weight element once and keeps one accumulator per row in registers: on the CPU a decode
+    step's weights stream at 70-90% of a plain read's bandwidth at one row, and at 8 rows of float32 it runs
+    1.6x faster than the CPU matmul (``benchmarks/README.md``). Rows are the batch: at most
+    :func:`stream_rows` of them."""
     flat = x.reshape(-1, x.shape[-1])
-    y = (w[:, None, :].float() * flat[None].float()).sum(-1)  # [out, rows]
-    return y.T.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    wide = w.float()
+    y = torch.stack([(wide * flat[r].float()).sum(-1) for r in range(flat.shape[0])])  # [rows, out]
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def _streams(x: torch.Tensor) -> bool:
-    """Whether a ``streamed`` form runs as :func:`streamed`: one row, under ``torch.compile`` (inductor
-    generates the reduction; eager keeps the matmul, which is faster without fusion)."""
-    return x.numel() <= _STREAM_ROWS * x.shape[-1] and torch.compiler.is_compiling()
+def stream_rows(dtype: torch.dtype) -> int:
+    """The most rows a ``streamed`` weight of ``dtype`` runs as :func:`streamed` (:data:`STREAM_ROWS`; else 1)."""
+    return STREAM_ROWS.get(dtype, 1)
+
+
+def _streams(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a ``streamed`` form runs as :func:`streamed`: at most :func:`stream_rows` rows, under ``torch.compile``
+    (inductor generates the reductions; eager keeps the matmul, which is faster without fusion)."""
+    return x.numel() <= stream_rows(w.dtype) * x.shape[-1] and torch.compiler.is_compiling()
 
 
 def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,7 +179,7 @@ def linear(x: torch.Tensor, w: Any, *, amax: torch.Tensor | None = None) -> torc
     if kind == "dense":
         return x @ w.T
     if kind == "streamed":
-        return streamed(x, w["streamed"]) if _streams(x) else x @ w["streamed"].T
+        return streamed(x, w["streamed"]) if _streams(x, w["streamed"]) else x @ w["streamed"].T
     flat = x.reshape(-1, x.shape[-1])
     if kind in _INT8_ACTIVATIONS:  # W8A8: symmetric int8 per token (compressed-tensors' rule: absmax / 127.5)
         xq, x_scale = int8_tokens(flat, None if amax is None else amax.reshape(-1, 1))

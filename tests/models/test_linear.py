@@ -82,12 +82,12 @@ def test_a_stored_quantized_weight_must_be_prepared():
 
 
 @pytest.mark.parametrize("form", ["float32", "bfloat16"])
-def test_streamed_forms_compiled_are_one_reduction_for_one_row(form):
-    """Under torch.compile one row of a ``streamed`` form is one multiply-and-sum over the weight (no matmul in
-    the graph), as exact as the matmul (fp32 accumulation, one rounding); two rows, eager, and the plain form
-    (what a layer-sharded weight arrives as) take the matmul. Small integers: every product and sum is exact, so
-    any order gives the same bits."""
-    from functional_npu.models.linear import linear, prepare_dense
+def test_streamed_forms_compiled_are_reductions_for_a_few_rows(form):
+    """Under torch.compile a few rows of a ``streamed`` form (up to 8 in float32, one in bf16) are one multiply-and-sum
+    per row over the weight (no matmul in the graph), as exact as the matmul (fp32 accumulation, one rounding); more
+    rows, eager, and the plain form (what a layer-sharded weight arrives as) take the matmul. Small integers: every
+    product and sum is exact, so any order gives the same bits."""
+    from functional_npu.models.linear import linear, prepare_dense, stream_rows
 
     g = torch.Generator().manual_seed(0)
     dtype = torch.float32 if form == "float32" else torch.bfloat16
@@ -109,11 +109,15 @@ def test_streamed_forms_compiled_are_one_reduction_for_one_row(form):
         return targets
 
     kernels = ("mm", "matmul", "linear", "int8pack")
-    x = torch.randint(-3, 4, (1, 1, 128), generator=g).to(dtype)
-    targets = graph_targets(x, held)
-    assert targets and not any(k in t for t in targets for k in kernels), targets
+    rows = stream_rows(dtype)
+    assert rows == (8 if form == "float32" else 1)
+    for shape in [(1, 1, 128), (rows, 128), (2, rows // 2, 128)] if rows > 1 else [(1, 1, 128)]:
+        x = torch.randint(-3, 4, shape, generator=g).to(dtype)
+        targets = graph_targets(x, held)
+        assert targets and not any(k in t for t in targets for k in kernels), (shape, targets)
     assert any(k in t for t in graph_targets(x, plain) for k in kernels)  # the plain form: the matmul
-    assert any(k in t for t in graph_targets(torch.ones(2, 128, dtype=dtype), held) for k in kernels)
+    more = torch.randint(-3, 4, (rows + 1, 128), generator=g).to(dtype)
+    assert any(k in t for t in graph_targets(more, held) for k in kernels)  # past the rows: the matmul
     x = torch.ones(1, 128, dtype=dtype)
     assert torch.equal(linear(x, held), (x.float() @ dense.T).to(dtype))  # eager: the matmul or the int8 kernel
 

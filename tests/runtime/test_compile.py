@@ -81,10 +81,14 @@ def test_compile_model_errors(compiled, qwen3):
     with pytest.raises(ValueError, match=r"sampling: seed must be an int in \[0, 2\*\*64\)"):
         compiled.generate(PROMPTS, 2, temperature=1.0, seed=2**70)
     with pytest.raises(
-        ValueError, match=r"prompt length 70 exceeds the largest bucket 64; pass prefill_lengths with a bucket of at "
+        ValueError,
+        match=r"prompt length 70 exceeds the largest bucket 64 \(the compiled buckets: \[16, 32, 64\]\); pass ",
     ):
         compiled.prefill([[1] * 70], compiled.new_state(1))
-    with pytest.raises(ValueError, match=r"batch size 9 exceeds the largest bucket 4; pass batch_sizes with a bucket"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch size 9 exceeds the largest bucket 4 \(the compiled buckets: \[1, 4\]\); pass batch_sizes with a",
+    ):
         compiled.new_state(9)
     positions = params["config"].max_position_embeddings
     with pytest.raises(
@@ -201,3 +205,46 @@ def test_a_nan_raised_in_a_decode_step_is_reported(plain, greedy_head):
 def test_the_greedy_head_generates_the_logits_paths_tokens(plain):
     want = compile_model(plain.params, plain.mesh, backend="none").generate(PROMPTS, 6)
     assert compile_model(plain.params, plain.mesh, backend="none", greedy_head=True).generate(PROMPTS, 6) == want
+
+
+def test_the_linear_choice_is_checked_against_what_exists(plain, tmp_path):
+    """``linear``: 'streamed' where inductor compiles for the CPU (the default there), 'matmul' anywhere; 'streamed'
+    elsewhere, or on a model whose linears are all quantized, is one line naming what exists."""
+    from functional_npu.core import Quant
+    from functional_npu.models.linear import kernel_of
+    from functional_npu.placement import QuantConfig
+    from functional_npu.runtime.loading import save_checkpoint
+
+    params, mesh = plain.params, plain.mesh
+    with pytest.raises(ValueError, match=r"linear='fast' is not one of \('streamed', 'matmul'\) \(or None: the fast"):
+        compile_model(params, mesh, backend="none", linear="fast")
+    with pytest.raises(ValueError, match=r"linear='streamed' is .*, which backend 'none' does not run; here linear "
+                       r"weights take 'matmul' \(torch's matmul\); pass linear=None or 'matmul'"):  # fmt: skip
+        compile_model(params, mesh, backend="none", linear="streamed")
+    kinds = {b: kernel_of(compile_model(params, mesh, backend="inductor", linear=b).params["lm_head"]) for b in
+             ("streamed", "matmul", None)}  # fmt: skip
+    assert kinds == {"streamed": "streamed", "matmul": "dense", None: "streamed"}
+    full = llama.init_params(params["config"], seed=0)
+    path = save_checkpoint(full, tmp_path / "int8", quant=QuantConfig.of(Quant(8, "channel"), ()))
+    int8 = load_checkpoint(path, mesh)
+    with pytest.raises(ValueError, match=r"every linear weight of this model is quantized \(kernels \['w8'\]\); pass"):
+        compile_model(int8, mesh, backend="inductor", linear="streamed")
+    assert kernel_of(compile_model(int8, mesh, backend="inductor").params["lm_head"]) == "w8"
+
+
+def test_greedy_picks_and_checks_logits_in_one_pass():
+    """Greedy takes each row's first largest logit and trusts the logits unless a row's largest is NaN or infinite:
+    exactly argmax, and exactly the rows that hold a NaN or an Inf, except -Inf beside finite values (masked)."""
+    from functional_npu.runtime.serving.generate import _picked, greedy_pick, sampler
+
+    assert sampler(0.0) is greedy_pick
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-2, 3, (6, 50), generator=g).float()  # many ties: the first largest must win
+    tokens, finite = _picked(logits, greedy_pick)
+    assert torch.equal(tokens, logits.argmax(-1)) and bool(finite)
+    for bad, trusted in ((float("nan"), False), (float("inf"), False), (float("-inf"), True)):
+        spoiled = logits.clone()
+        spoiled[3, 7] = bad
+        assert bool(_picked(spoiled, greedy_pick)[1]) is trusted
+        assert bool(_picked(spoiled, lambda x: x.argmax(-1))[1]) is False  # a sampler checks every logit
+    assert not bool(_picked(torch.full((2, 4), float("-inf")), greedy_pick)[1])

@@ -23,7 +23,7 @@ from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
 from ...models import family_of, init_state
 from ...models.decoder import DecodeState, decode
-from ...models.linear import TARGETS, prepare_params
+from ...models.linear import KINDS, TARGETS, prepare_params
 from ...parallel import prefetch
 from ...parallel.layer_shard import series_of
 from ...parallel.plan import Plan
@@ -113,8 +113,8 @@ class CompiledModel:
         i = bisect.bisect_left(values, n)
         if i == len(values):
             raise ValueError(
-                f"{what} {n} exceeds the largest bucket {values[-1]}; pass {knob} with a bucket of at least {n} "
-                f"to compile_model"
+                f"{what} {n} exceeds the largest bucket {values[-1]} (the compiled buckets: {list(values)}); pass "
+                f"{knob} with a bucket of at least {n} to compile_model"
             )
         return values[i]
 
@@ -278,6 +278,13 @@ class CompiledModel:
         )  # fmt: skip
 
 
+LINEARS = ("streamed", "matmul")  # how float linear weights multiply (compile_model's ``linear``)
+# inductor realizes a value read by several kernels' loops instead of recomputing it in each: a streamed linear's
+# rows each read their input row, which then comes from a buffer, not from its producers (the embedding gather with
+# its bounds check, the residual and the RMSNorm with a square root) recomputed per output row and batch row; at
+# 8 rows of float32 that took a decode step from 34 to 20 ms (benchmarks/README.md)
+REALIZE_INPUTS = {"realize_reads_threshold": 0}
+
 # inductor's own pass that moves each wait down to right before its first consumer
 SINK_WAITS = {
     "reorder_for_compute_comm_overlap": True,
@@ -328,6 +335,7 @@ def compile_model(
     prefill_lengths: Sequence[int] | None = None,
     prefetch_device: Any = None,
     kernels: str | None = None,
+    linear: str | None = None,
     greedy_head: bool = False,
     cache_dir: str | os.PathLike | None = None,
 ) -> CompiledModel:
@@ -365,6 +373,11 @@ def compile_model(
             see :func:`functional_npu.models.linear.prepare`); default: the backend's
             (:attr:`functional_npu.runtime.serving.backends.Backend.kernels`). ``"npu"`` off an NPU runs Ascend's
             kernels' CPU references (:mod:`functional_npu.models.ascend_ops`): the NPU's numerics, checked here.
+        linear: how float linear weights multiply (:data:`LINEARS`): ``"streamed"``, inductor's reductions on the
+            CPU, one pass over each weight for a decode step's rows (up to 8 in float32, one in other dtypes:
+            :func:`functional_npu.models.linear.streamed`); ``"matmul"``, torch's matmul. Default: ``"streamed"``
+            where it exists (inductor on the CPU, float weights, no layer-sharded ring), else ``"matmul"``. Asking
+            for ``"streamed"`` where it does not exist is an error listing what does.
         greedy_head: greedy generation's decode steps run the head reduced to its argmax where the logits are
             computed (the family's ``Blocks.argmax``): a vocab-parallel head (tp, lm_head module TP) then moves
             a (max, index) pair per rank and token instead of its logits. The first token still comes from
@@ -385,6 +398,8 @@ def compile_model(
     """
     if kernels not in (None, *TARGETS):
         raise ValueError(f"compile_model: kernels={kernels!r} is not one of {TARGETS} (or None: the backend's)")
+    if linear not in (None, *LINEARS):
+        raise ValueError(f"compile_model: linear={linear!r} is not one of {LINEARS} (or None: the fastest that exists)")
     if cache_dir is not None and not str(cache_dir):
         raise ValueError("compile_model: cache_dir is '': give a directory for the saved graphs (None: save nothing)")
     placed = placement_of(params, mesh, plan, where="compile_model")
@@ -397,9 +412,10 @@ def compile_model(
     # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
     # does a model whose layers are fetched by broadcast within the step: fused into one kernel with the streamed
     # reductions, the earlier layers' work moves after the broadcast's wait (the hazard check's overlap finding)
-    streamed = chosen.name == "inductor" and not prefetch.ring_used(params, mesh, placed.plan)
+    streamed = _streamed(linear, chosen, placed, params, mesh, kernels or chosen.kernels)
     prepare = _preparer(placed, mesh, kernels or chosen.kernels, streamed)
     params = prepare(params)
+    _check_streamed(linear, params)
     if chosen.captures:  # the weights are inputs at fixed addresses: a captured graph reads them in place
         _static(params)
     sizes, seq, lengths = _shape_buckets(cfg, batch_sizes, max_seq_len, prefill_lengths)
@@ -415,11 +431,13 @@ def compile_model(
         mesh.init_groups(*placed.axis_groups())  # and groups over several axes (expert parallelism)
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
     options = prefetch_options(params, mesh, plan) if chosen.name == "inductor" else {}
+    if streamed:
+        options |= REALIZE_INPUTS
     static = {"blocks": family_of(cfg).blocks(cfg, plan), "plan": plan, "attention": attention}
     static["streams"] = chosen.streams
     where = _graph_dir(
         cache_dir, params, mesh, chosen, placed, (sizes, seq, lengths), kernels=kernels or chosen.kernels,
-        greedy_head=greedy_head, options=options,
+        greedy_head=greedy_head, options=options, linear="streamed" if streamed else "matmul",
     )  # fmt: skip
     fwd = _forward(chosen, static, options, where, "forward")
     greedy = _forward(chosen, static | {"greedy": True}, options, where, "greedy") if greedy_head else None
@@ -477,6 +495,42 @@ def _check_wrapper(backend: Backend, mesh: Mesh) -> None:
         raise ValueError(
             f"compile_model: mode 'reduce-overhead' on the CPU is inductor's C++ wrapper, which cannot compile the "
             f"collectives of a {mesh.size}-rank mesh {mesh.shape}; use mode 'default' (the CPU's fastest) or one rank"
+        )
+
+
+def _streamed(linear: str | None, chosen: Backend, placed: Placement, params: dict, mesh: Mesh, target: str) -> bool:
+    """Whether float linears take their ``streamed`` form (the ``linear`` argument of :func:`compile_model`): where
+    inductor compiles for the CPU, the weights are float and no layer arrives by broadcast within the step (fused
+    into one kernel with the streamed reductions, the earlier layers' work moves after the broadcast's wait: the
+    hazard check's overlap finding). ``linear="streamed"`` where that does not hold is refused, naming what exists."""
+    ring = prefetch.ring_used(params, mesh, placed.plan)
+    device = params["embed"].device.type
+    exists = chosen.name == "inductor" and device == "cpu" and target == "cpu" and not ring
+    if linear == "streamed" and not exists:
+        why = (
+            f"backend {chosen.name!r}" if chosen.name != "inductor"
+            else f"device {device!r}" if device != "cpu"
+            else f"kernels {target!r}" if target != "cpu"
+            else "layer-sharded weights fetched within the step"
+        )  # fmt: skip
+        raise ValueError(
+            f"compile_model: linear='streamed' is inductor's reduction on the CPU, which {why} does not run; "
+            f"here linear weights take 'matmul' (torch's matmul{', or the quantized kernels' if placed.quant else ''})"
+            f"; pass linear=None or 'matmul'"
+        )
+    return exists and linear != "matmul"
+
+
+def _check_streamed(linear: str | None, params: dict) -> None:
+    """``linear="streamed"`` on params none of whose linear weights is float (every one quantized) is refused, naming
+    the kernels they take."""
+    if linear != "streamed":
+        return
+    kinds = {path.rsplit(".", 1)[-1] for path, _ in flatten_with_paths(params)} & set(KINDS)
+    if "streamed" not in kinds:
+        raise ValueError(
+            f"compile_model: linear='streamed' streams float weights, and every linear weight of this model is "
+            f"quantized (kernels {sorted(kinds - {'streamed'})}); pass linear=None"
         )
 
 
