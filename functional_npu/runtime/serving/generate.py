@@ -71,6 +71,22 @@ class Lockstep:
         return Lockstep(math.ceil(busiest / width), batch, max(1, longest))
 
 
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, V]`` -> each row's first largest logit's id ``[B]`` (greedy decoding)."""
+    return logits.argmax(-1)
+
+
+def _picked(logits: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, finite)``: ``pick(logits)`` and whether the logits can be trusted. Greedy takes one pass over the
+    logits (``max`` gives each row's largest value and its first index; a row holding a NaN or an Inf has a NaN or
+    an infinite max, unless its only non-finite values are -Inf beside finite ones, which pick nothing); a sampler
+    checks every logit."""
+    if pick is greedy_pick:
+        values, tokens = logits.max(-1)
+        return tokens, torch.isfinite(values).all()
+    return pick(logits), torch.isfinite(logits).all()
+
+
 def sampler(
     temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -82,7 +98,7 @@ def sampler(
     """
     check_sampling(temperature, top_k, top_p, seed)
     if temperature == 0:
-        return lambda logits: logits.argmax(-1)
+        return greedy_pick
     gens: dict[torch.device, torch.Generator] = {}  # one seeded generator on the logits' device
 
     def generator(device: torch.device) -> torch.Generator | None:
@@ -183,8 +199,7 @@ def _chunk(
     with a ``temperature``, also each token's log-probability under ``softmax(logits / temperature)``."""
     state = model.new_state(len(rows))
     logits = model.prefill(rows, state, length=length)
-    finite = torch.isfinite(logits).all()  # checked once per chunk: no sync per step
-    step = logits.argmax(-1) if pick is None else pick(logits)
+    step, finite = _picked(logits, greedy_pick if pick is None else pick)  # finite: checked once per chunk, no sync
     pos, steps = torch.tensor([len(p) for p in rows]), [step]
     scores = [] if temperature is None else [logprobs_of(logits, step, temperature)]
     for _ in range(new - 1):
@@ -193,8 +208,8 @@ def _chunk(
             finite &= (step >= 0).all()
         else:
             logits = model.decode(step, pos, state)
-            finite &= torch.isfinite(logits).all()
-            step = pick(logits)
+            step, ok = _picked(logits, pick)
+            finite &= ok
             scores += [] if temperature is None else [logprobs_of(logits, step, temperature)]
         pos = pos + 1
         steps.append(step)
