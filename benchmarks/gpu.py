@@ -40,9 +40,10 @@ from functional_npu.core import Mesh
 
 from .configs import FULL
 from .formats import decode_bytes, fnpu_runner, transformers_runner, write_formats
+from .roofline import step_cost, step_floor
 from .timing import interleaved, ratio, stats
 
-__all__ = ["main", "gpu_cells", "step_floor"]
+__all__ = ["main", "gpu_cells"]
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32)
@@ -106,21 +107,6 @@ def run_tests(timeout: float) -> dict[str, Any]:
             "tail": "\n".join(lines[-60:])}  # fmt: skip
 
 
-def step_floor(nbytes: float, flops: float, read: float, peak: float) -> tuple[float, str]:
-    """The least time one decode step can take, and the term that binds: ``max(bytes / read, FLOPs / peak)``."""
-    memory, compute = nbytes / read, flops / peak
-    return (memory, "memory") if memory >= compute else (compute, "compute")
-
-
-def _step_cost(cfg: Any, weight_bytes: int, elem: int, b: int, new: int) -> tuple[float, float]:
-    """(bytes, FLOPs) of one decode step at batch ``b``: the weights once and each sequence's KV cache at the mean
-    context, 2 FLOPs per weight and token, and attention's ``4 * layers * heads * head_dim * context`` per token."""
-    ctx = PROMPT + new / 2
-    kv = b * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * ctx * elem
-    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
-    return weight_bytes + kv, b * (2 * weight_bytes / elem + attn)
-
-
 def gpu_cells(fmt: str, decode: dict, cost: dict, reads: list[float], peak: float) -> dict[str, Any]:
     """Each batch of one format: our tok/s, the share of the memory-and-compute roofline and the ratio to
     transformers compiled, round by round; the binding term."""
@@ -161,7 +147,7 @@ def scoreboard_format(
     runs = interleaved(systems, BATCHES, new, PROMPT, repeat, lambda r: reads.append(read_bandwidth()))
     decode = {s: {str(b): v["decode"] for b, v in per.items()} for s, per in runs.items()}
     elem = FORMATS[fmt].itemsize
-    cost = {str(b): _step_cost(FULL, decode_bytes(model.params), elem, b, new) for b in BATCHES}
+    cost = {str(b): step_cost(FULL, decode_bytes(model.params), elem, b, PROMPT, new) for b in BATCHES}
     round_read = [(a + b) / 2 for a, b in zip(reads, reads[1:])]
     profiles = {name: profile_decode(run, 1, new) for name, run in systems.items()}
     return {

@@ -2,13 +2,15 @@
 
 One run measures, on one seeded 70.5M-parameter Qwen3-style model written four ways (fp32, bf16, int8, int4):
 
-- decode tokens/s at batch 1 and 8 of this library in its **default configuration** (``compile_model`` with no
+- decode tokens/s at batch 1, 8 and 32 of this library in its **default configuration** (``compile_model`` with no
   mode flag: what the device measures fastest) against the peers a user would pick: transformers' ``generate``
-  compiled with a static cache at the same dtype (fp32 also eager), torchao's weight-only int8 / int4 compiled
-  (when it runs here), all in interleaved rounds (:mod:`benchmarks.formats`);
-- the **physical roofline**: a plain streaming read's bandwidth (:func:`benchmarks.timing.read_bandwidth`) sampled
-  before the first and after every round, over the bytes one decode step reads in each format; torch's own
-  matrix-vector rate is sampled beside it and reported, not used as a ceiling;
+  compiled with a static cache at the same dtype (with each of inductor's wrappers; the faster counts in each
+  round), torchao's weight-only int8 / int4 compiled (when it runs here), all in interleaved rounds
+  (:mod:`benchmarks.formats`);
+- the **roofline of memory and compute**: a plain streaming read's bandwidth
+  (:func:`benchmarks.timing.read_bandwidth`) and the fp32 and bf16 matmul peaks
+  (:func:`benchmarks.formats.gemm_peak`), sampled before the first and after every round; each cell's floor is
+  ``max(bytes / read, FLOPs / peak)`` for one step (:mod:`benchmarks.roofline`), and the term that binds is named;
 - the **warm start**: load + compile + first generate in a fresh process, cold and then warm from
   ``compile_model(cache_dir=...)`` (:mod:`benchmarks.warm_start`).
 
@@ -141,10 +143,13 @@ def _report(out: dict[str, Any]) -> None:
     """Print the decode table (every run, medians and spreads), the warm starts and the targets."""
     runs = out["runs"]
     reads = " / ".join(f"{r['decode']['read_gb_s']['median']:.1f}" for r in runs)
-    matvec = " / ".join(f"{r['decode']['matvec_gb_s']['median']:.1f}" for r in runs)
+    gemm = " / ".join(
+        f"{r['decode']['gemm_gflop_s']['fp32']['median']:.0f} and {r['decode']['gemm_gflop_s']['bf16']['median']:.0f}"
+        for r in runs
+    )
     print(f"\ndecode ({len(runs)} run(s), figures per run separated by /):")
     print(format_table([r["decode"] for r in runs]))
-    print(f"\nread bandwidth (the roofline): {reads} GB/s; torch's matrix-vector rate beside it: {matvec} GB/s")
+    print(f"\nthe roofline: read bandwidth {reads} GB/s; matmul peak (fp32 and bf16) {gemm} GFLOP/s")
     for i, r in enumerate(runs, 1):
         if "warm_start" in r:
             w = r["warm_start"]

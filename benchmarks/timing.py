@@ -27,7 +27,6 @@ __all__ = [
     "stats",
     "ratio",
     "pin_threads",
-    "matvec_bandwidth",
     "read_bandwidth",
 ]
 
@@ -122,15 +121,6 @@ def pin_threads(threads: int | None) -> list[int]:
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
     return cores
-
-
-def matvec_bandwidth(dtype: torch.dtype = torch.float32, mib: int = 256, repeat: int = 10) -> float:
-    """Bytes/s of a matrix-vector product streaming a ``mib`` MiB weight (the decode bottleneck: the roofline)."""
-    cols = 4096
-    w = torch.randn(mib * 2**20 // (cols * torch.tensor([], dtype=dtype).element_size()), cols, dtype=dtype)
-    x = torch.randn(cols, dtype=dtype)
-    w @ x
-    return w.numel() * w.element_size() / best_time(lambda: w @ x, repeat)
 
 
 def read_bandwidth(mib: int = 512, repeat: int = 5) -> float:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from benchmarks.gpu import gpu_cells, main, step_floor
+from benchmarks.gpu import gpu_cells, main
+from benchmarks.roofline import step_cost, step_floor
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -25,3 +26,16 @@ def test_cells_take_shares_and_ratios_round_by_round():
     assert cells["roofline_tok_s"]["runs"] == [4000.0, 2000.0]
     assert cells["share_of_roofline"]["min"] == pytest.approx(0.025) and cells["binds"] == "memory"
     assert cells["peers"]["hf_bf16"] == {"median": 1.5, "min": 1.0, "max": 2.0}
+
+
+def test_a_steps_cost_counts_weights_once_and_flops_per_token():
+    from benchmarks.configs import QUICK
+    from benchmarks.roofline import weight_count
+
+    n = weight_count(QUICK)
+    ctx = 32 + 16 / 2
+    kv = QUICK.num_layers * 2 * QUICK.num_kv_heads * QUICK.head_dim * ctx * 4
+    attn = 4 * QUICK.num_layers * QUICK.num_heads * QUICK.head_dim * ctx
+    assert step_cost(QUICK, 1000, 4, 1, 32, 16) == (1000 + kv, 2 * n + attn)
+    # FLOPs follow the parameters, not the bytes: an int4 model does as many as the fp32 one at 1/8 the bytes
+    assert step_cost(QUICK, 125, 2, 8, 32, 16)[1] == 8 * (2 * n + attn)
