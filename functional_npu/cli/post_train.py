@@ -29,7 +29,7 @@ from ..core.collectives import all_reduce
 from ..parallel.plan import Plan
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.loading.save import save_checkpoint
-from .demo import DEMO_CONFIG, DEMO_MODEL
+from .demo import DEMO_MODEL, SMALL_CONFIG
 from .errors import WORLD_ERRORS, world_failed
 from .scratch import scratch_dir
 
@@ -59,7 +59,7 @@ def post_train_on_rank(ctx: RankContext, model_dir: str, seed: int) -> dict[str,
 
     mesh = ctx.mesh({"dp": 2, "tp": 1})
     rows = [p for p in PROMPTS for _ in range(GROUP)]
-    vocab = DEMO_CONFIG.vocab_size
+    vocab = SMALL_CONFIG.vocab_size
     model = compile_model(
         load_checkpoint(model_dir, mesh, INFERENCE), mesh, backend="inductor", batch_sizes=[len(rows)],
         max_seq_len=64, prefill_lengths=[len(PROMPTS[0])],
@@ -113,7 +113,7 @@ def post_train_on_rank(ctx: RankContext, model_dir: str, seed: int) -> dict[str,
 def run_post_train(*, timeout: float = 600.0, seed: int = 0) -> int:
     """Print the round's figures; return 0 when the reshard moved exactly its lower bound and the rollout's and
     the training forward's log-probabilities agree (float32: within 1e-4)."""
-    cfg = DEMO_CONFIG
+    cfg = SMALL_CONFIG
     print(
         f"functional-npu demo --post-train: embedded {cfg.architecture}-style model, 2 local ranks; inference "
         f"tp over dp (compiled), training dp with every layer layer-sharded (compiled step); {len(PROMPTS)} prompts x "

@@ -43,10 +43,10 @@ def test_model_check_on_a_link_slower_than_compute():
 
 
 def test_layer_sharded_decode_on_the_emulated_link(tmp_path):
-    """The demo's model, o_proj and down layer-sharded over 2 ranks, at batch 256 on a link whose rate makes one
+    """The demo's small model, o_proj and down layer-sharded over 2 ranks, at batch 256 on a link whose rate makes one
     layer's broadcast take one layer's compute (as the run measures it): k = 0 and k = 1 each give a step time
     and the fraction of the communication left exposed."""
-    from functional_npu.cli.demo import DEMO_CONFIG, DEMO_SERIES
+    from functional_npu.cli.demo import DEMO_SERIES, SMALL_CONFIG
     from functional_npu.models.llama import init_params
     from functional_npu.runtime.loading.save import save_checkpoint
 
@@ -54,7 +54,7 @@ def test_layer_sharded_decode_on_the_emulated_link(tmp_path):
     if why is not None:
         assert why.startswith("emulated link skipped: ") and "\n" not in why
         pytest.skip(why)  # a machine without namespaces or tc: the benchmark reports this line instead
-    save_checkpoint(init_params(DEMO_CONFIG, seed=0), tmp_path)
+    save_checkpoint(init_params(SMALL_CONFIG, seed=0), tmp_path)
     res = run_emulated(
         str(tmp_path), series=DEMO_SERIES, ks=(0, 1), batch=256, steps=4, repeat=3, stock=False, timeout=600
     )  # a smoke run of the benchmark's path: its figures come from python -m benchmarks prefetch

@@ -28,7 +28,10 @@ def test_demo_runs_and_verifies():
     out = cli("demo", "--tp", "2", "--max-new-tokens", "8")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo: OK" in out.stdout
-    assert out.stdout.count("| True |") == 4  # eager 1 and 2 ranks, compiled tp 2, compiled layer-sharded dp 2
+    assert out.stdout.count("| True |") == 5  # eager and compiled on 1 and 2 ranks, compiled layer-sharded dp 2
+    # each compiled run is set beside the eager run at the same rank count
+    assert re.search(r"\| [\d.]+x eager on 1 rank: what compiling buys \|", out.stdout), out.stdout
+    assert re.search(r"\| [\d.]+x eager at tp = 2: the compiled graph holds the collectives \|", out.stdout)
     _check_layer_sharding_saves(out.stdout)
     # the emulated link is the prefetch benchmark's (tests/benchmarks/test_emulated_link.py): the demo names it
     assert "python -m benchmarks prefetch" in out.stdout
