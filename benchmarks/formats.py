@@ -203,6 +203,15 @@ def run_formats(
     read bandwidth and the fp32 and bf16 matmul peaks sampled before the first and after every round; returns one
     run's JSON-ready result (every round's figures, and each cell's shares and ratios taken round by round,
     :func:`cells`)."""
+    # transformers' models of every format and wrapper share one forward, compiled once per batch size each: more
+    # graphs of one code object than dynamo's default limit of 8 (fullgraph=True then fails)
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
+        return _run_formats(cfg, root, new, repeat, threads, formats, log)
+
+
+def _run_formats(
+    cfg: LlamaConfig, root: Path, new: int, repeat: int, threads: int | None, formats: tuple[str, ...], log: Any
+) -> dict[str, Any]:
     cores = pin_threads(threads)
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, PROMPT + 1)]
     paths = write_formats(cfg, root)
