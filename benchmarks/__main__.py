@@ -14,6 +14,7 @@ from typing import Any
 # name -> (module of this package whose main(argv) runs it, what it measures)
 COMMANDS = {
     "bench": ("scoreboard", "the scoreboard: this library vs transformers, eager and compiled (needs transformers)"),
+    "linears": ("linears", "the linear kernels alone: matmul, streamed, oneDNN at batches 1, 8, 32"),
     "mla": ("bench_mla", "MLA: per-head vs latent KV cache, plain vs absorbed decode"),
     "module_tp": ("bench_module_tp", "module TP over dp ranks: resident bytes and decode step time per plan"),
     "prefetch": ("bench_prefetch", "layer-sharded decode with prefetch, on the loopback and an emulated link"),
