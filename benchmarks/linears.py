@@ -6,7 +6,7 @@ The scoreboard model's 49 linear weights (12 layers of ``[q|k|v]``, ``o_proj``, 
 - ``matmul``: torch's matmul, ``x @ w.T``, compiled (the path ``compile_model(linear="matmul")`` takes);
 - ``streamed``: this library's :func:`functional_npu.models.linear.streamed` (one reduction per row, fused into one
   pass over each weight), compiled, at every batch (the default takes it up to
-  :func:`functional_npu.models.linear.stream_rows` rows);
+  :func:`functional_npu.models.stream_rows` rows);
 - ``onednn``: oneDNN's linear over weights prepacked for the batch (``mkldnn._reorder_linear_weight`` and
   ``mkldnn._linear_pointwise``), eager: the CPU's fastest kernel at 8 and 32 rows, which a compiled graph can
   call only on weights frozen into it as constants (a prepacked weight is an opaque ``torch._mkldnn`` tensor, and
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from functional_npu.models.linear import streamed
+from functional_npu.models import streamed
 
 from .configs import FULL
 from .formats import gemm_peak

@@ -17,7 +17,7 @@ from .deepseek import DeepseekConfig
 from .experts import Routing
 from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, plan_of, series_leaves
 from .gemma3 import Gemma3Config
-from .linear import prepare_params
+from .linear import prepare_params, stream_rows, streamed
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -43,4 +43,6 @@ __all__ = [
     "DecodeState",
     "Routing",
     "prepare_params",
+    "streamed",
+    "stream_rows",
 ]
