@@ -40,6 +40,7 @@ from functional_npu.runtime.loading import save_checkpoint
 from .configs import FULL, QUICK
 from .formats import format_table, formats_plot, run_formats, targets, targets_table
 from .peers import decode_tp_peer, peers_report, reshard_peer
+from .roofline import weight_count
 from .timing import pin_threads
 
 __all__ = ["decode_bytes_per_token", "run_bench", "main"]
@@ -47,9 +48,7 @@ __all__ = ["decode_bytes_per_token", "run_bench", "main"]
 
 def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
     """Weight bytes one decode step reads: every weight except the embedding table, of which one row."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    total = sum(x.numel() for p, x in flatten_with_paths(abstract_params(cfg)) if p != "embed")
-    return (total + cfg.hidden_size) * size
+    return (weight_count(cfg) + cfg.hidden_size) * dtype.itemsize
 
 
 def run_bench(
