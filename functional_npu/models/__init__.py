@@ -11,11 +11,21 @@
 * :mod:`.family`: :func:`family_of` and the :func:`forward` every family runs through.
 """
 
-from . import deepseek, dense, gemma3, llama, moe
+from . import deepseek, dense, gemma3, invariant, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
 from .experts import Routing
-from .family import ARCHITECTURES, FAMILIES, Family, family_of, forward, init_state, plan_of, series_leaves
+from .family import (
+    ARCHITECTURES,
+    FAMILIES,
+    Family,
+    check_invariant,
+    family_of,
+    forward,
+    init_state,
+    plan_of,
+    series_leaves,
+)
 from .gemma3 import Gemma3Config
 from .linear import prepare_params, stream_rows, streamed
 from .llama import LlamaConfig
@@ -39,6 +49,8 @@ __all__ = [
     "init_state",
     "series_leaves",
     "plan_of",
+    "check_invariant",
+    "invariant",
     "Blocks",
     "DecodeState",
     "Routing",

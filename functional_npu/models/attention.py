@@ -21,6 +21,7 @@ from einops import rearrange
 
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
+from . import invariant as inv
 from .linear import int8_activations, linear, row_parallel, token_amax
 from .norm import rms_norm
 
@@ -112,10 +113,15 @@ def inv_freq(cfg: Rotary) -> torch.Tensor:
     return freq
 
 
-def rope(positions: torch.Tensor, cfg: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) ``[B, 1, S, hd]`` for ``positions [B, S]``."""
+def rope(
+    positions: torch.Tensor, cfg: Rotary, dtype: torch.dtype, invariant: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) ``[B, 1, S, hd]`` for ``positions [B, S]``; ``invariant``: by :func:`~.invariant.sin_cos`."""
     freqs = positions[..., None].float() * inv_freq(cfg).to(positions.device)  # [B, S, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, hd]
+    if invariant:
+        sin, cos = inv.sin_cos(emb)
+        return cos.to(dtype), sin.to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -162,10 +168,10 @@ def attend(
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
 
 
-def prepare(cfg: Rotary, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> Step:
+def prepare(cfg: Rotary, positions: torch.Tensor, kv: KV, dtype: torch.dtype, invariant: bool = False) -> Step:
     """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv``."""
     b, s = positions.shape
-    cos, sin = rope(positions, cfg, dtype)
+    cos, sin = rope(positions, cfg, dtype, invariant)
     mask = attention_mask(positions, kv[0].shape[2], cfg.sliding_window)
     slot = positions[:, None, :, None].expand(b, kv[0].shape[1], s, cfg.head_dim)
     return Step(cos, sin, mask, slot)
@@ -184,23 +190,29 @@ def gqa(
     axes: tuple[str, ...] = (),
     scale: float | None = None,
     norm_offset: float = 0.0,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's keys and values into ``kv``.
 
     Heads are split over ``tp``; ``axes``: o_proj's module-TP group (data-parallel axes); ``scale``: of the scores
-    (default ``head_dim ** -0.5``); ``norm_offset``: the q / k norms' (:func:`rms_norm`'s).
+    (default ``head_dim ** -0.5``); ``norm_offset``: the q / k norms' (:func:`rms_norm`'s); ``invariant``: every
+    reduction in one fixed order (:mod:`~functional_npu.models.invariant`; ``kind`` is then not read).
     """
     hd = cfg.head_dim
     nh, nkv = local_heads(cfg, mesh.axis_size(tp))
-    qkv = linear(h, layer["qkv"])  # column-parallel: [B, S, (nh + 2 nkv) hd]
+    norm = inv.rms_norm if invariant else rms_norm
+    qkv = (inv.linear if invariant else linear)(h, layer["qkv"])  # column-parallel: [B, S, (nh + 2 nkv) hd]
     if "qkv_bias" in layer:
         qkv = qkv + layer["qkv_bias"]
     q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=hd) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1))
     if "q_norm" in layer:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, norm_offset)
+        q = norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
+        k = norm(k, layer["k_norm"], cfg.rms_norm_eps, norm_offset)
     q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
     keys, values = store(kv, k, v, step)
+    if invariant:
+        out = inv.attend(q, keys, values, step.mask, scale, nh // nkv)
+        return inv.tp_sum(inv.linear(rearrange(out, "b h s d -> b s (h d)"), layer["o_proj"]), mesh, tp)
     attn = rearrange(attend(q, keys, values, step.mask, kind, scale, nh // nkv), "b h s d -> b s (h d)")
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=axes)
 

@@ -400,6 +400,7 @@ def ends(cfg: Any, plan: Plan) -> dict[str, Any]:
     """The embedding, head and greedy head blocks of any family's config (``Blocks`` fields)."""
     tp = plan.tp
     head_args = {"tp": tp, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": head_axes(cfg, plan)}
+    head_args |= {"invariant": True} if plan.invariant else {}
     return {
         "embed": functools.partial(embed, tp=tp, axes=plan.module_tp.embed),
         "head": functools.partial(head, **head_args),
@@ -408,12 +409,14 @@ def ends(cfg: Any, plan: Plan) -> dict[str, Any]:
 
 
 def blocks(cfg: DenseConfig, plan: Plan = Plan()) -> Blocks:
-    """The decoder's blocks for this config: grouped-query attention and a gated MLP in every layer."""
-    mlp = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp)
+    """The decoder's blocks for this config: grouped-query attention and a gated MLP in every layer (with
+    ``plan.invariant``, in the invariant mode: :mod:`functional_npu.models.invariant`)."""
+    inv = plan.invariant
+    mlp = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp, invariant=inv)
     return Blocks(
         **ends(cfg, plan),
-        prepare=functools.partial(prepare, cfg),
-        attention=functools.partial(gqa, cfg=cfg, tp=plan.tp, axes=plan.module_tp.o_proj),
+        prepare=functools.partial(prepare, cfg, invariant=inv),
+        attention=functools.partial(gqa, cfg=cfg, tp=plan.tp, axes=plan.module_tp.o_proj, invariant=inv),
         ffn=(mlp,) * cfg.num_layers,
         init_kv=functools.partial(init_kv, cfg, tp=plan.tp),
         eps=cfg.rms_norm_eps,

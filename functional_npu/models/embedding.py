@@ -15,6 +15,7 @@ from einops import rearrange
 
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
+from . import invariant as inv
 from .linear import linear
 from .norm import rms_norm, softcap
 
@@ -48,11 +49,13 @@ def _local_logits(
     axes: tuple[str, ...],
     norm_offset: float,
     logit_softcap: float | None,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    x = rms_norm(x, params["norm"], eps, norm_offset)
+    x = (inv.rms_norm if invariant else rms_norm)(x, params["norm"], eps, norm_offset)
     if mesh.axis_size(axes) > 1:
         x = all_gather(x, mesh, axes)  # [n B, S, D]: the group's rows
-    logits = linear(x, params["embed"] if tied else params["lm_head"])  # [(n) B, S, V / (n tp)]
+    w = params["embed"] if tied else params["lm_head"]
+    logits = (inv.linear if invariant else linear)(x, w)  # [(n) B, S, V / (n tp)]
     return logits if logit_softcap is None else softcap(logits, logit_softcap)
 
 
@@ -67,16 +70,18 @@ def head(
     axes: tuple[str, ...] = (),
     norm_offset: float = 0.0,
     logit_softcap: float | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``x [B, S, D]`` -> logits ``[B, S, V]``: final norm, this rank's vocab slice, all_gather over ``tp``.
     ``norm_offset``: the final norm's (:func:`rms_norm`'s; Gemma: 1); ``logit_softcap``: the logits are soft-capped
-    at it (:func:`softcap`; Gemma's ``final_logit_softcapping``).
+    at it (:func:`softcap`; Gemma's ``final_logit_softcapping``); ``invariant``: the norm and the product's sum in one
+    fixed order (:mod:`~functional_npu.models.invariant`).
 
     With module TP over ``axes`` (``n`` ranks): this rank's slice for the group's ``n B`` rows, each row's
     slices routed back to its rank (all_to_all), then gathered over ``tp``; slice ``j * tp + t`` is
     held by group index ``j`` at tp index ``t`` (mesh order).
     """
-    logits = _local_logits(params, x, mesh, eps, tied, axes, norm_offset, logit_softcap)
+    logits = _local_logits(params, x, mesh, eps, tied, axes, norm_offset, logit_softcap, invariant)
     if mesh.axis_size(axes) == 1:
         return all_gather(logits, mesh, tp, dim=-1)
     return _home(logits, mesh, tp, axes).reshape(x.shape[0], x.shape[1], -1)  # [B, S, V]
@@ -104,12 +109,13 @@ def head_argmax(
     axes: tuple[str, ...] = (),
     norm_offset: float = 0.0,
     logit_softcap: float | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Greedy tokens ``[B, S]`` (int64) without moving logits: each rank's vocab slice reduced to its (max,
     argmax) first, then only those pairs are routed (all_to_all over ``axes``, all_gather over ``tp``) and
     the first largest wins, as ``head(...).argmax(-1)`` picks it; -1 where that largest is NaN or infinite.
     (Indices travel as float32: exact for vocabularies below 2**24.)"""
-    logits = _local_logits(params, x, mesh, eps, tied, axes, norm_offset, logit_softcap)  # [(n) B, S, v]
+    logits = _local_logits(params, x, mesh, eps, tied, axes, norm_offset, logit_softcap, invariant)  # [(n) B, S, v]
     v = logits.shape[-1]
     best, idx = logits.float().max(-1, keepdim=True)  # the first largest of this slice
     pair = torch.cat([best, (idx + mesh.axis_index(axes + (tp,)) * v).float()], dim=-1)  # [(n) B, S, 2]

@@ -20,7 +20,7 @@ from ..parallel.layer_shard import LayerShard
 from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
 from ..parallel.prefetch import RingPhase
 from ..parallel.streams import INLINE, Streams
-from . import deepseek, dense, gemma3, llama, moe
+from . import deepseek, dense, gemma3, invariant, llama, moe
 from .decoder import Blocks, DecodeState, decode
 from .deepseek import DeepseekConfig
 from .gemma3 import Gemma3Config
@@ -38,6 +38,7 @@ __all__ = [
     "init_state",
     "series_leaves",
     "plan_of",
+    "check_invariant",
 ]
 
 
@@ -120,6 +121,8 @@ class Family:
         cost: config -> the sizes the planner's cost model reads (:class:`CostShape`; ``None``: no cost rules yet).
         buffers: float leaves the forward reads that no gradient trains (transformers keeps them as buffers:
             DeepSeek-V3's routing correction bias is moved by a balancing rule, not by the loss).
+        not_invariant: the ops of this family's forward that have no invariant form yet (``Plan.invariant`` is
+            refused naming them); ``None``: its blocks run the invariant mode (:mod:`functional_npu.models.invariant`).
     """
 
     name: str
@@ -143,6 +146,7 @@ class Family:
     megatron: Megatron | None = None
     cost: Callable[[Any], CostShape] | None = None
     buffers: frozenset[str] = frozenset()
+    not_invariant: str | None = None
 
 
 def _functions(module: Any) -> dict[str, Any]:
@@ -186,6 +190,7 @@ MOE = Family(
     layer_leaves=dense.LAYER_LEAVES,
     series_aliases=dense.SERIES_ALIASES,
     cost=_moe_cost,
+    not_invariant="the routed experts (batched expert matmuls, the top-k combine)",
 )
 DEEPSEEK = Family(
     name="deepseek",
@@ -204,6 +209,7 @@ DEEPSEEK = Family(
     series_aliases=deepseek.SERIES_ALIASES,
     cost=_deepseek_cost,
     buffers=frozenset({"router_bias"}),
+    not_invariant="latent attention and the routed experts (batched expert matmuls, the top-k combine)",
 )
 GEMMA3 = Family(
     name="gemma3",
@@ -217,6 +223,7 @@ GEMMA3 = Family(
     layer_leaves=gemma3.LAYER_LEAVES,
     series_aliases=dense.SERIES_ALIASES,
     cost=_dense_cost,
+    not_invariant="the tanh of its GELU and of its logit soft-capping",
 )
 FAMILIES = (LLAMA, MOE, DEEPSEEK, GEMMA3)
 ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
@@ -289,6 +296,7 @@ def forward(
         >>> logits = forward(params, tokens, positions, state, mesh)                # doctest: +SKIP
     """
     cfg, plan = params["config"], plan_of(params) if plan is None else plan
+    check_invariant(params, plan, "forward")
     return decode(
         params,
         tokens,
@@ -301,6 +309,38 @@ def forward(
         streams=streams,
         differentiable=differentiable,
     )
+
+
+def check_invariant(params: dict, plan: Plan, where: str) -> None:
+    """Refuse ``plan.invariant`` for params whose forward has an op without an invariant form, naming the op: a
+    family's (:attr:`Family.not_invariant`), quantized kernels, module TP's exchanges, a dtype the invariant
+    functions do not compute in."""
+    if not plan.invariant:
+        return
+    cfg = params["config"]
+    gap = family_of(cfg).not_invariant
+    if gap is not None:
+        raise ValueError(
+            f"{where}: Plan.invariant: {cfg.architecture} has no invariant form of {gap} yet; leave Plan.invariant "
+            f"off for this model (the dense families, Llama / Mistral / Qwen2 / Qwen3, run it)"
+        )
+    if getattr(cfg, "sliding_window", None) is not None:
+        raise ValueError(
+            f"{where}: Plan.invariant: a sliding window ({cfg.sliding_window}) keeps its keys in a ring cache, in "
+            f"another order than the training forward's; the invariant mode runs full attention only"
+        )
+    quant = getattr(params.get("placement"), "quant", None)
+    if quant is not None:
+        raise ValueError(
+            f"{where}: Plan.invariant: the quantized matmul kernels ({quant.quant}) reduce in an order of their own; "
+            f"load the checkpoint unquantized (dtype float32 or bfloat16) to run the invariant mode"
+        )
+    if plan.module_tp:
+        raise ValueError(
+            f"{where}: Plan.invariant: module TP ({dict(plan.module_tp.items())}) sums partial products by "
+            f"reduce_scatter, which has no invariant form yet; drop module_tp or leave Plan.invariant off"
+        )
+    invariant.check_dtype(params["embed"].dtype, where)
 
 
 def plan_of(params: dict) -> Plan:

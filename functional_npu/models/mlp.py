@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..core.collectives import all_gather, all_reduce, reduce_scatter
 from ..core.mesh import Mesh
+from . import invariant as inv
 from .linear import linear, row_amax, row_parallel
 
 __all__ = ["gated_mlp"]
@@ -29,9 +30,14 @@ def gated_mlp(
     tp: str,
     axes: tuple[str, ...] = (),
     activation: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``, replicated over ``tp``; ``activation``:
-    the gate's."""
+    the gate's; ``invariant``: every reduction in one fixed order and SiLU's (:mod:`~functional_npu.models.invariant`:
+    ``activation`` is then not read)."""
+    if invariant:
+        gate, up = inv.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return inv.tp_sum(inv.linear(inv.silu(gate) * up, layer["down"]), mesh, tp)
     if mesh.axis_size(axes) == 1:
         gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
         return row_parallel(activation(gate) * up, layer["down"], mesh, tp)

@@ -10,6 +10,8 @@ how the forward moves it, as JAX keeps ``NamedSharding(mesh, PartitionSpec)`` ap
 - ``layer_shard`` and ``prefetch_step`` / ``prefetch_budget``: layer-sharded weight series and how far
   ahead they are fetched (:mod:`.layer_shard`, :mod:`.prefetch`, ``"auto"``: :mod:`.prefetch_cost`);
 - ``absorb``, ``mla_cache``: multi-head latent attention's decode path and cache (:mod:`functional_npu.models.mla`);
+- ``invariant``: every reduction of the forward in one fixed order, so that a rollout's log-probabilities equal the
+  training forward's bit for bit (:mod:`functional_npu.models.invariant`);
 - ``model``: the architecture the plan was made for (``None``: any), so a plan kept for one model is
   refused by name on another.
 
@@ -57,6 +59,8 @@ class Plan:
         prefetch_budget: for ``"auto"``: the most bytes the prefetch ring (``k + 1`` slots of one layer) may take.
         absorb: latent attention's decode steps attend in the latent space.
         mla_cache: latent attention's cache, ``"latent"`` or ``"heads"`` (every head's keys and values).
+        invariant: the forward's reductions in one fixed order whatever the batch, position, cache length or padding
+            (:mod:`functional_npu.models.invariant`): the same logits for a sequence in a rollout and in training.
         model: the architecture this plan was made for (``None``: any).
 
     Example:
@@ -76,6 +80,7 @@ class Plan:
     prefetch_budget: float | None = None
     absorb: bool = True
     mla_cache: str = "latent"
+    invariant: bool = False
     model: str | None = None
 
     def __post_init__(self) -> None:
@@ -112,6 +117,8 @@ class Plan:
             )
         if not isinstance(self.absorb, bool):
             raise ValueError(f"Plan.absorb must be True or False, got {self.absorb!r}")
+        if not isinstance(self.invariant, bool):
+            raise ValueError(f"Plan.invariant must be True or False, got {self.invariant!r}")
         if self.mla_cache not in MLA_CACHES:
             raise ValueError(f"Plan.mla_cache must be one of {MLA_CACHES}, got {self.mla_cache!r}")
         if self.model is not None and not (isinstance(self.model, str) and self.model.strip()):

@@ -25,7 +25,7 @@ from ..parallel.prefetch import check_prefetch_step
 
 __all__ = ["check_plan_fits", "check_leaves", "leaf_table", "resolved"]
 
-_COMMON = ("tp", "module_tp", "layer_shard", "prefetch_step", "prefetch_budget", "model")
+_COMMON = ("tp", "module_tp", "layer_shard", "prefetch_step", "prefetch_budget", "invariant", "model")
 
 
 def check_plan_fits(cfg: Any, mesh: Mesh, plan: Plan, *, where: str = "model", layers: Any = None) -> None:

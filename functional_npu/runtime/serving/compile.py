@@ -21,7 +21,8 @@ import torch
 
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
-from ...models import family_of, init_state
+from ...models import check_invariant, family_of, init_state
+from ...models import invariant as inv
 from ...models.decoder import DecodeState, decode
 from ...models.linear import KINDS, TARGETS, prepare_params
 from ...parallel import prefetch
@@ -412,7 +413,8 @@ def compile_model(
     # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
     # does a model whose layers are fetched by broadcast within the step: fused into one kernel with the streamed
     # reductions, the earlier layers' work moves after the broadcast's wait (the hazard check's overlap finding)
-    streamed = _streamed(linear, chosen, placed, params, mesh, kernels or chosen.kernels)
+    _check_invariant(params, placed, chosen, linear)
+    streamed = _streamed(linear, chosen, placed, params, mesh, kernels or chosen.kernels) and not placed.plan.invariant
     prepare = _preparer(placed, mesh, kernels or chosen.kernels, streamed)
     params = prepare(params)
     _check_streamed(linear, params)
@@ -433,6 +435,8 @@ def compile_model(
     options = prefetch_options(params, mesh, plan) if chosen.name == "inductor" else {}
     if streamed:
         options |= REALIZE_INPUTS
+    if plan.invariant and chosen.name == "inductor":
+        options |= inv.INDUCTOR_OPTIONS
     static = {"blocks": family_of(cfg).blocks(cfg, plan), "plan": plan, "attention": attention}
     static["streams"] = chosen.streams
     where = _graph_dir(
@@ -519,6 +523,30 @@ def _streamed(linear: str | None, chosen: Backend, placed: Placement, params: di
             f"; pass linear=None or 'matmul'"
         )
     return exists and linear != "matmul"
+
+
+# backends whose graphs are checked to keep each add and multiply one rounding (models.invariant): inductor's C++ with
+# its contraction flag off, and the Python forward; Triton and GE are not
+INVARIANT_BACKENDS = {"cpu": ("inductor", "aot_eager", "eager", "none"), "cuda": ("aot_eager", "eager", "none")}
+
+
+def _check_invariant(params: dict, placed: Placement, chosen: Backend, linear: str | None) -> None:
+    """Refuse ``Plan.invariant`` where it does not hold: an op without an invariant form (:func:`check_invariant`),
+    a backend not checked to keep each add and multiply one rounding, ``linear="streamed"``."""
+    if not placed.plan.invariant:
+        return
+    check_invariant(params | {"placement": placed}, placed.plan, "compile_model")
+    device = params["embed"].device.type
+    if chosen.name not in INVARIANT_BACKENDS.get(device, ()):
+        raise ValueError(
+            f"compile_model: Plan.invariant on backend {chosen.name!r} ({device}): its generated kernels are not "
+            f"checked to round every add and multiply on its own (Triton and GE may fuse a multiply-add); the backends "
+            f"that run it on {device} are {list(INVARIANT_BACKENDS.get(device, ()))}"
+        )
+    if linear == "streamed":
+        raise ValueError(
+            "compile_model: linear='streamed' reduces in inductor's order, not the invariant mode's; pass linear=None"
+        )
 
 
 def _check_streamed(linear: str | None, params: dict) -> None:

@@ -20,7 +20,9 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ...models import invariant as inv
 from ...models.decoder import DecodeState
+from ...parallel.plan import Plan
 from ...parallel.prefetch import drain
 
 MIN_TEMPERATURE = 1e-6  # the smallest sampling temperature (logits / temperature must stay finite)
@@ -45,6 +47,7 @@ class Model(Protocol):
     batch_sizes: tuple[int, ...]
     max_seq_len: int
     config: Any
+    plan: Plan
 
     def new_state(self, batch: int) -> DecodeState: ...
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor: ...
@@ -201,7 +204,7 @@ def _chunk(
     logits = model.prefill(rows, state, length=length)
     step, finite = _picked(logits, greedy_pick if pick is None else pick)  # finite: checked once per chunk, no sync
     pos, steps = torch.tensor([len(p) for p in rows]), [step]
-    scores = [] if temperature is None else [logprobs_of(logits, step, temperature)]
+    scores = [] if temperature is None else [logprobs_of(logits, step, temperature, model.plan.invariant)]
     for _ in range(new - 1):
         if pick is None:
             step = model.decode_greedy(step, pos, state)
@@ -210,7 +213,7 @@ def _chunk(
             logits = model.decode(step, pos, state)
             step, ok = _picked(logits, pick)
             finite &= ok
-            scores += [] if temperature is None else [logprobs_of(logits, step, temperature)]
+            scores += [] if temperature is None else [logprobs_of(logits, step, temperature, model.plan.invariant)]
         pos = pos + 1
         steps.append(step)
     drain(state.prefetched)
@@ -222,9 +225,16 @@ def _chunk(
     return torch.stack(steps, dim=1).tolist(), torch.stack(scores, dim=1).tolist() if scores else None
 
 
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logprobs_of(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, invariant: bool = False
+) -> torch.Tensor:
     """``logits [..., V]``, ``tokens [...]`` -> ``[...]``: log p(token) under ``softmax(logits / temperature)``, in
-    float32 (float64 logits: float64). The rollout's and the training forward's log-probabilities both."""
+    float32 (float64 logits: float64). The rollout's and the training forward's log-probabilities both.
+    ``invariant``: the logits times ``1 / temperature`` and :func:`~functional_npu.models.invariant.log_softmax`, the
+    same bits compiled or not, whatever the rows beside them."""
+    if invariant:
+        scaled = logits.float() * (1.0 / temperature)
+        return inv.log_softmax(scaled).gather(-1, tokens[..., None]).squeeze(-1)
     logits = logits if logits.dtype == torch.float64 else logits.float()
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
 

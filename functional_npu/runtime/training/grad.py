@@ -58,7 +58,8 @@ def token_logprobs(
 ) -> torch.Tensor:
     """``[B, S - 1]``: log p(``tokens[:, t + 1]`` | ``tokens[:, :t + 1]``) under ``softmax(logits / temperature)``,
     in float32 (or float64 params)."""
-    return logprobs_of(logits(params, tokens, mesh, attention=attention)[:, :-1], tokens[:, 1:], temperature)
+    invariant = plan_of(params).invariant  # the plan's invariant mode: the rollout's bits (models.invariant)
+    return logprobs_of(logits(params, tokens, mesh, attention=attention)[:, :-1], tokens[:, 1:], temperature, invariant)
 
 
 def lm_loss(params: dict, tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
