@@ -38,7 +38,7 @@ from .compile_cache import SAVABLE, SavedGraphs, cache_key, open_graph_dir, save
 from .generate import Lockstep, Samples, check_length, generate, sample
 from .inductor_cache import sweep
 
-__all__ = ["CompiledModel", "compile_model", "greedy_generate", "cache_length", "GraphBreakError"]
+__all__ = ["CompiledModel", "compile_model", "greedy_generate", "cache_length", "GraphBreakError", "invariant_options"]
 
 log = logging.getLogger("functional_npu")
 
@@ -413,7 +413,11 @@ def compile_model(
     # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
     # does a model whose layers are fetched by broadcast within the step: fused into one kernel with the streamed
     # reductions, the earlier layers' work moves after the broadcast's wait (the hazard check's overlap finding)
-    _check_invariant(params, placed, chosen, linear)
+    exact = invariant_options(params, placed, chosen, "compile_model")
+    if placed.plan.invariant and linear == "streamed":
+        raise ValueError(
+            "compile_model: linear='streamed' reduces in inductor's order, not the invariant mode's; pass linear=None"
+        )
     streamed = _streamed(linear, chosen, placed, params, mesh, kernels or chosen.kernels) and not placed.plan.invariant
     prepare = _preparer(placed, mesh, kernels or chosen.kernels, streamed)
     params = prepare(params)
@@ -435,8 +439,7 @@ def compile_model(
     options = prefetch_options(params, mesh, plan) if chosen.name == "inductor" else {}
     if streamed:
         options |= REALIZE_INPUTS
-    if plan.invariant and chosen.name == "inductor":
-        options |= inv.INDUCTOR_OPTIONS
+    options |= exact
     static = {"blocks": family_of(cfg).blocks(cfg, plan), "plan": plan, "attention": attention}
     static["streams"] = chosen.streams
     where = _graph_dir(
@@ -530,23 +533,22 @@ def _streamed(linear: str | None, chosen: Backend, placed: Placement, params: di
 INVARIANT_BACKENDS = {"cpu": ("inductor", "aot_eager", "eager", "none"), "cuda": ("aot_eager", "eager", "none")}
 
 
-def _check_invariant(params: dict, placed: Placement, chosen: Backend, linear: str | None) -> None:
-    """Refuse ``Plan.invariant`` where it does not hold: an op without an invariant form (:func:`check_invariant`),
-    a backend not checked to keep each add and multiply one rounding, ``linear="streamed"``."""
+def invariant_options(params: dict, placed: Placement, chosen: Backend, where: str) -> dict[str, Any]:
+    """The inductor options of ``Plan.invariant`` (:data:`~functional_npu.models.invariant.INDUCTOR_OPTIONS`; none
+    when it is off). Refused where it does not hold, naming why: an op without an invariant form
+    (:func:`~functional_npu.models.check_invariant`), a backend not checked to keep each add and multiply one
+    rounding (:data:`INVARIANT_BACKENDS`)."""
     if not placed.plan.invariant:
-        return
-    check_invariant(params | {"placement": placed}, placed.plan, "compile_model")
-    device = params["embed"].device.type
+        return {}
+    check_invariant(params | {"placement": placed}, placed.plan, where)
+    device = chosen.device_type
     if chosen.name not in INVARIANT_BACKENDS.get(device, ()):
         raise ValueError(
-            f"compile_model: Plan.invariant on backend {chosen.name!r} ({device}): its generated kernels are not "
+            f"{where}: Plan.invariant on backend {chosen.name!r} ({device}): its generated kernels are not "
             f"checked to round every add and multiply on its own (Triton and GE may fuse a multiply-add); the backends "
             f"that run it on {device} are {list(INVARIANT_BACKENDS.get(device, ()))}"
         )
-    if linear == "streamed":
-        raise ValueError(
-            "compile_model: linear='streamed' reduces in inductor's order, not the invariant mode's; pass linear=None"
-        )
+    return dict(inv.INDUCTOR_OPTIONS) if chosen.name == "inductor" else {}
 
 
 def _check_streamed(linear: str | None, params: dict) -> None:

@@ -31,7 +31,7 @@ from ...core.collectives import all_reduce
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths, replace_leaves
 from ..serving.backends import Backend, resolve_backend
-from ..serving.compile import GraphBreakError
+from ..serving.compile import GraphBreakError, invariant_options
 from ..serving.inductor_cache import sweep
 from .batch import check_batch
 from .grad import Differentiable, LossFn, differentiable, global_norm, grad_leaves
@@ -164,8 +164,9 @@ def compile_train_step(
     if not mesh.is_abstract:
         mesh.init_groups()
         mesh.init_groups(*split.placement.axis_groups(), *split.axes())
+    exact = invariant_options(params, split.placement, chosen, "compile_train_step")  # Plan.invariant's flags
     plain = _step_fn(loss_fn, optimizer, split, mesh)
-    return TrainStep(optimizer, mesh, chosen, split, chosen.compile(plain, dynamic=False), plain)
+    return TrainStep(optimizer, mesh, chosen, split, chosen.compile(plain, dynamic=False, inductor_options=exact), plain)
 
 
 def _step_fn(loss_fn: LossFn, optimizer: AdamW, split: Differentiable, mesh: Mesh) -> Callable[..., Any]:

@@ -1,0 +1,144 @@
+"""The invariant mode (``Plan(invariant=True)``): a sequence's rollout log-probabilities equal the training forward's
+bit for bit.
+
+A rollout samples each prompt beside others of other lengths (batches 1, 3 and 8, right-padded to a prefill bucket,
+then decode steps over a 16-slot KV cache); the training forward (:func:`token_logprobs`) runs the whole sequences at
+once on a cache as long as the batch's widest. With the mode on the largest difference over every completion token
+is 0.0, in float32 and bfloat16, on one rank and on two tensor-parallel gloo ranks, eager and compiled with inductor
+(the rollout, and the training forward inside a compiled train step). With it off the same comparisons differ
+(float32 ~5e-7, bfloat16 ~2e-3): the tests fail without the mode. Then the bad inputs.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from functional_npu import Mesh, Plan, compile_model, load_checkpoint
+from functional_npu.runtime.serving import resolve_backend
+from functional_npu.runtime.serving.compile import invariant_options
+from functional_npu.runtime.training.grad import logits, token_logprobs
+from functional_npu.runtime.training.policy import logprob_gap, policy_batch
+
+from ..support.hf_models import save_tiny, save_tiny_moe
+from ..support.invariant_workers import NEW, compiled_step_mismatch, gaps_on_rank, model_for, rollout_gaps
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-invariant")
+    save_tiny("qwen3", path, 31)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def eager(qwen3):
+    """{(dtype, invariant): (model, mesh)} on one rank, the plain Python forward."""
+    return {
+        (d, inv): model_for(None, qwen3, 1, d, inv, "none")
+        for d in ("float32", "bfloat16")
+        for inv in (True, False)
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rollout_logprobs_equal_training_forward_eager(eager, dtype):
+    model, mesh = eager[(dtype, True)]
+    sets = [[[7, 3, 9, 4, 11]], [[5, 6, 7, 8], [9, 10, 11], [1, 2, 3, 4, 5, 6, 7]]]
+    sets.append(sets[1] + [[3], [9, 10], [12] * 6, [2, 4], [8, 8, 1, 30, 5]])  # 8 rows
+    assert rollout_gaps(model, mesh, sets) == [0.0, 0.0, 0.0]
+    off, mesh = eager[(dtype, False)]
+    assert max(rollout_gaps(off, mesh, sets)) > 0.0, "without the mode the two forwards must differ (the control)"
+
+
+@given(
+    prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), min_size=1, max_size=8),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_batch_composition_gives_the_training_forwards_bits(eager, prompts, seed):
+    model, mesh = eager[("float32", True)]
+    assert rollout_gaps(model, mesh, [prompts], seed=seed) == [0.0]
+
+
+def test_teacher_forced_logits_do_not_depend_on_the_batch(eager):
+    """Each sequence alone (its own width) and in a right-padded batch of others: the same logits at its positions."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 9, 6, 12)]
+    batch = torch.zeros(len(rows), 12, dtype=torch.long)
+    for i, r in enumerate(rows):
+        batch[i, : len(r)] = r
+    differs = []
+    for invariant in (True, False):
+        model, mesh = eager[("float32", invariant)]
+        together = logits(model.params, batch, mesh)
+        alone = [logits(model.params, r[None], mesh)[0] for r in rows]
+        same = [torch.equal(a, together[i, : len(r)]) for i, (a, r) in enumerate(zip(alone, rows))]
+        differs.append(not all(same))
+    assert differs == [False, True], "invariant: equal; the default forward: some row differs (the control)"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rollout_logprobs_equal_training_forward_tp2(world2, qwen3, dtype):
+    on = world2.run(gaps_on_rank, qwen3, 2, dtype, True)
+    assert on == [[0.0, 0.0, 0.0]] * 2
+    off = world2.run(gaps_on_rank, qwen3, 2, dtype, False)
+    assert max(max(g) for g in off) > 0.0
+
+
+def test_compiled_rollout_and_compiled_train_step_agree_bitwise(qwen3):
+    """Inductor's rollout against the eager training forward, and the forward inside a compiled train step: the
+    step's loss is the largest log-prob difference, 0.0 exactly with the mode (about 5e-7 without)."""
+    on = compiled_step_mismatch(None, qwen3, 1, "float32", True)
+    assert on == {"gap": 0.0, "step_loss": 0.0}
+
+
+def test_compiled_tp2_bfloat16(world2, qwen3):
+    got = world2.run(compiled_step_mismatch, qwen3, 2, "bfloat16", True)
+    assert got == [{"gap": 0.0, "step_loss": 0.0}] * 2
+
+
+# bad inputs: each refused in one line naming the op
+
+
+def test_families_without_an_invariant_form_are_refused(tmp_path):
+    save_tiny_moe("qwen3_moe", tmp_path, 3)
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = load_checkpoint(str(tmp_path), mesh, Plan(invariant=True))
+    with pytest.raises(ValueError, match=r"compile_model: Plan.invariant: Qwen3MoeForCausalLM has no invariant form "
+                                         r"of the routed experts \(batched expert matmuls, the top-k combine\)"):
+        compile_model(params, mesh, backend="none")
+    with pytest.raises(ValueError, match=r"forward: Plan.invariant: Qwen3MoeForCausalLM has no invariant form"):
+        token_logprobs(params, torch.zeros(1, 4, dtype=torch.long), mesh)
+
+
+def test_backends_dtypes_and_linears_without_it_are_refused(qwen3):
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = load_checkpoint(qwen3, mesh, Plan(invariant=True))
+    cuda = resolve_backend("inductor", device_type="cuda")
+    with pytest.raises(ValueError, match=r"compile_model: Plan.invariant on backend 'inductor' \(cuda\): its generated "
+                                         r"kernels are not checked .* the backends that run it on cuda are \['aot_eager'"):
+        invariant_options(params, params["placement"], cuda, "compile_model")
+    with pytest.raises(ValueError, match=r"linear='streamed' reduces in inductor's order"):
+        compile_model(params, mesh, backend="inductor", linear="streamed")
+    wide = load_checkpoint(qwen3, mesh, Plan(invariant=True), dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"compile_model: the invariant mode computes in float32 .* not torch.float64"):
+        compile_model(wide, mesh, backend="none")
+    with pytest.raises(ValueError, match=r"Plan.invariant must be True or False, got 1"):
+        Plan(invariant=1)
+
+
+def test_a_plan_given_beside_the_params_turns_it_on(qwen3):
+    """``invariant`` decides no layout: params loaded without it compile under a plan with it."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = load_checkpoint(qwen3, mesh)
+    model = compile_model(params, mesh, plan=dataclasses.replace(Plan(), invariant=True), backend="none",
+                          batch_sizes=[4], max_seq_len=16, prefill_lengths=[8])  # fmt: skip
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    s = model.sample(prompts, NEW, seed=1)
+    batch = policy_batch(prompts, s, [0.0, 0.0])
+    assert logprob_gap(token_logprobs(model.params, batch.tokens, mesh), batch) == 0.0
