@@ -20,6 +20,10 @@ COMMANDS = {
     "prefetch": ("bench_prefetch", "layer-sharded decode with prefetch, on the loopback and an emulated link"),
     "prefetch_paper": ("prefetch_paper", "where layer sharding pays, on paper: the cost model on published figures"),
     "reshard": ("bench_reshard", "train-to-inference weight sync: reshard from Megatron TP=2 on 2 gloo ranks"),
+    "weight_sync": (
+        "bench_weight_sync",
+        "weight sync in buckets of bounded memory on 2 and 4 gloo ranks, against one broadcast from rank 0",
+    ),
     "shard": ("bench_shard", "throughput of shard and gather against a same-run memcpy"),
     "load": ("bench_load", "bytes each rank reads from a checkpoint, for tp = 1, 2, 4 (needs transformers)"),
     "eplb": ("bench_eplb", "bytes moved by an EPLB rebalance against moving every expert, and its time"),

@@ -6,6 +6,7 @@ backward rule (:mod:`.collective_grads`) is the collectives' own, not re-exporte
 """
 
 from .agree import agree, agreed
+from .buckets import bucket_cost, group_leaves, leaf_costs
 from .cache_dir import cache_dir
 from .collectives import (
     BROADCAST_INTO,
@@ -48,6 +49,7 @@ from .quant import Quant, dequantize, pack_int32, quant_layouts, quant_shapes, q
 from .replica_sum import ReplicaSum, replica_plan, sum_replicas
 from .reshard import (
     LeafPlan,
+    LeafSteps,
     RankTraffic,
     ReshardPlan,
     ReshardProgram,
@@ -123,11 +125,15 @@ __all__ = [
     "ReshardPlan",
     "RankTraffic",
     "ReshardProgram",
+    "LeafSteps",
     "plan_reshard",
     "reshard",
     "pack",
     "unpack",
     "simulate",
+    "leaf_costs",
+    "bucket_cost",
+    "group_leaves",
     "REQUIRED",
     "Field",
     "Rule",

@@ -11,7 +11,10 @@ the wire each peer's section is padded to 8 bytes, so a rank may receive up to 7
 
 Execution packs each rank's outgoing boxes into one flat byte buffer per peer (every dtype
 moved as raw bytes), exchanges them with a single ``all_to_all_single`` over the mesh axes the
-plan crosses, and unpacks into fresh destination tensors. It traces with
+plan crosses, and unpacks into fresh destination tensors. With ``bucket_bytes`` the leaves are
+grouped into buckets (whole leaves, in leaf order, :mod:`.buckets`), each exchanged with its own
+``all_to_all_single`` and unpacked before the next bucket's buffers are made: a rank's send plus
+receive buffers never take more than ``bucket_bytes``. It traces with
 ``torch.compile(fullgraph=True)``; the source tree is never modified, and everything is
 validated before any byte moves.
 """
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from . import collectives
+from .buckets import check_bucket_bytes, group_leaves, leaf_costs
 from .layout import Layout, Piece, local_pieces, validate
 from .mesh import Mesh
 from .shard import check_leaf, full_shape, leaf_specs, positioned
@@ -37,11 +42,13 @@ __all__ = [
     "ReshardPlan",
     "RankTraffic",
     "ReshardProgram",
+    "LeafSteps",
     "plan_reshard",
     "reshard",
     "pack",
     "unpack",
     "simulate",
+    "run_buckets",
 ]
 
 Box = tuple[tuple[int, int], ...]  # (start, length) per dim of a local tensor
@@ -97,7 +104,9 @@ class ReshardPlan:
         leaves: per leaf, in tree order.
         transfers: every box moved, ordered by (src, dst, descending itemsize, leaf order).
         traffic: per rank, bytes sent / received / copied locally, the lower bound and the all-gather figure.
-        programs: per rank, its part of the exchange (see :class:`ReshardProgram`).
+        programs: per rank, its part of the exchange in one bucket (see :class:`ReshardProgram`).
+        bucket_bytes: the most bytes a rank's send plus receive buffers take for one bucket (``None``: one bucket).
+        buckets: per bucket (whole leaves, in leaf order), per rank, its part of that bucket's exchange.
     """
 
     mesh_shape: tuple[tuple[str, int], ...]
@@ -106,6 +115,13 @@ class ReshardPlan:
     transfers: tuple[Transfer, ...]
     traffic: tuple[RankTraffic, ...]
     programs: tuple["ReshardProgram", ...]
+    bucket_bytes: int | None = None
+    buckets: tuple[tuple["ReshardProgram", ...], ...] = ()
+
+    @property
+    def bucket_paths(self) -> tuple[tuple[str, ...], ...]:
+        """The leaves of each bucket, in order."""
+        return tuple(tuple(s.path for s in programs[0].steps) for programs in self.buckets)
 
     def report(self) -> str:
         """A markdown table of bytes per rank against the lower bound and all-gather-then-slice."""
@@ -229,6 +245,8 @@ def plan_reshard(
     src_specs: Mapping[str, Layout],
     dst_specs: Mapping[str, Layout],
     mesh: Mesh,
+    *,
+    bucket_bytes: int | None = None,
 ) -> ReshardPlan:
     """The exchange that takes every rank from ``src_specs`` to ``dst_specs``. Pure; single-process.
 
@@ -236,9 +254,16 @@ def plan_reshard(
         shapes: ``{path: (full shape, dtype)}`` of every leaf.
         src_specs, dst_specs: ``{path: Layout}`` for the same paths (see ``leaf_specs``).
         mesh: the mesh (its coordinate is ignored: the plan covers every rank).
+        bucket_bytes: the most bytes any rank's send plus receive buffers may take at once: the leaves are grouped
+            into buckets of whole leaves in leaf order, exchanged one after another (``None``: one bucket).
 
     Returns:
-        A :class:`ReshardPlan`; ``plan.traffic`` holds the bytes per rank and the lower bound.
+        A :class:`ReshardPlan`; ``plan.traffic`` holds the bytes per rank and the lower bound,
+        ``plan.bucket_paths`` the leaves of each bucket.
+
+    Raises:
+        ValueError / TypeError: a layout that does not fit, a ``bucket_bytes`` that is not a positive int or is
+        below what one leaf alone takes on some rank (naming the leaf and the least bucket size).
 
     Example:
         >>> plan = plan_reshard(
@@ -250,6 +275,7 @@ def plan_reshard(
         >>> [t.received for t in plan.traffic]
         [32, 32]
     """
+    check_bucket_bytes(bucket_bytes, "reshard")
     leaves, transfers = [], []
     for path, (shape, dtype) in shapes.items():
         shape = tuple(shape)
@@ -271,23 +297,43 @@ def plan_reshard(
     crossed = {i for t in transfers for i, (a, b) in enumerate(zip(coords[t.src], coords[t.dst])) if a != b}
     axes = tuple(a for i, a in enumerate(mesh.axis_names) if i in crossed)
     traffic = _traffic(mesh, leaves, transfers, src_specs)
+    costs = leaf_costs((t.path, t.src, t.dst, t.nbytes) for t in transfers)
+    groups = group_leaves(list(order), {p: costs.get(p, Counter()) for p in order}, bucket_bytes)
+    programs = _programs(mesh, axes, leaves, transfers, src_specs, dst_specs)
+    buckets = (
+        (programs,)
+        if len(groups) == 1
+        else tuple(_bucket(g, mesh, axes, leaves, transfers, src_specs, dst_specs) for g in groups)
+    )
     return ReshardPlan(
-        tuple(mesh.shape.items()),
-        axes,
-        tuple(leaves),
-        tuple(transfers),
-        traffic,
-        _programs(mesh, axes, leaves, transfers, src_specs, dst_specs),
+        tuple(mesh.shape.items()), axes, tuple(leaves), tuple(transfers), traffic, programs, bucket_bytes, buckets
     )
 
 
 # ---- execution ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
+class LeafSteps:
+    """One leaf's part of a rank's exchange: its destination shape and dtype, the boxes it packs (source box, byte
+    offset in the send buffer), copies locally (source box, destination box) and unpacks (destination box, byte
+    offset in the receive buffer, bytes)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    send: tuple[tuple[Box, int], ...]
+    local: tuple[tuple[Box, Box], ...]
+    recv: tuple[tuple[Box, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ReshardProgram:
-    """What one rank does for a :class:`ReshardPlan`, precomputed (so a traced ``reshard`` only walks its own lists).
+    """What one rank does for a :class:`ReshardPlan` (or one bucket of it), precomputed (so a traced ``reshard``
+    only walks its own lists).
 
     ``group``: its exchange group (world ranks, in group order); ``send[j]`` / ``recv[j]``: the boxes
-    for group peer ``j`` in buffer order; ``*_sizes``: padded bytes per peer; ``local``: boxes it copies.
+    for group peer ``j`` in buffer order; ``*_sizes``: padded bytes per peer; ``local``: boxes it copies;
+    ``steps``: the same per leaf, in leaf order, with byte offsets; ``pads``: ``(offset, bytes)`` of the send
+    buffer's alignment padding.
     """
 
     group: tuple[int, ...]
@@ -298,10 +344,61 @@ class ReshardProgram:
     local: tuple[tuple[str, Box, Box], ...]
     dst_shapes: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
     leaves: tuple[tuple[str, tuple[int, ...], torch.dtype, Layout, Layout], ...]
+    steps: tuple[LeafSteps, ...] = ()
+    pads: tuple[tuple[int, int], ...] = ()
 
 
 def _padded(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def _laid_out(per_peer: list[list[Transfer]]) -> tuple[list[tuple[Transfer, int]], list[int], list[tuple[int, int]]]:
+    """Each transfer with its byte offset in the flat buffer, each peer's padded size, and the padding's spans."""
+    placed, sizes, pads, at = [], [], [], 0
+    for ts in per_peer:
+        start = at
+        for t in ts:
+            placed.append((t, at))
+            at += t.nbytes
+        sizes.append(_padded(at - start))
+        if start + sizes[-1] > at:
+            pads.append((at, start + sizes[-1] - at))
+        at = start + sizes[-1]
+    return placed, sizes, pads
+
+
+def _program(
+    mesh: Mesh, r: int, axes: tuple[str, ...], leaves: Sequence[LeafPlan], transfers: Sequence[Transfer], src, dst
+):
+    group = mesh.at(r).group_ranks(axes) if axes else (r,)
+    sends = [[t for t in transfers if t.src == r != t.dst == peer] for peer in group]
+    recvs = [[t for t in transfers if t.dst == r != t.src == peer] for peer in group]
+    locals_ = [t for t in transfers if t.src == r == t.dst]
+    sent, send_sizes, pads = _laid_out(sends)
+    got, recv_sizes, _ = _laid_out(recvs)
+    steps = tuple(
+        LeafSteps(
+            leaf.path,
+            leaf.dst_shapes[r],
+            leaf.dtype,
+            tuple((t.src_box, at) for t, at in sent if t.path == leaf.path),
+            tuple((t.src_box, t.dst_box) for t in locals_ if t.path == leaf.path),
+            tuple((t.dst_box, at, t.nbytes) for t, at in got if t.path == leaf.path),
+        )
+        for leaf in leaves
+    )
+    return ReshardProgram(
+        group=tuple(group),
+        send=tuple(tuple((t.path, t.src_box) for t in ts) for ts in sends),
+        send_sizes=tuple(send_sizes),
+        recv=tuple(tuple((t.path, t.dst_box, t.nbytes) for t in ts) for ts in recvs),
+        recv_sizes=tuple(recv_sizes),
+        local=tuple((t.path, t.src_box, t.dst_box) for t in locals_),
+        dst_shapes=tuple((leaf.path, leaf.dst_shapes[r], leaf.dtype) for leaf in leaves),
+        leaves=tuple((leaf.path, leaf.src_shapes[r], leaf.dtype, src[leaf.path], dst[leaf.path]) for leaf in leaves),
+        steps=steps,
+        pads=tuple(pads),
+    )
 
 
 def _programs(
@@ -312,26 +409,14 @@ def _programs(
     src: Mapping[str, Layout],
     dst: Mapping[str, Layout],
 ) -> tuple[ReshardProgram, ...]:
-    out = []
-    for r in range(mesh.size):
-        group = mesh.at(r).group_ranks(axes) if axes else (r,)
-        sends = [[t for t in transfers if t.src == r != t.dst == peer] for peer in group]
-        recvs = [[t for t in transfers if t.dst == r != t.src == peer] for peer in group]
-        out.append(
-            ReshardProgram(
-                group=tuple(group),
-                send=tuple(tuple((t.path, t.src_box) for t in ts) for ts in sends),
-                send_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in sends),
-                recv=tuple(tuple((t.path, t.dst_box, t.nbytes) for t in ts) for ts in recvs),
-                recv_sizes=tuple(_padded(sum(t.nbytes for t in ts)) for ts in recvs),
-                local=tuple((t.path, t.src_box, t.dst_box) for t in transfers if t.src == r == t.dst),
-                dst_shapes=tuple((leaf.path, leaf.dst_shapes[r], leaf.dtype) for leaf in leaves),
-                leaves=tuple(
-                    (leaf.path, leaf.src_shapes[r], leaf.dtype, src[leaf.path], dst[leaf.path]) for leaf in leaves
-                ),
-            )
-        )
-    return tuple(out)
+    return tuple(_program(mesh, r, axes, leaves, transfers, src, dst) for r in range(mesh.size))
+
+
+def _bucket(paths, mesh, axes, leaves, transfers, src, dst) -> tuple[ReshardProgram, ...]:
+    """Every rank's program for the bucket of ``paths`` (the plan's axes, so every bucket runs over one group)."""
+    inside = set(paths)
+    mine = [leaf for leaf in leaves if leaf.path in inside]
+    return _programs(mesh, axes, mine, [t for t in transfers if t.path in inside], src, dst)
 
 
 def _box(x: torch.Tensor, box: Box) -> torch.Tensor:
@@ -340,60 +425,97 @@ def _box(x: torch.Tensor, box: Box) -> torch.Tensor:
     return x
 
 
+Source = Callable[[str], torch.Tensor]
+
+
+def _pack(source: Source, program: ReshardProgram, device: torch.device) -> torch.Tensor:
+    """The send buffer, filled a leaf at a time (``source(path)`` once per leaf that sends, dropped after)."""
+    buf = torch.empty(sum(program.send_sizes), dtype=torch.uint8, device=device)
+    for at, n in program.pads:
+        buf[at : at + n].zero_()  # alignment padding
+    for step in program.steps:
+        if step.send:
+            x = source(step.path)
+            for box, at in step.send:
+                part = _box(x, box)
+                n = part.numel() * part.element_size()
+                buf[at : at + n].view(part.dtype).view(part.shape).copy_(part)
+            del x, part
+    return buf
+
+
 def pack(local: Mapping[str, torch.Tensor], program: ReshardProgram) -> torch.Tensor:
     """This rank's outgoing bytes as one flat uint8 buffer: a section per group peer (``program.send_sizes``).
 
     Each box is copied once, straight into its place in the buffer (viewed as the leaf's dtype).
     """
-    buf = torch.empty(sum(program.send_sizes), dtype=torch.uint8, device=_device(local))
-    at = 0
-    for boxes, size in zip(program.send, program.send_sizes):
-        start = at
-        for path, box in boxes:
-            x = _box(local[path], box)
-            n = x.numel() * x.element_size()
-            buf[at : at + n].view(x.dtype).view(x.shape).copy_(x)
-            at += n
-        buf[at : start + size].zero_()  # alignment padding
-        at = start + size
-    return buf
+    return _pack(local.__getitem__, program, _device(local))
 
 
 def _device(local: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(local.values())).device if local else torch.device("cpu")
 
 
+def _unpack(
+    source: Source, received: torch.Tensor, program: ReshardProgram, done: Callable[[str, torch.Tensor], None]
+) -> None:
+    """Each destination leaf in turn: made, filled from ``source`` and ``received``, handed to ``done``."""
+    for step in program.steps:
+        out = torch.empty(step.shape, dtype=step.dtype, device=received.device)
+        if step.local:
+            x = source(step.path)
+            for sbox, dbox in step.local:
+                _box(out, dbox).copy_(_box(x, sbox))
+            del x
+        for dbox, at, nbytes in step.recv:
+            chunk = received[at : at + nbytes].view(step.dtype).view(tuple(n for _, n in dbox))
+            _box(out, dbox).copy_(chunk)
+        done(step.path, out)
+        del out
+
+
 def unpack(
     local: Mapping[str, torch.Tensor], received: torch.Tensor, program: ReshardProgram
 ) -> dict[str, torch.Tensor]:
     """The destination leaves of one rank: its local copies from ``local`` plus the boxes in ``received``."""
-    out = {path: torch.empty(shape, dtype=dtype, device=received.device) for path, shape, dtype in program.dst_shapes}
-    for path, sbox, dbox in program.local:
-        _box(out[path], dbox).copy_(_box(local[path], sbox))
-    at = 0
-    for boxes, size in zip(program.recv, program.recv_sizes):
-        start = at
-        for path, dbox, nbytes in boxes:
-            chunk = received[at : at + nbytes].view(out[path].dtype).view(tuple(n for _, n in dbox))
-            _box(out[path], dbox).copy_(chunk)
-            at += nbytes
-        at = start + size
+    out: dict[str, torch.Tensor] = {}
+    _unpack(local.__getitem__, received, program, out.__setitem__)
     return out
 
 
 def simulate(local_trees: Sequence[Mapping[str, torch.Tensor]], plan: ReshardPlan) -> list[dict[str, torch.Tensor]]:
-    """Run ``plan`` for every rank in one process (the exchange done by slicing buffers): ``[dst leaves of rank r]``."""
-    progs = plan.programs
-    packed = [pack(local_trees[r], progs[r]) for r in range(len(progs))]
-    out = []
-    for r, prog in enumerate(progs):
-        parts = []
-        for peer in prog.group:
-            j = progs[peer].group.index(r)
-            offsets = progs[peer].send_sizes
-            parts.append(packed[peer][sum(offsets[:j]) : sum(offsets[: j + 1])])
-        out.append(unpack(local_trees[r], torch.cat(parts), prog))
+    """Run ``plan`` for every rank in one process, bucket by bucket (each exchange done by slicing buffers):
+    ``[dst leaves of rank r]``."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in local_trees]
+    for progs in plan.buckets or (plan.programs,):
+        packed = [pack(local_trees[r], progs[r]) for r in range(len(progs))]
+        for r, prog in enumerate(progs):
+            parts = []
+            for peer in prog.group:
+                j = progs[peer].group.index(r)
+                offsets = progs[peer].send_sizes
+                parts.append(packed[peer][sum(offsets[:j]) : sum(offsets[: j + 1])])
+            out[r] |= unpack(local_trees[r], torch.cat(parts), prog)
     return out
+
+
+def run_buckets(
+    plan: ReshardPlan,
+    mesh: Mesh,
+    source: Source,
+    done: Callable[[str, torch.Tensor], None],
+    device: torch.device,
+) -> None:
+    """This rank's part of ``plan``, bucket by bucket: each bucket's buffers are packed (``source(path)``: this
+    rank's local shard of a leaf, asked once per use and not kept), exchanged with one ``all_to_all_single`` and
+    unpacked (``done(path, tensor)``: each destination leaf, in leaf order) before the next bucket's are made.
+    A bucket in which no rank moves a byte runs no collective. Collective: every rank calls it with the plan."""
+    for progs in plan.buckets or (plan.programs,):
+        program = progs[mesh.rank]
+        moves = any(sum(p.send_sizes) for p in progs)
+        received = _exchange(source, program, plan.axes if moves else (), mesh, device)
+        _unpack(source, received, program, done)
+        del received
 
 
 # ---- the public transform -------------------------------------------------------------------
@@ -404,8 +526,10 @@ def reshard(
     mesh: Mesh,
     *,
     plan: ReshardPlan | None = None,
+    bucket_bytes: int | None = None,
 ) -> PyTree:
-    """This rank's tree in ``dst_specs`` from its tree in ``src_specs``: one planned ``all_to_all_single``.
+    """This rank's tree in ``dst_specs`` from its tree in ``src_specs``: one planned ``all_to_all_single``, or one
+    per bucket.
 
     Collective: every rank of the mesh calls it with the same specs. Each rank receives only the
     bytes it needs and does not already hold, each from one holder (and the padding that starts each
@@ -418,23 +542,32 @@ def reshard(
         src_specs, dst_specs: trees of :class:`Layout` (each may be a prefix of ``tree``).
         mesh: a mesh with this rank's coordinate (from ``make_mesh``).
         plan: a plan from :func:`plan_reshard` for these shapes and specs (else computed here).
+        bucket_bytes: the most bytes this rank's send plus receive buffers take at once: whole leaves are
+            exchanged in buckets, in leaf order, each unpacked before the next is packed (``None``: one exchange).
+            With ``plan``, it must be the plan's own.
 
     Returns:
         A new tree (same structure, never aliasing ``tree``) of local shards laid out by ``dst_specs``.
 
     Raises:
-        TypeError, LayoutError (a ValueError) naming the leaf, dim, sizes and mesh axis, before any byte moves.
+        TypeError, LayoutError (a ValueError) naming the leaf, dim, sizes and mesh axis, before any byte moves;
+        ValueError for a ``bucket_bytes`` that is not positive or is below what one leaf alone takes.
 
     Example:
         >>> inference = reshard(train, megatron_specs(cfg), llama.param_specs(cfg), mesh)   # doctest: +SKIP
     """
     mesh = positioned(mesh, None)
+    check_bucket_bytes(bucket_bytes, "reshard")
     src, dst = leaf_specs(src_specs, tree), leaf_specs(dst_specs, tree)
     local = {path: check_leaf(path, x) for path, x in flatten_with_paths(tree)}
-    plan = _plan_for(local, src, dst, mesh, plan)
-    program = plan.programs[mesh.rank]
-    _check_program(program, mesh.rank, local, src, dst)
-    out = unpack(local, _exchange(local, program, plan.axes, mesh), program)
+    plan = _plan_for(local, src, dst, mesh, plan, bucket_bytes)
+    check_program(plan, mesh.rank, local, src, dst)
+    out: dict[str, torch.Tensor] = {}
+
+    def done(path: str, x: torch.Tensor) -> None:
+        out[path] = x
+
+    run_buckets(plan, mesh, local.__getitem__, done, _device(local))
     return map_with_path(lambda path, _: out[path], tree)
 
 
@@ -444,37 +577,47 @@ def _plan_for(
     dst: Mapping[str, Layout],
     mesh: Mesh,
     plan: ReshardPlan | None,
+    bucket_bytes: int | None = None,
 ) -> ReshardPlan:
     """``plan``, checked to be for this mesh, or a new plan for these local shards (which validates every layout)."""
     if plan is None:
         shapes = {path: (full_shape(path, x, src[path], mesh), x.dtype) for path, x in local.items()}
-        return plan_reshard(shapes, src, dst, mesh)  # validates every destination layout
+        return plan_reshard(shapes, src, dst, mesh, bucket_bytes=bucket_bytes)  # validates every destination layout
     if dict(plan.mesh_shape) != mesh.shape:
         raise ValueError(
             f"reshard: the plan is for mesh {dict(plan.mesh_shape)} "
             f"but the mesh is {mesh.shape}; plan again with this mesh"
         )
+    if bucket_bytes is not None and bucket_bytes != plan.bucket_bytes:
+        raise ValueError(
+            f"reshard: the plan was made with bucket_bytes={plan.bucket_bytes}, but bucket_bytes={bucket_bytes} was "
+            f"given; plan again with bucket_bytes={bucket_bytes}, or leave it out to run the plan's buckets"
+        )
     return plan
 
 
 def _exchange(
-    local: Mapping[str, torch.Tensor], program: ReshardProgram, axes: tuple[str, ...], mesh: Mesh
+    source: Source, program: ReshardProgram, axes: tuple[str, ...], mesh: Mesh, device: torch.device
 ) -> torch.Tensor:
-    """The bytes this rank receives: one ``all_to_all_single`` over ``axes`` (none when the plan crosses no axis)."""
+    """The bytes this rank receives: one ``all_to_all_single`` over ``axes`` (none when ``axes`` is empty)."""
     if not axes:
-        return torch.empty(0, dtype=torch.uint8, device=_device(local))
+        return torch.empty(0, dtype=torch.uint8, device=device)
     if not torch.compiler.is_compiling():
         mesh.init_groups(axes)
-    return collectives.all_to_all_single(pack(local, program), mesh, axes, program.recv_sizes, program.send_sizes)
+    buf = _pack(source, program, device)
+    return collectives.all_to_all_single(buf, mesh, axes, program.recv_sizes, program.send_sizes)
 
 
-def _check_program(
-    program: ReshardProgram,
+def check_program(
+    plan: ReshardPlan,
     rank: int,
     local: Mapping[str, torch.Tensor],
     src: Mapping[str, Layout],
     dst: Mapping[str, Layout],
 ) -> None:
+    """Raise (before any byte moves) unless ``plan`` was made for these leaves, shapes, dtypes and layouts on
+    ``rank`` (``local``: the tensors, or meta tensors of their shapes and dtypes)."""
+    program = plan.programs[rank]
     planned = [p for p, _, _, _, _ in program.leaves]
     if planned != list(local):
         missing, extra = [p for p in local if p not in planned], [p for p in planned if p not in local]

@@ -21,6 +21,7 @@ from functional_npu import (
     sharded,
     unshard,
 )
+from functional_npu.core.buckets import bucket_cost, leaf_costs
 from functional_npu.core.layout import Cyclic, Shard, validate
 from functional_npu.core.reshard import simulate
 
@@ -147,6 +148,44 @@ def test_every_destination_byte_written_once_and_bytes_moved_equal_the_lower_bou
         wire = sum(n for peer, n in zip(program.group, program.recv_sizes) if peer != r)
         assert need.missing <= wire <= need.missing + 7 * (len(program.group) - 1)
     assert sum(t.sent for t in plan.traffic) == sum(t.received for t in plan.traffic)
+
+
+def _wire(program) -> int:
+    """Bytes a rank's buffers take for one program: its padded send plus receive sections (self excluded)."""
+    return sum(program.send_sizes) + sum(program.recv_sizes)
+
+
+@settings(max_examples=60)
+@given(reshard_tree(), st.floats(0.0, 1.0))
+def test_buckets_are_whole_leaves_in_order_within_the_bound_and_execute_to_the_same_bits(case, share):
+    mesh, tree, src, dst, shapes = _setup(*case)
+    whole = plan_reshard(shapes, src, dst, mesh)
+    costs = leaf_costs((t.path, t.src, t.dst, t.nbytes) for t in whole.transfers)
+    least = max([max(bucket_cost(c).values(), default=0) for c in costs.values()] + [1])
+    most = max(_wire(p) for p in whole.programs)
+    bucket = max(least, int(most * share))
+    plan = plan_reshard(shapes, src, dst, mesh, bucket_bytes=bucket)
+    assert [p for b in plan.bucket_paths for p in b] == list(tree) and all(plan.bucket_paths)
+    for programs in plan.buckets:
+        assert all(_wire(p) <= bucket for p in programs)
+    # every byte moves once: per rank, the buckets' wire bytes are the lower bound plus the padding
+    for r in range(mesh.size):
+        got = sum(sum(n for peer, n in zip(b[r].group, b[r].recv_sizes) if peer != r) for b in plan.buckets)
+        peers = len(plan.programs[r].group) - 1
+        assert whole.traffic[r].lower_bound <= got <= whole.traffic[r].lower_bound + 7 * peers * len(plan.buckets)
+    locals_a = [shard(tree, src, mesh, coordinate=r) for r in range(mesh.size)]
+    for a, b in zip(simulate(locals_a, whole), simulate(locals_a, plan)):
+        assert list(a) == list(b) and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+
+
+def test_one_bucket_per_leaf_when_the_bound_is_one_leaf():
+    # 4 float rows sharded over tp -> replicated: each rank sends 16 and receives 16 bytes per leaf
+    mesh = Mesh.abstract({"tp": 2})
+    shapes = {f"w{i}": ((8, 1), torch.float32) for i in range(3)}
+    specs = dict.fromkeys(shapes, sharded(0, "tp")), dict.fromkeys(shapes, replicated())
+    assert plan_reshard(shapes, *specs, mesh, bucket_bytes=32).bucket_paths == (("w0",), ("w1",), ("w2",))
+    assert plan_reshard(shapes, *specs, mesh, bucket_bytes=64).bucket_paths == (("w0", "w1"), ("w2",))
+    assert plan_reshard(shapes, *specs, mesh).bucket_paths == (("w0", "w1", "w2"),)
 
 
 def test_load_is_spread_over_replicas():
@@ -322,6 +361,30 @@ def test_error_plan_for_another_tree_or_mesh():
         reshard({"v": torch.zeros(4), "w": torch.zeros(4)}, replicated(), sharded(0, "tp"), MESH, plan=both)
     with pytest.raises(ValueError, match=r"the plan is for mesh \{'tp': 2\} but the mesh is \{'dp': 1, 'tp': 2\}"):
         reshard({"w": torch.zeros(4)}, replicated(), sharded(0, "tp"), Mesh.abstract({"dp": 1, "tp": 2}, 0), plan=plan)
+
+
+@pytest.mark.parametrize("bad", [0, -4096])
+def test_error_bucket_bytes_not_positive(bad):
+    with pytest.raises(ValueError, match=rf"reshard: bucket_bytes must be positive .*, got {bad}; pass None for one"):
+        reshard({"w": torch.zeros(4)}, sharded(0, "tp"), replicated(), MESH, bucket_bytes=bad)
+    with pytest.raises(TypeError, match=r"reshard: bucket_bytes must be an int .* or None, got float"):
+        plan_reshard({"w": ((4,), torch.float32)}, {"w": replicated()}, {"w": replicated()}, MESH, bucket_bytes=1.5)
+
+
+def test_error_bucket_below_the_largest_leaf_names_it_and_the_least_bucket():
+    shapes = {"small": ((4,), torch.float32), "big": ((64, 4), torch.float32)}
+    src, dst = dict.fromkeys(shapes, sharded(0, "tp")), dict.fromkeys(shapes, replicated())
+    # big: each rank sends its 32 rows (512 bytes) and receives the other 32: 1024 bytes of buffers
+    with pytest.raises(
+        ValueError,
+        match=r"reshard: bucket_bytes=1000 is below what leaf 'big' alone takes on rank 0: 1024 bytes \(sent plus "
+        r"received, each peer's section padded to 8 bytes\); a bucket holds whole leaves, so use a bucket of at "
+        r"least 1024 bytes",
+    ):
+        plan_reshard(shapes, src, dst, Mesh.abstract({"tp": 2}), bucket_bytes=1000)
+    plan = plan_reshard(shapes, src, dst, Mesh.abstract({"tp": 2}), bucket_bytes=1024)
+    with pytest.raises(ValueError, match=r"the plan was made with bucket_bytes=1024, but bucket_bytes=2048 was given"):
+        reshard({"small": torch.zeros(2), "big": torch.zeros(32, 4)}, src, dst, MESH, plan=plan, bucket_bytes=2048)
 
 
 def test_error_abstract_mesh_without_coordinate():

@@ -3,14 +3,17 @@ load_checkpoint reads for the destination plan (same tree structure: a layer-sha
 per layer), the input is left as it was, and each rank receives exactly the bytes it needs and does not hold,
 counted from element ids by ``shard`` alone (tests/support/replan_workers.need_bytes)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from functional_npu import Mesh, Plan, load_checkpoint
-from functional_npu.runtime.training.weight_sync import reshard_params
+from functional_npu.placement import place
+from functional_npu.runtime.training.weight_sync import plan_params_reshard, reshard_params
 
 from ..support.hf_models import save_tiny
-from ..support.replan_workers import replan
+from ..support.replan_workers import bucketed_sync, replan
 
 LAYER_SHARDED = {"layer_shard": "layer", "prefetch_step": 1}
 PAIRS = [
@@ -37,11 +40,57 @@ def test_reshard_params_equals_the_loader_and_moves_the_lower_bound(world2, mode
         assert r["need"] > 0
 
 
+@pytest.mark.parametrize("src,dst", PAIRS[:2], ids=["zero3-to-tp", "tp-to-zero3"])
+def test_bucketed_sync_holds_one_bucket_and_a_leaf_and_equals_the_whole_exchange(world2, model_dir, src, dst):
+    """Measured, not taken from the plan: the peak bytes a rank holds beside the result while the sync runs
+    (benchmarks.memory.LiveBytes) stay within one bucket plus the largest leaf, where the one exchange of everything
+    passes that bound (so the measure can fail); the bytes counted at the all_to_all_single calls (one per bucket that
+    moves anything) are the lower bound plus at most the 8-byte padding per peer per bucket; the params are bitwise
+    the unbucketed sync's and the loader's under the destination plan."""
+    for rank, r in enumerate(world2.run(bucketed_sync, model_dir, {"dp": 2, "tp": 1}, src, dst, 0.25)):
+        bound = r["bucket"] + r["largest"]
+        assert r["same_as_whole"] and r["same_as_loader"], rank
+        assert r["runs"]["buckets"]["peak"] <= bound < r["runs"]["whole"]["peak"], (rank, bound, r["runs"])
+        assert r["received"] == r["lower_bound"] > 0, (rank, r)
+        assert r["runs"]["buckets"]["calls"] == r["moving_buckets"] >= 3 and r["runs"]["whole"]["calls"] == 1
+        for name, buckets in (("whole", 1), ("buckets", r["moving_buckets"])):
+            counted = r["runs"][name]["received"]
+            assert r["lower_bound"] <= counted <= r["lower_bound"] + 7 * r["peers"] * buckets, (rank, name, counted)
+
+
 def test_reshard_params_refuses_params_of_another_mesh_and_a_non_plan(model_dir):
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
     params = load_checkpoint(model_dir, Mesh.abstract({"dp": 1, "tp": 2}, 0))
     with pytest.raises(ValueError, match=r"reshard_params: the params were placed for mesh \{'dp': 1, 'tp': 2\}"):
         reshard_params(params, Plan(tp="dp"), mesh)
-    with pytest.raises(TypeError, match=r"reshard_params: plan must be a functional_npu.Plan, got dict"):
+    with pytest.raises(TypeError, match=r"reshard_params: plan must be a functional_npu.Plan or a Placement, got dict"):
         reshard_params(params, {"tp": "dp"}, mesh)
     assert isinstance(params["embed"], torch.Tensor)
+
+
+def test_reshard_params_refuses_bad_buckets_and_a_target_of_another_model(model_dir):
+    mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
+    params = load_checkpoint(model_dir, mesh, Plan(**LAYER_SHARDED))
+    with pytest.raises(ValueError, match=r"reshard_params: bucket_bytes must be positive .*, got 0; pass None"):
+        reshard_params(params, Plan(tp="dp"), mesh, bucket_bytes=0)
+    with pytest.raises(
+        ValueError,
+        match=r"reshard_params: bucket_bytes=1000 is below what leaf 'layers\.\*\.qkv' \(every layer's, stacked\) "
+        r"alone takes on rank 0: 131072 bytes .*; a bucket holds whole leaves, so use a bucket of at least 131072 "
+        r"bytes",
+    ):
+        reshard_params(params, Plan(tp="dp"), mesh, bucket_bytes=1000)
+    cfg = params["config"]
+    other = place(dataclasses.replace(cfg, num_layers=2, rope_theta=cfg.rope_theta * 2), mesh, Plan(tp="dp"))
+    with pytest.raises(
+        ValueError,
+        match=r"reshard_params: the target placement is for another model than the params: num_layers=2 \(the "
+        r"params: 4\); rope_theta=20000.0 \(the params: 10000.0\); place the inference plan on the params' config",
+    ):
+        reshard_params(params, other, mesh)
+    with pytest.raises(
+        ValueError, match=r"reshard_params: the plan was made for LlamaForCausalLM, but this model is a"
+    ):
+        reshard_params(params, Plan(tp="dp", model="LlamaForCausalLM"), mesh)
+    own = place(cfg, mesh, Plan(tp="dp"))  # a placement of the params' own config is the plan itself
+    assert plan_params_reshard(params, own, mesh).traffic == plan_params_reshard(params, Plan(tp="dp"), mesh).traffic

@@ -1,6 +1,8 @@
 """Rank jobs for resharding params between plans: the result against the loader's, and the bytes moved against
 what this rank needs and does not hold, counted from element ids (no resharding code involved)."""
 
+from collections import Counter
+
 import torch
 
 
@@ -71,3 +73,62 @@ def series_for(cfg, plan):
     from functional_npu.models import series_leaves
 
     return series_leaves(cfg, plan.layer_shard, plan)
+
+
+def bucketed_sync(ctx, model_dir: str, axes: dict, src_fields: dict, dst_fields: dict, share: float):
+    """Load ``model_dir`` under the source plan and sync it to the destination plan twice, unbucketed and in buckets
+    of ``share`` of what this exchange's busiest rank moves (at least its largest leaf's); each run inside
+    :class:`benchmarks.memory.LiveBytes` and :class:`benchmarks.counting.ReceivedBytes`. Returns, for this rank:
+    the bucket size, the largest leaf (stacked form, source or destination), whether the bucketed result is bitwise
+    the unbucketed one and the loader's under the destination plan, and per run the peak bytes held beside the
+    result, the bytes received counted at the all_to_all_single calls, and how many there were; the plan's bytes
+    received, its lower bound and its buckets."""
+    import math
+
+    from benchmarks.counting import ReceivedBytes
+    from benchmarks.memory import LiveBytes
+    from functional_npu import Plan, flatten_with_paths, load_checkpoint
+    from functional_npu.core.buckets import bucket_cost, leaf_costs
+    from functional_npu.runtime.training.weight_sync import plan_params_reshard, reshard_params
+
+    mesh = ctx.mesh(axes)
+    src, dst = Plan(**src_fields), Plan(**dst_fields)
+    params = load_checkpoint(model_dir, mesh, src)
+    whole = plan_params_reshard(params, dst, mesh)
+    costs = leaf_costs((t.path, t.src, t.dst, t.nbytes) for t in whole.transfers)
+    least = max(max(bucket_cost(c).values(), default=0) for c in costs.values())
+    busiest = max(bucket_cost(sum(costs.values(), Counter())).values())
+    bucket = max(least, int(busiest * share))
+    item = {leaf.path: torch.empty((), dtype=leaf.dtype).element_size() for leaf in whole.leaves}
+    largest = max(
+        math.prod(shape) * item[leaf.path]
+        for leaf in whole.leaves
+        for shape in (leaf.src_shapes[mesh.rank], leaf.dst_shapes[mesh.rank])
+    )
+    runs, results = {}, {}
+    for name, size in (("whole", None), ("buckets", bucket)):
+        with ReceivedBytes() as counted, LiveBytes() as mem:
+            got = reshard_params(params, dst, mesh, bucket_bytes=size)
+        tensors = [x for _, x in flatten_with_paths(got) if isinstance(x, torch.Tensor)]
+        op = "_c10d_functional.all_to_all_single"
+        runs[name] = {"peak": mem.peak_beside(tensors), "received": counted.by_op[op], "calls": counted.calls[op]}
+        results[name] = dict(flatten_with_paths(got))
+    plan = plan_params_reshard(params, dst, mesh, bucket_bytes=bucket)
+    want = dict(flatten_with_paths(load_checkpoint(model_dir, mesh, dst)))
+    bits = lambda x: x.contiguous().view(torch.uint8)  # noqa: E731
+    same = lambda a, b: a.dtype == b.dtype and torch.equal(bits(a), bits(b))  # noqa: E731
+    tensors = {p for p, w in want.items() if isinstance(w, torch.Tensor)}
+    traffic = plan.traffic[mesh.rank]
+    return {
+        "bucket": bucket,
+        "largest": largest,
+        "same_as_whole": all(same(results["buckets"][p], results["whole"][p]) for p in tensors),
+        "same_as_loader": set(results["buckets"]) == set(want)
+        and all(same(results["buckets"][p], want[p]) for p in tensors),
+        "runs": runs,
+        "received": traffic.received,
+        "lower_bound": traffic.lower_bound,
+        "buckets": len(plan.buckets),
+        "moving_buckets": sum(any(sum(p.send_sizes) for p in progs) for progs in plan.buckets),
+        "peers": len(plan.programs[mesh.rank].group) - 1,
+    }

@@ -13,16 +13,19 @@ over the training plan's data-parallel axis names it (``Plan(tp="dp")``).
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ...core.agree import agree
+from ...core.buckets import check_bucket_bytes
 from ...core.layout import Layout
 from ...core.mesh import Mesh
-from ...core.reshard import ReshardPlan, plan_reshard, reshard
+from ...core.reshard import ReshardPlan, check_program, plan_reshard, run_buckets
 from ...core.shard import full_shape
 from ...core.tree import flatten_with_paths, map_with_path
 from ...parallel.plan import Plan
@@ -58,9 +61,11 @@ def _stacked_layouts(layouts: dict[str, Layout], every: set[str]) -> dict[str, L
     return out
 
 
-def _stacked(params: dict, every: set[str]) -> dict[str, torch.Tensor]:
-    """This rank's tensors by path in the stacked form."""
-    out: dict[str, torch.Tensor] = {}
+def _stacked(params: dict, every: set[str]) -> tuple[dict[str, torch.Tensor], Callable[[str], torch.Tensor]]:
+    """This rank's leaves in the stacked form: meta tensors of their shapes and dtypes (nothing copied), and the
+    source that gives one leaf's tensor (a per-layer leaf stacked when asked, not kept)."""
+    shapes: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     per_layer: dict[str, list[torch.Tensor]] = {}
     for path, x in flatten_with_paths(params):
         if not isinstance(x, torch.Tensor):
@@ -68,63 +73,134 @@ def _stacked(params: dict, every: set[str]) -> dict[str, torch.Tensor]:
         head, _, rest = path.partition(".")
         leaf = rest.partition(".")[2]
         if head == "series":
-            out[f"stack.{rest}"] = x
+            tensors[f"stack.{rest}"] = x
         elif head == "layers" and leaf in every:
             per_layer.setdefault(leaf, []).append(x)
         else:
+            tensors[path] = x
+    for path, x in tensors.items():
+        shapes[path] = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    for leaf, xs in per_layer.items():
+        shapes[f"stack.{leaf}"] = torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, device="meta")
+
+    def source(path: str) -> torch.Tensor:
+        return tensors[path] if path in tensors else torch.stack(per_layer[path.removeprefix("stack.")])
+
+    return shapes, source
+
+
+def _keep(out: dict[str, torch.Tensor], per_layer: set[str]) -> Callable[[str, torch.Tensor], None]:
+    """Where each destination leaf goes as it is made: a stacked leaf the destination keeps per layer is cut into
+    one tensor per layer (``layers.{i}.leaf``) at once, so only one stacked leaf is held beyond the result."""
+
+    def done(path: str, x: torch.Tensor) -> None:
+        leaf = path.removeprefix("stack.")
+        if path.startswith("stack.") and leaf in per_layer:
+            for i in range(x.shape[0]):
+                out[f"layers.{i}.{leaf}"] = x[i].clone()
+        else:
             out[path] = x
-    return out | {f"stack.{leaf}": torch.stack(xs) for leaf, xs in per_layer.items()}
+
+    return done
 
 
-def _unstacked(stacked: dict[str, torch.Tensor], full: dict, every: set[str]) -> dict[str, Any]:
-    """The tensors of ``full``'s structure (the destination plan's meta tree) from the stacked form."""
+def _unstacked(moved: dict[str, torch.Tensor], full: dict, every: set[str]) -> dict[str, Any]:
+    """The tensors of ``full``'s structure (the destination plan's meta tree) from the moved leaves."""
 
     def pick(path: str, _: Any) -> torch.Tensor:
         head, _, rest = path.partition(".")
-        i, _, leaf = rest.partition(".")
-        if head == "series":
-            return stacked[f"stack.{rest}"]
-        if head == "layers" and leaf in every:
-            return stacked[f"stack.{leaf}"][int(i)].clone()
-        return stacked[path]
+        return moved[f"stack.{rest}"] if head == "series" else moved[path]
 
     return map_with_path(pick, full)
 
 
-def plan_params_reshard(params: dict, plan: Plan, mesh: Mesh) -> ReshardPlan:
-    """The exchange :func:`reshard_params` runs (pure: ``plan.traffic`` holds every rank's bytes and lower bound;
-    pass it back as ``exchange`` to run it without planning again)."""
-    return _prepared(params, plan, mesh, None)[0]
+def plan_params_reshard(
+    params: dict, plan: Plan | Placement, mesh: Mesh, *, bucket_bytes: int | None = None
+) -> ReshardPlan:
+    """The exchange :func:`reshard_params` runs (pure: ``plan.traffic`` holds every rank's bytes and lower bound,
+    ``plan.bucket_paths`` its buckets; pass it back as ``exchange`` to run it without planning again)."""
+    return _prepared(params, plan, mesh, None, bucket_bytes)[0]
+
+
+def _target(source: Placement, mesh: Mesh, plan: Plan | Placement, where: str) -> Placement:
+    """The placement to move to: ``plan`` placed on the params' config, or a given placement of that config."""
+    if isinstance(plan, Placement):
+        _same_config(source.config, plan.config, where)
+        plan.fits(mesh, where)
+        return plan
+    return place(source.config, mesh, plan, where=where)
+
+
+def _same_config(mine: Any, theirs: Any, where: str) -> None:
+    """Refuse a target placed on another model config, naming every field that differs."""
+    if type(theirs) is not type(mine):
+        diff = [f"a {type(theirs).__name__} (the params: a {type(mine).__name__})"]
+    else:
+        diff = [
+            f"{f.name}={getattr(theirs, f.name)!r} (the params: {getattr(mine, f.name)!r})"
+            for f in dataclasses.fields(mine)
+            if getattr(theirs, f.name) != getattr(mine, f.name)
+        ]
+    if diff:
+        raise ValueError(
+            f"{where}: the target placement is for another model than the params: {'; '.join(diff[:6])}"
+            f"{' ...' if len(diff) > 6 else ''}; place the inference plan on the params' config "
+            f"(place(params['config'], mesh, plan)) or pass the Plan itself"
+        )
+
+
+def _renamed(e: ValueError, where: str) -> ValueError:
+    """The core's message for the stacked form, in this function's terms (``stack.o_proj``: every layer's)."""
+    text = str(e).replace("reshard:", f"{where}:", 1)
+    text = re.sub(r"leaf 'stack\.([^']+)'", r"leaf 'layers.*.\1' (every layer's, stacked)", text)
+    return ValueError(text)
 
 
 def _prepared(
-    params: dict, plan: Plan, mesh: Mesh, exchange: ReshardPlan | None
-) -> tuple[ReshardPlan, dict, dict, dict, dict, set[str], Placement]:
+    params: dict, plan: Plan | Placement, mesh: Mesh, exchange: ReshardPlan | None, bucket_bytes: int | None
+) -> tuple[ReshardPlan, Callable[[str], torch.Tensor], dict, set[str], Placement, set[str]]:
     where = "reshard_params"
     try:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"{where}: plan must be a functional_npu.Plan, got {type(plan).__name__}")
+        if not isinstance(plan, (Plan, Placement)):
+            raise TypeError(f"{where}: plan must be a functional_npu.Plan or a Placement, got {type(plan).__name__}")
+        check_bucket_bytes(bucket_bytes, where)
         source = placement_of(params, mesh, where=where)
         if source.quant is not None:
             raise ValueError(f"{where}: params are quantized ({source.quant}); reshard floating-point params")
-        target = place(source.config, mesh, plan, where=where)
+        target = _target(source, mesh, plan, where)
+        if exchange is not None and bucket_bytes is not None and exchange.bucket_bytes != bucket_bytes:
+            raise ValueError(
+                f"{where}: the exchange was planned with bucket_bytes={exchange.bucket_bytes}, but "
+                f"bucket_bytes={bucket_bytes} was given; plan again with it, or leave it out"
+            )
+        cfg, src_layouts, dst_layouts = source.config, source.layouts, target.layouts
+        every = _every_layer(src_layouts, cfg.num_layers) & _every_layer(dst_layouts, cfg.num_layers)
+        shapes, take = _stacked(params, every)
+        src, dst = _stacked_layouts(src_layouts, every), _stacked_layouts(dst_layouts, every)
+        if exchange is None:
+            full = {p: (full_shape(p, x, src[p], mesh), x.dtype) for p, x in shapes.items()}
+            try:
+                exchange = plan_reshard(full, src, dst, mesh, bucket_bytes=bucket_bytes)
+            except ValueError as e:
+                raise _renamed(e, where) from None
+        check_program(exchange, mesh.rank, shapes, src, dst)
     except (TypeError, ValueError) as e:
         agree(mesh, e)
         raise  # agree raised already
     # every rank moves its params to the same plan, or none moves a byte (a difference aborts inside gloo)
     agree(mesh, None, same={"the target plan": {"plan": repr(target.plan)}, "the source": {"plan": repr(source.plan)}})
-    cfg, src_layouts = source.config, source.layouts
-    dst_full, dst_layouts = target.meta, target.layouts
-    every = _every_layer(src_layouts, cfg.num_layers) & _every_layer(dst_layouts, cfg.num_layers)
-    local = _stacked(params, every)
-    src, dst = _stacked_layouts(src_layouts, every), _stacked_layouts(dst_layouts, every)
-    if exchange is None:
-        shapes = {p: (full_shape(p, x, src[p], mesh), x.dtype) for p, x in local.items()}
-        exchange = plan_reshard(shapes, src, dst, mesh)
-    return exchange, local, src, dst, dst_full, every, target
+    per_layer = {p.split(".", 2)[2] for p in dst_layouts if p.startswith("layers.")} & every
+    return exchange, take, target.meta, every, target, per_layer
 
 
-def reshard_params(params: dict, plan: Plan, mesh: Mesh, *, exchange: ReshardPlan | None = None) -> dict:
+def reshard_params(
+    params: dict,
+    plan: Plan | Placement,
+    mesh: Mesh,
+    *,
+    exchange: ReshardPlan | None = None,
+    bucket_bytes: int | None = None,
+) -> dict:
     """This rank's params under ``plan`` from its params under their own plan, on the same ``mesh``.
 
     Collective: every rank of ``mesh`` calls it with the same plan. Pure: a new tree, never aliasing ``params``.
@@ -133,17 +209,24 @@ def reshard_params(params: dict, plan: Plan, mesh: Mesh, *, exchange: ReshardPla
         params: this rank's params with ``params["config"]`` and their placement ``params["placement"]`` (from
             ``load_checkpoint``, or a train step's output).
         plan: the plan to move them to, over axes of ``mesh`` (an inference plan over the training plan's
-            data-parallel axis: ``Plan(tp="dp")``).
+            data-parallel axis: ``Plan(tp="dp")``), or that plan already placed on the params' config.
         mesh: the mesh both plans run on.
         exchange: the exchange :func:`plan_params_reshard` planned for these params (else planned here).
+        bucket_bytes: the most bytes a rank's send plus receive buffers take at once: whole leaves (a leaf every
+            layer has counts once, stacked over the layers) move in buckets, each unpacked before the next is
+            packed, so the extra memory of the sync is at most one bucket plus the largest such leaf (``None``: one
+            exchange of everything).
 
     Raises:
         TypeError / ValueError naming the leaf, before any byte moves: params of another plan or mesh than they
-        say, quantized params, a plan that does not fit the model or the mesh.
+        say, quantized params, a plan that does not fit the model or the mesh, a placement of another model config
+        (naming the fields that differ), a ``bucket_bytes`` that is not positive or is below what one leaf takes.
 
     Example:
-        >>> serving = reshard_params(trained, Plan(tp="dp"), mesh)        # doctest: +SKIP
+        >>> serving = reshard_params(trained, Plan(tp="dp"), mesh, bucket_bytes=64 << 20)       # doctest: +SKIP
     """
-    rp, local, src, dst, dst_full, every, target = _prepared(params, plan, mesh, exchange)
-    moved = reshard(local, src, dst, mesh, plan=rp)
+    rp, take, dst_full, every, target, per_layer = _prepared(params, plan, mesh, exchange, bucket_bytes)
+    moved: dict[str, torch.Tensor] = {}
+    device = next((x.device for _, x in flatten_with_paths(params) if isinstance(x, torch.Tensor)), None)
+    run_buckets(rp, mesh, take, _keep(moved, per_layer), device or torch.device("cpu"))
     return _unstacked(moved, dst_full, every) | {"config": params["config"], "placement": target}
