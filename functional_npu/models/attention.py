@@ -212,7 +212,7 @@ def gqa(
     keys, values = store(kv, k, v, step)
     if invariant:
         out = inv.attend(q, keys, values, step.mask, scale, nh // nkv)
-        return inv.tp_sum(inv.linear(rearrange(out, "b h s d -> b s (h d)"), layer["o_proj"]), mesh, tp)
+        return inv.row_parallel(rearrange(out, "b h s d -> b s (h d)"), layer["o_proj"], mesh, tp)
     attn = rearrange(attend(q, keys, values, step.mask, kind, scale, nh // nkv), "b h s d -> b s (h d)")
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=axes)
 

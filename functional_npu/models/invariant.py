@@ -49,6 +49,10 @@ __all__ = [
     "sin_cos",
     "rms_norm",
     "linear",
+    "row_parallel",
+    "pair_sum",
+    "split_of",
+    "SPLIT",
     "attend",
     "log_softmax",
     "tp_sum",
@@ -63,6 +67,7 @@ INDUCTOR_OPTIONS = {
     "emulate_precision_casts": True,
 }
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SPLIT = 8  # a linear's input dim is summed in up to this many chunks: tensor parallelism up to 8 keeps the bits
 _ROWS_BUDGET = 1 << 24  # elements of one linear's product [rows, out, in] held at once (64 MiB of float32)
 
 
@@ -210,15 +215,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return weight * normed.to(x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [..., in] @ w.T`` as float32 products summed over ``in`` by :func:`tree_sum`, in chunks of rows whose
-    product ``[rows, out, in]`` holds at most 2 ** 24 elements; returned in ``x``'s dtype."""
-    flat = x.reshape(-1, x.shape[-1]).float()
+def pair_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The sum over ``dim`` (a power of two long) by adjacent pairs, level by level: the last add is the first half's
+    sum plus the second half's, so the sum over ``n`` ranks' contiguous slices, each summed so, is the same tree."""
+    dim = dim % x.ndim
+    n = x.shape[dim]
+    if n & (n - 1):
+        raise ValueError(f"pair_sum: the summed dim must be a power of two long, got {n}")
+    while x.shape[dim] > 1:
+        x = x.unflatten(dim, (x.shape[dim] // 2, 2))
+        x = x.select(dim + 1, 0) + x.select(dim + 1, 1)
+    return x.squeeze(dim)
+
+
+def split_of(k: int) -> int:
+    """The chunks a linear's input dim of ``k`` is summed in (:func:`linear`): the largest power of two up to
+    :data:`SPLIT` that divides ``k``."""
+    return math.gcd(k, SPLIT)
+
+
+def linear(
+    x: torch.Tensor, w: torch.Tensor, chunks: int | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x [..., in] @ w.T`` as float32 products summed over ``in`` in ``chunks`` contiguous chunks (default
+    :func:`split_of` ``in``): each chunk by :func:`tree_sum`, then the chunks by :func:`pair_sum`. A row-parallel
+    rank holding ``1 / tp`` of the input dim sums its ``chunks / tp`` chunks the same way and :func:`tp_sum` adds
+    the ranks' sums as the top of the same tree, so tp 1, 2, 4 and 8 give the same bits (:func:`row_parallel`). Rows
+    go in groups whose product ``[rows, out, in]`` holds at most 2 ** 24 elements; returned in ``dtype`` (default
+    ``x``'s)."""
+    k = x.shape[-1]
+    chunks = split_of(k) if chunks is None else chunks
+    flat = x.reshape(-1, k).float()
     wide = w.float()
     step = max(1, _ROWS_BUDGET // max(1, w.numel()))
-    parts = [tree_sum(flat[i : i + step, None, :] * wide) for i in range(0, flat.shape[0], step)]
+
+    def rows(part: torch.Tensor) -> torch.Tensor:
+        products = (part[:, None, :] * wide).unflatten(-1, (chunks, k // chunks))  # [rows, out, chunks, in / chunks]
+        return pair_sum(tree_sum(products))
+
+    parts = [rows(flat[i : i + step]) for i in range(0, flat.shape[0], step)]
     y = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return y.to(dtype or x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def row_parallel(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, tp: str) -> torch.Tensor:
+    """A row-parallel linear (this rank's ``1 / tp`` of the input dim) summed over ``tp``: this rank's chunks of the
+    whole input dim's (:func:`linear`), then :func:`tp_sum`; the bits of the unsharded linear. ``tp`` must divide
+    the whole input dim's chunks (:func:`split_of`). The ranks' sums travel in float32 and are rounded to ``x``'s
+    dtype after their sum, as the unsharded linear rounds once."""
+    n = mesh.axis_size(tp)
+    whole = x.shape[-1] * n
+    chunks = split_of(whole)
+    if chunks % n:
+        raise ValueError(
+            f"invariant linear: an input dim of {whole} is summed in {chunks} chunks, which {n} tensor-parallel ranks "
+            f"({tp!r}) cannot split; use tp in {[t for t in (1, 2, 4, 8) if chunks % t == 0]} for this model"
+        )
+    return tp_sum(linear(x, w, chunks // n, torch.float32), mesh, tp).to(x.dtype)  # rounded once, as at tp 1
 
 
 def attend(
@@ -256,8 +309,8 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 def tp_sum(y: torch.Tensor, mesh: Mesh, tp: str) -> torch.Tensor:
     """The sum of every ``tp`` rank's ``y`` in rank order, the same on every rank: gathered, then one
-    :func:`tree_sum` over the ranks (an all-reduce's ring adds in an order of its own)."""
+    :func:`pair_sum` over the ranks (an all-reduce's ring adds in an order of its own)."""
     n = mesh.axis_size(tp)
     if n == 1:
         return y
-    return tree_sum(all_gather(y, mesh, tp).reshape(n, *y.shape), dim=0)
+    return pair_sum(all_gather(y, mesh, tp).reshape(n, *y.shape), dim=0)

@@ -37,7 +37,7 @@ def gated_mlp(
     ``activation`` is then not read)."""
     if invariant:
         gate, up = inv.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        return inv.tp_sum(inv.linear(inv.silu(gate) * up, layer["down"]), mesh, tp)
+        return inv.row_parallel(inv.silu(gate) * up, layer["down"], mesh, tp)
     if mesh.axis_size(axes) == 1:
         gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
         return row_parallel(activation(gate) * up, layer["down"], mesh, tp)

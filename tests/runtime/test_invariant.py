@@ -23,7 +23,14 @@ from functional_npu.runtime.training.grad import logits, token_logprobs
 from functional_npu.runtime.training.policy import logprob_gap, policy_batch
 
 from ..support.hf_models import save_tiny, save_tiny_moe
-from ..support.invariant_workers import NEW, compiled_step_mismatch, gaps_on_rank, model_for, rollout_gaps
+from ..support.invariant_workers import (
+    NEW,
+    compiled_step_mismatch,
+    gaps_on_rank,
+    model_for,
+    rollout_gaps,
+    training_logprobs,
+)
 
 VOCAB = 128
 
@@ -90,16 +97,37 @@ def test_rollout_logprobs_equal_training_forward_tp2(world2, qwen3, dtype):
     assert max(max(g) for g in off) > 0.0
 
 
-def test_compiled_rollout_and_compiled_train_step_agree_bitwise(qwen3):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_plan_gives_the_same_bits(world2, qwen3, eager, dtype):
+    """tp 2 sums each row-parallel linear's chunks on its rank and the two ranks' sums last, the unsharded tree's
+    order; a layer-sharded data-parallel plan computes each layer as tp 1 does: every plan, the same log-probs."""
+    model, mesh = eager[(dtype, True)]
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 1, 2], [9, 10, 11, 3, 0, 0, 0]])
+    want = token_logprobs(model.params, tokens, mesh)
+    tp2 = world2.run(training_logprobs, qwen3, {"tp": 2}, {}, dtype, tokens)
+    sharded = world2.run(training_logprobs, qwen3, {"dp": 2, "tp": 1}, {"layer_shard": "layer"}, dtype, tokens)
+    assert all(torch.equal(got, want) for got in tp2 + sharded)
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    """A one-layer Qwen3 for the compiled cases (an invariant graph is many small ops: about a minute to compile a
+    layer's train step on two cores)."""
+    path = tmp_path_factory.mktemp("qwen3-1l")
+    save_tiny("qwen3", path, 32, num_hidden_layers=1)
+    return str(path)
+
+
+def test_compiled_rollout_and_compiled_train_step_agree_bitwise(one_layer):
     """Inductor's rollout against the eager training forward, and the forward inside a compiled train step: the
     step's loss is the largest log-prob difference, 0.0 exactly with the mode (about 5e-7 without)."""
-    on = compiled_step_mismatch(None, qwen3, 1, "float32", True)
+    on = compiled_step_mismatch(None, one_layer, 1, "float32", True)
     assert on == {"gap": 0.0, "step_loss": 0.0}
 
 
-def test_compiled_tp2_bfloat16(world2, qwen3):
-    got = world2.run(compiled_step_mismatch, qwen3, 2, "bfloat16", True)
-    assert got == [{"gap": 0.0, "step_loss": 0.0}] * 2
+def test_compiled_rollout_tp2_bfloat16(world2, one_layer):
+    got = world2.run(compiled_step_mismatch, one_layer, 2, "bfloat16", True, False)
+    assert got == [{"gap": 0.0}] * 2
 
 
 # bad inputs: each refused in one line naming the op

@@ -52,9 +52,9 @@ def mismatch(params, batch, mesh):
     return ((token_logprobs(params, batch.tokens, mesh) - batch.old_logprobs).abs() * batch.mask).max()
 
 
-def compiled_step_mismatch(ctx, model_dir: str, tp: int, dtype: str, invariant: bool) -> dict:
-    """A rollout of the inductor-compiled model at batch 3 and the training forward inside a train step compiled
-    with inductor (forward, backward and update in one graph): the rollout's gap against the eager training
+def compiled_step_mismatch(ctx, model_dir: str, tp: int, dtype: str, invariant: bool, train: bool = True) -> dict:
+    """A rollout of the inductor-compiled model at batch 3 and (``train``) the training forward inside a train step
+    compiled with inductor (forward, backward and update in one graph): the rollout's gap against the eager training
     forward, and the step's loss (:func:`mismatch`)."""
     from functional_npu.runtime.training.optim import AdamW
     from functional_npu.runtime.training.policy import policy_batch
@@ -65,6 +65,19 @@ def compiled_step_mismatch(ctx, model_dir: str, tp: int, dtype: str, invariant: 
     s = model.sample(prompts, NEW, seed=4)
     batch = policy_batch(prompts, s, [1.0, -1.0, 0.5], dtype=torch.float32)
     gap = rollout_gaps(model, mesh, [prompts])[0]
+    if not train:
+        return {"gap": gap}
     step = compile_train_step(mismatch, AdamW(lr=1e-3), model.params, mesh, backend="inductor")
     _, _, stats = step(model.params, step.init(model.params), batch)
     return {"gap": gap, "step_loss": stats.loss}
+
+
+def training_logprobs(ctx, model_dir: str, axes: dict, plan_fields: dict, dtype: str, tokens) -> torch.Tensor:
+    """The training forward's log-probabilities of ``tokens`` under ``Plan(invariant=True, **plan_fields)`` over
+    ``axes`` on this rank."""
+    from functional_npu import Plan, load_checkpoint
+    from functional_npu.runtime.training.grad import token_logprobs
+
+    mesh = ctx.mesh(axes)
+    params = load_checkpoint(model_dir, mesh, Plan(invariant=True, **plan_fields), dtype=getattr(torch, dtype))
+    return token_logprobs(params, tokens, mesh)
