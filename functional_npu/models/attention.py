@@ -21,7 +21,7 @@ from einops import rearrange
 
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
-from . import invariant as inv
+from . import invariant_ops as inv
 from .linear import int8_activations, linear, row_parallel, token_amax
 from .norm import rms_norm
 

@@ -45,7 +45,7 @@ from ..core.mesh import Mesh
 from ..parallel.plan import Plan
 from ..parallel.prefetch import RingPhase, layer_weights
 from ..parallel.streams import INLINE, Streams
-from . import invariant
+from . import invariant_ops
 from .norm import rms_norm
 
 __all__ = ["Blocks", "DecodeState", "decode", "COMMON_LEAVES"]
@@ -127,7 +127,7 @@ def decode(
     weights = layer_weights(
         params, state.prefetched, mesh, plan, streams, phase=state.phase, differentiable=differentiable
     )
-    norm = functools.partial(invariant.rms_norm if plan.invariant else rms_norm, eps=blocks.eps, offset=blocks.norm_offset)
+    norm = functools.partial(invariant_ops.rms_norm if plan.invariant else rms_norm, eps=blocks.eps, offset=blocks.norm_offset)
     for i, kv in enumerate(state.kv):
         layer = weights(i, x)
         step = steps[blocks.layer_types[i]] if blocks.layer_types else steps

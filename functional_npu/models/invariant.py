@@ -50,6 +50,7 @@ __all__ = [
     "rms_norm",
     "linear",
     "row_parallel",
+    "row_chunks",
     "pair_sum",
     "split_of",
     "SPLIT",
@@ -258,20 +259,26 @@ def linear(
     return y.to(dtype or x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def row_parallel(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, tp: str) -> torch.Tensor:
-    """A row-parallel linear (this rank's ``1 / tp`` of the input dim) summed over ``tp``: this rank's chunks of the
-    whole input dim's (:func:`linear`), then :func:`tp_sum`; the bits of the unsharded linear. ``tp`` must divide
-    the whole input dim's chunks (:func:`split_of`). The ranks' sums travel in float32 and are rounded to ``x``'s
-    dtype after their sum, as the unsharded linear rounds once."""
-    n = mesh.axis_size(tp)
-    whole = x.shape[-1] * n
+def row_chunks(whole: int, n: int, tp: str) -> int:
+    """The chunks of a row-parallel linear's input dim one of ``n`` ranks sums (``whole``: the unsharded dim's
+    size): its share of :func:`split_of` ``whole``, which ``n`` must divide."""
     chunks = split_of(whole)
     if chunks % n:
         raise ValueError(
             f"invariant linear: an input dim of {whole} is summed in {chunks} chunks, which {n} tensor-parallel ranks "
             f"({tp!r}) cannot split; use tp in {[t for t in (1, 2, 4, 8) if chunks % t == 0]} for this model"
         )
-    return tp_sum(linear(x, w, chunks // n, torch.float32), mesh, tp).to(x.dtype)  # rounded once, as at tp 1
+    return chunks // n
+
+
+def row_parallel(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, tp: str) -> torch.Tensor:
+    """A row-parallel linear (this rank's ``1 / tp`` of the input dim) summed over ``tp``: this rank's chunks of the
+    whole input dim's (:func:`linear`, :func:`row_chunks`), then :func:`tp_sum`; the bits of the unsharded linear.
+    The ranks' sums travel in float32 and are rounded to ``x``'s dtype after their sum, as the unsharded linear rounds
+    once."""
+    n = mesh.axis_size(tp)
+    chunks = row_chunks(x.shape[-1] * n, n, tp)
+    return tp_sum(linear(x, w, chunks, torch.float32), mesh, tp).to(x.dtype)  # rounded once, as at tp 1
 
 
 def attend(

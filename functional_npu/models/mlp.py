@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..core.collectives import all_gather, all_reduce, reduce_scatter
 from ..core.mesh import Mesh
-from . import invariant as inv
+from . import invariant_ops as inv
 from .linear import linear, row_amax, row_parallel
 
 __all__ = ["gated_mlp"]

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ...models import invariant as inv
+from ...models import invariant_ops as inv
 from ...models.decoder import DecodeState
 from ...parallel.plan import Plan
 from ...parallel.prefetch import drain
