@@ -1,0 +1,52 @@
+"""The invariant mode (``Plan(invariant=True)``) of the MoE family (Qwen3-MoE: router, softmax top-k, renormalized,
+experts per token and chosen expert) and of the DeepSeek family (latent attention, sigmoid / softmax group-limited
+routing, shared experts): a rollout's log-probabilities (batches 1, 3 and 8, a prefill then decode steps, the experts
+on the small-batch path) equal the training forward's (the whole sequences, the experts on the large-batch path) bit
+for bit, in float32 and bfloat16 on one rank, and for the MoE on two tensor-parallel gloo ranks, each expert
+tensor-parallel or the experts sharded over tp (gathered for decode, exchanged by all_to_all for the rest). With the
+mode off the same comparisons differ: the tests fail without it. The invariant forward stays within 1e-4 of
+transformers' float32 logits, so the mode is not wrong-but-consistent.
+"""
+
+import pytest
+import torch
+
+from functional_npu import Mesh, Plan, load_checkpoint
+from functional_npu.runtime.training.grad import logits
+
+from ..support.hf_models import save_tiny_moe
+from ..support.invariant_workers import PROMPTS, gaps_on_rank, model_for, rollout_gaps
+
+BATCHES = [PROMPTS[b] for b in (1, 3, 8)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-moe-invariant")
+    return str(path), save_tiny_moe("qwen3_moe", path, 5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_rollout_logprobs_equal_training_forward_eager(qwen3_moe, dtype):
+    model, mesh = model_for(None, qwen3_moe[0], 1, dtype, True, "none")
+    assert rollout_gaps(model, mesh, BATCHES) == [0.0, 0.0, 0.0]
+    off, mesh = model_for(None, qwen3_moe[0], 1, dtype, False, "none")
+    assert max(rollout_gaps(off, mesh, BATCHES)) > 0.0, "without the mode the two forwards must differ (the control)"
+
+
+@pytest.mark.parametrize("expert_axes", [(), ("tp",)], ids=["expert-tp", "expert-parallel"])
+def test_moe_rollout_logprobs_equal_training_forward_tp2(world2, qwen3_moe, expert_axes):
+    on = world2.run(gaps_on_rank, qwen3_moe[0], 2, "float32", True, "none", expert_axes)
+    assert on == [[0.0, 0.0, 0.0]] * 2
+    off = world2.run(gaps_on_rank, qwen3_moe[0], 2, "float32", False, "none", expert_axes)
+    assert max(max(g) for g in off) > 0.0
+
+
+def test_moe_invariant_forward_is_close_to_transformers(qwen3_moe):
+    path, hf = qwen3_moe
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = load_checkpoint(path, mesh, Plan(invariant=True))
+    tokens = torch.tensor([[7, 3, 9, 4, 11, 60, 2, 99, 14]])
+    with torch.no_grad():
+        want = hf(tokens).logits
+    torch.testing.assert_close(logits(params, tokens, mesh), want, rtol=0, atol=1e-4)
