@@ -208,7 +208,6 @@ DEEPSEEK = Family(
     series_aliases=deepseek.SERIES_ALIASES,
     cost=_deepseek_cost,
     buffers=frozenset({"router_bias"}),
-    not_invariant="latent attention and the routed experts (batched expert matmuls, the top-k combine)",
 )
 GEMMA3 = Family(
     name="gemma3",
@@ -321,8 +320,8 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
     if gap is not None:
         raise ValueError(
             f"{where}: Plan.invariant: {cfg.architecture} has no invariant form of {gap} yet; leave Plan.invariant "
-            f"off for this model (the dense and MoE families run it: Llama / Mistral / Qwen2 / Qwen3, Qwen3-MoE / "
-            f"Qwen2-MoE / Mixtral)"
+            f"off for this model (the dense, MoE and DeepSeek families run it: Llama / Mistral / Qwen2 / Qwen3, "
+            f"Qwen3-MoE / Qwen2-MoE / Mixtral, DeepSeek-V2 / V3)"
         )
     if getattr(cfg, "sliding_window", None) is not None:
         raise ValueError(

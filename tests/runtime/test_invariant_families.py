@@ -14,7 +14,7 @@ import torch
 from functional_npu import Mesh, Plan, load_checkpoint
 from functional_npu.runtime.training.grad import logits
 
-from ..support.hf_models import save_tiny_moe
+from ..support.hf_models import save_tiny_deepseek, save_tiny_moe
 from ..support.invariant_workers import PROMPTS, gaps_on_rank, model_for, rollout_gaps
 
 BATCHES = [PROMPTS[b] for b in (1, 3, 8)]
@@ -24,6 +24,27 @@ BATCHES = [PROMPTS[b] for b in (1, 3, 8)]
 def qwen3_moe(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-moe-invariant")
     return str(path), save_tiny_moe("qwen3_moe", path, 5)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """{family: (dir, transformers model)}: V3 (low-rank query, sigmoid group-limited routing with the correction
+    bias, interleaved rope), V3 with yarn rope (plain q_proj, halves layout), V2 (softmax, routed scale)."""
+    out = {}
+    for i, family in enumerate(("deepseek_v3", "deepseek_v3_yarn", "deepseek_v2")):
+        path = tmp_path_factory.mktemp(family)
+        out[family] = (str(path), save_tiny_deepseek(family, path, 5 + i))
+    return out
+
+
+def close_to_transformers(path: str, hf) -> None:
+    """The invariant forward's float32 logits within 1e-4 of transformers'."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = load_checkpoint(path, mesh, Plan(invariant=True))
+    tokens = torch.tensor([[7, 3, 9, 4, 11, 60, 2, 99, 14]])
+    with torch.no_grad():
+        want = hf(tokens).logits
+    torch.testing.assert_close(logits(params, tokens, mesh), want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -36,17 +57,38 @@ def test_moe_rollout_logprobs_equal_training_forward_eager(qwen3_moe, dtype):
 
 @pytest.mark.parametrize("expert_axes", [(), ("tp",)], ids=["expert-tp", "expert-parallel"])
 def test_moe_rollout_logprobs_equal_training_forward_tp2(world2, qwen3_moe, expert_axes):
-    on = world2.run(gaps_on_rank, qwen3_moe[0], 2, "float32", True, "none", expert_axes)
+    on = world2.run(gaps_on_rank, qwen3_moe[0], 2, "float32", True, expert_axes=expert_axes)
     assert on == [[0.0, 0.0, 0.0]] * 2
-    off = world2.run(gaps_on_rank, qwen3_moe[0], 2, "float32", False, "none", expert_axes)
+    off = world2.run(gaps_on_rank, qwen3_moe[0], 2, "float32", False, expert_axes=expert_axes)
     assert max(max(g) for g in off) > 0.0
 
 
 def test_moe_invariant_forward_is_close_to_transformers(qwen3_moe):
-    path, hf = qwen3_moe
-    mesh = Mesh.abstract({"tp": 1}, 0)
-    params = load_checkpoint(path, mesh, Plan(invariant=True))
-    tokens = torch.tensor([[7, 3, 9, 4, 11, 60, 2, 99, 14]])
-    with torch.no_grad():
-        want = hf(tokens).logits
-    torch.testing.assert_close(logits(params, tokens, mesh), want, rtol=0, atol=1e-4)
+    close_to_transformers(*qwen3_moe)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_yarn", "deepseek_v2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_rollout_logprobs_equal_training_forward_eager(deepseek, family, dtype):
+    """The latent cache (decode attends the plain way in the mode, never absorbed)."""
+    model, mesh = model_for(None, deepseek[family][0], 1, dtype, True, "none")
+    assert rollout_gaps(model, mesh, BATCHES) == [0.0, 0.0, 0.0]
+    off, mesh = model_for(None, deepseek[family][0], 1, dtype, False, "none")
+    assert max(rollout_gaps(off, mesh, BATCHES)) > 0.0, "without the mode the two forwards must differ (the control)"
+
+
+def test_deepseek_heads_cache_eager(deepseek):
+    model, mesh = model_for(None, deepseek["deepseek_v3"][0], 1, "float32", True, "none", mla_cache="heads")
+    assert rollout_gaps(model, mesh, BATCHES) == [0.0, 0.0, 0.0]
+
+
+def test_deepseek_rollout_logprobs_equal_training_forward_tp2(world2, deepseek):
+    on = world2.run(gaps_on_rank, deepseek["deepseek_v3"][0], 2, "float32", True, expert_axes=("tp",))
+    assert on == [[0.0, 0.0, 0.0]] * 2
+    off = world2.run(gaps_on_rank, deepseek["deepseek_v3"][0], 2, "float32", False, expert_axes=("tp",))
+    assert max(max(g) for g in off) > 0.0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_yarn", "deepseek_v2"])
+def test_deepseek_invariant_forward_is_close_to_transformers(deepseek, family):
+    close_to_transformers(*deepseek[family])

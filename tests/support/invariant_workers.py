@@ -13,13 +13,13 @@ NEW = 5
 MAX_SEQ = 16
 
 
-def model_for(ctx, model_dir: str, tp: int, dtype: str, invariant: bool, backend: str, sizes=(1, 4, 8), expert_axes=()):
-    """This rank's compiled model of ``model_dir`` (any family) under ``Plan(invariant=..., expert_axes=...)`` over
+def model_for(ctx, model_dir: str, tp: int, dtype: str, invariant: bool, backend: str, sizes=(1, 4, 8), **plan):
+    """This rank's compiled model of ``model_dir`` (any family) under ``Plan(invariant=..., **plan)`` over
     ``{"tp": tp}``."""
     from functional_npu import Mesh, Plan, compile_model, load_checkpoint
 
     mesh = ctx.mesh({"tp": tp}) if ctx is not None else Mesh.abstract({"tp": 1}, 0)
-    plan = Plan(invariant=invariant, expert_axes=tuple(expert_axes))
+    plan = Plan(invariant=invariant, **plan)
     params = load_checkpoint(model_dir, mesh, plan, dtype=getattr(torch, dtype))
     lengths = [8]
     return compile_model(
@@ -41,10 +41,10 @@ def rollout_gaps(model, mesh, prompt_sets, seed: int = 4) -> list[float]:
 
 
 def gaps_on_rank(
-    ctx, model_dir: str, tp: int, dtype: str, invariant: bool, backend: str = "none", expert_axes=()
+    ctx, model_dir: str, tp: int, dtype: str, invariant: bool, backend: str = "none", **plan
 ) -> list[float]:
-    """:func:`rollout_gaps` at batches 1, 3 and 8 on this rank (``expert_axes``: the plan's)."""
-    model, mesh = model_for(ctx, model_dir, tp, dtype, invariant, backend, expert_axes=expert_axes)
+    """:func:`rollout_gaps` at batches 1, 3 and 8 on this rank (``plan``: more of the plan's fields)."""
+    model, mesh = model_for(ctx, model_dir, tp, dtype, invariant, backend, **plan)
     return rollout_gaps(model, mesh, [PROMPTS[b] for b in (1, 3, 8)])
 
 
