@@ -4,7 +4,8 @@ routing, shared experts): a rollout's log-probabilities (batches 1, 3 and 8, a p
 on the small-batch path) equal the training forward's (the whole sequences, the experts on the large-batch path) bit
 for bit, in float32 and bfloat16 on one rank, and for the MoE on two tensor-parallel gloo ranks, each expert
 tensor-parallel or the experts sharded over tp (gathered for decode, exchanged by all_to_all for the rest). With the
-mode off the same comparisons differ: the tests fail without it. The invariant forward stays within 1e-4 of
+mode off the same comparisons differ: the tests fail without it. One case compiles the MoE with inductor (one layer,
+float32; the compiled rollout against the eager training forward). The invariant forward stays within 1e-4 of
 transformers' float32 logits, so the mode is not wrong-but-consistent.
 """
 
@@ -15,7 +16,7 @@ from functional_npu import Mesh, Plan, load_checkpoint
 from functional_npu.runtime.training.grad import logits
 
 from ..support.hf_models import save_tiny_deepseek, save_tiny_moe
-from ..support.invariant_workers import PROMPTS, gaps_on_rank, model_for, rollout_gaps
+from ..support.invariant_workers import PROMPTS, dp_logits, gaps_on_rank, model_for, rollout_gaps
 
 BATCHES = [PROMPTS[b] for b in (1, 3, 8)]
 
@@ -61,6 +62,22 @@ def test_moe_rollout_logprobs_equal_training_forward_tp2(world2, qwen3_moe, expe
     assert on == [[0.0, 0.0, 0.0]] * 2
     off = world2.run(gaps_on_rank, qwen3_moe[0], 2, "float32", False, expert_axes=expert_axes)
     assert max(max(g) for g in off) > 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["gathered", "dispatched"])
+def test_moe_expert_parallelism_over_dp_keeps_each_tokens_bits(world4, qwen3_moe, rows):
+    """Whole experts sharded over dp and tp (each dp rank's tokens exchanged with the others') against whole experts
+    over tp only: the same logits bit for bit, with 5 tokens a rank (gathered) and 18 (all_to_all)."""
+    base = world4.run(dp_logits, qwen3_moe[0], ("tp",), rows)
+    over_dp = world4.run(dp_logits, qwen3_moe[0], ("dp", "tp"), rows)
+    assert all(torch.equal(a, b) for a, b in zip(base, over_dp))
+
+
+def test_moe_compiled_rollout_equals_eager_training_forward(tmp_path):
+    """Inductor's rollout (one MoE layer, float32: a minute to compile on 2 cores) against the eager forward."""
+    save_tiny_moe("qwen3_moe", tmp_path, 5, num_hidden_layers=1)
+    model, mesh = model_for(None, str(tmp_path), 1, "float32", True, "inductor", sizes=(4,))
+    assert rollout_gaps(model, mesh, [PROMPTS[3]]) == [0.0]
 
 
 def test_moe_invariant_forward_is_close_to_transformers(qwen3_moe):

@@ -72,3 +72,15 @@ def compiled_step_mismatch(ctx, model_dir: str, tp: int, dtype: str, invariant: 
     step = compile_train_step(mismatch, AdamW(lr=1e-3), model.params, mesh, backend="inductor")
     _, _, stats = step(model.params, step.init(model.params), batch)
     return {"gap": gap, "step_loss": stats.loss}
+
+
+def dp_logits(ctx, model_dir: str, expert_axes, rows: int) -> torch.Tensor:
+    """The invariant training forward's logits on a dp 2 x tp 2 mesh under ``expert_axes``, each dp rank over its own
+    ``rows`` random sequences of 9 tokens."""
+    from functional_npu import Plan, load_checkpoint
+    from functional_npu.runtime.training.grad import logits
+
+    mesh = ctx.mesh({"dp": 2, "tp": 2})
+    params = load_checkpoint(model_dir, mesh, Plan(invariant=True, expert_axes=tuple(expert_axes)))
+    g = torch.Generator().manual_seed(7 + mesh.axis_index("dp"))
+    return logits(params, torch.randint(0, 128, (rows, 9), generator=g), mesh)
