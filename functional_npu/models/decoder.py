@@ -127,7 +127,8 @@ def decode(
     weights = layer_weights(
         params, state.prefetched, mesh, plan, streams, phase=state.phase, differentiable=differentiable
     )
-    norm = functools.partial(invariant_ops.rms_norm if plan.invariant else rms_norm, eps=blocks.eps, offset=blocks.norm_offset)
+    rms = invariant_ops.rms_norm if plan.invariant else rms_norm
+    norm = functools.partial(rms, eps=blocks.eps, offset=blocks.norm_offset)
     for i, kv in enumerate(state.kv):
         layer = weights(i, x)
         step = steps[blocks.layer_types[i]] if blocks.layer_types else steps

@@ -472,12 +472,13 @@ def param_specs(cfg: DeepseekConfig, plan: Plan = Plan()) -> dict[str, Any]:
 
 
 def blocks(cfg: DeepseekConfig, plan: Plan = Plan()) -> Blocks:
-    """MLA in every layer; a dense gated MLP in the first ``first_k_dense_replace``, experts in the rest."""
-    mlp = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp)
+    """MLA in every layer; a dense gated MLP in the first ``first_k_dense_replace``, experts in the rest (with
+    ``plan.invariant``, in the invariant mode: :mod:`functional_npu.models.invariant`)."""
+    mlp = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp, invariant=plan.invariant)
     experts = functools.partial(moe_ffn, cfg=cfg, plan=plan)
     return Blocks(
         **dense.ends(cfg, plan),
-        prepare=functools.partial(mla.prepare, cfg),
+        prepare=functools.partial(mla.prepare, cfg, invariant=plan.invariant),
         attention=functools.partial(mla.mla, cfg=cfg, plan=plan),
         ffn=tuple(experts if i in cfg.moe_layers else mlp for i in range(cfg.num_layers)),
         init_kv=functools.partial(mla.init_kv, cfg, plan=plan),

@@ -18,6 +18,13 @@ below the plan's ``dispatch_threshold`` tokens per rank (decode) the tokens are 
 rank routes all of them and computes its slots' share, and ``reduce_scatter`` returns each rank's
 sums. When the tp axis is an expert axis the tokens, identical on the tp ranks after attention, are
 first split over it and gathered back after.
+
+In the plan's ``invariant`` mode (:mod:`functional_npu.models.invariant`) every reduction is in one fixed order,
+the same on either path: the router by an invariant linear, scores by the polynomial ``exp``, the renormalization
+by a tree over the k; each token and chosen expert its own products with the expert's weight rows summed by a tree
+over the input dim (never a batched matmul over the slots); the k weighted outputs kept apart, in float32, through
+the exchange (a token's ``(t, k)`` entry is nonzero on one expert rank only, so the sums over the ranks add exact
+zeros), then summed by a tree over the k; expert TP's sum by :func:`~functional_npu.models.invariant.tp_sum`.
 """
 
 from __future__ import annotations
@@ -33,10 +40,22 @@ from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce
 from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
+from . import invariant as inv
+from . import invariant_ops
 from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
 from .mlp import gated_mlp
 
-__all__ = ["LEAVES", "Routing", "Experts", "expert_specs", "identity_map", "route", "local_experts", "moe_ffn"]
+__all__ = [
+    "LEAVES",
+    "Routing",
+    "Experts",
+    "expert_specs",
+    "identity_map",
+    "route",
+    "local_experts",
+    "invariant_experts",
+    "moe_ffn",
+]
 
 
 # an MoE layer's leaves, whichever family holds it (the shared experts' when it has them)
@@ -102,21 +121,28 @@ def identity_map(num_experts: int) -> torch.Tensor:
     return torch.arange(num_experts)[:, None]
 
 
-def route(logits: torch.Tensor, cfg: Experts, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, cfg: Experts, bias: torch.Tensor | None = None, invariant: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, logical experts [T, k]) from router logits [T, E], by ``cfg.routing``.
 
     Scores (softmax or sigmoid, float32) plus ``bias`` (DeepSeek-V3's ``e_score_correction_bias``: it only
     chooses, the weights are the uncorrected scores); experts outside the chosen groups excluded; top-k;
     renormalized over the k when ``norm_topk_prob`` (Qwen3-MoE's flag; Mixtral always, which equals a
-    softmax over the top-k logits); times ``routing.scale``.
+    softmax over the top-k logits); times ``routing.scale``. ``invariant``: the scores by
+    :func:`~functional_npu.models.invariant.exp` and the sums by trees (:func:`_scores`).
     """
     routing = cfg.routing
-    scores = logits.float().softmax(-1) if routing.scoring == "softmax" else logits.float().sigmoid()
+    scores = _scores(logits, routing.scoring, invariant)
     choice = scores if bias is None else scores + bias.float()
     if routing.group_limit != "none" and routing.n_group > 1:
         t, e = choice.shape
         grouped = choice.view(t, routing.n_group, e // routing.n_group)
-        rank = grouped.topk(2, dim=-1).values.sum(-1) if routing.group_limit == "top2" else grouped.max(-1).values
+        if routing.group_limit == "top2":
+            best = grouped.topk(2, dim=-1).values
+            rank = best[..., 0] + best[..., 1] if invariant else best.sum(-1)
+        else:
+            rank = grouped.max(-1).values
         keep = torch.zeros_like(rank).scatter(1, rank.topk(routing.topk_group, dim=-1).indices, 1.0).bool()
         fill = float("-inf") if routing.group_limit == "top2" else 0.0
         choice = choice.masked_fill(~keep.repeat_interleave(e // routing.n_group, dim=1), fill)
@@ -126,13 +152,28 @@ def route(logits: torch.Tensor, cfg: Experts, bias: torch.Tensor | None = None) 
         experts = choice.topk(cfg.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
     if cfg.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights / (inv.tree_sum(weights, keepdim=True) if invariant else weights.sum(-1, keepdim=True))
     return weights * routing.scale if routing.scale != 1.0 else weights, experts
 
 
-def _slots(x: torch.Tensor, layer: dict, cfg: Experts, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores(logits: torch.Tensor, scoring: str, invariant: bool) -> torch.Tensor:
+    """Float32 routing scores of ``logits [T, E]``: softmax over the experts or sigmoid per expert; ``invariant``:
+    ``exp(x - max) / tree_sum(...)`` and ``1 / (1 + exp(-x))`` (:mod:`~functional_npu.models.invariant`)."""
+    x = logits.float()
+    if not invariant:
+        return x.softmax(-1) if scoring == "softmax" else x.sigmoid()
+    if scoring == "softmax":
+        p = inv.exp(x - x.amax(-1, keepdim=True))
+        return p / inv.tree_sum(p, keepdim=True)
+    return torch.ones_like(x) / (inv.exp(-x) + 1.0)
+
+
+def _slots(
+    x: torch.Tensor, layer: dict, cfg: Experts, index: torch.Tensor, invariant: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, physical slots), both [T, k], for tokens ``x [T, D]`` with dispatch indices ``index [T]``."""
-    weights, experts = route(linear(x, layer["router"]), cfg, layer.get("router_bias"))
+    logits = (invariant_ops.linear if invariant else linear)(x, layer["router"])
+    weights, experts = route(logits, cfg, layer.get("router_bias"), invariant)
     table = layer["expert_map"]
     if table.shape[1] == 1:
         return weights, table[experts, 0]
@@ -179,21 +220,50 @@ def local_experts(
     return (y * w[..., None]).sum(0)
 
 
+_EXPERT_BUDGET = 1 << 24  # elements of one invariant product [rows, k, out, in] held at once (64 MiB of float32)
+
+
+def invariant_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The invariant mode's :func:`local_experts`, before its sum over the k: ``weights[:, k] *
+    expert[ids[:, k]](x)`` as ``[N, k, D]`` float32 (0 where ``ids`` is -1). Each token and chosen expert its own
+    products with the expert's weight rows, summed by :func:`~functional_npu.models.invariant.tree_sum` over the
+    input dim, rounded to ``x``'s dtype as a linear's output is: the same bits whatever the rows beside it, in chunks
+    of rows whose product ``[rows, k, 2F, D]`` holds at most 2 ** 24 elements."""
+    n, k = ids.shape
+    chosen = ids.clamp(min=0)  # a -1 reads slot 0 and is weighted 0
+    w = torch.where(ids >= 0, weights.float(), 0.0)[..., None]  # [N, k, 1]
+    step = max(1, _EXPERT_BUDGET // max(1, k * gate_up[0].numel(), k * down[0].numel()))
+    parts = []
+    for i in range(0, n, step):
+        rows, c = x[i : i + step], chosen[i : i + step]
+        gu = inv.tree_sum(rows[:, None, None, :].float() * gate_up[c].float()).to(x.dtype)  # [r, k, 2F]
+        gate, up = gu.chunk(2, dim=-1)
+        h = invariant_ops.silu(gate) * up
+        y = inv.tree_sum(h[:, :, None, :].float() * down[c].float()).to(x.dtype)  # [r, k, D]
+        parts.append(y.float() * w[i : i + step])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _gathered(
-    x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, axes: tuple[str, ...], row_amax=None
+    x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, axes: tuple[str, ...], row_amax=None, invariant=False
 ) -> torch.Tensor:
     """Small batches: all_gather the tokens, each rank computes its slots' share, reduce_scatter back."""
     t, n = x.shape[0], mesh.axis_size(axes)
     xa = all_gather(x, mesh, axes, dim=0)  # [n t, D]
-    weights, slots = _slots(xa, layer, cfg, torch.arange(n * t, device=x.device) % t)
+    weights, slots = _slots(xa, layer, cfg, torch.arange(n * t, device=x.device) % t, invariant)
     per = slot_count(layer["experts_gate_up"])
     ids = torch.where(slots // per == mesh.axis_index(axes), slots % per, -1)
+    if invariant:  # [n t, k, D]: each (token, k) nonzero on its expert's rank only, so the sum adds exact zeros
+        part = invariant_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
+        return inv.tree_sum(reduce_scatter(part, mesh, axes, dim=0), dim=1).to(x.dtype)  # [t, D]
     part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"], row_amax)
     return reduce_scatter(part, mesh, axes, dim=0)  # [t, D]
 
 
 def _dispatched(
-    x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, axes: tuple[str, ...], row_amax=None
+    x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, axes: tuple[str, ...], row_amax=None, invariant=False
 ) -> torch.Tensor:
     """Larger batches: route here, all_to_all tokens + routing to the expert ranks, inverse all_to_all back.
 
@@ -202,7 +272,7 @@ def _dispatched(
     on every rank, at the price of one more collective (the routing).
     """
     (t, d), k, n = x.shape, cfg.top_k, mesh.axis_size(axes)
-    weights, slots = _slots(x, layer, cfg, torch.arange(t, device=x.device))
+    weights, slots = _slots(x, layer, cfg, torch.arange(t, device=x.device), invariant)
     per = slot_count(layer["experts_gate_up"])
     owner = torch.arange(n, device=x.device)[:, None, None]
     ids = torch.where(slots[None] // per == owner, slots[None] % per, -1)  # [n, t, k]: slot ids on rank j
@@ -210,6 +280,9 @@ def _dispatched(
     rx = all_to_all_single(x[None].expand(n, t, d).reshape(n * t, d), mesh, axes)  # [n t, D] by source
     rmeta = all_to_all_single(meta.reshape(n * t, 2 * k), mesh, axes)
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
+    if invariant:  # [n t, k, D] back: each (token, k) nonzero from its expert's rank only
+        back = all_to_all_single(invariant_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down), mesh, axes)
+        return inv.tree_sum(inv.tree_sum(back.view(n, t, k, d), dim=0), dim=1).to(x.dtype)
     part = local_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down, row_amax)
     back = all_to_all_single(part, mesh, axes)  # [n t, D]: each expert rank's share of my tokens
     return back.view(n, t, d).sum(0)
@@ -217,13 +290,16 @@ def _dispatched(
 
 def _exchange(x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, plan: Plan, row_amax=None) -> torch.Tensor:
     """The experts' output for tokens ``x [T, D]``: local, or exchanged over the expert axes by batch size."""
-    axes = plan.expert_axes
+    axes, invariant = plan.expert_axes, plan.invariant
     if not axes or mesh.axis_size(axes) == 1:
-        weights, slots = _slots(x, layer, cfg, torch.arange(x.shape[0], device=x.device))
-        return local_experts(x, slots, weights, layer["experts_gate_up"], layer["experts_down"], row_amax)
+        weights, slots = _slots(x, layer, cfg, torch.arange(x.shape[0], device=x.device), invariant)
+        gate_up, down = layer["experts_gate_up"], layer["experts_down"]
+        if invariant:
+            return inv.tree_sum(invariant_experts(x, slots, weights, gate_up, down), dim=1).to(x.dtype)
+        return local_experts(x, slots, weights, gate_up, down, row_amax)
     if x.shape[0] <= plan.dispatch_threshold:
-        return _gathered(x, layer, cfg, mesh, axes, row_amax)
-    return _dispatched(x, layer, cfg, mesh, axes, row_amax)
+        return _gathered(x, layer, cfg, mesh, axes, row_amax, invariant)
+    return _dispatched(x, layer, cfg, mesh, axes, row_amax, invariant)
 
 
 def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: Experts, plan: Plan) -> torch.Tensor:
@@ -236,9 +312,14 @@ def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: Experts, plan: Pla
     routed = _routed(layer, h, mesh, cfg=cfg, plan=plan)
     if "shared_gate_up" not in layer:
         return routed
-    shared = gated_mlp({"gate_up": layer["shared_gate_up"], "down": layer["shared_down"]}, h, mesh, tp=plan.tp)
+    shared_mlp = {"gate_up": layer["shared_gate_up"], "down": layer["shared_down"]}
+    shared = gated_mlp(shared_mlp, h, mesh, tp=plan.tp, invariant=plan.invariant)
     if "shared_gate" in layer:
-        shared = shared * torch.sigmoid(linear(h, layer["shared_gate"]))
+        if plan.invariant:
+            gate = _scores(invariant_ops.linear(h, layer["shared_gate"]), "sigmoid", True).to(h.dtype)
+        else:
+            gate = torch.sigmoid(linear(h, layer["shared_gate"]))
+        shared = shared * gate
     return routed + shared
 
 
@@ -262,6 +343,6 @@ def _routed(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: Experts, plan: Pla
     y = _exchange(x, layer, cfg, mesh, plan, row_amax)
     if split:
         y = all_gather(y, mesh, tp, dim=0)[:total]
-    if expert_tp:
-        y = all_reduce(y, mesh, tp)  # each expert's down projection is row-parallel
+    if expert_tp:  # each expert's down projection is row-parallel
+        y = inv.tp_sum(y, mesh, tp) if plan.invariant else all_reduce(y, mesh, tp)
     return y.view(b, s, d)

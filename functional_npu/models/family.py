@@ -190,7 +190,6 @@ MOE = Family(
     layer_leaves=dense.LAYER_LEAVES,
     series_aliases=dense.SERIES_ALIASES,
     cost=_moe_cost,
-    not_invariant="the routed experts (batched expert matmuls, the top-k combine)",
 )
 DEEPSEEK = Family(
     name="deepseek",
@@ -209,7 +208,6 @@ DEEPSEEK = Family(
     series_aliases=deepseek.SERIES_ALIASES,
     cost=_deepseek_cost,
     buffers=frozenset({"router_bias"}),
-    not_invariant="latent attention and the routed experts (batched expert matmuls, the top-k combine)",
 )
 GEMMA3 = Family(
     name="gemma3",
@@ -322,7 +320,8 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
     if gap is not None:
         raise ValueError(
             f"{where}: Plan.invariant: {cfg.architecture} has no invariant form of {gap} yet; leave Plan.invariant "
-            f"off for this model (the dense families, Llama / Mistral / Qwen2 / Qwen3, run it)"
+            f"off for this model (the dense, MoE and DeepSeek families run it: Llama / Mistral / Qwen2 / Qwen3, "
+            f"Qwen3-MoE / Qwen2-MoE / Mixtral, DeepSeek-V2 / V3)"
         )
     if getattr(cfg, "sliding_window", None) is not None:
         raise ValueError(

@@ -23,6 +23,11 @@ is measured against.
 Rotary embedding on the ``dr`` rope dims only, with yarn scaling as transformers computes it (the
 ``attention_factor`` on cos / sin, the softmax scale times ``mscale(factor, mscale_all_dim)^2``), and
 DeepSeek's interleaved pair layout (``rope_interleave``).
+
+In the plan's ``invariant`` mode (:mod:`functional_npu.models.invariant`) prefill, decode and the training forward all
+take the plain form (the absorbed one reduces in another order), over either cache: linears and norms by trees,
+cos / sin by the polynomial ``sin_cos``, attention by :func:`~functional_npu.models.invariant.attend`, o_proj's sum
+over tp by :func:`~functional_npu.models.invariant.tp_sum`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from einops import rearrange
 
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
+from . import invariant_ops as inv
 from .attention import attend, attention_mask, output_projection
 from .linear import dense, linear
 from .norm import rms_norm
@@ -130,13 +136,17 @@ def softmax_scale(cfg: LatentAttention) -> float:
     return scale
 
 
-def prepare(cfg: LatentAttention, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> MlaStep:
-    """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv``."""
+def prepare(
+    cfg: LatentAttention, positions: torch.Tensor, kv: KV, dtype: torch.dtype, invariant: bool = False
+) -> MlaStep:
+    """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv``; ``invariant``:
+    cos / sin by :func:`~functional_npu.models.invariant.sin_cos`."""
     b, s = positions.shape
     freq, factor = rope_frequencies(cfg)
     freqs = positions[..., None].float() * freq.to(positions.device)  # [B, S, dr / 2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, dr]
-    cos, sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
+    sin, cos = inv.sin_cos(emb) if invariant else (emb.sin(), emb.cos())
+    cos, sin = (cos * factor).to(dtype), (sin * factor).to(dtype)
     mask = attention_mask(positions, kv[0].shape[2], None)
     at = positions[:, None, :, None]  # the cache slots, shaped like either cache's new entries
     slot_c = at.expand(b, kv[0].shape[1], s, kv[0].shape[3])
@@ -156,28 +166,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: b
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def _query(layer: dict, h: torch.Tensor, eps: float) -> torch.Tensor:
+def _query(layer: dict, h: torch.Tensor, eps: float, invariant: bool = False) -> torch.Tensor:
+    lin, norm = (inv.linear, inv.rms_norm) if invariant else (linear, rms_norm)
     if "q_proj" in layer:
-        return linear(h, layer["q_proj"])
-    return linear(rms_norm(linear(h, layer["q_a_proj"]), layer["q_a_norm"], eps), layer["q_b_proj"])
+        return lin(h, layer["q_proj"])
+    return lin(norm(lin(h, layer["q_a_proj"]), layer["q_a_norm"], eps), layer["q_b_proj"])
 
 
 def mla(
     layer: dict, h: torch.Tensor, step: MlaStep, kv: KV, mesh: Mesh, *, cfg: LatentAttention, plan: Plan, kind: str
 ) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's latents into ``kv``.
-    Heads are split over ``plan.tp``; ``plan.absorb`` / ``plan.mla_cache`` pick the decode path and the cache."""
+    Heads are split over ``plan.tp``; ``plan.absorb`` / ``plan.mla_cache`` pick the decode path and the cache;
+    ``plan.invariant``: the plain form always, every reduction in one fixed order (:func:`_invariant`)."""
     s = h.shape[1]
-    tp = plan.tp
+    tp, invariant = plan.tp, plan.invariant
     dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     nh = local_heads(cfg, mesh.axis_size(tp))
-    q = rearrange(_query(layer, h, cfg.rms_norm_eps), "b s (h d) -> b h s d", h=nh)  # d = dn + dr
+    q = rearrange(_query(layer, h, cfg.rms_norm_eps, invariant), "b s (h d) -> b h s d", h=nh)  # d = dn + dr
     q_nope, q_rot = q.split([dn, dr], dim=-1)
-    c, k_rot = linear(h, layer["kv_a_proj"]).split([r, dr], dim=-1)  # [B, S, R], [B, S, dr]
-    c = rms_norm(c, layer["kv_a_norm"], cfg.rms_norm_eps)[:, None]  # [B, 1, S, R]
+    lin, norm = (inv.linear, inv.rms_norm) if invariant else (linear, rms_norm)
+    c, k_rot = lin(h, layer["kv_a_proj"]).split([r, dr], dim=-1)  # [B, S, R], [B, S, dr]
+    c = norm(c, layer["kv_a_norm"], cfg.rms_norm_eps)[:, None]  # [B, 1, S, R]
     q_rot = _rotate(q_rot, step.cos, step.sin, cfg.rope_interleave)
     k_rot = _rotate(k_rot[:, None], step.cos, step.sin, cfg.rope_interleave)  # [B, 1, S, dr]
     scale = softmax_scale(cfg)
+    if invariant:
+        return _invariant(layer, q_nope, q_rot, c, k_rot, kv, step, mesh, plan, scale, nh, dn, dv)
     if plan.mla_cache == "heads":  # the baseline: every head's keys and values cached
         keys, values = _expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv)
         kv[0].scatter_(2, step.slot_c, keys)
@@ -195,10 +210,31 @@ def mla(
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=plan.module_tp.o_proj)
 
 
-def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, dv: int) -> KV:
+def _invariant(
+    layer: dict, q_nope, q_rot, c, k_rot, kv: KV, step: MlaStep, mesh: Mesh, plan: Plan, scale: float, nh, dn, dv
+) -> torch.Tensor:
+    """The invariant mode's attention: the plain form over either cache, in prefill, decode and training alike
+    (:func:`~functional_npu.models.invariant.linear` expands the latents, each cached token's keys and values the
+    same bits at any step), :func:`~functional_npu.models.invariant.attend`, then o_proj and
+    :func:`~functional_npu.models.invariant.tp_sum`: the residual update ``[B, S, D]``."""
+    if plan.mla_cache == "heads":
+        keys, values = _expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv, invariant=True)
+        kv[0].scatter_(2, step.slot_c, keys)
+        kv[1].scatter_(2, step.slot_r, values)
+        keys, values = kv
+    else:
+        kv[0].scatter_(2, step.slot_c, c)
+        kv[1].scatter_(2, step.slot_r, k_rot)
+        keys, values = _expand(layer["kv_b_proj"], kv[0], kv[1], nh, dn, dv, invariant=True)
+    out = inv.attend(torch.cat([q_nope, q_rot], dim=-1), keys, values, step.mask, scale)  # [B, nh, S, dv]
+    return inv.row_parallel(rearrange(out, "b h s d -> b s (h d)"), layer["o_proj"], mesh, plan.tp)
+
+
+def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, dv: int, invariant: bool = False) -> KV:
     """Every head's keys ``[B, nh, L, dn + dr]`` and values ``[B, nh, L, dv]`` from latents ``[B, 1, L, R]``."""
     b, _, length, _ = latent.shape
-    expanded = rearrange(linear(latent[:, 0], w_kv), "b l (h d) -> b h l d", h=nh)  # d = dn + dv
+    expanded = (inv.linear if invariant else linear)(latent[:, 0], w_kv)
+    expanded = rearrange(expanded, "b l (h d) -> b h l d", h=nh)  # d = dn + dv
     k_nope, values = expanded.split([dn, dv], dim=-1)
     return torch.cat([k_nope, k_rot.expand(b, nh, length, k_rot.shape[-1])], dim=-1), values
 

@@ -13,12 +13,14 @@ NEW = 5
 MAX_SEQ = 16
 
 
-def model_for(ctx, model_dir: str, tp: int, dtype: str, invariant: bool, backend: str, sizes=(1, 4, 8)):
-    """This rank's compiled model of ``model_dir`` under ``Plan(invariant=...)`` over ``{"tp": tp}``."""
+def model_for(ctx, model_dir: str, tp: int, dtype: str, invariant: bool, backend: str, sizes=(1, 4, 8), **plan):
+    """This rank's compiled model of ``model_dir`` (any family) under ``Plan(invariant=..., **plan)`` over
+    ``{"tp": tp}``."""
     from functional_npu import Mesh, Plan, compile_model, load_checkpoint
 
     mesh = ctx.mesh({"tp": tp}) if ctx is not None else Mesh.abstract({"tp": 1}, 0)
-    params = load_checkpoint(model_dir, mesh, Plan(invariant=invariant), dtype=getattr(torch, dtype))
+    plan = Plan(invariant=invariant, **plan)
+    params = load_checkpoint(model_dir, mesh, plan, dtype=getattr(torch, dtype))
     lengths = [8]
     return compile_model(
         params, mesh, backend=backend, batch_sizes=list(sizes), max_seq_len=MAX_SEQ, prefill_lengths=lengths
@@ -38,9 +40,11 @@ def rollout_gaps(model, mesh, prompt_sets, seed: int = 4) -> list[float]:
     return gaps
 
 
-def gaps_on_rank(ctx, model_dir: str, tp: int, dtype: str, invariant: bool, backend: str = "none") -> list[float]:
-    """:func:`rollout_gaps` at batches 1, 3 and 8 on this rank."""
-    model, mesh = model_for(ctx, model_dir, tp, dtype, invariant, backend)
+def gaps_on_rank(
+    ctx, model_dir: str, tp: int, dtype: str, invariant: bool, backend: str = "none", **plan
+) -> list[float]:
+    """:func:`rollout_gaps` at batches 1, 3 and 8 on this rank (``plan``: more of the plan's fields)."""
+    model, mesh = model_for(ctx, model_dir, tp, dtype, invariant, backend, **plan)
     return rollout_gaps(model, mesh, [PROMPTS[b] for b in (1, 3, 8)])
 
 
@@ -81,3 +85,15 @@ def training_logprobs(ctx, model_dir: str, axes: dict, plan_fields: dict, dtype:
     mesh = ctx.mesh(axes)
     params = load_checkpoint(model_dir, mesh, Plan(invariant=True, **plan_fields), dtype=getattr(torch, dtype))
     return token_logprobs(params, tokens, mesh)
+
+
+def dp_logits(ctx, model_dir: str, expert_axes, rows: int) -> torch.Tensor:
+    """The invariant training forward's logits on a dp 2 x tp 2 mesh under ``expert_axes``, each dp rank over its own
+    ``rows`` random sequences of 9 tokens."""
+    from functional_npu import Plan, load_checkpoint
+    from functional_npu.runtime.training.grad import logits
+
+    mesh = ctx.mesh({"dp": 2, "tp": 2})
+    params = load_checkpoint(model_dir, mesh, Plan(invariant=True, expert_axes=tuple(expert_axes)))
+    g = torch.Generator().manual_seed(7 + mesh.axis_index("dp"))
+    return logits(params, torch.randint(0, 128, (rows, 9), generator=g), mesh)

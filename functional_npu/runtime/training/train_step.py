@@ -166,7 +166,8 @@ def compile_train_step(
         mesh.init_groups(*split.placement.axis_groups(), *split.axes())
     exact = invariant_options(params, split.placement, chosen, "compile_train_step")  # Plan.invariant's flags
     plain = _step_fn(loss_fn, optimizer, split, mesh)
-    return TrainStep(optimizer, mesh, chosen, split, chosen.compile(plain, dynamic=False, inductor_options=exact), plain)
+    compiled = chosen.compile(plain, dynamic=False, inductor_options=exact)
+    return TrainStep(optimizer, mesh, chosen, split, compiled, plain)
 
 
 def _step_fn(loss_fn: LossFn, optimizer: AdamW, split: Differentiable, mesh: Mesh) -> Callable[..., Any]:
