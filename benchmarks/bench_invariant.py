@@ -1,0 +1,144 @@
+"""What the invariant mode costs: decode tokens/s at batches 1 and 8 and the train step's time, mode on and off.
+
+    python -m benchmarks invariant [--quick] [--repeat N] [--json FILE [--append]]
+
+One process, one rank, float32, compiled with inductor: the embedded demo model (Qwen3-style, 6 layers, hidden 256,
+vocab 4096; ``--quick``: the small one, hidden 128, vocab 512) with seeded weights, under ``Plan()`` and under
+``Plan(invariant=True)``. Systems, each timed once per round, rounds interleaved:
+
+- ``decode_b{1,8}_{on,off}``: greedy decode steps of a compiled model at that batch,
+  ``B (N - 1) / (T(N) - T(1))`` tokens/s (:func:`benchmarks.timing.rates`, N = 16 new tokens);
+- ``train_{on,off}``: one compiled train step (``lm_loss``, AdamW) on ``[8, 64]`` tokens, seconds.
+
+Reported per size: the medians and spread over the rounds, and each round's on / off ratio (its median and
+spread). The mode's cost is where it reduces: a linear is products and a tree of adds over ``[rows, out, in]``
+(no blocked matmul kernel), attention materializes its products per key, and every invariant op runs as its own
+aten sequence, unfused (:mod:`functional_npu.models.invariant_ops`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functional_npu import Mesh, Plan, compile_model
+from functional_npu.cli.demo import DEMO_CONFIG, DEMO_MODEL, SMALL_CONFIG
+from functional_npu.placement import place
+from functional_npu.runtime.training.grad import lm_loss
+from functional_npu.runtime.training.optim import AdamW
+from functional_npu.runtime.training.train_step import compile_train_step
+
+from .timing import rates, ratio, rounds, stats
+
+__all__ = ["main", "measure"]
+
+NEW = 16
+PROMPT = 8
+BATCHES = (1, 8)
+TRAIN_BATCH = (8, 64)
+
+
+def _params(cfg: Any, invariant: bool) -> dict:
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = DEMO_MODEL.init_params(cfg, seed=0)
+    return params | {"placement": place(cfg, mesh, Plan(invariant=invariant))}
+
+
+def _decoder(cfg: Any, invariant: bool, batch: int):
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    model = compile_model(
+        _params(cfg, invariant), mesh, backend="inductor", batch_sizes=[batch], max_seq_len=PROMPT + NEW + 8,
+        prefill_lengths=[PROMPT],
+    )  # fmt: skip
+    prompts = [[(7 * i + j) % cfg.vocab_size for j in range(PROMPT)] for i in range(batch)]
+
+    def run(b: int, new: int) -> Any:
+        return model.generate(prompts[:b], new)
+
+    return run
+
+
+def _trainer(cfg: Any, invariant: bool):
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = _params(cfg, invariant)
+    step = compile_train_step(lm_loss, AdamW(lr=1e-4), params, mesh, backend="inductor")
+    state = step.init(params)
+    tokens = torch.randint(0, cfg.vocab_size, TRAIN_BATCH, generator=torch.Generator().manual_seed(0))
+
+    def run() -> float:
+        t = time.perf_counter()
+        step(params, state, tokens)
+        return time.perf_counter() - t
+
+    return run
+
+
+def measure(cfg: Any, repeat: int) -> dict[str, Any]:
+    """Build (compile and warm) every system, then ``repeat`` interleaved rounds."""
+    systems, built = {}, {}
+    for invariant, tag in ((True, "on"), (False, "off")):
+        for b in BATCHES:
+            t = time.perf_counter()
+            run = _decoder(cfg, invariant, b)
+            rates(run, b, NEW, PROMPT)  # compiles prefill and decode
+            built[f"decode_b{b}_{tag}"] = time.perf_counter() - t
+            systems[f"decode_b{b}_{tag}"] = (lambda run=run, b=b: rates(run, b, NEW, PROMPT)[0])
+        t = time.perf_counter()
+        train = _trainer(cfg, invariant)
+        train()
+        built[f"train_{tag}"] = time.perf_counter() - t
+        systems[f"train_{tag}"] = train
+    got = rounds(systems, repeat, warmup=1)
+    out: dict[str, Any] = {"build_s": built, "systems": {name: stats(v) for name, v in got.items()}, "ratios": {}}
+    for b in BATCHES:  # tokens/s: off over on is the slowdown
+        out["ratios"][f"decode_b{b}_off_over_on"] = ratio(got[f"decode_b{b}_off"], got[f"decode_b{b}_on"])
+    out["ratios"]["train_on_over_off"] = ratio(got["train_on"], got["train_off"])
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    s, r = result["systems"], result["ratios"]
+    rows = ["| system | mode on | mode off | cost (round by round) |", "|---|---|---|---|"]
+    for b in BATCHES:
+        on, off, c = s[f"decode_b{b}_on"], s[f"decode_b{b}_off"], r[f"decode_b{b}_off_over_on"]
+        rows.append(
+            f"| decode b{b}, tok/s | {on['median']:.1f} ({on['min']:.1f}-{on['max']:.1f}) | {off['median']:.1f} "
+            f"({off['min']:.1f}-{off['max']:.1f}) | {c['median']:.2f}x slower ({c['min']:.2f}-{c['max']:.2f}) |"
+        )
+    on, off, c = s["train_on"], s["train_off"], r["train_on_over_off"]
+    rows.append(
+        f"| train step {TRAIN_BATCH[0]}x{TRAIN_BATCH[1]}, ms | {on['median'] * 1e3:.0f} ({on['min'] * 1e3:.0f}-"
+        f"{on['max'] * 1e3:.0f}) | {off['median'] * 1e3:.0f} ({off['min'] * 1e3:.0f}-{off['max'] * 1e3:.0f}) | "
+        f"{c['median']:.2f}x ({c['min']:.2f}-{c['max']:.2f}) |"
+    )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks invariant", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="the small model (hidden 128, vocab 512)")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--append", action="store_true", help="add this run to the file's runs")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    cfg = SMALL_CONFIG if args.quick else DEMO_CONFIG
+    result = measure(cfg, args.repeat)
+    print(f"invariant mode's cost, {cfg.architecture}-style, {'small' if args.quick else 'demo'} model, float32, "
+          f"inductor, {torch.get_num_threads()} threads, {args.repeat} rounds (median (min-max))\n")  # fmt: skip
+    print(table(result))
+    if args.json:
+        run = {"command": "python -m benchmarks invariant" + (" --quick" if args.quick else ""), "model": {
+            "hidden": cfg.hidden_size, "layers": cfg.num_layers, "vocab": cfg.vocab_size},
+            "host": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), **result}  # fmt: skip
+        path = Path(args.json)
+        old = json.loads(path.read_text()) if args.append and path.exists() else {"runs": []}
+        old["runs"].append(run)
+        path.write_text(json.dumps(old, indent=1) + "\n")
+    return 0
