@@ -49,7 +49,6 @@ __all__ = [
     "sin_cos",
     "rms_norm",
     "linear",
-    "row_parallel",
     "row_chunks",
     "pair_sum",
     "split_of",
@@ -241,7 +240,8 @@ def linear(
     """``x [..., in] @ w.T`` as float32 products summed over ``in`` in ``chunks`` contiguous chunks (default
     :func:`split_of` ``in``): each chunk by :func:`tree_sum`, then the chunks by :func:`pair_sum`. A row-parallel
     rank holding ``1 / tp`` of the input dim sums its ``chunks / tp`` chunks the same way and :func:`tp_sum` adds
-    the ranks' sums as the top of the same tree, so tp 1, 2, 4 and 8 give the same bits (:func:`row_parallel`). Rows
+    the ranks' sums as the top of the same tree, so tp 1, 2, 4 and 8 give the same bits
+    (:func:`~functional_npu.models.invariant_ops.row_parallel`). Rows
     go in groups whose product ``[rows, out, in]`` holds at most 2 ** 24 elements; returned in ``dtype`` (default
     ``x``'s)."""
     k = x.shape[-1]
@@ -269,16 +269,6 @@ def row_chunks(whole: int, n: int, tp: str) -> int:
             f"({tp!r}) cannot split; use tp in {[t for t in (1, 2, 4, 8) if chunks % t == 0]} for this model"
         )
     return chunks // n
-
-
-def row_parallel(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, tp: str) -> torch.Tensor:
-    """A row-parallel linear (this rank's ``1 / tp`` of the input dim) summed over ``tp``: this rank's chunks of the
-    whole input dim's (:func:`linear`, :func:`row_chunks`), then :func:`tp_sum`; the bits of the unsharded linear.
-    The ranks' sums travel in float32 and are rounded to ``x``'s dtype after their sum, as the unsharded linear rounds
-    once."""
-    n = mesh.axis_size(tp)
-    chunks = row_chunks(x.shape[-1] * n, n, tp)
-    return tp_sum(linear(x, w, chunks, torch.float32), mesh, tp).to(x.dtype)  # rounded once, as at tp 1
 
 
 def attend(
