@@ -6,7 +6,7 @@ backward rule (:mod:`.collective_grads`) is the collectives' own, not re-exporte
 """
 
 from .agree import agree, agreed
-from .buckets import bucket_cost, group_slabs, leaf_costs, slab_costs
+from .buckets import bucket_cost, group_slabs, leaf_costs, least_bucket, slab_costs
 from .cache_dir import cache_dir
 from .collectives import (
     BROADCAST_INTO,
@@ -134,6 +134,7 @@ __all__ = [
     "leaf_costs",
     "bucket_cost",
     "group_slabs",
+    "least_bucket",
     "slab_costs",
     "REQUIRED",
     "Field",

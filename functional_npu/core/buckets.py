@@ -19,7 +19,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["Costs", "Move", "Slab", "leaf_costs", "slab_costs", "bucket_cost", "group_slabs", "check_bucket_bytes"]
+__all__ = [
+    "Costs",
+    "Move",
+    "Slab",
+    "leaf_costs",
+    "slab_costs",
+    "bucket_cost",
+    "least_bucket",
+    "group_slabs",
+    "check_bucket_bytes",
+]
 
 # (rank, "send" | "recv", peer) -> bytes, for the transfers between different ranks
 Costs = Counter
@@ -94,12 +104,16 @@ def _costliest_row(moves: Sequence[Move], length: int) -> tuple[int, int]:
     return max((_worst(slab_costs(moves, e, e + 1)) for e in edges if e < length), key=lambda rb: rb[1])
 
 
-def _check_least(lengths: Mapping[str, int | None], moves: Mapping[str, Sequence[Move]], bound: int, where: str):
-    """Refuse a bound below the costliest slab that cannot be cut: one dim-0 row of a leaf (a 0-dim leaf, one row,
-    never moves between ranks: it cannot be sharded)."""
+def least_bucket(lengths: Mapping[str, int | None], moves: Mapping[str, Sequence[Move]]) -> tuple[str, int, int]:
+    """The least ``bucket_bytes`` that works: ``(leaf, rank, bytes)`` of the costliest slab that cannot be cut, one
+    dim-0 row of a leaf (a 0-dim leaf, one row, never moves between ranks: it cannot be sharded)."""
     rows = {p: _costliest_row(moves[p], n or 1) for p, n in lengths.items()}
     worst = max(rows, key=lambda p: rows[p][1])
-    rank, need = rows[worst]
+    return worst, *rows[worst]
+
+
+def _check_least(lengths: Mapping[str, int | None], moves: Mapping[str, Sequence[Move]], bound: int, where: str):
+    worst, rank, need = least_bucket(lengths, moves)
     if need > bound:
         raise ValueError(
             f"{where}: bucket_bytes={bound} is below what one dim-0 row of leaf {worst!r} takes on rank {rank}: "
