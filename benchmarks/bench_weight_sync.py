@@ -1,6 +1,7 @@
 """Train-to-inference weight sync in buckets of bounded memory, on 2 and 4 gloo ranks, against one broadcast.
 
-    python -m benchmarks weight_sync [--quick] [--layers 28] [--rounds 5] [--worlds 2,4] [--json FILE]
+    python -m benchmarks weight_sync [--quick] [--layers 28] [--rounds 5] [--worlds 2,4] [--buckets 2,8,32]
+                                     [--json FILE [--append]]
 
 A Qwen3-style model (benchmarks/configs.py's FULL: hidden 512, 8 heads, 4 KV heads, vocab 32000; 28 layers, about
 121M params; bf16 weights) starts on every rank under one of two training plans over the data-parallel axis
@@ -10,14 +11,16 @@ A Qwen3-style model (benchmarks/configs.py's FULL: hidden 512, 8 heads, 4 KV hea
   with ``reshard_params``;
 - ``fsdp2``: every leaf cut along dim 0 over ``dp`` (what FSDP2 holds), moved with ``reshard``.
 
-Each is synced unbucketed (one ``all_to_all_single``) and in buckets of 1, 2 and 4 times the least bucket size (the
-bytes the busiest leaf alone takes on a rank, rounded up to a MiB); the baseline broadcasts every leaf of the whole
-model from rank 0 (``torch.distributed.broadcast``, into fresh tensors). Timed in interleaved rounds from a barrier
-to a barrier (the slowest rank counts): median and spread. GB/s per rank is the bytes rank 0 receives over the
+Each is synced unbucketed (one ``all_to_all_single``) and in buckets of 2, 8 and 32 MiB (each at least the least
+bucket that works, what one dim-0 row of the costliest leaf takes on a rank, rounded up to a MiB; a leaf bigger than
+the bucket moves in slabs of its rows, a stacked leaf in slabs of layers); the baseline broadcasts every leaf of the
+whole model from rank 0 (``torch.distributed.broadcast``, into fresh tensors). Timed in interleaved rounds from a
+barrier to a barrier (the slowest rank counts): median and spread. GB/s per rank is the bytes rank 0 receives over the
 median time. Apart from the timed runs, one run of each is measured: bytes received counted at the collectives
 (``benchmarks.counting.ReceivedBytes``) against the lower bound, and the peak bytes held beside the result
 (``benchmarks.memory.LiveBytes``) against the bound, one bucket plus the largest leaf. Loopback gloo on this
 machine's cores, not a device link; with more ranks than cores the ranks are oversubscribed (the output says so).
+``--append`` adds this run to the runs already in ``--json FILE``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from functional_npu import Plan, plan_reshard, replicated, reshard, reshard_params, shard, sharded
-from functional_npu.core import bucket_cost, flatten_with_paths, leaf_costs
+from functional_npu.core import flatten_with_paths, least_bucket
 from functional_npu.models.llama import init_params, param_specs
 from functional_npu.parallel import series_specs, stack_series
 from functional_npu.placement import place
@@ -49,15 +52,14 @@ from .peers import _between_barriers
 from .timing import rounds, stats
 
 MIB = 1 << 20
-SHARES = (1, 2, 4)
 ALL_TO_ALL = "_c10d_functional.all_to_all_single"
 
 
 def _costs(plan) -> tuple[int, int]:
-    """(least bucket size, largest leaf on any rank) of a plan: bytes the busiest leaf's buffers take on a rank, and
-    the most bytes one leaf holds on a rank, source or destination."""
-    costs = leaf_costs((t.path, t.src, t.dst, t.nbytes) for t in plan.transfers)
-    least = max(max(bucket_cost(c).values(), default=0) for c in costs.values())
+    """(least bucket size, largest leaf on any rank) of a plan: bytes one dim-0 row of the costliest leaf takes on a
+    rank, and the most bytes one leaf holds on a rank, source or destination."""
+    moves = {leaf.path: [t.move() for t in plan.transfers if t.path == leaf.path] for leaf in plan.leaves}
+    least = least_bucket({leaf.path: leaf.full_shape[0] if leaf.full_shape else None for leaf in plan.leaves}, moves)[2]
     size = lambda leaf: torch.empty((), dtype=leaf.dtype).element_size()  # noqa: E731
     largest = max(math.prod(s) * size(leaf) for leaf in plan.leaves for s in (*leaf.src_shapes, *leaf.dst_shapes))
     return least, largest
@@ -105,7 +107,7 @@ def _broadcast(full: dict[str, torch.Tensor], rank: int) -> None:
         dist.broadcast(x if rank == 0 else torch.empty_like(x), 0)
 
 
-def _rank(ctx, layers: int, quick: bool, repeat: int) -> dict:
+def _rank(ctx, layers: int, quick: bool, repeat: int, sizes: tuple[int, ...]) -> dict:
     torch.set_num_threads(1)
     cfg = dataclasses.replace(QUICK if quick else FULL, num_layers=layers)
     mesh = ctx.mesh({"dp": ctx.world_size, "tp": 1})
@@ -118,9 +120,9 @@ def _rank(ctx, layers: int, quick: bool, repeat: int) -> dict:
         least = -(-least // MIB) * MIB
         t = whole.traffic[mesh.rank]
         rec = {"received": t.received, "lower_bound": t.lower_bound, "largest_leaf": largest, "variants": {}}
-        for k in (None, *SHARES):
-            plan = whole if k is None else src["plan"](least * k)
-            key = "unbucketed" if k is None else f"bucket_{k}x"
+        for k in (None, *sizes):
+            plan = whole if k is None else src["plan"](max(least, k * MIB))
+            key = "unbucketed" if k is None else f"bucket_{k}mib"
             run = src["run"]
             run(plan)  # warm-up: groups, allocator
             rec["variants"][key] = {"bucket_bytes": plan.bucket_bytes, "buckets": len(plan.buckets)}
@@ -177,20 +179,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds")
     parser.add_argument("--worlds", default="2,4", help="gloo world sizes, comma-separated")
     parser.add_argument("--quick", action="store_true", help="QUICK config (vocab 8000), 4 layers, 3 rounds")
+    parser.add_argument("--buckets", default="2,8,32", help="bucket sizes in MiB, comma-separated")
     parser.add_argument("--json", metavar="FILE", default="benchmarks/results/weight_sync.json")
+    parser.add_argument("--append", action="store_true", help="add this run to the runs in --json FILE")
     args = parser.parse_args(argv)
+    sizes = tuple(int(b) for b in args.buckets.split(","))
     layers, repeat = (4, 3) if args.quick else (args.layers, args.rounds)
     cmd = "python -m benchmarks weight_sync " + " ".join(argv if argv is not None else sys.argv[2:])
     results = {"command": cmd.strip(), "layers": layers, "dtype": "bfloat16", "rounds": repeat, "worlds": {}}
     for n in (int(w) for w in args.worlds.split(",")):
         with LocalWorld(n, threads=1, timeout=1200) as world:
-            r0 = world.run(_rank, layers, args.quick, repeat, timeout=1200)[0]
+            r0 = world.run(_rank, layers, args.quick, repeat, sizes, timeout=1200)[0]
         results["params"] = r0["params"]
         results["worlds"][str(n)] = r0
         if n == 2 or len(results["worlds"]) == 1:
             print(f"model: Qwen3-style, {layers} layers, {r0['params'] / 1e6:.1f}M params, bf16 ({cmd.strip()})")
         print("\n".join(_report(n, r0, repeat)))
     results["cores"] = len(os.sched_getaffinity(0))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    path = Path(args.json)
+    earlier = json.loads(path.read_text())["runs"] if args.append and path.exists() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"runs": [*earlier, results]}, indent=1) + "\n")
     print(f"\nwrote {args.json}")

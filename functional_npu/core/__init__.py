@@ -6,7 +6,7 @@ backward rule (:mod:`.collective_grads`) is the collectives' own, not re-exporte
 """
 
 from .agree import agree, agreed
-from .buckets import bucket_cost, group_leaves, leaf_costs
+from .buckets import bucket_cost, group_slabs, leaf_costs, least_bucket, slab_costs
 from .cache_dir import cache_dir
 from .collectives import (
     BROADCAST_INTO,
@@ -133,7 +133,9 @@ __all__ = [
     "simulate",
     "leaf_costs",
     "bucket_cost",
-    "group_leaves",
+    "group_slabs",
+    "least_bucket",
+    "slab_costs",
     "REQUIRED",
     "Field",
     "Rule",

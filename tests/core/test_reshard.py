@@ -21,7 +21,7 @@ from functional_npu import (
     sharded,
     unshard,
 )
-from functional_npu.core.buckets import bucket_cost, leaf_costs
+from functional_npu.core.buckets import bucket_cost, slab_costs
 from functional_npu.core.layout import Cyclic, Shard, validate
 from functional_npu.core.reshard import simulate
 
@@ -155,17 +155,35 @@ def _wire(program) -> int:
     return sum(program.send_sizes) + sum(program.recv_sizes)
 
 
+def _row_costs(plan, path: str, rows: int) -> list[int]:
+    """Brute force: what each dim-0 row of a leaf alone takes on its busiest rank."""
+    moves = [t.move() for t in plan.transfers if t.path == path]
+    return [max(bucket_cost(slab_costs(moves, i, i + 1)).values(), default=0) for i in range(rows)]
+
+
 @settings(max_examples=60)
 @given(reshard_tree(), st.floats(0.0, 1.0))
-def test_buckets_are_whole_leaves_in_order_within_the_bound_and_execute_to_the_same_bits(case, share):
+def test_buckets_cut_leaves_into_dim0_slabs_within_the_bound_and_execute_to_the_same_bits(case, share):
+    """Buckets as small as one row of the costliest leaf allows: every leaf's rows once, in order, a leaf that fits
+    a bucket alone whole; every bucket within the bound on every rank; the bytes received the lower bound plus the
+    padding; the destination bits those of the one exchange."""
     mesh, tree, src, dst, shapes = _setup(*case)
     whole = plan_reshard(shapes, src, dst, mesh)
-    costs = leaf_costs((t.path, t.src, t.dst, t.nbytes) for t in whole.transfers)
-    least = max([max(bucket_cost(c).values(), default=0) for c in costs.values()] + [1])
+    rows = {p: shape[0] if shape else 1 for p, (shape, _) in shapes.items()}
+    least = max([max(_row_costs(whole, p, n)) for p, n in rows.items()] + [1])
     most = max(_wire(p) for p in whole.programs)
     bucket = max(least, int(most * share))
     plan = plan_reshard(shapes, src, dst, mesh, bucket_bytes=bucket)
-    assert [p for b in plan.bucket_paths for p in b] == list(tree) and all(plan.bucket_paths)
+    slabs = [s for b in plan.slabs for s in b]
+    assert [p for p, _, _ in slabs] == [p for p in tree for _ in range(sum(q == p for q, _, _ in slabs))]
+    for p, n in rows.items():
+        mine = [(a, b) for q, a, b in slabs if q == p]
+        assert mine[0][0] == 0 and mine[-1][1] == n and all(x[1] == y[0] < y[1] for x, y in zip(mine, mine[1:]))
+        alone = max(
+            bucket_cost(slab_costs([t.move() for t in whole.transfers if t.path == p], 0, n)).values(), default=0
+        )
+        assert len(mine) == 1 or alone > bucket, (p, mine, alone, bucket)
+    assert plan.bucket_paths == tuple(tuple(p for p, _, _ in b) for b in plan.slabs)
     for programs in plan.buckets:
         assert all(_wire(p) <= bucket for p in programs)
     # every byte moves once: per rank, the buckets' wire bytes are the lower bound plus the padding
@@ -186,6 +204,30 @@ def test_one_bucket_per_leaf_when_the_bound_is_one_leaf():
     assert plan_reshard(shapes, *specs, mesh, bucket_bytes=32).bucket_paths == (("w0",), ("w1",), ("w2",))
     assert plan_reshard(shapes, *specs, mesh, bucket_bytes=64).bucket_paths == (("w0", "w1"), ("w2",))
     assert plan_reshard(shapes, *specs, mesh).bucket_paths == (("w0", "w1", "w2"),)
+
+
+def test_a_leaf_bigger_than_the_bucket_is_cut_into_dim0_slabs():
+    # small: each rank sends its 2 floats and receives the other 2 (8 + 8 bytes); big: rows 0-3 on rank 0, 4-7 on
+    # rank 1, 256 bytes a row. At 512 bytes: small and one row of big (8 + 256 padded, + 8 on rank 0), then two
+    # rows a bucket (rows 3 and 4: rank 0 sends one and receives one)
+    mesh = Mesh.abstract({"tp": 2})
+    shapes = {"small": ((4,), torch.float32), "big": ((8, 64), torch.float32)}
+    src, dst = dict.fromkeys(shapes, sharded(0, "tp")), dict.fromkeys(shapes, replicated())
+    plan = plan_reshard(shapes, src, dst, mesh, bucket_bytes=512)
+    assert plan.slabs == (
+        (("small", 0, 4), ("big", 0, 1)),
+        (("big", 1, 3),),
+        (("big", 3, 5),),
+        (("big", 5, 7),),
+        (("big", 7, 8),),
+    )
+    steps = [b[0].steps[-1] for b in plan.buckets]  # rank 0's steps for big: made in the first, handed in the last
+    assert [(s.opens, s.closes) for s in steps] == [(True, False)] + [(False, False)] * 3 + [(False, True)]
+    assert [s.window for s in steps] == [(0, 1), (1, 2), (3, 1), None, None]  # local source rows read; none after 4
+    tree = {"small": torch.arange(4.0), "big": torch.randn(8, 64)}
+    local = [shard(tree, src, mesh, coordinate=r) for r in range(2)]
+    for out in simulate(local, plan):
+        assert torch.equal(out["big"], tree["big"]) and torch.equal(out["small"], tree["small"])
 
 
 def test_load_is_spread_over_replicas():
@@ -371,20 +413,20 @@ def test_error_bucket_bytes_not_positive(bad):
         plan_reshard({"w": ((4,), torch.float32)}, {"w": replicated()}, {"w": replicated()}, MESH, bucket_bytes=1.5)
 
 
-def test_error_bucket_below_the_largest_leaf_names_it_and_the_least_bucket():
-    shapes = {"small": ((4,), torch.float32), "big": ((64, 4), torch.float32)}
+def test_error_bucket_below_one_row_of_a_leaf_names_it_both_sizes_and_the_least_bucket():
+    shapes = {"small": ((4,), torch.float32), "big": ((8, 64), torch.float32)}
     src, dst = dict.fromkeys(shapes, sharded(0, "tp")), dict.fromkeys(shapes, replicated())
-    # big: each rank sends its 32 rows (512 bytes) and receives the other 32: 1024 bytes of buffers
+    # one row of big is 256 bytes, sent by the rank that holds it to the other one
     with pytest.raises(
         ValueError,
-        match=r"reshard: bucket_bytes=1000 is below what leaf 'big' alone takes on rank 0: 1024 bytes \(sent plus "
-        r"received, each peer's section padded to 8 bytes\); a bucket holds whole leaves, so use a bucket of at "
-        r"least 1024 bytes",
+        match=r"reshard: bucket_bytes=200 is below what one dim-0 row of leaf 'big' takes on rank 0: 256 bytes "
+        r"\(sent plus received, each peer's section padded to 8 bytes\); a bucket cuts a leaf along dim 0 no finer "
+        r"than one row, so use a bucket of at least 256 bytes",
     ):
-        plan_reshard(shapes, src, dst, Mesh.abstract({"tp": 2}), bucket_bytes=1000)
-    plan = plan_reshard(shapes, src, dst, Mesh.abstract({"tp": 2}), bucket_bytes=1024)
-    with pytest.raises(ValueError, match=r"the plan was made with bucket_bytes=1024, but bucket_bytes=2048 was given"):
-        reshard({"small": torch.zeros(2), "big": torch.zeros(32, 4)}, src, dst, MESH, plan=plan, bucket_bytes=2048)
+        plan_reshard(shapes, src, dst, Mesh.abstract({"tp": 2}), bucket_bytes=200)
+    plan = plan_reshard(shapes, src, dst, Mesh.abstract({"tp": 2}), bucket_bytes=256)
+    with pytest.raises(ValueError, match=r"the plan was made with bucket_bytes=256, but bucket_bytes=2048 was given"):
+        reshard({"small": torch.zeros(2), "big": torch.zeros(4, 64)}, src, dst, MESH, plan=plan, bucket_bytes=2048)
 
 
 def test_error_abstract_mesh_without_coordinate():

@@ -42,13 +42,16 @@ def test_reshard_params_equals_the_loader_and_moves_the_lower_bound(world2, mode
 
 @pytest.mark.parametrize("src,dst", PAIRS[:2], ids=["zero3-to-tp", "tp-to-zero3"])
 def test_bucketed_sync_holds_one_bucket_and_a_leaf_and_equals_the_whole_exchange(world2, model_dir, src, dst):
-    """Measured, not taken from the plan: the peak bytes a rank holds beside the result while the sync runs
-    (benchmarks.memory.LiveBytes) stay within one bucket plus the largest leaf, where the one exchange of everything
-    passes that bound (so the measure can fail); the bytes counted at the all_to_all_single calls (one per bucket that
-    moves anything) are the lower bound plus at most the 8-byte padding per peer per bucket; the params are bitwise
-    the unbucketed sync's and the loader's under the destination plan."""
+    """Measured, not taken from the plan: with a bucket of a quarter of the largest stacked leaf (so the stacked
+    leaves move in slabs of layers), the peak bytes a rank holds beside the result while the sync runs
+    (benchmarks.memory.LiveBytes) stay within one bucket plus the largest leaf (the stacked destination leaf being
+    filled, or one slab's layers stacked from the source), where the one exchange of everything passes that bound (so
+    the measure can fail); the bytes counted at the all_to_all_single calls (one per bucket that moves anything) are
+    the lower bound plus at most the 8-byte padding per peer per bucket; the params are bitwise the unbucketed sync's
+    and the loader's under the destination plan."""
     for rank, r in enumerate(world2.run(bucketed_sync, model_dir, {"dp": 2, "tp": 1}, src, dst, 0.25)):
         bound = r["bucket"] + r["largest"]
+        assert r["bucket"] < r["largest_stacked"] / 2 and any(p.startswith("stack.") for p in r["cut"]), (rank, r)
         assert r["same_as_whole"] and r["same_as_loader"], rank
         assert r["runs"]["buckets"]["peak"] <= bound < r["runs"]["whole"]["peak"], (rank, bound, r["runs"])
         assert r["received"] == r["lower_bound"] > 0, (rank, r)
@@ -75,9 +78,9 @@ def test_reshard_params_refuses_bad_buckets_and_a_target_of_another_model(model_
         reshard_params(params, Plan(tp="dp"), mesh, bucket_bytes=0)
     with pytest.raises(
         ValueError,
-        match=r"reshard_params: bucket_bytes=1000 is below what leaf 'layers\.\*\.qkv' \(every layer's, stacked\) "
-        r"alone takes on rank 0: 131072 bytes .*; a bucket holds whole leaves, so use a bucket of at least 131072 "
-        r"bytes",
+        match=r"reshard_params: bucket_bytes=1000 is below what one layer of leaf 'layers\.\*\.qkv' takes on rank 0: "
+        r"32768 bytes \(sent plus received, .*\); a bucket cuts a leaf every layer has no finer than one layer \(a row "
+        r"of it stacked\), so use a bucket of at least 32768 bytes",
     ):
         reshard_params(params, Plan(tp="dp"), mesh, bucket_bytes=1000)
     cfg = params["config"]

@@ -1,8 +1,6 @@
 """Rank jobs for resharding params between plans: the result against the loader's, and the bytes moved against
 what this rank needs and does not hold, counted from element ids (no resharding code involved)."""
 
-from collections import Counter
-
 import torch
 
 
@@ -77,9 +75,11 @@ def series_for(cfg, plan):
 
 def bucketed_sync(ctx, model_dir: str, axes: dict, src_fields: dict, dst_fields: dict, share: float):
     """Load ``model_dir`` under the source plan and sync it to the destination plan twice, unbucketed and in buckets
-    of ``share`` of what this exchange's busiest rank moves (at least its largest leaf's); each run inside
+    of ``share`` of the largest stacked leaf on any rank (at least what the costliest layer of a leaf takes); each
+    run inside
     :class:`benchmarks.memory.LiveBytes` and :class:`benchmarks.counting.ReceivedBytes`. Returns, for this rank:
-    the bucket size, the largest leaf (stacked form, source or destination), whether the bucketed result is bitwise
+    the bucket size, the largest leaf (stacked form, source or destination) and the largest stacked one, the leaves
+    cut into slabs, whether the bucketed result is bitwise
     the unbucketed one and the loader's under the destination plan, and per run the peak bytes held beside the
     result, the bytes received counted at the all_to_all_single calls, and how many there were; the plan's bytes
     received, its lower bound and its buckets."""
@@ -88,18 +88,27 @@ def bucketed_sync(ctx, model_dir: str, axes: dict, src_fields: dict, dst_fields:
     from benchmarks.counting import ReceivedBytes
     from benchmarks.memory import LiveBytes
     from functional_npu import Plan, flatten_with_paths, load_checkpoint
-    from functional_npu.core.buckets import bucket_cost, leaf_costs
+    from functional_npu.core.buckets import bucket_cost, slab_costs
     from functional_npu.runtime.training.weight_sync import plan_params_reshard, reshard_params
 
     mesh = ctx.mesh(axes)
     src, dst = Plan(**src_fields), Plan(**dst_fields)
     params = load_checkpoint(model_dir, mesh, src)
     whole = plan_params_reshard(params, dst, mesh)
-    costs = leaf_costs((t.path, t.src, t.dst, t.nbytes) for t in whole.transfers)
-    least = max(max(bucket_cost(c).values(), default=0) for c in costs.values())
-    busiest = max(bucket_cost(sum(costs.values(), Counter())).values())
-    bucket = max(least, int(busiest * share))
+    moves = {leaf.path: [t.move() for t in whole.transfers if t.path == leaf.path] for leaf in whole.leaves}
+    rows = {leaf.path: leaf.full_shape[0] if leaf.full_shape else 1 for leaf in whole.leaves}
+    least = max(
+        max(bucket_cost(slab_costs(moves[p], i, i + 1)).values(), default=0) for p in rows for i in range(rows[p])
+    )
     item = {leaf.path: torch.empty((), dtype=leaf.dtype).element_size() for leaf in whole.leaves}
+    size = {
+        leaf.path: max(
+            math.prod(s) * item[leaf.path] for r in range(mesh.size) for s in (leaf.src_shapes[r], leaf.dst_shapes[r])
+        )
+        for leaf in whole.leaves
+    }
+    stacked = max(n for p, n in size.items() if p.startswith("stack."))
+    bucket = max(least, int(stacked * share))
     largest = max(
         math.prod(shape) * item[leaf.path]
         for leaf in whole.leaves
@@ -122,6 +131,8 @@ def bucketed_sync(ctx, model_dir: str, axes: dict, src_fields: dict, dst_fields:
     return {
         "bucket": bucket,
         "largest": largest,
+        "largest_stacked": stacked,
+        "cut": sorted({p for b in plan.slabs for p, a, z in b if (a, z) != (0, rows[p])}),
         "same_as_whole": all(same(results["buckets"][p], results["whole"][p]) for p in tensors),
         "same_as_loader": set(results["buckets"]) == set(want)
         and all(same(results["buckets"][p], want[p]) for p in tensors),

@@ -25,7 +25,7 @@ from ...core.agree import agree
 from ...core.buckets import check_bucket_bytes
 from ...core.layout import Layout
 from ...core.mesh import Mesh
-from ...core.reshard import ReshardPlan, check_program, plan_reshard, run_buckets
+from ...core.reshard import ReshardPlan, Source, check_program, plan_reshard, run_buckets
 from ...core.shard import full_shape
 from ...core.tree import flatten_with_paths, map_with_path
 from ...parallel.plan import Plan
@@ -61,9 +61,10 @@ def _stacked_layouts(layouts: dict[str, Layout], every: set[str]) -> dict[str, L
     return out
 
 
-def _stacked(params: dict, every: set[str]) -> tuple[dict[str, torch.Tensor], Callable[[str], torch.Tensor]]:
+def _stacked(params: dict, every: set[str]) -> tuple[dict[str, torch.Tensor], Source]:
     """This rank's leaves in the stacked form: meta tensors of their shapes and dtypes (nothing copied), and the
-    source that gives one leaf's tensor (a per-layer leaf stacked when asked, not kept)."""
+    source that gives one leaf's tensor or its dim-0 rows (a per-layer leaf stacked when asked, only the layers
+    asked for, not kept)."""
     shapes: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
     per_layer: dict[str, list[torch.Tensor]] = {}
@@ -83,8 +84,11 @@ def _stacked(params: dict, every: set[str]) -> tuple[dict[str, torch.Tensor], Ca
     for leaf, xs in per_layer.items():
         shapes[f"stack.{leaf}"] = torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, device="meta")
 
-    def source(path: str) -> torch.Tensor:
-        return tensors[path] if path in tensors else torch.stack(per_layer[path.removeprefix("stack.")])
+    def source(path: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        if path in tensors:
+            return tensors[path] if rows is None else tensors[path].narrow(0, *rows)
+        layers = per_layer[path.removeprefix("stack.")]
+        return torch.stack(layers if rows is None else layers[rows[0] : rows[0] + rows[1]])
 
     return shapes, source
 
@@ -152,13 +156,18 @@ def _same_config(mine: Any, theirs: Any, where: str) -> None:
 def _renamed(e: ValueError, where: str) -> ValueError:
     """The core's message for the stacked form, in this function's terms (``stack.o_proj``: every layer's)."""
     text = str(e).replace("reshard:", f"{where}:", 1)
+    text, layer = re.subn(r"one dim-0 row of leaf 'stack\.([^']+)'", r"one layer of leaf 'layers.*.\1'", text)
+    if layer:
+        text = text.replace(
+            "along dim 0 no finer than one row", "every layer has no finer than one layer (a row of it stacked)"
+        )
     text = re.sub(r"leaf 'stack\.([^']+)'", r"leaf 'layers.*.\1' (every layer's, stacked)", text)
     return ValueError(text)
 
 
 def _prepared(
     params: dict, plan: Plan | Placement, mesh: Mesh, exchange: ReshardPlan | None, bucket_bytes: int | None
-) -> tuple[ReshardPlan, Callable[[str], torch.Tensor], dict, set[str], Placement, set[str]]:
+) -> tuple[ReshardPlan, Source, dict, set[str], Placement, set[str]]:
     where = "reshard_params"
     try:
         if not isinstance(plan, (Plan, Placement)):
@@ -212,15 +221,18 @@ def reshard_params(
             data-parallel axis: ``Plan(tp="dp")``), or that plan already placed on the params' config.
         mesh: the mesh both plans run on.
         exchange: the exchange :func:`plan_params_reshard` planned for these params (else planned here).
-        bucket_bytes: the most bytes a rank's send plus receive buffers take at once: whole leaves (a leaf every
+        bucket_bytes: the most bytes a rank's send plus receive buffers take at once: the leaves (a leaf every
             layer has counts once, stacked over the layers) move in buckets, each unpacked before the next is
-            packed, so the extra memory of the sync is at most one bucket plus the largest such leaf (``None``: one
-            exchange of everything).
+            packed, a leaf too big for a bucket in slabs of whole layers (rows of its dim 0), so the extra memory
+            of the sync is at most one bucket, plus one stacked destination leaf where the plan keeps it per layer,
+            plus the layers of one slab stacked where the params hold them per layer (``None``: one exchange of
+            everything).
 
     Raises:
         TypeError / ValueError naming the leaf, before any byte moves: params of another plan or mesh than they
         say, quantized params, a plan that does not fit the model or the mesh, a placement of another model config
-        (naming the fields that differ), a ``bucket_bytes`` that is not positive or is below what one leaf takes.
+        (naming the fields that differ), a ``bucket_bytes`` that is not positive or is below what one layer of a
+        leaf takes.
 
     Example:
         >>> serving = reshard_params(trained, Plan(tp="dp"), mesh, bucket_bytes=64 << 20)       # doctest: +SKIP
