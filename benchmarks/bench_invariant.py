@@ -88,7 +88,7 @@ def measure(cfg: Any, repeat: int) -> dict[str, Any]:
             run = _decoder(cfg, invariant, b)
             rates(run, b, NEW, PROMPT)  # compiles prefill and decode
             built[f"decode_b{b}_{tag}"] = time.perf_counter() - t
-            systems[f"decode_b{b}_{tag}"] = (lambda run=run, b=b: rates(run, b, NEW, PROMPT)[0])
+            systems[f"decode_b{b}_{tag}"] = lambda run=run, b=b: rates(run, b, NEW, PROMPT)[0]
         t = time.perf_counter()
         train = _trainer(cfg, invariant)
         train()
@@ -134,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
           f"inductor, {torch.get_num_threads()} threads, {args.repeat} rounds (median (min-max))\n")  # fmt: skip
     print(table(result))
     if args.json:
-        run = {"command": "python -m benchmarks invariant" + (" --quick" if args.quick else ""), "model": {
-            "hidden": cfg.hidden_size, "layers": cfg.num_layers, "vocab": cfg.vocab_size},
-            "host": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), **result}  # fmt: skip
+        command = "python -m benchmarks invariant" + (" --quick" if args.quick else "")
+        model = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "vocab": cfg.vocab_size}
+        host = platform.processor() or platform.machine()
+        run = {"command": command, "model": model, "host": host, "threads": torch.get_num_threads(), **result}
         path = Path(args.json)
         old = json.loads(path.read_text()) if args.append and path.exists() else {"runs": []}
         old["runs"].append(run)
