@@ -1,6 +1,7 @@
 """What the invariant mode costs: decode tokens/s at batches 1 and 8 and the train step's time, mode on and off.
 
     python -m benchmarks invariant [--quick] [--repeat N] [--json FILE [--append]]
+    python -m benchmarks invariant --kernels     # the invariant linear alone: eager, inductor, torch's matmul
 
 One process, one rank, float32, compiled with inductor: the embedded demo model (Qwen3-style, 6 layers, hidden 256,
 vocab 4096; ``--quick``: the small one, hidden 128, vocab 512) with seeded weights, under ``Plan()`` and under
@@ -34,7 +35,7 @@ from functional_npu.runtime.training.grad import lm_loss
 from functional_npu.runtime.training.optim import AdamW
 from functional_npu.runtime.training.train_step import compile_train_step
 
-from .timing import rates, ratio, rounds, stats
+from .timing import rates, ratio, rounds, seconds, stats
 
 __all__ = ["main", "measure"]
 
@@ -120,14 +121,46 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+KERNEL_SHAPES = ((1, 4096, 256), (8, 4096, 256), (8, 1536, 256), (512, 1536, 256))  # rows, out, in: the demo's
+
+
+def kernels(repeat: int) -> list[dict[str, Any]]:
+    """The invariant linear at the demo model's shapes (a decode step's rows and a training forward's): as the op runs
+    it (its aten sequence), the same function compiled by inductor (the same bits, checked here), and torch's matmul;
+    milliseconds, median of ``repeat`` interleaved rounds of 10 calls."""
+    from functional_npu.models import invariant
+
+    out = []
+    for rows, n, k in KERNEL_SHAPES:
+        x, w = torch.randn(rows, k), torch.randn(n, k)
+        fused = torch.compile(invariant.linear, dynamic=False, options=invariant.INDUCTOR_OPTIONS)
+        same = torch.equal(fused(x, w), invariant.linear(x, w))
+
+        def timed(fn: Any) -> Any:
+            return lambda: seconds(lambda: [fn(x, w) for _ in range(10)]) / 10 * 1e3
+
+        got = rounds({"eager": timed(invariant.linear), "inductor": timed(fused), "matmul": timed(torch.mm)}, repeat,
+                     warmup=1)  # fmt: skip
+        out.append({"shape": [rows, n, k], "same_bits": same} | {name: stats(v) for name, v in got.items()})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks invariant", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the small model (hidden 128, vocab 512)")
     p.add_argument("--repeat", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--append", action="store_true", help="add this run to the file's runs")
+    p.add_argument("--kernels", action="store_true", help="the invariant linear alone (eager, inductor, matmul)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
+    if args.kernels:
+        print("| rows x out x in | the op (eager aten), ms | inductor, ms | matmul, ms | same bits |")
+        print("|---|---|---|---|---|")
+        for r in kernels(args.repeat):
+            e, i, m = (r[name]["median"] for name in ("eager", "inductor", "matmul"))
+            print(f"| {' x '.join(map(str, r['shape']))} | {e:.3f} | {i:.3f} | {m:.3f} | {r['same_bits']} |")
+        return 0
     cfg = SMALL_CONFIG if args.quick else DEMO_CONFIG
     result = measure(cfg, args.repeat)
     print(f"invariant mode's cost, {cfg.architecture}-style, {'small' if args.quick else 'demo'} model, float32, "
