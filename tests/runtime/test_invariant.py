@@ -17,9 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, Plan, compile_model, load_checkpoint
+from functional_npu.core import flatten_with_paths
 from functional_npu.runtime.serving import resolve_backend
 from functional_npu.runtime.serving.compile import invariant_options
-from functional_npu.runtime.training.grad import logits, token_logprobs
+from functional_npu.runtime.training.grad import lm_loss, logits, token_logprobs, value_and_grad
 from functional_npu.runtime.training.policy import logprob_gap, policy_batch
 
 from ..support.hf_models import save_tiny, save_tiny_gemma3
@@ -105,6 +106,23 @@ def test_every_plan_gives_the_same_bits(world2, qwen3, eager, dtype):
     tp2 = world2.run(training_logprobs, qwen3, {"tp": 2}, {}, dtype, tokens)
     sharded = world2.run(training_logprobs, qwen3, {"dp": 2, "tp": 1}, {"layer_shard": "layer"}, dtype, tokens)
     assert all(torch.equal(got, want) for got in tp2 + sharded)
+
+
+def test_its_gradients_are_the_default_forwards(qwen3):
+    """The invariant ops' gradients are the ordinary ones (closed forms in float32): the same loss and gradients as the
+    default forward to float32 rounding (a wrong rule, such as attention's scale left out, is off by far more)."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    tokens = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
+    runs = [
+        value_and_grad(lm_loss)(load_checkpoint(qwen3, mesh, Plan(invariant=bool(i))), tokens, mesh) for i in (1, 0)
+    ]
+    (loss, grads), (ref_loss, ref) = runs
+    assert abs(loss.item() - ref_loss.item()) < 1e-5
+    want = {p: g for p, g in flatten_with_paths(ref) if isinstance(g, torch.Tensor)}
+    got = {p: g for p, g in flatten_with_paths(grads) if isinstance(g, torch.Tensor)}
+    assert got.keys() == want.keys() and len(got) > 10
+    for p, g in want.items():
+        assert (got[p] - g).abs().max() <= 1e-5 * g.abs().max(), p
 
 
 @pytest.fixture(scope="module")
