@@ -29,11 +29,10 @@ from typing import Any
 import torch
 
 from functional_npu import Mesh, Plan, compile_model
-from functional_npu.cli.demo import DEMO_CONFIG, DEMO_MODEL, SMALL_CONFIG
+from functional_npu.cli import DEMO_HF_CONFIG, SMALL_HF_CONFIG
+from functional_npu.models import family_of
 from functional_npu.placement import place
-from functional_npu.runtime.training.grad import lm_loss
-from functional_npu.runtime.training.optim import AdamW
-from functional_npu.runtime.training.train_step import compile_train_step
+from functional_npu.runtime.training import AdamW, compile_train_step, lm_loss
 
 from .timing import rates, ratio, rounds, seconds, stats
 
@@ -47,7 +46,7 @@ TRAIN_BATCH = (8, 64)
 
 def _params(cfg: Any, invariant: bool) -> dict:
     mesh = Mesh.abstract({"tp": 1}, 0)
-    params = DEMO_MODEL.init_params(cfg, seed=0)
+    params = family_of(cfg).init_params(cfg, seed=0)
     return params | {"placement": place(cfg, mesh, Plan(invariant=invariant))}
 
 
@@ -161,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             e, i, m = (r[name]["median"] for name in ("eager", "inductor", "matmul"))
             print(f"| {' x '.join(map(str, r['shape']))} | {e:.3f} | {i:.3f} | {m:.3f} | {r['same_bits']} |")
         return 0
-    cfg = SMALL_CONFIG if args.quick else DEMO_CONFIG
+    hf = SMALL_HF_CONFIG if args.quick else DEMO_HF_CONFIG
+    cfg = family_of(hf["architectures"][0]).from_hf(hf)
     result = measure(cfg, args.repeat)
     print(f"invariant mode's cost, {cfg.architecture}-style, {'small' if args.quick else 'demo'} model, float32, "
           f"inductor, {torch.get_num_threads()} threads, {args.repeat} rounds (median (min-max))\n")  # fmt: skip
