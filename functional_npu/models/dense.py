@@ -400,7 +400,7 @@ def ends(cfg: Any, plan: Plan) -> dict[str, Any]:
     """The embedding, head and greedy head blocks of any family's config (``Blocks`` fields)."""
     tp = plan.tp
     head_args = {"tp": tp, "eps": cfg.rms_norm_eps, "tied": cfg.tie_word_embeddings, "axes": head_axes(cfg, plan)}
-    head_args |= {"invariant": True} if plan.invariant else {}
+    head_args["invariant"] = plan.invariant
     return {
         "embed": functools.partial(embed, tp=tp, axes=plan.module_tp.embed),
         "head": functools.partial(head, **head_args),

@@ -19,7 +19,7 @@ fixed element by element, never in a kernel that chooses its own order:
 
 What uses them: linears (:func:`linear`, the reduction over the input dim), :func:`rms_norm`, attention
 (:func:`attend`: scores, softmax and the weighted sum of values, keys reduced by one tree for any cache length),
-:func:`log_softmax`, :func:`silu`, and the tensor-parallel sum (:func:`tp_sum`: gathered, then one tree over the ranks
+:func:`log_softmax`, :func:`silu`, and the tensor-parallel sum (:func:`tp_sum`: gathered, then added by adjacent pairs
 in rank order, not the order a ring all-reduce picks). Everything computes in float32 (bfloat16 inputs are widened,
 results rounded to their dtype once); float64 params are refused. Compiled with inductor, the C++ compiler must not
 contract a multiply and an add into one fused multiply-add nor reassociate: :data:`INDUCTOR_OPTIONS`.

@@ -26,8 +26,8 @@ DeepSeek's interleaved pair layout (``rope_interleave``).
 
 In the plan's ``invariant`` mode (:mod:`functional_npu.models.invariant`) prefill, decode and the training forward all
 take the plain form (the absorbed one reduces in another order), over either cache: linears and norms by trees,
-cos / sin by the polynomial ``sin_cos``, attention by :func:`~functional_npu.models.invariant.attend`, o_proj's sum
-over tp by :func:`~functional_npu.models.invariant.tp_sum`.
+cos / sin by the polynomial ``sin_cos``, attention by :func:`~functional_npu.models.invariant.attend`, o_proj by
+:func:`~functional_npu.models.invariant_ops.row_parallel` (the unsharded linear's bits at any tp).
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ def mla(
 ) -> torch.Tensor:
     """``h [B, S, D]`` (normed) -> the residual update ``[B, S, D]``; writes this step's latents into ``kv``.
     Heads are split over ``plan.tp``; ``plan.absorb`` / ``plan.mla_cache`` pick the decode path and the cache;
-    ``plan.invariant``: the plain form always, every reduction in one fixed order (:func:`_invariant`)."""
+    ``plan.invariant``: the plain form always, every reduction in one fixed order
+    (:mod:`~functional_npu.models.invariant`)."""
     s = h.shape[1]
     tp, invariant = plan.tp, plan.invariant
     dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -191,43 +192,32 @@ def mla(
     q_rot = _rotate(q_rot, step.cos, step.sin, cfg.rope_interleave)
     k_rot = _rotate(k_rot[:, None], step.cos, step.sin, cfg.rope_interleave)  # [B, 1, S, dr]
     scale = softmax_scale(cfg)
-    if invariant:
-        return _invariant(layer, q_nope, q_rot, c, k_rot, kv, step, mesh, plan, scale, nh, dn, dv)
     if plan.mla_cache == "heads":  # the baseline: every head's keys and values cached
-        keys, values = _expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv)
+        keys, values = _expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv, invariant)
         kv[0].scatter_(2, step.slot_c, keys)
         kv[1].scatter_(2, step.slot_r, values)
-        out = attend(torch.cat([q_nope, q_rot], dim=-1), kv[0], kv[1], step.mask, kind, scale=scale)
+        out = _attend(torch.cat([q_nope, q_rot], dim=-1), kv[0], kv[1], step.mask, scale, kind, invariant)
     else:
         kv[0].scatter_(2, step.slot_c, c)
         kv[1].scatter_(2, step.slot_r, k_rot)
         w_kv = dense(layer["kv_b_proj"])
-        if plan.absorb and s == 1 and w_kv is not None:  # (quantized: plain)
+        # (quantized: plain; invariant: plain in prefill, decode and training alike, the absorbed form reduces in
+        # another order)
+        if plan.absorb and s == 1 and w_kv is not None and not invariant:
             out = _absorbed(w_kv, q_nope, q_rot, kv, step.mask, scale, nh, dn)
         else:
-            out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv)
+            out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv, invariant)
     attn = rearrange(out, "b h s d -> b s (h d)")
+    if invariant:
+        return inv.row_parallel(attn, layer["o_proj"], mesh, tp)
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=plan.module_tp.o_proj)
 
 
-def _invariant(
-    layer: dict, q_nope, q_rot, c, k_rot, kv: KV, step: MlaStep, mesh: Mesh, plan: Plan, scale: float, nh, dn, dv
-) -> torch.Tensor:
-    """The invariant mode's attention: the plain form over either cache, in prefill, decode and training alike
-    (:func:`~functional_npu.models.invariant.linear` expands the latents, each cached token's keys and values the
-    same bits at any step), :func:`~functional_npu.models.invariant.attend`, then o_proj and
-    :func:`~functional_npu.models.invariant.tp_sum`: the residual update ``[B, S, D]``."""
-    if plan.mla_cache == "heads":
-        keys, values = _expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv, invariant=True)
-        kv[0].scatter_(2, step.slot_c, keys)
-        kv[1].scatter_(2, step.slot_r, values)
-        keys, values = kv
-    else:
-        kv[0].scatter_(2, step.slot_c, c)
-        kv[1].scatter_(2, step.slot_r, k_rot)
-        keys, values = _expand(layer["kv_b_proj"], kv[0], kv[1], nh, dn, dv, invariant=True)
-    out = inv.attend(torch.cat([q_nope, q_rot], dim=-1), keys, values, step.mask, scale)  # [B, nh, S, dv]
-    return inv.row_parallel(rearrange(out, "b h s d -> b s (h d)"), layer["o_proj"], mesh, plan.tp)
+def _attend(q, keys, values, mask, scale: float, kind: str, invariant: bool) -> torch.Tensor:
+    """Attention ``[B, nh, S, dv]`` by ``kind``, or (``invariant``) :func:`~functional_npu.models.invariant.attend`."""
+    if invariant:
+        return inv.attend(q, keys, values, mask, scale)
+    return attend(q, keys, values, mask, kind, scale=scale)
 
 
 def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, dv: int, invariant: bool = False) -> KV:
@@ -239,10 +229,12 @@ def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, d
     return torch.cat([k_nope, k_rot.expand(b, nh, length, k_rot.shape[-1])], dim=-1), values
 
 
-def _plain(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, kind: str, nh: int, dn: int, dv: int) -> torch.Tensor:
+def _plain(
+    w_kv, q_nope, q_rot, kv: KV, mask, scale: float, kind: str, nh: int, dn: int, dv: int, invariant: bool = False
+) -> torch.Tensor:
     """Every head's keys and values expanded from the cache, then attention: ``[B, nh, S, dv]``."""
-    keys, values = _expand(w_kv, kv[0], kv[1], nh, dn, dv)
-    return attend(torch.cat([q_nope, q_rot], dim=-1), keys, values, mask, kind, scale=scale)
+    keys, values = _expand(w_kv, kv[0], kv[1], nh, dn, dv, invariant)
+    return _attend(torch.cat([q_nope, q_rot], dim=-1), keys, values, mask, scale, kind, invariant)
 
 
 def _absorbed(w_kv, q_nope, q_rot, kv: KV, mask, scale: float, nh: int, dn: int) -> torch.Tensor:

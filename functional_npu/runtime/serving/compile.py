@@ -414,11 +414,7 @@ def compile_model(
     # does a model whose layers are fetched by broadcast within the step: fused into one kernel with the streamed
     # reductions, the earlier layers' work moves after the broadcast's wait (the hazard check's overlap finding)
     exact = invariant_options(params, placed, chosen, "compile_model")
-    if placed.plan.invariant and linear == "streamed":
-        raise ValueError(
-            "compile_model: linear='streamed' reduces in inductor's order, not the invariant mode's; pass linear=None"
-        )
-    streamed = _streamed(linear, chosen, placed, params, mesh, kernels or chosen.kernels) and not placed.plan.invariant
+    streamed = _streamed(linear, chosen, placed, params, mesh, kernels or chosen.kernels)
     prepare = _preparer(placed, mesh, kernels or chosen.kernels, streamed)
     params = prepare(params)
     _check_streamed(linear, params)
@@ -509,7 +505,15 @@ def _streamed(linear: str | None, chosen: Backend, placed: Placement, params: di
     """Whether float linears take their ``streamed`` form (the ``linear`` argument of :func:`compile_model`): where
     inductor compiles for the CPU, the weights are float and no layer arrives by broadcast within the step (fused
     into one kernel with the streamed reductions, the earlier layers' work moves after the broadcast's wait: the
-    hazard check's overlap finding). ``linear="streamed"`` where that does not hold is refused, naming what exists."""
+    hazard check's overlap finding), and not in the invariant mode (its linears are trees of their own).
+    ``linear="streamed"`` where that does not hold is refused, naming what exists."""
+    if placed.plan.invariant:
+        if linear == "streamed":
+            raise ValueError(
+                "compile_model: linear='streamed' reduces in inductor's order, not the invariant mode's; pass "
+                "linear=None"
+            )
+        return False
     ring = prefetch.ring_used(params, mesh, placed.plan)
     device = params["embed"].device.type
     exists = chosen.name == "inductor" and device == "cpu" and target == "cpu" and not ring

@@ -233,10 +233,11 @@ def logprobs_of(
     ``invariant``: the logits times ``1 / temperature`` and :func:`~functional_npu.models.invariant.log_softmax`, the
     same bits compiled or not, whatever the rows beside them."""
     if invariant:
-        scaled = logits.float() * (1.0 / temperature)
-        return inv.log_softmax(scaled).gather(-1, tokens[..., None]).squeeze(-1)
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+        logprobs = inv.log_softmax(logits.float() * (1.0 / temperature))
+    else:
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, tokens[..., None]).squeeze(-1)
 
 
 class Samples(NamedTuple):
