@@ -1,4 +1,5 @@
-"""The GPU script: ``python -m benchmarks gpu [--json FILE] [--repeat N] [--deadline S] [--no-tests]``.
+"""The GPU script: ``python -m benchmarks gpu [--json FILE] [--repeat N] [--deadline S] [--no-tests] [--tests T]
+[--formats F]``.
 
 One command for a machine with one NVIDIA GPU, run from the repository root with the torch that machine has (the
 package is imported from the tree, nothing is installed, nothing is downloaded). Within ``--deadline`` seconds
@@ -6,7 +7,8 @@ package is imported from the tree, nothing is installed, nothing is downloaded).
 
 1. records the machine (GPU, torch, CUDA, transformers);
 2. samples the **roofline**: a plain streaming read over a 2 GiB buffer (bytes/s) and a matrix product's peak at
-   8192^3 in float32 and bfloat16 (FLOP/s), each the best of 10 timed with CUDA events;
+   8192^3 in float32 and bfloat16 (FLOP/s), each the best of 10 timed with CUDA events; and the host link
+   (:func:`host_link`: pinned and pageable host-to-device copies, and a pinned copy beside compute in one CUDA graph);
 3. runs the **tests that need CUDA** (``tests/cuda``: params loaded onto the GPU, prefill and decode compiled with
    inductor and captured as CUDA graphs, tokens equal to transformers' on the same GPU, graphs replayed with no
    re-recording, skip or recompile, seeded sampling) in a pytest subprocess;
@@ -77,6 +79,47 @@ def gemm_peak(dtype: torch.dtype, n: int = 8192) -> float:
     return 2 * n**3 / _events_seconds(lambda: a @ b)
 
 
+def host_link(mib: int = 256, repeat: int = 10) -> dict[str, Any]:
+    """The host-to-device link a ring filled from host memory would use: bytes/s of one ``mib`` MiB copy from pinned
+    and from pageable host memory, and whether a pinned copy on a side stream overlaps compute inside one captured CUDA
+    graph (replay ms of the compute alone, the copy alone, and both, the copy joined back by an event)."""
+    n = mib * 2**20 // 2
+    pinned = torch.empty(n, dtype=torch.bfloat16, pin_memory=True).fill_(1.0)
+    pageable, slot = torch.ones(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    out = {"mib": mib,
+           "pinned_gb_s": n * 2 / _events_seconds(lambda: slot.copy_(pinned, non_blocking=True), repeat) / 1e9,
+           "pageable_gb_s": n * 2 / _events_seconds(lambda: slot.copy_(pageable), repeat) / 1e9}  # fmt: skip
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def compute() -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    def copy_beside(with_compute: bool) -> None:
+        ready = torch.cuda.Event()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            slot.copy_(pinned, non_blocking=True)
+            ready.record(side)
+        if with_compute:
+            compute()
+        torch.cuda.current_stream().wait_event(ready)
+
+    for name, fn in {"compute": compute, "copy": lambda: copy_beside(False), "both": lambda: copy_beside(True)}.items():
+        g = torch.cuda.CUDAGraph()
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            fn()
+        out[f"graph_{name}_ms"] = _events_seconds(g.replay, repeat) * 1e3
+    out["slot_equal"] = bool(torch.equal(slot.cpu(), pinned))
+    out["hidden_share"] = (out["graph_compute_ms"] + out["graph_copy_ms"] - out["graph_both_ms"]) / min(
+        out["graph_compute_ms"], out["graph_copy_ms"]
+    )
+    return out
+
+
 def environment() -> dict[str, Any]:
     import transformers
 
@@ -93,9 +136,11 @@ def environment() -> dict[str, Any]:
     }
 
 
-def run_tests(timeout: float) -> dict[str, Any]:
-    """``pytest tests/cuda`` in a subprocess: its exit code, summary line and output's tail."""
-    cmd = [sys.executable, "-m", "pytest", "tests/cuda", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rfEs"]
+def run_tests(timeout: float, which: str = "tests/cuda") -> dict[str, Any]:
+    """``pytest tests/cuda`` (or ``which``) in a subprocess: its exit code, summary line and the output's tail
+    (failures in short form, no captured logs)."""
+    cmd = [sys.executable, "-m", "pytest", *which.split(), "-q", "-p", "no:cacheprovider", "-p", "no:logging",
+           "-o", "addopts=", "-rfEs", "--tb=short"]  # fmt: skip
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -201,6 +246,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=420.0, help="seconds the whole run may take (default 420)")
     p.add_argument("--new", type=int, default=32, help="new tokens per generate (default 32)")
     p.add_argument("--no-tests", action="store_true", help="skip tests/cuda")
+    p.add_argument("--tests", default="tests/cuda", help="the tests to run (default tests/cuda)")
+    p.add_argument("--formats", default=",".join(FORMATS), help="the scoreboard's formats (default fp32,bf16)")
     return p.parse_args(argv)
 
 
@@ -220,15 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     res["roofline"] = {"read_gb_s": read_bandwidth() / 1e9}
     res["roofline"] |= {f"gemm_tflops_{f}": gemm_peak(dt) / 1e12 for f, dt in FORMATS.items()}
     print(f"gpu: {res['environment']}\n  roofline: {res['roofline']}", flush=True)
+    res["host_link"] = host_link()
+    print(f"  host link: {res['host_link']}", flush=True)
     save()
     if not args.no_tests:
-        res["tests"] = run_tests(timeout=max(60.0, 0.4 * args.deadline))
+        res["tests"] = run_tests(timeout=max(60.0, 0.4 * args.deadline), which=args.tests)
         print(f"  tests/cuda: exit {res['tests']['exit']}: {res['tests']['summary']}", flush=True)
         save()
     res["decode"], res["skipped"] = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_formats(FULL, Path(tmp))
-        for fmt in FORMATS:
+        for fmt in [f for f in args.formats.split(",") if f]:
             left = args.deadline - (time.perf_counter() - t0)
             if left < 60:
                 res["skipped"][fmt] = f"deadline: {left:.0f} s left"
