@@ -17,6 +17,7 @@ from .collectives import (
     broadcast,
     broadcast_in_flight,
     broadcast_into,
+    copy_into,
     permute,
     reduce_scatter,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "broadcast",
     "broadcast_in_flight",
     "broadcast_into",
+    "copy_into",
     "permute",
     "BROADCAST_INTO",
     "mesh_from_device_mesh",

@@ -35,6 +35,7 @@ __all__ = [
     "broadcast",
     "broadcast_in_flight",
     "broadcast_into",
+    "copy_into",
     "permute",
     "BROADCAST_INTO",
 ]
@@ -168,8 +169,11 @@ def _broadcast_into(
     ``src``, left in flight (``wait_tensor(slot)`` waits). ``after`` is read by nothing: it orders the write after
     the tensor's producer (every read of the slot's previous contents). ``size`` is the group's size (1: no
     broadcast)."""
-    if parts:
+    if parts and all(p.device == slot.device for p in parts):
         torch.cat([p.reshape(-1) for p in parts], out=slot)
+    elif parts:  # from host memory: one copy per part, asynchronous from pinned memory
+        for part, view in zip(parts, slot.split([p.numel() for p in parts])):
+            view.copy_(part.reshape(-1), non_blocking=True)
     if size > 1:
         torch.ops._c10d_functional.broadcast_(slot, src, group_name)
 
@@ -202,6 +206,24 @@ def broadcast_into(
             f"({sorted({str(p.dtype) for p in parts})}) do not fill a slot of {slot.numel()} {slot.dtype}"
         )
     torch.ops.functional_npu.broadcast_into(slot, list(parts), after, src, mesh.group_name(axis) if n > 1 else "", n)
+    return slot
+
+
+def copy_into(slot: torch.Tensor, parts: Sequence[torch.Tensor], after: torch.Tensor | None = None) -> torch.Tensor:
+    """``slot <- cat(parts)`` in place, ``parts`` in host memory (or anywhere): a ring slot filled from a local
+    source, the same graph op as :func:`broadcast_into` with a group of one (so every check of a ring's writes covers
+    it). Nothing is allocated; from pinned host memory the copies are asynchronous. The write starts only once
+    ``after`` exists. Returns ``slot``: pass it through ``funcol.wait_tensor`` before reading it.
+
+    Raises:
+        ValueError: ``parts`` that do not fill ``slot``.
+    """
+    if sum(p.numel() for p in parts) != slot.numel() or any(p.dtype != slot.dtype for p in parts):
+        raise ValueError(
+            f"copy_into: parts of {sum(p.numel() for p in parts)} elements "
+            f"({sorted({str(p.dtype) for p in parts})}) do not fill a slot of {slot.numel()} {slot.dtype}"
+        )
+    torch.ops.functional_npu.broadcast_into(slot, list(parts), after, 0, "", 1)
     return slot
 
 

@@ -9,6 +9,7 @@ how the forward moves it, as JAX keeps ``NamedSharding(mesh, PartitionSpec)`` ap
 - ``module_tp``: modules tensor-parallel over data-parallel axes too (:mod:`.module_tp`);
 - ``layer_shard`` and ``prefetch_step`` / ``prefetch_budget``: layer-sharded weight series and how far
   ahead they are fetched (:mod:`.layer_shard`, :mod:`.prefetch`, ``"auto"``: :mod:`.prefetch_cost`);
+- ``offload``: weight series kept whole in host memory, fetched into the same ring (:mod:`.offload`);
 - ``absorb``, ``mla_cache``: multi-head latent attention's decode path and cache (:mod:`functional_npu.models.mla`);
 - ``invariant``: every reduction of the forward in one fixed order, so that a rollout's log-probabilities equal the
   training forward's bit for bit (:mod:`functional_npu.models.invariant`);
@@ -32,12 +33,13 @@ from typing import Any
 from ..core.tree import register_static
 from .layer_shard import LayerShard, layer_shard
 from .module_tp import MODULES, ModuleTP
+from .offload import offload_names
 
 __all__ = ["Plan", "LAYOUT_FIELDS", "EXPERT_FIELDS", "MLA_FIELDS", "MLA_CACHES"]
 
 MLA_CACHES = ("latent", "heads")
 # fields that decide the params' layouts (params loaded for one plan run only under a plan agreeing on these)
-LAYOUT_FIELDS = ("tp", "expert_axes", "num_slots", "max_copies", "module_tp", "layer_shard")
+LAYOUT_FIELDS = ("tp", "expert_axes", "num_slots", "max_copies", "module_tp", "layer_shard", "offload")
 # fields only a family with experts / with latent attention reads (a family declares them, models.family)
 EXPERT_FIELDS = ("expert_axes", "num_slots", "max_copies", "dispatch_threshold")
 MLA_FIELDS = ("absorb", "mla_cache")
@@ -57,6 +59,8 @@ class Plan:
         layer_shard: layer-sharded series (a :class:`LayerShard`, or ``"o_proj,down"`` over ``"dp"``).
         prefetch_step: fetch layer ``l + k``'s series while layer ``l`` computes; ``"auto"``: the cost model's k.
         prefetch_budget: for ``"auto"``: the most bytes the prefetch ring (``k + 1`` slots of one layer) may take.
+        offload: series kept whole in host memory and copied into the prefetch ring ``prefetch_step`` layers ahead
+            (names as for ``layer_shard``: ``"o_proj,down"``, ``"layer"``; :mod:`.offload`).
         absorb: latent attention's decode steps attend in the latent space.
         mla_cache: latent attention's cache, ``"latent"`` or ``"heads"`` (every head's keys and values).
         invariant: the forward's reductions in one fixed order whatever the batch, position, cache length or padding
@@ -78,6 +82,7 @@ class Plan:
     layer_shard: LayerShard | None = None
     prefetch_step: int | str = 0
     prefetch_budget: float | None = None
+    offload: tuple[str, ...] = ()
     absorb: bool = True
     mla_cache: str = "latent"
     invariant: bool = False
@@ -105,6 +110,7 @@ class Plan:
         elif not isinstance(self.module_tp, ModuleTP):
             raise ValueError(f"Plan.module_tp must be a ModuleTP or a dict of module -> axes, got {self.module_tp!r}")
         _set(self, "layer_shard", _layer_shard(self.layer_shard))
+        _set(self, "offload", offload_names(self.offload))
         _check_ints(self)
         if self.prefetch_step != "auto" and not _int(self.prefetch_step, 0):
             raise ValueError(f"Plan.prefetch_step must be an int >= 0 or 'auto', got {self.prefetch_step!r}")
@@ -216,4 +222,6 @@ def _show(value: Any) -> str:
         return ", ".join(f"{m} over {a}" for m, a in value.items()) or "none"
     if isinstance(value, LayerShard):
         return f"{', '.join(value.leaves)} over {value.axis!r}"
+    if isinstance(value, tuple) and not value:
+        return "none"
     return repr(value)

@@ -40,10 +40,11 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from ..core.collectives import broadcast, broadcast_into
+from ..core.collectives import broadcast, broadcast_into, copy_into
 from ..core.mesh import Mesh
 from ..core.tree import flatten_with_paths, tree_from_paths
 from .layer_shard import series_of
+from .offload import host_of
 from .plan import Plan
 from .streams import INLINE, PREFETCH_STREAM, Streams
 
@@ -108,36 +109,59 @@ def _flat_series(params: dict[str, Any]) -> dict[str, torch.Tensor]:
     return dict(flatten_with_paths(series_of(params)))
 
 
+def _ringed(params: dict[str, Any]) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every series the ring carries by dotted path: its source (``"peer"``: layer-sharded, a broadcast from the
+    layer's owner; ``"host"``: kept in host memory, :mod:`.offload`) and its stacked tensor."""
+    out = {leaf: ("peer", x) for leaf, x in flatten_with_paths(series_of(params))}
+    return out | {leaf: ("host", x) for leaf, x in flatten_with_paths(host_of(params))}
+
+
 def coalesced(params: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The layer-sharded tensors (dotted paths in the series) grouped so that one layer's weights travel in
-    one broadcast per group: one group per dtype (a flat buffer of that dtype), in series order."""
-    groups: dict[torch.dtype, list[str]] = {}
-    for leaf, stacked in _flat_series(params).items():
-        groups.setdefault(stacked.dtype, []).append(leaf)
+    """The ring's tensors (dotted paths in the series) grouped so that one layer's weights travel in one write per
+    group: one group per source and dtype (a flat buffer of that dtype), layer-sharded series first, in series
+    order."""
+    groups: dict[tuple[str, torch.dtype], list[str]] = {}
+    for leaf, (source, stacked) in _ringed(params).items():
+        groups.setdefault((source, stacked.dtype), []).append(leaf)
     return [tuple(g) for g in groups.values()]
 
 
 def ring_spec(params: dict[str, Any]) -> list[tuple[int, torch.dtype]]:
     """One slot's buffers: ``(elements, dtype)`` per coalesced group, each the size of one layer's weights."""
-    series = _flat_series(params)
+    series = _ringed(params)
     return [
-        (sum(math.prod(series[leaf].shape[1:]) for leaf in leaves), series[leaves[0]].dtype)
+        (sum(math.prod(series[leaf][1].shape[1:]) for leaf in leaves), series[leaves[0]][1].dtype)
         for leaves in coalesced(params)
     ]
 
 
 def ring_used(params: dict[str, Any], mesh: Mesh, plan: Plan) -> bool:
-    """Whether layers arrive through the ring within a step: layer-sharded series over an axis of more than one
-    rank (``plan``: the plan the params were loaded for)."""
+    """Whether layers arrive through the ring within a step: series kept in host memory, or layer-sharded series
+    over an axis of more than one rank (``plan``: the plan the params were loaded for)."""
+    if host_of(params):
+        return True
     return bool(series_of(params)) and mesh.axis_size(plan.layer_shard.axis) > 1
 
 
+def _device(params: dict[str, Any]) -> torch.device:
+    """Where the ring lives: the device of the params' layers (host series stay in host memory)."""
+    for x in (*_flat_series(params).values(), *(t for layer in params["layers"] for t in layer.values())):
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return next(iter(_ringed(params).values()))[1].device
+
+
+def _axis(plan: Plan) -> str | None:
+    """The layer-sharded series' axis (None: only host series ride the ring)."""
+    return plan.layer_shard.axis if plan.layer_shard is not None else None
+
+
 def new_ring(params: dict[str, Any], mesh: Mesh, plan: Plan, k: int) -> list[torch.Tensor]:
-    """An empty ring of ``k + 1`` slots (``[]`` when the series are local: no series, or an axis of size 1).
-    Slot ``s`` group ``g`` is ``ring[s * groups + g]``."""
+    """An empty ring of ``k + 1`` slots (``[]`` when the series are local: no series, or an axis of size 1, and
+    none in host memory). Slot ``s`` group ``g`` is ``ring[s * groups + g]``."""
     if not ring_used(params, mesh, plan):
         return []
-    device = next(iter(_flat_series(params).values())).device
+    device = _device(params)
     return [torch.empty(size, dtype=dtype, device=device) for _ in range(k + 1) for size, dtype in ring_spec(params)]
 
 
@@ -174,7 +198,7 @@ def check_ring(params: dict[str, Any], mesh: Mesh, plan: Plan, ring: list[torch.
 
 def _issue(
     params: dict[str, Any],
-    axis: str,
+    axis: str | None,
     ring: list[torch.Tensor],
     v: int,
     k: int,
@@ -184,21 +208,25 @@ def _issue(
     phase: int = 0,
 ) -> list[torch.Tensor]:
     """Start fetching virtual layer ``v``'s series weights (``v >= L``: the next step's layer ``v - L``) into its
-    slot, one in-place broadcast per :func:`coalesced` group, on the prefetch stream, not before ``after`` exists,
-    then marks :func:`ready` for the slot on that stream (the layer's first use waits for the mark). Returns the
-    slot's buffers (in flight)."""
-    n, me = mesh.axis_size(axis), mesh.axis_index(axis)
+    slot, one write per :func:`coalesced` group (an in-place broadcast from the layer's owner, or a copy from host
+    memory), on the prefetch stream, not before ``after`` exists, then marks :func:`ready` for the slot on that
+    stream (the layer's first use waits for the mark). Returns the slot's buffers (in flight)."""
+    n, me = (mesh.axis_size(axis), mesh.axis_index(axis)) if axis is not None else (1, 0)
     li = v % len(params["layers"])
-    series, groups = _flat_series(params), coalesced(params)
+    series, groups = _ringed(params), coalesced(params)
     s = slot_of(v, k, phase)
+    gate = after if streams.gate else None
     out = []
     with streams.side(PREFETCH_STREAM):
         for g, leaves in enumerate(groups):
             slot = ring[s * len(groups) + g]
-            size = sum(math.prod(series[leaf].shape[1:]) for leaf in leaves)
+            size = sum(math.prod(series[leaf][1].shape[1:]) for leaf in leaves)
             slot = slot if slot.numel() == size else slot[:size]
-            parts = [series[leaf][li // n] for leaf in leaves] if li % n == me else []
-            out.append(broadcast_into(slot, parts, mesh, axis, src=li % n, after=after if streams.gate else None))
+            if series[leaves[0]][0] == "host":  # every layer is here, in host memory
+                out.append(copy_into(slot, [series[leaf][1][li] for leaf in leaves], after=gate))
+                continue
+            parts = [series[leaf][1][li // n] for leaf in leaves] if li % n == me else []
+            out.append(broadcast_into(slot, parts, mesh, axis, src=li % n, after=gate))
         streams.signal(ready(s))  # on the prefetch stream, after the slot's broadcasts
     return out
 
@@ -210,10 +238,10 @@ def ready(s: int) -> str:
 
 def _unpack(params: dict[str, Any], flats: list[torch.Tensor]) -> Weights:
     """The per-leaf views of one layer's coalesced buffers (a quantized leaf's as the dict of its tensors)."""
-    series = _flat_series(params)
+    series = _ringed(params)
     out = {}
     for leaves, flat in zip(coalesced(params), flats):
-        shapes = [series[leaf].shape[1:] for leaf in leaves]
+        shapes = [series[leaf][1].shape[1:] for leaf in leaves]
         parts = flat.split([math.prod(s) for s in shapes]) if len(leaves) > 1 else [flat]
         out |= {leaf: part.view(shape) for leaf, part, shape in zip(leaves, parts, shapes)}
     return tree_from_paths(out)
@@ -254,9 +282,9 @@ def layer_weights(
     backward holds every layer's weights, as any layer-sharded training step does (no ring bound).
     """
     layers = params["layers"]
-    if not series_of(params):
+    if not series_of(params) and not host_of(params):
         return lambda i, x: layers[i]
-    if plan.layer_shard is None:
+    if series_of(params) and plan.layer_shard is None:
         raise ValueError(
             f"the params hold layer-sharded series {list(series_of(params))}, but the plan shards no layers; pass the "
             f"plan they were loaded for (params['placement'].plan)"
@@ -264,9 +292,15 @@ def layer_weights(
     if not ring_used(params, mesh, plan):
         return lambda i, x: layers[i] | _local(params, i)
     if differentiable:
+        if host_of(params):
+            raise ValueError(
+                f"series {list(host_of(params))} are kept in host memory (plan.offload), a serving plan; a gradient "
+                f"step needs its weights on the device: train on params loaded without offload (reshard_params "
+                f"moves them between the two plans)"
+            )
         return _broadcast_weights(params, mesh, plan)
     ring = prefetched if prefetched else new_ring(params, mesh, plan, 0)
-    k, axis = check_ring(params, mesh, plan, ring), plan.layer_shard.axis
+    k, axis = check_ring(params, mesh, plan, ring), _axis(plan)
     groups, L = len(coalesced(params)), len(layers)
     sizes = [size for size, _ in ring_spec(params)]
     if phase is None and prefetched and next_phase(0, L, k) != 0:
@@ -334,7 +368,7 @@ def start(
     the series are local."""
     ring = new_ring(params, mesh, plan, k) if ring is None else ring
     for v in range(k if ring else 0):
-        _issue(params, plan.layer_shard.axis, ring, v, k, mesh)
+        _issue(params, _axis(plan), ring, v, k, mesh)
     return ring
 
 

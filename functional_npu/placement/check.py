@@ -19,13 +19,15 @@ from ..core.mesh import Mesh
 from ..core.shard import local_shape
 from ..core.tree import flatten_with_paths
 from ..models import family_of, series_leaves
+from ..parallel.layer_shard import LayerShard
 from ..parallel.module_tp import check_module_tp
+from ..parallel.offload import check_sources
 from ..parallel.plan import EXPERT_FIELDS, Plan
 from ..parallel.prefetch import check_prefetch_step
 
 __all__ = ["check_plan_fits", "check_leaves", "leaf_table", "resolved"]
 
-_COMMON = ("tp", "module_tp", "layer_shard", "prefetch_step", "prefetch_budget", "invariant", "model")
+_COMMON = ("tp", "module_tp", "layer_shard", "prefetch_step", "prefetch_budget", "offload", "invariant", "model")
 
 
 def check_plan_fits(cfg: Any, mesh: Mesh, plan: Plan, *, where: str = "model", layers: Any = None) -> None:
@@ -142,24 +144,37 @@ def _check_module_tp(cfg: Any, mesh: Mesh, plan: Plan, where: str) -> None:
 
 
 def _check_series(cfg: Any, plan: Plan, where: str, layers: Any) -> None:
-    """The layer-sharded series are this model's (:func:`functional_npu.models.series_leaves`), and a numeric
-    prefetch step fits its layers."""
-    if plan.layer_shard is None:
+    """The layer-sharded and offloaded series are this model's (:func:`functional_npu.models.series_leaves`), each
+    from one source, and a numeric prefetch step fits its layers."""
+    if plan.layer_shard is None and not plan.offload:
         return
     try:
-        series_leaves(cfg, plan.layer_shard, plan, layers)
+        sharded = series_leaves(cfg, plan.layer_shard, plan, layers).leaves if plan.layer_shard is not None else ()
+        check_sources(sharded, _offloaded(cfg, plan, layers))
         if plan.prefetch_step != "auto":
             check_prefetch_step(plan.prefetch_step, cfg.num_layers)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
 
+def _offloaded(cfg: Any, plan: Plan, layers: Any) -> tuple[str, ...]:
+    """``plan.offload`` resolved to leaf names, as :func:`functional_npu.models.series_leaves` resolves series."""
+    if not plan.offload:
+        return ()
+    try:
+        return series_leaves(cfg, LayerShard("host", plan.offload), plan, layers).leaves
+    except ValueError as e:
+        raise ValueError(str(e).replace("layer_shard:", "offload:").replace("layer-shard", "offload")) from None
+
+
 def resolved(cfg: Any, plan: Plan, layers: Any = None) -> Plan:
-    """``plan`` with its layer-sharded series resolved for ``cfg`` (leaf names, in the family's order), the
-    form loaded params carry; checked by :func:`check_plan_fits` first."""
-    if plan.layer_shard is None:
-        return plan
-    return dataclasses.replace(plan, layer_shard=series_leaves(cfg, plan.layer_shard, plan, layers))
+    """``plan`` with its layer-sharded and offloaded series resolved for ``cfg`` (leaf names, in the family's order),
+    the form loaded params carry; checked by :func:`check_plan_fits` first."""
+    if plan.layer_shard is not None:
+        plan = dataclasses.replace(plan, layer_shard=series_leaves(cfg, plan.layer_shard, plan, layers))
+    if plan.offload:
+        plan = dataclasses.replace(plan, offload=_offloaded(cfg, plan, layers))
+    return plan
 
 
 def _check_leaf(path: str, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, mesh: Mesh) -> None:

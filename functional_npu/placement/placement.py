@@ -33,6 +33,7 @@ from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths, register_static
 from ..models import family_of
 from ..parallel.layer_shard import series_specs, stack_series
+from ..parallel.offload import host_specs, stack_host
 from ..parallel.plan import LAYOUT_FIELDS, Plan
 from .check import check_leaves, check_plan_fits, leaf_table, resolved
 from .quant_config import QuantConfig
@@ -229,6 +230,9 @@ def _placed(cfg: Any, axes: tuple[tuple[str, int], ...], plan: Plan, quant: Quan
     stored = (meta, leaf_specs(specs, meta))
     if plan.layer_shard is not None:
         meta, specs = stack_series(meta, plan.layer_shard), series_specs(specs, plan.layer_shard, cfg.num_layers)
+    if plan.offload:
+        meta, specs = stack_host(meta, plan.offload), host_specs(specs, plan.offload, cfg.num_layers)
+    if plan.layer_shard is not None or plan.offload:
         layouts = leaf_specs(specs, meta)
     else:
         layouts = stored[1]

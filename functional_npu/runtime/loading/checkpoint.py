@@ -10,6 +10,7 @@ nothing else is). On any error nothing is returned, so nothing is half-loaded.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from ...core.shard import local_shape
 from ...core.tree import flatten_with_paths, map_with_path
 from ...models import Family, family_of
 from ...parallel.layer_shard import LayerShard, owned_layers, present
+from ...parallel.offload import check_host_memory, pinned
 from ...parallel.plan import Plan
 from ...placement.hf_layout import StoredPart, block_ranges, family_leaf, fused_dim, stored_parts, stored_tensors
 from ...placement.placement import Placement, place
@@ -207,16 +209,19 @@ def _load(
     # the series' owned layers plus the prefetch ring against replication (prefetch_step "auto": compile_model's)
     warn_ring_memory(wanted.placement, "load_checkpoint", stacklevel=4)  # the caller of load_checkpoint
     layer_shard = wanted.placement.plan.layer_shard  # the series as leaves
+    offload = wanted.placement.plan.offload  # the series kept in host memory, as leaves
     ckpt = _open_checkpoint(root, on_read)
     stored_dtype = _check_names_and_shapes(ckpt, wanted)
     check_ring_budget(wanted.placement, "load_checkpoint", dtype or stored_dtype)  # before any weight is read
+    if offload:
+        check_host_memory(_host_need(wanted, mesh, dtype or stored_dtype), f"load_checkpoint({root})")
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
     skip = _not_owned(wanted, mesh, layer_shard)
-    loaded = _read_leaves(ckpt, wanted, mesh, skip, dtype or stored_dtype, device, show)
+    loaded = _read_leaves(ckpt, wanted, mesh, skip, dtype or stored_dtype, device, show, offload)
     placed = {"placement": wanted.placement}
-    if layer_shard is None:
+    if layer_shard is None and not offload:
         return map_with_path(lambda p, _: loaded[p], wanted.meta) | placed
-    return _stack_owned(wanted, mesh, layer_shard, loaded) | placed
+    return _stack_owned(wanted, mesh, layer_shard, loaded, offload, device) | placed
 
 
 # ---- check ------------------------------------------------------------------------------------
@@ -361,9 +366,10 @@ def _read_leaves(
     dtype: torch.dtype | None,
     device: torch.device,
     show: bool,
+    offload: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
-    """This coordinate's shard of every leaf not in ``skip``, converted to ``dtype`` and put on ``device``; progress on
-    stderr if ``show``."""
+    """This coordinate's shard of every leaf not in ``skip``, converted to ``dtype`` and put on ``device`` (the
+    ``offload`` series' leaves kept in host memory); progress on stderr if ``show``."""
     loaded: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(wanted.leaves), desc=f"loading {ckpt.root.name}", unit="tensor", disable=not show)
     with bar:
@@ -371,7 +377,8 @@ def _read_leaves(
             if p not in skip:
                 x = _read_leaf(ckpt, wanted, p, mesh)
                 x = x.to(dtype) if dtype is not None and x.is_floating_point() else x
-                loaded[p] = x.to(device)
+                host = p.startswith("layers.") and p.split(".")[2] in offload
+                loaded[p] = x if host else x.to(device)
             bar.update()
     return loaded
 
@@ -426,6 +433,15 @@ def _read_box(tensor_slice, index: list[list[slice]], on_read, name: str) -> tor
     return torch.cat(parts, dim=multi)
 
 
+def _host_need(wanted: _Wanted, mesh: Mesh, dtype: torch.dtype) -> int:
+    """Bytes this rank keeps in host memory for the offloaded series (its tensor-parallel shard of every layer)."""
+    total = 0
+    for path, m in flatten_with_paths(wanted.placement.meta.get("host") or {}):
+        shape = local_shape(m.shape, wanted.placement.layouts[f"host.{path}"], mesh, path=f"host.{path}")
+        total += math.prod(shape) * (dtype.itemsize if m.is_floating_point() else m.element_size())
+    return total
+
+
 # ---- assemble (layer sharding) ----------------------------------------------------------------
 def _not_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard | None) -> set[str]:
     """Paths of the series leaves (and a quantized leaf's stored tensors) of layers this coordinate does not
@@ -438,11 +454,20 @@ def _not_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard | None) -> set[str]:
     return {p for p in wanted.leaves if p in skip or p.rpartition(".")[0] in skip}
 
 
-def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The layer-sharded params: the owned layers of each series stacked in layer order."""
+def _stack_owned(
+    wanted: _Wanted,
+    mesh: Mesh,
+    ls: LayerShard | None,
+    loaded: dict[str, torch.Tensor],
+    offload: tuple[str, ...] = (),
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """The layer-sharded params: the owned layers of each series stacked in layer order, and every layer of each
+    ``offload`` series stacked in host memory (pinned where ``device`` has pinned memory)."""
     meta = wanted.meta
-    mine = owned_layers(wanted.cfg.num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis))
-    leaves = present(ls, meta["layers"])  # the series: leaves every layer has (MoE: attention, not experts)
+    num_layers = wanted.cfg.num_layers
+    mine = owned_layers(num_layers, mesh.axis_size(ls.axis), mesh.axis_index(ls.axis)) if ls is not None else []
+    leaves = present(ls, meta["layers"]) if ls is not None else ()  # leaves every layer has (MoE: not experts)
 
     def leaf_of(i: int, leaf: str) -> Any:
         return _assembled(loaded, f"layers.{i}.{leaf}", meta["layers"][i][leaf])
@@ -460,11 +485,16 @@ def _stack_owned(wanted: _Wanted, mesh: Mesh, ls: LayerShard, loaded: dict[str, 
             series[leaf] = map_with_path(lambda _, *xs: torch.stack(xs), *owned)
         else:
             series[leaf] = map_with_path(empty, meta["layers"][0][leaf])
+    host = {}
+    for leaf in offload:
+        every = [leaf_of(i, leaf) for i in range(num_layers)]
+        host[leaf] = map_with_path(lambda _, *xs: pinned(torch.stack(xs), device or xs[0].device), *every)
     layers = [
-        {leaf: leaf_of(i, leaf) for leaf in layer if leaf not in leaves} for i, layer in enumerate(meta["layers"])
+        {leaf: leaf_of(i, leaf) for leaf in layer if leaf not in leaves and leaf not in offload}
+        for i, layer in enumerate(meta["layers"])
     ]
     top = {k: _assembled(loaded, k, v) for k, v in meta.items() if k != "layers"}
-    return top | {"layers": layers, "series": series}
+    return top | {"layers": layers} | ({"series": series} if ls is not None else {}) | ({"host": host} if host else {})
 
 
 def _assembled(loaded: dict[str, torch.Tensor], path: str, structure: Any) -> Any:

@@ -27,6 +27,7 @@ from ...models.decoder import DecodeState, decode
 from ...models.linear import KINDS, TARGETS, prepare_params
 from ...parallel import prefetch
 from ...parallel.layer_shard import series_of
+from ...parallel.offload import check_host_backend, host_of
 from ...parallel.plan import Plan
 from ...parallel.prefetch import check_prefetch_step
 from ...parallel.prefetch_cost import auto_step
@@ -408,6 +409,7 @@ def compile_model(
     cfg = placed.config
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     _check_wrapper(chosen, mesh)
+    check_host_backend(params, chosen.name, chosen.mode, chosen.captures, chosen.device_type, "compile_model")
     if chosen.name == "inductor":
         sweep()  # inductor would trust an object a killed compile left half-written in its cache
     # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
@@ -477,12 +479,14 @@ def _static(params: dict) -> None:
 
 
 def _same_tensors(params: dict, like: torch.Tensor, where: str) -> None:
-    """Every float leaf of ``params`` in ``like``'s dtype and on its device (the graphs were compiled for those)."""
+    """Every float leaf of ``params`` in ``like``'s dtype and on its device (the graphs were compiled for those); the
+    series kept in host memory (``params["host"]``, :mod:`~functional_npu.parallel.offload`) on the host."""
     for path, x in flatten_with_paths(params):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and (x.dtype, x.device) != (like.dtype, like.device):
+        device = torch.device("cpu") if path.startswith("host.") else like.device
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and (x.dtype, x.device) != (like.dtype, device):
             raise ValueError(
                 f"{where}: params[{path!r}] is {x.dtype} on {x.device}, the compiled model's weights {like.dtype} on "
-                f"{like.device}; load them in that dtype on that device (load_checkpoint(dtype=..., device=...))"
+                f"{device}; load them in that dtype on that device (load_checkpoint(dtype=..., device=...))"
             )
 
 
@@ -579,12 +583,15 @@ def _preparer(placed: Placement, mesh: Mesh, target: str, streamed: bool) -> Cal
 
 
 def _with_step(placed: Placement, params: dict, device: Any) -> Placement:
-    """``placed`` with its plan's prefetch step an int: 0 without layer-sharded series, the cost model's for
-    ``"auto"`` (:func:`~functional_npu.parallel.prefetch_cost.auto_step`), else the plan's, checked."""
+    """``placed`` with its plan's prefetch step an int: 0 without layer-sharded or host series, the cost model's for
+    ``"auto"`` (:func:`~functional_npu.parallel.prefetch_cost.auto_step`; 1 with host series alone), else the plan's,
+    checked."""
     plan = placed.plan
     k = plan.prefetch_step
-    if not series_of(params):
+    if not series_of(params) and not host_of(params):
         k = 0
+    elif k == "auto" and not series_of(params):  # host series only: one layer ahead (the cost model prices peers)
+        k = min(1, placed.config.num_layers - 1)
     elif k == "auto":  # the cost model reads the series the plan names
         k = auto_step(params, plan, placed.quant, device=device, budget_bytes=plan.prefetch_budget)
     k = check_prefetch_step(k, placed.config.num_layers)

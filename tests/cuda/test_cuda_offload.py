@@ -1,0 +1,55 @@
+"""Weights kept in host memory on a GPU (``Plan.offload``): the series stay in pinned host memory, the ring's slots on
+the device are filled from them by asynchronous copies, and greedy tokens equal the resident model's at prefetch
+steps 0, 1 and 2 (3 layers: vLLM 54975's 3 modules), eager and compiled with inductor; inductor's CUDA graphs (which
+skip a graph with host inputs) are refused by name.
+
+Run by ``python -m benchmarks gpu``; skipped where CUDA is absent, as on CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from functional_npu import Mesh, Plan, compile_model, load_checkpoint
+
+from ..support.hf_models import save_tiny
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (python -m benchmarks gpu)")
+
+ONE = Mesh.abstract({"tp": 1}, 0)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [1, 2, 3, 4, 5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-offload-cuda")
+    save_tiny("qwen3", path, 31, num_hidden_layers=3)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def resident(qwen3):
+    params = load_checkpoint(qwen3, ONE, device="cuda")
+    model = compile_model(params, ONE, backend="inductor", mode="default", batch_sizes=[4], max_seq_len=24)
+    return model.generate(PROMPTS, 8)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("backend", ["none", "inductor"])
+def test_offloaded_series_on_the_gpu_give_the_resident_tokens(qwen3, resident, k, backend):
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj,down", prefetch_step=k), device="cuda")
+    host = params["host"]["o_proj"]
+    assert host.device.type == "cpu" and host.is_pinned() and params["embed"].device.type == "cuda"
+    mode = "default" if backend == "inductor" else None
+    model = compile_model(params, ONE, backend=backend, mode=mode, batch_sizes=[4], max_seq_len=24)
+    state = model.new_state(4)
+    assert len(state.prefetched) == k + 1 and all(t.device.type == "cuda" for t in state.prefetched)
+    assert model.generate(PROMPTS, 8) == resident
+
+
+def test_inductors_cuda_graphs_are_refused_for_host_series(qwen3):
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj", prefetch_step=1), device="cuda")
+    with pytest.raises(ValueError, match=r"backend 'inductor' cannot copy them into the ring within a step: "
+                                         r"inductor's CUDA graphs skip"):  # fmt: skip
+        compile_model(params, ONE, batch_sizes=[4], max_seq_len=24)

@@ -1,0 +1,191 @@
+"""The prefetch ring filled from host memory (``Plan.offload``): each layer reads its own weights, the ring is the same
+``k + 1`` slots on every step, and every slot access is ordered, whatever L and k, with host and layer-sharded series
+side by side. Values are checked against the host tensors themselves (each layer's weights are its index, so a slot
+holding another layer shows), and the order by the hazard check over a recorded run; vLLM's issue 54975 (3 modules,
+prefetch 2) is reproduced without the ring's phase and fixed with it. Then loading, tokens against the resident model,
+and the bad inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from functional_npu import Mesh, Plan, compile_model, load_checkpoint
+from functional_npu.parallel import prefetch
+from functional_npu.parallel.hazard import check
+from functional_npu.parallel.hazard_fx import Recorder
+from functional_npu.parallel.layer_shard import LayerShard
+from functional_npu.parallel.offload import check_host_backend, check_host_memory, host_bytes
+
+from ..support.hf_models import save_tiny
+
+ONE = Mesh.abstract({"tp": 1}, 0)
+
+
+def _params(L: int, host: int, peer: int = 0) -> dict:
+    """``host`` series kept in host memory and ``peer`` layer-sharded ones over an axis of one rank (every layer
+    local, written into the ring by a broadcast of one), float32 and bfloat16; layer ``l``'s every element is ``l``."""
+    dtypes = (torch.float32, torch.bfloat16)
+
+    def stacked(j: int) -> torch.Tensor:
+        return torch.arange(L, dtype=dtypes[j % 2]).view(L, 1, 1).expand(L, 2 + j, 3).contiguous()
+
+    params = {"layers": [{"norm": torch.ones(3)} for _ in range(L)], "host": {f"h{j}": stacked(j) for j in range(host)}}
+    if peer:
+        params["series"] = {f"p{j}": stacked(j) for j in range(peer)}
+    return params
+
+
+def _plan(params: dict) -> Plan:
+    ls = LayerShard("dp", tuple(params["series"])) if "series" in params else None
+    return Plan(layer_shard=ls, offload=tuple(params["host"]))
+
+
+_MESH = Mesh.abstract({"dp": 1, "tp": 1}, 0)
+
+
+def _steps(params: dict, k: int, steps: int, turn: bool = True) -> tuple[list[list[int]], list, list]:
+    """Run ``steps`` decode steps' layer loops for real; per step, the layer each layer's weights came from (every
+    element of every leaf must say the same layer, else -1). ``turn=False``: each step from phase 0."""
+    plan = _plan(params)
+    ring = prefetch.start(params, _MESH, plan, k)
+    first = list(ring)
+    phase, seen = prefetch.RingPhase(), []
+    for _ in range(steps):
+        phase = phase if turn else prefetch.RingPhase()
+        weights = prefetch.layer_weights(params, ring, _MESH, plan, phase=phase)
+        x, got = torch.zeros(()), []
+        for i in range(len(params["layers"])):
+            layer = weights(i, x)
+            values = {float(v) for leaf in layer if leaf != "norm" for v in layer[leaf].float().unique()}
+            got.append(int(values.pop()) if len(values) == 1 else -1)
+            x = x + 1
+        seen.append(got)
+    return seen, ring, first
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(1, 24), data=st.data(), host=st.integers(1, 3), peer=st.integers(0, 2))
+def test_every_layer_reads_its_own_weights_from_host_memory(L, data, host, peer):
+    k = data.draw(st.integers(0, L - 1), label="k")
+    params = _params(L, host, peer)
+    seen, ring, first = _steps(params, k, steps=3)
+    assert seen == [list(range(L))] * 3
+    groups = len(prefetch.coalesced(params))
+    assert groups == min(host, 2) + min(peer, 2)  # one group per source and dtype
+    assert len(ring) == (k + 1) * groups and all(a is b for a, b in zip(ring, first))  # the same slots every step
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 24), data=st.data(), host=st.integers(1, 3), peer=st.integers(0, 2))
+def test_every_host_write_is_ordered(L, data, host, peer):
+    """The hazard check over a recorded run of two steps (writes recorded, not run)."""
+    k = data.draw(st.integers(0, L - 1), label="k")
+    params = _params(L, host, peer)
+    plan, groups = _plan(params), len(prefetch.coalesced(params))
+    ring = prefetch.new_ring(params, _MESH, plan, k)
+    rec, phase = Recorder(ring), prefetch.RingPhase()
+    with rec:
+        prefetch.start(params, _MESH, plan, k, ring)
+        for step in range(2):
+            weights = prefetch.layer_weights(params, ring, _MESH, plan, phase=phase)
+            x = torch.zeros(())
+            for i in range(L):
+                rec.layer = step * L + i
+                x = x + sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(weights(i, x)))
+    program = rec.program(0, groups)
+    assert len(program.writes) == (2 * L + k) * groups
+    assert check(program, k, slots=(k + 1) * groups) == []
+
+
+def test_vllm_54975_three_modules_at_prefetch_two():
+    """vLLM's issue 54975 (found by diverging tokens on a 910B3): 3 offloaded modules and a prefetch step of 2 that
+    does not divide them. Read as two slots (k = 1), slots numbered afresh each step put the next step's first layer
+    into a slot still holding this step's last: without the ring's phase the second step reads the wrong layers,
+    with it every step reads its own. Read as k = 2 (three slots), the ring's k + 1 divides L and the phase stays 0:
+    both numberings read the right layers."""
+    params = _params(3, host=2)
+    assert _steps(params, 1, steps=3)[0] == [[0, 1, 2]] * 3
+    wrong, *_ = _steps(params, 1, steps=3, turn=False)
+    assert wrong[0] == [0, 1, 2] and wrong[1] != [0, 1, 2], wrong
+    assert _steps(params, 2, steps=3)[0] == _steps(params, 2, steps=3, turn=False)[0] == [[0, 1, 2]] * 3
+
+
+def test_host_bytes_too_large_for_host_memory_is_one_line_with_both_figures():
+    check_host_memory(2**30, "load_checkpoint", available=2**31)
+    with pytest.raises(ValueError, match=r"^load_checkpoint: the offloaded series take 2\.00 GiB of host memory, "
+                                         r"and 1\.00 GiB is available"):  # fmt: skip
+        check_host_memory(2 * 2**30, "load_checkpoint", available=2**30)
+
+
+# ---- a model: loading, tokens, refusals -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-offload")
+    save_tiny("qwen3", path, 31, num_hidden_layers=3)
+    return str(path)
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [1, 2, 3, 4, 5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def resident(qwen3):
+    return compile_model(load_checkpoint(qwen3, ONE), ONE, backend="none", batch_sizes=[4], max_seq_len=24)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_offloaded_model_generates_the_resident_models_tokens(qwen3, resident, k):
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj,down_proj", prefetch_step=k))
+    assert sorted(params["host"]) == ["down", "o_proj"] and "o_proj" not in params["layers"][0]
+    assert params["host"]["o_proj"].shape[0] == 3 and host_bytes(params) == sum(
+        x.numel() * x.element_size() for x in params["host"].values()
+    )
+    model = compile_model(params, ONE, backend="none", batch_sizes=[4], max_seq_len=24)
+    assert model.plan.prefetch_step == k and len(model.new_state(4).prefetched) == (k + 1)
+    assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+
+
+def test_offloaded_model_compiled_with_inductor(qwen3, resident):
+    """L = 3 at k = 2 (3 modules, prefetch 2: vLLM 54975's case) through inductor: the resident model's tokens."""
+    params = load_checkpoint(qwen3, ONE, Plan(offload="layer", prefetch_step=2))
+    assert "layers" in params and params["layers"][0] == {}
+    model = compile_model(params, ONE, backend="inductor", batch_sizes=[4], max_seq_len=24)
+    assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+
+
+def test_a_series_both_offloaded_and_layer_sharded_is_refused(qwen3):
+    mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
+    with pytest.raises(ValueError, match=r"series \['o_proj'\] are both layer-sharded \(plan.layer_shard\) and kept "
+                                         r"in host memory \(plan.offload\)"):  # fmt: skip
+        load_checkpoint(qwen3, mesh, Plan(layer_shard="o_proj,down", offload="o_proj"))
+    with pytest.raises(ValueError, match=r"offload: a Qwen3ForCausalLM has no series \['nope'\]"):
+        load_checkpoint(qwen3, ONE, Plan(offload="nope"))
+    with pytest.raises(ValueError, match=r"Plan.offload: expected series names"):
+        Plan(offload="o_proj,1x")
+
+
+def test_a_backend_that_cannot_copy_from_host_inside_a_step_is_refused():
+    params = {"host": {"o_proj": torch.zeros(2, 2, 2)}}
+    ge = r"compile_model: series \['o_proj'\] are kept in host memory .* backend 'torchair' cannot copy them into "
+    with pytest.raises(ValueError, match=ge + r"the ring within a step: torchair takes"):
+        check_host_backend(params, "torchair", "max-autotune", False, "npu", "compile_model")
+    with pytest.raises(ValueError, match=r"backend 'torchair' .* torchair's captured mode is not checked"):
+        check_host_backend(params, "torchair", "reduce-overhead", True, "npu", "compile_model")
+    with pytest.raises(ValueError, match=r"backend 'inductor' .* inductor's CUDA graphs skip"):
+        check_host_backend(params, "inductor", "reduce-overhead", True, "cuda", "compile_model")
+    check_host_backend(params, "inductor", "default", False, "cuda", "compile_model")
+    check_host_backend(params, "inductor", "reduce-overhead", False, "cpu", "compile_model")  # the C++ wrapper
+    check_host_backend(params, "npugraph_ex", None, True, "npu", "compile_model")
+    check_host_backend({}, "torchair", "max-autotune", False, "npu", "compile_model")  # nothing in host memory
+
+
+def test_a_gradient_through_host_series_is_refused(qwen3):
+    from functional_npu.runtime.training.grad import lm_loss, value_and_grad
+
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj"))
+    with pytest.raises(ValueError, match=r"^value_and_grad: series \['o_proj'\] are kept in host memory"):
+        value_and_grad(lm_loss)(params, torch.tensor([[1, 2, 3, 4]]), ONE)
