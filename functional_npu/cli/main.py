@@ -144,13 +144,22 @@ def build_parser() -> argparse.ArgumentParser:
         "ranks outside the module TP groups, so a module-TP'd weight is layer-sharded over its replicas)",
     )
     gen.add_argument(
+        "--offload",
+        metavar="SERIES",
+        default=None,
+        help=(
+            "keep these weight series whole in host memory (pinned on an accelerator) and copy each layer's into the "
+            "prefetch ring --prefetch-step layers ahead: names as for --layer-shard"
+        ),
+    )
+    gen.add_argument(
         "--prefetch-step",
         type=_step,
         default=None,
         metavar="K",
         help=(
-            "with --layer-shard: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2), or "
-            "'auto' (the cost model picks K); default 1 (0 for a 2-layer model)"
+            "with --layer-shard or --offload: fetch layer l+K's weights while layer l computes (0 <= K <= layers-2), "
+            "or 'auto' (the cost model picks K); default 1 (0 for a 2-layer model)"
         ),
     )
     gen.add_argument(
@@ -232,14 +241,22 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
     if args.plan_from is not None:
         given = [f for f, v in (("--dp", args.dp > 1), ("--tp", args.tp > 1), ("--ep", args.ep > 1)) if v]
         given += [_MODULE_FLAGS[m] for m in sizes]
-        given += [f for f, v in (("--layer-shard", args.layer_shard), ("--prefetch-step", args.prefetch_step)) if v]
+        given += [
+            f
+            for f, v in (
+                ("--layer-shard", args.layer_shard),
+                ("--offload", args.offload),
+                ("--prefetch-step", args.prefetch_step),
+            )
+            if v
+        ]
         if given:
             parser.error(f"--plan {args.plan_from} sets the mesh and the plan; drop {', '.join(given)}")
     elif args.devices is not None:
         parser.error("--devices is the number of ranks --plan plans for; without --plan give --dp and --tp")
     module_tp = _module_tp(args, parser, sizes)
-    if args.layer_shard is None and args.prefetch_step is not None:
-        parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
+    if args.layer_shard is None and args.offload is None and args.prefetch_step is not None:
+        parser.error("--prefetch-step needs --layer-shard or --offload (which weight series to fetch ahead)")
     if args.layer_shard is None and args.layer_shard_axis is not None:
         parser.error("--layer-shard-axis needs --layer-shard (which weight series to spread over the axis)")
     if args.temperature == 0:
@@ -301,12 +318,13 @@ def _placement_of_flags(args: argparse.Namespace, cfg: Any, quant: Any, module_t
 
     series = layer_shard(args.layer_shard, args.layer_shard_axis or "dp") if args.layer_shard else None
     step = args.prefetch_step
-    if series is not None and step is None:
+    if (series is not None or args.offload) and step is None:
         step = min(1, cfg.num_layers - 1)
     plan = Plan(
         expert_axes=("dp", "tp") if args.ep > 1 else (),
         module_tp=module_tp,
         layer_shard=series,
+        offload=args.offload,
         prefetch_step=step or 0,
     )
     return place(cfg, args.axes, plan, quant, where=str(args.model))

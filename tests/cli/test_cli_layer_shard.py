@@ -25,10 +25,25 @@ def test_generate_layer_sharded_over_dp_with_prefetch(qwen3, step):
     assert out["prefetch_step"] == 1 if step == "1" else 0 <= out["prefetch_step"] <= 3
 
 
+def test_generate_with_series_in_host_memory(qwen3):
+    """``--offload``: o_proj and down_proj kept in host memory, 2 layers ahead, on one rank; down_proj in host memory
+    beside o_proj layer-sharded over two ranks (the ring mixes both sources); transformers' tokens either way."""
+    path, prompts, ref = qwen3
+    for args in (["--offload", "o_proj,down_proj", "--prefetch-step", "2"],
+                 ["--dp", "2", "--layer-shard", "o_proj", "--offload", "down_proj"]):  # fmt: skip
+        out = generate_json(path, prompts, *args, "--backend", "none", "--max-new-tokens", "5")
+        assert out["token_ids"] == ref, args
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--prefetch-step", "1"], "--prefetch-step needs --layer-shard (which weight series to fetch ahead)"),
+        (["--prefetch-step", "1"], "--prefetch-step needs --layer-shard or --offload (which weight series to fetch"),
+        (
+            ["--dp", "2", "--layer-shard", "o_proj", "--offload", "o_proj,down_proj"],
+            "series ['o_proj'] are both layer-sharded (plan.layer_shard) and kept in host memory (plan.offload)",
+        ),
+        (["--offload", "o_proj,1x"], "Plan.offload: expected series names like 'o_proj,down' or 'layer'"),
         (
             ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "4"],
             "prefetch_step must be an int with 0 <= k <= num_layers - 1 = 3 (the model has 4 layers, so a ring "
