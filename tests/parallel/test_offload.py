@@ -21,6 +21,7 @@ from functional_npu.parallel.layer_shard import LayerShard
 from functional_npu.parallel.offload import check_host_backend, check_host_memory, host_bytes
 
 from ..support.hf_models import save_tiny
+from ..support.offload_workers import resharded_into_host_memory
 
 ONE = Mesh.abstract({"tp": 1}, 0)
 
@@ -155,6 +156,14 @@ def test_offloaded_model_compiled_with_inductor(qwen3, resident):
     assert "layers" in params and params["layers"][0] == {}
     model = compile_model(params, ONE, backend="inductor", batch_sizes=[4], max_seq_len=24)
     assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+
+
+def test_reshard_from_a_training_plan_into_host_memory(qwen3, world2):
+    """Weight sync into a serving plan that keeps series in host memory, on two gloo ranks: every host layer is the
+    checkpoint's tensor-parallel shard of it, and the tokens are the resident serving plan's."""
+    for r in world2.run(resharded_into_host_memory, qwen3, PROMPTS, 6):
+        assert r["same"] and r["host_device"] == "cpu"
+        assert r["offloaded"] == r["resident"]
 
 
 def test_a_series_both_offloaded_and_layer_sharded_is_refused(qwen3):

@@ -28,16 +28,22 @@ from ...core.mesh import Mesh
 from ...core.reshard import ReshardPlan, Source, check_program, plan_reshard, run_buckets
 from ...core.shard import full_shape
 from ...core.tree import flatten_with_paths, map_with_path
+from ...parallel.offload import pinned
 from ...parallel.plan import Plan
 from ...placement.placement import Placement, place, placement_of
 
 __all__ = ["reshard_params", "plan_params_reshard"]
 
+# the stacked leaves of a plan: a layer-sharded series (dim 0 cyclic) and a series kept in host memory (dim 0 whole)
+_HEADS = ("series", "host")
+_STACKED = tuple(f"{h}." for h in _HEADS)
+
 
 def _every_layer(paths: Iterable[str], num_layers: int) -> set[str]:
-    """Leaves every layer has, counting a layer-sharded series (``paths``: a plan's leaf paths)."""
+    """Leaves every layer has, counting a layer-sharded series and one kept in host memory (``paths``: a plan's leaf
+    paths)."""
     per_layer = Counter(p.split(".", 2)[2] for p in paths if p.startswith("layers."))
-    series = {p.split(".", 1)[1] for p in paths if p.startswith("series.")}
+    series = {p.split(".", 1)[1] for p in paths if p.startswith(_STACKED)}
     return {leaf for leaf, n in per_layer.items() if n == num_layers} | series
 
 
@@ -46,7 +52,7 @@ def _stacked_layouts(layouts: dict[str, Layout], every: set[str]) -> dict[str, L
     out: dict[str, Layout] = {}
     for path, lay in layouts.items():
         head, _, rest = path.partition(".")
-        if head == "series":
+        if head in _HEADS:
             out[f"stack.{rest}"] = lay
         elif head == "layers" and rest.partition(".")[2] in every:
             i, _, leaf = rest.partition(".")
@@ -73,7 +79,7 @@ def _stacked(params: dict, every: set[str]) -> tuple[dict[str, torch.Tensor], So
             continue
         head, _, rest = path.partition(".")
         leaf = rest.partition(".")[2]
-        if head == "series":
+        if head in _HEADS:
             tensors[f"stack.{rest}"] = x
         elif head == "layers" and leaf in every:
             per_layer.setdefault(leaf, []).append(x)
@@ -113,6 +119,8 @@ def _unstacked(moved: dict[str, torch.Tensor], full: dict, every: set[str]) -> d
 
     def pick(path: str, _: Any) -> torch.Tensor:
         head, _, rest = path.partition(".")
+        if head == "host":  # kept in host memory, pinned where the params' device has it
+            return pinned(moved[f"stack.{rest}"], moved[f"stack.{rest}"].device)
         return moved[f"stack.{rest}"] if head == "series" else moved[path]
 
     return map_with_path(pick, full)
