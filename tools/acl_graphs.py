@@ -10,6 +10,8 @@ would start capturing (:mod:`functional_npu.npu.acl_graph`); that graph is the a
 
 - ``acl_graph.txt``: the FX graph after every npugraph_ex pass;
 - ``acl_streams.json``: its ops per stream in capture order, and the event edges between streams;
+- ``acl_invariant.json`` (invariant cases): :func:`functional_npu.npu.invariant_graph.acl_check`'s findings: the
+  graph's aten ops by what they do to the bits, and any that may reduce or round in its own order;
 - ``acl_prefetch.json`` (layer-sharded cases): the ring's hazard check over capture order
   (:func:`functional_npu.npu.acl_graph.prefetch_report`): violations, ring slots and bytes, and the
   prefetch bytes the graph allocates (zero: the ring is the graph's input);
@@ -90,13 +92,13 @@ def _checks(gm: Any) -> dict[str, Any]:
 
 
 def _run(sources: Path, out: Path, names: list[str]) -> None:
-    from functional_npu.npu import acl_graph, acl_replay
+    from functional_npu.npu import acl_graph, acl_replay, invariant_graph
 
     acl_replay.install(sources)
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from functional_npu.models import forward
+    from functional_npu.models import forward, invariant_ops
     from functional_npu.parallel import prefetch
     from functional_npu.runtime import RankContext
     from functional_npu.runtime.serving import npugraph_ex_config, npugraph_ex_streams
@@ -121,7 +123,7 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
                 mesh.init_groups()
             args = case_inputs(case, mesh, device="cpu")
             fn = functools.partial(forward, attention="math", streams=streams)
-            got = acl_graph.capture(fn, args, npugraph_ex_config())
+            got = acl_graph.capture(fn, args, npugraph_ex_config(), invariant_ops.decompositions())
         except Exception as e:  # noqa: BLE001 - reported per case, the rest still converts
             results[name] = {"error": _error(e)}
             continue
@@ -131,6 +133,8 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
             "streams": acl_graph.streams_summary(gm) | {"labels": got["stream_labels"]},
         }
         entry["checks"] = _checks(gm)
+        if case.invariant:
+            entry["invariant"] = invariant_graph.acl_check(gm.graph)
         if case.series is not None:
             entry["prefetch"] = acl_graph.prefetch_report(gm, case.k)
         if case.series is not None and name == case.name:
@@ -190,6 +194,9 @@ def acl_artifacts(
             "acl_checks.json": got["checks"],
         }
         problems += [f"{where}: ACL graph capture: {p}" for p in _check_problems(got["checks"])]
+        if "invariant" in got:
+            files["acl_invariant.json"] = got["invariant"]
+            problems += [f"{where}: ACL graph invariant ops: {p}" for p in got["invariant"]["problems"]]
         if "prefetch" in got:
             files["acl_prefetch.json"] = got["prefetch"]
             problems += [f"{where}: ACL graph prefetch: {p}" for p in got["prefetch"]["problems"]]

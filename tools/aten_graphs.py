@@ -33,7 +33,18 @@ import torch
 import torch.utils._pytree as pytree
 
 from functional_npu.core import BROADCAST_INTO, Mesh, Quant, quantize, shard
-from functional_npu.models import Routing, deepseek, family_of, forward, gemma3, init_state, llama, moe, prepare_params
+from functional_npu.models import (
+    Routing,
+    deepseek,
+    family_of,
+    forward,
+    gemma3,
+    init_state,
+    invariant_ops,
+    llama,
+    moe,
+    prepare_params,
+)
 from functional_npu.parallel import INLINE, Plan, Streams, layer_shard, prefetch, series_specs, split_dp, stack_series
 from functional_npu.placement import QuantConfig, place, quantize_plan, resolved
 from functional_npu.runtime import RankContext
@@ -138,6 +149,7 @@ LAYER_SHARD_LAYERS = 4  # enough layers for every prefetch step k = 0, 1, 2 (k <
 LAYER_SHARD_STEPS = (0, 1, 2)
 MODULE_TP = {"o_proj": 2, "lm_head": 2, "embed": 2, "mlp": 2}  # the composed case: every module over 2 dp ranks
 MODULE_TP_DP = 4  # of 4: dp -> (dp 2, dp2 2), o_proj and down also layer-sharded over the outer dp
+INVARIANT_FAMILY = "qwen3"  # Plan.invariant's cases: a dense family, its ops decomposed as the NPU backends get them
 GRAPH_QUANTS = {  # every linear but lm_head, as compressed-tensors stores them; the model in bf16
     "w8a8": Quant(8, "channel", activations="token"),
     "w4a16": Quant(4, "group", group_size=32, symmetric=False),
@@ -158,6 +170,7 @@ class Case:
     k: int = 0
     quant: str | None = None
     module_tp: bool = False
+    invariant: bool = False
 
     @property
     def name(self) -> str:
@@ -169,6 +182,8 @@ class Case:
             return f"{self.family}-dp2-layer_shard-k{self.k}-{self.phase}"
         if self.quant is not None:
             return f"{self.family}-tp{self.tp}-{self.quant}-{self.phase}"
+        if self.invariant:
+            return f"{self.family}-tp{self.tp}-invariant-{self.phase}"
         return f"{self.family}-tp{self.tp}-{self.phase}"
 
     @property
@@ -200,6 +215,7 @@ class Case:
                 module_tp=split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1] if self.module_tp else {},
                 layer_shard=None if self.series is None else layer_shard(self.series, "dp"),
                 prefetch_step=self.k,
+                invariant=self.invariant,
             ),
         )
 
@@ -210,6 +226,7 @@ CASES: tuple[Case, ...] = (
     + tuple(Case("qwen3", phase, 2, quant=q) for q in GRAPH_QUANTS for phase in PHASES)
     + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, 1, module_tp=True) for phase in PHASES)
     + tuple(Case(fam, "train", 2) for fam in TRAIN_FAMILIES)
+    + tuple(Case(INVARIANT_FAMILY, phase, tp, invariant=True) for tp in TP_SIZES for phase in PHASES)
 )
 
 
@@ -324,7 +341,7 @@ def _capture(case: Case, ctx: RankContext) -> tuple[torch.fx.GraphModule, list[s
         graphs.append(gm)
         return gm.forward
 
-    aot = aot_autograd(fw_compiler=keep)
+    aot = aot_autograd(fw_compiler=keep, decompositions=invariant_ops.decompositions())  # as the NPU backends do
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         layouts.append(dynamo_inputs(gm))

@@ -8,6 +8,8 @@ fake process group. Conversion ends where torchair hands the serialized graph to
 (:mod:`functional_npu.npu.host`); that graph is the artifact:
 
 - ``ge_graph.pbtxt.gz``: the GE graph in protobuf text format (sorted map keys), gzipped;
+- ``ge_invariant.json`` (invariant cases): :func:`functional_npu.npu.invariant_graph.ge_check`'s findings: the
+  graph's ops by what they do to the bits, its float64 ops, and any op that may reduce or round in its own order;
 - ``ge_census.json``: GE op type -> count;
 - ``ge_hcom.json``: the ordered Hcom ops with their group's ranks and mesh axis, bytes, root, stream;
 - ``ge_prefetch.json`` (layer-sharded cases): :func:`functional_npu.npu.ge_graph.ring_check`'s findings: the
@@ -30,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from functional_npu.npu import TorchairUnavailable, ge_graph, torchair_sources
+from functional_npu.npu import TorchairUnavailable, ge_graph, invariant_graph, torchair_sources
 
 from .aten_graphs import CASES, case_function, case_mesh, known_cases
 from .conversion import run_conversion
@@ -53,6 +55,7 @@ def convert(fn: Any, args: tuple[Any, ...], *, ordered: bool = True) -> Any:
     import torch
     import torchair  # type: ignore[import-not-found]
 
+    from functional_npu.models import invariant_ops
     from functional_npu.npu import host
     from functional_npu.runtime.serving import ge_converters
 
@@ -63,7 +66,10 @@ def convert(fn: Any, args: tuple[Any, ...], *, ordered: bool = True) -> Any:
     config.mode = "max-autotune"
     torch._dynamo.reset()
     compiled = torch.compile(
-        fn, backend=torchair.get_npu_backend(compiler_config=config), fullgraph=True, dynamic=False
+        fn,
+        backend=torchair.get_npu_backend(compiler_config=config, custom_decompositions=invariant_ops.decompositions()),
+        fullgraph=True,
+        dynamic=False,
     )
     before = len(host.handed())
     try:
@@ -229,6 +235,10 @@ def case_artifacts(
         "ge_hcom.json": hcom,
     }
     problems = [f"{where}: Hcom schedule != aten schedule: {d}" for d in compare_schedules(aten_schedule, hcom)]
+    if case.invariant:  # the invariant functions' ops only: no MatMul, no ReduceSum, no fused kernel
+        ops = invariant_graph.ge_check(got["ops"])
+        files["ge_invariant.json"] = ops
+        problems += [f"{where}: invariant ops: {p}" for p in ops["problems"]]
     if case.series is not None:
         order = _prefetch_order(case, got["ops"], inputs)
         files["ge_prefetch.json"] = order

@@ -11,7 +11,7 @@
 * :mod:`.family`: :func:`family_of` and the :func:`forward` every family runs through.
 """
 
-from . import deepseek, dense, gemma3, invariant, llama, moe
+from . import deepseek, dense, gemma3, invariant, invariant_ops, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
 from .experts import Routing
@@ -51,6 +51,7 @@ __all__ = [
     "plan_of",
     "check_invariant",
     "invariant",
+    "invariant_ops",
     "Blocks",
     "DecodeState",
     "Routing",

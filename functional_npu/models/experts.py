@@ -163,7 +163,7 @@ def _scores(logits: torch.Tensor, scoring: str, invariant: bool) -> torch.Tensor
     if not invariant:
         return x.softmax(-1) if scoring == "softmax" else x.sigmoid()
     if scoring == "softmax":
-        p = inv.exp(x - x.amax(-1, keepdim=True))
+        p = inv.exp(x - x.max(-1, keepdim=True).values)
         return p / inv.tree_sum(p, keepdim=True)
     return torch.ones_like(x) / (inv.exp(-x) + 1.0)
 

@@ -123,6 +123,8 @@ class Family:
             DeepSeek-V3's routing correction bias is moved by a balancing rule, not by the loss).
         not_invariant: the ops of this family's forward that have no invariant form yet (``Plan.invariant`` is
             refused naming them); ``None``: its blocks run the invariant mode (:mod:`functional_npu.models.invariant`).
+        npu_invariant: whether its invariant forward's NPU graphs (torchair's GE graph, npugraph_ex's ACL graph) are
+            checked to hold only the invariant functions' ops (graphs/*-invariant-*): the NPU backends run it then.
     """
 
     name: str
@@ -147,6 +149,7 @@ class Family:
     cost: Callable[[Any], CostShape] | None = None
     buffers: frozenset[str] = frozenset()
     not_invariant: str | None = None
+    npu_invariant: bool = False
 
 
 def _functions(module: Any) -> dict[str, Any]:
@@ -174,6 +177,7 @@ LLAMA = Family(
     series_aliases=llama.SERIES_ALIASES,
     megatron=Megatron(llama.MEGATRON_NAMES, llama.MEGATRON_ALIASES, llama.megatron_layouts),
     cost=_dense_cost,
+    npu_invariant=True,  # graphs/qwen3-tp*-invariant-*
 )
 MOE = Family(
     name="moe",

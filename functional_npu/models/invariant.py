@@ -142,8 +142,9 @@ def log(x: torch.Tensor) -> torch.Tensor:
     about 1 ulp). What it is given here is a sum of ``exp`` values that holds a 1: at least 1."""
     x = x.float()
     bits = x.view(torch.int32)
-    e = (torch.bitwise_right_shift(bits, 23) & 0xFF) - 126
-    m = ((bits & 0x007FFFFF) | 0x3F000000).view(torch.float32)  # x = m * 2 ** e, m in [0.5, 1)
+    biased = bits // (1 << 23)  # the exponent bits (the sign bit is 0): bits >> 23
+    e = biased - 126
+    m = (bits - biased * (1 << 23) + 0x3F000000).view(torch.float32)  # x = m * 2 ** e, m in [0.5, 1)
     small = m < _SQRT_HALF
     e = (e - small.to(torch.int32)).float()
     f = torch.where(small, m + m, m) - 1.0
@@ -197,10 +198,10 @@ def rsqrt(x: torch.Tensor) -> torch.Tensor:
     """``1 / sqrt(x)`` of positive, normal float32 ``x`` from its bits and three Newton steps (within 2 ulp). Not
     ``torch.sqrt``: eager's takes MKL's vector math on the CPU, which is not correctly rounded, and inductor's is."""
     x = x.float()
-    y = (0x5F375A86 - torch.bitwise_right_shift(x.view(torch.int32), 1)).view(torch.float32)
+    y = (-(x.view(torch.int32) // 2) + 0x5F375A86).view(torch.float32)  # the constant less bits >> 1 (sign bit 0)
     half = x * 0.5
     for _ in range(3):
-        y = y * (1.5 - half * y * y)
+        y = y * (-(half * y * y) + 1.5)  # 1.5 - t as -t + 1.5, the same bits (GE converts an rsub to Sxpy)
     return y
 
 
@@ -290,7 +291,7 @@ def attend(
     scores = tree_sum(qf * kf) * (d**-0.5 if scale is None else scale)  # [B, kv, g, S, C]
     seen = mask.reshape(b, 1, 1, s, c)
     scores = scores.masked_fill(~seen, float("-inf"))
-    p = exp(scores - scores.amax(-1, keepdim=True))  # hidden keys: exp(-inf) = 0
+    p = exp(scores - scores.max(-1, keepdim=True).values)  # hidden keys: exp(-inf) = 0
     den = tree_sum(p, keepdim=True)[..., None]  # [B, kv, g, S, 1, 1]
     vf = values.float().reshape(b, kv, 1, 1, c, -1)
     num = tree_sum(torch.where(seen[..., None], p[..., None] * vf, 0.0), dim=-2, keepdim=True)  # [B, kv, g, S, 1, dv]
@@ -300,7 +301,7 @@ def attend(
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """``log_softmax`` over the last dim in float32: ``x - max - log(sum exp(x - max))`` with :func:`exp`,
     :func:`tree_sum` and :func:`log`."""
-    z = x.float() - x.float().amax(-1, keepdim=True)
+    z = x.float() - x.float().max(-1, keepdim=True).values
     return z - log(tree_sum(exp(z), keepdim=True))
 
 

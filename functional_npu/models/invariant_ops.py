@@ -18,7 +18,7 @@ import torch
 from ..core.mesh import Mesh
 from . import invariant as math_
 
-__all__ = ["linear", "row_parallel", "rms_norm", "silu", "attend", "log_softmax", "sin_cos"]
+__all__ = ["linear", "row_parallel", "rms_norm", "silu", "attend", "log_softmax", "sin_cos", "decompositions"]
 
 _NS = "functional_npu"
 
@@ -236,3 +236,18 @@ def attend(
 def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`functional_npu.models.invariant.sin_cos` as one op (rotary angles: no gradient)."""
     return _sin_cos_op(x)
+
+
+def decompositions() -> dict:
+    """Each op as the aten ops of its function (:mod:`functional_npu.models.invariant`), for a compiler that converts
+    aten ops one by one and has nothing for an opaque op: torchair's and npugraph_ex's ``custom_decompositions``
+    (their GE and ACL graphs then hold the trees of adds and multiplies themselves)."""
+    ops = torch.ops.functional_npu
+    return {
+        ops.invariant_linear.default: math_.linear,
+        ops.invariant_rms_norm.default: math_.rms_norm,
+        ops.invariant_silu.default: math_.silu,
+        ops.invariant_log_softmax.default: math_.log_softmax,
+        ops.invariant_attend.default: math_.attend,
+        ops.invariant_sin_cos.default: math_.sin_cos,
+    }

@@ -6,6 +6,7 @@ from .wheel import TorchairUnavailable, torchair_sources
 - :mod:`.host`: the set-up of a conversion process (no ``torch_npu``, a stand-in for the native module).
 - :mod:`.ge_graph`: what a converted GE graph says: op census, Hcom schedule, streams, and whether
   its partial order keeps the prefetch bounds.
+- :mod:`.invariant_graph`: whether a GE or ACL graph of the invariant mode holds only the invariant functions' ops.
 
 The conversion itself runs in a subprocess (``python -m tools.ge_graphs``, from the repository), never
 in a process that imports torch for anything else.

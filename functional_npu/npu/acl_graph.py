@@ -197,11 +197,12 @@ def install(dynamo_dir: Path) -> None:
     fx2acl_converter.AclGraph = _AclGraph
 
 
-def backend(config: Any) -> Any:
+def backend(config: Any, decompositions: dict | None = None) -> Any:
     """npugraph_ex's ``torch.compile`` backend under ``config``, after ``torch._dynamo.reset()``; the next graph is
     named as the first of a fresh process. Run only in a process set up by :func:`install`. ``config`` is taken as
     given: this library's own (:func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) was checked when
-    it was made."""
+    it was made; ``decompositions``: its ``custom_decompositions`` (the library's backend passes the invariant ops',
+    :func:`functional_npu.models.invariant_ops.decompositions`)."""
     import npugraph_ex  # type: ignore[import-not-found]
     from npugraph_ex import npu_fx_compiler  # type: ignore[import-not-found]
     from npugraph_ex._acl_concrete_graph import graph_pass, replace_stream_event  # type: ignore[import-not-found]
@@ -214,14 +215,14 @@ def backend(config: Any) -> Any:
     # its fusion patterns replace matches with torch_npu's own ops (torch.ops.npu.npu_add_rms_norm, ...,
     # npu_transpose_batchmatmul), which need torch_npu's native op library: not run here (see PASSES_NOT_RUN)
     config.pattern_fusion_pass = False
-    return npugraph_ex.get_npu_backend(compiler_config=config)
+    return npugraph_ex.get_npu_backend(compiler_config=config, custom_decompositions=decompositions or {})
 
 
-def capture(fn: Any, args: tuple[Any, ...], config: Any) -> dict[str, Any]:
+def capture(fn: Any, args: tuple[Any, ...], config: Any, decompositions: dict | None = None) -> dict[str, Any]:
     """Compile ``fn(*args)`` with npugraph_ex's backend under ``config`` (this library's:
-    :func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) and return what it hands to capture (see
-    :func:`handed`). Run only in a process set up by :func:`install`."""
-    compiled = torch.compile(fn, backend=backend(config), fullgraph=True, dynamic=False)
+    :func:`functional_npu.runtime.serving.backends.npugraph_ex_config`) and ``decompositions`` (:func:`backend`), and
+    return what it hands to capture (see :func:`handed`). Run only in a process set up by :func:`install`."""
+    compiled = torch.compile(fn, backend=backend(config, decompositions), fullgraph=True, dynamic=False)
     before = len(_HANDED)
     try:
         with torch.no_grad():

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from functional_npu import Mesh, Plan, compile_model, load_checkpoint
 from functional_npu.core import flatten_with_paths
-from functional_npu.runtime.serving import resolve_backend
+from functional_npu.runtime.serving import Backend, resolve_backend
 from functional_npu.runtime.serving.compile import invariant_options
 from functional_npu.runtime.training.grad import lm_loss, logits, token_logprobs, value_and_grad
 from functional_npu.runtime.training.policy import logprob_gap, policy_batch
 
-from ..support.hf_models import save_tiny, save_tiny_gemma3
+from ..support.hf_models import save_tiny, save_tiny_gemma3, save_tiny_moe
 from ..support.invariant_workers import (
     NEW,
     compiled_step_mismatch,
@@ -177,6 +177,23 @@ def test_backends_dtypes_and_linears_without_it_are_refused(qwen3):
         compile_model(wide, mesh, backend="none")
     with pytest.raises(ValueError, match=r"Plan.invariant must be True or False, got 1"):
         Plan(invariant=1)
+
+
+def test_on_the_npu_only_the_golden_graphs_run_it(qwen3, tmp_path):
+    """torchair's GE graph and npugraph_ex's ACL graph of the dense decoder (graphs/qwen3-tp*-invariant-*) run it;
+    torchair's captured mode and another family's graphs are refused, naming what runs it."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = load_checkpoint(qwen3, mesh, Plan(invariant=True))
+    for name, mode in (("torchair", "max-autotune"), ("npugraph_ex", None)):
+        assert invariant_options(params, params["placement"], Backend(name, "npu", mode), "compile_model") == {}
+    with pytest.raises(ValueError, match=r"backend 'torchair' in mode 'reduce-overhead': .* use mode 'max-autotune'"):
+        invariant_options(params, params["placement"], Backend("torchair", "npu", "reduce-overhead"), "compile_model")
+    save_tiny_moe("qwen3_moe", tmp_path, 5)
+    moe = load_checkpoint(str(tmp_path), mesh, Plan(invariant=True))
+    with pytest.raises(
+        ValueError, match=r"are those of LlamaForCausalLM / .*Qwen3ForCausalLM, not Qwen3MoeForCausalLM's"
+    ):
+        invariant_options(moe, moe["placement"], Backend("npugraph_ex", "npu"), "compile_model")
 
 
 def test_a_plan_given_beside_the_params_turns_it_on(qwen3):

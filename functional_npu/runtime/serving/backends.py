@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ...models.invariant_ops import decompositions
 from ...parallel.streams import COPY_BACK, INLINE, Streams
 
 __all__ = [
@@ -257,7 +258,8 @@ def npugraph_ex_config(**options: Any) -> Any:
 def _npugraph_ex() -> Any:
     import npugraph_ex  # type: ignore[import-not-found]  # sys.modules' lazy alias, set by torch_npu
 
-    return npugraph_ex.get_npu_backend(compiler_config=npugraph_ex_config())
+    # the invariant ops as their aten ops: npugraph_ex captures aten ops, not an opaque one
+    return npugraph_ex.get_npu_backend(compiler_config=npugraph_ex_config(), custom_decompositions=decompositions())
 
 
 def _torchair(mode: str | None) -> Any:
@@ -268,7 +270,8 @@ def _torchair(mode: str | None) -> Any:
     # the prefetch ring's slots are inputs the graph writes in place: RefData, no copy (see ge_converters.configure)
     config = ge_converters.configure(torchair.CompilerConfig())
     config.mode = mode or "max-autotune"
-    return torchair.get_npu_backend(compiler_config=config)
+    # the invariant ops as their aten ops (models.invariant's trees): torchair has no converter for an opaque op
+    return torchair.get_npu_backend(compiler_config=config, custom_decompositions=decompositions())
 
 
 def modes(name: str, device_type: str) -> tuple[str, ...]:

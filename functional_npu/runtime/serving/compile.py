@@ -21,7 +21,7 @@ import torch
 
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
-from ...models import check_invariant, family_of, init_state
+from ...models import FAMILIES, check_invariant, family_of, init_state
 from ...models import invariant as inv
 from ...models.decoder import DecodeState, decode
 from ...models.linear import KINDS, TARGETS, prepare_params
@@ -537,15 +537,22 @@ def _streamed(linear: str | None, chosen: Backend, placed: Placement, params: di
 
 
 # backends whose graphs are checked to keep each add and multiply one rounding (models.invariant): inductor's C++ with
-# its contraction flag off, and the Python forward; Triton and GE are not
-INVARIANT_BACKENDS = {"cpu": ("inductor", "aot_eager", "eager", "none"), "cuda": ("aot_eager", "eager", "none")}
+# its contraction flag off, the Python forward, and on the NPU the GE graph (torchair's max-autotune) and the ACL graph
+# (npugraph_ex) of the families whose graphs are golden (Family.npu_invariant), their ops the invariant functions'
+# own; Triton is not
+INVARIANT_BACKENDS = {
+    "cpu": ("inductor", "aot_eager", "eager", "none"),
+    "cuda": ("aot_eager", "eager", "none"),
+    "npu": ("torchair", "npugraph_ex"),
+}
+NPU_INVARIANT_MODE = "max-autotune"  # torchair's mode whose graphs are golden: the GE graph
 
 
 def invariant_options(params: dict, placed: Placement, chosen: Backend, where: str) -> dict[str, Any]:
     """The inductor options of ``Plan.invariant`` (:data:`~functional_npu.models.invariant.INDUCTOR_OPTIONS`; none
     when it is off). Refused where it does not hold, naming why: an op without an invariant form
     (:func:`~functional_npu.models.check_invariant`), a backend not checked to keep each add and multiply one
-    rounding (:data:`INVARIANT_BACKENDS`)."""
+    rounding (:data:`INVARIANT_BACKENDS`; on the NPU, ``Family.npu_invariant`` and :data:`NPU_INVARIANT_MODE`)."""
     if not placed.plan.invariant:
         return {}
     check_invariant(params | {"placement": placed}, placed.plan, where)
@@ -553,10 +560,30 @@ def invariant_options(params: dict, placed: Placement, chosen: Backend, where: s
     if chosen.name not in INVARIANT_BACKENDS.get(device, ()):
         raise ValueError(
             f"{where}: Plan.invariant on backend {chosen.name!r} ({device}): its generated kernels are not "
-            f"checked to round every add and multiply on its own (Triton and GE may fuse a multiply-add); the backends "
+            f"checked to round every add and multiply on its own (Triton may fuse a multiply-add); the backends "
             f"that run it on {device} are {list(INVARIANT_BACKENDS.get(device, ()))}"
         )
+    if device == "npu":
+        _check_npu_invariant(placed.config, chosen, where)
     return dict(inv.INDUCTOR_OPTIONS) if chosen.name == "inductor" else {}
+
+
+def _check_npu_invariant(cfg: Any, chosen: Backend, where: str) -> None:
+    """Refuse the invariant mode on an NPU graph that is not golden: a family whose graphs' ops are unchecked
+    (``Family.npu_invariant``), torchair's captured mode (not its GE graph)."""
+    if not family_of(cfg).npu_invariant:
+        have = " / ".join(a for f in FAMILIES if f.npu_invariant for a in f.architectures)
+        raise ValueError(
+            f"{where}: Plan.invariant on backend {chosen.name!r}: the NPU graphs checked to hold only the invariant "
+            f"functions' adds and multiplies are those of {have}, not {cfg.architecture}'s; run it on the CPU "
+            f"(backend 'inductor' or 'none') or leave Plan.invariant off"
+        )
+    if chosen.name == "torchair" and chosen.mode != NPU_INVARIANT_MODE:
+        raise ValueError(
+            f"{where}: Plan.invariant on backend 'torchair' in mode {chosen.mode!r}: its captured graph is not the "
+            f"GE graph checked to hold only the invariant functions' adds and multiplies; use mode "
+            f"{NPU_INVARIANT_MODE!r} or backend 'npugraph_ex'"
+        )
 
 
 def _check_streamed(linear: str | None, params: dict) -> None:
