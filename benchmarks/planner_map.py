@@ -6,7 +6,8 @@ For each model (published ``config.json`` sizes, no download), each setup (8 x 9
 16 x 910C dies, 8 x H100), each context (4k, 32k positions; decode alone, and 4k with half the tokens prompt) and
 each memory budget (the device's whole memory and half of it), :func:`~functional_npu.runtime.planning.choose_plan`
 ranks every candidate by the tokens/s per device it serves at the batch the budget admits. Each cell records the
-winner and, per technique (plain ``dp x tp``, expert parallelism, module TP, layer sharding), its best candidate:
+winner and, per technique (plain ``dp x tp``, expert parallelism, module TP, layer sharding, series kept in host
+memory), its best candidate:
 the bytes of weights (and ring) it holds against the plain split it starts from, the sequences that frees, and
 the tokens/s that serves, against the communication it adds. The figures are the cost model's, on the device
 profiles' published figures (:data:`functional_npu.parallel.devices.DEVICES`); nothing here is measured.
@@ -52,11 +53,13 @@ WORKLOADS = (
     ("4k, half prompt", Workload.serve(4096, 0.5)),
     ("32k, decode", Workload.serve(32768)),
 )
-TECHNIQUES = ("dp x tp", "EP", "module TP", "layer sharding")
+TECHNIQUES = ("dp x tp", "EP", "module TP", "layer sharding", "offload")
 
 
 def technique(plan: Any) -> str:
     """The technique a candidate adds to its ``dp x tp`` split."""
+    if plan.offload:
+        return "offload"
     if plan.layer_shard is not None:
         return "layer sharding"
     if plan.module_tp:
@@ -171,6 +174,12 @@ def summary(rows: list[dict[str, Any]]) -> str:
         won = [r for r in fitted if r["technique"] == t]
         if t == "dp x tp" or not won:
             out.append(f"- {t} wins {len(won)} cells.")
+            continue
+        alone = [r for r in won if "dp x tp" not in r["best"]]
+        if alone:
+            out.append(f"- {t} wins {len(alone)} cells where no plain plan serves a sequence.")
+        won = [r for r in won if "dp x tp" in r["best"]]
+        if not won:
             continue
         margins = sorted(
             r["tokens_per_s_per_device"] / r["best"]["dp x tp"]["tokens_per_s_per_device"] - 1 for r in won

@@ -57,6 +57,8 @@ class Device:
         assumed: the figures no source gives (named in reports).
         overlap: whether a collective runs beside compute (its own DMA engines and streams); on a CPU host whose
             cores the ranks' compute already fills, gloo's transfers take turns with it instead.
+        host_link: the link from host memory to one device (pinned copies; series kept in host memory,
+            ``Plan.offload``, fill the prefetch ring over it); ``None`` where the device's memory is the host's.
     """
 
     name: str
@@ -72,6 +74,7 @@ class Device:
     measured_world: int = 0
     assumed: tuple[str, ...] = ()
     overlap: bool = True
+    host_link: Link | None = None
 
     def collective_s(self, name: str, n: int, payload_bytes: float, *, nodes: int | None = None) -> float:
         """Seconds one collective ``name`` over ``n`` ranks takes for a payload of ``payload_bytes``
@@ -129,7 +132,9 @@ DEVICES: dict[str, Device] = {
         links=7,
         node_size=8,
         inter_node=Link(bytes_per_s=25e9, alpha_s=50e-6),  # one 200GE port per NPU
-        assumed=("link.alpha_s", "inter_node.alpha_s"),
+        # PCIe 4.0 x16 to the host, about 25 GB/s one way in practice (no published H2D figure found: assumed)
+        host_link=Link(bytes_per_s=25e9, alpha_s=20e-6),
+        assumed=("link.alpha_s", "inter_node.alpha_s", "host_link"),
     ),
     "ascend-910c": Device(  # one die: vllm-ascend and CANN present each of a 910C's two dies as a device
         "ascend-910c",
@@ -145,7 +150,8 @@ DEVICES: dict[str, Device] = {
         memory_bytes=64e9,
         links=1,
         node_size=None,  # the supernode's UB spans 384 packages: every group here is on it
-        assumed=("link.bytes_per_s (per die)", "link.alpha_s"),
+        host_link=Link(bytes_per_s=25e9, alpha_s=20e-6),  # as the 910B's PCIe 4.0 x16 per die: assumed
+        assumed=("link.bytes_per_s (per die)", "link.alpha_s", "host_link"),
     ),
     "h100-sxm": Device(
         "h100-sxm",
@@ -162,7 +168,10 @@ DEVICES: dict[str, Device] = {
         links=1,
         node_size=8,
         inter_node=Link(bytes_per_s=50e9, alpha_s=30e-6),
-        assumed=("link.alpha_s", "inter_node.alpha_s"),
+        # PCIe 5.0 x16: 64 GB/s one way; 55.5 GB/s measured from pinned memory on a lent H200 (the same host link,
+        # python -m benchmarks gpu, benchmarks/results/gpu.json runs 7 and 8); alpha 10 us assumed
+        host_link=Link(bytes_per_s=55.5e9, alpha_s=10e-6),
+        assumed=("link.alpha_s", "inter_node.alpha_s", "host_link.alpha_s"),
     ),
     "host": Device(
         "host",

@@ -167,11 +167,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: Any, devices: int) -> list[Candidate]:
+def candidates(cfg: Any, devices: int, *, host_link: bool = False) -> list[Candidate]:
     """Every plan the planner weighs for ``cfg`` on ``devices`` ranks (not yet checked against the model):
     for each ``tp`` dividing ``devices`` (``dp = devices / tp``): the plain plan; expert parallelism over all
     ranks (a model with experts); each module's TP over all dp ranks, and all of them at once; each layer-sharded
-    series of :data:`SERIES_CHOICES` over dp (prefetch step chosen when estimated)."""
+    series of :data:`SERIES_CHOICES` over dp; with ``host_link`` (a device with a host link), each series of
+    :data:`SERIES_CHOICES` kept in host memory (prefetch step chosen when estimated)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"choose_plan: devices must be a positive int, got {devices!r}")
     if devices > MAX_DEVICES:
@@ -197,6 +198,9 @@ def candidates(cfg: Any, devices: int) -> list[Candidate]:
             for series in SERIES_CHOICES:
                 ls = layer_shard(series, "dp")
                 out.append(Candidate(f"{base}, {series} layer-sharded over dp", axes, Plan(layer_shard=ls)))
+        if host_link:
+            for series in SERIES_CHOICES:
+                out.append(Candidate(f"{base}, {series} in host memory", axes, Plan(offload=series)))
     return out
 
 
@@ -263,7 +267,7 @@ def _priced(
     and the layer-sharded ones that save no memory against the same split replicated."""
     priced: list[Ranked] = []
     refused: list[tuple[str, str]] = []
-    for c in candidates(cfg, devices):
+    for c in candidates(cfg, devices, host_link=dev.host_link is not None):
         try:
             if workload.kind == "serve":
                 priced.append(serve_estimate(cfg, c, dev, workload, memory_per_device=memory, quant=quant))

@@ -104,7 +104,7 @@ def serve_estimate(
     def need(per_rank: int) -> dict[str, int]:  # bytes on the busiest rank with ``per_rank`` sequences each
         full = step(Workload.decode(per_rank * dp, workload.context - 1, dtype))
         sizes = dict(full.bytes, activations=max(full.bytes["activations"], _activations(prefill)))
-        sizes["total"] = sum(v for k, v in sizes.items() if k != "total")
+        sizes["total"] = sum(v for k, v in sizes.items() if k not in ("total", "host"))  # host bytes: not the device's
         return sizes
 
     per_rank = _admitted(need, memory_per_device)

@@ -15,7 +15,9 @@ a ValueError with the reason) and models:
   (:meth:`~functional_npu.parallel.devices.Device.collective_s`) on the links its group spans (a group whose
   ranks sit on two nodes runs on the inter-node link): tensor-parallel reductions, module TP's exchanges, expert
   dispatch and combine; plus the layer-shard broadcasts' exposed time from the prefetch cost model
-  (:mod:`~functional_npu.parallel.prefetch_cost`), on the link the broadcast's group spans;
+  (:mod:`~functional_npu.parallel.prefetch_cost`), on the link the broadcast's group spans, and the copies of the
+  series kept in host memory (``Plan.offload``) on the device's host link, under the same schedule;
+- **host bytes**: the series kept in host memory are not the device's: they count as ``host``, beside the total;
 - **the bottleneck**: weight reads, KV reads, compute or exposed communication.
 """
 
@@ -32,7 +34,7 @@ import torch
 from ...core.mesh import Mesh
 from ...core.shard import local_shape
 from ...models import family_of
-from ...parallel.devices import Device
+from ...parallel.devices import Device, Link
 from ...parallel.devices import device as device_profile
 from ...parallel.eplb_map import EXPERT_LEAVES
 from ...parallel.module_tp import dp_axes
@@ -238,17 +240,25 @@ def estimate(
         n, nodes = mesh.axis_size(axes), _nodes(dev, mesh, axes)
         parts[kind] = parts.get(kind, 0.0) + count * dev.collective_s(kind, n, payload, nodes=nodes)
     ring = 0
-    if plan.layer_shard is not None and mesh.axis_size(plan.layer_shard.axis) > 1:
-        k, parts["prefetch_exposed_s"] = _prefetch(dev, mesh, plan, shape, held.layer_series, max(memory_s, compute_s))
-        ring = (k + 1) * held.layer_series
+    peer = plan.layer_shard is not None and mesh.axis_size(plan.layer_shard.axis) > 1
+    if peer or plan.offload:
+        busy = max(memory_s, compute_s)
+        k = _prefetch_step(dev, mesh, plan, shape, held, busy)
+        if peer:
+            parts["prefetch_exposed_s"] = _exposed(dev, dev.link_for(_nodes(dev, mesh, plan.layer_shard.axis)),
+                                                   shape, k, held.layer_series, busy)  # fmt: skip
+        if plan.offload:
+            parts["host_copy_exposed_s"] = _exposed(dev, _host_link(dev, candidate), shape, k, held.host_layer, busy)
+        ring = (k + 1) * ((held.layer_series if peer else 0) + held.host_layer)
         candidate = dataclasses.replace(candidate, plan=dataclasses.replace(plan, prefetch_step=k))
         placed = placed.with_plan(candidate.plan, candidate.name)
     step = max(memory_s, compute_s) + sum(v for name, v in parts.items() if name not in ("memory_s", "compute_s"))
     vocab_local = shape.vocab / max(1, tp)  # the step's last tokens' logits, in float32
     activations = int(tokens * (8 * shape.hidden + 2 * shape.attn_width / tp) * e + seqs * vocab_local * 4)
-    total = held.weights + kv_bytes + ring + activations
-    sizes = {"weights": held.weights, "kv_cache": kv_bytes, "prefetch": ring, "activations": activations}
-    sizes["total"] = total
+    weights = held.weights - held.host  # the series kept in host memory are not the device's
+    total = weights + kv_bytes + ring + activations
+    sizes = {"weights": weights, "kv_cache": kv_bytes, "prefetch": ring, "activations": activations}
+    sizes["total"], sizes["host"] = total, held.host
     return Estimate(candidate, step, parts, sizes, total <= memory_per_device, placed, reads)
 
 
@@ -262,7 +272,7 @@ def _reads_and_flops(
     ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
     routed_tokens = tokens * ep
     touched = 1 - (1 - shape.top_k / shape.experts) ** routed_tokens if shape.experts else 1.0
-    dense = held.weights - held.experts - held.series + held.layer_series * shape.layers
+    dense = held.weights - held.experts - held.series + held.layer_series * shape.layers  # host series read in slots
     reads = {"weights": dense + touched * held.experts}
     logical_dense = logical.weights - logical.experts - logical.series + logical.layer_series * shape.layers
     flops = 2 * tokens * logical_dense / e
@@ -273,26 +283,63 @@ def _reads_and_flops(
     return reads, flops
 
 
-def _prefetch(dev: Device, mesh: Mesh, plan: Plan, shape: Any, layer_bytes: int, compute_s: float) -> tuple[int, float]:
-    """The layer-shard broadcasts' prefetch step and exposed seconds per step under the prefetch schedule, on the
-    link the axis' groups span (an owner's broadcast crosses nodes if its group does)."""
+def _host_link(dev: Device, candidate: Candidate) -> Link:
+    """The device's host link, or a ValueError naming why offloading is not priced there."""
+    if dev.host_link is None:
+        raise ValueError(
+            f"{candidate.name}: {dev.name} has no host link in its profile (its memory is the host's): keeping "
+            f"series in host memory frees nothing there"
+        )
+    return dev.host_link
+
+
+def _prefetch_step(dev: Device, mesh: Mesh, plan: Plan, shape: Any, held: _Held, compute_s: float) -> int:
+    """The ring's one prefetch step: the plan's, else the largest the cost model picks for either source (the
+    layer-shard broadcasts on the link the axis' groups span, an owner's broadcast crossing nodes if its group does;
+    the host copies on the host link)."""
+    if isinstance(plan.prefetch_step, int) and plan.prefetch_step:
+        return plan.prefetch_step
+    if not dev.overlap:  # where transfers take turns with compute, fetching ahead hides nothing: one slot is enough
+        return 0
+    per_layer, steps = compute_s / shape.layers, [0]
+    if plan.layer_shard is not None and mesh.axis_size(plan.layer_shard.axis) > 1:
+        link = dev.link_for(_nodes(dev, mesh, plan.layer_shard.axis))
+        steps.append(choose_k(held.layer_series, num_layers=shape.layers, compute_s=per_layer, link=link))
+    if plan.offload and dev.host_link is not None:
+        steps.append(_host_step(dev.host_link, shape.layers, held.host_layer, per_layer))
+    return max(steps)
+
+
+def _host_step(link: Link, layers: int, layer_bytes: int, per_layer: float) -> int:
+    """The host copies' prefetch step: the smallest ``k`` whose exposed time is within 1% of the least any ``k`` up
+    to the covering one (:func:`~functional_npu.parallel.prefetch_cost.choose_k`) leaves. Where the host link does not
+    keep up with the layers, fetching further ahead absorbs latency but not the shortfall, and every slot more is
+    device memory the offload was to free."""
+    top = choose_k(layer_bytes, num_layers=layers, compute_s=per_layer, link=link)
+    occupy, latency = layer_bytes / link.bytes_per_s, link.time(layer_bytes)
+    cost = [exposed(layers, k, per_layer, occupy, latency) for k in range(top + 1)]
+    best = min(cost)
+    return next(k for k, c in enumerate(cost) if c <= best + 0.01)
+
+
+def _exposed(dev: Device, link: Link, shape: Any, k: int, layer_bytes: int, compute_s: float) -> float:
+    """Seconds per step one source's transfers of ``layer_bytes`` per layer leave exposed at prefetch step ``k``."""
     per_layer = compute_s / shape.layers
-    link = dev.link_for(_nodes(dev, mesh, plan.layer_shard.axis))
-    k = plan.prefetch_step if isinstance(plan.prefetch_step, int) and plan.prefetch_step else None
-    if k is None:  # where transfers take turns with compute, fetching ahead hides nothing: one slot is enough
-        k = choose_k(layer_bytes, num_layers=shape.layers, compute_s=per_layer, link=link) if dev.overlap else 0
     occupy, latency = layer_bytes / link.bytes_per_s, link.time(layer_bytes)
     hidden = exposed(shape.layers, k, per_layer, occupy, latency) if dev.overlap else 1.0
-    return k, hidden * shape.layers * latency
+    return hidden * shape.layers * latency
 
 
 class _Held(NamedTuple):
-    """Weight bytes on the rank holding the most: all, the layer-sharded series, one layer of it, the experts."""
+    """Weight bytes on the rank holding the most: all, the layer-sharded series, one layer of it, the experts, the
+    series kept in host memory and one layer of them."""
 
     weights: int
     series: int
     layer_series: int
     experts: int
+    host: int = 0
+    host_layer: int = 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -305,7 +352,7 @@ def _held_at(cfg: Any, axes: tuple[tuple[str, int], ...], plan: Plan, quant: Qua
 def _held(placed: Placement, mesh: Mesh, e: int) -> _Held:
     """On the rank holding the most weight bytes (floats at ``e`` bytes): ``(weights, layer-sharded series, one
     layer of the series, experts)`` in bytes, counted from every leaf's layout at every coordinate."""
-    held, series_held, series_layer, expert_held = ([0] * mesh.size for _ in range(4))
+    held, series_held, series_layer, expert_held, host_held, host_layer = ([0] * mesh.size for _ in range(6))
     coords = [mesh.at(r) for r in range(mesh.size)]
     shapes: dict[tuple, tuple[int, ...]] = {}  # layers repeat their leaves' shapes and layouts: cut each once
     for path, m in placed.meta_leaves.items():
@@ -321,10 +368,20 @@ def _held(placed: Placement, mesh: Mesh, e: int) -> _Held:
             if parts_of[0] == "series":  # stacked [owned layers, ...]: one layer is the rest
                 series_held[r] += n
                 series_layer[r] += math.prod(local[1:]) * size
+            if parts_of[0] == "host":  # stacked [L, ...] in host memory: one layer is the rest
+                host_held[r] += n
+                host_layer[r] += math.prod(local[1:]) * size
             if any(x in EXPERT_LEAVES for x in parts_of):
                 expert_held[r] += n
-    busiest = max(range(mesh.size), key=lambda r: (held[r], r))
-    return _Held(held[busiest], series_held[busiest], series_layer[busiest], expert_held[busiest])
+    busiest = max(range(mesh.size), key=lambda r: (held[r] - host_held[r], r))
+    return _Held(
+        held[busiest],
+        series_held[busiest],
+        series_layer[busiest],
+        expert_held[busiest],
+        host_held[busiest],
+        host_layer[busiest],
+    )
 
 
 def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int) -> list[tuple]:
