@@ -19,6 +19,7 @@ COMMANDS = {
     "module_tp": ("bench_module_tp", "module TP over dp ranks: resident bytes and decode step time per plan"),
     "prefetch": ("bench_prefetch", "layer-sharded decode with prefetch, on the loopback and an emulated link"),
     "prefetch_paper": ("prefetch_paper", "where layer sharding pays, on paper: the cost model on published figures"),
+    "offload": ("bench_offload", "series kept in host memory: decode tok/s at k = 0, 1, 2 against the resident model"),
     "invariant": ("bench_invariant", "the invariant mode's cost: decode tok/s at batches 1, 8 and a train step"),
     "reshard": ("bench_reshard", "train-to-inference weight sync: reshard from Megatron TP=2 on 2 gloo ranks"),
     "weight_sync": (
