@@ -42,7 +42,7 @@ SERIES = "o_proj,down_proj"
 
 def _decoder(cfg: Any, plan: Plan, batch: int):
     """A compiled model of ``cfg`` under ``plan`` (its host series split off the seeded full params) and its run."""
-    from functional_npu.parallel.offload import stack_host
+    from functional_npu.parallel import stack_host
 
     mesh = Mesh.abstract({"tp": 1}, 0)
     placed = place(cfg, mesh, plan)

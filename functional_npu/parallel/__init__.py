@@ -45,6 +45,7 @@ from .layer_shard import (
     unstack_series,
 )
 from .module_tp import MODULES, ModuleTP, check_module_tp, dp_axes, split_dp
+from .offload import host_bytes, host_of, host_specs, stack_host, unstack_host
 from .plan import EXPERT_FIELDS, LAYOUT_FIELDS, MLA_CACHES, MLA_FIELDS, Plan
 from .prefetch import (
     RingPhase,
@@ -121,6 +122,11 @@ __all__ = [
     "series_specs",
     "stack_series",
     "unstack_series",
+    "host_of",
+    "host_bytes",
+    "host_specs",
+    "stack_host",
+    "unstack_host",
     "owned_layers",
     "resident_bytes",
     "series_of",

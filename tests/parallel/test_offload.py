@@ -115,6 +115,16 @@ def test_vllm_54975_three_modules_at_prefetch_two():
     assert _steps(params, 2, steps=3)[0] == _steps(params, 2, steps=3, turn=False)[0] == [[0, 1, 2]] * 3
 
 
+def test_stacking_into_host_memory_and_back_is_the_identity():
+    from functional_npu.parallel import stack_host, unstack_host
+
+    layers = [{"o_proj": torch.full((2, 3), float(i)), "norm": torch.ones(3)} for i in range(4)]
+    stacked = stack_host({"layers": layers, "embed": torch.zeros(1)}, ("o_proj",))
+    assert stacked["host"]["o_proj"].shape == (4, 2, 3) and "o_proj" not in stacked["layers"][0]
+    back = unstack_host(stacked)
+    assert "host" not in back and all(torch.equal(a["o_proj"], b["o_proj"]) for a, b in zip(back["layers"], layers))
+
+
 def test_host_bytes_too_large_for_host_memory_is_one_line_with_both_figures():
     check_host_memory(2**30, "load_checkpoint", available=2**31)
     with pytest.raises(ValueError, match=r"^load_checkpoint: the offloaded series take 2\.00 GiB of host memory, "
