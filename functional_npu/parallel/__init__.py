@@ -45,6 +45,7 @@ from .layer_shard import (
     unstack_series,
 )
 from .module_tp import MODULES, ModuleTP, check_module_tp, dp_axes, split_dp
+from .offload import host_specs, stack_host
 from .plan import EXPERT_FIELDS, LAYOUT_FIELDS, MLA_CACHES, MLA_FIELDS, Plan
 from .prefetch import (
     RingPhase,
@@ -125,6 +126,8 @@ __all__ = [
     "resident_bytes",
     "series_of",
     "present",
+    "host_specs",
+    "stack_host",
     "MODULES",
     "ModuleTP",
     "split_dp",
