@@ -72,16 +72,36 @@ def _edit(text, line_start, old, new):
     return "".join(lines)
 
 
-def test_golden_aten_graph_without_a_gate_writes_a_slot_still_read():
-    """Data edges: layer 3's write into slot 1 (auto_functionalized_v2_2) without its ``after`` (the residual
-    entering layer 2) depends only on layer 1's write: it races layer 1's reads of the slot."""
-    case = _case("qwen3-dp2-layer_shard-k1-decode")
-    text = read_artifact(GRAPHS, case.name, "graph.txt")
-    ungated = _edit(text, "auto_functionalized_v2_2 =", "after = add_15", "after = None")
-    assert _check(case, ungated)[0] == [
-        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
-        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
-    ]
+UNGATED = {  # case: (the write, its ``after``, the findings without it)
+    # layer 3's broadcast into slot 1 without the residual entering layer 2 depends only on layer 1's write: it races
+    # layer 1's reads of the slot
+    "qwen3-dp2-layer_shard-k1-decode": (
+        "auto_functionalized_v2_2",
+        "add_15",
+        [
+            "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
+            "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
+        ],
+    ),
+    # the ring filled from host memory (L = 3, k = 1): layer 2's copy into slot 0 without the residual entering layer
+    # 1 depends on nothing the layers compute: it races layer 0's reads of the slot
+    "qwen3-tp1-offload-L3-k1-decode": (
+        "auto_functionalized_v2_1",
+        "add_7",
+        [
+            "write after read: auto_functionalized_v2_1 writes arg5_1 unordered with mm_1, which reads it",
+            "write after read: auto_functionalized_v2_1 writes arg5_1 unordered with mm_3, which reads it",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", UNGATED)
+def test_golden_aten_graph_without_a_gate_writes_a_slot_still_read(name):
+    """Data edges: a write into a slot without its ``after`` races the reads of the layer the slot held."""
+    write, after, found = UNGATED[name]
+    text = read_artifact(GRAPHS, name, "graph.txt")
+    assert _check(_case(name), _edit(text, f"{write} =", f"after = {after}", "after = None"))[0] == found
 
 
 def test_golden_aten_graph_with_two_writes_of_a_slot_unordered_is_write_after_write():
@@ -95,19 +115,6 @@ def test_golden_aten_graph_with_two_writes_of_a_slot_unordered_is_write_after_wr
         "write after write: auto_functionalized_v2 and auto_functionalized_v2_2 write arg7_1 unordered",
         "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
         "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
-    ]
-
-
-def test_golden_host_copy_without_its_gate_writes_a_slot_still_read():
-    """Data edges, the ring filled from host memory (L = 3, k = 1): layer 2's copy into slot 0
-    (auto_functionalized_v2_1) without its ``after`` (the residual entering layer 1) depends on nothing the layers
-    compute: it races layer 0's reads of the slot."""
-    case = _case("qwen3-tp1-offload-L3-k1-decode")
-    text = read_artifact(GRAPHS, case.name, "graph.txt")
-    ungated = _edit(text, "auto_functionalized_v2_1 =", "after = add_7", "after = None")
-    assert _check(case, ungated)[0] == [
-        "write after read: auto_functionalized_v2_1 writes arg5_1 unordered with mm_1, which reads it",
-        "write after read: auto_functionalized_v2_1 writes arg5_1 unordered with mm_3, which reads it",
     ]
 
 
