@@ -12,13 +12,13 @@ would start capturing (:mod:`functional_npu.npu.acl_graph`); that graph is the a
 - ``acl_streams.json``: its ops per stream in capture order, and the event edges between streams;
 - ``acl_invariant.json`` (invariant cases): :func:`functional_npu.npu.invariant_graph.acl_check`'s findings: the
   graph's aten ops by what they do to the bits, and any that may reduce or round in its own order;
-- ``acl_prefetch.json`` (layer-sharded cases): the ring's hazard check over capture order
+- ``acl_prefetch.json`` (the ring's cases: layer-sharded and host series): the ring's hazard check over capture order
   (:func:`functional_npu.npu.acl_graph.prefetch_report`): violations, ring slots and bytes, and the
   prefetch bytes the graph allocates (zero: the ring is the graph's input);
 - ``acl_checks.json``: what capture needs of the graph (:mod:`functional_npu.npu.capture_checks`): side streams
   joined back, no transfer or copy of an input inside it, the streams that run communication at once against each
   device profile's budget, and npugraph_ex's own ``deadlock_check`` run on the same capture order;
-- ``acl_replay.json`` (layer-sharded cases): the forward compiled again and called :data:`REPLAY_STEPS` times with
+- ``acl_replay.json`` (the ring's cases): the forward compiled again and called :data:`REPLAY_STEPS` times with
   the same state through npugraph_ex's generated graph module (:mod:`functional_npu.npu.acl_replay`): per graph, its
   calls, the distinct tuples of its written-in-place inputs' addresses and how often npugraph_ex would capture it
   again;
@@ -135,9 +135,9 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
         entry["checks"] = _checks(gm)
         if case.invariant:
             entry["invariant"] = invariant_graph.acl_check(gm.graph)
-        if case.series is not None:
-            entry["prefetch"] = acl_graph.prefetch_report(gm, case.k)
-        if case.series is not None and name == case.name:
+        if case.ringed:
+            entry["prefetch"] = acl_graph.prefetch_report(gm, case.k, phase=case.ring_phase)
+        if case.ringed and name == case.name:
             try:
                 args = case_inputs(case, mesh, device="cpu")
                 replayed = acl_replay.replay(fn, args, npugraph_ex_config(), REPLAY_STEPS, names=ARG_NAMES)

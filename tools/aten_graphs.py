@@ -3,13 +3,15 @@
 The graphs are captured as the torchair path traces them (math attention, see ``compile_model``),
 so the op census is what torchair must convert. Besides each family at tp 1 and 2, a layer-sharded
 Qwen3 (``o_proj`` and ``down`` over dp = 2, prefetch step 1, rank 0's graph) shows the prefetch
-broadcasts and the carried weights in program order, and a bf16 Qwen3 at tp 2 with quantized weights
+broadcasts and the carried weights in program order; a Qwen3 of :data:`OFFLOAD_LAYERS` layers with ``o_proj`` and
+``down`` kept in host memory (one rank; k = 0, 1, 2, and k = 1's second ring phase) shows the ring filled by copies
+from host memory, and one on dp = 2 both sources side by side; and a bf16 Qwen3 at tp 2 with quantized weights
 (:data:`GRAPH_QUANTS`: W8A8, and int4 with group scales), prepared for Ascend's kernels, shows their
 ops (``functional_npu.quant_matmul`` / ``weight_quant_matmul``) where the matmuls were.
 
 For every artifact ``graphs/<family>-tp<N>-<phase>/``: ``census.json`` (op -> count),
 ``collectives.json`` (the ordered collective schedule: op, mesh axis, bytes), ``summary.json``
-(node and collective counts) and ``graph.txt`` (the FX graph); for the layer-sharded cases ``inputs.json``
+(node and collective counts) and ``graph.txt`` (the FX graph); for the ring's cases ``inputs.json``
 (the graph's input layout: each input's path, from dynamo's sources, which the hazard check binds slots and
 layers by). ``python -m tools.graphs`` regenerates
 them (and the GE graphs of the same cases, :mod:`tools.ge_graphs`); ``--check`` (and the test suite)
@@ -45,7 +47,18 @@ from functional_npu.models import (
     moe,
     prepare_params,
 )
-from functional_npu.parallel import INLINE, Plan, Streams, layer_shard, prefetch, series_specs, split_dp, stack_series
+from functional_npu.parallel import (
+    INLINE,
+    Plan,
+    Streams,
+    host_specs,
+    layer_shard,
+    prefetch,
+    series_specs,
+    split_dp,
+    stack_host,
+    stack_series,
+)
 from functional_npu.placement import QuantConfig, place, quantize_plan, resolved
 from functional_npu.runtime import RankContext
 from functional_npu.runtime.training import AdamW, compile_train_step, token_logprobs
@@ -147,6 +160,10 @@ TP_SIZES = (1, 2)
 LAYER_SHARD_SERIES = "o_proj,down_proj"
 LAYER_SHARD_LAYERS = 4  # enough layers for every prefetch step k = 0, 1, 2 (k <= num_layers - 2)
 LAYER_SHARD_STEPS = (0, 1, 2)
+OFFLOAD_SERIES = "o_proj,down_proj"  # kept whole in host memory, the ring filled by copies (a world of one)
+OFFLOAD_LAYERS = 3  # vLLM 54975's 3 modules: at k = 1 the ring's k + 1 does not divide L (two phases)
+OFFLOAD_STEPS = (0, 1, 2)
+MIXED = ("o_proj", "down_proj")  # the mixed case: o_proj layer-sharded over dp = 2, down_proj in host memory
 MODULE_TP = {"o_proj": 2, "lm_head": 2, "embed": 2, "mlp": 2}  # the composed case: every module over 2 dp ranks
 MODULE_TP_DP = 4  # of 4: dp -> (dp 2, dp2 2), o_proj and down also layer-sharded over the outer dp
 INVARIANT_FAMILY = "qwen3"  # Plan.invariant's cases: a dense family, its ops decomposed as the NPU backends get them
@@ -159,7 +176,9 @@ GRAPH_QUANTS = {  # every linear but lm_head, as compressed-tensors stores them;
 @dataclass(frozen=True)
 class Case:
     """One golden graph: a family at one mesh config and phase; ``series`` layer-shards those leaves
-    over ``dp`` = 2 (then ``tp`` is 1) with prefetch step ``k``; ``quant`` names a scheme of
+    over ``dp`` = 2 (then ``tp`` is 1) with prefetch step ``k``; ``offload`` keeps those in host memory (alone: a
+    world of one, :data:`OFFLOAD_LAYERS` layers; beside ``series``: the dp = 2 case's), the step captured at ring
+    phase ``ring_phase`` (:class:`functional_npu.parallel.RingPhase`); ``quant`` names a scheme of
     :data:`GRAPH_QUANTS` (bf16 activations, weights in Ascend's kernels' forms); ``module_tp``: dp is
     :data:`MODULE_TP_DP` ranks split for :data:`MODULE_TP`, and ``series`` are layer-sharded over the outer dp."""
 
@@ -171,6 +190,18 @@ class Case:
     quant: str | None = None
     module_tp: bool = False
     invariant: bool = False
+    offload: str | None = None
+    ring_phase: int = 0
+
+    @property
+    def ringed(self) -> bool:
+        """The case's forward fetches weights through the prefetch ring (layer-sharded or host series)."""
+        return self.series is not None or self.offload is not None
+
+    @property
+    def ring_groups(self) -> int:
+        """The ring's buffers per slot: one per source (peer, host), every series of a source in one dtype."""
+        return (self.series is not None) + (self.offload is not None)
 
     @property
     def name(self) -> str:
@@ -178,6 +209,11 @@ class Case:
             return f"{self.family}-tp{self.tp}-train"
         if self.module_tp:
             return f"{self.family}-dp{MODULE_TP_DP}-module_tp-layer_shard-k{self.k}-{self.phase}"
+        if self.series is not None and self.offload is not None:
+            return f"{self.family}-dp2-layer_shard-offload-k{self.k}-{self.phase}"
+        if self.offload is not None:
+            at = f"-phase{self.ring_phase}" if self.ring_phase else ""
+            return f"{self.family}-tp{self.tp}-offload-L{OFFLOAD_LAYERS}-k{self.k}{at}-{self.phase}"
         if self.series is not None:
             return f"{self.family}-dp2-layer_shard-k{self.k}-{self.phase}"
         if self.quant is not None:
@@ -203,7 +239,9 @@ class Case:
     @property
     def config(self) -> llama.LlamaConfig | moe.MoeConfig | deepseek.DeepseekConfig | gemma3.Gemma3Config:
         cfg = GRAPH_CONFIGS[self.family]
-        return cfg if self.series is None else dataclasses.replace(cfg, num_layers=LAYER_SHARD_LAYERS)
+        if self.series is not None:
+            return dataclasses.replace(cfg, num_layers=LAYER_SHARD_LAYERS)
+        return cfg if self.offload is None else dataclasses.replace(cfg, num_layers=OFFLOAD_LAYERS)
 
     @property
     def plan(self) -> Plan:
@@ -215,6 +253,7 @@ class Case:
                 module_tp=split_dp({"dp": MODULE_TP_DP, "tp": self.tp}, MODULE_TP)[1] if self.module_tp else {},
                 layer_shard=None if self.series is None else layer_shard(self.series, "dp"),
                 prefetch_step=self.k,
+                offload=self.offload or (),
                 invariant=self.invariant,
             ),
         )
@@ -227,6 +266,12 @@ CASES: tuple[Case, ...] = (
     + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, 1, module_tp=True) for phase in PHASES)
     + tuple(Case(fam, "train", 2) for fam in TRAIN_FAMILIES)
     + tuple(Case(INVARIANT_FAMILY, phase, tp, invariant=True) for tp in TP_SIZES for phase in PHASES)
+    + tuple(Case("qwen3", "decode", 1, k=k, offload=OFFLOAD_SERIES) for k in OFFLOAD_STEPS)
+    + (
+        Case("qwen3", "decode", 1, k=1, offload=OFFLOAD_SERIES, ring_phase=1),  # L = 3, k = 1: the second phase
+        Case("qwen3", "prefill", 1, k=1, offload=OFFLOAD_SERIES),
+        Case("qwen3", "decode", 1, MIXED[0], 1, offload=MIXED[1]),
+    )
 )
 
 
@@ -295,6 +340,8 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
         if plan.layer_shard is not None:
             ls = plan.layer_shard
             full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
+        if plan.offload:
+            full, specs = stack_host(full, plan.offload), host_specs(specs, plan.offload, cfg.num_layers)
         params = shard(full, specs, mesh) | {"placement": place(cfg, mesh, plan)}
     plan = params["placement"].plan  # its series resolved
     b, s = PHASES[case.phase]
@@ -305,7 +352,8 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
         tokens, positions, state = pytree.tree_map_only(
             torch.Tensor, lambda t: t.to("meta"), (tokens, positions, state)
         )
-    state = state._replace(prefetched=prefetch.start(params, mesh, plan, case.k))
+    ring = prefetch.start(params, mesh, plan, case.k)
+    state = state._replace(prefetched=ring, phase=prefetch.RingPhase(case.ring_phase))
     return params, tokens, positions, state, mesh
 
 
@@ -415,7 +463,7 @@ def capture_artifacts(ctx: RankContext, world: int, names: Collection[str] | Non
         axes = {} if mesh.is_abstract else {mesh.group_name(a): a for a in mesh.axis_names if mesh.axis_size(a) > 1}
         gm, layout = _capture(case, ctx)
         out[case.name] = _summarize(gm, axes)
-        if case.series is not None:  # which input is which: the ring's slots, each layer's own inputs
+        if case.ringed:  # which input is which: the ring's slots, each layer's own inputs
             out[case.name]["inputs.json"] = layout
     return out
 

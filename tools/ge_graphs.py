@@ -12,7 +12,7 @@ fake process group. Conversion ends where torchair hands the serialized graph to
   graph's ops by what they do to the bits, its float64 ops, and any op that may reduce or round in its own order;
 - ``ge_census.json``: GE op type -> count;
 - ``ge_hcom.json``: the ordered Hcom ops with their group's ranks and mesh axis, bytes, root, stream;
-- ``ge_prefetch.json`` (layer-sharded cases): :func:`functional_npu.npu.ge_graph.ring_check`'s findings: the
+- ``ge_prefetch.json`` (the ring's cases): :func:`functional_npu.npu.ge_graph.ring_check`'s findings: the
   prefetch ring's hazard check over the graph's partial order (its slots bound and its reads' layers read with the
   case's input layout, ``inputs.json``), its slots and bytes, and the prefetch bytes allocated inside the graph (0);
 - ``ge_graph_no_hints.pbtxt.gz`` and ``ge_prefetch_no_hints.json`` (the control, :data:`CONTROL`): the same case
@@ -210,10 +210,16 @@ def compare_schedules(aten: list[dict[str, Any]], hcom: list[dict[str, Any]]) ->
 
 
 def _prefetch_order(case: Any, ops: list[dict[str, Any]], inputs: list[str | None] | None = None) -> dict[str, Any]:
-    # one coalesced broadcast per layer carries every layer-sharded leaf (they share a dtype); ``inputs``: the
-    # graph's input layout (the aten graph's: the same inputs in the same order), which binds the slots and reads
+    # one coalesced write per layer and source carries every series of that source (they share a dtype); ``inputs``:
+    # the graph's input layout (the aten graph's: the same inputs in the same order), which binds the slots and reads
     return ge_graph.ring_check(
-        ops, k=case.k, num_layers=case.config.num_layers, series=1, axis_size=case.axes["dp"], inputs=inputs
+        ops,
+        k=case.k,
+        num_layers=case.config.num_layers,
+        series=case.ring_groups,
+        axis_size=case.axes.get("dp", 1),
+        inputs=inputs,
+        phase=case.ring_phase,
     )
 
 
@@ -239,7 +245,7 @@ def case_artifacts(
         ops = invariant_graph.ge_check(got["ops"])
         files["ge_invariant.json"] = ops
         problems += [f"{where}: invariant ops: {p}" for p in ops["problems"]]
-    if case.series is not None:
+    if case.ringed:
         order = _prefetch_order(case, got["ops"], inputs)
         files["ge_prefetch.json"] = order
         problems += [f"{where}: prefetch order: {p}" for p in order["problems"]]

@@ -462,11 +462,13 @@ def _concurrent(prog: hazard.Program, k: int) -> list[str]:
     return out
 
 
-def prefetch_report(gm: torch.fx.GraphModule, k: int, ring_bytes: int | None = None) -> dict[str, Any]:
-    """The ring's findings over npugraph_ex's capture order: hazard violations
+def prefetch_report(
+    gm: torch.fx.GraphModule, k: int, ring_bytes: int | None = None, *, phase: int = 0
+) -> dict[str, Any]:
+    """The ring's findings over npugraph_ex's capture order (a step of ring phase ``phase``): hazard violations
     (:func:`functional_npu.parallel.hazard.check`, plus :func:`_concurrent`), slots, bytes, streams."""
     order = capture_order(gm)
-    prog, found = program(order, k)
+    prog, found = program(order, k, phase=phase)
     problems = hazard.check(prog, k, slots=(k + 1) * found["groups"]) + _concurrent(prog, k)
     problems += [f"event: {u}" for u in order.unmatched]
     side = sorted({order.stream[w] for w in prog.writes})

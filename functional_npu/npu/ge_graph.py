@@ -68,6 +68,7 @@ _VIEWS = {
     "StridedSliceV2",
 }
 _WAIT = "_c10d_functional.wait_tensor"
+_RING_WRITE = "functional_npu.ring_write"  # the FX op torchair converts a ring write from (its value's name)
 _SHAPE = re.compile(r"shape=torch\.Size\(\[([^\]]*)\]\)")
 
 
@@ -321,12 +322,15 @@ def ring_program(
       layout ``inputs``, its place in ``state.prefetched``) is its ring slot ``s`` (``series`` buffers per slot),
       which holds the layers ``v`` with ``(v + phase) mod (k + 1) = s``
       (:func:`functional_npu.parallel.hazard.bind`);
-    - **writes**: every ``HcomBroadcast`` on a slot, and the owner's ``ViewCopy`` of its parts into the slot, with
-      the virtual layer in issue order: broadcast ``j`` (graph order) fetches layer ``k + j // series`` (the
-      slots' carried contents are layers ``0 .. k - 1``);
-    - **waits**: an ``HcomBroadcast`` completes on its stream; an op with a data edge from its output (torchair's
+    - **writes**: every ``HcomBroadcast`` on a slot, and the owner's ``ViewCopy`` of its parts into the slot, and
+      a copy from host memory (a ring write with a group of one: ``ViewCopy`` of each part into a slot the layout
+      names, the last one's value named after the FX ``ring_write``), with the virtual layer in issue order: write
+      ``j`` (graph order) fetches layer ``k + j // series`` (``series``: the ring's buffers per slot, one per
+      source and dtype; the slots' carried contents are layers ``0 .. k - 1``);
+    - **waits**: a write completes on its stream; an op with a data edge from its output (torchair's
       ``Identity`` for ``wait_tensor``) starts only after it, GE synchronizing the two streams, so each direct
-      consumer of a slot's value written by a broadcast (other than the next write) is a wait on that slot;
+      consumer of a slot's value written by a broadcast or a host copy (other than the next write) is a wait on
+      that slot;
     - **reads**: the first non-view ops a slot's value reaches (through ``Identity``, ``Reshape``, ``SplitV``, ...),
       other than writes into it and ``NetOutput`` (the next step's); each means the layer of the compute that
       uses it, read off the graph's per-layer inputs named by the layout
@@ -335,7 +339,7 @@ def ring_program(
       and not from a graph input: that op, with the broadcast's bytes.
 
     Returns ``(program, ring)``, ``ring = {"slots": {slot: bytes}, "broadcasts": [{"broadcast", "layer", "slot",
-    "root", "stream"}]}``.
+    "root", "stream"}]}`` (a host copy's row: its last ``ViewCopy``, no root, and ``"source": "host"``).
     """
     from ..parallel.hazard import Program, bind, input_layout, read_layers
     from ..parallel.hazard_fx import ring_order
@@ -355,7 +359,8 @@ def ring_program(
             name = graph_inputs[i]
             slots[name], slot_of[name] = _bytes(ops[index[name]]["out"][0]) if ops[index[name]]["out"] else 0, name
     allocs, writes, rows = _ring_writes(ops, topo, index, k, series, slots, slot_of)
-    waits, reads, value_of, views = _waits_and_reads(ops, index, consumers, slot_of, writes)
+    issued = {row["broadcast"] for row in rows}
+    waits, reads, value_of, views = _waits_and_reads(ops, index, consumers, slot_of, writes, issued)
     order = [ops[i]["name"] for i in topo]
     input_layer = {graph_inputs[i]: layer for i, layer in layer_of.items() if i in graph_inputs}
     ring = set(slot_of) | set(writes) | views | {op["name"] for op in ops if op["type"] == "NetOutput"}
@@ -398,8 +403,7 @@ def _ring_writes(
     allocs: dict[str, int] = {}
     writes: dict[str, tuple[str, int]] = {}
     rows = []
-    broadcasts = [op for op in (ops[i] for i in topo) if op["type"] == "HcomBroadcast"]
-    for j, op in enumerate(broadcasts):
+    for j, op in enumerate(ops[i] for i in topo if _issued(ops[i], ops, index, slots, origin)):
         layer = k + j // max(1, series)
         source, chain = origin(op["inputs"][0])
         size = _bytes(op["out"][0]) if op["out"] else 0
@@ -412,16 +416,20 @@ def _ring_writes(
             slot_of[w] = source
             if ops[index[w]]["type"] in _RING_WRITES and w not in writes:
                 writes[w] = (source, layer)
-        rows.append(
-            {
-                "broadcast": op["name"],
-                "layer": layer,
-                "slot": source,
-                "root": op["attrs"].get("root_rank"),
-                "stream": op["stream"],
-            }
-        )
+        row = {"broadcast": op["name"], "layer": layer, "slot": source, "root": op["attrs"].get("root_rank")}
+        rows.append(row | {"stream": op["stream"]} | ({"source": "host"} if op["type"] != "HcomBroadcast" else {}))
     return allocs, writes, rows
+
+
+def _issued(op: Op, ops: Sequence[Op], index: dict[str, int], slots: dict[str, int], origin: Any) -> bool:
+    """Whether ``op`` ends one of the ring's writes: an ``HcomBroadcast``, or the last ``ViewCopy`` of a copy from
+    host memory into a slot (a ring write with a group of one, whose value torchair names after the FX
+    ``ring_write``; its parts' earlier copies are nameless), its slot known from the input layout."""
+    if op["type"] == "HcomBroadcast":
+        return True
+    if op["type"] != "ViewCopy" or not op["out"] or _RING_WRITE not in op["out"][0]["fx"]:
+        return False
+    return origin(op["inputs"][0])[0] in slots
 
 
 def _waits_and_reads(
@@ -430,9 +438,10 @@ def _waits_and_reads(
     consumers: dict[str, list[str]],
     slot_of: dict[str, str],
     writes: dict[str, tuple[str, int]],
+    issued: set[str],
 ) -> tuple[dict[str, str], dict[str, tuple[str, int | None]], dict[str, str], set[str]]:
-    """:func:`ring_program`'s waits (a direct consumer of a broadcast's value), reads (the first non-view ops a
-    slot's value reaches), the slot value each read reads, and the views between them."""
+    """:func:`ring_program`'s waits (a direct consumer of a write's value; ``issued``: each write's last op), reads
+    (the first non-view ops a slot's value reaches), the slot value each read reads, and the views between them."""
     waits: dict[str, str] = {}
     reads: dict[str, tuple[str, int | None]] = {}
     value_of: dict[str, str] = {}
@@ -441,7 +450,7 @@ def _waits_and_reads(
         for c in consumers[value]:
             if c in writes or ops[index[c]]["type"] == "NetOutput":
                 continue
-            if ops[index[value]]["type"] == "HcomBroadcast":
+            if value in issued:  # a broadcast's value, or a host copy's last
                 waits.setdefault(c, slot)
             todo, seen = [c], set()
             while todo:
@@ -471,7 +480,7 @@ def ring_check(
 ) -> dict[str, Any]:
     """Check a layer-sharded GE graph's prefetch ring with :func:`functional_npu.parallel.hazard.check` over its
     partial order (:func:`ring_program`; ``inputs``: the graph's input layout, ``phase``: the schedule's), and each
-    broadcast's stream and root (``layer % axis_size``).
+    write's stream and each broadcast's root (``layer % axis_size``; a copy from host memory has none).
 
     Returns ``{"ok", "problems", "violations", "k", "ring_slots", "ring_bytes", "allocated_prefetch_bytes",
     "broadcasts": [...]}``; ``problems`` are the violations and the stream and root mismatches.
@@ -489,7 +498,7 @@ def ring_check(
             problems.append(
                 f"{row['broadcast']} (layer {row['layer']}) runs on stream {row['stream']!r}, not {stream!r}"
             )
-        if row["root"] != (row["layer"] % num_layers) % axis_size:
+        if row.get("source") != "host" and row["root"] != (row["layer"] % num_layers) % axis_size:
             problems.append(f"{row['broadcast']} (layer {row['layer']}) broadcasts from {row['root']}")
     return {
         "ok": not problems,

@@ -13,12 +13,12 @@ from functional_npu.npu import acl_graph
 from functional_npu.parallel import hazard
 from functional_npu.parallel.hazard_fx import parse_fx_text
 from functional_npu.runtime.serving.backends import BACKENDS, resolve_backend
-from tools.aten_graphs import CASES, LAYER_SHARD_LAYERS, read_artifact
+from tools.aten_graphs import CASES, read_artifact
 
-from ..support import npugraph_ex_ops  # noqa: F401 - defines npugraph_ex's op schemas
+from ..support import golden, npugraph_ex_ops  # noqa: F401 - defines npugraph_ex's op schemas
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
-LAYER_SHARDED = [c for c in CASES if c.series is not None]
+RINGED = [c for c in CASES if c.ringed]  # the layer-sharded cases and those with series in host memory
 
 
 # ---- the golden artifacts: every verdict recomputed from the stored graph text ----------------------
@@ -28,17 +28,19 @@ def _golden(name: str, text: str | None = None) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), parse_fx_text(text, read_artifact(GRAPHS, name, "inputs.json")))
 
 
-@pytest.mark.parametrize("case", LAYER_SHARDED, ids=lambda c: c.name)
-def test_golden_layer_sharded_capture_is_safe(case):
+@pytest.mark.parametrize("case", RINGED, ids=lambda c: c.name)
+def test_golden_ring_capture_is_safe(case):
     gm = _golden(case.name)
-    report = acl_graph.prefetch_report(gm, case.k)  # recomputed: the stored JSON is only compared with it
+    report = acl_graph.prefetch_report(gm, case.k, phase=case.ring_phase)  # recomputed: the stored JSON is compared
     assert report["problems"] == [] and report["ok"]
     assert report["allocated_prefetch_bytes"] == 0  # the ring is the graph's input: reinplaced, no copy back
-    assert report["ring_slots"] == case.k + 1
-    assert report["broadcasts"] == LAYER_SHARD_LAYERS
+    groups, layers = case.ring_groups, case.config.num_layers
+    assert report["ring_slots"] == groups * (case.k + 1)
+    assert report["broadcasts"] == groups * layers  # a copy from host memory is the same op, a group of one
     assert report["broadcast_streams"] == ["prefetch"]  # one side stream, reused by every layer
-    prog, _ = acl_graph.program(acl_graph.capture_order(gm), case.k)
-    assert sorted({layer for _, layer in prog.reads.values()}) == list(range(LAYER_SHARD_LAYERS))  # each read's layer
+    prog, _ = acl_graph.program(acl_graph.capture_order(gm), case.k, phase=case.ring_phase)
+    assert sorted({layer for _, layer in prog.reads.values() if layer is not None}) == list(range(layers))
+    assert [r for r, (_, layer) in prog.reads.items() if layer is None] == golden.unpinned(case, prog.reads)
     stored = read_artifact(GRAPHS, case.name, "acl_prefetch.json")
     assert {key: stored[key] for key in report if key != "ring_bytes"} == {
         key: value for key, value in report.items() if key != "ring_bytes"
@@ -90,6 +92,21 @@ def test_golden_capture_without_one_issue_event_writes_a_slot_still_read():
     assert problems == [
         "write after read: broadcast_into_default_1 writes arg7_1 unordered with mm_5, which reads it",
         "write after read: broadcast_into_default_1 writes arg7_1 unordered with mm_7, which reads it",
+    ]
+
+
+def test_golden_host_copy_without_its_issue_event_writes_a_slot_still_read():
+    """The ring filled from host memory (L = 3, k = 1) without the event that orders layer 2's copy (into slot 0)
+    after the compute entering layer 1: on the side stream it is unordered with layer 0's reads of slot 0."""
+    name = "qwen3-tp1-offload-L3-k1-decode"
+    lines = read_artifact(GRAPHS, name, "acl_graph.txt").splitlines(keepends=True)
+    waits = [
+        i for i, ln in enumerate(lines) if "tagged_event_wait.default](args = (functional_npu.prefetch.issue" in ln
+    ]
+    del lines[waits[1]]  # the second copy's: layer 2's
+    assert acl_graph.prefetch_report(_golden(name, "".join(lines)), 1)["problems"] == [
+        "write after read: broadcast_into_default_1 writes arg5_1 unordered with mm_1, which reads it",
+        "write after read: broadcast_into_default_1 writes arg5_1 unordered with mm_3, which reads it",
     ]
 
 

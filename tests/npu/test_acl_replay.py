@@ -16,7 +16,7 @@ from ..support import GRAPHS
 
 MOVES = "(a ring slot or cache that moves between steps)"
 RING = "(written in place by the graph: a ring slot or a cache)"
-LAYER_SHARDED = [c for c in CASES if c.series is not None and c.phase != "train"]
+RINGED = [c for c in CASES if c.ringed and c.phase != "train"]  # layer-sharded and host series
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_a_graph_captured_again_is_one_line():
 
 
 # ---- the golden artifacts (python -m tools.graphs writes them) ------------------------------------------------------
-@pytest.mark.parametrize("case", LAYER_SHARDED, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", RINGED, ids=lambda c: c.name)
 def test_golden_replays_capture_each_graph_once(case):
     replay = read_artifact(GRAPHS, case.name, "acl_replay.json")
     assert replay["problems"] == [] and replay["recaptures"] == 0

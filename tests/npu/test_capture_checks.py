@@ -13,7 +13,7 @@ from functional_npu.npu import capture_checks
 from functional_npu.npu.capture_checks import COMM_BUDGETS, CommBudget
 from tools.aten_graphs import CASES, read_artifact
 
-from ..support import GRAPHS, npugraph_ex_ops  # noqa: F401 - defines npugraph_ex's op schemas
+from ..support import GRAPHS, golden, npugraph_ex_ops  # noqa: F401 - defines npugraph_ex's op schemas
 
 ops = torch.ops
 JOIN_FAILS = "(ACL capture fails with 107025, a stream not joined to the original stream)"
@@ -270,7 +270,7 @@ def test_the_rule_is_npugraph_ex_deadlock_checks_own(ordered):
 
 # ---- the golden artifacts (python -m tools.graphs writes them) ------------------------------------------------------
 ACL_CASES = [c for c in CASES if c.phase != "train"]
-LAYER_SHARDED = [c for c in ACL_CASES if c.series is not None]
+RINGED = [c for c in ACL_CASES if c.ringed]  # the layer-sharded cases and those with series in host memory
 
 
 @pytest.mark.parametrize("case", ACL_CASES, ids=lambda c: c.name)
@@ -279,14 +279,30 @@ def test_golden_graphs_join_their_streams_and_copy_no_input(case):
     assert checks["join"] == [] and checks["copies"] == []
 
 
-@pytest.mark.parametrize("case", LAYER_SHARDED, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", RINGED, ids=lambda c: c.name)
 def test_golden_prefetch_communication_is_on_one_stream(case):
     comm = read_artifact(GRAPHS, case.name, "acl_checks.json")["comm"]
-    assert comm["ops_per_stream"]["prefetch"] == 4  # every layer's broadcast, on the one prefetch stream
+    # every layer's write (a broadcast, or a copy from host memory) per group, on the one prefetch stream
+    assert comm["ops_per_stream"]["prefetch"] == case.ring_groups * case.config.num_layers
     # module TP's collectives run on main beside the broadcasts: two communication streams at once
     assert comm["max_concurrent"] == (2 if case.module_tp else 1)
     for budget in comm["budgets"].values():
         assert bool(budget["problems"]) == bool(budget["deadlock_check_pairs"]) == case.module_tp
+
+
+def test_golden_host_ring_without_its_join_leaves_the_prefetch_stream_open():
+    """The ring filled from host memory (L = 3, k = 2) with the event that joins the prefetch stream back to main
+    removed (its wait at the end of the graph): ACL capture would fail, and the check names the stream's last op."""
+    name = "qwen3-tp1-offload-L3-k2-decode"
+    lines = read_artifact(GRAPHS, name, "acl_graph.txt").splitlines(keepends=True)
+    (join,) = [i for i, ln in enumerate(lines) if "tagged_event_wait.default](args = (graph_1_scope_exit_2," in ln]
+    del lines[join]
+    gm = golden.acl_module(name, "".join(lines))
+    assert capture_checks.unjoined_streams(golden.acl_module(name)) == []
+    assert capture_checks.unjoined_streams(gm) == [
+        "join: stream 'prefetch' is not joined to the capture stream before the graph ends: no event recorded after "
+        f"its last op broadcast_into_default is waited on 'main' {JOIN_FAILS}"
+    ]
 
 
 def test_golden_control_without_events_copies_the_ring():

@@ -241,19 +241,26 @@ def test_hcom_schedule_and_census():
 
 
 # ---- the golden GE graphs: every verdict recomputed from the stored graph text -------------------------
-LAYER_SHARDED = [c for c in CASES if c.series is not None]
+RINGED = [c for c in CASES if c.ringed]  # the layer-sharded cases and those with series in host memory
 
 
-@pytest.mark.parametrize("case", LAYER_SHARDED, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", RINGED, ids=lambda c: c.name)
 def test_golden_ge_graph_keeps_the_ring_safe(case):
     """Read from the stored GE graph's partial order (no torchair): nothing found, each read's layer known from the
     graph's own per-layer inputs; the JSON stored beside it says the same; the graph's census and Hcom schedule,
-    read back from its text, are the stored ones."""
+    read back from its text, are the stored ones. A copy from host memory is a write of its own (no root)."""
     found = golden.ge_ring_check(case)
     assert found["ok"] and found["problems"] == [], found["problems"]
-    assert found["ring_slots"] == case.k + 1 and found["allocated_prefetch_bytes"] == 0
-    program, _ = ring_program(golden.ge_ops(case.name), k=case.k, inputs=golden.inputs(case.name))
-    assert sorted({layer for _, layer in program.reads.values()}) == list(range(case.config.num_layers))
+    groups, layers = case.ring_groups, case.config.num_layers
+    assert found["ring_slots"] == groups * (case.k + 1) and found["allocated_prefetch_bytes"] == 0
+    assert found["broadcasts_count"] == groups * layers
+    hosted = [r["layer"] for r in found["broadcasts"] if r.get("source") == "host"]
+    assert hosted == (list(range(case.k, case.k + layers)) if case.offload else [])
+    program, _ = ring_program(
+        golden.ge_ops(case.name), k=case.k, series=groups, inputs=golden.inputs(case.name), phase=case.ring_phase
+    )
+    assert sorted({layer for _, layer in program.reads.values() if layer is not None}) == list(range(layers))
+    assert [r for r, (_, layer) in program.reads.items() if layer is None] == golden.unpinned(case, program.reads)
     assert read_artifact(GRAPHS, case.name, "ge_prefetch.json") == found
     ops = golden.ge_ops(case.name)
     assert census(ops) == read_artifact(GRAPHS, case.name, "ge_census.json")
@@ -265,7 +272,7 @@ def test_golden_ge_graph_with_two_slot_inputs_swapped_reads_and_writes_the_wrong
     """The k = 2 graph with the input indices of slots 0 and 1 (RefData_arg5_1, RefData_arg7_1) swapped: its data
     flow is as consistent as before, but each slot is bound to its schedule by its index and each read to its layer
     by the compute around it. (Before the binding, this graph passed.)"""
-    case = next(c for c in LAYER_SHARDED if c.name == "qwen3-dp2-layer_shard-k2-decode")
+    case = next(c for c in RINGED if c.name == "qwen3-dp2-layer_shard-k2-decode")
     text = read_artifact(GRAPHS, case.name, "ge_graph.pbtxt.gz")
     swapped = golden.ge_with_index(golden.ge_with_index(text, "RefData_arg5_1", 7), "RefData_arg7_1", 5)
     assert golden.ge_ring_check(case, swapped)["problems"] == [
@@ -295,7 +302,7 @@ def _without(text: str, op: str, line: str) -> str:
 def test_golden_ge_graph_without_a_gate_writes_a_slot_still_read():
     """Partial order: the k = 1 graph without the control edge that gates layer 3's broadcast (HcomBroadcast_2, into
     RefData_arg7_1) after the compute entering layer 2 races layer 1's reads of that slot."""
-    case = next(c for c in LAYER_SHARDED if c.name == "qwen3-dp2-layer_shard-k1-decode")
+    case = next(c for c in RINGED if c.name == "qwen3-dp2-layer_shard-k1-decode")
     text = _without(read_artifact(GRAPHS, case.name, "ge_graph.pbtxt.gz"), "HcomBroadcast_2", '  input: "Add_15:-1"\n')
     assert golden.ge_ring_check(case, text)["problems"] == [
         "write after read: HcomBroadcast_2 writes RefData_arg7_1 unordered with MatMul_5, which reads it",
@@ -306,13 +313,25 @@ def test_golden_ge_graph_without_a_gate_writes_a_slot_still_read():
 def test_golden_ge_graph_with_two_writes_of_a_slot_unordered_is_write_after_write():
     """Partial order: the same broadcast ungated and taking the slot's input value instead of layer 1's write's: the
     two writes of RefData_arg7_1 are unordered (write after write), and the second races layer 1's reads."""
-    case = next(c for c in LAYER_SHARDED if c.name == "qwen3-dp2-layer_shard-k1-decode")
+    case = next(c for c in RINGED if c.name == "qwen3-dp2-layer_shard-k1-decode")
     text = _without(read_artifact(GRAPHS, case.name, "ge_graph.pbtxt.gz"), "HcomBroadcast_2", '  input: "Add_15:-1"\n')
     text = _without(text, "HcomBroadcast_2", 'input: "HcomBroadcast:0" -> input: "RefData_arg7_1:0"')
     assert golden.ge_ring_check(case, text)["problems"] == [
         "write after write: HcomBroadcast and HcomBroadcast_2 write RefData_arg7_1 unordered",
         "write after read: HcomBroadcast_2 writes RefData_arg7_1 unordered with MatMul_5, which reads it",
         "write after read: HcomBroadcast_2 writes RefData_arg7_1 unordered with MatMul_7, which reads it",
+    ]
+
+
+def test_golden_ge_host_copy_without_its_gate_writes_a_slot_still_read():
+    """Partial order, the ring filled from host memory (L = 3, k = 1): layer 2's copy into slot 0 (ViewCopy_2, its
+    first part, into RefData_arg5_1) without the control edge that gates it after the compute entering layer 1 races
+    layer 0's reads of that slot."""
+    case = next(c for c in RINGED if c.name == "qwen3-tp1-offload-L3-k1-decode")
+    text = _without(read_artifact(GRAPHS, case.name, "ge_graph.pbtxt.gz"), "ViewCopy_2", '  input: "Add_7:-1"\n')
+    assert golden.ge_ring_check(case, text)["problems"] == [
+        "write after read: ViewCopy_2 writes RefData_arg5_1 unordered with MatMul_1, which reads it",
+        "write after read: ViewCopy_2 writes RefData_arg5_1 unordered with MatMul_3, which reads it",
     ]
 
 

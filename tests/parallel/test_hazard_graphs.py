@@ -1,7 +1,8 @@
 """The hazard check over the stored golden aten graphs (graphs/<case>/graph.txt, the functionalized FX graph every
 compiler starts from), read back from their text with their input layout: every verdict recomputed, and faults
 planted in the text found, each by its exact findings. An FX graph's order is its data edges, a partial order: every
-claim of the check can fire there."""
+claim of the check can fire there. The ring's cases are the layer-sharded ones and those with series kept in host
+memory (filled by copies, the same graph op with a group of one)."""
 
 import re
 
@@ -9,29 +10,36 @@ import pytest
 
 from functional_npu.parallel.hazard import check
 from functional_npu.parallel.hazard_fx import from_fx, parse_fx_text
-from tools.aten_graphs import CASES, LAYER_SHARD_LAYERS, read_artifact
+from tools.aten_graphs import CASES, read_artifact
 
 from ..support import GRAPHS, golden
 
-LAYER_SHARDED = [c for c in CASES if c.series is not None]
+RINGED = [c for c in CASES if c.ringed]
 
 
-def _check(case, text=None):
-    program = from_fx(golden.fx_graph(case.name, text), case.k, copy_back=False)  # the reinplacing compilers'
-    return check(program, case.k, case.k + 1), program
+def _check(case, text=None, phase=None):
+    """The hazard check of the case's stored graph (or ``text``) as a step of its ring phase (or ``phase``)."""
+    phase = case.ring_phase if phase is None else phase
+    graph = golden.fx_graph(case.name, text)
+    program = from_fx(graph, case.k, case.ring_groups, copy_back=False, phase=phase)  # the reinplacing compilers'
+    return check(program, case.k, case.ring_groups * (case.k + 1)), program
 
 
 def _case(name):
-    return next(c for c in LAYER_SHARDED if c.name == name)
+    return next(c for c in RINGED if c.name == name)
 
 
-@pytest.mark.parametrize("case", LAYER_SHARDED, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", RINGED, ids=lambda c: c.name)
 def test_golden_aten_graph_keeps_the_ring_safe(case):
     found, program = _check(case)
     assert found == []
-    assert program.slot_index == dict(zip(sorted(program.slot_index, key=lambda s: int(s[3:-2])), range(case.k + 1)))
-    assert sorted({layer for _, layer in program.reads.values()}) == list(range(LAYER_SHARD_LAYERS))
-    assert sorted(layer for _, layer in program.writes.values()) == list(range(case.k, case.k + LAYER_SHARD_LAYERS))
+    groups, layers = case.ring_groups, case.config.num_layers
+    inputs = sorted(program.slot_index, key=lambda s: int(s[3:-2]))
+    assert program.slot_index == {s: i // groups for i, s in enumerate(inputs)} and len(inputs) == groups * (case.k + 1)
+    assert sorted({layer for _, layer in program.reads.values() if layer is not None}) == list(range(layers))
+    assert [r for r, (_, layer) in program.reads.items() if layer is None] == golden.unpinned(case, program.reads)
+    written = sorted(layer for _, layer in program.writes.values())
+    assert written == sorted(list(range(case.k, case.k + layers)) * groups)
 
 
 def _swap(text, a, b):
@@ -64,16 +72,36 @@ def _edit(text, line_start, old, new):
     return "".join(lines)
 
 
-def test_golden_aten_graph_without_a_gate_writes_a_slot_still_read():
-    """Data edges: layer 3's write into slot 1 (auto_functionalized_v2_2) without its ``after`` (the residual
-    entering layer 2) depends only on layer 1's write: it races layer 1's reads of the slot."""
-    case = _case("qwen3-dp2-layer_shard-k1-decode")
-    text = read_artifact(GRAPHS, case.name, "graph.txt")
-    ungated = _edit(text, "auto_functionalized_v2_2 =", "after = add_15", "after = None")
-    assert _check(case, ungated)[0] == [
-        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
-        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
-    ]
+UNGATED = {  # case: (the write, its ``after``, the findings without it)
+    # layer 3's broadcast into slot 1 without the residual entering layer 2 depends only on layer 1's write: it races
+    # layer 1's reads of the slot
+    "qwen3-dp2-layer_shard-k1-decode": (
+        "auto_functionalized_v2_2",
+        "add_15",
+        [
+            "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
+            "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
+        ],
+    ),
+    # the ring filled from host memory (L = 3, k = 1): layer 2's copy into slot 0 without the residual entering layer
+    # 1 depends on nothing the layers compute: it races layer 0's reads of the slot
+    "qwen3-tp1-offload-L3-k1-decode": (
+        "auto_functionalized_v2_1",
+        "add_7",
+        [
+            "write after read: auto_functionalized_v2_1 writes arg5_1 unordered with mm_1, which reads it",
+            "write after read: auto_functionalized_v2_1 writes arg5_1 unordered with mm_3, which reads it",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", UNGATED)
+def test_golden_aten_graph_without_a_gate_writes_a_slot_still_read(name):
+    """Data edges: a write into a slot without its ``after`` races the reads of the layer the slot held."""
+    write, after, found = UNGATED[name]
+    text = read_artifact(GRAPHS, name, "graph.txt")
+    assert _check(_case(name), _edit(text, f"{write} =", f"after = {after}", "after = None"))[0] == found
 
 
 def test_golden_aten_graph_with_two_writes_of_a_slot_unordered_is_write_after_write():

@@ -31,9 +31,10 @@ def ge_ring_check(case, text: str | None = None) -> dict:
         ge_ops(case.name, text),
         k=case.k,
         num_layers=case.config.num_layers,
-        series=1,  # one coalesced broadcast per layer carries every layer-sharded leaf (they share a dtype)
-        axis_size=case.axes["dp"],
+        series=case.ring_groups,  # one coalesced write per layer and source carries its series (they share a dtype)
+        axis_size=case.axes.get("dp", 1),
         inputs=inputs(case.name),
+        phase=case.ring_phase,
     )
 
 
@@ -55,3 +56,23 @@ def acl_module(name: str, text: str | None = None) -> torch.fx.GraphModule:
 def fx_graph(name: str, text: str | None = None) -> torch.fx.Graph:
     """Case ``name``'s stored aten graph (``graph.txt``, or ``text``), rebuilt from its text, with its input layout."""
     return parse_fx_text(read_artifact(GRAPHS, name, "graph.txt") if text is None else text, inputs(name))
+
+
+def unpinned(case, reads: dict[str, tuple[str, int | None]]) -> list[str]:
+    """The reads of a case's ring (``reads``: read -> (slot, layer), the slot a graph input ``argN_1`` or
+    ``RefData_argN_1``) whose layer the compute around them cannot pin, in ``reads``' order: none, but in the mixed
+    case (``o_proj`` layer-sharded, ``down`` in host memory): the host group holds ``down`` alone, so a read of it lies
+    between its own layer's inputs and the next layer's and no other read of the same slot value pins it; the last
+    layer's is pinned (no layer follows). Those are the host group's reads (``state.prefetched[s * 2 + 1]``) of
+    every layer but the last."""
+    if case.series is None or case.offload is None:
+        return []
+    layout = inputs(case.name)
+
+    def group(slot: str) -> int:
+        return int(layout[int(slot.removeprefix("RefData_")[3:-2])].rsplit(".", 1)[1]) % case.ring_groups
+
+    host = [r for r, (slot, _) in reads.items() if group(slot) == 1]
+    last = [r for r in host if reads[r][1] == case.config.num_layers - 1]
+    assert len(host) - len(last) == case.config.num_layers - 1, (host, last)
+    return [r for r in host if r not in last]

@@ -170,6 +170,24 @@ def test_layer_sharded_schedule_prefetches_k_layers_ahead(drift, k):
         assert graph.count("torch.ops.higher_order.auto_functionalized_v2(") == layers
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.offload is not None], ids=lambda c: c.name)
+def test_host_series_are_copies_into_the_ring_not_collectives(case):
+    """Series kept in host memory: each layer's write is a copy of its parts (every offloaded leaf of the layer, in one
+    buffer) with a group of one: no collective; beside a layer-sharded series (the mixed case) only its broadcasts
+    are collectives, one per layer from the layer's owner."""
+    cfg, layers = case.config, case.config.num_layers
+    d, h = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    schedule = read_artifact(GRAPHS, case.name, "collectives.json")
+    graph = read_artifact(GRAPHS, case.name, "graph.txt")
+    copies = re.findall(r"group_name = '', size = 1, .*_all_bases = \[(\w+)\]", graph)
+    assert len(copies) == layers and graph.count("wait_tensor.default(") == case.ring_groups * layers
+    if case.series is None:
+        assert schedule == [] and len(re.findall(r"parts = \[\w+, \w+\]", graph)) == layers  # o_proj and down
+        return
+    assert [c["bytes"] for c in schedule] == [4 * d * h] * layers and {c["axis"] for c in schedule} == {"dp"}
+    assert [c["src"] for c in schedule] == [(li + case.k) % layers % 2 for li in range(layers)]
+
+
 @pytest.mark.parametrize("k", LAYER_SHARD_STEPS)
 def test_ge_graph_keeps_the_ring_safe_in_every_order(report, k):
     """Read from the stored GE graph's partial order (its text, no torchair): the hazard check finds nothing (no write
