@@ -89,9 +89,9 @@ def ring_hazards(
     graph's partial order (what every compiler reorders within; ``copy_back``: its epilogue's copies into the slots
     count as reads) and over inductor's generated order, and what inductor's post-grad graph does with the ring's
     slots. ``streams``: the hints the FX graph is traced with, "inline" (inductor's), "copy-back" (aot_eager's) or
-    "unordered" (the control; then only the FX check runs). ``passes``: inductor's comm reordering passes to compile
-    with instead of compile_model's (``()``: none, inductor's default order). Returns (fx violations, inductor
-    violations, facts: the post-grad graph's writes, its code and the input layout)."""
+    "unordered" (the control; then, and with ``copy_back``, only the FX check runs). ``passes``: inductor's comm
+    reordering passes to compile with instead of compile_model's (``()``: none, inductor's default order). Returns
+    (fx violations, inductor violations, facts: the post-grad graph's writes, its code and the input layout)."""
     import functools
 
     from torch._dynamo.backends.common import aot_autograd
@@ -136,7 +136,7 @@ def ring_hazards(
     inputs = layouts[0]
     fx_program = from_fx(graphs[0].graph, k, groups, copy_back=copy_back, inputs=inputs)
     fx = check(fx_program, k, slots)
-    if streams != "inline":
+    if streams != "inline" or copy_back:  # the FX graph's check only: inductor reinplaces, it copies nothing back
         return fx, None, None
     torch._dynamo.reset()
     state = model.new_state(1)
