@@ -65,16 +65,31 @@ def layer_shard(names: str | Sequence[str], axis: str = "dp") -> LayerShard:
     Raises:
         ValueError for no names, a name that is not an identifier, or an axis that is not a name.
     """
-    parts = [p.strip() for p in (names.split(",") if isinstance(names, str) else names) if str(p).strip()]
-    bad = [p for p in parts if not isinstance(p, str) or not p.isidentifier()]
-    if bad or not parts:
-        raise ValueError(
-            f"layer_shard: expected series names like 'o_proj,down_proj' or 'layer', got {names!r}"
-            + (f" ({bad[0]!r} is not a name)" if bad else "")
-        )
+    parts = series_names(names, "layer_shard")
     if not isinstance(axis, str) or not axis.isidentifier():
         raise ValueError(f"layer_shard: axis must be a mesh axis name such as 'dp', got {axis!r}")
-    return LayerShard(axis, tuple(dict.fromkeys(parts)))
+    return LayerShard(axis, parts)
+
+
+def series_names(names: Any, where: str, empty: bool = False) -> tuple[str, ...]:
+    """Series names from ``"o_proj,down_proj"`` or a sequence of names, deduplicated in order (blank ones dropped).
+
+    Raises:
+        ValueError starting with ``where`` for a value that is not names, a name that is not an identifier, or no
+        names (unless ``empty``).
+    """
+    parts = names.split(",") if isinstance(names, str) else names
+    if not isinstance(parts, (list, tuple)):
+        parts = [parts]
+    parts = [p.strip() if isinstance(p, str) else p for p in parts]
+    bad = [p for p in parts if not isinstance(p, str) or (p and not p.isidentifier())]
+    kept = tuple(dict.fromkeys(p for p in parts if p))
+    if bad or not (kept or empty):
+        raise ValueError(
+            f"{where}: expected series names like 'o_proj,down_proj' or 'layer', got {names!r}"
+            + (f" ({bad[0]!r} is not a name)" if bad else "")
+        )
+    return kept
 
 
 def present(ls: LayerShard, layers: Sequence[dict[str, Any]]) -> tuple[str, ...]:

@@ -26,9 +26,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..core.layout import Layout
+from .layer_shard import series_names
 
 __all__ = [
     "offload_names",
+    "check_no_host_series",
     "host_of",
     "host_specs",
     "stack_host",
@@ -48,16 +50,17 @@ def offload_names(value: Any) -> tuple[str, ...]:
     Raises:
         ValueError for a name that is not an identifier.
     """
-    if value is None:
-        return ()
-    parts = value.split(",") if isinstance(value, str) else value
-    if not isinstance(parts, (list, tuple)):
-        raise ValueError(f"Plan.offload must be series names like 'o_proj,down' or 'layer' (or ()), got {value!r}")
-    names = [p.strip() if isinstance(p, str) else p for p in parts]
-    bad = [p for p in names if not isinstance(p, str) or not p.isidentifier()]
-    if bad:
-        raise ValueError(f"Plan.offload: expected series names like 'o_proj,down' or 'layer', got {value!r}")
-    return tuple(dict.fromkeys(n for n in names if n))
+    return () if value is None else series_names(value, "Plan.offload", empty=True)
+
+
+def check_no_host_series(params: dict[str, Any], where: str) -> None:
+    """Refuse a gradient through params that keep series in host memory (a serving plan), naming them."""
+    if host_of(params):
+        raise ValueError(
+            f"{where}: series {list(host_of(params))} are kept in host memory (plan.offload), a serving plan; a "
+            f"gradient step needs its weights on the device: train on params loaded without offload "
+            f"(reshard_params moves them between the two plans)"
+        )
 
 
 def host_of(params: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from ...core.mesh import Mesh
 from ...core.replica_sum import ReplicaSum, replica_plan, sum_replicas
 from ...core.tree import flatten_with_paths, map_with_path, replace_leaves
 from ...models import family_of, forward, init_state, plan_of
-from ...parallel.offload import host_of
+from ...parallel.offload import check_no_host_series
 from ...placement.placement import placement_of
 from ..serving.generate import logprobs_of
 from .batch import check_batch
@@ -95,12 +95,7 @@ class Differentiable:
                 f"{where}: the params are quantized ({scheme.quant!r}); gradients need floating-point weights: load "
                 f"the checkpoint unquantized (or dequantize the params) to train"
             )
-        if host_of(params):
-            raise ValueError(
-                f"{where}: series {list(host_of(params))} are kept in host memory (plan.offload), a serving plan; a "
-                f"gradient step needs its weights on the device: train on params loaded without offload "
-                f"(reshard_params moves them between the two plans)"
-            )
+        check_no_host_series(params, where)
         _check_leaves(params, where)
         placed = placement_of(params, mesh, where=where)
         full, layouts = placed.meta_leaves, placed.layouts
