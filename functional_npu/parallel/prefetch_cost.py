@@ -38,6 +38,8 @@ __all__ = [
     "auto_step",
     "layer_bytes",
     "layer_weight_bytes",
+    "host_layer_bytes",
+    "host_step",
     "layer_weight_elements",
 ]
 
@@ -174,12 +176,29 @@ def layer_bytes(params: dict) -> int:
     return sum(math.prod(x.shape[1:]) * x.element_size() for x in pytree.tree_leaves(series))
 
 
+def host_step(layer_bytes: int, *, num_layers: int, compute_s: float, link: Link) -> int:
+    """The prefetch step for series copied from host memory over ``link`` (``layer_bytes`` per layer, ``compute_s``
+    one layer's compute): the smallest ``k`` whose exposed time is within 1% of the least any ``k`` up to the covering
+    one (:func:`choose_k`) leaves. Where the link does not keep up with the layers, fetching further ahead absorbs
+    latency but not the shortfall, and every slot more is device memory the offload was to free."""
+    top = choose_k(layer_bytes, num_layers=num_layers, compute_s=compute_s, link=link)
+    occupy, latency = layer_bytes / link.bytes_per_s, link.time(layer_bytes)
+    cost = [exposed(num_layers, k, compute_s, occupy, latency) for k in range(top + 1)]
+    return next(k for k, c in enumerate(cost) if c <= min(cost) + 0.01)
+
+
+def host_layer_bytes(params: dict) -> int:
+    """Bytes one layer's series kept in host memory move per step (:mod:`.offload`)."""
+    host = params.get("host") or {}
+    return sum(math.prod(x.shape[1:]) * x.element_size() for x in pytree.tree_leaves(host))
+
+
 def layer_weight_bytes(params: dict) -> int:
-    """Bytes of one layer's weights at this rank's shard size (local leaves plus its layer-sharded ones; a
-    quantized leaf counts every tensor it stores)."""
+    """Bytes of one layer's weights at this rank's shard size (local leaves plus its layer-sharded ones and those
+    kept in host memory; a quantized leaf counts every tensor it stores)."""
     layers = params["layers"]
     local = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(layers[0])) if layers else 0
-    return local + layer_bytes(params)
+    return local + layer_bytes(params) + host_layer_bytes(params)
 
 
 def layer_weight_elements(params: dict, quant: Any = None) -> int:
@@ -196,7 +215,8 @@ def layer_weight_elements(params: dict, quant: Any = None) -> int:
 
     layers = params["layers"]
     local = sum(values(leaf, False) for leaf in layers[0].values()) if layers else 0
-    return local + sum(values(leaf, True) for leaf in (params.get("series") or {}).values())
+    stacked = (params.get("series") or {}) | (params.get("host") or {})
+    return local + sum(values(leaf, True) for leaf in stacked.values())
 
 
 def auto_step(
@@ -222,11 +242,14 @@ def auto_step(
                 f"prefetch device {name!r} is not known; choose one of {', '.join(DEVICES)} or pass a Device"
             )
         device = DEVICES[name]
-    weights = layer_weight_bytes(params)
-    compute = roofline_layer_s(device, weights, 2.0 * batch * layer_weight_elements(params, quant))
+    compute = roofline_layer_s(device, layer_weight_bytes(params), 2.0 * batch * layer_weight_elements(params, quant))
+    L, host = params["config"].num_layers, host_layer_bytes(params)
+    if host and not params.get("series"):  # host series alone: copied over the device's host link, if it has one
+        link = device.host_link
+        return host_step(host, num_layers=L, compute_s=compute, link=link) if link else min(1, L - 1)
     return choose_k(
         layer_bytes(params),
-        num_layers=params["config"].num_layers,
+        num_layers=L,
         compute_s=compute,
         link=device.link,
         budget_bytes=budget_bytes,

@@ -166,3 +166,43 @@ def test_auto_reads_quantized_layers(tmp_path, quant):
     )
     assert layer_weight_bytes(params) == sum(t.numel() * t.element_size() for t in stored)
     assert 0 <= auto_step(params, params["placement"].plan, quant) <= DENSE.num_layers - 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(2, 12),
+    gbps=st.floats(0.5, 200.0),
+    alpha_us=st.floats(0.0, 200.0),
+)
+def test_auto_for_host_series_is_the_least_k_the_schedule_leaves_as_little_exposed(layers, gbps, alpha_us):
+    """``prefetch_step="auto"`` with series kept in host memory alone: the smallest k whose exposed time is within 1%
+    of the least, counted here by the event-by-event schedule (:func:`simulate`) over every k; without a host link in
+    the device's profile (this host), one layer ahead."""
+    import types
+
+    import torch
+
+    from functional_npu import Plan
+    from functional_npu.parallel.devices import DEVICES
+    from functional_npu.parallel.prefetch_cost import auto_step
+
+    host = torch.zeros(layers, 256, 512)  # 512 KiB per layer, float32
+    params = {
+        "config": types.SimpleNamespace(num_layers=layers),
+        "embed": torch.zeros(1),
+        "layers": [{"norm": torch.zeros(512)} for _ in range(layers)],
+        "host": {"down": host},
+    }
+    dev = dataclasses.replace(DEVICES["ascend-910b"], host_link=Link(bytes_per_s=gbps * 1e9, alpha_s=alpha_us * 1e-6))
+    per_layer = 256 * 512 * 4
+    compute = roofline_layer_s(dev, per_layer + 512 * 4, 2.0 * (256 * 512 + 512))
+    occupy, latency = per_layer / dev.host_link.bytes_per_s, dev.host_link.time(per_layer)
+    steps, cost = 40, []
+    for k in range(layers):
+        ends = simulate(layers, k, compute, occupy, latency, steps)
+        per_step = (ends[-1] - ends[2 * layers - 1]) / (steps - 2)  # averaged: a ring of k + 1 need not divide L
+        cost.append((per_step - layers * compute) / (layers * latency))
+    got = auto_step(params, Plan(offload="down_proj", prefetch_step="auto"), device=dev)
+    slack = 1e-3  # the finite schedule's averaging, at a k whose cost sits on the 1% line
+    assert cost[got] <= min(cost) + 0.01 + slack and all(c > min(cost) + 0.01 - slack for c in cost[:got])
+    assert auto_step(params, Plan(offload="down_proj", prefetch_step="auto"), device="host") == 1

@@ -39,7 +39,7 @@ from ...parallel.devices import device as device_profile
 from ...parallel.eplb_map import EXPERT_LEAVES
 from ...parallel.module_tp import dp_axes
 from ...parallel.plan import Plan
-from ...parallel.prefetch_cost import choose_k, exposed
+from ...parallel.prefetch_cost import choose_k, exposed, host_step
 from ...placement.placement import Placement, place
 from ...placement.quant_config import QuantConfig
 
@@ -306,20 +306,8 @@ def _prefetch_step(dev: Device, mesh: Mesh, plan: Plan, shape: Any, held: _Held,
         link = dev.link_for(_nodes(dev, mesh, plan.layer_shard.axis))
         steps.append(choose_k(held.layer_series, num_layers=shape.layers, compute_s=per_layer, link=link))
     if plan.offload and dev.host_link is not None:
-        steps.append(_host_step(dev.host_link, shape.layers, held.host_layer, per_layer))
+        steps.append(host_step(held.host_layer, num_layers=shape.layers, compute_s=per_layer, link=dev.host_link))
     return max(steps)
-
-
-def _host_step(link: Link, layers: int, layer_bytes: int, per_layer: float) -> int:
-    """The host copies' prefetch step: the smallest ``k`` whose exposed time is within 1% of the least any ``k`` up
-    to the covering one (:func:`~functional_npu.parallel.prefetch_cost.choose_k`) leaves. Where the host link does not
-    keep up with the layers, fetching further ahead absorbs latency but not the shortfall, and every slot more is
-    device memory the offload was to free."""
-    top = choose_k(layer_bytes, num_layers=layers, compute_s=per_layer, link=link)
-    occupy, latency = layer_bytes / link.bytes_per_s, link.time(layer_bytes)
-    cost = [exposed(layers, k, per_layer, occupy, latency) for k in range(top + 1)]
-    best = min(cost)
-    return next(k for k, c in enumerate(cost) if c <= best + 0.01)
 
 
 def _exposed(dev: Device, link: Link, shape: Any, k: int, layer_bytes: int, compute_s: float) -> float:
