@@ -38,7 +38,8 @@ __all__ = ["RingMemory", "RingMemoryWarning", "check_ring_budget", "one_layer_by
 
 
 class RingMemoryWarning(UserWarning):
-    """A layer-sharded plan whose owned layers plus prefetch ring hold at least what replication holds."""
+    """A layer-sharded plan whose owned layers plus prefetch ring hold at least what replication holds, or series
+    kept in host memory whose ring holds every layer of them."""
 
 
 @dataclass(frozen=True)
@@ -251,11 +252,32 @@ def check_ring_budget(placed: Placement, where: str, dtype: torch.dtype | None =
 
 def warn_ring_memory(placed: Placement, where: str, *, stacklevel: int = 2) -> RingMemory | None:
     """Warn (one :class:`RingMemoryWarning` line, :meth:`RingMemory.message`) if the layer-sharded series of
-    ``placed`` hold at least what replication holds on some rank; nothing for a plan with no layer sharding or
-    with ``prefetch_step="auto"`` (not yet resolved: ``compile_model`` warns once it is). Returns the count."""
-    if placed.plan.layer_shard is None or placed.plan.prefetch_step == "auto":
+    ``placed`` hold at least what replication holds on some rank, and (another line) if the ring of the series kept
+    in host memory holds every layer of them; nothing with ``prefetch_step="auto"`` (not yet resolved:
+    ``compile_model`` warns once it is). Returns the layer-sharded series' count (None without layer sharding)."""
+    if placed.plan.prefetch_step == "auto":
+        return None
+    if placed.plan.offload:
+        _warn_host_ring(placed, where, stacklevel + 1)
+    if placed.plan.layer_shard is None:
         return None
     found = ring_memory(placed)
     if not found.saves:
         warnings.warn(found.message(where), RingMemoryWarning, stacklevel=stacklevel + 1)
     return found
+
+
+def _warn_host_ring(placed: Placement, where: str, stacklevel: int) -> None:
+    """Warn when the offloaded series' ring of ``k + 1`` slots holds every layer: the device then holds all of them,
+    as it would resident, plus their host copies."""
+    k, L = placed.plan.prefetch_step, placed.config.num_layers
+    if k + 1 < L:
+        return
+    fix = f"use prefetch_step {L - 2} or less" if L > 1 else "keep the series on the device (a model of one layer)"
+    warnings.warn(
+        f"{where}: offload {','.join(placed.plan.offload)} with prefetch_step {k} over {L} layers keeps a ring of "
+        f"{k + 1} slots on the device, every layer of the series: keeping them in host memory saves no device "
+        f"memory; {fix}",
+        RingMemoryWarning,
+        stacklevel=stacklevel + 1,
+    )

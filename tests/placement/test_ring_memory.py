@@ -10,6 +10,7 @@ import pytest
 
 from functional_npu import Mesh, Plan, compile_model, load_checkpoint, place, save_checkpoint
 from functional_npu.models import llama
+from functional_npu.parallel import coalesced as prefetch_groups
 from functional_npu.parallel import new_ring
 from functional_npu.placement import RingMemoryWarning, ring_memory
 
@@ -159,3 +160,25 @@ def test_prefetch_step_auto_is_counted_where_compile_model_resolves_it(ckpts):
 
 def test_a_plan_with_no_layer_sharding_has_no_figures():
     assert ring_memory(place(DENSE, {"dp": 2, "tp": 1}, Plan())) is None
+
+
+@pytest.mark.parametrize("layers, k, warns", [(3, 2, True), (3, 1, False), (4, 3, True), (1, 0, True)])
+def test_a_host_ring_that_holds_every_layer_warns_on_load(ckpts, layers, k, warns):
+    """Series kept in host memory save device memory only while their ring of k + 1 slots is shorter than the
+    model: at k = L - 1 the device holds every layer (vLLM 54975's 3 modules at prefetch 2 among them)."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        params = load_checkpoint(ckpts(layers), mesh, Plan(offload=O_DOWN, prefetch_step=k))
+    said = [str(w.message) for w in caught if issubclass(w.category, RingMemoryWarning)]
+    ring = len(new_ring(params, mesh, params["placement"].plan, k)) // len(prefetch_groups(params))
+    assert (ring >= layers) == warns  # the ring the compiled model allocates, counted in slots
+    if not warns:
+        assert said == []
+        return
+    fix = f"use prefetch_step {layers - 2} or less" if layers > 1 else "keep the series on the device"
+    assert len(said) == 1 and said[0].startswith(
+        f"load_checkpoint: offload o_proj,down with prefetch_step {k} over {layers} layers keeps a ring of "
+        f"{k + 1} slots on the device, every layer of the series: keeping them in host memory saves no device memory; "
+        f"{fix}"
+    )
