@@ -167,14 +167,15 @@ def _broadcast_into(
 ) -> None:
     """``slot <- cat(parts)`` on the source (empty ``parts`` elsewhere), then an in-place broadcast of ``slot`` from
     ``src``, left in flight (``wait_tensor(slot)`` waits). ``after`` is read by nothing: it orders the write after
-    the tensor's producer (every read of the slot's previous contents). ``size`` is the group's size (1: no
-    broadcast)."""
+    the tensor's producer (every read of the slot's previous contents). ``size`` is the group's size; with a size of
+    one, ``group_name`` is empty (no broadcast) or names a link that delivers the filled slot (an emulated host link,
+    :mod:`functional_npu.parallel.host_link`)."""
     if parts and all(p.device == slot.device for p in parts):
         torch.cat([p.reshape(-1) for p in parts], out=slot)
     elif parts:  # from host memory: one copy per part, asynchronous from pinned memory
         for part, view in zip(parts, slot.split([p.numel() for p in parts])):
             view.copy_(part.reshape(-1), non_blocking=True)
-    if size > 1:
+    if group_name:
         torch.ops._c10d_functional.broadcast_(slot, src, group_name)
 
 
@@ -200,31 +201,37 @@ def broadcast_into(
         ValueError: ``src`` outside the axis, or ``parts`` that do not fill ``slot`` (on the source).
     """
     n = _broadcast_size(mesh, axis, src)
-    if parts and (sum(p.numel() for p in parts) != slot.numel() or any(p.dtype != slot.dtype for p in parts)):
-        raise ValueError(
-            f"broadcast_into: parts of {sum(p.numel() for p in parts)} elements "
-            f"({sorted({str(p.dtype) for p in parts})}) do not fill a slot of {slot.numel()} {slot.dtype}"
-        )
+    if parts:
+        _check_fill("broadcast_into", slot, parts)
     torch.ops.functional_npu.broadcast_into(slot, list(parts), after, src, mesh.group_name(axis) if n > 1 else "", n)
     return slot
 
 
-def copy_into(slot: torch.Tensor, parts: Sequence[torch.Tensor], after: torch.Tensor | None = None) -> torch.Tensor:
+def copy_into(
+    slot: torch.Tensor, parts: Sequence[torch.Tensor], after: torch.Tensor | None = None, link: str = ""
+) -> torch.Tensor:
     """``slot <- cat(parts)`` in place, ``parts`` in host memory (or anywhere): a ring slot filled from a local
     source, the same graph op as :func:`broadcast_into` with a group of one (so every check of a ring's writes covers
     it). Nothing is allocated; from pinned host memory the copies are asynchronous. The write starts only once
-    ``after`` exists. Returns ``slot``: pass it through ``funcol.wait_tensor`` before reading it.
+    ``after`` exists. ``link``, if given, is the registered name of a one-rank process group whose broadcast of the
+    filled slot delivers it (an emulated host link: :class:`functional_npu.parallel.host_link.EmulatedHostLink`).
+    Returns ``slot``: pass it through ``funcol.wait_tensor`` before reading it.
 
     Raises:
         ValueError: ``parts`` that do not fill ``slot``.
     """
+    _check_fill("copy_into", slot, parts)
+    torch.ops.functional_npu.broadcast_into(slot, list(parts), after, 0, link, 1)
+    return slot
+
+
+def _check_fill(where: str, slot: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Refuse ``parts`` whose elements or dtypes do not fill ``slot`` exactly."""
     if sum(p.numel() for p in parts) != slot.numel() or any(p.dtype != slot.dtype for p in parts):
         raise ValueError(
-            f"copy_into: parts of {sum(p.numel() for p in parts)} elements "
+            f"{where}: parts of {sum(p.numel() for p in parts)} elements "
             f"({sorted({str(p.dtype) for p in parts})}) do not fill a slot of {slot.numel()} {slot.dtype}"
         )
-    torch.ops.functional_npu.broadcast_into(slot, list(parts), after, 0, "", 1)
-    return slot
 
 
 def permute(x: torch.Tensor, mesh: Mesh, axis: Axes, dst: Sequence[int]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from .hazard_fx import (
     parse_fx_text,
     ring_order,
 )
+from .host_link import EmulatedHostLink
 from .layer_shard import (
     LayerShard,
     layer_shard,
@@ -68,6 +69,8 @@ from .prefetch_cost import (
     check_budget,
     choose_k,
     exposed,
+    host_layer_bytes,
+    host_step,
     layer_bytes,
     layer_weight_bytes,
     layer_weight_elements,
@@ -78,6 +81,7 @@ from .prefetch_cost import (
 from .streams import COPY_BACK, INLINE, PREFETCH_STREAM, UNORDERED, Streams
 
 __all__ = [
+    "EmulatedHostLink",
     "Link",
     "Device",
     "DEVICES",
@@ -163,6 +167,8 @@ __all__ = [
     "auto_step",
     "check_budget",
     "layer_bytes",
+    "host_layer_bytes",
+    "host_step",
     "layer_weight_bytes",
     "layer_weight_elements",
     "Streams",

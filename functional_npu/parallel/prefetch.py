@@ -44,7 +44,7 @@ from ..core.collectives import broadcast, broadcast_into, copy_into
 from ..core.mesh import Mesh
 from ..core.tree import flatten_with_paths, tree_from_paths
 from .layer_shard import series_of
-from .offload import host_of
+from .offload import check_no_host_series, host_of
 from .plan import Plan
 from .streams import INLINE, PREFETCH_STREAM, Streams
 
@@ -223,7 +223,7 @@ def _issue(
             size = sum(math.prod(series[leaf][1].shape[1:]) for leaf in leaves)
             slot = slot if slot.numel() == size else slot[:size]
             if series[leaves[0]][0] == "host":  # every layer is here, in host memory
-                out.append(copy_into(slot, [series[leaf][1][li] for leaf in leaves], after=gate))
+                out.append(copy_into(slot, [series[leaf][1][li] for leaf in leaves], gate, streams.host_link))
                 continue
             parts = [series[leaf][1][li // n] for leaf in leaves] if li % n == me else []
             out.append(broadcast_into(slot, parts, mesh, axis, src=li % n, after=gate))
@@ -292,12 +292,7 @@ def layer_weights(
     if not ring_used(params, mesh, plan):
         return lambda i, x: layers[i] | _local(params, i)
     if differentiable:
-        if host_of(params):
-            raise ValueError(
-                f"series {list(host_of(params))} are kept in host memory (plan.offload), a serving plan; a gradient "
-                f"step needs its weights on the device: train on params loaded without offload (reshard_params "
-                f"moves them between the two plans)"
-            )
+        check_no_host_series(params, "layer_weights")
         return _broadcast_weights(params, mesh, plan)
     ring = prefetched if prefetched else new_ring(params, mesh, plan, 0)
     k, axis = check_ring(params, mesh, plan, ring), _axis(plan)

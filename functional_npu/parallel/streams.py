@@ -59,6 +59,9 @@ class Streams:
     hand_over: bool = True
     signal: Callable[[str], None] = _no_event
     wait: Callable[[str], None] = _no_event
+    # the registered name of a one-rank process group that delivers each copy from host memory (an emulated host
+    # link, :mod:`functional_npu.parallel.host_link`); "": copies land when made
+    host_link: str = ""
 
 
 INLINE = Streams("inline", _no_scope, _no_edge)

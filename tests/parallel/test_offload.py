@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, Plan, compile_model, load_checkpoint
-from functional_npu.parallel import prefetch
+from functional_npu.parallel import EmulatedHostLink, prefetch
 from functional_npu.parallel.hazard import check
 from functional_npu.parallel.hazard_fx import Recorder
 from functional_npu.parallel.layer_shard import LayerShard
@@ -160,12 +160,20 @@ def test_offloaded_model_generates_the_resident_models_tokens(qwen3, resident, k
     assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
 
 
-def test_offloaded_model_compiled_with_inductor(qwen3, resident):
-    """L = 3 at k = 2 (3 modules, prefetch 2: vLLM 54975's case) through inductor: the resident model's tokens."""
+def test_offloaded_model_compiled_with_inductor_on_an_emulated_link(qwen3, resident):
+    """L = 3 at k = 2 (3 modules, prefetch 2: vLLM 54975's case) through inductor, each host copy delivered by an
+    emulated host link (its completion waited in the graph): the resident model's tokens, one transfer per layer
+    and forward."""
     params = load_checkpoint(qwen3, ONE, Plan(offload="layer", prefetch_step=2))
     assert "layers" in params and params["layers"][0] == {}
-    model = compile_model(params, ONE, backend="inductor", batch_sizes=[4], max_seq_len=24)
-    assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+    with EmulatedHostLink(2e9, 5e-6) as link:
+        model = compile_model(params, ONE, backend="inductor", batch_sizes=[4], max_seq_len=24, host_link=link)
+        assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+    groups = len(model.new_state(4).prefetched) // 3  # one buffer per dtype of the layer, per slot
+    assert link.carried["transfers"] == 6 * 3 * groups  # 1 prefill + 5 decode steps, 3 layers each
+    with pytest.raises(ValueError, match=r"host_link is given, and no series is kept in host memory"):
+        with EmulatedHostLink(2e9) as other:
+            compile_model(load_checkpoint(qwen3, ONE), ONE, backend="none", host_link=other)
 
 
 def test_reshard_from_a_training_plan_into_host_memory(qwen3, world2):

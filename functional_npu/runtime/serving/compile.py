@@ -26,6 +26,7 @@ from ...models import invariant as inv
 from ...models.decoder import DecodeState, decode
 from ...models.linear import KINDS, TARGETS, prepare_params
 from ...parallel import prefetch
+from ...parallel.host_link import EmulatedHostLink, check_host_link
 from ...parallel.layer_shard import series_of
 from ...parallel.offload import check_host_backend, host_of
 from ...parallel.plan import Plan
@@ -340,6 +341,7 @@ def compile_model(
     linear: str | None = None,
     greedy_head: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    host_link: EmulatedHostLink | None = None,
 ) -> CompiledModel:
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
@@ -393,6 +395,10 @@ def compile_model(
             directory holding another key's graphs, a graph that cannot be loaded, a directory that cannot be
             written: one warning on the ``functional_npu`` logger, then a clean compile. Backends ``inductor`` and
             ``aot_eager`` save their graphs; ``none`` ignores ``cache_dir``; others warn and compile as usual.
+        host_link: on a CPU host, an entered :class:`~functional_npu.parallel.host_link.EmulatedHostLink` that
+            delivers the copies of the series kept in host memory (``plan.offload``) at its bandwidth and latency,
+            so that the prefetch step's overlap can be measured there. Refused on another device, without host
+            series, and with ``cache_dir`` (the graphs name the link).
 
     Example:
         >>> model = compile_model(load_checkpoint(path, mesh), mesh)     # doctest: +SKIP
@@ -410,6 +416,7 @@ def compile_model(
     chosen = resolve_backend(backend, mode=mode, device_type=params["embed"].device.type)
     _check_wrapper(chosen, mesh)
     check_host_backend(params, chosen.name, chosen.mode, chosen.captures, chosen.device_type, "compile_model")
+    check_host_link(params, host_link, chosen.device_type, cache_dir, "compile_model")
     if chosen.name == "inductor":
         sweep()  # inductor would trust an object a killed compile left half-written in its cache
     # the streamed forms are for inductor's reductions: a forward that is not compiled keeps the plain ones, and so
@@ -439,7 +446,8 @@ def compile_model(
         options |= REALIZE_INPUTS
     options |= exact
     static = {"blocks": family_of(cfg).blocks(cfg, plan), "plan": plan, "attention": attention}
-    static["streams"] = chosen.streams
+    linked = {"host_link": host_link.name} if host_link is not None else {}
+    static["streams"] = dataclasses.replace(chosen.streams, **linked)
     where = _graph_dir(
         cache_dir, params, mesh, chosen, placed, (sizes, seq, lengths), kernels=kernels or chosen.kernels,
         greedy_head=greedy_head, options=options, linear="streamed" if streamed else "matmul",
@@ -611,15 +619,12 @@ def _preparer(placed: Placement, mesh: Mesh, target: str, streamed: bool) -> Cal
 
 def _with_step(placed: Placement, params: dict, device: Any) -> Placement:
     """``placed`` with its plan's prefetch step an int: 0 without layer-sharded or host series, the cost model's for
-    ``"auto"`` (:func:`~functional_npu.parallel.prefetch_cost.auto_step`; 1 with host series alone), else the plan's,
-    checked."""
+    ``"auto"`` (:func:`~functional_npu.parallel.prefetch_cost.auto_step`), else the plan's, checked."""
     plan = placed.plan
     k = plan.prefetch_step
     if not series_of(params) and not host_of(params):
         k = 0
-    elif k == "auto" and not series_of(params):  # host series only: one layer ahead (the cost model prices peers)
-        k = min(1, placed.config.num_layers - 1)
-    elif k == "auto":  # the cost model reads the series the plan names
+    elif k == "auto":  # the cost model reads the series the plan names, or the host link for host series alone
         k = auto_step(params, plan, placed.quant, device=device, budget_bytes=plan.prefetch_budget)
     k = check_prefetch_step(k, placed.config.num_layers)
     return placed if k == plan.prefetch_step else placed.with_plan(dataclasses.replace(plan, prefetch_step=k), "")

@@ -1,0 +1,67 @@
+"""The emulated host link (:class:`functional_npu.parallel.host_link.EmulatedHostLink`): a transfer completes no
+sooner than the link could carry it, transfers queue behind each other, a ring slot copied through it holds the host
+bytes once waited, and the bad inputs. The compiled model on a link is in ``test_offload.py``.
+
+Every timing here is a lower bound the link promises (a completion before its due time is a bug whatever the load),
+never a limit on how fast anything runs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from functional_npu.core.collectives import copy_into
+from functional_npu.parallel import EmulatedHostLink
+from functional_npu.parallel.host_link import check_host_link
+
+
+def test_transfers_complete_after_their_time_one_after_another():
+    x = torch.zeros(2500)  # 10 kB: 10 ms at 1 MB/s, plus 20 ms of latency
+    with EmulatedHostLink(1e6, 0.02) as link:
+        assert link.transfer_s(x.numel() * 4) == pytest.approx(0.03)
+        t0 = time.perf_counter()
+        first, second = link.broadcast([x]), link.broadcast([x])
+        first.wait()
+        t1 = time.perf_counter()
+        second.wait()
+        t2 = time.perf_counter()
+    assert t1 - t0 >= 0.03 and t2 - t0 >= 0.06  # the second waited for the link, then took its own time
+    assert link.carried["transfers"] == 2 and link.carried["bytes"] == 20_000 and link.carried["late_s"] >= 0
+    assert link.name  # kept after exit, and unregistered: a later link gets another name
+    with EmulatedHostLink(1e9) as again:
+        assert again.name != link.name
+
+
+def test_a_slot_copied_through_the_link_holds_the_host_bytes_once_waited():
+    parts = [torch.arange(6.0).view(2, 3), torch.full((4,), 7.0)]
+    slot = torch.zeros(10)
+    with EmulatedHostLink(1e6, 0.02) as link:
+        t0 = time.perf_counter()
+        out = funcol.wait_tensor(copy_into(slot, parts, None, link.name))
+        waited = time.perf_counter() - t0
+    assert waited >= link.transfer_s(40)
+    assert torch.equal(out, torch.cat([parts[0].reshape(-1), parts[1]])) and out.data_ptr() == slot.data_ptr()
+    assert link.carried["transfers"] == 1 and link.carried["bytes"] == 40
+
+
+def test_bad_links_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"bytes_per_s=0 and latency_s=0\.0; a link needs a positive bandwidth"):
+        EmulatedHostLink(0)
+    with pytest.raises(ValueError, match=r"latency of zero or more"):
+        EmulatedHostLink(1e9, -1.0)
+    host = {"host": {"o_proj": torch.zeros(2, 2, 2)}}
+    with pytest.raises(ValueError, match=r"^compile_model: host_link=.* is not an entered EmulatedHostLink; use"):
+        check_host_link(host, EmulatedHostLink(1e9), "cpu", None, "compile_model")
+    with EmulatedHostLink(1e9) as link:
+        with pytest.raises(ValueError, match=r"these params are on 'cuda', whose copies from host memory are real"):
+            check_host_link(host, link, "cuda", None, "compile_model")
+        with pytest.raises(ValueError, match=r"no series is kept in host memory: plan.offload is empty"):
+            check_host_link({}, link, "cpu", None, "compile_model")
+        with pytest.raises(ValueError, match=r"host_link with cache_dir='/tmp/g': the graphs name this process's link"):
+            check_host_link(host, link, "cpu", "/tmp/g", "compile_model")
+        check_host_link(host, link, "cpu", None, "compile_model")
+    with pytest.raises(RuntimeError, match=r"a transfer on a link that is not entered"):
+        link.broadcast([torch.zeros(1)])
