@@ -24,6 +24,7 @@ from .family import (
     forward,
     init_state,
     plan_of,
+    resolve_series,
     series_leaves,
 )
 from .gemma3 import Gemma3Config
@@ -48,6 +49,7 @@ __all__ = [
     "forward",
     "init_state",
     "series_leaves",
+    "resolve_series",
     "plan_of",
     "check_invariant",
     "invariant",

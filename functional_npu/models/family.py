@@ -37,6 +37,7 @@ __all__ = [
     "forward",
     "init_state",
     "series_leaves",
+    "resolve_series",
     "plan_of",
     "check_invariant",
 ]
@@ -257,21 +258,30 @@ def series_leaves(cfg: Any, ls: LayerShard, plan: Plan = Plan(), layers: Sequenc
     Raises:
         ValueError naming a series this model does not have (with the ones it has), or one some layers lack.
     """
+    return LayerShard(ls.axis, resolve_series(cfg, ls.leaves, plan, layers))
+
+
+def resolve_series(
+    cfg: Any, wanted: Sequence[str], plan: Plan = Plan(), layers: Sequence[Mapping] | None = None, *, field: str = ""
+) -> tuple[str, ...]:
+    """Series names resolved to leaves as :func:`series_leaves` does, for the plan field ``field`` (``layer_shard``,
+    the default, or ``offload``), whose name starts the errors."""
+    what, verb = (field, field) if field else ("layer_shard", "layer-shard")
     family = family_of(cfg)
     layers = family.abstract_params(cfg, plan)["layers"] if layers is None else layers
     every = tuple(leaf for leaf in family.layer_leaves if all(leaf in layer for layer in layers))
     names = {leaf: (leaf,) for leaf in family.layer_leaves} | dict(family.series_aliases or {}) | {"layer": every}
-    unknown = [n for n in ls.leaves if n not in names]
+    unknown = [n for n in wanted if n not in names]
     if unknown:
-        raise ValueError(f"layer_shard: a {cfg.architecture} has no series {unknown}; choose from {', '.join(names)}")
-    lacking = [n for n in ls.leaves if not set(names[n]) & set(every)]
+        raise ValueError(f"{what}: a {cfg.architecture} has no series {unknown}; choose from {', '.join(names)}")
+    lacking = [n for n in wanted if not set(names[n]) & set(every)]
     if lacking:
         raise ValueError(
-            f"layer_shard: series {lacking} are not in every layer of this {cfg.architecture}; "
-            f"layer-shard some of {', '.join(every)}"
+            f"{what}: series {lacking} are not in every layer of this {cfg.architecture}; "
+            f"{verb} some of {', '.join(every)}"
         )
-    chosen = {leaf for n in ls.leaves for leaf in names[n]}
-    return LayerShard(ls.axis, tuple(leaf for leaf in every if leaf in chosen))
+    chosen = {leaf for n in wanted for leaf in names[n]}
+    return tuple(leaf for leaf in every if leaf in chosen)
 
 
 def forward(

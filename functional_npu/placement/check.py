@@ -18,8 +18,7 @@ from ..core.layout import Layout, LayoutError, dim_pieces, validate
 from ..core.mesh import Mesh
 from ..core.shard import local_shape
 from ..core.tree import flatten_with_paths
-from ..models import family_of, series_leaves
-from ..parallel.layer_shard import LayerShard
+from ..models import family_of, resolve_series, series_leaves
 from ..parallel.module_tp import check_module_tp
 from ..parallel.offload import check_sources
 from ..parallel.plan import EXPERT_FIELDS, Plan
@@ -159,12 +158,7 @@ def _check_series(cfg: Any, plan: Plan, where: str, layers: Any) -> None:
 
 def _offloaded(cfg: Any, plan: Plan, layers: Any) -> tuple[str, ...]:
     """``plan.offload`` resolved to leaf names, as :func:`functional_npu.models.series_leaves` resolves series."""
-    if not plan.offload:
-        return ()
-    try:
-        return series_leaves(cfg, LayerShard("host", plan.offload), plan, layers).leaves
-    except ValueError as e:
-        raise ValueError(str(e).replace("layer_shard:", "offload:").replace("layer-shard", "offload")) from None
+    return resolve_series(cfg, plan.offload, plan, layers, field="offload") if plan.offload else ()
 
 
 def resolved(cfg: Any, plan: Plan, layers: Any = None) -> Plan:
