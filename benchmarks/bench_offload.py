@@ -100,11 +100,11 @@ def measure(cfg: Any, repeat: int) -> dict[str, Any]:
 
 def _layer_host_bytes(cfg: Any) -> int:
     """One layer's bytes of the offloaded series (what one ring write moves)."""
-    from functional_npu.parallel import host_bytes, stack_host
+    from functional_npu.parallel import host_layer_bytes, stack_host
 
     params = stack_host(family_of(cfg).init_params(cfg, seed=0), place(cfg, Mesh.abstract({"tp": 1}, 0), Plan(
         offload=SERIES)).plan.offload)  # fmt: skip
-    return host_bytes(params) // cfg.num_layers
+    return host_layer_bytes(params)
 
 
 def measure_link(cfg: Any, repeat: int, latency_s: float) -> dict[str, Any]:

@@ -172,8 +172,12 @@ DEFAULT_DEVICE = {"cpu": "host", "npu": "ascend-910b", "cuda": "h100-sxm"}
 
 def layer_bytes(params: dict) -> int:
     """Bytes one layer's layer-sharded weights move per step (every series, at this rank's shard size)."""
-    series = params.get("series") or {}
-    return sum(math.prod(x.shape[1:]) * x.element_size() for x in pytree.tree_leaves(series))
+    return _one_layer_bytes(params.get("series") or {})
+
+
+def _one_layer_bytes(stacked: Any) -> int:
+    """Bytes of one layer of a tree of stacked ``[layers, ...]`` tensors."""
+    return sum(math.prod(x.shape[1:]) * x.element_size() for x in pytree.tree_leaves(stacked))
 
 
 def host_step(layer_bytes: int, *, num_layers: int, compute_s: float, link: Link) -> int:
@@ -189,8 +193,7 @@ def host_step(layer_bytes: int, *, num_layers: int, compute_s: float, link: Link
 
 def host_layer_bytes(params: dict) -> int:
     """Bytes one layer's series kept in host memory move per step (:mod:`.offload`)."""
-    host = params.get("host") or {}
-    return sum(math.prod(x.shape[1:]) * x.element_size() for x in pytree.tree_leaves(host))
+    return _one_layer_bytes(params.get("host") or {})
 
 
 def layer_weight_bytes(params: dict) -> int:
