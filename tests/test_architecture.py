@@ -332,3 +332,90 @@ def test_the_length_check_counts_code_lines(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(61))
     (tmp_path / "pkg" / "a.py").write_text(f'def f():\n    """doc"""\n    # note\n\n{body}\ndef g():\n    return 1\n')
     assert _long_functions(tmp_path / "pkg") == ["pkg/a.py:1 f (61 lines)"]
+
+
+def _bound_names(tree: ast.Module) -> set[str]:
+    """The names a module binds at its top level (definitions, assignments, imports; under ``if`` / ``try`` too)."""
+    out: set[str] = set()
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            todo += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+            todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return out
+
+
+def _unresolved_imports(root: Path, package: str) -> list[str]:
+    """Every ``from <package module> import name`` in ``root/package`` (inside functions too) whose module has no file,
+    or whose name is neither a submodule of it nor a name it binds: an import that fails when that line runs."""
+    bad = []
+    for file in sorted((root / package).rglob("*.py")):
+        name = _module(file, root)
+        parts = name.split(".") if file.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(file.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith(package)):
+                continue
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            path = root.joinpath(*module.split("."))
+            target = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+            where = f"{file.relative_to(root)}:{node.lineno}"
+            if not target.is_file():
+                bad.append(f"{where}: no module {module}")
+                continue
+            bound = _bound_names(ast.parse(target.read_text()))
+            for a in node.names:
+                sub = path / a.name
+                if a.name != "*" and a.name not in bound and not (sub.with_suffix(".py").is_file() or sub.is_dir()):
+                    bad.append(f"{where}: {module} has no {a.name}")
+    return bad
+
+
+def test_every_import_of_the_package_resolves():
+    """Inside functions too, where only the line's first run would find it (``backends._torchair`` imported
+    ``ge_converters`` from a folder it had left: the first NPU would have raised ImportError)."""
+    bad = _unresolved_imports(ROOT, "functional_npu")
+    assert not bad, "imports that fail when they run:\n" + "\n".join(bad)
+
+
+def test_the_import_check_finds_a_moved_module(tmp_path):
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "sub" / "__init__.py").write_text("from .a import f\n")
+    (tmp_path / "pkg" / "sub" / "a.py").write_text("def f():\n    from .. import gone\n    from . import b, c\n")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("")
+    want = ["pkg/sub/a.py:2: pkg has no gone", "pkg/sub/a.py:3: pkg.sub has no c"]
+    assert _unresolved_imports(tmp_path, "pkg") == want
+
+
+def _all_assignments(face: Path) -> list[ast.stmt]:
+    out = []
+    for node in ast.parse(face.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out += [node] if any(getattr(t, "id", "") == "__all__" for t in targets) else []
+    return out
+
+
+def test_every_face_lists_its_exports_once_and_binds_them():
+    """A second ``__all__ = [...]`` replaces the first (``runtime/``'s face once exported one name of eight)."""
+    bad = []
+    for face in sorted(PACKAGE.rglob("__init__.py")):
+        where = face.relative_to(ROOT)
+        found = _all_assignments(face)
+        if len(found) != 1 or not isinstance(found[0], ast.Assign):
+            bad.append(f"{where}: {len(found)} assignments of __all__ (one plain list, please)")
+            continue
+        listed = [e.value for e in found[0].value.elts]
+        bound = _bound_names(ast.parse(face.read_text()))
+        bad += [f"{where}: {name!r} listed twice" for name in sorted({n for n in listed if listed.count(n) > 1})]
+        bad += [f"{where}: lists {name!r}, which it does not bind" for name in listed if name not in bound]
+    assert not bad, "\n".join(bad)

@@ -10,8 +10,4 @@
 from . import loading, planning, serving, training
 from .launch import LocalWorld, RankContext, RemoteError, watch_parent
 
-__all__ = ["loading", "serving", "training", "planning", "LocalWorld", "RankContext", "RemoteError"]
-
-__all__ = [
-    "watch_parent",
-]
+__all__ = ["loading", "serving", "training", "planning", "LocalWorld", "RankContext", "RemoteError", "watch_parent"]

@@ -30,6 +30,8 @@ def test_backend_errors():
         resolve_backend("inductor", mode="turbo", device_type="cpu")
     with pytest.raises(ValueError, match=r"^mode 'default': backend 'eager' on 'cpu' takes no mode"):
         resolve_backend("eager", mode="default", device_type="cpu")
+    with pytest.raises(ValueError, match=r"^options \['capture_limit'\] are npugraph_ex's CompilerConfig options"):
+        resolve_backend("inductor", options={"capture_limit": 8})
     assert modes("torchair", "npu") == ("max-autotune", "reduce-overhead") and modes("none", "cpu") == ()
 
 

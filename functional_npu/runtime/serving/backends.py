@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,17 +255,18 @@ def npugraph_ex_config(**options: Any) -> Any:
     return check_npugraph_ex_config(config)
 
 
-def _npugraph_ex() -> Any:
+def _npugraph_ex(options: Mapping[str, Any]) -> Any:
     import npugraph_ex  # type: ignore[import-not-found]  # sys.modules' lazy alias, set by torch_npu
 
+    config = npugraph_ex_config(**options)
     # the invariant ops as their aten ops: npugraph_ex captures aten ops, not an opaque one
-    return npugraph_ex.get_npu_backend(compiler_config=npugraph_ex_config(), custom_decompositions=decompositions())
+    return npugraph_ex.get_npu_backend(compiler_config=config, custom_decompositions=decompositions())
 
 
 def _torchair(mode: str | None) -> Any:
     import torchair  # only importable after torch_npu
 
-    from .. import ge_converters  # noqa: F401 - registers the GE converters of this library's ops
+    from . import ge_converters  # registers the GE converters of this library's ops
 
     # the prefetch ring's slots are inputs the graph writes in place: RefData, no copy (see ge_converters.configure)
     config = ge_converters.configure(torchair.CompilerConfig())
@@ -293,7 +294,14 @@ def _check_mode(name: str, device_type: str, mode: str | None) -> None:
         )
 
 
-def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type: str | None = None) -> Backend:
+def resolve_backend(
+    name: str = "auto",
+    *,
+    mode: str | None = None,
+    device_type: str | None = None,
+    probe: Callable[[], tuple[bool, str]] = npu_status,
+    options: Mapping[str, Any] | None = None,
+) -> Backend:
     """Turn a backend name into a :class:`Backend`.
 
     Args:
@@ -303,13 +311,22 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
             "reduce-overhead" means inductor's C++ wrapper, as CUDA graphs do not exist there, and "default" its
             Python wrapper. Other backends take no mode. :func:`modes` lists them.
         device_type: where the model runs (default: the detected accelerator, else "cpu").
+        probe: whether an NPU is usable, and why not (default :func:`npu_status`; a test that stands in for the
+            device passes its own, and everything else runs as on the device).
+        options: npugraph_ex's ``CompilerConfig`` options for backend ``"npugraph_ex"`` (its names, e.g.
+            ``{"capture_limit": 8}``; :func:`npugraph_ex_config` refuses those that would hide a moved input).
 
     Raises:
         ValueError for an unknown name, a mode the backend does not have on the device (naming its modes), or
-        ``"torchair"`` without a working NPU.
+        ``"torchair"`` without a working NPU, ``options`` for another backend than ``"npugraph_ex"``.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if options and name != "npugraph_ex":
+        raise ValueError(
+            f"options {sorted(options)} are npugraph_ex's CompilerConfig options, and backend {name!r} takes none; "
+            f"use backend 'npugraph_ex' or leave options out"
+        )
     if name == "torchair" and device_type not in (None, "npu"):
         raise ValueError(
             f"backend 'torchair' compiles for an Ascend NPU, but the params are "
@@ -321,14 +338,14 @@ def resolve_backend(name: str = "auto", *, mode: str | None = None, device_type:
                 f"backend 'npugraph_ex' captures ACL graphs on an Ascend NPU, but the params are on {device_type!r}; "
                 f"move them to 'npu' or use backend='inductor'"
             )
-        ok, why = npu_status()
+        ok, why = probe()
         if not ok:
             raise ValueError(f"backend 'npugraph_ex' needs a working Ascend NPU: {why}")
         if mode is not None:
             raise ValueError(f"backend 'npugraph_ex' takes no mode (got {mode!r}): it always captures an ACL graph")
-        return Backend("npugraph_ex", "npu", None, _npugraph_ex(), npugraph_ex_streams())
+        return Backend("npugraph_ex", "npu", None, _npugraph_ex(options or {}), npugraph_ex_streams())
     if name in ("auto", "torchair") and device_type in (None, "npu"):
-        ok, why = npu_status()
+        ok, why = probe()
         if ok:
             _check_mode("torchair", "npu", mode)
             mode = mode or "max-autotune"
