@@ -4,7 +4,7 @@ On two gloo ranks (dp = 2), the same model and batch: (a) local weights, no comm
 layer-sharded, k = 0 (synchronous); (c) layer-sharded, k = 1, 2, ..., into the prefetch ring
 (:mod:`functional_npu.parallel.prefetch`), in the order the graph's data edges give inductor; (d) k = 1
 with inductor's own comm passes on (``raise_comms``, the memory-preserving passes), which must leave the
-ring's order alone (each graph's order is hazard-checked, :mod:`functional_npu.parallel.hazard`). Every configuration is
+ring's order alone (each graph's order is hazard-checked, :mod:`functional_npu.checks`). Every configuration is
 compiled and warm before any is timed, then all are timed in interleaved rounds. The exposed
 communication is ``(T - T_local) / T_comm_alone``, where ``T_comm_alone`` is the same broadcasts
 issued back to back with nothing else running. Resident series memory comes from tensor storage:
@@ -29,18 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from functional_npu.checks import check, from_inductor_code
 from functional_npu.core import broadcast
 from functional_npu.models import forward
-from functional_npu.parallel import (
-    Plan,
-    check,
-    coalesced,
-    drain,
-    from_inductor_code,
-    layer_bytes,
-    layer_shard,
-    resident_bytes,
-)
+from functional_npu.parallel import Plan, coalesced, drain, layer_bytes, layer_shard, resident_bytes
 from functional_npu.runtime import LocalWorld, RankContext, watch_parent
 from functional_npu.runtime.loading import load_checkpoint
 from functional_npu.runtime.serving import CompiledModel, compile_model

@@ -56,7 +56,7 @@ from .parallel import LayerShard, ModuleTP, Plan, layer_shard, split_dp
 from .placement import Placement, check_plan, place, plan_table, read_placement
 from .runtime.loading import from_dtensor_state, load_checkpoint, read_config, save_checkpoint
 from .runtime.planning import Workload, choose_plan
-from .runtime.serving import CompiledModel, compile_model, greedy_generate
+from .runtime.serving import CompiledModel, CompileOptions, compile_model, greedy_generate
 from .runtime.training import AdamW, compile_train_step, lm_loss, reshard_params, token_logprobs, value_and_grad
 
 __version__ = "0.1.0"
@@ -120,6 +120,7 @@ __all__ = [
     "from_dtensor_state",
     "save_checkpoint",
     "compile_model",
+    "CompileOptions",
     "CompiledModel",
     "greedy_generate",
     # training

@@ -1,8 +1,9 @@
 """The package's folders are its layers: imports run one way, core <- parallel <- models <- interop, placement <-
-runtime <- cli (and npu, which reads converted graphs with core and parallel, <- cli). The applications
-(benchmarks/, tools/) sit outside it: the package imports nothing of theirs, and no modules import each other in a
-circle. Each folder is a face over its modules: the applications and the docs import faces, never a file; no two
-modules share a stem; no function runs past 60 lines of code."""
+runtime <- cli (and checks, the graph checks over core and parallel, <- npu, which reads converted graphs with them,
+<- cli). The front door (``import functional_npu``) loads neither checks nor npu. The applications (benchmarks/,
+tools/) sit outside it: the package imports nothing of theirs, and no modules import each other in a circle. Each
+folder is a face over its modules: the applications and the docs import faces, never a file; no two modules share a
+stem; no function runs past 60 lines of code."""
 
 import ast
 import re
@@ -21,9 +22,11 @@ ALLOWED = {
     # a plan checked against a model and a mesh: the layouts, the stored tensors, the quantized leaves
     "placement": {"core", "parallel", "models", "placement"},
     "runtime": {"core", "parallel", "models", "placement", "runtime"},
-    # torchair's and npugraph_ex's conversions on this host, checked with the ring's hazard check (parallel)
-    "npu": {"core", "parallel", "npu"},
-    "cli": {"core", "parallel", "models", "interop", "placement", "runtime", "npu", "cli"},
+    # the checks users run on their own graphs: the prefetch ring's hazard check and the programs it reads
+    "checks": {"core", "parallel", "checks"},
+    # torchair's and npugraph_ex's conversions on this host, checked with the ring's hazard check (checks)
+    "npu": {"core", "parallel", "checks", "npu"},
+    "cli": {"core", "parallel", "models", "interop", "placement", "runtime", "checks", "npu", "cli"},
 }
 
 
@@ -419,3 +422,55 @@ def test_every_face_lists_its_exports_once_and_binds_them():
         bad += [f"{where}: {name!r} listed twice" for name in sorted({n for n in listed if listed.count(n) > 1})]
         bad += [f"{where}: lists {name!r}, which it does not bind" for name in listed if name not in bound]
     assert not bad, "\n".join(bad)
+
+
+# Run in a fresh interpreter: record, for every module of ``banned`` the import loads, the module whose code imported
+# it (the first frame outside importlib), then print {module: importer} for those loaded.
+_WATCH = """
+import json, sys
+
+banned = tuple(sys.argv[1:])
+
+
+class Watch:
+    importer = {}
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in banned):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "__main__")):
+                frame = frame.f_back
+            cls.importer.setdefault(name, frame.f_globals.get("__name__") if frame is not None else None)
+        return None
+
+
+sys.meta_path.insert(0, Watch)
+import functional_npu
+
+print(json.dumps({m: Watch.importer.get(m) for m in sorted(sys.modules) if m in Watch.importer}))
+"""
+
+
+def _loaded_by_import(banned: tuple[str, ...]) -> dict[str, str | None]:
+    """{module of ``banned`` (a package and what is under it): the module that imported it} for every one that
+    ``import functional_npu`` loads in a fresh interpreter, run from the repository root (where ``tools`` is found)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WATCH, *banned], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_front_door_imports_no_checker_and_no_npu_toolkit():
+    """``import functional_npu`` loads neither the graph checks (``checks/``), nor the converted-graph toolkit
+    (``npu/``), nor an application (``tools``): a user's program pays for what it uses."""
+    loaded = _loaded_by_import(("functional_npu.checks", "functional_npu.npu", "tools"))
+    bad = [f"{module} (imported by {importer})" for module, importer in loaded.items()]
+    assert not bad, "import functional_npu loads:\n" + "\n".join(bad)
+
+
+def test_the_import_watch_names_the_importer():
+    assert _loaded_by_import(("functional_npu.core.tree",))["functional_npu.core.tree"].startswith("functional_npu.")

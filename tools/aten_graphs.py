@@ -379,7 +379,7 @@ def _capture(case: Case, ctx: RankContext) -> tuple[torch.fx.GraphModule, list[s
     """The case's AOT graph, and its input layout (each input's path, from dynamo's sources)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from functional_npu.parallel import dynamo_inputs
+    from functional_npu.checks import dynamo_inputs
 
     mesh = case_mesh(case, ctx)
     graphs: list[torch.fx.GraphModule] = []

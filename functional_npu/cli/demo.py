@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
+from ..checks.hazard import check
+from ..checks.hazard_fx import from_inductor_code
 from ..core.quant import Quant
 from ..core.tree import flatten_with_paths
 from ..models import family_of
-from ..parallel.hazard import check
-from ..parallel.hazard_fx import from_inductor_code
 from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes

@@ -22,7 +22,7 @@ from ..parallel.plan import Plan
 from ..placement import Placement
 from ..runtime.launch import RankContext
 from ..runtime.loading.checkpoint import load_checkpoint
-from ..runtime.serving.compile import cache_length, compile_model
+from ..runtime.serving import CompileOptions, cache_length, compile_model
 from ..runtime.serving.generate import Lockstep
 
 
@@ -62,7 +62,7 @@ def generate_on_rank(
     ``dtype``: read floating weights as ``"float32"``, ``"bfloat16"`` or ``"float16"`` (default: as stored).
     ``progress``: the loading and compiling bars on rank 0 (default: when stderr is a terminal).
     ``cache_dir``: where the compiled graphs are saved and loaded from (each rank in its own subdirectory; see
-    :func:`functional_npu.runtime.serving.compile.compile_model`).
+    :class:`functional_npu.runtime.serving.CompileOptions`).
     ``time_steps``: also time a prefill alone, to give the decode step's time (``decode_step_s``: the generation's
     time less the prefill's, over its decode steps) that ``generate --plan auto`` checks against the prediction.
     """
@@ -78,15 +78,14 @@ def generate_on_rank(
     mine = list(range(mesh.axis_index(data), len(prompts), dp))
     batch = [prompts[i] for i in mine]
     longest = max(len(p) for p in prompts)
-    model = compile_model(
-        params,
-        mesh,
+    options = CompileOptions(
         backend=backend,
         mode=mode,
         max_seq_len=cache_length(longest + max_new_tokens, limit=params["config"].max_position_embeddings),
         greedy_head=not (sampling or {}).get("temperature"),  # greedy decode steps move tokens, not logits
         cache_dir=cache_dir,
     )
+    model = compile_model(params, mesh, options)
     lockstep = Lockstep.over(len(prompts), dp, longest, model.batch_sizes) if _in_lockstep(mesh, plan) else None
     t0 = time.perf_counter()
     if batch or lockstep:

@@ -27,7 +27,7 @@ with its native library. It fuses compute ops; it neither moves nor removes scop
 Nothing here fakes a kernel, a stream or an event's behaviour: :func:`capture_order` reads the
 stream and event semantics off the graph as npugraph_ex's generated forward executes it (one
 ``torch.npu.stream`` per ``_user_stream_label``, ``tagged_event_record``/``wait`` on the current stream),
-and :func:`program` turns that into a :class:`functional_npu.parallel.hazard.Program`.
+and :func:`program` turns that into a :class:`functional_npu.checks.hazard.Program`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
+from ..checks import hazard
 from ..core.collectives import BROADCAST_INTO
-from ..parallel import hazard
 from . import host
 
 __all__ = [
@@ -376,7 +376,7 @@ def edges(order: CaptureOrder, *, data_edges: bool = False) -> dict[str, list[st
 def program(
     order: CaptureOrder, k: int, *, data_edges: bool = False, phase: int = 0
 ) -> tuple[hazard.Program, dict[str, Any]]:
-    """The :class:`~functional_npu.parallel.hazard.Program` of a capture order, and what it found about the ring.
+    """The :class:`~functional_npu.checks.hazard.Program` of a capture order, and what it found about the ring.
 
     ``after``: the previous op on the same stream, and for an event wait the op after which the event was
     recorded. Data edges between streams order nothing in a captured graph; with ``data_edges`` they are
@@ -384,11 +384,11 @@ def program(
     A *write* is a ``functional_npu.broadcast_into`` (its slot: the graph input its first argument views);
     its *wait* the ``wait_tensor`` of that slot, a *read* any other op that uses the waited slot (through
     views); an *alloc* a broadcast into memory the graph creates. A slot is bound by its input index (its place
-    in the ring, ``phase`` the schedule's, :func:`functional_npu.parallel.hazard.bind`); a read means the layer of
+    in the ring, ``phase`` the schedule's, :func:`functional_npu.checks.hazard.bind`); a read means the layer of
     the compute that uses it, read off the per-layer inputs named by each placeholder's ``meta["input_path"]``
-    (:func:`functional_npu.parallel.hazard_fx.fx_read_layers`; none named: no read names a layer).
+    (:func:`functional_npu.checks.hazard_fx.fx_read_layers`; none named: no read names a layer).
     """
-    from ..parallel.hazard_fx import fx_bind, fx_read_layers, fx_ring
+    from ..checks.hazard_fx import fx_bind, fx_read_layers, fx_ring
 
     ops = list(order.ops)
     after = edges(order, data_edges=data_edges)
@@ -466,7 +466,7 @@ def prefetch_report(
     gm: torch.fx.GraphModule, k: int, ring_bytes: int | None = None, *, phase: int = 0
 ) -> dict[str, Any]:
     """The ring's findings over npugraph_ex's capture order (a step of ring phase ``phase``): hazard violations
-    (:func:`functional_npu.parallel.hazard.check`, plus :func:`_concurrent`), slots, bytes, streams."""
+    (:func:`functional_npu.checks.hazard.check`, plus :func:`_concurrent`), slots, bytes, streams."""
     order = capture_order(gm)
     prog, found = program(order, k, phase=phase)
     problems = hazard.check(prog, k, slots=(k + 1) * found["groups"]) + _concurrent(prog, k)

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
+from ..checks import hazard
 from ..core.collectives import BROADCAST_INTO
-from ..parallel import hazard
 from .acl_graph import MAIN, WAIT_TENSOR, CaptureOrder, capture_order, edges
 
 __all__ = [

@@ -9,7 +9,7 @@ else here works on those records, so it needs neither torchair nor protobuf:
   group's ranks and mesh axis, bytes, root and stream;
 - :func:`ring_program` / :func:`ring_check`: the prefetch ring (graph inputs written in place by
   ``HcomBroadcast``, and by the owner's ``ViewCopy`` of its parts) as a
-  :class:`functional_npu.parallel.hazard.Program` over the graph's **partial order** (data and control
+  :class:`functional_npu.checks.hazard.Program` over the graph's **partial order** (data and control
   edges; GE may run any order they allow), each slot bound to the schedule by its input index and each read to
   the layer of its compute, checked for write after read, read before write, write after write, the right
   layer, overlap, the slot bound and any prefetch buffer allocated inside the graph;
@@ -312,7 +312,7 @@ def ring_program(
     inputs: Sequence[str | None] | None = None,
     phase: int = 0,
 ) -> tuple[Any, dict[str, Any]]:
-    """The prefetch ring's accesses in a GE graph, as a :class:`functional_npu.parallel.hazard.Program` over the graph's
+    """The prefetch ring's accesses in a GE graph, as a :class:`functional_npu.checks.hazard.Program` over the graph's
     partial order (data and control edges), and what the ring is made of.
 
     - a **slot** is a graph input (``RefData``; ``Data`` where torchair was not told it is written) whose value
@@ -321,7 +321,7 @@ def ring_program(
     - a slot is **bound** by its graph input index (its ``index``): its place among the ring's inputs (with the
       layout ``inputs``, its place in ``state.prefetched``) is its ring slot ``s`` (``series`` buffers per slot),
       which holds the layers ``v`` with ``(v + phase) mod (k + 1) = s``
-      (:func:`functional_npu.parallel.hazard.bind`);
+      (:func:`functional_npu.checks.hazard.bind`);
     - **writes**: every ``HcomBroadcast`` on a slot, and the owner's ``ViewCopy`` of its parts into the slot, and
       a copy from host memory (a ring write with a group of one: ``ViewCopy`` of each part into a slot the layout
       names, the last one's value named after the FX ``ring_write``), with the virtual layer in issue order: write
@@ -334,15 +334,15 @@ def ring_program(
     - **reads**: the first non-view ops a slot's value reaches (through ``Identity``, ``Reshape``, ``SplitV``, ...),
       other than writes into it and ``NetOutput`` (the next step's); each means the layer of the compute that
       uses it, read off the graph's per-layer inputs named by the layout
-      (:func:`functional_npu.parallel.hazard.read_layers`; no layout: none);
+      (:func:`functional_npu.checks.hazard.read_layers`; no layout: none);
     - **allocs**: where an ``HcomBroadcast``'s buffer comes from an op of this graph (``Fill``, ``ConcatV2``, ...)
       and not from a graph input: that op, with the broadcast's bytes.
 
     Returns ``(program, ring)``, ``ring = {"slots": {slot: bytes}, "broadcasts": [{"broadcast", "layer", "slot",
     "root", "stream"}]}`` (a host copy's row: its last ``ViewCopy``, no root, and ``"source": "host"``).
     """
-    from ..parallel.hazard import Program, bind, input_layout, read_layers
-    from ..parallel.hazard_fx import ring_order
+    from ..checks.hazard import Program, bind, input_layout, read_layers
+    from ..checks.hazard_fx import ring_order
 
     topo = _topological(ops)  # first: it refuses an unknown input or a cycle
     index = {op["name"]: i for i, op in enumerate(ops)}
@@ -478,14 +478,14 @@ def ring_check(
     inputs: Sequence[str | None] | None = None,
     phase: int = 0,
 ) -> dict[str, Any]:
-    """Check a layer-sharded GE graph's prefetch ring with :func:`functional_npu.parallel.hazard.check` over its
+    """Check a layer-sharded GE graph's prefetch ring with :func:`functional_npu.checks.hazard.check` over its
     partial order (:func:`ring_program`; ``inputs``: the graph's input layout, ``phase``: the schedule's), and each
     write's stream and each broadcast's root (``layer % axis_size``; a copy from host memory has none).
 
     Returns ``{"ok", "problems", "violations", "k", "ring_slots", "ring_bytes", "allocated_prefetch_bytes",
     "broadcasts": [...]}``; ``problems`` are the violations and the stream and root mismatches.
     """
-    from ..parallel.hazard import check
+    from ..checks.hazard import check
 
     program, ring = ring_program(ops, k=k, series=series, inputs=inputs, phase=phase)
     violations = check(program, k, series * (k + 1))

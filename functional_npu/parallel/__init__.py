@@ -1,6 +1,6 @@
 """The parallel techniques as data over a mesh: the :class:`Plan`, module TP, layer sharding and its
-prefetch ring (the ring's schedule, its hazard check, the streams hints, the cost model and device profiles),
-expert parallelism's EP <-> TP exchange and EPLB's placement maps and rebalancing.
+prefetch ring (the ring's schedule, the streams hints, the cost model and device profiles; its hazard check is
+:mod:`functional_npu.checks`), expert parallelism's EP <-> TP exchange and EPLB's placement maps and rebalancing.
 
 Each module is one technique (docs/architecture.md); this face re-exports their public names.
 """
@@ -19,19 +19,6 @@ from .eplb_map import (
     rebalance,
     routing_table,
     validate_placement,
-)
-from .hazard import Program, ancestors, bind, check, expected_slot, input_layout, input_path, read_layers
-from .hazard_fx import (
-    VIEWS,
-    Recorder,
-    dynamo_inputs,
-    from_fx,
-    from_inductor_code,
-    fx_bind,
-    fx_read_layers,
-    fx_ring,
-    parse_fx_text,
-    ring_order,
 )
 from .host_link import EmulatedHostLink
 from .layer_shard import (
@@ -103,24 +90,6 @@ __all__ = [
     "rank_program",
     "rebalance",
     "EXPERT_LEAVES",
-    "Program",
-    "check",
-    "ancestors",
-    "from_fx",
-    "from_inductor_code",
-    "Recorder",
-    "VIEWS",
-    "bind",
-    "expected_slot",
-    "input_layout",
-    "input_path",
-    "read_layers",
-    "dynamo_inputs",
-    "fx_read_layers",
-    "parse_fx_text",
-    "ring_order",
-    "fx_ring",
-    "fx_bind",
     "LayerShard",
     "layer_shard",
     "series_specs",

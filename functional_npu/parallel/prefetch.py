@@ -24,7 +24,7 @@ changes order. A compiled step reads the phase as a constant, so the compiler ma
 tensor at each of its slot inputs on every replay: a captured graph (npugraph_ex's ACL graphs, CUDA graphs) records
 a mutated input's address once and never recaptures. Numbering every step from phase 0 without advancing puts a
 layer in a slot still in use when ``L`` is not a multiple of ``k + 1`` (the hazard
-:mod:`functional_npu.parallel.hazard` finds).
+:mod:`functional_npu.checks.hazard` finds).
 
 ``k = len(prefetched) // groups - 1``, so the state fixes the schedule; ``k = 0`` (one slot) is
 synchronous. Over an axis of size 1 every layer is local: no ring, no broadcast.

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from functional_npu.checks import check
 from functional_npu.core import collectives  # noqa: F401 - defines functional_npu::broadcast_into
 from functional_npu.npu import acl_graph
-from functional_npu.parallel import hazard
-from functional_npu.parallel.hazard_fx import parse_fx_text
 from functional_npu.runtime.serving.backends import BACKENDS, resolve_backend
 from tools.aten_graphs import CASES, read_artifact
+from tools.fx_text import parse_fx_text
 
 from ..support import golden, npugraph_ex_ops  # noqa: F401 - defines npugraph_ex's op schemas
 
@@ -225,7 +225,7 @@ def test_capture_order_streams_and_events():
     prog, found = acl_graph.program(order, 1)
     assert found["allocs"] == {} and len(found["slots"]) == 2
     assert prog.slot_index == {"slot0": 0, "slot1": 1} and prog.initial == {"slot0": 0}
-    assert hazard.check(prog, 1, slots=2) == []
+    assert check(prog, 1, slots=2) == []
 
 
 def test_a_wrong_slot_index_reads_the_wrong_layer():

@@ -5,8 +5,8 @@ beside it; the same cases without the mode, and a planted fused op, fail."""
 import pytest
 
 from functional_npu.npu import invariant_graph
-from functional_npu.parallel.hazard_fx import parse_fx_text
 from tools.aten_graphs import CASES, PHASES, read_artifact
+from tools.fx_text import parse_fx_text
 
 from ..support import GRAPHS, golden
 

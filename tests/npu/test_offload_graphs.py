@@ -7,10 +7,9 @@ of phase 1 (the ring not turned, 54975's bug) reads the wrong layers."""
 
 import pytest
 
+from functional_npu.checks import check, expected_slot, from_fx
 from functional_npu.npu import acl_graph
 from functional_npu.npu.ge_graph import ring_program
-from functional_npu.parallel.hazard import check, expected_slot
-from functional_npu.parallel.hazard_fx import from_fx
 from functional_npu.parallel.prefetch import phases
 from tools.aten_graphs import CASES, read_artifact
 

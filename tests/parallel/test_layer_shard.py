@@ -10,9 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from functional_npu import LayerShard, Mesh, Plan, compile_model, flatten_with_paths, load_checkpoint, shard, unshard
+from functional_npu.checks import check, from_inductor_code
 from functional_npu.models import init_state, llama, series_leaves
-from functional_npu.parallel.hazard import check
-from functional_npu.parallel.hazard_fx import from_inductor_code
 from functional_npu.parallel.layer_shard import (
     layer_shard,
     owned_layers,

@@ -14,9 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_npu import Mesh, Plan, compile_model, load_checkpoint
+from functional_npu.checks import Recorder, check
 from functional_npu.parallel import EmulatedHostLink, prefetch
-from functional_npu.parallel.hazard import check
-from functional_npu.parallel.hazard_fx import Recorder
 from functional_npu.parallel.layer_shard import LayerShard
 from functional_npu.parallel.offload import check_host_backend, check_host_memory, host_bytes
 

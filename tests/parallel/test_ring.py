@@ -19,9 +19,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_npu import Plan
+from functional_npu.checks import (
+    Program,
+    Recorder,
+    bind,
+    check,
+    expected_slot,
+    input_layout,
+    input_path,
+    read_layers,
+)
 from functional_npu.parallel import prefetch
-from functional_npu.parallel.hazard import Program, bind, check, expected_slot, input_layout, input_path, read_layers
-from functional_npu.parallel.hazard_fx import Recorder
 from functional_npu.parallel.layer_shard import LayerShard, owned_layers
 
 

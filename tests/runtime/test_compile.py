@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from functional_npu import Mesh, compile_model, greedy_generate, load_checkpoint, shard
+from functional_npu import CompileOptions, Mesh, compile_model, greedy_generate, load_checkpoint, shard
 from functional_npu.models import forward, llama
-from functional_npu.runtime.serving.compile import GraphBreakError
+from functional_npu.runtime.serving import GraphBreakError
 from functional_npu.runtime.serving.generate import Lockstep
 
 from ..support.hf_models import hf_greedy, save_tiny
@@ -113,7 +113,7 @@ def test_graph_break_is_an_error_naming_its_cause(compiled):
 
 
 def test_cache_length_is_the_smallest_power_of_two_that_fits():
-    from functional_npu.runtime.serving.compile import cache_length
+    from functional_npu.runtime.serving import cache_length
 
     assert [cache_length(n) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
     assert cache_length(5, minimum=1) == 8
@@ -170,6 +170,30 @@ def test_token_ids_outside_the_vocabulary_are_refused_on_every_path(plain, compi
 def test_compile_model_refuses_bad_shape_options(plain, options, message):
     with pytest.raises(ValueError, match=message):
         compile_model(plain.params, plain.mesh, backend="none", **options)
+
+
+def test_compile_options_are_one_value_and_fields_given_one_by_one_go_over_it(plain):
+    """``CompileOptions`` holds every option (frozen; a list given is held as a tuple); fields passed to
+    ``compile_model`` replace the value's; a field that is not an option is a TypeError naming the ones there are."""
+    options = CompileOptions(backend="none", batch_sizes=[2, 1], max_seq_len=32, prefill_lengths=[8])
+    assert options.batch_sizes == (2, 1) and hash(options.batch_sizes)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.backend = "inductor"
+    model = compile_model(plain.params, plain.mesh, options, max_seq_len=16)
+    assert (model.backend.name, model.batch_sizes, model.max_seq_len, model.prefill_lengths) == (
+        "none",
+        (1, 2),
+        16,
+        (8,),
+    )
+    with pytest.raises(TypeError, match=r"^compile_model: no option 'batch_size'; the options are \['plan', 'backend'"):
+        compile_model(plain.params, plain.mesh, options, batch_size=[1])
+    with pytest.raises(TypeError, match=r"^compile_model: options must be a CompileOptions, got dict"):
+        compile_model(plain.params, plain.mesh, {"backend": "none"})
+    with pytest.raises(ValueError, match=r"^compile_model: linear='fast' is not one of \('streamed', 'matmul'\)"):
+        CompileOptions(linear="fast")
+    with pytest.raises(ValueError, match=r"^compile_model: cache_dir is ''"):
+        CompileOptions(cache_dir="")
 
 
 def test_generation_past_the_models_positions_is_refused_before_allocating(plain):

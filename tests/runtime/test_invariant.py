@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from functional_npu import Mesh, Plan, compile_model, load_checkpoint
 from functional_npu.core import flatten_with_paths
 from functional_npu.runtime.serving import Backend, resolve_backend
-from functional_npu.runtime.serving.compile import invariant_options
+from functional_npu.runtime.serving.compile_policy import invariant_options
 from functional_npu.runtime.training.grad import lm_loss, logits, token_logprobs, value_and_grad
 from functional_npu.runtime.training.policy import logprob_gap, policy_batch
 

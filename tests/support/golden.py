@@ -9,8 +9,8 @@ import re
 import torch
 
 from functional_npu.npu import ge_graph
-from functional_npu.parallel.hazard_fx import parse_fx_text
 from tools.aten_graphs import read_artifact
+from tools.fx_text import parse_fx_text
 
 from . import GRAPHS
 

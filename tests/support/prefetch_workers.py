@@ -98,11 +98,10 @@ def ring_hazards(
     from torch._inductor.utils import run_and_get_code
 
     from functional_npu import Plan, compile_model, load_checkpoint
+    from functional_npu.checks import check, dynamo_inputs, from_fx, from_inductor_code
     from functional_npu.models import family_of
     from functional_npu.models.decoder import decode as forward
     from functional_npu.parallel import prefetch
-    from functional_npu.parallel.hazard import check
-    from functional_npu.parallel.hazard_fx import dynamo_inputs, from_fx, from_inductor_code
     from functional_npu.parallel.layer_shard import layer_shard
     from functional_npu.parallel.streams import COPY_BACK, INLINE, UNORDERED
 

@@ -2,7 +2,10 @@
 generation path, saved graphs for a warm start.
 
 - :mod:`.backends`: which compiler (torchair, npugraph_ex, inductor, eager) and its mode;
-- :mod:`.compile`: ``compile_model`` and ``CompiledModel``;
+- :mod:`.compile`: ``compile_model`` and its ``CompileOptions``, one path from loaded params to compiled graphs;
+- :mod:`.compiled_model`: ``CompiledModel``, what runs the graphs (decode states, prefill, decode, generation);
+- :mod:`.compile_policy`: what is decided before tracing (shape buckets, linear kernels, prefetch step, invariant
+  options);
 - :mod:`.generate`: chunks, padded prefill, decode, sampling, ``Lockstep``;
 - :mod:`.compile_cache`, :mod:`.inductor_cache`: graphs saved for a later process; inductor's cache swept;
 - :mod:`.ge_converters`: torchair converters for this library's ops (imported only where torchair is).
@@ -21,11 +24,14 @@ from .backends import (
     resolve_backend,
     torchair_streams,
 )
-from .compile import CompiledModel, GraphBreakError, cache_length, compile_model, greedy_generate
+from .compile import CompileOptions, compile_model, greedy_generate
+from .compile_policy import cache_length
+from .compiled_model import CompiledModel, GraphBreakError
 from .generate import Lockstep, Samples, generate, logprobs_of, sample, sampler
 
 __all__ = [
     "compile_model",
+    "CompileOptions",
     "CompiledModel",
     "greedy_generate",
     "cache_length",

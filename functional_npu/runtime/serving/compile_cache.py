@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -49,8 +50,21 @@ import torch
 from ...core.files import write_bytes
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
+from ...models.decoder import decode
+from .backends import Backend
 
-__all__ = ["GraphDir", "SavedGraphs", "cache_key", "open_graph_dir", "saved_guards", "write_bytes", "FORMAT", "SAVABLE"]
+__all__ = [
+    "GraphDir",
+    "SavedGraphs",
+    "cache_key",
+    "open_graph_dir",
+    "saved_guards",
+    "graph_dir",
+    "compiled_forward",
+    "write_bytes",
+    "FORMAT",
+    "SAVABLE",
+]
 
 log = logging.getLogger("functional_npu")
 
@@ -394,3 +408,27 @@ def _publish(staging: Path, entry: Path) -> None:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def graph_dir(cache_dir: Any, params: dict, mesh: Mesh, backend: Backend, *key: Any, **fields: Any) -> Any:
+    """This rank's :class:`~.compile_cache.GraphDir` under ``cache_dir`` (None: no saving)."""
+    if cache_dir is None or backend.name == "none":
+        return None
+    if backend.name not in SAVABLE:
+        log.warning(
+            "compile_model: cache_dir %s is not used: backend %r cannot save its graphs (%s can); compiling as usual",
+            cache_dir,
+            backend.name,
+            " and ".join(SAVABLE),
+        )
+        return None
+    return open_graph_dir(cache_dir, mesh, cache_key(params, mesh, *key, backend, **fields))
+
+
+def compiled_forward(backend: Backend, static: dict, options: dict, where: Any, name: str) -> Callable[..., Any]:
+    """The compiled forward with ``static`` keywords: through saved graphs when ``where`` is a graph directory."""
+    if where is None:
+        return backend.compile(functools.partial(decode, **static), dynamic=False, inductor_options=options)
+    precompile = backend.compile(decode, dynamic=False, inductor_options=options, guard_filter=saved_guards)
+    fallback = backend.compile(decode, dynamic=False, inductor_options=options)
+    return SavedGraphs(precompile, fallback, static, name, where)

@@ -42,7 +42,7 @@ __all__ = [
 
 
 class Model(Protocol):
-    """What generation needs of a model (:class:`~functional_npu.runtime.serving.compile.CompiledModel`)."""
+    """What generation needs of a model (:class:`~functional_npu.runtime.serving.compiled_model.CompiledModel`)."""
 
     batch_sizes: tuple[int, ...]
     max_seq_len: int

@@ -1,7 +1,7 @@
 """A GRPO-style policy-gradient loss over rollouts, from the same pure forward the rollouts were sampled with.
 
 A rollout samples ``K`` completions per prompt with a compiled inference model
-(:meth:`~functional_npu.runtime.serving.compile.CompiledModel.sample`, which keeps each token's log-probability from
+(:meth:`~functional_npu.runtime.serving.CompiledModel.sample`, which keeps each token's log-probability from
 the logits it was drawn from); a reward scores each completion; :func:`group_advantages` centres and scales
 the rewards within each prompt's group; :func:`policy_batch` lays the sequences out as one batch with a mask
 over the completion tokens; :func:`grpo_loss` is the clipped surrogate of the new log-probabilities (the

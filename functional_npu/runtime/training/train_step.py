@@ -31,7 +31,8 @@ from ...core.collectives import all_reduce
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths, replace_leaves
 from ..serving.backends import Backend, resolve_backend
-from ..serving.compile import GraphBreakError, invariant_options
+from ..serving.compile_policy import invariant_options
+from ..serving.compiled_model import GraphBreakError
 from ..serving.inductor_cache import sweep
 from .batch import check_batch
 from .grad import Differentiable, LossFn, differentiable, global_norm, grad_leaves

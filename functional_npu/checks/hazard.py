@@ -42,7 +42,7 @@ write* cannot fire; a write moved before a read of its slot's previous layer sho
 (the read finds the new layer), and a read moved before its wait as *read before write*.
 
 The adapters that build a :class:`Program` from an FX graph, inductor's generated code, a GE graph or a
-captured graph's stream order live beside the graphs they read (:mod:`functional_npu.parallel.hazard_fx`,
+captured graph's stream order live beside the graphs they read (:mod:`functional_npu.checks.hazard_fx`,
 :mod:`functional_npu.npu.ge_graph`, :mod:`functional_npu.npu.acl_graph`).
 """
 

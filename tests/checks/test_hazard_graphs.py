@@ -4,12 +4,9 @@ planted in the text found, each by its exact findings. An FX graph's order is it
 claim of the check can fire there. The ring's cases are the layer-sharded ones and those with series kept in host
 memory (filled by copies, the same graph op with a group of one)."""
 
-import re
-
 import pytest
 
-from functional_npu.parallel.hazard import check
-from functional_npu.parallel.hazard_fx import from_fx, parse_fx_text
+from functional_npu.checks import check, from_fx
 from tools.aten_graphs import CASES, read_artifact
 
 from ..support import GRAPHS, golden
@@ -116,22 +113,3 @@ def test_golden_aten_graph_with_two_writes_of_a_slot_unordered_is_write_after_wr
         "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
         "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
     ]
-
-
-def test_the_parsed_graph_is_the_stored_graph():
-    """Both printed forms read back to the nodes, targets and arguments they print: ``print_readable``'s code (the
-    aten graph) node for node, ``str(graph)`` (the ACL graph) character for character."""
-    name = "qwen3-dp2-layer_shard-k1-decode"
-    text = read_artifact(GRAPHS, name, "graph.txt")
-    printed = re.findall(r"^ +(\w+)(?:: \"[^\"]*\")? = (torch\.ops\.[\w.]+|\w+\[)", text, re.M)
-    graph = golden.fx_graph(name)
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
-    assert [(n.name, "getitem" if n.target.__name__ == "getitem" else str(n.target)) for n in nodes] == [
-        (node, "getitem" if target.endswith("[") else target.removeprefix("torch.ops.").removeprefix("higher_order."))
-        for node, target in printed
-    ]
-    assert [n.name for n in graph.nodes if n.op == "placeholder"] == [
-        f"arg{i}_1" for i in range(len(golden.inputs(name)))
-    ]
-    acl = read_artifact(GRAPHS, name, "acl_graph.txt")
-    assert str(parse_fx_text(acl)).strip() == acl.strip()

@@ -1,0 +1,268 @@
+"""A compiled model: params bound to a mesh and a compiled forward, and what runs it (a decode state with its KV cache
+and prefetch ring, prefill, decode, generation, new weights for the same graphs). Built by
+:func:`~functional_npu.runtime.serving.compile.compile_model`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...core.mesh import Mesh
+from ...core.tree import flatten_with_paths
+from ...models import init_state
+from ...models.decoder import DecodeState
+from ...parallel import prefetch
+from ...parallel.layer_shard import series_of
+from ...parallel.plan import Plan
+from ...placement.placement import Placement, placement_of
+from .backends import Backend
+from .compile_policy import GRAPH_BUDGET
+from .generate import Lockstep, Samples, generate, sample
+
+__all__ = ["CompiledModel", "GraphBreakError", "static_addresses"]
+
+
+class GraphBreakError(RuntimeError):
+    """The forward could not be traced as one graph; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class CompiledModel:
+    """A model bound to a mesh and a compiled forward. Build it with :func:`compile_model`.
+
+    The forward's contract is :mod:`functional_npu.models.decoder`'s: ``prefill`` and ``decode``
+    update the :class:`~functional_npu.models.DecodeState` from :meth:`new_state` in place.
+    """
+
+    params: dict = field(repr=False)
+    mesh: Mesh
+    backend: Backend
+    batch_sizes: tuple[int, ...]
+    max_seq_len: int
+    prefill_lengths: tuple[int, ...]
+    forward: Callable[..., torch.Tensor] = field(repr=False)
+    placement: Placement  # the params' placement, its plan's prefetch step resolved (never "auto")
+    greedy_forward: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
+    # one bucket per graph: more recompiles than dynamo's default limit. Built once: making a
+    # config patch costs far more than entering one, and this is entered on every step.
+    _recompiles: Any = field(
+        default_factory=lambda: torch._dynamo.config.patch(recompile_limit=GRAPH_BUDGET), repr=False, compare=False
+    )
+    # loaded params -> the forms the graphs read (quantized kernels' forms, streamed linears), as compile_model did
+    _prepare: Callable[[dict], dict] = field(default=lambda params: params, repr=False, compare=False)
+    # a captured backend's KV cache, one per batch bucket, and its prefetch ring (one for every bucket): a captured
+    # graph reads its inputs at fixed addresses
+    _kv: dict = field(default_factory=dict, repr=False, compare=False)
+    _ring: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def config(self) -> Any:
+        return self.params["config"]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the params are, and so the graphs run (``load_checkpoint(device=...)``)."""
+        return self.params["embed"].device
+
+    @property
+    def plan(self) -> Plan:
+        """The placement's plan; its ``prefetch_step`` is the distance the graphs were built for (an int: 0 without
+        layer-sharded series)."""
+        return self.placement.plan
+
+    def _bucket(self, values: Sequence[int], n: int, what: str, knob: str) -> int:
+        i = bisect.bisect_left(values, n)
+        if i == len(values):
+            raise ValueError(
+                f"{what} {n} exceeds the largest bucket {values[-1]} (the compiled buckets: {list(values)}); pass "
+                f"{knob} with a bucket of at least {n} to compile_model"
+            )
+        return values[i]
+
+    @property
+    def greedy_head(self) -> bool:
+        """Whether greedy decode steps run the head reduced to its argmax (``compile_model(greedy_head=True)``)."""
+        return self.greedy_forward is not None
+
+    def _run(
+        self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any = None
+    ) -> torch.Tensor:
+        if series_of(self.params):
+            try:
+                prefetch.check_ring(self.params, self.mesh, self.plan, state.prefetched, self.plan.prefetch_step)
+            except ValueError as e:
+                raise ValueError(
+                    f"{phase}: a model compiled with prefetch_step={self.plan.prefetch_step} needs a state from "
+                    f"new_state(): {e}"
+                ) from None
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        try:
+            with torch.no_grad(), self._recompiles:
+                if not self.backend.captures:
+                    return (forward or self.forward)(self.params, tokens, positions, state, self.mesh)
+                torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
+                return (forward or self.forward)(self.params, tokens, positions, state, self.mesh).clone()
+        except torch._dynamo.exc.Unsupported as e:
+            raise GraphBreakError(
+                f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}"
+            ) from e
+
+    def with_params(self, params: dict) -> CompiledModel:
+        """The same model and graphs over other weights of the same model, placement and shapes (a post-training
+        step's updated params, resharded to this plan): checked against the model's own placement (its config, every
+        constant the graphs baked in, and its quantization, plan and mesh), then put in the forms the graphs read.
+        No recompile: the weights are the graphs' inputs.
+
+        Raises:
+            ValueError / TypeError naming the field or the leaf, for params of another model, plan or mesh.
+        """
+        placed = placement_of(params, self.mesh, self.plan, where="with_params")
+        self.placement.same_model(placed, "with_params")
+        _same_tensors(params, self.params["embed"], "with_params")
+        new = self._prepare(params)
+        if self.backend.captures:
+            static_addresses(new)
+        return dataclasses.replace(self, params=new | {"placement": self.placement})
+
+    def new_state(self, batch: int) -> DecodeState:
+        """A fresh decode state for a batch bucket (``batch`` is rounded up to a bucket): a zeroed KV
+        cache and, with layer-sharded params, the prefetch ring (``k + 1`` slots, layers ``0 .. k-1`` issued now).
+
+        On a backend that captures graphs (inductor's CUDA graphs) the KV cache of a bucket is one buffer at a fixed
+        address, zeroed by each ``new_state``, and the ring's slots are the same tensors in every state, as a captured
+        graph replays on the addresses it was captured with: a state from an earlier ``new_state`` of the same bucket
+        is then this one. The ring starts at phase 0 (one graph per phase, :func:`~.prefetch.phases`). All ranks of
+        the series axis must make the same sequence of calls.
+        """
+        b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
+        state = self._kv.get(b) if self.backend.captures else None
+        if state is None:
+            dtype = self.params["embed"].dtype
+            state = init_state(self.config, self.mesh, b, self.max_seq_len, dtype, plan=self.plan, device=self.device)
+        k = self.plan.prefetch_step
+        if self.backend.captures:
+            for t in (t for layer in state.kv for t in layer):
+                torch._dynamo.mark_static_address(t.zero_())
+            self._kv[b] = state
+            if not self._ring:
+                self._ring[:] = prefetch.new_ring(self.params, self.mesh, self.plan, k)
+                for t in self._ring:
+                    torch._dynamo.mark_static_address(t)
+        ring = prefetch.start(self.params, self.mesh, self.plan, k, list(self._ring) if self._ring else None)
+        return state._replace(prefetched=ring, phase=prefetch.RingPhase())
+
+    def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
+        """Run the prompts (right-padded to the bucket of their longest, or of ``length``; the pads at the position
+        after their prompt's last) into ``state``; returns each prompt's last logits ``[B, V]``."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prefill: every prompt needs at least one token")
+        b, width = state.kv[0][0].shape[0], max(length, *(len(p) for p in prompts))
+        if len(prompts) > b:
+            raise ValueError(f"prefill: {len(prompts)} prompts do not fit a cache of batch {b}")
+        s = self._bucket(self.prefill_lengths, width, "prompt length", "prefill_lengths")
+        tokens = torch.zeros(b, s, dtype=torch.long)  # built here, moved to the params' device once
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.as_tensor(p)
+        # pads at the position after their prompt: the slot the first decode step overwrites (a ring cache's too)
+        ends = torch.tensor([len(p) for p in prompts] + [s] * (b - len(prompts)))
+        positions = torch.minimum(torch.arange(s), ends[:, None])
+        logits = self._run("prefill", tokens, positions, state)
+        last = torch.tensor([len(p) - 1 for p in prompts] + [0] * (b - len(prompts)))
+        return logits[torch.arange(b), last][: len(prompts)]
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """One step: ``tokens [n]`` at ``positions [n]`` (n <= the state's batch); returns logits ``[n, V]``."""
+        return self._step("decode", tokens, positions, state, self.forward)
+
+    def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """One greedy step through the argmax head: the next ``tokens [n]`` (-1 where the largest logit is
+        not finite), no logits moved between the ranks of a vocab-parallel head."""
+        if self.greedy_forward is None:
+            raise ValueError("decode_greedy: compile the model with compile_model(..., greedy_head=True)")
+        return self._step("decode", tokens, positions, state, self.greedy_forward)
+
+    def _step(self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any):
+        b, n = state.kv[0][0].shape[0], tokens.shape[0]
+        if int(positions.max()) >= self.max_seq_len:
+            raise ValueError(f"decode: position {int(positions.max())} is past max_seq_len {self.max_seq_len}")
+        pad = b - n
+        tok = (torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens)[:, None]
+        pos = (torch.cat([positions, positions.new_zeros(pad)]) if pad else positions)[:, None]
+        return self._run(phase, tok, pos, state, forward)[:n, -1]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        lockstep: Lockstep | None = None,
+    ) -> list[list[int]]:
+        """``max_new_tokens`` new ids per prompt: greedy unless ``temperature > 0`` (then top-k / top-p sampling).
+
+        Prompts run in chunks of the largest batch bucket. Ranks that share collective steps (a
+        layer-sharded series axis, experts over data-parallel ranks) pass the same ``lockstep``
+        (:meth:`Lockstep.over`): each runs as many chunks of the same shapes, with dummy prompts
+        where it has fewer. See :func:`functional_npu.runtime.serving.generate.generate`.
+        """
+        return generate(
+            self,
+            prompts,
+            max_new_tokens,
+            lockstep=lockstep,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+        )
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        lockstep: Lockstep | None = None,
+    ) -> Samples:
+        """:meth:`generate` (sampling at ``temperature`` 1 unless told), and each new token's log-probability from
+        the logits it was drawn from: a rollout's behaviour log-probabilities (see
+        :func:`functional_npu.runtime.serving.generate.sample`)."""
+        return sample(
+            self, prompts, max_new_tokens, lockstep=lockstep, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed,
+        )  # fmt: skip
+
+
+def static_addresses(params: dict) -> None:
+    """Mark every tensor of ``params`` as an input whose address never changes (no guard on it), so that CUDA graphs
+    read the weights where they are. Unmarked, every replay first copies each weight into the graph's own input
+    buffer: on an H200 that was about 100 device-to-device copies per decode step, half the step's time
+    (benchmarks/results/gpu.json). Inductor's FX graph cache does not key on the mark: a graph cached unmarked keeps
+    its copies."""
+    for _, t in flatten_with_paths(params):
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.mark_static_address(t, guard=False)
+
+
+def _same_tensors(params: dict, like: torch.Tensor, where: str) -> None:
+    """Every float leaf of ``params`` in ``like``'s dtype and on its device (the graphs were compiled for those); the
+    series kept in host memory (``params["host"]``, :mod:`~functional_npu.parallel.offload`) on the host."""
+    for path, x in flatten_with_paths(params):
+        device = torch.device("cpu") if path.startswith("host.") else like.device
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and (x.dtype, x.device) != (like.dtype, device):
+            raise ValueError(
+                f"{where}: params[{path!r}] is {x.dtype} on {x.device}, the compiled model's weights {like.dtype} on "
+                f"{device}; load them in that dtype on that device (load_checkpoint(dtype=..., device=...))"
+            )
