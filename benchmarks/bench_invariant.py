@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from functional_npu import Mesh, Plan, compile_model
-from functional_npu.cli import DEMO_HF_CONFIG, SMALL_HF_CONFIG
-from functional_npu.models import family_of
+from functional_npu.models import embedded_config, family_of
 from functional_npu.placement import place
 from functional_npu.runtime.training import AdamW, compile_train_step, lm_loss
 
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             e, i, m = (r[name]["median"] for name in ("eager", "inductor", "matmul"))
             print(f"| {' x '.join(map(str, r['shape']))} | {e:.3f} | {i:.3f} | {m:.3f} | {r['same_bits']} |")
         return 0
-    hf = SMALL_HF_CONFIG if args.quick else DEMO_HF_CONFIG
+    hf = embedded_config("small" if args.quick else "demo")
     cfg = family_of(hf["architectures"][0]).from_hf(hf)
     result = measure(cfg, args.repeat)
     print(f"invariant mode's cost, {cfg.architecture}-style, {'small' if args.quick else 'demo'} model, float32, "

@@ -474,3 +474,14 @@ def test_the_front_door_imports_no_checker_and_no_npu_toolkit():
 
 def test_the_import_watch_names_the_importer():
     assert _loaded_by_import(("functional_npu.core.tree",))["functional_npu.core.tree"].startswith("functional_npu.")
+
+
+def test_no_application_imports_another():
+    """The command line is an application of the package, as benchmarks/ and tools/ are: none of them imports the
+    others (the embedded models they share are the package's, :mod:`functional_npu.models.embedded`)."""
+    bad = [
+        f"{where} imports {module}"
+        for where, module in _app_and_doc_imports()
+        if module.startswith("functional_npu.cli")
+    ]
+    assert not bad, "\n".join(bad)

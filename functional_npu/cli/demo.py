@@ -29,7 +29,7 @@ from ..checks.hazard import check
 from ..checks.hazard_fx import from_inductor_code
 from ..core.quant import Quant
 from ..core.tree import flatten_with_paths
-from ..models import family_of
+from ..models import embedded_config, family_of
 from ..parallel.layer_shard import layer_shard, resident_bytes
 from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes
@@ -39,21 +39,9 @@ from .errors import WORLD_ERRORS, world_failed
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
 from .scratch import scratch_dir
 
-DEMO_HF_CONFIG = {  # the embedded model, as its config.json would say it: 6.8M params, 27 MB in fp32
-    "architectures": ["Qwen3ForCausalLM"],
-    "vocab_size": 4096,
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 6,  # over 2 ranks with a 2-slot ring a rank holds 3 + 2 = 5 layers of a series: it saves
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1e6,
-    "max_position_embeddings": 512,
-}
+DEMO_HF_CONFIG = embedded_config("demo")  # the embedded model
 # a smaller one for the post-training round (its compiled train step) and the smoke runs of benchmarks
-SMALL_HF_CONFIG = DEMO_HF_CONFIG | {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 384, "head_dim": 32}
+SMALL_HF_CONFIG = embedded_config("small")
 DEMO_MODEL = family_of(DEMO_HF_CONFIG["architectures"][0])
 DEMO_CONFIG = DEMO_MODEL.from_hf(DEMO_HF_CONFIG)
 SMALL_CONFIG = DEMO_MODEL.from_hf(SMALL_HF_CONFIG)

@@ -14,6 +14,7 @@
 from . import deepseek, dense, gemma3, invariant, invariant_ops, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
+from .embedded import EMBEDDED, embedded_config
 from .experts import Routing
 from .family import (
     ARCHITECTURES,
@@ -60,4 +61,6 @@ __all__ = [
     "prepare_params",
     "streamed",
     "stream_rows",
+    "EMBEDDED",
+    "embedded_config",
 ]
