@@ -1,7 +1,8 @@
 """The content key of each golden case: what its artifacts were made from, so only the cases whose inputs changed are
 regenerated (``python -m tools.graphs``) and checked (``tests/tools/test_graphs.py``).
 
-A case's inputs are the source of every module the regeneration imports (the package's and these tools', found by
+A case's inputs are the code (:func:`code_tokens`: the tokens, without docstrings, comment lines and blank lines) of
+every module the regeneration imports (the package's and these tools', found by
 reading their imports, inside functions too), except the model families other than the case's own (the family
 registry imports them all; a case runs one), plus torch's and Python's versions and the torch-npu wheel the
 conversions read (named in :mod:`functional_npu.npu.wheel`, whose source is among the inputs). ``graphs/keys.json``
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import json
 import platform
+import tokenize
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
-__all__ = ["KEYS_FILE", "case_key", "keys", "stale", "read_keys", "write_keys", "sources"]
+__all__ = ["KEYS_FILE", "case_key", "code_tokens", "keys", "stale", "read_keys", "write_keys", "sources"]
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS_FILE = "keys.json"
@@ -85,12 +88,60 @@ def _family_closure(family: str, root: Path) -> set[str]:
     return out
 
 
+_LINE_STARTS = (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING)
+
+
+def _docstrings(source: str) -> set[tuple[int, int]]:
+    """The (line, column) where each docstring (a module's, class's or function's first statement, a string) starts."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                out.add((first.lineno, first.col_offset))
+    return out
+
+
+def code_tokens(source: bytes) -> bytes:
+    """What of a module's source can reach a golden artifact: its tokens, less its docstrings, the comments that stand
+    on a line of their own and blank lines. A comment after code stays (the FX graph's annotations quote each traced
+    line whole), and so does where a statement is wrapped; the spaces between tokens do not (the formatter owns them).
+    """
+    text = source.decode()
+    docs = _docstrings(text)
+    out, previous, skip_line = [], tokenize.NEWLINE, 0
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.STRING and previous in _LINE_STARTS and tok.start in docs:
+            skip_line = tok.end[0]  # the docstring and the NEWLINE that ends its statement
+            continue
+        if skip_line and tok.type == tokenize.NEWLINE and tok.start[0] == skip_line:
+            skip_line = 0
+            continue
+        lone = tok.type == tokenize.COMMENT and previous in _LINE_STARTS
+        blank = tok.type == tokenize.NL and previous in _LINE_STARTS
+        if lone or blank:
+            continue
+        out.append(f"{tok.type}:{tok.string}")
+        previous = tok.type
+    return "\n".join(out).encode()
+
+
+def _code(file: Path, read: Callable[[Path], bytes]) -> bytes:
+    return code_tokens(read(file)) if file.suffix == ".py" else read(file)
+
+
 def case_key(family: str, read: Callable[[Path], bytes] = Path.read_bytes, root: Path = ROOT) -> str:
-    """The key of a case of ``family``: a digest of its sources' paths and bytes (``read``) and the versions."""
+    """The key of a case of ``family``: a digest of its sources' paths and code (:func:`code_tokens` of ``read``) and
+    the versions."""
     h = hashlib.sha256()
     h.update(f"torch {torch.__version__}, python {platform.python_version_tuple()[:2]}".encode())
     for file in sources(family, root):
-        h.update(str(file.relative_to(root)).encode() + b"\0" + read(file) + b"\0")
+        h.update(str(file.relative_to(root)).encode() + b"\0" + _code(file, read) + b"\0")
     return h.hexdigest()[:24]
 
 

@@ -60,7 +60,7 @@ def test_every_case_has_a_key_and_its_artifacts():
 
 def test_a_cases_key_follows_its_own_sources_only():
     def edited(name):
-        return lambda f: f.read_bytes() + (b"# edited" if f.name == name else b"")
+        return lambda f: f.read_bytes() + (b"\nEDITED = 1\n" if f.name == name else b"")
 
     llama_key = case_key("llama")
     assert case_key("llama", read=edited("deepseek.py")) == llama_key  # another family's module: not an input
@@ -69,6 +69,24 @@ def test_a_cases_key_follows_its_own_sources_only():
     assert case_key("deepseek", read=edited("dense.py")) != case_key("deepseek")  # the dense decoder's ends
     assert case_key("moe", read=edited("collectives.py")) != case_key("moe")  # shared by every family
     assert case_key("llama", read=edited("aten_graphs.py")) != llama_key  # the tools that capture the graph
+
+
+def test_a_docstring_a_comment_line_or_a_blank_line_changes_no_key():
+    """What cannot reach an artifact keys nothing: docstrings, comments on lines of their own, blank lines. A comment
+    after code does (the FX graph quotes each traced line whole), and so does any code."""
+    file = "decoder.py"
+
+    def edited(old, new):
+        return lambda f: f.read_bytes().replace(old, new, 1) if f.name == file else f.read_bytes()
+
+    source = (ROOT / "functional_npu" / "models" / file).read_bytes()
+    doc = source.split(b'"""')[1]
+    key = case_key("llama")
+    assert case_key("llama", read=edited(doc, doc + b" More words.")) == key
+    assert case_key("llama", read=edited(b"\nimport ", b"\n# a note\n\n\nimport ")) == key
+    line = next(x for x in source.splitlines() if b"  # " in x and not x.strip().startswith(b"#"))
+    assert case_key("llama", read=edited(line, line + b" more")) != key  # a trailing comment: quoted in graph.txt
+    assert case_key("llama", read=edited(b"\nimport ", b"\nEDITED = 1\nimport ")) != key
 
 
 def test_a_stale_case_is_regenerated_and_its_drift_found(tmp_path):

@@ -87,7 +87,7 @@ def prefetch_options(params: dict, mesh: Mesh, plan: Plan) -> dict[str, Any]:
     """Inductor's options for a model that prefetches into a ring: its ``sink_waits_iterative`` pass. The ring's data
     edges keep every write after the reads it overwrites, but inductor's default order hoists each wait to right
     after its write, which stalls the step until the layer arrives (the overlap check finds it,
-    :mod:`functional_npu.parallel.hazard`); the pass moves each wait down to its first consumer."""
+    :mod:`functional_npu.checks.hazard`); the pass moves each wait down to its first consumer."""
     return dict(SINK_WAITS) if prefetch.ring_used(params, mesh, plan) else {}
 
 
