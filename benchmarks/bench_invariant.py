@@ -46,7 +46,7 @@ TRAIN_BATCH = (8, 64)
 def _params(cfg: Any, invariant: bool) -> dict:
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = family_of(cfg).init_params(cfg, seed=0)
-    return params | {"placement": place(cfg, mesh, Plan(invariant=invariant))}
+    return params.placed(place(cfg, mesh, Plan(invariant=invariant)))
 
 
 def _decoder(cfg: Any, invariant: bool, batch: int):

@@ -63,7 +63,7 @@ def _decoder(cfg: Any, plan: Plan, batch: int, link: EmulatedHostLink | None = N
     if placed.plan.offload:
         params = stack_host(params, placed.plan.offload)
     model = compile_model(
-        params | {"placement": placed}, mesh, backend="inductor", batch_sizes=[batch],
+        params.placed(placed), mesh, backend="inductor", batch_sizes=[batch],
         max_seq_len=PROMPT + NEW + 8, prefill_lengths=[PROMPT], host_link=link,
     )  # fmt: skip
     prompts = [[(7 * i + j) % cfg.vocab_size for j in range(PROMPT)] for i in range(batch)]

@@ -73,7 +73,7 @@ def _sources(cfg, mesh, dtype) -> dict[str, dict[str, Any]]:
     layered = place(cfg, mesh, Plan(layer_shard="layer"))
     series = layered.plan.layer_shard
     specs = series_specs(param_specs(cfg, layered.plan), series, cfg.num_layers)
-    train = shard(stack_series(full, series), specs, mesh) | {"config": cfg, "placement": layered}
+    train = shard(stack_series(full, series), specs, mesh, placement=layered)
     leaves = {p: x for p, x in flatten_with_paths(full) if isinstance(x, torch.Tensor)}
     fsdp = {p: sharded(0, "dp") if x.shape[0] % n == 0 else replicated() for p, x in leaves.items()}
     dst = {p: target.layouts[p] for p in leaves}

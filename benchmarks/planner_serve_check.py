@@ -103,7 +103,7 @@ def _rank(ctx, path: str, plans: dict[str, tuple], context: int, new: int, round
         runs[name] = lambda n, m=model, p=mine, lk=lock: m.generate(p, n, lockstep=lk)
         runs[name](new), runs[name](1)  # compile both graphs, warm the collectives
         state = model.new_state(per_rank)
-        held[name] = resident_bytes({k: v for k, v in params.items() if k not in ("config", "placement")})
+        held[name] = resident_bytes(params.tree)
         held[name] += resident_bytes(list(state.kv)) + resident_bytes(list(state.prefetched))
         del state
     times = timing.rounds(

@@ -87,7 +87,7 @@ def _stepper(model: CompiledModel, batch: int) -> tuple[Callable[[int], float], 
 def _comm_alone(params: dict, mesh: Any, n: int) -> float:
     """Seconds for one step's broadcasts (one per layer and coalesced group, as the forward issues them)
     issued back to back, then waited; the mean over ``n`` steps."""
-    axis = params["placement"].plan.layer_shard.axis
+    axis = params.placement.plan.layer_shard.axis
     size = mesh.axis_size(axis)
     series = params["series"]
     bufs = [
@@ -145,7 +145,7 @@ def prefetch_rank(
     owned = resident_bytes(params["series"])
     configs = [(f"k{k}", k, "prefetch") for k in ks] + [(n, 1, sch) for n, sch in STOCK.items() if stock]
     for name, k, schedule in configs:  # every graph compiled and warm before any timing
-        plan = dataclasses.replace(params["placement"].plan, prefetch_step=k)
+        plan = dataclasses.replace(params.placement.plan, prefetch_step=k)
         model = compile_model(params, mesh, plan=plan, batch_sizes=[batch], max_seq_len=cache_len)
         if schedule != "prefetch":
             model = _stock(model, SCHEDULES[schedule])

@@ -20,6 +20,7 @@ from .core import (
     Layout,
     LayoutError,
     Mesh,
+    Params,
     Quant,
     RankTraffic,
     ReshardPlan,
@@ -64,6 +65,7 @@ __version__ = "0.1.0"
 __all__ = [
     # mesh and layouts
     "Mesh",
+    "Params",
     "make_mesh",
     "Layout",
     "LayoutError",

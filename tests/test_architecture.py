@@ -485,3 +485,38 @@ def test_no_application_imports_another():
         if module.startswith("functional_npu.cli")
     ]
     assert not bad, "\n".join(bad)
+
+
+_STATIC_KEYS = re.compile(
+    r"""\[["'](config|placement)["']\]|\.get\(["'](config|placement)["']|["']placement["']\s*:"""
+)
+
+
+def _static_key_uses(files: list[Path]) -> list[str]:
+    """Where a model config or a placement is read from, or put in, a params tree under a string key."""
+    out = []
+    for file in files:
+        for i, line in enumerate(file.read_text().splitlines(), 1):
+            if _STATIC_KEYS.search(line) and "json" not in line:
+                where = file.relative_to(ROOT) if ROOT in file.parents else file.name
+                out.append(f"{where}:{i}: {line.strip()}")
+    return out
+
+
+def test_placed_params_carry_their_config_and_placement_as_fields():
+    """``params.config`` and ``params.placement`` (:class:`functional_npu.Params`), never ``params["config"]`` or a
+    placement glued on with ``| {"placement": ...}``: in the package, the applications, the docs and the tests (the
+    refusal of a static key is tested in tests/placement/test_placement.py and tests/core/test_params.py)."""
+    files = [p for folder in ("functional_npu", *APPS) for p in sorted((ROOT / folder).rglob("*.py"))]
+    files += [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files += [
+        p for p in sorted((ROOT / "tests").rglob("*.py")) if p.name not in ("test_placement.py", "test_params.py")
+    ]
+    files = [p for p in files if p.resolve() != Path(__file__).resolve()]
+    bad = _static_key_uses(files)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_static_key_check_finds_a_glued_placement(tmp_path):
+    (tmp_path / "a.py").write_text('p = shard(full, specs, mesh) | {"placement": place(cfg, mesh)}\nc = p["config"]\n')
+    assert len(_static_key_uses([tmp_path / "a.py"])) == 2

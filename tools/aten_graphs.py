@@ -314,12 +314,12 @@ def case_function(
     :func:`_math_lm_loss`) for a train case."""
     if case.phase != "train":
         inputs = case_inputs(case, mesh, device=device)
-        plan = inputs[0]["placement"].plan
+        plan = inputs[0].placement.plan
         return functools.partial(forward, attention="math", streams=streams, plan=plan), inputs
     cfg, plan = case.config, case.plan
     model = family_of(cfg)
     full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg, plan)
-    params = shard(full, model.param_specs(cfg, plan), mesh) | {"placement": place(cfg, mesh, plan)}
+    params = shard(full, model.param_specs(cfg, plan), mesh, placement=place(cfg, mesh, plan))
     step = compile_train_step(_math_lm_loss, AdamW(), params, mesh, backend="none")
     tokens = torch.ones(*TRAIN, dtype=torch.long, device=device)
     return step.plain, step.inputs(params, step.init(params), tokens)
@@ -342,8 +342,8 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
             full, specs = stack_series(full, ls), series_specs(specs, ls, cfg.num_layers)
         if plan.offload:
             full, specs = stack_host(full, plan.offload), host_specs(specs, plan.offload, cfg.num_layers)
-        params = shard(full, specs, mesh) | {"placement": place(cfg, mesh, plan)}
-    plan = params["placement"].plan  # its series resolved
+        params = shard(full, specs, mesh, placement=place(cfg, mesh, plan))
+    plan = params.placement.plan  # its series resolved
     b, s = PHASES[case.phase]
     positions = torch.arange(s).expand(b, s) if case.phase == "prefill" else torch.full((b, 1), 5)
     tokens = torch.ones(b, s, dtype=torch.long)
@@ -371,8 +371,7 @@ def _quantized(case: Case, mesh: Mesh) -> dict[str, Any]:
         stored,
         is_leaf=lambda x: isinstance(x, dict) and "weight_scale" in x,
     )
-    placed = {"placement": place(cfg, mesh, plan, qc)}
-    return prepare_params(shard(full, specs, mesh) | placed, qc, target="npu")
+    return prepare_params(shard(full, specs, mesh, placement=place(cfg, mesh, plan, qc)), qc, target="npu")
 
 
 def _capture(case: Case, ctx: RankContext) -> tuple[torch.fx.GraphModule, list[str | None]]:

@@ -92,7 +92,7 @@ def layer_sharded_on_rank(
     program = from_inductor_code(code[0], k, groups)
     return out | {
         "held": resident_bytes(params["series"]) + ring,
-        "replicated": params["config"].num_layers * per_layer,
+        "replicated": params.config.num_layers * per_layer,
         "broadcasts": len(program.writes),
         "slots": k + 1,
         "hazards": check(program, k, (k + 1) * groups),

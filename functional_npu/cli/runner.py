@@ -71,7 +71,7 @@ def generate_on_rank(
     t0 = time.perf_counter()
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype] if dtype else None
     params = load_checkpoint(model_dir, mesh, plan, dtype=dt, progress=show)
-    plan = params["placement"].plan
+    plan = params.placement.plan
     timings: dict[str, float] = {"load_s": time.perf_counter() - t0}
     data = dp_axes(mesh, plan.tp)
     dp = mesh.axis_size(data)
@@ -81,7 +81,7 @@ def generate_on_rank(
     options = CompileOptions(
         backend=backend,
         mode=mode,
-        max_seq_len=cache_length(longest + max_new_tokens, limit=params["config"].max_position_embeddings),
+        max_seq_len=cache_length(longest + max_new_tokens, limit=params.config.max_position_embeddings),
         greedy_head=not (sampling or {}).get("temperature"),  # greedy decode steps move tokens, not logits
         cache_dir=cache_dir,
     )

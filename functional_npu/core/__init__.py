@@ -46,6 +46,7 @@ from .layout import (
     sharded,
 )
 from .mesh import Axes, Mesh, make_mesh
+from .params import Params, drop
 from .quant import Quant, dequantize, pack_int32, quant_layouts, quant_shapes, quantize, unpack_int32
 from .replica_sum import ReplicaSum, replica_plan, sum_replicas
 from .reshard import (
@@ -154,6 +155,8 @@ __all__ = [
     "full_shape",
     "as_bits",
     "PyTree",
+    "Params",
+    "drop",
     "flatten_with_paths",
     "map_with_path",
     "tree_from_paths",

@@ -10,12 +10,14 @@ never alias them. Every leaf is validated before any tensor is cut or any byte i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from . import collectives
 from .layout import Layout, LayoutError, Piece, dim_pieces, full_length, local_pieces, piece_len, validate
 from .mesh import Mesh
+from .params import Params
 from .tree import PyTree, expand_prefix, flatten_with_paths, map_with_path
 
 __all__ = [
@@ -97,17 +99,23 @@ def shard(
     mesh: Mesh,
     *,
     coordinate: Mapping[str, int] | int | None = None,
+    placement: Any = None,
 ) -> PyTree:
     """This coordinate's local tree: each leaf cut by its layout. Pure; no communication.
 
     Args:
-        tree: full params (nested dicts / lists / registered pytrees of tensors).
-        specs: a tree of :class:`Layout`, equal to ``tree``'s structure or a prefix of it.
+        tree: full params (:class:`~functional_npu.core.params.Params`, or nested dicts / lists / registered
+            pytrees of tensors).
+        specs: a tree of :class:`Layout`, equal to ``tree``'s structure or a prefix of it (a placement's
+            ``layouts`` are one).
         mesh: a mesh with a coordinate (from ``make_mesh``) or an abstract one plus ``coordinate``.
         coordinate: ``{"tp": 1, ...}`` or a flat rank; overrides the mesh's own.
+        placement: the :class:`~functional_npu.placement.Placement` the shards are of (``place(cfg, mesh, plan)``),
+            which the result carries; for ``Params`` only. None: the result carries none (the full tree's does not
+            describe its shards).
 
     Returns:
-        A new tree of new tensors (never views of the input).
+        A new tree of new tensors (never views of the input); ``Params`` of the same config for ``Params``.
 
     Raises:
         TypeError, LayoutError (a ValueError), naming the leaf path, dim, sizes, mesh axis and a fix.
@@ -129,7 +137,7 @@ def shard(
             return y.contiguous()  # already a fresh copy
         return y.clone(memory_format=torch.contiguous_format)
 
-    return map_with_path(cut, tree)
+    return _placed(map_with_path(cut, tree), placement, "shard")
 
 
 # ---- reassembly -----------------------------------------------------------------------------
@@ -232,7 +240,7 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
         out = bits.view(x.dtype)
         return out if moved else out.clone()
 
-    return map_with_path(assemble, tree)
+    return _placed(map_with_path(assemble, tree), None, "gather")
 
 
 def _dim_specs(layouts: Mapping[str, Layout]) -> list:
@@ -276,4 +284,14 @@ def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:
                 state.update({r: full for r in group})
         return state[0].clone()
 
-    return map_with_path(assemble, local_trees[0])
+    return _placed(map_with_path(assemble, local_trees[0]), None, "unshard")
+
+
+def _placed(tree: PyTree, placement: Any, where: str) -> PyTree:
+    """``tree`` carrying ``placement`` if it is :class:`Params` (a full tree's, or shards', placement never carries
+    over to the other form)."""
+    if isinstance(tree, Params):
+        return Params(tree.tree, tree.config, placement)
+    if placement is not None:
+        raise TypeError(f"{where}: placement= is carried by Params; got a {type(tree).__name__} tree")
+    return tree

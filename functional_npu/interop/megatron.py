@@ -29,6 +29,7 @@ import torch
 from ..core.agree import agreed
 from ..core.layout import Block, Cyclic, DimSpec, Layout, Shard
 from ..core.mesh import Mesh
+from ..core.params import Params
 from ..core.shard import local_shape
 from ..models import FAMILIES, Family, family_of
 from ..parallel.plan import Plan
@@ -120,7 +121,7 @@ def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
                 f"stack_layers: layer {i} has leaves {list(layer)} but "
                 f"layer 0 has {names}; every layer must have the same leaves"
             )
-    return out | {"layers": {k: torch.stack([layer[k] for layer in layers]) for k in names}}
+    return _like(params, out | {"layers": {k: torch.stack([layer[k] for layer in layers]) for k in names}})
 
 
 def unstack_layers(stacked: Mapping[str, Any]) -> dict[str, Any]:
@@ -143,7 +144,13 @@ def unstack_layers(stacked: Mapping[str, Any]) -> dict[str, Any]:
             f"{ {k: v.shape[0] for k, v in layers.items()} }"
         )
     n = count.pop() if count else 0
-    return out | {"layers": [{k: v[i].clone() for k, v in layers.items()} for i in range(n)]}
+    return _like(stacked, out | {"layers": [{k: v[i].clone() for k, v in layers.items()} for i in range(n)]})
+
+
+def _like(params: Any, tree: dict[str, Any]) -> Any:
+    """``tree`` as :class:`~functional_npu.core.params.Params` of ``params``' config if ``params`` is one (the
+    placement does not carry over: the form is another), else as it is."""
+    return Params(tree, params.config) if isinstance(params, Params) else tree
 
 
 def stacked_specs(
@@ -244,14 +251,14 @@ def _from_megatron(
 ) -> dict[str, Any]:
     family = _megatron(cfg, "from_megatron")
     found, layers_per_chunk = _by_path(chunks, _table(family))
-    out: dict[str, Any] = {"config": cfg}
+    out: dict[str, Any] = {}
     for path, meta in _leaves(stack_layers(family.abstract_params(cfg))):
         want = local_shape(meta.shape, _at(specs, path), mesh, path=path, dtype=meta.dtype)
         tensors = _entries(path, found.get(path, {}))
         _check_entries(path, tensors, want, mesh, layers_per_chunk)
         x = torch.stack([t for _, t in tensors]) if tensors else torch.empty(want, dtype=meta.dtype)
         out = _put(out, path, x)
-    return out
+    return Params(out, cfg)
 
 
 def _by_path(
@@ -304,7 +311,7 @@ def to_megatron(local: Mapping[str, Any], vpp: int = 1) -> list[dict[str, torch.
     """The inverse of :func:`from_megatron`: one Megatron-named state dict per virtual chunk (layers
     numbered from 0)."""
     chunks: list[dict[str, torch.Tensor]] = [{} for _ in range(vpp)]
-    reverse = {ours: m for m, ours in _megatron(local["config"], "to_megatron").megatron.names.items()}
+    reverse = {ours: m for m, ours in _megatron(local.config, "to_megatron").megatron.names.items()}
     for k, x in local.items():
         if k == "layers" or not isinstance(x, torch.Tensor):  # static nodes (config, plan) have no Megatron name
             continue

@@ -1,13 +1,14 @@
 """The decoder, written once: one layer loop over a family's choice of blocks.
 
-**Params** (the one form every family, loader and transform uses) are a dict of this rank's local
-shards plus static nodes that ride along with no leaves::
+**Params** (the one form every family, loader and transform uses) are one
+:class:`~functional_npu.core.params.Params` value: the tree of this rank's local shards, and as static fields the
+model config (``params.config``) and the checked placement (``params.placement``, its plan among it)::
 
-    {"config": <family config>,                  # static: LlamaConfig, MoeConfig, ...
-     "embed": [V/tp, D], "norm": [D], "lm_head": [V/tp, D] (untied only),
-     "layers": [{leaf: tensor, ...}, ...],       # one dict per layer; which leaves is the family's choice
-     "series": {leaf: [owned layers, ...]},      # layer-sharded leaves, stacked (only when layer-sharded)
-     "plan": Plan}                               # static: the parallel plan they were sharded for
+    Params(tree={"embed": [V/tp, D], "norm": [D], "lm_head": [V/tp, D] (untied only),
+                 "layers": [{leaf: tensor, ...}, ...],   # one dict per layer; which leaves is the family's choice
+                 "series": {leaf: ...},                  # layer-sharded leaves: this coordinate's, stacked
+                 "host": {leaf: [L, ...]}},              # series kept in host memory, stacked
+           config=<family config>, placement=<Placement>)
 
 A layer-sharded leaf is absent from ``params["layers"]`` and lives in ``params["series"]`` (see
 :mod:`functional_npu.parallel.layer_shard`); where each layer's weights come from, local or

@@ -28,6 +28,7 @@ import torch
 
 from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, fused, replicated, sharded
+from ..core.params import Params
 from ..core.schema import Field, Rule, check_rules, read, show
 from ..core.tree import map_with_path, register_static
 from ..parallel.plan import Plan
@@ -402,7 +403,7 @@ def _ffn_shapes(cfg: DeepseekConfig, plan: Plan, moe: bool) -> dict[str, tuple[i
 
 def abstract_params(
     cfg: DeepseekConfig, plan: Plan = Plan(), dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
-) -> dict[str, Any]:
+) -> Params:
     """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory), with the
     plan's expert slots and copies."""
 
@@ -416,17 +417,13 @@ def abstract_params(
         if moe:
             layer["expert_map"] = make((cfg.num_experts, plan.max_copies), torch.int64)
         layers.append(layer)
-    top: dict[str, Any] = {
-        "config": cfg,
-        "embed": make((cfg.vocab_size, cfg.hidden_size)),
-        "norm": make((cfg.hidden_size,)),
-    }
+    top: dict[str, Any] = {"embed": make((cfg.vocab_size, cfg.hidden_size)), "norm": make((cfg.hidden_size,))}
     if not cfg.tie_word_embeddings:
         top["lm_head"] = make((cfg.vocab_size, cfg.hidden_size))
-    return top | {"layers": layers}
+    return Params(top | {"layers": layers}, cfg)
 
 
-def init_params(cfg: DeepseekConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def init_params(cfg: DeepseekConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Params:
     """Full params with seeded random weights (std 0.02, norms 1, router bias 0) and the identity expert map."""
     dtype = float_dtype(dtype, "init_params")
     g = torch.Generator().manual_seed(seed)

@@ -4,9 +4,9 @@ blocks. The Llama family is exactly this (:mod:`.llama`); the MoE families (:mod
 layers, Gemma 3 (:mod:`.gemma3`) with its own norms and attention kinds, DeepSeek (:mod:`.deepseek`) takes its ends.
 
 The functions read a config by the fields the :class:`DenseConfig` protocol names, so any family's config that has
-them runs through them; no family module is imported here. The full params::
+them runs through them; no family module is imported here. The full params, ``Params(tree, cfg)``::
 
-    {"config": cfg, "embed": [V, D], "norm": [D], "lm_head": [V, D] (untied only),
+    {"embed": [V, D], "norm": [D], "lm_head": [V, D] (untied only),
      "layers": [{"attn_norm": [D], "qkv": [(H+2K)*hd, D], "qkv_bias": [(H+2K)*hd] (qkv_bias),
                  "q_norm": [hd], "k_norm": [hd] (qk_norm), "o_proj": [D, H*hd],
                  "mlp_norm": [D], "gate_up": [2F, D], "down": [D, F]}, ...]}
@@ -28,6 +28,7 @@ import torch
 
 from ..core.dtypes import float_dtype
 from ..core.layout import Block, Layout, fused, replicated, sharded
+from ..core.params import Params
 from ..core.schema import Field, Rule, read, show
 from ..core.tree import map_with_path
 from ..parallel.plan import Plan
@@ -297,7 +298,7 @@ def layer_shapes(cfg: DenseConfig) -> dict[str, tuple[int, ...]]:
 
 def abstract_params(
     cfg: DenseConfig, plan: Plan = Plan(), dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"
-) -> dict[str, Any]:
+) -> Params:
     """The full (unsharded) params tree with empty tensors (on the meta device by default: no memory); no
     leaf of the dense decoder depends on the plan."""
     return dense_params(cfg, layer_shapes(cfg), dtype, device)
@@ -308,29 +309,25 @@ def dense_params(
     layer: Mapping[str, tuple[int, ...]],
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "meta",
-) -> dict[str, Any]:
+) -> Params:
     """The full params tree, with empty tensors, of any family's config whose layers all hold the leaves ``layer``
     (name -> shape): the embedding, the final norm, lm_head (untied only) and ``cfg.num_layers`` layers."""
 
     def make(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
 
-    top: dict[str, Any] = {
-        "config": cfg,
-        "embed": make((cfg.vocab_size, cfg.hidden_size)),
-        "norm": make((cfg.hidden_size,)),
-    }
+    top: dict[str, Any] = {"embed": make((cfg.vocab_size, cfg.hidden_size)), "norm": make((cfg.hidden_size,))}
     if not cfg.tie_word_embeddings:
         top["lm_head"] = make((cfg.vocab_size, cfg.hidden_size))
-    return top | {"layers": [{k: make(v) for k, v in layer.items()} for _ in range(cfg.num_layers)]}
+    return Params(top | {"layers": [{k: make(v) for k, v in layer.items()} for _ in range(cfg.num_layers)]}, cfg)
 
 
-def init_params(cfg: DenseConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def init_params(cfg: DenseConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Params:
     """Full params with seeded random weights (std 0.02, norms 1): an embedded model needing no download."""
     return seeded(abstract_params(cfg), seed, dtype)
 
 
-def seeded(meta: dict[str, Any], seed: int, dtype: torch.dtype, *, norms: float = 1.0) -> dict[str, Any]:
+def seeded(meta: dict[str, Any], seed: int, dtype: torch.dtype, *, norms: float = 1.0) -> Params:
     """A params tree of ``meta``'s shapes (any family's) with seeded random weights (std 0.02) and every norm
     ``norms``."""
     dtype = float_dtype(dtype, "init_params")

@@ -304,10 +304,10 @@ def forward(
     :mod:`functional_npu.runtime.training.grad`).
 
     Example:
-        >>> state = init_state(params["config"], mesh, batch=1, max_seq_len=64)     # doctest: +SKIP
+        >>> state = init_state(params.config, mesh, batch=1, max_seq_len=64)        # doctest: +SKIP
         >>> logits = forward(params, tokens, positions, state, mesh)                # doctest: +SKIP
     """
-    cfg, plan = params["config"], plan_of(params) if plan is None else plan
+    cfg, plan = params.config, plan_of(params) if plan is None else plan
     check_invariant(params, plan, "forward")
     return decode(
         params,
@@ -329,7 +329,7 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
     functions do not compute in."""
     if not plan.invariant:
         return
-    cfg = params["config"]
+    cfg = params.config
     gap = family_of(cfg).not_invariant
     if gap is not None:
         raise ValueError(
@@ -342,7 +342,7 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
             f"{where}: Plan.invariant: a sliding window ({cfg.sliding_window}) keeps its keys in a ring cache, in "
             f"another order than the training forward's; the invariant mode runs full attention only"
         )
-    quant = getattr(params.get("placement"), "quant", None)
+    quant = getattr(params.placement, "quant", None)
     if quant is not None:
         raise ValueError(
             f"{where}: Plan.invariant: the quantized matmul kernels ({quant.quant}) reduce in an order of their own; "
@@ -357,10 +357,10 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
 
 
 def plan_of(params: dict) -> Plan:
-    """The plan ``params`` were sharded by: their placement's (``params["placement"].plan``, as ``load_checkpoint``
+    """The plan ``params`` were sharded by: their placement's (``params.placement.plan``, as ``load_checkpoint``
     leaves it), or for params that carry none (``shard`` of a family's full params by its default layouts) the
     default plan. The one rule every consumer reads it by."""
-    own = params.get("placement") if isinstance(params, dict) else None
+    own = getattr(params, "placement", None)
     return Plan() if own is None else own.plan
 
 

@@ -18,9 +18,9 @@ each as transformers' ``modeling_gemma3`` computes it:
 - the embedding multiplied by ``sqrt(hidden_size)`` rounded to the params' dtype; tied embeddings by default;
 - the logits soft-capped (``tanh(x / c) * c``) when ``final_logit_softcapping`` is set.
 
-The full params::
+The full params, ``Params(tree, Gemma3Config)``::
 
-    {"config": Gemma3Config, "embed": [V, D], "norm": [D], "lm_head": [V, D] (untied only),
+    {"embed": [V, D], "norm": [D], "lm_head": [V, D] (untied only),
      "layers": [{"attn_norm": [D], "qkv": [(H+2K)*hd, D], "q_norm": [hd], "k_norm": [hd], "o_proj": [D, H*hd],
                  "post_attn_norm": [D], "mlp_norm": [D], "gate_up": [2F, D], "down": [D, F],
                  "post_mlp_norm": [D]}, ...]}

@@ -53,6 +53,7 @@ import torch.utils._pytree as pytree
 
 from ..core.collectives import all_reduce
 from ..core.mesh import Axes, Mesh
+from ..core.params import Params
 from ..core.quant import Quant, dequantize, unpack_int32
 from .ascend_ops import pack_int4, quant_matmul, weight_quant_matmul
 
@@ -369,7 +370,7 @@ def prepare_params(
     blocks: Any = None,
     target: str = "cpu",
     linears: tuple[str, ...] = (),
-) -> dict[str, Any]:
+) -> Params:
     """``params`` with every stored quantized leaf (a dict of ``weight``/``weight_packed``, ``weight_scale``,
     ...; see :mod:`functional_npu.placement.quant_layouts`) in its kernel's form for ``target`` (:func:`prepare`),
     for activations in the embedding's dtype, and every linear leaf named in ``linears`` in the form that
@@ -409,4 +410,6 @@ def prepare_params(
             return [walk(f"{path}.{i}", v) for i, v in enumerate(node)]
         return node
 
+    if isinstance(params, Params):  # the tree walked, the config and the placement kept
+        return params.replace(**{k: walk(k, v) for k, v in params.items()})
     return walk("", params)

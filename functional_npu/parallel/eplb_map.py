@@ -28,6 +28,7 @@ import torch
 
 from ..core import collectives
 from ..core.mesh import Axes, Mesh
+from ..core.params import Params
 from ..core.shard import as_bits
 from ..core.tree import PyTree
 
@@ -340,7 +341,7 @@ def _program(old: Placement, new: Placement, moves: list[Move], rank: int) -> Ra
 # ---- execution ------------------------------------------------------------------------------
 def _moe_layers(params: PyTree) -> list[tuple[int, dict[str, Any]]]:
     """(index in params["layers"], layer dict) of every MoE layer, in order."""
-    layers = params.get("layers") if isinstance(params, dict) else None
+    layers = params.get("layers") if isinstance(params, (dict, Params)) else None
     if not isinstance(layers, (list, tuple)):
         raise TypeError(
             "rebalance: params must be a dict with a 'layers' list of per-layer dicts (the models/ params tree)"
@@ -451,4 +452,4 @@ def rebalance(params: PyTree, plan: RebalancePlan, mesh: Mesh, axis: Axes, *, co
         new_layers[i] = dict(layer) | {name: moved[name][k] for name in EXPERT_LEAVES}
         if tables is not None and i in maps:
             new_layers[i]["expert_map"] = torch.tensor(tables[k], dtype=torch.int64, device=maps[i].device)
-    return dict(params) | {"layers": new_layers}
+    return params | {"layers": new_layers}

@@ -6,7 +6,7 @@ it is a stacked leaf ``params["series"][leaf]`` of the layers this coordinate ow
 dims keep the per-layer (tensor-parallel) layout. The per-layer dicts in ``params["layers"]`` no
 longer hold the leaf. The choice is the plan's ``layer_shard`` (a :class:`LayerShard`, see
 :class:`functional_npu.parallel.plan.Plan`), which loaded params carry in their placement
-(``params["placement"].plan``).
+(``params.placement.plan``).
 
 Everything here is pure: the layouts, stacking full params into series and back, the layers a
 coordinate owns, and resident bytes measured from tensor storage. The forward fetches each layer's
@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..core.layout import Cyclic, Layout
+from ..core.params import drop
 from ..core.tree import register_static
 
 __all__ = [
@@ -156,7 +157,7 @@ def unstack_series(params: dict[str, Any]) -> dict[str, Any]:
         layer | {leaf: pytree.tree_map(lambda x, i=i: x[i].clone(), series[leaf]) for leaf in series}
         for i, layer in enumerate(params["layers"])
     ]
-    return {k: v for k, v in params.items() if k != "series"} | {"layers": layers}
+    return drop(params, "series") | {"layers": layers}
 
 
 def owned_layers(num_layers: int, n: int, c: int) -> list[int]:

@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..core.layout import Layout
+from ..core.params import drop
 from .layer_shard import series_names
 
 __all__ = [
@@ -111,7 +112,7 @@ def unstack_host(params: dict[str, Any]) -> dict[str, Any]:
         | {leaf: pytree.tree_map(lambda x, i=i: x[i].to(device or x.device, copy=True), host[leaf]) for leaf in host}
         for i, layer in enumerate(layers)
     ]
-    return {k: v for k, v in params.items() if k != "host"} | {"layers": out}
+    return drop(params, "host") | {"layers": out}
 
 
 def host_bytes(params: dict[str, Any]) -> int:

@@ -19,7 +19,7 @@ how the forward moves it, as JAX keeps ``NamedSharding(mesh, PartitionSpec)`` ap
 The plan is built once (in Python, from the CLI's flags, or from a dict with :meth:`Plan.from_dict`; a plan file
 holds it beside the mesh's axes, :func:`functional_npu.placement.read_placement`), checked once against the model
 config and the mesh (:func:`functional_npu.placement.place`), and passed to ``load_checkpoint``, ``compile_model``
-and ``from_dtensor_state``; loaded params carry the checked placement as ``params["placement"]``. A changed plan is
+and ``from_dtensor_state``; loaded params carry the checked placement as ``params.placement``. A changed plan is
 ``dataclasses.replace(plan, field=value)`` (the one setter: values are normalized and checked on
 construction).
 """

@@ -287,7 +287,7 @@ def layer_weights(
     if series_of(params) and plan.layer_shard is None:
         raise ValueError(
             f"the params hold layer-sharded series {list(series_of(params))}, but the plan shards no layers; pass the "
-            f"plan they were loaded for (params['placement'].plan)"
+            f"plan they were loaded for (params.placement.plan)"
         )
     if not ring_used(params, mesh, plan):
         return lambda i, x: layers[i] | _local(params, i)

@@ -246,7 +246,7 @@ def auto_step(
             )
         device = DEVICES[name]
     compute = roofline_layer_s(device, layer_weight_bytes(params), 2.0 * batch * layer_weight_elements(params, quant))
-    L, host = params["config"].num_layers, host_layer_bytes(params)
+    L, host = params.config.num_layers, host_layer_bytes(params)
     if host and not params.get("series"):  # host series alone: copied over the device's host link, if it has one
         link = device.host_link
         return host_step(host, num_layers=L, compute_s=compute, link=link) if link else min(1, L - 1)

@@ -9,7 +9,7 @@ groups its collectives need, the leaf table, the plan file's JSON.
 
 :func:`place` makes one, checked at every coordinate before anything is read, sharded or compiled, and caches it
 (the same model, axes, plan and quantization give the same value); ``load_checkpoint`` returns params carrying it
-(``params["placement"]``), and :func:`placement_of` is the one rule every consumer reads it by.
+(``params.placement``), and :func:`placement_of` is the one rule every consumer reads it by.
 
 Example:
     >>> placed = place(cfg, Mesh.abstract({"dp": 2, "tp": 2}), Plan(layer_shard="o_proj"))   # doctest: +SKIP
@@ -29,6 +29,7 @@ from typing import Any
 
 from ..core.layout import Layout
 from ..core.mesh import Mesh
+from ..core.params import Params
 from ..core.shard import leaf_specs, local_shape
 from ..core.tree import flatten_with_paths, register_static
 from ..models import family_of
@@ -118,8 +119,8 @@ class Placement:
         """Raise naming the leaf if ``params`` are not ``mesh``'s coordinate's shards of this placement: a leaf missing,
         of another shape (sharded for another mesh or plan) or of another stored dtype, or for another model."""
         self.fits(mesh, where)
-        if not isinstance(params, dict) or params.get("config") != self.config:
-            got = params.get("config") if isinstance(params, dict) else None
+        if not isinstance(params, Params) or params.config != self.config:
+            got = params.config if isinstance(params, Params) else None
             raise ValueError(
                 f"{where}: the params' config ({getattr(got, 'architecture', type(got).__name__)}) is not the one "
                 f"their placement was made for ({self.describe()}); load them again, or place them for their config"
@@ -286,25 +287,31 @@ def plan_table(cfg: Any, mesh: Mesh, plan: Plan | None = None, *, quant: QuantCo
 
 def placement_of(params: Any, mesh: Mesh, plan: Plan | None = None, *, where: str) -> Placement:
     """The placement ``params`` are sharded by, for a consumer on ``mesh``: the one they carry
-    (``params["placement"]``, as ``load_checkpoint`` leaves it) under ``plan`` if given (:meth:`Placement.with_plan`);
+    (``params.placement``, as ``load_checkpoint`` leaves it) under ``plan`` if given (:meth:`Placement.with_plan`);
     for params that carry none (``shard`` of a family's full params), ``plan`` (default ``Plan()``) placed on their
     config. Either way it is then checked against ``mesh`` and the params' shapes.
 
     Raises:
         TypeError for params with no model config; ValueError naming the leaf, the field or the mesh otherwise.
     """
-    cfg = params.get("config") if isinstance(params, dict) else None
+    if not isinstance(params, Params):
+        raise TypeError(
+            f"{where}: params must be a functional_npu.Params (the tree with its config and placement), got "
+            f"{type(params).__name__}; load them with load_checkpoint, or Params(tree, config) for a tree of your own"
+        )
+    cfg = params.config
     try:
         family_of(cfg)
     except (TypeError, ValueError):
         raise TypeError(
-            f"{where}: params carry no model config (params['config']); load them with load_checkpoint or add one"
+            f"{where}: params carry no model config (params.config is {cfg!r}); load them with load_checkpoint, or "
+            f"give Params(tree, config) one"
         ) from None
-    own = params.get("placement")
+    own = params.placement
     if own is None:
         placed = place(cfg, mesh, plan, where=where)
     elif not isinstance(own, Placement):
-        raise TypeError(f"{where}: params['placement'] must be a Placement, got {type(own).__name__}")
+        raise TypeError(f"{where}: params.placement must be a Placement, got {type(own).__name__}")
     else:
         placed = own if plan is None else own.with_plan(plan, where)
     placed.check_params(params, mesh, where)

@@ -7,7 +7,7 @@ full params on the meta device and in the plan, by the dict of its stored tensor
 (:func:`functional_npu.core.quant.quant_shapes`) and their layouts
 (:func:`functional_npu.core.quant.quant_layouts`). The loader reads that tree like any other, the
 plan check validates it (a group or packed word a shard would cut is named with its dim, sizes and
-axis), and the choice rides in the params' placement (``params["placement"].quant``, a :class:`QuantConfig`).
+axis), and the choice rides in the params' placement (``params.placement.quant``, a :class:`QuantConfig`).
 
 A leaf that fuses several modules (``[q|k|v]``, ``[gate|up]``, every expert of a stack) is quantized
 only if the config covers all of them; a checkpoint covering some is refused, naming them.

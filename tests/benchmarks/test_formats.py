@@ -18,9 +18,9 @@ def test_formats_are_one_model_written_four_ways(tmp_path):
     sizes = {}
     for name, path in paths.items():
         loaded = load_checkpoint(path, mesh)
-        params = prepare_params(loaded, loaded["placement"].quant)
+        params = prepare_params(loaded, loaded.placement.quant)
         assert params["embed"].dtype == FORMATS[name][0]
-        assert (loaded["placement"].quant is not None) == (FORMATS[name][1] is not None)
+        assert (loaded.placement.quant is not None) == (FORMATS[name][1] is not None)
         sizes[name] = decode_bytes(params)
     assert sizes["fp32"] > 1.9 * sizes["bf16"] > 1.9 * 1.8 * sizes["int8"] > 1.9 * 1.8 * 1.6 * sizes["int4"]
 

@@ -102,7 +102,7 @@ def test_name_table_covers_every_leaf_and_stacking_round_trips():
         for i in range(CFG.num_layers)
         for k in params["layers"][0]
     )
-    assert torch.equal(back["embed"], params["embed"]) and back["config"] == CFG
+    assert torch.equal(back["embed"], params["embed"]) and back.config == CFG
     specs = stacked_specs(param_specs(CFG))
     assert specs["layers"]["qkv"].dims[0] is None and specs["embed"].dims == (None, param_specs(CFG)["embed"].dims[0])
 

@@ -89,7 +89,7 @@ def test_absorbed_decode_equals_the_plain_path_and_the_cache_is_latent(models):
 
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = load_checkpoint(models["deepseek_v3"][0], mesh)
-    cfg, prompts = params["config"], models["deepseek_v3"][1]
+    cfg, prompts = params.config, models["deepseek_v3"][1]
     out = {}
     for mode in ({"absorb": True}, {"absorb": False}, {"mla_cache": "heads"}):
         model = compile_model(params, mesh, backend="none", plan=Plan(**mode))

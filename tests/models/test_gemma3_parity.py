@@ -13,6 +13,8 @@ import pytest
 import torch
 import transformers as T
 
+from functional_npu import Params
+
 from ..support.hf_models import GEMMA3_FAMILIES, GEMMA3_ROPE, check_parity, hf_references, save_tiny_gemma3
 from ..support.workers import llama_generate
 
@@ -98,9 +100,9 @@ def test_each_trait_moves_the_logits(models, change):
     path, prompts, ref_logits, _ = models["gemma3"]
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = load_checkpoint(path, mesh)
-    params["config"] = dataclasses.replace(params["config"], **change)
+    params = Params(params.tree, dataclasses.replace(params.config, **change))
     prompt = prompts[1]  # 12 tokens: 8 past the window
-    state = init_state(params["config"], mesh, 1, len(prompt))
+    state = init_state(params.config, mesh, 1, len(prompt))
     with torch.no_grad():
         logits = forward(params, torch.tensor([prompt]), torch.arange(len(prompt))[None], state, mesh)[0]
     assert (logits - ref_logits[1]).abs().max().item() > 1e-2

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers as T
 
-from functional_npu import Mesh, Plan, check_plan, compile_model, local_shape
+from functional_npu import Mesh, Plan, check_plan, compile_model, local_shape, place
 from functional_npu.core.shard import leaf_specs, shard
 from functional_npu.core.tree import flatten_with_paths
 from functional_npu.models import family_of, forward, init_state, moe
@@ -66,11 +66,11 @@ def test_dense_layers_mixed_in_match_transformers(tmp_path):
     model.save_pretrained(tmp_path)
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = load_checkpoint(tmp_path, mesh)
-    assert params["config"].moe_layers == (0,) and "gate_up" in params["layers"][1] and "router" in params["layers"][0]
+    assert params.config.moe_layers == (0,) and "gate_up" in params["layers"][1] and "router" in params["layers"][0]
     ids = torch.tensor([[5, 9, 100, 3, 77, 12, 1]])
     with torch.no_grad():
         ref = model(ids).logits
-        got = forward(params, ids, torch.arange(7)[None], init_state(params["config"], mesh, 1, 8), mesh)
+        got = forward(params, ids, torch.arange(7)[None], init_state(params.config, mesh, 1, 8), mesh)
     assert (got - ref).abs().max().item() < 1e-4
 
 
@@ -107,7 +107,9 @@ def test_save_checkpoint_round_trip(saved, tmp_path):
 
 
 def test_save_refuses_a_redundant_placement(saved, tmp_path):
-    params = redundant_placement(load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 1}, 0)), [0], list(range(8)))
+    params, _ = redundant_placement(
+        load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 1}, 0)), [0], list(range(8))
+    )
     with pytest.raises(
         ValueError,
         match=r"save_checkpoint: params\['layers.0.expert_map'\] holds an expert placement other than the identity "
@@ -168,11 +170,12 @@ def test_expert_axes_out_of_mesh_order(saved):
 def test_compile_model_refuses_params_of_another_expert_plan(saved):
     full = load_checkpoint(saved["mixtral"][0], Mesh.abstract({"tp": 1}, 0))
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
-    params = shard(full, moe.param_specs(full["config"]), mesh)  # experts replicated, the plan says so
+    # experts replicated, the plan says so
+    params = shard(full, moe.param_specs(full.config), mesh, placement=place(full.config, mesh))
     over_dp = Plan(expert_axes=("dp",))
     with pytest.raises(ValueError, match=r"the params were loaded for another plan \(expert_axes=\(\)"):
         compile_model(params, mesh, backend="eager", plan=over_dp)
-    del params["placement"]  # ... and params that carry no placement, compiled for ep over dp
+    params = params.placed(None)  # ... and params that carry no placement, compiled for ep over dp
     with pytest.raises(
         ValueError,
         match=r"params\['layers.0.experts_gate_up'\] has shape \(8, 96, 64\) "

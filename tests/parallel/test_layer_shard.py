@@ -146,7 +146,7 @@ def test_load_reads_only_owned_layers(qwen3, n, tp):
     ls = LayerShard("dp", ("o_proj", "down"))  # "o_proj,down_proj", resolved
     mesh = Mesh.abstract({"dp": n, "tp": tp})
     full = load_checkpoint(qwen3[0], mesh.at(0))
-    full_stacked = stack_series(shard(full, llama.param_specs(full["config"]), mesh.at(0)), ls) if tp == 1 else None
+    full_stacked = stack_series(shard(full, llama.param_specs(full.config), mesh.at(0)), ls) if tp == 1 else None
     for r in range(n * tp):
         c = r // tp
         names: list[str] = []
@@ -155,7 +155,7 @@ def test_load_reads_only_owned_layers(qwen3, n, tp):
         read_layers = {int(x.split(".")[2]) for x in names if ".o_proj." in x or ".down_proj." in x}
         assert read_layers == set(owned_layers(LAYERS, n, c))
         assert local["series"]["o_proj"].shape[0] == len(owned_layers(LAYERS, n, c))
-        assert local["placement"].plan.layer_shard == ls and "o_proj" not in local["layers"][0]
+        assert local.placement.plan.layer_shard == ls and "o_proj" not in local["layers"][0]
         if full_stacked is not None and c == 0:
             assert torch.equal(local["series"]["down"], full_stacked["series"]["down"][0::n])
 
@@ -219,7 +219,7 @@ def test_moe_attention_projections_layer_sharded_match_transformers(request, wor
         assert set(shapes) == {"qkv", "o_proj"} and all(s[0] == 2 for s in shapes.values())
     qwen3_moe = request.getfixturevalue("qwen3_moe")
     ls = layer_shard("layer", "dp")
-    moe_cfg = load_checkpoint(qwen3_moe[0], Mesh.abstract({"tp": 1}, 0))["config"]
+    moe_cfg = load_checkpoint(qwen3_moe[0], Mesh.abstract({"tp": 1}, 0)).config
     meta, _ = check_plan(moe_cfg, Mesh.abstract({"dp": 2, "tp": 1}), Plan(layer_shard=ls))
     assert set(meta["series"]) == {"attn_norm", "qkv", "q_norm", "k_norm", "o_proj", "mlp_norm"}
 
@@ -367,10 +367,10 @@ def test_prefetch_step_errors(qwen3):
         ValueError,
         match=r"prefetch_step must be an int with 0 <= k <= num_layers - 1 = 5 \(the model has 6 layers, .*got 6",
     ):
-        compile_model(params, mesh, plan=dataclasses.replace(params["placement"].plan, prefetch_step=6))
+        compile_model(params, mesh, plan=dataclasses.replace(params.placement.plan, prefetch_step=6))
     with pytest.raises(ValueError, match=r"got -1"):
-        compile_model(params, mesh, plan=dataclasses.replace(params["placement"].plan, prefetch_step=-1))
-    model = compile_model(params, mesh, plan=dataclasses.replace(params["placement"].plan, prefetch_step=1))
+        compile_model(params, mesh, plan=dataclasses.replace(params.placement.plan, prefetch_step=-1))
+    model = compile_model(params, mesh, plan=dataclasses.replace(params.placement.plan, prefetch_step=1))
     with pytest.raises(
         ValueError, match=r"prefill: a model compiled with prefetch_step=1 needs a state from new_state\(\)"
     ):
@@ -412,7 +412,7 @@ def test_a_ring_with_more_graphs_than_the_budget_is_refused_naming_k_and_l(qwen3
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
     params = load_checkpoint(qwen3[0], mesh, Plan(layer_shard=layer_shard("o_proj")))
     shapes = dict(backend="inductor", batch_sizes=list(range(1, 14)), prefill_lengths=[8, 16, 32], max_seq_len=64)
-    plan = params["placement"].plan
+    plan = params.placement.plan
     with pytest.raises(
         ValueError,
         match=r"compile_model: prefetch_step 4 over 6 layers turns a ring of 5 slots through 5 phases, one graph each: "

@@ -239,9 +239,9 @@ def test_the_table_counts_every_rank_s_bytes(cfg):
 
 def test_compile_refuses_a_plan_that_changes_a_layout_but_takes_one_that_does_not():
     mesh = Mesh.abstract({"tp": 1}, 0)
-    params = shard(llama.init_params(DENSE), llama.param_specs(DENSE), mesh) | {"placement": place(DENSE, mesh)}
+    params = shard(llama.init_params(DENSE), llama.param_specs(DENSE), mesh, placement=place(DENSE, mesh))
     with pytest.raises(ValueError, match=r"loaded for another plan \(tp='tp', given tp='x'\)"):
         compile_model(params, mesh, plan=Plan(tp="x"), backend="none")
     model = compile_model(params, mesh, plan=Plan(prefetch_budget=1e6), backend="none")
-    assert model.plan.prefetch_budget == 1e6 and model.params["placement"] is model.placement
+    assert model.plan.prefetch_budget == 1e6 and model.params.placement is model.placement
     assert math.isfinite(float(model.generate([[1, 2, 3]], 2)[0][0]))

@@ -110,13 +110,13 @@ def test_auto_on_layer_sharded_params(qwen3_params):
     from functional_npu.runtime.serving.compile import compile_model
 
     params, mesh = qwen3_params
-    plan = params["placement"].plan
+    plan = params.placement.plan
     auto = dataclasses.replace(plan, prefetch_step="auto")
     o, down = params["series"]["o_proj"], params["series"]["down"]
     assert layer_bytes(params) == (o[0].numel() + down[0].numel()) * 4
     for name in DEVICES:
         k = auto_step(params, plan, device=name)
-        assert 0 <= k <= params["config"].num_layers - 1
+        assert 0 <= k <= params.config.num_layers - 1
         assert compile_model(params, mesh, backend="none", plan=auto, prefetch_device=name).plan.prefetch_step == k
     assert auto_step(params, plan, device=DEVICES["host"], budget_bytes=layer_bytes(params)) == 0  # k = 0
     with pytest.raises(ValueError, match=r"does not hold one layer of o_proj,down \(\d+ bytes"):
@@ -159,13 +159,13 @@ def test_auto_reads_quantized_layers(tmp_path, quant):
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
     params = load_checkpoint(str(tmp_path), mesh, Plan(layer_shard=layer_shard("o_proj,down_proj")))
     assert isinstance(params["series"]["o_proj"], dict)  # the case the cost model once read as a tensor
-    quant = params["placement"].quant
+    quant = params.placement.quant
     assert layer_weight_elements(params, quant) == sum(t.numel() for t in full["layers"][0].values())
     stored = pytree.tree_leaves(
         [params["layers"][0], {k: [t[0] for t in pytree.tree_leaves(v)] for k, v in params["series"].items()}]
     )
     assert layer_weight_bytes(params) == sum(t.numel() * t.element_size() for t in stored)
-    assert 0 <= auto_step(params, params["placement"].plan, quant) <= DENSE.num_layers - 1
+    assert 0 <= auto_step(params, params.placement.plan, quant) <= DENSE.num_layers - 1
 
 
 @settings(max_examples=40, deadline=None)
@@ -182,17 +182,17 @@ def test_auto_for_host_series_is_the_least_k_the_schedule_leaves_as_little_expos
 
     import torch
 
-    from functional_npu import Plan
+    from functional_npu import Params, Plan
     from functional_npu.parallel.devices import DEVICES
     from functional_npu.parallel.prefetch_cost import auto_step
 
     host = torch.zeros(layers, 256, 512)  # 512 KiB per layer, float32
-    params = {
-        "config": types.SimpleNamespace(num_layers=layers),
+    tree = {
         "embed": torch.zeros(1),
         "layers": [{"norm": torch.zeros(512)} for _ in range(layers)],
         "host": {"down": host},
     }
+    params = Params(tree, types.SimpleNamespace(num_layers=layers))
     dev = dataclasses.replace(DEVICES["ascend-910b"], host_link=Link(bytes_per_s=gbps * 1e9, alpha_s=alpha_us * 1e-6))
     per_layer = 256 * 512 * 4
     compute = roofline_layer_s(dev, per_layer + 512 * 4, 2.0 * (256 * 512 + 512))

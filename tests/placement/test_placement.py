@@ -10,16 +10,15 @@ import torch
 from functional_npu import (
     AdamW,
     Mesh,
+    Params,
     Plan,
     compile_model,
     compile_train_step,
     lm_loss,
     load_checkpoint,
     place,
-    reshard_params,
     save_checkpoint,
     shard,
-    value_and_grad,
 )
 from functional_npu.models import llama
 from functional_npu.placement import Placement, builds, placement_of
@@ -64,7 +63,7 @@ def test_load_and_compile_build_one_placement_and_the_family_trees_once(ckpt):
         model.with_params(params)
     assert builds() - before == 1  # the loader's, carried to compile and with_params (k's change builds none)
     assert calls.count == {"abstract_params": 1, "param_specs": 1}
-    assert model.placement.plan.prefetch_step == 2 and model.placement.layouts is params["placement"].layouts
+    assert model.placement.plan.prefetch_step == 2 and model.placement.layouts is params.placement.layouts
 
 
 def test_the_counter_sees_a_build():
@@ -89,7 +88,7 @@ def test_a_placement_answers_what_was_rederived(ckpt):
 def test_a_plan_beside_placed_params_changes_only_what_decides_no_layout(ckpt):
     mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
     params = load_checkpoint(ckpt, mesh, LAYERED)
-    placed = params["placement"]
+    placed = params.placement
     assert placed.with_plan(dataclasses.replace(LAYERED, prefetch_step=0), "x").plan.prefetch_step == 0
     with pytest.raises(ValueError, match=r"^x: the params were loaded for another plan \(layer_shard=.*, given "):
         placed.with_plan(Plan(), "x")
@@ -104,22 +103,22 @@ def _other_model() -> dict:
 def test_a_placement_for_another_model_mesh_or_quantization_is_refused_by_name(ckpt):
     mesh = Mesh.abstract({"tp": 2}, 0)
     params = load_checkpoint(ckpt, mesh)
-    other = params | {"placement": place(_other_model(), mesh)}  # another model's placement on these params
-    for fn in (
-        lambda p: compile_model(p, mesh, backend="none"),
-        lambda p: compile_train_step(lm_loss, AdamW(), p, mesh, backend="none"),
-        lambda p: reshard_params(p, Plan(), mesh),
-        lambda p: value_and_grad(lm_loss)(p, torch.ones(1, 4, dtype=torch.long), mesh),
-    ):
-        with pytest.raises(ValueError, match=r": the params' config \(Qwen3ForCausalLM\) is not the one their"):
-            fn(other)
-    wider = params | {"placement": place(CFG, {"tp": 4})}
+    # the config is held once, the placement's: params of one config cannot carry another's placement
+    with pytest.raises(ValueError, match=r"^Params: the placement was made for 'Qwen3ForCausalLM', not for the config"):
+        Params(params.tree, params.config, place(_other_model(), mesh))
+    other = Params(params.tree, placement=place(_other_model(), mesh))  # these tensors, said to be the other model's
+    assert other.config is other.placement.config and other.config != params.config
+    wider = params.placed(place(params.config, {"tp": 4}))
     with pytest.raises(ValueError, match=r"^compile_model: the params were placed for mesh \{'tp': 4\} .* the mesh"):
         compile_model(wider, mesh, backend="none")
     with pytest.raises(ValueError, match=r": the placement was made for another model \(Qwen3ForCausalLM on"):
         load_checkpoint(ckpt, mesh, place(_other_model(), mesh))
-    with pytest.raises(TypeError, match=r"^compile_model: params\['placement'\] must be a Placement, got Plan"):
-        compile_model(params | {"placement": Plan()}, mesh, backend="none")
+    with pytest.raises(TypeError, match=r"^Params: placement must be a functional_npu.Placement .*, got Plan"):
+        params.placed(Plan())
+    with pytest.raises(KeyError, match=r"params\['placement'\]: the placement is a field of the params, not a key"):
+        params["placement"]
+    with pytest.raises(TypeError, match=r"^Params: \['config'\] in the tree; the config and the placement are fields"):
+        params | {"config": params.config}
 
 
 def test_params_that_disagree_with_their_placement_are_refused_naming_the_leaf(ckpt):
@@ -128,7 +127,7 @@ def test_params_that_disagree_with_their_placement_are_refused_naming_the_leaf(c
     bad = params | {"norm": torch.ones(CFG.hidden_size + 1)}
     with pytest.raises(ValueError, match=r"^compile_model: params\['norm'\] has shape \(65,\) but mesh .* expects"):
         compile_model(bad, mesh, backend="none")
-    missing = {k: v for k, v in params.items() if k != "norm"}
+    missing = params.without("norm")
     with pytest.raises(ValueError, match=r"^compile_train_step: params\['norm'\] is missing"):
         compile_train_step(lm_loss, AdamW(), missing, mesh, backend="none")
 

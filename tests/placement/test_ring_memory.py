@@ -42,7 +42,7 @@ def _counted(path, axes, plan):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RingMemoryWarning)
             params = load_checkpoint(path, mesh.at(r), plan)
-        resolved = params["placement"].plan
+        resolved = params.placement.plan
         ring = new_ring(params, mesh.at(r), resolved, resolved.prefetch_step)
         held = sum(x.nbytes for x in params["series"].values()) + sum(t.nbytes for t in ring)
         full = load_checkpoint(path, mesh.at(r), dataclasses.replace(plan, layer_shard=None))
@@ -171,7 +171,7 @@ def test_a_host_ring_that_holds_every_layer_warns_on_load(ckpts, layers, k, warn
         warnings.simplefilter("always")
         params = load_checkpoint(ckpts(layers), mesh, Plan(offload=O_DOWN, prefetch_step=k))
     said = [str(w.message) for w in caught if issubclass(w.category, RingMemoryWarning)]
-    ring = len(new_ring(params, mesh, params["placement"].plan, k)) // len(prefetch_groups(params))
+    ring = len(new_ring(params, mesh, params.placement.plan, k)) // len(prefetch_groups(params))
     assert (ring >= layers) == warns  # the ring the compiled model allocates, counted in slots
     if not warns:
         assert said == []

@@ -74,7 +74,7 @@ def test_each_rank_reads_exactly_its_shard(base, tp):
 def test_dtype_conversion(base, dtype):
     params = load_checkpoint(base, Mesh.abstract({"tp": 2}, 1), dtype=dtype)
     assert {x.dtype for _, x in flatten_with_paths(params)} == {dtype}
-    assert params["config"].architecture == "Qwen2ForCausalLM"
+    assert params.config.architecture == "Qwen2ForCausalLM"
 
 
 def test_params_are_put_on_the_device_asked_for(base):
@@ -318,5 +318,5 @@ def test_a_rank_holds_only_its_shards_bytes(tmp_path, tp):
 
     save_checkpoint(family_of(DENSE).init_params(DENSE, seed=0), tmp_path)
     params = load_checkpoint(str(tmp_path), Mesh.abstract({"tp": tp}, tp - 1))
-    leaves = {k: v for k, v in params.items() if k not in ("config", "plan", "quant")}
+    leaves = params.tree
     assert resident_bytes(leaves) == sum(x.numel() * x.element_size() for _, x in flatten_with_paths(leaves))

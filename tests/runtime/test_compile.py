@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from functional_npu import CompileOptions, Mesh, compile_model, greedy_generate, load_checkpoint, shard
+from functional_npu import CompileOptions, Mesh, Params, compile_model, greedy_generate, load_checkpoint, shard
 from functional_npu.models import forward, llama
 from functional_npu.runtime.serving import GraphBreakError
 from functional_npu.runtime.serving.generate import Lockstep
@@ -47,11 +47,15 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(compiled, qwen3):
 def test_compile_model_errors(compiled, qwen3):
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = compiled.params
-    with pytest.raises(TypeError, match=r"params carry no model config \(params\['config'\]\)"):
-        compile_model({k: v for k, v in params.items() if k != "config"}, mesh)
+    with pytest.raises(
+        TypeError, match=r"^compile_model: params must be a functional_npu.Params .* got dict"
+    ):
+        compile_model(dict(params.items()), mesh)
+    with pytest.raises(TypeError, match=r"^compile_model: params carry no model config \(params.config is None\)"):
+        compile_model(Params(params.tree), mesh)
     with pytest.raises(ValueError, match=r"the params were placed for mesh \{'tp': 1\} .* but the mesh is \{'dp': 1\}"):
         compile_model(params, Mesh.abstract({"dp": 1}, 0))
-    tp2 = shard(params, llama.param_specs(params["config"]), Mesh.abstract({"tp": 2}, 0))
+    tp2 = shard(params, llama.param_specs(params.config), Mesh.abstract({"tp": 2}, 0))
     with pytest.raises(
         ValueError,
         match=r"params\['embed'\] has shape \(64, 64\) but mesh \{'tp': 1\} at \{'tp': 0\} expects \(128, 64\); "
@@ -90,7 +94,7 @@ def test_compile_model_errors(compiled, qwen3):
         match=r"batch size 9 exceeds the largest bucket 4 \(the compiled buckets: \[1, 4\]\); pass batch_sizes with a",
     ):
         compiled.new_state(9)
-    positions = params["config"].max_position_embeddings
+    positions = params.config.max_position_embeddings
     with pytest.raises(
         ValueError,
         match=rf"compile_model: max_seq_len {positions + 1} exceeds the model's {positions} positions "
@@ -248,7 +252,7 @@ def test_the_linear_choice_is_checked_against_what_exists(plain, tmp_path):
     kinds = {b: kernel_of(compile_model(params, mesh, backend="inductor", linear=b).params["lm_head"]) for b in
              ("streamed", "matmul", None)}  # fmt: skip
     assert kinds == {"streamed": "streamed", "matmul": "dense", None: "streamed"}
-    full = llama.init_params(params["config"], seed=0)
+    full = llama.init_params(params.config, seed=0)
     path = save_checkpoint(full, tmp_path / "int8", quant=QuantConfig.of(Quant(8, "channel"), ()))
     int8 = load_checkpoint(path, mesh)
     with pytest.raises(ValueError, match=r"every linear weight of this model is quantized \(kernels \['w8'\]\); pass"):

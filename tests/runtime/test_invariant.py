@@ -169,7 +169,7 @@ def test_backends_dtypes_and_linears_without_it_are_refused(qwen3):
     cuda = resolve_backend("inductor", device_type="cuda")
     refused = r"compile_model: Plan.invariant on backend 'inductor' \(cuda\): its generated kernels are not checked "
     with pytest.raises(ValueError, match=refused + r".* the backends that run it on cuda are \['aot_eager'"):
-        invariant_options(params, params["placement"], cuda, "compile_model")
+        invariant_options(params, params.placement, cuda, "compile_model")
     with pytest.raises(ValueError, match=r"linear='streamed' reduces in inductor's order"):
         compile_model(params, mesh, backend="inductor", linear="streamed")
     wide = load_checkpoint(qwen3, mesh, Plan(invariant=True), dtype=torch.float64)
@@ -185,15 +185,15 @@ def test_on_the_npu_only_the_golden_graphs_run_it(qwen3, tmp_path):
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = load_checkpoint(qwen3, mesh, Plan(invariant=True))
     for name, mode in (("torchair", "max-autotune"), ("npugraph_ex", None)):
-        assert invariant_options(params, params["placement"], Backend(name, "npu", mode), "compile_model") == {}
+        assert invariant_options(params, params.placement, Backend(name, "npu", mode), "compile_model") == {}
     with pytest.raises(ValueError, match=r"backend 'torchair' in mode 'reduce-overhead': .* use mode 'max-autotune'"):
-        invariant_options(params, params["placement"], Backend("torchair", "npu", "reduce-overhead"), "compile_model")
+        invariant_options(params, params.placement, Backend("torchair", "npu", "reduce-overhead"), "compile_model")
     save_tiny_moe("qwen3_moe", tmp_path, 5)
     moe = load_checkpoint(str(tmp_path), mesh, Plan(invariant=True))
     with pytest.raises(
         ValueError, match=r"are those of LlamaForCausalLM / .*Qwen3ForCausalLM, not Qwen3MoeForCausalLM's"
     ):
-        invariant_options(moe, moe["placement"], Backend("npugraph_ex", "npu"), "compile_model")
+        invariant_options(moe, moe.placement, Backend("npugraph_ex", "npu"), "compile_model")
 
 
 def test_a_plan_given_beside_the_params_turns_it_on(qwen3):

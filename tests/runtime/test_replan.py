@@ -83,7 +83,7 @@ def test_reshard_params_refuses_bad_buckets_and_a_target_of_another_model(model_
         r"of it stacked\), so use a bucket of at least 32768 bytes",
     ):
         reshard_params(params, Plan(tp="dp"), mesh, bucket_bytes=1000)
-    cfg = params["config"]
+    cfg = params.config
     other = place(dataclasses.replace(cfg, num_layers=2, rope_theta=cfg.rope_theta * 2), mesh, Plan(tp="dp"))
     with pytest.raises(
         ValueError,

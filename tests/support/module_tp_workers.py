@@ -45,7 +45,7 @@ def module_tp_generate(
         leaves = flatten_with_paths(params)  # what a rank must read: its shards, not the computed expert map
         result["shapes"] = {p: tuple(x.shape) for p, x in leaves}
         result["bytes"] = sum(x.numel() * x.element_size() for p, x in leaves if not p.endswith("expert_map"))
-        cfg = params["config"]
+        cfg = params.config
         result["full"] = {p: tuple(x.shape) for p, x in flatten_with_paths(family_of(cfg).abstract_params(cfg, plan))}
         if backend == "none":  # the whole prefill's logits, and the greedy head over it
             ids = torch.zeros(len(rows), width, dtype=torch.long)

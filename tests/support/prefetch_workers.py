@@ -31,7 +31,7 @@ def generate_layer_sharded(
 
         drain(state.prefetched)
     shapes = {leaf: tuple(x.shape) for leaf, x in params["series"].items()}
-    layers = params["config"].num_layers
+    layers = params.config.num_layers
     replicated = layers * sum(
         math.prod(x.shape[1:]) * x.element_size() for x in params["series"].values()
     )  # this rank's share without layer sharding
@@ -67,10 +67,10 @@ def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, ba
     params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp")))
     result = {}
     for k in ks:
-        got, same, slots = run(params, dataclasses.replace(params["placement"].plan, prefetch_step=k))
+        got, same, slots = run(params, dataclasses.replace(params.placement.plan, prefetch_step=k))
         result[k] = (float((got - ref).abs().max()), same, slots)
     for k, other in also:
-        got, same, slots = run(params, dataclasses.replace(params["placement"].plan, prefetch_step=k), other)
+        got, same, slots = run(params, dataclasses.replace(params.placement.plan, prefetch_step=k), other)
         result[(k, other)] = (float((got - ref).abs().max()), same, slots)
     return result
 

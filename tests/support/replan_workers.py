@@ -30,7 +30,7 @@ def replan(ctx, model_dir: str, axes: dict, src_fields: dict, dst_fields: dict):
         "untouched": untouched,
         "received": traffic.received,
         "lower_bound": traffic.lower_bound,
-        "need": need_bytes(params["config"], mesh, src, dst),
+        "need": need_bytes(params.config, mesh, src, dst),
     }
 
 

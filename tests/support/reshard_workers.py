@@ -78,7 +78,7 @@ def megatron_parity(ctx, model_dir: str, prompts, new_tokens: int, vpp: int):
 
     mesh = ctx.mesh({"pp": 2, "tp": 2})
     full = load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0))
-    cfg = full["config"]
+    cfg = full.config
     stacked = stack_layers(full)
     src = megatron_pipeline_specs(cfg, pp=2, vpp=vpp)
     train = from_megatron(

@@ -110,7 +110,7 @@ def prefill_and_greedy(fwd, params, prompts, new_tokens: int, mesh, kernels=None
         prefill_lengths=[width],
         kernels=kernels,
     )
-    state = init_state(params["config"], mesh, len(prompts), width + new_tokens, params["embed"].dtype, plan=model.plan)
+    state = init_state(params.config, mesh, len(prompts), width + new_tokens, params["embed"].dtype, plan=model.plan)
     with torch.no_grad():  # model.params: quantized weights in their kernels' forms
         logits = fwd(model.params, tokens, torch.arange(width).expand(len(prompts), width), state, mesh)
         out = dataclasses.replace(model, forward=fwd).generate(prompts, new_tokens)
@@ -139,12 +139,12 @@ def llama_generate(ctx, model_dir: str, tp: int, prompts, new_tokens: int, use_c
 
 def redundant_placement(params, extra: list[int], order: list[int]):
     """Full MoE params moved to a hand-built placement: slots hold experts ``order + extra`` (a permutation of
-    the experts, then redundant copies of hot ones); ``expert_map`` points each expert at all of its slots. The
-    params' plan counts the slots and copies."""
+    the experts, then redundant copies of hot ones); ``expert_map`` points each expert at all of its slots. Returns
+    the params (no placement: the loaded one is the identity's) and the plan that counts the slots and copies."""
     from functional_npu import Plan
     from functional_npu.models import moe
 
-    cfg = params["config"]
+    cfg = params.config
     slots = list(order) + list(extra)
     copies = max(slots.count(e) for e in range(cfg.num_experts))
     table = torch.full((cfg.num_experts, copies), -1, dtype=torch.long)
@@ -162,7 +162,7 @@ def redundant_placement(params, extra: list[int], order: list[int]):
             }
         layers.append(layer)
     assert moe.param_specs(cfg, plan)  # the placement is a valid plan
-    return {k: v for k, v in params.items() if k != "placement"} | {"plan": plan, "layers": layers}
+    return params.placed(None) | {"layers": layers}, plan
 
 
 def moe_generate(
@@ -192,13 +192,9 @@ def moe_generate(
     if placement is None:
         params = load_checkpoint(model_dir, mesh, plan, on_read=lambda name, n: read.append(n))
     else:  # the whole model on this rank, moved to the placement, then sharded for the mesh
-        full = redundant_placement(load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0)), *placement)
-        plan = dataclasses.replace(
-            full["plan"], expert_axes=plan.expert_axes, dispatch_threshold=plan.dispatch_threshold
-        )
-        params = shard(full, moe.param_specs(full["config"], plan), mesh) | {
-            "placement": place(full["config"], mesh, plan)
-        }
+        full, slots = redundant_placement(load_checkpoint(model_dir, Mesh.abstract({"tp": 1}, 0)), *placement)
+        plan = dataclasses.replace(slots, expert_axes=plan.expert_axes, dispatch_threshold=plan.dispatch_threshold)
+        params = shard(full, moe.param_specs(full.config, plan), mesh, placement=place(full.config, mesh, plan))
     rot = mesh.axis_index("dp") if "dp" in axes else 0
     prompts = prompts[rot:] + prompts[:rot]
     ops: list[str] = []

@@ -25,6 +25,7 @@ from ...core.agree import agreed
 from ...core.dtypes import float_dtype
 from ...core.layout import Layout, local_pieces
 from ...core.mesh import Mesh
+from ...core.params import Params
 from ...core.schema import show
 from ...core.shard import local_shape
 from ...core.tree import flatten_with_paths, map_with_path
@@ -137,7 +138,7 @@ def load_checkpoint(
     device: torch.device | str | None = None,
     progress: bool | None = None,
     on_read: Callable[[str, int], None] | None = None,
-) -> dict[str, Any]:
+) -> Params:
     """Load a HF checkpoint of any supported family into this rank's local params.
 
     Args:
@@ -167,9 +168,10 @@ def load_checkpoint(
     :func:`functional_npu.compile_model` puts them in their kernels' forms.
 
     Returns:
-        Params for the family's ``forward``: the local shards plus ``params["config"]`` and ``params["placement"]``
-        (the :class:`~functional_npu.placement.Placement` they were read by: the resolved plan, the mesh's axes,
-        the quantization and every leaf's layout, which ``compile_model`` and the training entry points take).
+        :class:`~functional_npu.core.params.Params` for the family's ``forward``: the local shards, the config
+        (``params.config``) and ``params.placement`` (the :class:`~functional_npu.placement.Placement` they were read
+        by: the resolved plan, the mesh's axes, the quantization and every leaf's layout, which ``compile_model`` and
+        the training entry points take).
 
     Raises:
         ValueError / FileNotFoundError naming the file, tensor, param path, sizes and mesh axis; with a mesh of
@@ -200,7 +202,7 @@ def _load(
     device: Any,
     progress: bool | None,
     on_read: Callable[[str, int], None] | None,
-) -> dict[str, Any]:
+) -> Params:
     """:func:`load_checkpoint` on this rank alone."""
     root = Path(path)
     dtype = None if dtype is None else float_dtype(dtype, "load_checkpoint")
@@ -218,10 +220,11 @@ def _load(
     show = (sys.stderr.isatty() if progress is None else progress) and mesh.rank == 0
     skip = _not_owned(wanted, mesh, layer_shard)
     loaded = _read_leaves(ckpt, wanted, mesh, skip, dtype or stored_dtype, device, show, offload)
-    placed = {"placement": wanted.placement}
     if layer_shard is None and not offload:
-        return map_with_path(lambda p, _: loaded[p], wanted.meta) | placed
-    return _stack_owned(wanted, mesh, layer_shard, loaded, offload, device) | placed
+        tree = map_with_path(lambda p, _: loaded[p], wanted.meta).tree
+    else:
+        tree = _stack_owned(wanted, mesh, layer_shard, loaded, offload, device)
+    return Params(tree, placement=wanted.placement)
 
 
 # ---- check ------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ...core.dtensor import layout_from_dtensor, root_mesh
 from ...core.dtypes import float_dtype
 from ...core.layout import Cyclic, Layout
 from ...core.mesh import Mesh
+from ...core.params import Params
 from ...core.reshard import ReshardPlan, plan_reshard, reshard
 from ...core.tree import flatten_with_paths, map_with_path
 from ...models import family_of
@@ -84,7 +85,7 @@ def from_dtensor_state(
     if report is not None:
         report.append(x.program)
     moved = reshard(x.local, x.src, x.dst, x.on, plan=x.program)
-    return _assemble(family_of(cfg), cfg, x.meta, x.targets, moved) | {"placement": x.placement}
+    return _assemble(family_of(cfg), cfg, x.meta, x.targets, moved).placed(x.placement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +307,7 @@ def _over(layout: Layout, runs: Mapping[str, tuple[str, ...]], name: str) -> Lay
     return Layout(tuple(dims))
 
 
-def _assemble(family: Any, cfg: Any, meta: dict, targets: Mapping[str, _Target], moved: dict) -> dict[str, Any]:
+def _assemble(family: Any, cfg: Any, meta: Params, targets: Mapping[str, _Target], moved: dict) -> Params:
     """The params tree: each leaf its parts' local pieces, joined along their dim in block order."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for key, t in targets.items():

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...core.params import Params
 from ...core.quant import Quant, quantize
 from ...core.shard import leaf_specs
 from ...core.tree import flatten_with_paths
@@ -19,7 +20,7 @@ from ...placement.quant_config import QuantConfig
 __all__ = ["save_checkpoint"]
 
 
-def save_checkpoint(params: dict[str, Any], path: str | Path, *, quant: Quant | QuantConfig | None = None) -> Path:
+def save_checkpoint(params: Params, path: str | Path, *, quant: Quant | QuantConfig | None = None) -> Path:
     """Write full (unsharded) params as a HF model directory (config.json + model.safetensors).
 
     Fused leaves are split back into their HF tensors, so transformers and :func:`load_checkpoint`
@@ -31,7 +32,12 @@ def save_checkpoint(params: dict[str, Any], path: str | Path, *, quant: Quant | 
     """
     from safetensors.torch import save_file
 
-    cfg = params["config"]
+    if not isinstance(params, Params):
+        raise TypeError(
+            f"save_checkpoint: params must be a functional_npu.Params (the full tree with its config), got "
+            f"{type(params).__name__}; a family's init_params makes one, or Params(tree, config)"
+        )
+    cfg = params.config
     family = family_of(cfg)
     _check_savable(family, cfg, params)
     root = Path(path)

@@ -161,8 +161,8 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     """Bind local params to a mesh and a compiler; graphs are traced on first use of each shape.
 
     Args:
-        params: this rank's params with ``params["config"]`` and ``params["placement"]`` (from ``load_checkpoint``;
-            params with no placement, ``shard`` of a family's full params, are placed here under the options' plan);
+        params: this rank's :class:`~functional_npu.core.params.Params` (from ``load_checkpoint``: placed; params
+            with no placement, ``shard`` of a family's full params, are placed here under the options' plan);
             quantized weights as stored (the placement's quantization) are put in their kernels' forms here, and
             float32 linear weights input-major on the CPU (:func:`functional_npu.models.linear.prepare_params`),
             once: the model's ``params`` are then its own, and the loaded ones may be dropped.
@@ -177,7 +177,7 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     """
     o = CompileOptions.of(options, **fields)
     placed = placement_of(params, mesh, o.plan, where="compile_model")
-    carried = params.get("placement")  # the one its loader made (and warned about), if any
+    carried = params.placement  # the one its loader made (and warned about), if any
     cfg = placed.config
     chosen = resolve_backend(o.backend, mode=o.mode, device_type=params["embed"].device.type)
     check_wrapper(chosen, mesh)
@@ -203,7 +203,7 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
         check_phases(placed.plan.prefetch_step, cfg.num_layers, graphs)
     if placed != carried:  # a placement its loader made was warned about there (load_checkpoint, from_dtensor_state)
         warn_ring_memory(placed, "compile_model")  # the series' owned layers plus the ring against replication
-    params = params | {"placement": placed}
+    params = params.placed(placed)
     if not mesh.is_abstract:
         mesh.init_groups()  # collectively, before any tracing
         mesh.init_groups(*placed.axis_groups())  # and groups over several axes (expert parallelism)
@@ -259,7 +259,7 @@ def greedy_generate(
     all prompts, padded to the longest.
 
     Args:
-        params: local params with ``params["config"]`` (from ``load_checkpoint`` or ``shard``).
+        params: local :class:`~functional_npu.core.params.Params` (from ``load_checkpoint`` or ``shard``).
         prompts: token id lists, any lengths >= 1.
         mesh: the mesh the params were sharded for.
         max_seq_len: KV-cache length (default: longest prompt + max_new_tokens).
@@ -272,8 +272,8 @@ def greedy_generate(
     if max_new_tokens < 1:
         raise ValueError(f"greedy_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     width = max(len(p) for p in prompts)
-    if isinstance(params, dict) and "config" in params:
-        check_length(width, max_new_tokens, params["config"].max_position_embeddings)
+    if getattr(params, "config", None) is not None:
+        check_length(width, max_new_tokens, params.config.max_position_embeddings)
     total = max_seq_len or width + max_new_tokens
     if width + max_new_tokens > total:
         raise ValueError(

@@ -233,7 +233,7 @@ def invariant_options(params: dict, placed: Placement, chosen: Backend, where: s
     rounding (:data:`INVARIANT_BACKENDS`; on the NPU, ``Family.npu_invariant`` and :data:`NPU_INVARIANT_MODE`)."""
     if not placed.plan.invariant:
         return {}
-    check_invariant(params | {"placement": placed}, placed.plan, where)
+    check_invariant(params.placed(placed), placed.plan, where)
     device = chosen.device_type
     if chosen.name not in INVARIANT_BACKENDS.get(device, ()):
         raise ValueError(

@@ -63,7 +63,7 @@ class CompiledModel:
 
     @property
     def config(self) -> Any:
-        return self.params["config"]
+        return self.params.config
 
     @property
     def device(self) -> torch.device:
@@ -128,7 +128,7 @@ class CompiledModel:
         new = self._prepare(params)
         if self.backend.captures:
             static_addresses(new)
-        return dataclasses.replace(self, params=new | {"placement": self.placement})
+        return dataclasses.replace(self, params=new.placed(self.placement))
 
     def new_state(self, batch: int) -> DecodeState:
         """A fresh decode state for a batch bucket (``batch`` is rounded up to a bucket): a zeroed KV

@@ -31,6 +31,7 @@ import torch
 
 from ...core.collectives import all_reduce
 from ...core.mesh import Mesh
+from ...core.params import Params
 from ...core.replica_sum import ReplicaSum, replica_plan, sum_replicas
 from ...core.tree import flatten_with_paths, map_with_path, replace_leaves
 from ...models import family_of, forward, init_state, plan_of
@@ -47,7 +48,7 @@ LossFn = Callable[[dict, Any, Mesh], torch.Tensor]
 def logits(params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa") -> torch.Tensor:
     """``[B, S, V]`` logits of ``tokens [B, S]`` (positions ``0 .. S-1``): the family's forward, differentiable,
     on a fresh cache of ``S`` slots (so training and inference run the same code)."""
-    cfg, plan = params["config"], plan_of(params)
+    cfg, plan = params.config, plan_of(params)
     b, s = tokens.shape
     state = init_state(cfg, mesh, b, s, _dtype(params), plan=plan, device=tokens.device)
     positions = torch.arange(s, device=tokens.device).expand(b, s)
@@ -87,9 +88,12 @@ class Differentiable:
     """
 
     def __init__(self, params: dict, mesh: Mesh, where: str) -> None:
-        if not isinstance(params, dict) or "config" not in params:
-            raise TypeError(f"{where}: params must be a params dict with a model config (params['config'])")
-        scheme = getattr(params.get("placement"), "quant", None)
+        if not isinstance(params, Params) or params.config is None:
+            raise TypeError(
+                f"{where}: params must be a functional_npu.Params with a model config (load_checkpoint's, or "
+                f"Params(tree, config)), got {type(params).__name__}"
+            )
+        scheme = getattr(params.placement, "quant", None)
         if scheme is not None:
             raise ValueError(
                 f"{where}: the params are quantized ({scheme.quant!r}); gradients need floating-point weights: load "
@@ -100,7 +104,7 @@ class Differentiable:
         placed = placement_of(params, mesh, where=where)
         full, layouts = placed.meta_leaves, placed.layouts
         self.mesh, self.params, self.placement = mesh, params, placed
-        buffers = family_of(params["config"]).buffers
+        buffers = family_of(params.config).buffers
         self.leaves = {
             p: x.detach()
             for p, x in flatten_with_paths(params)

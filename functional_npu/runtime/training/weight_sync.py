@@ -25,6 +25,7 @@ from ...core.agree import agree
 from ...core.buckets import check_bucket_bytes
 from ...core.layout import Layout
 from ...core.mesh import Mesh
+from ...core.params import Params
 from ...core.reshard import ReshardPlan, Source, check_program, plan_reshard, run_buckets
 from ...core.shard import full_shape
 from ...core.tree import flatten_with_paths, map_with_path
@@ -114,7 +115,7 @@ def _keep(out: dict[str, torch.Tensor], per_layer: set[str]) -> Callable[[str, t
     return done
 
 
-def _unstacked(moved: dict[str, torch.Tensor], full: dict, every: set[str]) -> dict[str, Any]:
+def _unstacked(moved: dict[str, torch.Tensor], full: Params, every: set[str]) -> Params:
     """The tensors of ``full``'s structure (the destination plan's meta tree) from the moved leaves."""
 
     def pick(path: str, _: Any) -> torch.Tensor:
@@ -157,7 +158,7 @@ def _same_config(mine: Any, theirs: Any, where: str) -> None:
         raise ValueError(
             f"{where}: the target placement is for another model than the params: {'; '.join(diff[:6])}"
             f"{' ...' if len(diff) > 6 else ''}; place the inference plan on the params' config "
-            f"(place(params['config'], mesh, plan)) or pass the Plan itself"
+            f"(place(params.config, mesh, plan)) or pass the Plan itself"
         )
 
 
@@ -217,14 +218,14 @@ def reshard_params(
     *,
     exchange: ReshardPlan | None = None,
     bucket_bytes: int | None = None,
-) -> dict:
+) -> Params:
     """This rank's params under ``plan`` from its params under their own plan, on the same ``mesh``.
 
     Collective: every rank of ``mesh`` calls it with the same plan. Pure: a new tree, never aliasing ``params``.
 
     Args:
-        params: this rank's params with ``params["config"]`` and their placement ``params["placement"]`` (from
-            ``load_checkpoint``, or a train step's output).
+        params: this rank's :class:`~functional_npu.core.params.Params`, placed (from ``load_checkpoint``, or a
+            train step's output).
         plan: the plan to move them to, over axes of ``mesh`` (an inference plan over the training plan's
             data-parallel axis: ``Plan(tp="dp")``), or that plan already placed on the params' config.
         mesh: the mesh both plans run on.
@@ -249,4 +250,4 @@ def reshard_params(
     moved: dict[str, torch.Tensor] = {}
     device = next((x.device for _, x in flatten_with_paths(params) if isinstance(x, torch.Tensor)), None)
     run_buckets(rp, mesh, take, _keep(moved, per_layer), device or torch.device("cpu"))
-    return _unstacked(moved, dst_full, every) | {"config": params["config"], "placement": target}
+    return Params(_unstacked(moved, dst_full, every).tree, placement=target)
