@@ -487,9 +487,7 @@ def test_no_application_imports_another():
     assert not bad, "\n".join(bad)
 
 
-_STATIC_KEYS = re.compile(
-    r"""\[["'](config|placement)["']\]|\.get\(["'](config|placement)["']|["']placement["']\s*:"""
-)
+_STATIC_KEYS = re.compile(r"""\[["'](config|placement)["']\]|\.get\(["'](config|placement)["']|["']placement["']\s*:""")
 
 
 def _static_key_uses(files: list[Path]) -> list[str]:

@@ -63,6 +63,9 @@ class Params:
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "placement", placement)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled (a saved graph's inputs) as it is made, never field by field
+        return (Params, (self.tree, self.config, self.placement))
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Params is immutable: params.replace(...) or params.placed(...) makes a new one ({name})")
 

@@ -3,6 +3,7 @@ both; a leaf's path is the tree's; nothing static is a key; the value is immutab
 torch.func differentiates it into Params of the same config."""
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -63,6 +64,8 @@ def test_nothing_static_is_a_key_and_the_value_is_immutable():
     other = dataclasses.replace(CFG, rope_theta=2e4)
     with pytest.raises(ValueError, match=r"^Params: the placement was made for 'LlamaForCausalLM', not for the config"):
         Params(p.tree, other, place(CFG, {"tp": 1}))
+    back = pickle.loads(pickle.dumps(p))  # a saved graph's inputs are pickled: as made, never field by field
+    assert back.config == CFG and torch.equal(back["embed"], p["embed"]) and back.placement is None
     assert (p | {"norm": torch.ones(32)}).config is CFG and torch.equal(
         (p | {"norm": torch.ones(32)})["norm"], torch.ones(32)
     )

@@ -10,9 +10,8 @@ from functional_npu.npu import acl_replay
 from functional_npu.runtime.serving.backends import REFUSED_NPUGRAPH_EX_OPTIONS
 from tests.npu.acl_replay_driver import GOLDEN_STEPS, STEPS
 from tools.aten_graphs import CASES, read_artifact
-from tools.conversion import run_conversion
 
-from ..support import GRAPHS
+from ..support import GRAPHS, run_driver
 
 MOVES = "(a ring slot or cache that moves between steps)"
 RING = "(written in place by the graph: a ring slot or a cache)"
@@ -21,15 +20,7 @@ RINGED = [c for c in CASES if c.ringed and c.phase != "train"]  # layer-sharded 
 
 @pytest.fixture(scope="module")
 def runs():
-    from functional_npu.npu import TorchairUnavailable, torchair_sources
-
-    try:
-        sources = torchair_sources()
-    except TorchairUnavailable as e:
-        pytest.skip(str(e))
-    got, problems = run_conversion("tests.npu.acl_replay_driver", sources, [], "npugraph_ex replay", 600)
-    assert got is not None, problems
-    return got
+    return run_driver("tests.npu.acl_replay_driver", [], "npugraph_ex replay")
 
 
 def _changes(sequence):

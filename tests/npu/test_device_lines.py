@@ -14,7 +14,7 @@ from functional_npu.runtime.serving.backends import REFUSED_NPUGRAPH_EX_OPTIONS
 from tests.npu.device_driver import WHICH
 from tools.conversion import run_conversion
 
-from ..support import ROOT
+from ..support import ROOT, run_driver
 
 TARGET = 0.9
 # the functions only an NPU runs: file -> names (a class: its methods)
@@ -75,18 +75,7 @@ def line_coverage(runs: dict[str, dict]) -> dict[str, tuple[int, int, list[int]]
 
 @pytest.fixture(scope="module")
 def runs():
-    from functional_npu.npu import TorchairUnavailable, torchair_sources
-
-    try:
-        sources = torchair_sources()
-    except TorchairUnavailable as e:
-        pytest.skip(str(e))
-    out = {}
-    for which in WHICH:
-        got, problems = run_conversion("tests.npu.device_driver", sources, [which], f"{which} device lines", 600)
-        assert got is not None, problems
-        out[which] = got
-    return out
+    return {which: run_driver("tests.npu.device_driver", [which], f"{which} device lines") for which in WHICH}
 
 
 def test_torchair_backend_as_on_a_device_converts_the_librarys_ops(runs):

@@ -47,9 +47,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(compiled, qwen3):
 def test_compile_model_errors(compiled, qwen3):
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = compiled.params
-    with pytest.raises(
-        TypeError, match=r"^compile_model: params must be a functional_npu.Params .* got dict"
-    ):
+    with pytest.raises(TypeError, match=r"^compile_model: params must be a functional_npu.Params .* got dict"):
         compile_model(dict(params.items()), mesh)
     with pytest.raises(TypeError, match=r"^compile_model: params carry no model config \(params.config is None\)"):
         compile_model(Params(params.tree), mesh)

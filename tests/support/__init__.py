@@ -15,3 +15,20 @@ GRAPHS = ROOT / "graphs"
 def torchair_ops() -> dict:
     """torchair's working GE converters, stubs and decompositions (from tools/extract_torchair_ops.py)."""
     return json.loads((ROOT / "functional_npu" / "data" / "torchair_ops.json").read_text())
+
+
+def run_driver(module: str, args: list[str], what: str, timeout: float = 600) -> dict:
+    """Run the test driver ``python -m module SOURCES OUT *args`` in a process of its own over torchair's sources
+    (:func:`tools.conversion.run_conversion`) and return what it wrote; skips when the sources cannot be had."""
+    import pytest
+
+    from functional_npu.npu import TorchairUnavailable, torchair_sources
+    from tools.conversion import run_conversion
+
+    try:
+        sources = torchair_sources()
+    except TorchairUnavailable as e:
+        pytest.skip(str(e))
+    got, problems = run_conversion(module, sources, args, what, timeout)
+    assert got is not None, problems
+    return got
