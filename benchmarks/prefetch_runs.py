@@ -58,7 +58,9 @@ STOCK = {"inductor_k1": "inductor", "raise_comms_k1": "raise_comms", "memory_pre
 def _stock(model: CompiledModel, passes: list[str]) -> CompiledModel:
     """The same model compiled with inductor's own comm scheduling passes on."""
     options = {"reorder_for_compute_comm_overlap": bool(passes), "reorder_for_compute_comm_overlap_passes": passes}
-    fwd = torch.compile(functools.partial(forward, attention="sdpa"), fullgraph=True, dynamic=False, options=options)
+    fwd = torch.compile(
+        functools.partial(forward, attention="sdpa", ring=model.ring), fullgraph=True, dynamic=False, options=options
+    )
     return dataclasses.replace(model, forward=fwd)
 
 

@@ -50,10 +50,12 @@ from functional_npu.models import (
 from functional_npu.parallel import (
     INLINE,
     Plan,
+    RingPhase,
     Streams,
     host_specs,
     layer_shard,
     prefetch,
+    ring_of,
     series_specs,
     split_dp,
     stack_host,
@@ -315,7 +317,8 @@ def case_function(
     if case.phase != "train":
         inputs = case_inputs(case, mesh, device=device)
         plan = inputs[0].placement.plan
-        return functools.partial(forward, attention="math", streams=streams, plan=plan), inputs
+        ring = ring_of(inputs[0], mesh, plan)  # as compile_model answers it: once, a constant of the graph
+        return functools.partial(forward, attention="math", streams=streams, plan=plan, ring=ring), inputs
     cfg, plan = case.config, case.plan
     model = family_of(cfg)
     full = model.init_params(cfg, seed=0) if device != "meta" else model.abstract_params(cfg, plan)
@@ -352,8 +355,8 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
         tokens, positions, state = pytree.tree_map_only(
             torch.Tensor, lambda t: t.to("meta"), (tokens, positions, state)
         )
-    ring = prefetch.start(params, mesh, plan, case.k)
-    state = state._replace(prefetched=ring, phase=prefetch.RingPhase(case.ring_phase))
+    ring = prefetch.start(params, mesh, ring_of(params, mesh, plan))  # k: the placement's, the case's
+    state = state._replace(prefetched=ring, phase=RingPhase(case.ring_phase))
     return params, tokens, positions, state, mesh
 
 

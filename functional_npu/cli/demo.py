@@ -70,7 +70,7 @@ def layer_sharded_on_rank(
     and the prefetch timeline of a decode step (read from inductor's code: compiled here, never loaded)."""
     from torch._inductor.utils import run_and_get_code
 
-    from ..parallel.prefetch import coalesced, drain
+    from ..parallel.prefetch import drain
     from ..runtime.loading.checkpoint import load_checkpoint
     from ..runtime.serving.compile import compile_model
 
@@ -88,7 +88,7 @@ def layer_sharded_on_rank(
         _, code = run_and_get_code(model.decode, torch.tensor([3]), torch.tensor([5]), state)
     ring = resident_bytes(state.prefetched)
     drain(state.prefetched)
-    k, groups = model.plan.prefetch_step, len(coalesced(model.params))
+    k, groups = model.ring.k, len(model.ring.groups)
     program = from_inductor_code(code[0], k, groups)
     return out | {
         "held": resident_bytes(params["series"]) + ring,

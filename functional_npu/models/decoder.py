@@ -44,7 +44,8 @@ import torch
 
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
-from ..parallel.prefetch import RingPhase, layer_weights
+from ..parallel.prefetch import layer_weights
+from ..parallel.prefetch_ring import Ring, RingPhase
 from ..parallel.streams import INLINE, Streams
 from . import invariant_ops
 from .norm import rms_norm
@@ -58,10 +59,10 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecodeState(NamedTuple):
-    """Everything a step carries to the next: ``kv`` (per layer ``(k, v)``, written in place),
-    ``prefetched`` (the prefetch ring, holding the first ``k`` layers' layer-sharded weights in flight; empty without
-    prefetch) and ``phase``, the ring's phase (:class:`~functional_npu.parallel.prefetch.RingPhase`: which slot holds
-    which layer; advanced by each step, the ring's list never reordered)."""
+    """Everything a step carries to the next: ``kv`` (per layer ``(k, v)``, written in place), ``prefetched`` (the
+    prefetch ring, holding the first ``k`` layers' layer-sharded weights in flight; empty without prefetch) and
+    ``phase``, the ring's phase (:class:`~functional_npu.parallel.prefetch_ring.RingPhase`: which slot holds which
+    layer; advanced by each step, the ring's list never reordered)."""
 
     kv: list[KV]
     prefetched: list[torch.Tensor]
@@ -114,19 +115,22 @@ def decode(
     streams: Streams = INLINE,
     greedy: bool = False,
     differentiable: bool = False,
+    ring: Ring | None = None,
 ) -> torch.Tensor:
     """The forward through ``blocks`` (see the module docstring for the contract); ``streams`` are the
     compiler's ordering hints (:mod:`functional_npu.parallel.streams`); ``plan``: the one ``blocks`` were made for (its
     layer-sharded series' axis and prefetch step). ``greedy``: return the greedy
     tokens ``[B, S]`` (``blocks.argmax``) instead of the logits. ``differentiable``: layer-sharded weights
     arrive by differentiable broadcasts, not through the ring (``state.prefetched`` empty; see
-    :func:`~functional_npu.parallel.prefetch.layer_weights`)."""
+    :func:`~functional_npu.parallel.prefetch.layer_weights`). ``ring``: the prefetch ring's layout the compiled model
+    answered once (:func:`~functional_npu.parallel.prefetch_ring.ring_of`; None: answered from the params and
+    ``plan``)."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]
     types = blocks.layer_types
     first = {t: state.kv[types.index(t)] for t in dict.fromkeys(types)} if types else state.kv[0]
     steps = blocks.prepare(positions, first, x.dtype)
     weights = layer_weights(
-        params, state.prefetched, mesh, plan, streams, phase=state.phase, differentiable=differentiable
+        params, state.prefetched, mesh, plan, streams, ring=ring, phase=state.phase, differentiable=differentiable
     )
     rms = invariant_ops.rms_norm if plan.invariant else rms_norm
     norm = functools.partial(rms, eps=blocks.eps, offset=blocks.norm_offset)

@@ -18,7 +18,7 @@ from ..core.mesh import Mesh
 from ..parallel.eplb_map import EXPERT_LEAVES
 from ..parallel.layer_shard import LayerShard
 from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
-from ..parallel.prefetch import RingPhase
+from ..parallel.prefetch_ring import Ring, RingPhase
 from ..parallel.streams import INLINE, Streams
 from . import deepseek, dense, gemma3, invariant, llama, moe
 from .decoder import Blocks, DecodeState, decode
@@ -295,13 +295,15 @@ def forward(
     plan: Plan | None = None,
     streams: Streams = INLINE,
     differentiable: bool = False,
+    ring: Ring | None = None,
 ) -> torch.Tensor:
     """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is
     :mod:`~functional_npu.models.decoder`'s. ``plan``: the plan the params were sharded by (default: :func:`plan_of`
     the params). ``streams`` are the
     compiler's ordering hints (:mod:`functional_npu.parallel.streams`; the backend supplies them).
     ``differentiable``: the forward a gradient is taken of (layer-sharded weights by differentiable broadcasts;
-    :mod:`functional_npu.runtime.training.grad`).
+    :mod:`functional_npu.runtime.training.grad`). ``ring``: the prefetch ring's layout, answered once
+    (:func:`~functional_npu.parallel.prefetch_ring.ring_of`; None: answered from the params and ``plan``).
 
     Example:
         >>> state = init_state(params.config, mesh, batch=1, max_seq_len=64)        # doctest: +SKIP
@@ -320,6 +322,7 @@ def forward(
         attention=attention,
         streams=streams,
         differentiable=differentiable,
+        ring=ring,
     )
 
 

@@ -5,144 +5,77 @@ prefetch ring (the ring's schedule, the streams hints, the cost model and device
 Each module is one technique (docs/architecture.md); this face re-exports their public names.
 """
 
-from .devices import ALIASES, COLLECTIVES, DEVICES, Device, Link, collective_factor, device
+from .devices import DEVICES, Device, Link, device
 from .ep_tp import ep_to_tp, expert_layouts, tp_to_ep
 from .eplb_balance import balanced_placement
-from .eplb_map import (
-    EXPERT_LEAVES,
-    Move,
-    RankProgram,
-    RebalancePlan,
-    default_placement,
-    plan_rebalance,
-    rank_program,
-    rebalance,
-    routing_table,
-    validate_placement,
-)
+from .eplb_map import default_placement, plan_rebalance, rank_program, rebalance, routing_table, validate_placement
 from .host_link import EmulatedHostLink
-from .layer_shard import (
-    LayerShard,
-    layer_shard,
-    owned_layers,
-    present,
-    resident_bytes,
-    series_of,
-    series_specs,
-    stack_series,
-    unstack_series,
-)
-from .module_tp import MODULES, ModuleTP, check_module_tp, dp_axes, split_dp
-from .offload import host_bytes, host_of, host_specs, stack_host, unstack_host
-from .plan import EXPERT_FIELDS, LAYOUT_FIELDS, MLA_CACHES, MLA_FIELDS, Plan
-from .prefetch import (
-    RingPhase,
-    check_prefetch_step,
-    check_ring,
-    coalesced,
-    drain,
-    layer_weights,
-    new_ring,
-    next_phase,
-    phases,
-    ready,
-    ring_spec,
-    ring_used,
-    slot_of,
-    start,
-)
+from .layer_shard import LayerShard, layer_shard, owned_layers, resident_bytes, series_specs, stack_series
+from .module_tp import ModuleTP, dp_axes, split_dp
+from .offload import host_specs, stack_host, unstack_host
+from .plan import Plan
+from .prefetch import drain, new_ring, ready, start
 from .prefetch_cost import (
-    auto_step,
-    check_budget,
     choose_k,
     exposed,
     host_layer_bytes,
     host_step,
     layer_bytes,
-    layer_weight_bytes,
-    layer_weight_elements,
     roofline_layer_s,
     simulate,
     step_time,
 )
-from .streams import COPY_BACK, INLINE, PREFETCH_STREAM, UNORDERED, Streams
+from .prefetch_ring import Ring, RingGroup, RingPhase, coalesced, phases, ring_of
+from .streams import COPY_BACK, INLINE, Streams
 
 __all__ = [
     "EmulatedHostLink",
     "Link",
     "Device",
     "DEVICES",
-    "ALIASES",
-    "COLLECTIVES",
     "device",
-    "collective_factor",
     "expert_layouts",
     "ep_to_tp",
     "tp_to_ep",
     "balanced_placement",
-    "Move",
-    "RebalancePlan",
-    "RankProgram",
     "validate_placement",
     "default_placement",
     "routing_table",
     "plan_rebalance",
     "rank_program",
     "rebalance",
-    "EXPERT_LEAVES",
     "LayerShard",
     "layer_shard",
     "series_specs",
     "stack_series",
-    "unstack_series",
-    "host_of",
-    "host_bytes",
     "host_specs",
     "stack_host",
     "unstack_host",
     "owned_layers",
     "resident_bytes",
-    "series_of",
-    "present",
-    "MODULES",
     "ModuleTP",
     "split_dp",
-    "check_module_tp",
     "dp_axes",
     "Plan",
-    "LAYOUT_FIELDS",
-    "EXPERT_FIELDS",
-    "MLA_FIELDS",
-    "MLA_CACHES",
-    "layer_weights",
-    "ring_used",
     "coalesced",
-    "slot_of",
     "RingPhase",
     "phases",
-    "next_phase",
-    "ring_spec",
+    "Ring",
+    "RingGroup",
+    "ring_of",
     "new_ring",
-    "check_ring",
     "start",
     "drain",
-    "check_prefetch_step",
     "ready",
     "step_time",
     "simulate",
     "exposed",
     "choose_k",
     "roofline_layer_s",
-    "auto_step",
-    "check_budget",
     "layer_bytes",
     "host_layer_bytes",
     "host_step",
-    "layer_weight_bytes",
-    "layer_weight_elements",
     "Streams",
     "INLINE",
     "COPY_BACK",
-    "UNORDERED",
-    "PREFETCH_STREAM",
 ]

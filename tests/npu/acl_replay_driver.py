@@ -70,19 +70,17 @@ def _golden() -> tuple[dict[str, Any], Any]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from functional_npu.models import forward
     from functional_npu.npu import acl_replay
     from functional_npu.parallel import prefetch
     from functional_npu.runtime import RankContext
     from functional_npu.runtime.serving import npugraph_ex_config, npugraph_ex_streams
-    from tools.aten_graphs import CASES, case_inputs, case_mesh
+    from tools.aten_graphs import CASES, case_function, case_mesh
 
     case = next(c for c in CASES if c.name == GOLDEN)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=case.world)
     mesh = case_mesh(case, RankContext(0, case.world))
     mesh.init_groups()
-    args = case_inputs(case, mesh, device="cpu")
-    fn = functools.partial(forward, attention="math", streams=npugraph_ex_streams())
+    fn, args = case_function(case, mesh, streams=npugraph_ex_streams())
     got = acl_replay.replay(fn, args, npugraph_ex_config(), GOLDEN_STEPS, names=ARG_NAMES)
     prefetch.drain(args[3].prefetched)
     return got, mesh

@@ -10,7 +10,7 @@ import pytest
 from functional_npu.checks import check, expected_slot, from_fx
 from functional_npu.npu import acl_graph
 from functional_npu.npu.ge_graph import ring_program
-from functional_npu.parallel.prefetch import phases
+from functional_npu.parallel.prefetch_ring import phases
 from tools.aten_graphs import CASES, read_artifact
 
 from ..support import GRAPHS, golden

@@ -388,7 +388,7 @@ def test_each_graph_sees_its_ring_slots_at_one_address_over_many_steps(world2, q
     its own roles (k = 1, L = 3 here). The counterexample, the list turned between steps as before, gives one decode
     graph called with as many address tuples as there are phases (each a recapture on a device), though its logits
     are the same."""
-    from functional_npu.parallel.prefetch import phases
+    from functional_npu.parallel.prefetch_ring import phases
 
     k = 1
     steps = 2 * (k + 1)

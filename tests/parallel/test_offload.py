@@ -8,6 +8,8 @@ and the bad inputs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,6 +20,7 @@ from functional_npu.checks import Recorder, check
 from functional_npu.parallel import EmulatedHostLink, prefetch
 from functional_npu.parallel.layer_shard import LayerShard
 from functional_npu.parallel.offload import check_host_backend, check_host_memory, host_bytes
+from functional_npu.parallel.prefetch_ring import RingPhase, coalesced, ring_of
 
 from ..support.hf_models import save_tiny
 from ..support.offload_workers import resharded_into_host_memory
@@ -51,12 +54,13 @@ def _steps(params: dict, k: int, steps: int, turn: bool = True) -> tuple[list[li
     """Run ``steps`` decode steps' layer loops for real; per step, the layer each layer's weights came from (every
     element of every leaf must say the same layer, else -1). ``turn=False``: each step from phase 0."""
     plan = _plan(params)
-    ring = prefetch.start(params, _MESH, plan, k)
+    layout = ring_of(params, _MESH, plan, k)
+    ring = prefetch.start(params, _MESH, layout)
     first = list(ring)
-    phase, seen = prefetch.RingPhase(), []
+    phase, seen = RingPhase(), []
     for _ in range(steps):
-        phase = phase if turn else prefetch.RingPhase()
-        weights = prefetch.layer_weights(params, ring, _MESH, plan, phase=phase)
+        phase = phase if turn else RingPhase()
+        weights = prefetch.layer_weights(params, ring, _MESH, plan, ring=layout, phase=phase)
         x, got = torch.zeros(()), []
         for i in range(len(params["layers"])):
             layer = weights(i, x)
@@ -74,7 +78,7 @@ def test_every_layer_reads_its_own_weights_from_host_memory(L, data, host, peer)
     params = _params(L, host, peer)
     seen, ring, first = _steps(params, k, steps=3)
     assert seen == [list(range(L))] * 3
-    groups = len(prefetch.coalesced(params))
+    groups = len(coalesced(params))
     assert groups == min(host, 2) + min(peer, 2)  # one group per source and dtype
     assert len(ring) == (k + 1) * groups and all(a is b for a, b in zip(ring, first))  # the same slots every step
 
@@ -85,13 +89,14 @@ def test_every_host_write_is_ordered(L, data, host, peer):
     """The hazard check over a recorded run of two steps (writes recorded, not run)."""
     k = data.draw(st.integers(0, L - 1), label="k")
     params = _params(L, host, peer)
-    plan, groups = _plan(params), len(prefetch.coalesced(params))
-    ring = prefetch.new_ring(params, _MESH, plan, k)
-    rec, phase = Recorder(ring), prefetch.RingPhase()
+    plan, groups = _plan(params), len(coalesced(params))
+    layout = ring_of(params, _MESH, plan, k)
+    ring = layout.new("cpu")
+    rec, phase = Recorder(ring), RingPhase()
     with rec:
-        prefetch.start(params, _MESH, plan, k, ring)
+        prefetch.start(params, _MESH, layout, ring)
         for step in range(2):
-            weights = prefetch.layer_weights(params, ring, _MESH, plan, phase=phase)
+            weights = prefetch.layer_weights(params, ring, _MESH, plan, ring=layout, phase=phase)
             x = torch.zeros(())
             for i in range(L):
                 rec.layer = step * L + i
@@ -157,6 +162,27 @@ def test_offloaded_model_generates_the_resident_models_tokens(qwen3, resident, k
     model = compile_model(params, ONE, backend="none", batch_sizes=[4], max_seq_len=24)
     assert model.plan.prefetch_step == k and len(model.new_state(4).prefetched) == (k + 1)
     assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+
+
+def test_the_ring_is_answered_once_and_a_state_of_another_k_is_refused(qwen3, resident, monkeypatch):
+    """The compiled model answers the ring's layout at compile time: an 8-token generate derives nothing from the
+    params (no ring_of call; the old step checked the ring against the params on every step), its k is the
+    placement's resolved step, and a state whose ring has another k's slots is refused naming both."""
+    import functional_npu.parallel.prefetch as prefetch_module
+
+    plan = Plan(offload="o_proj,down_proj", prefetch_step=1)
+    model = compile_model(load_checkpoint(qwen3, ONE, plan), ONE, backend="none", batch_sizes=[4], max_seq_len=24)
+    assert model.ring.k == model.plan.prefetch_step == 1 and model.ring.slots == 2
+    assert model.ring.groups[0].source == "host" and model.ring.groups[0].leaves == ("o_proj", "down")
+    calls = []
+    real = prefetch_module.ring_of
+    monkeypatch.setattr(prefetch_module, "ring_of", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    assert model.generate(PROMPTS, 8) == resident.generate(PROMPTS, 8)
+    assert calls == []
+    other = compile_model(load_checkpoint(qwen3, ONE, dataclasses.replace(plan, prefetch_step=2)), ONE, backend="none")
+    state = other.new_state(4)
+    with pytest.raises(ValueError, match=r"decode: a model compiled with prefetch_step=1 needs a state from new_state"):
+        model.decode(torch.tensor([1, 2]), torch.tensor([0, 0]), state)
 
 
 def test_offloaded_model_compiled_with_inductor_on_an_emulated_link(qwen3, resident):

@@ -10,6 +10,7 @@ moved before a read of its slot shows as the right layer read and a read before 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -31,6 +32,7 @@ from functional_npu.checks import (
 )
 from functional_npu.parallel import prefetch
 from functional_npu.parallel.layer_shard import LayerShard, owned_layers
+from functional_npu.parallel.prefetch_ring import RingPhase, coalesced, ring_of
 
 
 class _AxisMesh:
@@ -67,17 +69,18 @@ def _run(L: int, n: int, me: int, k: int, series: int, steps: int = 2, turn: boo
     """Record ``steps`` decode steps of the layer loop; returns (program, ring, the ring's first slots).
     ``turn=False``: every step numbered from phase 0 (the phase not carried)."""
     params, mesh = _params(L, n, me, series), _AxisMesh(n, me)
-    groups = len(prefetch.coalesced(params))
-    ring = prefetch.new_ring(params, mesh, _plan(params), k)
+    groups = len(coalesced(params))
+    layout = ring_of(params, mesh, _plan(params), k)
+    ring = layout.new("cpu") if layout is not None else []
     first = list(ring)
     rec = Recorder(ring)
-    phase = prefetch.RingPhase()
+    phase = RingPhase()
     with rec:
-        prefetch.start(params, mesh, _plan(params), k, ring)  # layers 0 .. k-1, issued before the first step
+        prefetch.start(params, mesh, layout, ring)  # layers 0 .. k-1, issued before the first step
         for step in range(steps):
             if not turn:
-                phase = prefetch.RingPhase()
-            weights = prefetch.layer_weights(params, ring, mesh, _plan(params), phase=phase)
+                phase = RingPhase()
+            weights = prefetch.layer_weights(params, ring, mesh, _plan(params), ring=layout, phase=phase)
             x = torch.zeros(())
             for i in range(L):
                 rec.layer = step * L + i
@@ -325,12 +328,21 @@ def test_input_layout_and_read_layers():
 def test_ring_errors():
     params, mesh = _params(4, 2, 0, 2), _AxisMesh(2, 0)
     plan = _plan(params)
-    ring = prefetch.new_ring(params, mesh, plan, 1)
-    assert prefetch.check_ring(params, mesh, plan, ring, 1) == 1
+    layout = ring_of(params, mesh, plan, 1)
+    ring = layout.new("cpu")
+    layout.check(ring)
+    assert (layout.k, layout.slots, layout.buffers) == (1, 2, 4)
     with pytest.raises(ValueError, match=r"a ring of 2 buffers; expected 4 = \(k \+ 1 = 2\) x 2 per slot"):
-        prefetch.check_ring(params, mesh, plan, ring[:2], 1)
+        layout.check(ring[:2])
     small = list(ring)
     small[1] = torch.empty(5, dtype=small[1].dtype)
     size = math.prod(params["series"]["s1"].shape[1:])
     with pytest.raises(ValueError, match=rf"slot 0 buffer for series \['s1'\] is \(5,\) .*needs .* of {size}"):
-        prefetch.check_ring(params, mesh, plan, small, 1)
+        layout.check(small)
+    # k is the layout's: a ring of another k's buffers is refused, never read as that k
+    with pytest.raises(ValueError, match=r"a ring of 6 buffers; expected 4"):
+        prefetch.layer_weights(params, ring_of(params, mesh, plan, 2).new("cpu"), mesh, plan, ring=layout)
+    # and without a layout, the plan's resolved step is the ring's k
+    with pytest.raises(ValueError, match=r"resolved to an int >= 0, got 'auto'"):
+        ring_of(params, mesh, dataclasses.replace(plan, prefetch_step="auto"))
+    assert ring_of(params, mesh, dataclasses.replace(plan, prefetch_step=1)) == layout

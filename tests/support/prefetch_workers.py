@@ -109,8 +109,8 @@ def ring_hazards(
     params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp"), prefetch_step=k))
     torch._dynamo.reset()
     model = compile_model(params, mesh, batch_sizes=[1], max_seq_len=64)
-    groups = len(prefetch.coalesced(model.params))
-    slots = (k + 1) * groups
+    groups = len(model.ring.groups)
+    slots = model.ring.buffers
     tok, pos = torch.tensor([[3]]), torch.tensor([[5]])
 
     graphs, layouts = [], []
@@ -128,7 +128,7 @@ def ring_hazards(
     state = model.new_state(1)
     hints = {"inline": INLINE, "copy-back": COPY_BACK, "unordered": UNORDERED}[streams]
     blocks = family_of(model.config).blocks(model.config, model.plan)
-    fn = functools.partial(forward, blocks=blocks, plan=model.plan, streams=hints)
+    fn = functools.partial(forward, blocks=blocks, plan=model.plan, streams=hints, ring=model.ring)
     with torch.no_grad():
         torch.compile(fn, backend=backend, fullgraph=True)(model.params, tok, pos, state, mesh)
     prefetch.drain(state.prefetched)
@@ -154,6 +154,7 @@ def ring_hazards(
             blocks=family_of(model.config).blocks(model.config, model.plan),
             plan=model.plan,
             streams=model.backend.streams,
+            ring=model.ring,
         )
         model = dataclasses.replace(model, forward=model.backend.compile(step, dynamic=False, inductor_options=comm))
     with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=after_post_grad):
@@ -242,7 +243,7 @@ def ring_addresses(ctx, model_dir: str, axes: dict, series: str, k: int, steps: 
     fwd = torch.compile(functools.partial(decode, **static), backend=recording, fullgraph=True, dynamic=False)
     model = dataclasses.replace(model, forward=fwd)
     state = model.new_state(2)
-    L, groups = model.config.num_layers, len(prefetch.coalesced(model.params))
+    L, groups = model.config.num_layers, len(model.ring.groups)
     out = [model.prefill([[5, 9, 2], [7, 1]], state, length=4)]
     tok = out[0].argmax(-1)
     for i in range(steps):

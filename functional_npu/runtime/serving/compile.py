@@ -21,10 +21,10 @@ import torch
 from ...core.mesh import Mesh
 from ...models import family_of
 from ...models.linear import TARGETS
-from ...parallel import prefetch
 from ...parallel.host_link import EmulatedHostLink, check_host_link
 from ...parallel.offload import check_host_backend
 from ...parallel.plan import Plan
+from ...parallel.prefetch_ring import ring_of
 from ...placement.placement import placement_of
 from ...placement.ring_memory import warn_ring_memory
 from .backends import resolve_backend
@@ -198,9 +198,10 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
         static_addresses(params)
     sizes, seq, lengths = shape_buckets(cfg, o.batch_sizes, o.max_seq_len, o.prefill_lengths)
     placed = with_step(placed, params, o.prefetch_device)
-    if chosen.name != "none" and prefetch.ring_used(params, mesh, placed.plan):
+    ring = ring_of(params, mesh, placed.plan)  # once: its layout and k are constants of every graph
+    if chosen.name != "none" and ring is not None:
         graphs = len(sizes) * (len(lengths) + 1) * (1 + o.greedy_head)
-        check_phases(placed.plan.prefetch_step, cfg.num_layers, graphs)
+        check_phases(ring.k, cfg.num_layers, graphs)
     if placed != carried:  # a placement its loader made was warned about there (load_checkpoint, from_dtensor_state)
         warn_ring_memory(placed, "compile_model")  # the series' owned layers plus the ring against replication
     params = params.placed(placed)
@@ -210,12 +211,15 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     inductor = prefetch_options(params, mesh, placed.plan) if chosen.name == "inductor" else {}
     inductor = inductor | (REALIZE_INPUTS if streamed else {}) | exact
     shapes = (sizes, seq, lengths)
-    fwd, greedy = _forwards(o, params, mesh, chosen, placed, shapes, kernels, streamed, inductor)
+    fwd, greedy = _forwards(o, params, mesh, chosen, placed, ring, shapes, kernels, streamed, inductor)
     # the plain forward never recompiles: no config patch to make (making one costs about a third of a millisecond)
     recompiles = (
         contextlib.nullcontext() if chosen.name == "none" else torch._dynamo.config.patch(recompile_limit=GRAPH_BUDGET)
     )
-    return CompiledModel(params, mesh, chosen, sizes, seq, lengths, fwd, placed, greedy, recompiles, prepare)
+    return CompiledModel(
+        params, mesh, chosen, sizes, seq, lengths, fwd, placed, greedy, ring=ring, _recompiles=recompiles,
+        _prepare=prepare,
+    )  # fmt: skip
 
 
 def _forwards(
@@ -224,6 +228,7 @@ def _forwards(
     mesh: Mesh,
     chosen: Any,
     placed: Any,
+    ring: Any,
     shapes: tuple,
     kernels: str,
     streamed: bool,
@@ -232,7 +237,7 @@ def _forwards(
     """The compiled forward and, with ``greedy_head``, the greedy one: through saved graphs under ``cache_dir``."""
     cfg, plan = placed.config, placed.plan
     attention = "math" if chosen.name == "torchair" else "sdpa"  # every op of math attention has a GE converter
-    static = {"blocks": family_of(cfg).blocks(cfg, plan), "plan": plan, "attention": attention}
+    static = {"blocks": family_of(cfg).blocks(cfg, plan), "plan": plan, "attention": attention, "ring": ring}
     linked = {"host_link": o.host_link.name} if o.host_link is not None else {}
     static["streams"] = dataclasses.replace(chosen.streams, **linked)
     where = graph_dir(

@@ -20,12 +20,12 @@ from ...core.tree import flatten_with_paths
 from ...models import FAMILIES, check_invariant, family_of
 from ...models import invariant as inv
 from ...models.linear import KINDS, prepare_params
-from ...parallel import prefetch
 from ...parallel.layer_shard import series_of
 from ...parallel.offload import host_of
 from ...parallel.plan import Plan
 from ...parallel.prefetch import check_prefetch_step
 from ...parallel.prefetch_cost import auto_step
+from ...parallel.prefetch_ring import phases, ring_used
 from ...placement.placement import Placement
 from ...placement.quant_layouts import tensor_blocks
 from .backends import Backend
@@ -88,7 +88,7 @@ def prefetch_options(params: dict, mesh: Mesh, plan: Plan) -> dict[str, Any]:
     edges keep every write after the reads it overwrites, but inductor's default order hoists each wait to right
     after its write, which stalls the step until the layer arrives (the overlap check finds it,
     :mod:`functional_npu.checks.hazard`); the pass moves each wait down to its first consumer."""
-    return dict(SINK_WAITS) if prefetch.ring_used(params, mesh, plan) else {}
+    return dict(SINK_WAITS) if ring_used(params, mesh, plan) else {}
 
 
 def shape_buckets(
@@ -117,7 +117,7 @@ def shape_buckets(
 def check_phases(k: int, num_layers: int, shapes: int) -> None:
     """Refuse a ring whose phases times the shapes compiled exceed :data:`GRAPH_BUDGET` graphs, in one line naming
     ``k``, ``L`` and the graphs, with the prefetch steps that need one graph per shape."""
-    n = prefetch.phases(num_layers, k)
+    n = phases(num_layers, k)
     if n * shapes > GRAPH_BUDGET:
         whole = [j for j in range(num_layers) if num_layers % (j + 1) == 0]
         raise ValueError(
@@ -158,7 +158,7 @@ def streamed_linears(
                 "linear=None"
             )
         return False
-    ring = prefetch.ring_used(params, mesh, placed.plan)
+    ring = ring_used(params, mesh, placed.plan)
     device = params["embed"].device.type
     exists = chosen.name == "inductor" and device == "cpu" and target == "cpu" and not ring
     if linear == "streamed" and not exists:

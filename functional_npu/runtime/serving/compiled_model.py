@@ -18,8 +18,8 @@ from ...core.tree import flatten_with_paths
 from ...models import init_state
 from ...models.decoder import DecodeState
 from ...parallel import prefetch
-from ...parallel.layer_shard import series_of
 from ...parallel.plan import Plan
+from ...parallel.prefetch_ring import Ring, RingPhase
 from ...placement.placement import Placement, placement_of
 from .backends import Backend
 from .compile_policy import GRAPH_BUDGET
@@ -49,6 +49,9 @@ class CompiledModel:
     forward: Callable[..., torch.Tensor] = field(repr=False)
     placement: Placement  # the params' placement, its plan's prefetch step resolved (never "auto")
     greedy_forward: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
+    # the prefetch ring's layout, answered once at compile time from the params in the graphs' forms (None: no ring);
+    # its k is the placement's resolved prefetch_step, and the forwards take it as a constant
+    ring: Ring | None = None
     # one bucket per graph: more recompiles than dynamo's default limit. Built once: making a
     # config patch costs far more than entering one, and this is entered on every step.
     _recompiles: Any = field(
@@ -93,13 +96,12 @@ class CompiledModel:
     def _run(
         self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any = None
     ) -> torch.Tensor:
-        if series_of(self.params):
+        if self.ring is not None:  # the state's buffers against the layout answered at compile time
             try:
-                prefetch.check_ring(self.params, self.mesh, self.plan, state.prefetched, self.plan.prefetch_step)
+                self.ring.check(state.prefetched)
             except ValueError as e:
                 raise ValueError(
-                    f"{phase}: a model compiled with prefetch_step={self.plan.prefetch_step} needs a state from "
-                    f"new_state(): {e}"
+                    f"{phase}: a model compiled with prefetch_step={self.ring.k} needs a state from new_state(): {e}"
                 ) from None
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         try:
@@ -137,25 +139,24 @@ class CompiledModel:
         On a backend that captures graphs (inductor's CUDA graphs) the KV cache of a bucket is one buffer at a fixed
         address, zeroed by each ``new_state``, and the ring's slots are the same tensors in every state, as a captured
         graph replays on the addresses it was captured with: a state from an earlier ``new_state`` of the same bucket
-        is then this one. The ring starts at phase 0 (one graph per phase, :func:`~.prefetch.phases`). All ranks of
-        the series axis must make the same sequence of calls.
+        is then this one. The ring starts at phase 0 (one graph per phase, :attr:`~.prefetch_ring.Ring.phases`). All
+        ranks of the series axis must make the same sequence of calls.
         """
         b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
         state = self._kv.get(b) if self.backend.captures else None
         if state is None:
             dtype = self.params["embed"].dtype
             state = init_state(self.config, self.mesh, b, self.max_seq_len, dtype, plan=self.plan, device=self.device)
-        k = self.plan.prefetch_step
         if self.backend.captures:
             for t in (t for layer in state.kv for t in layer):
                 torch._dynamo.mark_static_address(t.zero_())
             self._kv[b] = state
-            if not self._ring:
-                self._ring[:] = prefetch.new_ring(self.params, self.mesh, self.plan, k)
+            if not self._ring and self.ring is not None:
+                self._ring[:] = self.ring.new(self.device)
                 for t in self._ring:
                     torch._dynamo.mark_static_address(t)
-        ring = prefetch.start(self.params, self.mesh, self.plan, k, list(self._ring) if self._ring else None)
-        return state._replace(prefetched=ring, phase=prefetch.RingPhase())
+        ring = prefetch.start(self.params, self.mesh, self.ring, list(self._ring) if self._ring else None)
+        return state._replace(prefetched=ring, phase=RingPhase())
 
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
         """Run the prompts (right-padded to the bucket of their longest, or of ``length``; the pads at the position
