@@ -518,3 +518,88 @@ def test_placed_params_carry_their_config_and_placement_as_fields():
 def test_the_static_key_check_finds_a_glued_placement(tmp_path):
     (tmp_path / "a.py").write_text('p = shard(full, specs, mesh) | {"placement": place(cfg, mesh)}\nc = p["config"]\n')
     assert len(_static_key_uses([tmp_path / "a.py"])) == 2
+
+
+# The types a public function returns or raises: an application names them (annotations, isinstance, except) though
+# nothing here imports them through the face.
+FACE_TYPES = {
+    "functional_npu": {"ReshardPlan"},
+    "functional_npu.models": {"ARCHITECTURES"},
+    "functional_npu.parallel": {"Ring", "RingGroup"},
+    "functional_npu.placement": {"RingMemory"},
+    "functional_npu.runtime": {"RemoteError"},
+    "functional_npu.runtime.planning": {"Estimate", "Served", "Report"},
+    "functional_npu.runtime.serving": {"Samples"},
+    "functional_npu.runtime.training": {"OptState", "TrainStep", "StepStats", "group_advantages"},
+}
+
+
+def _faces(root: Path) -> dict[str, set[str]]:
+    """Every face of the package under ``root``: its exports by its module name."""
+    return {_module(face, root): _exports(face.parent) for face in (root / "functional_npu").rglob("__init__.py")}
+
+
+def _through_faces(files: list[Path], faces: dict[str, set[str]], root: Path) -> dict[str, set[str]]:
+    """The names each face gives to ``files``: ``from face import name`` (absolute, or relative from outside the
+    face's own ``__init__``) and ``face.name`` where ``face`` is a name bound to the face module."""
+    used: dict[str, set[str]] = {face: set() for face in faces}
+    for file in files:
+        here, face = _module(file, root), file.name == "__init__.py"
+        package = here if face else here.rsplit(".", 1)[0]
+        bound: dict[str, str] = {}
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+                if module in faces and not (face and module == here):
+                    used[module] |= {a.name for a in node.names}
+                bound |= {a.asname or a.name: f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in faces}
+            elif isinstance(node, ast.Import):
+                bound |= {a.asname or a.name: a.name for a in node.names if a.name in faces}
+        for node in ast.walk(ast.parse(file.read_text())):
+            chain, value = [], node
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if chain and isinstance(value, ast.Name):
+                names = [bound.get(value.id, value.id), *reversed(chain)]
+                full = names[0].split(".") + names[1:]
+                for i in range(1, len(full)):
+                    if ".".join(full[:i]) in used:
+                        used[".".join(full[:i])].add(full[i])
+    return used
+
+
+def _unused_exports(root: Path, apps: tuple[str, ...], docs: str, types: dict[str, set[str]]) -> list[str]:
+    faces = _faces(root)
+    files = [p for folder in ("functional_npu", *apps) for p in sorted((root / folder).rglob("*.py"))]
+    used = _through_faces(files, faces, root)
+    return [
+        f"{face}: {name}"
+        for face, names in sorted(faces.items())
+        for name in sorted(names)
+        if name not in used[face] and name not in types.get(face, ()) and not re.search(rf"\b{re.escape(name)}\b", docs)
+    ]
+
+
+def test_every_face_exports_only_what_something_imports_through_it():
+    """A face lists what an application uses (issue 54: 109 of 382 exported names were imported through their face
+    by nothing); an internal name is imported from its module inside the package. The users counted: the package,
+    the tests, tools and benchmarks, and the docs' text; the returned and raised types in FACE_TYPES besides."""
+    docs = " ".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+    unused = _unused_exports(ROOT, ("tests", *APPS), docs, FACE_TYPES)
+    assert not unused, "exported through a face that nothing imports it through:\n" + "\n".join(unused)
+
+
+def test_the_export_check_finds_an_unused_name(tmp_path):
+    pkg = tmp_path / "functional_npu"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('from .sub import a\n__all__ = ["a"]\n')
+    (pkg / "sub" / "__init__.py").write_text('from .m import a, b, c\n__all__ = ["a", "b", "c"]\n')
+    (pkg / "sub" / "m.py").write_text("a = b = c = 1\n")
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "x.py").write_text(
+        "from functional_npu import a\nimport functional_npu.sub as s\nprint(a, s.b)\n"
+    )
+    assert _unused_exports(tmp_path, ("app",), "", {}) == ["functional_npu.sub: c"]
+    assert _unused_exports(tmp_path, ("app",), "see c", {}) == []

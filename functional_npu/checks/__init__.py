@@ -6,7 +6,7 @@ Not imported by ``import functional_npu``: ``from functional_npu.checks import c
 """
 
 from .hazard import Program, bind, check, expected_slot, input_layout, input_path, read_layers
-from .hazard_fx import Recorder, dynamo_inputs, from_fx, from_inductor_code, fx_read_layers
+from .hazard_fx import Recorder, dynamo_inputs, from_fx, from_inductor_code
 
 __all__ = [
     "Program",
@@ -20,5 +20,4 @@ __all__ = [
     "from_inductor_code",
     "Recorder",
     "dynamo_inputs",
-    "fx_read_layers",
 ]

@@ -5,8 +5,8 @@ Each module is one concept (docs/architecture.md); this face re-exports their pu
 backward rule (:mod:`.collective_grads`) is the collectives' own, not re-exported.
 """
 
-from .agree import agree, agreed
-from .buckets import bucket_cost, group_slabs, leaf_costs, least_bucket, slab_costs
+from .agree import agree
+from .buckets import least_bucket
 from .cache_dir import cache_dir
 from .collectives import (
     BROADCAST_INTO,
@@ -15,78 +15,30 @@ from .collectives import (
     all_to_all,
     all_to_all_single,
     broadcast,
-    broadcast_in_flight,
     broadcast_into,
     copy_into,
     permute,
     reduce_scatter,
 )
-from .dtensor import (
-    layout_from_dtensor,
-    layout_from_placements,
-    mesh_from_device_mesh,
-    placements_of,
-    root_mesh,
-    to_dtensor,
-)
-from .dtypes import float_dtype
-from .files import write_bytes
-from .layout import (
-    Block,
-    Cyclic,
-    Layout,
-    LayoutError,
-    Shard,
-    cyclic,
-    dim_pieces,
-    full_length,
-    fused,
-    local_pieces,
-    replicated,
-    sharded,
-)
-from .mesh import Axes, Mesh, make_mesh
+from .dtensor import layout_from_dtensor, layout_from_placements, mesh_from_device_mesh, placements_of, to_dtensor
+from .layout import Block, Cyclic, Layout, LayoutError, Shard, cyclic, fused, replicated, sharded
+from .mesh import Mesh, make_mesh
 from .params import Params, drop
-from .quant import Quant, dequantize, pack_int32, quant_layouts, quant_shapes, quantize, unpack_int32
-from .replica_sum import ReplicaSum, replica_plan, sum_replicas
-from .reshard import (
-    LeafPlan,
-    LeafSteps,
-    RankTraffic,
-    ReshardPlan,
-    ReshardProgram,
-    Transfer,
-    pack,
-    plan_reshard,
-    reshard,
-    simulate,
-    unpack,
-)
-from .schema import REQUIRED, Field, Rule, check_rules, read, show
-from .shard import as_bits, check_leaf, full_shape, gather, leaf_specs, local_shape, positioned, shard, unshard
-from .tree import (
-    PyTree,
-    check_structure,
-    expand_prefix,
-    flatten_with_paths,
-    map_with_path,
-    register_static,
-    replace_leaves,
-    tree_from_paths,
-)
+from .quant import Quant, dequantize, quant_layouts, quantize
+from .reshard import ReshardPlan, pack, plan_reshard, reshard, simulate
+from .schema import read, show
+from .shard import gather, leaf_specs, local_shape, shard, unshard
+from .tree import check_structure, flatten_with_paths, map_with_path, tree_from_paths
 
 __all__ = [
     "agree",
-    "agreed",
     "cache_dir",
-    "write_bytes",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
     "all_to_all",
     "all_to_all_single",
     "broadcast",
-    "broadcast_in_flight",
     "broadcast_into",
     "copy_into",
     "permute",
@@ -94,10 +46,8 @@ __all__ = [
     "mesh_from_device_mesh",
     "layout_from_placements",
     "layout_from_dtensor",
-    "root_mesh",
     "placements_of",
     "to_dtensor",
-    "float_dtype",
     "Block",
     "Shard",
     "Cyclic",
@@ -107,61 +57,29 @@ __all__ = [
     "sharded",
     "fused",
     "cyclic",
-    "dim_pieces",
-    "local_pieces",
-    "full_length",
     "Mesh",
     "make_mesh",
-    "Axes",
     "Quant",
     "quant_layouts",
-    "quant_shapes",
     "quantize",
     "dequantize",
-    "pack_int32",
-    "unpack_int32",
-    "ReplicaSum",
-    "replica_plan",
-    "sum_replicas",
-    "Transfer",
-    "LeafPlan",
     "ReshardPlan",
-    "RankTraffic",
-    "ReshardProgram",
-    "LeafSteps",
     "plan_reshard",
     "reshard",
     "pack",
-    "unpack",
     "simulate",
-    "leaf_costs",
-    "bucket_cost",
-    "group_slabs",
     "least_bucket",
-    "slab_costs",
-    "REQUIRED",
-    "Field",
-    "Rule",
     "read",
-    "check_rules",
     "show",
     "shard",
     "local_shape",
     "gather",
     "unshard",
     "leaf_specs",
-    "check_leaf",
-    "positioned",
-    "full_shape",
-    "as_bits",
-    "PyTree",
     "Params",
     "drop",
     "flatten_with_paths",
     "map_with_path",
     "tree_from_paths",
     "check_structure",
-    "expand_prefix",
-    "register_static",
-    "replace_leaves",
 ]

@@ -14,7 +14,7 @@
 from . import deepseek, dense, gemma3, invariant, invariant_ops, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
-from .embedded import EMBEDDED, embedded_config
+from .embedded import embedded_config
 from .experts import Routing
 from .family import (
     ARCHITECTURES,
@@ -29,7 +29,7 @@ from .family import (
     series_leaves,
 )
 from .gemma3 import Gemma3Config
-from .linear import prepare_params, stream_rows, streamed
+from .linear import prepare_params, streamed
 from .llama import LlamaConfig
 from .moe import MoeConfig
 
@@ -60,7 +60,5 @@ __all__ = [
     "Routing",
     "prepare_params",
     "streamed",
-    "stream_rows",
-    "EMBEDDED",
     "embedded_config",
 ]

@@ -15,9 +15,9 @@
 from .check import check_plan_fits, resolved
 from .hf_layout import stored_tensors
 from .placement import Placement, builds, check_plan, place, placement_of, plan_table, read_placement
-from .quant_config import PRESETS, QuantConfig, read_quant_config
-from .quant_layouts import quantize_plan, quantized_leaves, tensor_blocks
-from .ring_memory import RingMemory, RingMemoryWarning, ring_memory, warn_ring_memory
+from .quant_config import QuantConfig
+from .quant_layouts import quantize_plan
+from .ring_memory import RingMemory, RingMemoryWarning, ring_memory
 
 __all__ = [
     "check_plan",
@@ -30,14 +30,9 @@ __all__ = [
     "plan_table",
     "resolved",
     "QuantConfig",
-    "PRESETS",
-    "read_quant_config",
     "quantize_plan",
-    "quantized_leaves",
-    "tensor_blocks",
     "stored_tensors",
     "ring_memory",
     "RingMemory",
     "RingMemoryWarning",
-    "warn_ring_memory",
 ]

@@ -9,7 +9,6 @@ DTensors moved to the inference plan, params written as a Hugging Face directory
 """
 
 from .checkpoint import load_checkpoint, read_config, read_quant
-from .dcp import DcpHandle, DcpTensor, is_dcp
 from .dtensor_state import from_dtensor_state
 from .save import save_checkpoint
 
@@ -19,7 +18,4 @@ __all__ = [
     "read_quant",
     "save_checkpoint",
     "from_dtensor_state",
-    "is_dcp",
-    "DcpHandle",
-    "DcpTensor",
 ]

@@ -8,7 +8,7 @@ profile, the best that fits; this machine's own profile, measured once and cache
 """
 
 from .choose import MAX_DEVICES, PlanDoesNotFit, Report, candidates, choose_plan, gb_at_least
-from .host_profile import host_device, measure, profile_path
+from .host_profile import host_device
 from .serve import Served, serve_estimate
 from .step_model import Candidate, Estimate, Workload, estimate
 
@@ -26,6 +26,4 @@ __all__ = [
     "serve_estimate",
     "gb_at_least",
     "host_device",
-    "measure",
-    "profile_path",
 ]

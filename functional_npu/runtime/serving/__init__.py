@@ -12,11 +12,7 @@ generation path, saved graphs for a warm start.
 """
 
 from .backends import (
-    BACKENDS,
-    FASTEST_MODES,
-    INDUCTOR_MODES,
     Backend,
-    check_npugraph_ex_config,
     modes,
     npu_status,
     npugraph_ex_config,
@@ -27,7 +23,7 @@ from .backends import (
 from .compile import CompileOptions, compile_model, greedy_generate
 from .compile_policy import cache_length
 from .compiled_model import CompiledModel, GraphBreakError
-from .generate import Lockstep, Samples, generate, logprobs_of, sample, sampler
+from .generate import Lockstep, Samples, generate, sample
 
 __all__ = [
     "compile_model",
@@ -38,18 +34,12 @@ __all__ = [
     "GraphBreakError",
     "generate",
     "sample",
-    "sampler",
-    "logprobs_of",
     "Lockstep",
     "Samples",
     "Backend",
-    "BACKENDS",
-    "INDUCTOR_MODES",
-    "FASTEST_MODES",
     "resolve_backend",
     "modes",
     "npu_status",
-    "check_npugraph_ex_config",
     "npugraph_ex_config",
     "npugraph_ex_streams",
     "torchair_streams",

@@ -8,7 +8,7 @@ train step, GRPO's pieces, and the weight sync from the training plan to the inf
 - :mod:`.weight_sync`: ``reshard_params``, params from one plan to another on the same ranks.
 """
 
-from .grad import Differentiable, differentiable, lm_loss, logits, token_logprobs, value_and_grad
+from .grad import differentiable, lm_loss, logits, token_logprobs, value_and_grad
 from .optim import AdamW, OptState
 from .policy import PolicyBatch, group_advantages, grpo_loss, logprob_gap, policy_batch
 from .train_step import StepStats, TrainStep, compile_train_step
@@ -19,7 +19,6 @@ __all__ = [
     "logits",
     "token_logprobs",
     "lm_loss",
-    "Differentiable",
     "differentiable",
     "AdamW",
     "OptState",
