@@ -24,6 +24,7 @@ from ..core.mesh import Mesh
 from . import invariant_ops as inv
 from .linear import int8_activations, linear, row_parallel, token_amax
 from .norm import rms_norm
+from .paged import PagedKV, indices
 
 __all__ = [
     "Rotary",
@@ -82,8 +83,10 @@ class Step(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     mask: torch.Tensor
-    slot: torch.Tensor
+    slot: torch.Tensor | None
     gather: bool = False
+    read: torch.Tensor | None = None  # a paged cache's flat pool rows (models.paged.indices): every position's
+    write: torch.Tensor | None = None  # and this step's
 
 
 def local_heads(cfg: GroupedQuery, tp: int) -> tuple[int, int]:
@@ -169,9 +172,14 @@ def attend(
 
 
 def prepare(cfg: Rotary, positions: torch.Tensor, kv: KV, dtype: torch.dtype, invariant: bool = False) -> Step:
-    """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv``."""
+    """The per-step values every layer shares, for ``positions [B, S]`` and a layer's cache ``kv`` (contiguous, or a
+    :class:`~functional_npu.models.paged.PagedKV`)."""
     b, s = positions.shape
     cos, sin = rope(positions, cfg, dtype, invariant)
+    if isinstance(kv, PagedKV):
+        read, write = indices(kv.table, positions, kv.k.shape[1])
+        mask = attention_mask(positions, read.shape[1], cfg.sliding_window)
+        return Step(cos, sin, mask, None, read=read, write=write)
     mask = attention_mask(positions, kv[0].shape[2], cfg.sliding_window)
     slot = positions[:, None, :, None].expand(b, kv[0].shape[1], s, cfg.head_dim)
     return Step(cos, sin, mask, slot)
@@ -219,7 +227,10 @@ def gqa(
 
 def store(kv: KV, k: torch.Tensor, v: torch.Tensor, step: Step) -> KV:
     """Write this step's keys and values ``[B, kv heads, S, hd]`` into the cache ``kv`` (in place); returns what
-    the queries attend over: the cache, or (``step.gather``) ``[cache as it was | k, v]``."""
+    the queries attend over: the cache, or (``step.gather``) ``[cache as it was | k, v]``, or for a paged cache
+    (``step.write``) the pool gathered at ``step.read``, ``[B, kv heads, C, hd]``."""
+    if step.write is not None:
+        return tuple(_paged(pool, x, step) for pool, x in ((kv[0], k), (kv[1], v)))
     if not step.gather:
         kv[0].scatter_(2, step.slot, k)
         kv[1].scatter_(2, step.slot, v)
@@ -228,6 +239,14 @@ def store(kv: KV, k: torch.Tensor, v: torch.Tensor, step: Step) -> KV:
     kv[0].copy_(keys.gather(2, step.slot))
     kv[1].copy_(values.gather(2, step.slot))
     return keys, values
+
+
+def _paged(pool: torch.Tensor, x: torch.Tensor, step: Step) -> torch.Tensor:
+    """Write ``x [B, kv heads, S, hd]`` into ``pool [blocks, block_size, kv heads, hd]`` at ``step.write`` (in place);
+    the pool gathered at ``step.read``, ``[B, kv heads, C, hd]``."""
+    flat = pool.view(-1, pool.shape[2], pool.shape[3])
+    flat.index_copy_(0, step.write.reshape(-1), x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]))
+    return flat[step.read].transpose(1, 2)
 
 
 def output_projection(attn: torch.Tensor, w: Any, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:

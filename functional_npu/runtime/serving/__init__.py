@@ -1,4 +1,4 @@
-"""A model compiled and run: the backend chosen, prefill and decode traced whole on static buckets, the one
+r"""A model compiled and run: the backend chosen, prefill and decode traced whole on static buckets, the one
 generation path, saved graphs for a warm start.
 
 - :mod:`.backends`: which compiler (torchair, npugraph_ex, inductor, eager) and its mode;
@@ -7,6 +7,8 @@ generation path, saved graphs for a warm start.
 - :mod:`.compile_policy`: what is decided before tracing (shape buckets, linear kernels, prefetch step, invariant
   options);
 - :mod:`.generate`: chunks, padded prefill, decode, sampling, ``Lockstep``;
+- :mod:`.engine`: ``Engine``, a stream of ``Request``\ s served by continuous batching over a paged KV cache, its
+  blocks kept by :mod:`.kv_blocks`;
 - :mod:`.compile_cache`, :mod:`.inductor_cache`: graphs saved for a later process; inductor's cache swept;
 - :mod:`.ge_converters`: torchair converters for this library's ops (imported only where torchair is).
 """
@@ -23,6 +25,7 @@ from .backends import (
 from .compile import CompileOptions, compile_model, greedy_generate
 from .compile_policy import cache_length
 from .compiled_model import CompiledModel, GraphBreakError
+from .engine import Engine, Event, Request, stop_ids
 from .generate import Lockstep, Samples, generate, sample
 
 __all__ = [
@@ -36,6 +39,10 @@ __all__ = [
     "sample",
     "Lockstep",
     "Samples",
+    "Engine",
+    "Request",
+    "Event",
+    "stop_ids",
     "Backend",
     "resolve_backend",
     "modes",

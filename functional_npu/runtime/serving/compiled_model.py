@@ -17,6 +17,7 @@ from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
 from ...models import init_state
 from ...models.decoder import DecodeState
+from ...models.paged import PagedKV
 from ...parallel import prefetch
 from ...parallel.plan import Plan
 from ...parallel.prefetch_ring import Ring, RingPhase
@@ -151,6 +152,24 @@ class CompiledModel:
             for t in (t for layer in state.kv for t in layer):
                 torch._dynamo.mark_static_address(t.zero_())
             self._kv[b] = state
+        return self._with_ring(state)
+
+    def paged_state(self, batch: int, kv: list) -> DecodeState:
+        """A decode state of a batch bucket over a paged KV cache ``kv`` (per layer a
+        :class:`~functional_npu.models.paged.PagedKV`: pools shared by every bucket, this bucket's block table), and
+        the prefetch ring as :meth:`new_state` gives it. On a backend that captures graphs the pools and the table are
+        inputs at fixed addresses (the engine writes the table in place before each call)."""
+        b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
+        if kv[0].table.shape[0] != b:
+            raise ValueError(f"paged_state: the block table has {kv[0].table.shape[0]} rows; the bucket is {b}")
+        if self.backend.captures:
+            for t in {id(t): t for layer in kv for t in layer}.values():
+                torch._dynamo.mark_static_address(t)
+        return self._with_ring(DecodeState(kv, [], RingPhase()))
+
+    def _with_ring(self, state: DecodeState) -> DecodeState:
+        """``state`` with the prefetch ring started for a first step (the model's one ring on a capturing backend)."""
+        if self.backend.captures:
             if not self._ring and self.ring is not None:
                 self._ring[:] = self.ring.new(self.device)
                 for t in self._ring:
@@ -163,7 +182,7 @@ class CompiledModel:
         after their prompt's last) into ``state``; returns each prompt's last logits ``[B, V]``."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill: every prompt needs at least one token")
-        b, width = state.kv[0][0].shape[0], max(length, *(len(p) for p in prompts))
+        b, width = _rows(state), max(length, *(len(p) for p in prompts))
         if len(prompts) > b:
             raise ValueError(f"prefill: {len(prompts)} prompts do not fit a cache of batch {b}")
         s = self._bucket(self.prefill_lengths, width, "prompt length", "prefill_lengths")
@@ -177,6 +196,20 @@ class CompiledModel:
         last = torch.tensor([len(p) - 1 for p in prompts] + [0] * (b - len(prompts)))
         return logits[torch.arange(b), last][: len(prompts)]
 
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Put ``tokens [B, S]`` at ``positions [B, S]`` into ``state`` (B the state's batch, S a prompt-length bucket:
+        a prefill chunk, which may start past position 0 over a cache holding the earlier ones); returns their logits
+        ``[B, S, V]``."""
+        b, s = _rows(state), tokens.shape[1]
+        if tokens.shape != (b, s) or positions.shape != (b, s) or s not in self.prefill_lengths:
+            raise ValueError(
+                f"extend: tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must both be [batch {b}, "
+                f"a prompt-length bucket {list(self.prefill_lengths)}]"
+            )
+        if int(positions.max()) >= self.max_seq_len:
+            raise ValueError(f"extend: position {int(positions.max())} is past max_seq_len {self.max_seq_len}")
+        return self._run("prefill", tokens, positions, state)
+
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """One step: ``tokens [n]`` at ``positions [n]`` (n <= the state's batch); returns logits ``[n, V]``."""
         return self._step("decode", tokens, positions, state, self.forward)
@@ -189,7 +222,7 @@ class CompiledModel:
         return self._step("decode", tokens, positions, state, self.greedy_forward)
 
     def _step(self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any):
-        b, n = state.kv[0][0].shape[0], tokens.shape[0]
+        b, n = _rows(state), tokens.shape[0]
         if int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"decode: position {int(positions.max())} is past max_seq_len {self.max_seq_len}")
         pad = b - n
@@ -244,6 +277,12 @@ class CompiledModel:
             self, prompts, max_new_tokens, lockstep=lockstep, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed,
         )  # fmt: skip
+
+
+def _rows(state: DecodeState) -> int:
+    """The batch a state serves: its cache's rows (a paged cache's: its block table's)."""
+    layer = state.kv[0]
+    return layer.table.shape[0] if isinstance(layer, PagedKV) else layer[0].shape[0]
 
 
 def static_addresses(params: dict) -> None:

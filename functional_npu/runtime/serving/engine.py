@@ -1,0 +1,356 @@
+"""Serve a stream of requests: continuous batching over a paged KV cache, through a compiled model's graphs.
+
+An :class:`Engine` holds the requests waiting and running, the KV pool (:mod:`.kv_blocks` over
+:mod:`functional_npu.models.paged`'s pools) and one state per batch bucket. Each :meth:`Engine.step`:
+
+1. **admits** waiting requests, oldest first, while a row of the largest batch bucket is free and the pool has
+   the blocks of the request's tokens (its prompt, and after a preemption what it had generated);
+2. **prefills** one chunk (``chunk`` positions, a compiled prompt-length bucket) of every admitted request whose
+   tokens are not all in the cache yet, in one call at the smallest batch bucket that holds them: a long prompt takes
+   several steps and never stalls the running decodes;
+3. **decodes** one token of every request whose tokens are all cached, in one call at the smallest batch bucket
+   that holds them. A request that needs a new block when none is free preempts the request admitted last (its
+   blocks are returned and it waits again, to recompute its tokens later): nothing fails, nothing is truncated;
+4. picks each new token with the request's own sampler (its temperature, top-k, top-p and seed: a generator of its
+   own, so its tokens do not depend on who shares its steps), ends the request at a stop id or at
+   ``max_new_tokens``, and returns its blocks.
+
+A request's tokens do not depend on which others share its steps: its rows read only its own blocks, padding
+writes only the null block, and every decode step's shapes are a compiled bucket's.
+
+Example:
+    >>> engine = Engine(model, blocks=256)                                                       # doctest: +SKIP
+    >>> for event in engine.run([Request((1, 2, 3), max_new_tokens=8)]):                          # doctest: +SKIP
+    ...     print(event.id, event.tokens, event.finished)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...models.paged import PagedKV, pool_bytes
+from . import kv_blocks
+from .generate import check_sampling, check_token_ids, logprobs_of, sampler
+
+__all__ = ["Request", "Event", "Engine", "stop_ids", "blocks_in"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request: ``prompt`` token ids, at most ``max_new_tokens`` new ones, ending early at any of ``stop`` (None:
+    the engine's stop ids, the checkpoint's ``eos_token_id``; ``()``: none); sampling as
+    :func:`~.generate.sampler`'s; ``logprobs``: each new token's log-probability under the logits it was drawn
+    from."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    stop: tuple[int, ...] | None = None
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a step gave request ``id``: its new ``tokens`` (and their ``logprobs`` when asked for), and
+    ``finished``: None while it runs, else ``"stop"`` (a stop id, kept as its last token), ``"length"``
+    (``max_new_tokens``) or ``"abort"``; ``error``: the one-line reason a request was refused (then finished)."""
+
+    id: Hashable
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finished: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Seq:
+    """A request in the engine: its tokens so far (prompt, then generated), how many are cached, its sampler."""
+
+    id: Hashable
+    request: Request
+    stop: frozenset[int]
+    pick: Callable[[torch.Tensor], torch.Tensor]
+    tokens: list[int]
+    cached: int = 0
+    generated: int = 0
+    order: int = 0  # admission order: the last admitted is preempted first
+
+    @property
+    def prefilling(self) -> bool:
+        """Tokens to put in the cache before a decode step can take the last one: a new request's whole prompt (its
+        first token comes from the prefill's logits), a preempted one's all but the last."""
+        return self.cached < len(self.tokens) - 1 or self.generated == 0 and self.cached < len(self.tokens)
+
+
+def stop_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The checkpoint's stop ids: ``eos_token_id`` of ``generation_config.json`` when present, else of
+    ``config.json`` (an int or a list; none: ``()``)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def blocks_in(model: Any, kv_bytes: int, block_size: int) -> int:
+    """The blocks of ``block_size`` positions a budget of ``kv_bytes`` holds on each rank, with ``model``'s layers,
+    local KV heads and dtype (:func:`~functional_npu.models.paged.pool_bytes`, the one rule)."""
+    heads, hd, layers, dtype = _kv_shape(model)
+    return kv_bytes // pool_bytes(heads, hd, layers, 1, block_size, dtype)
+
+
+def _kv_shape(model: Any) -> tuple[int, int, int, torch.dtype]:
+    """(local KV heads, head dim, layers, dtype) of a model whose attention a paged cache serves."""
+    cfg = model.config
+    family = getattr(cfg, "architecture", type(cfg).__name__)
+    if not hasattr(cfg, "num_kv_heads") or getattr(cfg, "layer_types", None) or hasattr(cfg, "kv_lora_rank"):
+        raise ValueError(
+            f"Engine: the paged KV cache serves grouped-query attention (dense and MoE families); {family}'s attention "
+            f"(a latent cache or sliding layers) is served by generate()"
+        )
+    tp = model.mesh.axis_size(model.plan.tp) if model.plan.tp in model.mesh.axis_names else 1
+    return max(1, cfg.num_kv_heads // tp), cfg.head_dim, cfg.num_layers, model.params["embed"].dtype
+
+
+@dataclass
+class Engine:
+    """Continuous batching over a paged KV cache (see the module docstring).
+
+    Attributes:
+        model: a :class:`~.compiled_model.CompiledModel`; its batch buckets are the decode batches, its prompt-length
+            buckets the prefill chunks.
+        blocks: the pool's blocks (block 0 the null block); or ``kv_bytes``: a budget that gives them
+            (:func:`blocks_in`).
+        block_size: positions per block.
+        chunk: the prefill chunk (default: the largest prompt-length bucket); must be one of the buckets.
+        stop: the stop ids of a request that names none (default: none; :func:`stop_ids` reads a checkpoint's).
+    """
+
+    model: Any
+    blocks: int | None = None
+    kv_bytes: int | None = None
+    block_size: int = 16
+    chunk: int | None = None
+    stop: tuple[int, ...] = ()
+    _pool: kv_blocks.BlockPool = field(init=False, repr=False)
+    _pools: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+    _states: dict[int, Any] = field(init=False, repr=False, default_factory=dict)
+    _waiting: deque = field(init=False, repr=False, default_factory=deque)
+    _running: dict = field(init=False, repr=False, default_factory=dict)
+    _ids: Iterator[int] = field(init=False, repr=False, default_factory=itertools.count)
+    _order: Iterator[int] = field(init=False, repr=False, default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        model = self.model
+        heads, hd, layers, dtype = _kv_shape(model)
+        self.width = kv_blocks.blocks_for(model.max_seq_len, self.block_size)  # a table row: the longest sequence
+        if (self.blocks is None) == (self.kv_bytes is None):
+            raise ValueError("Engine: give the pool as blocks=N or as a budget kv_bytes=B (one of the two)")
+        blocks = self.blocks if self.blocks is not None else blocks_in(model, self.kv_bytes, self.block_size)
+        if blocks < self.width + 1:
+            one = pool_bytes(heads, hd, layers, self.width + 1, self.block_size, dtype)
+            raise ValueError(
+                f"Engine: a pool of {blocks} blocks of {self.block_size} positions cannot hold one sequence of "
+                f"max_seq_len {model.max_seq_len} ({self.width} blocks, and the null block): give at least "
+                f"blocks={self.width + 1} (kv_bytes={one} on each rank), or compile with a smaller max_seq_len"
+            )
+        self.chunk = self.chunk or max(model.prefill_lengths)
+        if self.chunk not in model.prefill_lengths:
+            raise ValueError(
+                f"Engine: chunk {self.chunk} is not a compiled prompt-length bucket {list(model.prefill_lengths)}; "
+                f"pass one of them, or compile_model(prefill_lengths=[..., {self.chunk}])"
+            )
+        self._pool = kv_blocks.new_pool(blocks, self.block_size)
+        shape = (blocks, self.block_size, heads, hd)
+        device = model.device
+        self._pools = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(layers)
+        ]
+
+    # ---- the requests ------------------------------------------------------------------------------------------
+
+    def add(self, request: Request, id: Hashable | None = None) -> Hashable:
+        """Queue ``request``; returns its id. Refused in one line naming the request (nothing else changes)."""
+        id = next(self._ids) if id is None else id
+        check_request(request, self.model, id)
+        stop = frozenset(self.stop if request.stop is None else request.stop)
+        pick = sampler(request.temperature, request.top_k, request.top_p, request.seed)
+        self._waiting.append(_Seq(id, request, stop, pick, list(request.prompt)))
+        return id
+
+    def abort(self, id: Hashable) -> Event | None:
+        """End request ``id`` wherever it is, returning its blocks; its final event (None: not in the engine)."""
+        for seq in list(self._waiting):
+            if seq.id == id:
+                self._waiting.remove(seq)
+                return Event(id, finished="abort")
+        if id in self._running:
+            del self._running[id]
+            self._pool = kv_blocks.release(self._pool, id)
+            return Event(id, finished="abort")
+        return None
+
+    @property
+    def pool(self) -> kv_blocks.BlockPool:
+        """The KV pool's bookkeeping now (an immutable value)."""
+        return self._pool
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def run(self, requests: Iterable[Request]) -> Iterator[Event]:
+        """Serve ``requests`` (ids 0, 1, ... in order unless the engine has given ids already) and yield their
+        events as they come; a refused request yields one event with its ``error``."""
+        for request in requests:
+            id = next(self._ids)
+            try:
+                self.add(request, id)
+            except (TypeError, ValueError) as e:
+                yield Event(id, finished="error", error=str(e))
+        while self.has_work():
+            yield from self.step()
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Admit, prefill a chunk, decode a token (see the module docstring); the events of this step."""
+        self._admit()
+        events: dict[Hashable, Event] = {}
+        prefilling = [s for s in self._running.values() if s.prefilling]
+        if prefilling:
+            self._prefill(prefilling[: max(self.model.batch_sizes)], events)
+        decoding = [s for s in self._running.values() if not s.prefilling and s.id not in events]
+        decoding = self._make_room(decoding)
+        if decoding:
+            self._decode(decoding, events)
+        kv_blocks.check(self._pool)
+        return list(events.values())
+
+    def _admit(self) -> None:
+        rows = max(self.model.batch_sizes)
+        while self._waiting and len(self._running) < rows:
+            seq = self._waiting[0]
+            grown = kv_blocks.grow(self._pool, seq.id, len(seq.tokens))
+            if grown is None:
+                return
+            self._pool = grown
+            self._waiting.popleft()
+            seq.cached, seq.order = 0, next(self._order)
+            self._running[seq.id] = seq
+
+    def _make_room(self, decoding: list[_Seq]) -> list[_Seq]:
+        """Blocks for every decoding request's next position, preempting the last admitted while there are none."""
+        for seq in sorted(decoding, key=lambda s: s.order):
+            while seq.id in self._running:
+                grown = kv_blocks.grow(self._pool, seq.id, len(seq.tokens))
+                if grown is not None:
+                    self._pool = grown
+                    break
+                self._preempt(max(self._running.values(), key=lambda s: s.order))
+        return [s for s in decoding if s.id in self._running]
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Return ``seq``'s blocks; it waits first in line, to recompute its tokens."""
+        del self._running[seq.id]
+        self._pool = kv_blocks.release(self._pool, seq.id)
+        seq.cached = 0
+        self._waiting.appendleft(seq)
+
+    def _state(self, batch: int) -> Any:
+        """The decode state of a batch bucket: the shared pools and this bucket's block table (one address)."""
+        if batch not in self._states:
+            table = torch.zeros(batch, self.width, dtype=torch.long, device=self.model.device)
+            kv = [PagedKV(k, v, table) for k, v in self._pools]
+            self._states[batch] = self.model.paged_state(batch, kv)
+        return self._states[batch]
+
+    def _tables(self, seqs: Sequence[_Seq], state: Any) -> None:
+        rows = [kv_blocks.table_row(self._pool, s.id, self.width) for s in seqs]
+        table = state.kv[0].table
+        rows += [[0] * self.width] * (table.shape[0] - len(rows))
+        table.copy_(torch.tensor(rows, dtype=torch.long))
+
+    def _prefill(self, seqs: list[_Seq], events: dict[Hashable, Event]) -> None:
+        batch = _bucket(self.model.batch_sizes, len(seqs))
+        state = self._state(batch)
+        self._tables(seqs, state)
+        tokens = torch.zeros(batch, self.chunk, dtype=torch.long)
+        positions = torch.zeros(batch, self.chunk, dtype=torch.long)
+        last = []
+        for r, s in enumerate(seqs):
+            part = s.tokens[s.cached : s.cached + self.chunk]
+            tokens[r, : len(part)] = torch.tensor(part)
+            end = s.cached + len(part)  # pads at the position after the part's last: overwritten later
+            positions[r] = torch.minimum(torch.arange(s.cached, s.cached + self.chunk), torch.tensor(end))
+            last.append(len(part) - 1)
+            s.cached = end
+        logits = self.model.extend(tokens, positions, state)
+        for r, s in enumerate(seqs):
+            if s.cached == len(s.tokens):  # the whole sequence is cached: its next token comes from this chunk
+                self._emit(s, logits[r, last[r]], events)
+
+    def _decode(self, seqs: list[_Seq], events: dict[Hashable, Event]) -> None:
+        batch = _bucket(self.model.batch_sizes, len(seqs))
+        state = self._state(batch)
+        self._tables(seqs, state)
+        tokens = torch.tensor([s.tokens[-1] for s in seqs])
+        positions = torch.tensor([len(s.tokens) - 1 for s in seqs])
+        logits = self.model.decode(tokens, positions, state)
+        for r, s in enumerate(seqs):
+            s.cached = len(s.tokens)
+            self._emit(s, logits[r], events)
+
+    def _emit(self, seq: _Seq, logits: torch.Tensor, events: dict[Hashable, Event]) -> None:
+        """Pick ``seq``'s next token from its ``logits [V]``; end it at a stop id or its length."""
+        token = int(seq.pick(logits[None])[0])
+        temperature = seq.request.temperature or 1.0  # a greedy token's under softmax(logits), as sample() gives it
+        invariant = self.model.plan.invariant
+        logprob = logprobs_of(logits, torch.tensor(token), temperature, invariant) if seq.request.logprobs else None
+        logprob = (float(logprob),) if logprob is not None else ()
+        seq.tokens.append(token)
+        seq.generated += 1
+        finished = "stop" if token in seq.stop else "length" if seq.generated >= seq.request.max_new_tokens else None
+        if finished is not None:
+            del self._running[seq.id]
+            self._pool = kv_blocks.release(self._pool, seq.id)
+        events[seq.id] = Event(seq.id, (token,), logprob, finished)
+
+
+def _bucket(sizes: Sequence[int], n: int) -> int:
+    return min(b for b in sizes if b >= n)
+
+
+def check_request(request: Any, model: Any, id: Hashable) -> None:
+    """Raise a one-line ValueError / TypeError naming request ``id`` and what is wrong with it."""
+    if not isinstance(request, Request):
+        raise TypeError(f"request {id!r}: expected a Request, got {type(request).__name__}")
+    try:
+        check_token_ids([request.prompt], model.config.vocab_size)
+        check_sampling(request.temperature, request.top_k, request.top_p, request.seed)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"request {id!r}: {str(e).removeprefix('generate: ').removeprefix('sampling: ')}") from None
+    n = request.max_new_tokens
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        raise ValueError(f"request {id!r}: max_new_tokens must be an int >= 1, got {n!r}")
+    if len(request.prompt) + n > model.max_seq_len:
+        raise ValueError(
+            f"request {id!r}: {len(request.prompt)} prompt tokens + {n} new exceed the engine's context of "
+            f"{model.max_seq_len} positions (compile_model's max_seq_len); shorten it or lower max_new_tokens"
+        )
+    bad = [t for t in (request.stop or ()) if not (isinstance(t, int) and 0 <= t < model.config.vocab_size)]
+    if bad:
+        raise ValueError(f"request {id!r}: stop ids {bad} are not in the vocabulary [0, {model.config.vocab_size})")
