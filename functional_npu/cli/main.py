@@ -22,6 +22,8 @@ from typing import Any
 
 from .args import positive, positive_number
 from .plan_command import add_parser as add_plan_parser
+from .serve_command import add_parser as add_serve_parser
+from .tokenizer import read_tokenizer
 
 _seconds = positive_number("seconds")
 
@@ -77,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_plan_parser(sub)
+    add_serve_parser(sub)
     gen = sub.add_parser(
         "generate", help="generate from a HF model directory on dp x tp local ranks (or under torchrun)"
     )
@@ -182,21 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": [...], "timings": {...}}')
     gen.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before local ranks are stopped")
     return parser
-
-
-def _tokenizer(model: Path) -> tuple[Any | None, str]:
-    """(the model's tokenizer or None, why it is None): a broken file is a reason, not a crash."""
-    file = model / "tokenizer.json"
-    if not file.is_file():
-        return None, f"{file} does not exist"
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None, "the 'tokenizers' package is not installed"
-    try:
-        return Tokenizer.from_file(str(file)), ""
-    except Exception as e:  # tokenizers raises its own exception type for a malformed file
-        return None, f"{file} cannot be read ({' '.join(str(e).split())[:120]})"
 
 
 def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[list[int]], Any]:
@@ -332,7 +320,7 @@ def _placement_of_flags(args: argparse.Namespace, cfg: Any, quant: Any, module_t
 
 def _prompts(args: argparse.Namespace, parser: argparse.ArgumentParser, model: Path) -> tuple[list[list[int]], Any]:
     """The prompts as token ids, and the tokenizer (None without one)."""
-    tok, why = _tokenizer(model)
+    tok, why = read_tokenizer(model)
     if args.prompt is not None:
         if tok is None:
             parser.error(f"--prompt needs the model's tokenizer, but {why}; pass --prompt-ids instead")
@@ -461,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.command == "serve":
+        from .serve_command import run_serve
+
+        return run_serve(args, parser)
     if args.command == "plan":
         from .plan_command import run_plan
 

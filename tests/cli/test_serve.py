@@ -1,0 +1,76 @@
+"""``python -m functional_npu serve`` as a user runs it: a fresh process on 127.0.0.1, the official ``openai`` client
+sending text (the checkpoint's tokenizer) and token ids, the checkpoint's eos id stopping a request, SIGTERM ending the
+server; bad flags refused in one line before anything loads."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from ..support.cli import refused
+from ..support.hf_models import save_tiny
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("serve-qwen2")
+    save_tiny("qwen2", path, 3)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_answers_the_openai_client_and_stops_on_sigterm(model):
+    from functional_npu import Mesh, compile_model, load_checkpoint
+
+    one = Mesh.abstract({"tp": 1}, 0)
+    ref = compile_model(load_checkpoint(str(model), one), one, backend="none", max_seq_len=64, prefill_lengths=[16])
+    want = ref.generate([[5, 6, 7]], 6)[0]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": want[2]}))  # stops after 3 tokens
+    port = _free_port()
+    argv = ["serve", "--model", str(model), "--port", str(port), "--backend", "none", "--max-seq-len", "64",
+            "--chunk", "16", "--blocks", "40", "--block-size", "8"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "functional_npu", *argv], stdout=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                out = client.completions.create(model="m", prompt="w5 w6 w7", max_tokens=6, temperature=0)
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.2)
+        choice = out.choices[0]
+        assert choice.model_extra["token_ids"] == want[:3] and choice.finish_reason == "stop"
+        assert choice.text.split() == [f"w{i}" for i in want[:3]]
+        ids = client.completions.create(
+            model="m", prompt=[5, 6, 7], max_tokens=6, temperature=0, extra_body={"stop_token_ids": []}
+        )
+        assert ids.choices[0].model_extra["token_ids"] == want  # stop_token_ids=[]: none
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, 143, -signal.SIGTERM)
+    assert "serving" in proc.stdout.read()
+
+
+def test_bad_serve_flags_are_refused_in_one_line(model, capsys):
+    refused(["serve", "--model", "/nonexistent"], "--model /nonexistent: no config.json there", capsys)
+    refused(["serve", "--model", str(model), "--blocks", "0"], "argument --blocks: expected a positive integer", capsys)
+    refused(["serve", "--model", str(model), "--chunk", "128", "--max-seq-len", "64"], "--chunk 128 exceeds", capsys)
+    refused(["serve", "--model", str(model), "--backend", "none", "--max-seq-len", "64", "--chunk", "16", "--blocks",
+             "3"], "cannot hold one sequence of max_seq_len 64", capsys)  # fmt: skip
