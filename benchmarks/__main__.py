@@ -38,6 +38,10 @@ COMMANDS = {
     ),
     "planner_map": ("planner_map", "where each technique pays, on paper: the serving planner over models and budgets"),
     "warm_start": ("warm_start", "a fresh process's load + compile + first generate: cold vs loaded from cache_dir"),
+    "serve": (
+        "bench_serve",
+        "served tokens/s on 64 mixed requests: the engine vs transformers' continuous batching vs lockstep generate",
+    ),
     "gpu": ("gpu", "the GPU script: the CUDA tests and the scoreboard on one NVIDIA GPU (exit 2 without CUDA)"),
     "train": ("bench_train", "train step time and peak memory on 2 gloo ranks: tp 2 vs FSDP2 vs transformers' tp"),
 }
