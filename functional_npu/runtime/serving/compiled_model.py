@@ -154,17 +154,20 @@ class CompiledModel:
             self._kv[b] = state
         return self._with_ring(state)
 
-    def paged_state(self, batch: int, kv: list) -> DecodeState:
+    def paged_state(self, batch: int, kv: list, like: DecodeState | None = None) -> DecodeState:
         """A decode state of a batch bucket over a paged KV cache ``kv`` (per layer a
         :class:`~functional_npu.models.paged.PagedKV`: pools shared by every bucket, this bucket's block table), and
-        the prefetch ring as :meth:`new_state` gives it. On a backend that captures graphs the pools and the table are
-        inputs at fixed addresses (the engine writes the table in place before each call)."""
+        the prefetch ring as :meth:`new_state` gives it, or ``like``'s ring and phase (the states of one engine carry
+        one ring through its steps, whichever bucket each step runs at). On a backend that captures graphs the pools
+        and the table are inputs at fixed addresses (the engine writes the table in place before each call)."""
         b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
         if kv[0].table.shape[0] != b:
             raise ValueError(f"paged_state: the block table has {kv[0].table.shape[0]} rows; the bucket is {b}")
         if self.backend.captures:
             for t in {id(t): t for layer in kv for t in layer}.values():
                 torch._dynamo.mark_static_address(t)
+        if like is not None:
+            return DecodeState(kv, like.prefetched, like.phase)
         return self._with_ring(DecodeState(kv, [], RingPhase()))
 
     def _with_ring(self, state: DecodeState) -> DecodeState:

@@ -73,6 +73,19 @@ class Event:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Call:
+    """One model call of a step, what every rank of a lockstep group runs: ``kind`` (``"extend"``: a prefill chunk,
+    ``tokens``/``positions`` ``[batch, chunk]``; ``"decode"``: ``[n]``), the ``batch`` bucket and the block table
+    ``rows [batch, width]``."""
+
+    kind: str
+    batch: int
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
+
+
 @dataclass
 class _Seq:
     """A request in the engine: its tokens so far (prompt, then generated), how many are cached, its sampler."""
@@ -137,6 +150,10 @@ class Engine:
         block_size: positions per block.
         chunk: the prefill chunk (default: the largest prompt-length bucket); must be one of the buckets.
         stop: the stop ids of a request that names none (default: none; :func:`stop_ids` reads a checkpoint's).
+        lockstep: the ranks of ``torch.distributed``'s default group serve one model together (tensor, expert or
+            module parallel, layer-sharded series): rank 0 schedules, samples and yields the events, and sends each
+            step's calls to the others, which run them in :meth:`follow` (the same calls, the same shapes) until
+            rank 0's :meth:`close`. Every wait has the process group's timeout.
     """
 
     model: Any
@@ -145,6 +162,7 @@ class Engine:
     block_size: int = 16
     chunk: int | None = None
     stop: tuple[int, ...] = ()
+    lockstep: bool = False
     _pool: kv_blocks.BlockPool = field(init=False, repr=False)
     _pools: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
     _states: dict[int, Any] = field(init=False, repr=False, default_factory=dict)
@@ -173,6 +191,10 @@ class Engine:
                 f"Engine: chunk {self.chunk} is not a compiled prompt-length bucket {list(model.prefill_lengths)}; "
                 f"pass one of them, or compile_model(prefill_lengths=[..., {self.chunk}])"
             )
+        if self.lockstep and not torch.distributed.is_initialized():
+            raise ValueError(
+                "Engine(lockstep=True): the ranks' process group is not initialized (run under a launcher)"
+            )
         self._pool = kv_blocks.new_pool(blocks, self.block_size)
         shape = (blocks, self.block_size, heads, hd)
         device = model.device
@@ -184,7 +206,12 @@ class Engine:
     # ---- the requests ------------------------------------------------------------------------------------------
 
     def add(self, request: Request, id: Hashable | None = None) -> Hashable:
-        """Queue ``request``; returns its id. Refused in one line naming the request (nothing else changes)."""
+        """Queue ``request`` (rank 0 of a lockstep group); returns its id. Refused in one line naming the request
+        (nothing else changes)."""
+        if self.lockstep and _rank() != 0:
+            raise ValueError(
+                f"Engine.add: rank {_rank()} follows rank 0's calls (Engine.follow); add requests on rank 0"
+            )
         id = next(self._ids) if id is None else id
         check_request(request, self.model, id)
         stop = frozenset(self.stop if request.stop is None else request.stop)
@@ -275,19 +302,41 @@ class Engine:
         if batch not in self._states:
             table = torch.zeros(batch, self.width, dtype=torch.long, device=self.model.device)
             kv = [PagedKV(k, v, table) for k, v in self._pools]
-            self._states[batch] = self.model.paged_state(batch, kv)
+            like = next(iter(self._states.values()), None)  # one prefetch ring and phase through every bucket
+            self._states[batch] = self.model.paged_state(batch, kv, like)
         return self._states[batch]
 
-    def _tables(self, seqs: Sequence[_Seq], state: Any) -> None:
+    def _rows(self, seqs: Sequence[_Seq], batch: int) -> torch.Tensor:
         rows = [kv_blocks.table_row(self._pool, s.id, self.width) for s in seqs]
-        table = state.kv[0].table
-        rows += [[0] * self.width] * (table.shape[0] - len(rows))
-        table.copy_(torch.tensor(rows, dtype=torch.long))
+        return torch.tensor(rows + [[0] * self.width] * (batch - len(rows)), dtype=torch.long)
+
+    def _execute(self, call: Call) -> torch.Tensor:
+        """Run ``call`` here (and, in lockstep, on every other rank first told of it): its logits."""
+        if self.lockstep:
+            _send(call)
+        return self._run_call(call)
+
+    def _run_call(self, call: Call) -> torch.Tensor:
+        state = self._state(call.batch)
+        state.kv[0].table.copy_(call.rows)
+        if call.kind == "extend":
+            return self.model.extend(call.tokens, call.positions, state)
+        return self.model.decode(call.tokens, call.positions, state)
+
+    def follow(self) -> None:
+        """A lockstep group's other ranks: run each call rank 0 sends, until its :meth:`close`."""
+        if not self.lockstep or _rank() == 0:
+            raise ValueError("Engine.follow: only the other ranks of a lockstep engine follow rank 0's calls")
+        while (call := _receive()) is not None:
+            self._run_call(call)
+
+    def close(self) -> None:
+        """Rank 0 of a lockstep group: release the ranks in :meth:`follow` (nothing to do on one rank)."""
+        if self.lockstep and _rank() == 0:
+            _send(None)
 
     def _prefill(self, seqs: list[_Seq], events: dict[Hashable, Event]) -> None:
         batch = _bucket(self.model.batch_sizes, len(seqs))
-        state = self._state(batch)
-        self._tables(seqs, state)
         tokens = torch.zeros(batch, self.chunk, dtype=torch.long)
         positions = torch.zeros(batch, self.chunk, dtype=torch.long)
         last = []
@@ -298,18 +347,16 @@ class Engine:
             positions[r] = torch.minimum(torch.arange(s.cached, s.cached + self.chunk), torch.tensor(end))
             last.append(len(part) - 1)
             s.cached = end
-        logits = self.model.extend(tokens, positions, state)
+        logits = self._execute(Call("extend", batch, tokens, positions, self._rows(seqs, batch)))
         for r, s in enumerate(seqs):
             if s.cached == len(s.tokens):  # the whole sequence is cached: its next token comes from this chunk
                 self._emit(s, logits[r, last[r]], events)
 
     def _decode(self, seqs: list[_Seq], events: dict[Hashable, Event]) -> None:
         batch = _bucket(self.model.batch_sizes, len(seqs))
-        state = self._state(batch)
-        self._tables(seqs, state)
         tokens = torch.tensor([s.tokens[-1] for s in seqs])
         positions = torch.tensor([len(s.tokens) - 1 for s in seqs])
-        logits = self.model.decode(tokens, positions, state)
+        logits = self._execute(Call("decode", batch, tokens, positions, self._rows(seqs, batch)))
         for r, s in enumerate(seqs):
             s.cached = len(s.tokens)
             self._emit(s, logits[r], events)
@@ -332,6 +379,21 @@ class Engine:
 
 def _bucket(sizes: Sequence[int], n: int) -> int:
     return min(b for b in sizes if b >= n)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _send(call: Call | None) -> None:
+    """Rank 0: ``call`` (None: the end) to every rank of the default group."""
+    torch.distributed.broadcast_object_list([call], src=0)
+
+
+def _receive() -> Call | None:
+    got: list[Any] = [None]
+    torch.distributed.broadcast_object_list(got, src=0)
+    return got[0]
 
 
 def check_request(request: Any, model: Any, id: Hashable) -> None:
