@@ -24,6 +24,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on; default 127.0.0.1 (this machine)")
     p.add_argument("--port", type=positive, default=8000)
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel local ranks serving in lockstep")
+    p.add_argument(
+        "--timeout", type=positive_number("seconds"), default=60.0,
+        help="seconds a rank waits for another before the server stops (a dead rank: 503 within it); default 60",
+    )  # fmt: skip
     p.add_argument("--name", default=None, help="the model's name in responses; default the directory's name")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="read floating weights in this dtype")
     p.add_argument("--backend", default="auto", choices=["auto", "inductor", "torchair", "eager", "aot_eager", "none"])
@@ -36,41 +41,66 @@ def add_parser(sub: Any) -> None:
     pool.add_argument("--blocks", type=positive, default=None, help="the KV pool's blocks")
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    """The compiled model and its engine for ``args`` (one rank)."""
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """What every rank needs to build its engine (picklable)."""
+    keys = ("model", "dtype", "backend", "max_seq_len", "batch_sizes", "chunk", "block_size", "blocks", "kv_gb", "tp")
+    return {k: getattr(args, k) for k in keys}
+
+
+def build_engine(ctx: Any, o: dict[str, Any]) -> Any:
+    """This rank's compiled model and engine (in lockstep over ``tp`` ranks when ``tp > 1``)."""
     import torch
 
-    from ..core.mesh import Mesh
+    from ..parallel.plan import Plan
     from ..runtime.loading import load_checkpoint
     from ..runtime.serving import Engine, compile_model, stop_ids
 
-    one = Mesh.abstract({"tp": 1}, 0)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    params = load_checkpoint(args.model, one, dtype=dtype)
+    mesh = ctx.mesh({"tp": o["tp"]})
+    dtype = getattr(torch, o["dtype"]) if o["dtype"] else None
+    params = load_checkpoint(o["model"], mesh, Plan(tp="tp"), dtype=dtype)
     model = compile_model(
-        params, one, backend=args.backend, batch_sizes=args.batch_sizes, max_seq_len=args.max_seq_len,
-        prefill_lengths=sorted({args.chunk, *(n for n in (16, 64) if n < args.chunk)}),
+        params, mesh, backend=o["backend"], batch_sizes=o["batch_sizes"], max_seq_len=o["max_seq_len"],
+        prefill_lengths=sorted({o["chunk"], *(n for n in (16, 64) if n < o["chunk"])}),
     )  # fmt: skip
-    blocks = args.blocks if args.kv_gb is None else None
-    blocks = blocks if blocks is not None or args.kv_gb is not None else 8 * -(-args.max_seq_len // args.block_size)
-    kv_bytes = int(args.kv_gb * 1e9) if args.kv_gb is not None else None
-    return Engine(model, blocks=blocks, kv_bytes=kv_bytes, block_size=args.block_size, chunk=args.chunk,
-                  stop=stop_ids(args.model))  # fmt: skip
+    kv_bytes = int(o["kv_gb"] * 1e9) if o["kv_gb"] is not None else None
+    blocks = (
+        o["blocks"] if o["blocks"] is not None or kv_bytes is not None else 8 * -(-o["max_seq_len"] // o["block_size"])
+    )
+    return Engine(model, blocks=blocks, kv_bytes=kv_bytes, block_size=o["block_size"], chunk=o["chunk"],
+                  stop=stop_ids(o["model"]), lockstep=o["tp"] > 1)  # fmt: skip
+
+
+def serve_on_rank(ctx: Any, o: dict[str, Any], host: str, port: int, name: str) -> None:
+    """A rank of the server: rank 0 serves HTTP until stopped, the others follow its calls."""
+    from ..runtime.serving.server import serve
+
+    engine = build_engine(ctx, o)
+    if ctx.rank != 0:
+        engine.follow()
+        return
+    tok, _ = read_tokenizer(Path(o["model"]))
+    print(f"serving {name} on http://{host}:{port}/v1 ({o['tp']} rank(s); pool: {engine.pool.size} blocks)", flush=True)
+    serve(engine, name, host=host, port=port, tokenizer=tok)
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from ..runtime.serving.server import serve
+    from ..runtime.launch import LocalWorld, RankContext
+    from .errors import WORLD_ERRORS, world_failed
 
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there; pass a HF model directory")
     if args.chunk > args.max_seq_len:
         parser.error(f"--chunk {args.chunk} exceeds --max-seq-len {args.max_seq_len}; use a smaller chunk")
-    try:
-        engine = build_engine(args)
-    except ValueError as e:
-        parser.error(str(e))
-    tok, _ = read_tokenizer(Path(args.model))
     name = args.name or Path(args.model).resolve().name
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (pool: {engine.pool.size} blocks)", flush=True)
-    serve(engine, name, host=args.host, port=args.port, tokenizer=tok)
+    if args.tp == 1:
+        try:
+            serve_on_rank(RankContext(0, 1), _options(args), args.host, args.port, name)
+        except ValueError as e:
+            parser.error(str(e))
+        return 0
+    try:
+        with LocalWorld(args.tp, timeout=args.timeout, pg_timeout=args.timeout) as world:
+            world.run(serve_on_rank, _options(args), args.host, args.port, name, timeout=float("inf"))
+    except WORLD_ERRORS as e:
+        return world_failed(e)
     return 0

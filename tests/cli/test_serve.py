@@ -74,3 +74,45 @@ def test_bad_serve_flags_are_refused_in_one_line(model, capsys):
     refused(["serve", "--model", str(model), "--chunk", "128", "--max-seq-len", "64"], "--chunk 128 exceeds", capsys)
     refused(["serve", "--model", str(model), "--backend", "none", "--max-seq-len", "64", "--chunk", "16", "--blocks",
              "3"], "cannot hold one sequence of max_seq_len 64", capsys)  # fmt: skip
+
+
+def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
+    """--tp 2: rank 0 serves, rank 1 follows its calls; the tokens are the one-rank model's; an idle spell longer than
+    the ranks' timeout (rank 1 waiting for the next call) is kept alive by rank 0; a SIGTERM to the command ends every
+    process of its group."""
+    from functional_npu import Mesh, compile_model, load_checkpoint
+
+    from ..support.cli import live_in_group
+
+    one = Mesh.abstract({"tp": 1}, 0)
+    ref = compile_model(load_checkpoint(str(model), one), one, backend="none", max_seq_len=64, prefill_lengths=[16])
+    port = _free_port()
+    argv = ["serve", "--model", str(model), "--port", str(port), "--backend", "none", "--max-seq-len", "64",
+            "--chunk", "16", "--blocks", "40", "--block-size", "8", "--tp", "2", "--timeout", "12"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "functional_npu", *argv], start_new_session=True, text=True,
+                            stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                out = client.completions.create(model="m", prompt=[[5, 6, 7], [9, 10, 11, 12]], max_tokens=5,
+                                                temperature=0, extra_body={"stop_token_ids": []})  # fmt: skip
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.3)
+        got = [c.model_extra["token_ids"] for c in out.choices]
+        assert got == [ref.generate([p], 5)[0] for p in ([5, 6, 7], [9, 10, 11, 12])]
+        time.sleep(15)  # idle past the ranks' 12 s timeout
+        again = client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=5, temperature=0,
+                                          extra_body={"stop_token_ids": []})  # fmt: skip
+        assert again.choices[0].model_extra["token_ids"] == got[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while live_in_group(proc.pid):
+        assert time.monotonic() < deadline, f"processes outlived the server: {live_in_group(proc.pid)}"
+        time.sleep(0.2)
+    assert "2 rank(s)" in proc.stdout.read()

@@ -328,7 +328,14 @@ class Engine:
         if not self.lockstep or _rank() == 0:
             raise ValueError("Engine.follow: only the other ranks of a lockstep engine follow rank 0's calls")
         while (call := _receive()) is not None:
-            self._run_call(call)
+            if call != "idle":
+                self._run_call(call)
+
+    def keepalive(self) -> None:
+        """Rank 0 of a lockstep group with nothing to run: tell the others it is alive (their wait for the next call
+        has the process group's timeout; an idle server sends this well within it)."""
+        if self.lockstep and _rank() == 0:
+            _send("idle")
 
     def close(self) -> None:
         """Rank 0 of a lockstep group: release the ranks in :meth:`follow` (nothing to do on one rank)."""
@@ -385,12 +392,12 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _send(call: Call | None) -> None:
+def _send(call: Call | str | None) -> None:
     """Rank 0: ``call`` (None: the end) to every rank of the default group."""
     torch.distributed.broadcast_object_list([call], src=0)
 
 
-def _receive() -> Call | None:
+def _receive() -> Call | str | None:
     got: list[Any] = [None]
     torch.distributed.broadcast_object_list(got, src=0)
     return got[0]

@@ -36,6 +36,7 @@ class EngineLoop:
 
     engine: Engine
     idle_s: float = 0.01
+    keepalive_s: float = 5.0  # a lockstep engine's other ranks hear from rank 0 at least this often
     failed: str | None = None
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
     _subscribers: dict = field(default_factory=dict, repr=False)
@@ -77,11 +78,17 @@ class EngineLoop:
             self._subscribers.pop(event.id, None)
 
     def _run(self) -> None:
+        heard = time.monotonic()
         try:
             while not self._stop.is_set():
                 self._take_inbox(block=not self.engine.has_work())
-                for event in self.engine.step() if self.engine.has_work() else ():
-                    self._deliver(event)
+                if self.engine.has_work():
+                    for event in self.engine.step():
+                        self._deliver(event)
+                    heard = time.monotonic()
+                elif time.monotonic() - heard > self.keepalive_s:
+                    self.engine.keepalive()
+                    heard = time.monotonic()
         except Exception as e:  # noqa: BLE001 - a failed step ends every request with its reason, and the health
             self.failed = f"the engine stopped: {type(e).__name__}: {e}"
             for id in list(self._subscribers):
@@ -238,3 +245,5 @@ def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 
         uvicorn.run(completions_app(loop, model_name, tokenizer), host=host, port=port, log_level="warning")
     finally:
         loop.stop()
+        if loop.failed is None:
+            engine.close()  # a lockstep engine's other ranks return from follow()
