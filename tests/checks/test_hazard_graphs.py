@@ -47,16 +47,16 @@ def _swap(text, a, b):
 def test_golden_aten_graph_with_two_slot_inputs_swapped_reads_and_writes_the_wrong_layers():
     """The k = 2 graph with the input indices of slots 0 and 1 swapped (their places in the signature)."""
     case = _case("qwen3-dp2-layer_shard-k2-decode")
-    text = _swap(read_artifact(GRAPHS, case.name, "graph.txt"), 'arg5_1: "f32[12288]"', 'arg7_1: "f32[12288]"')
+    text = _swap(read_artifact(GRAPHS, case.name, "graph.txt"), 'arg5_1: "f32[12288]"', 'arg6_1: "f32[12288]"')
     assert _check(case, text)[0] == [
         "the right layer: auto_functionalized_v2_1 writes layer 3 into arg5_1 (ring slot 1); layer 3 belongs in ring "
         "slot 0",
-        "the right layer: auto_functionalized_v2_2 writes layer 4 into arg7_1 (ring slot 0); layer 4 belongs in ring "
+        "the right layer: auto_functionalized_v2_2 writes layer 4 into arg6_1 (ring slot 0); layer 4 belongs in ring "
         "slot 1",
         "the right layer: mm_1 reads layer 0 from arg5_1 (ring slot 1), which holds layer 1 then",
         "the right layer: mm_3 reads layer 0 from arg5_1 (ring slot 1), which holds layer 1 then",
-        "the right layer: mm_5 reads layer 1 from arg7_1 (ring slot 0), which holds layer 0 then",
-        "the right layer: mm_7 reads layer 1 from arg7_1 (ring slot 0), which holds layer 0 then",
+        "the right layer: mm_5 reads layer 1 from arg6_1 (ring slot 0), which holds layer 0 then",
+        "the right layer: mm_7 reads layer 1 from arg6_1 (ring slot 0), which holds layer 0 then",
     ]
 
 
@@ -76,8 +76,8 @@ UNGATED = {  # case: (the write, its ``after``, the findings without it)
         "auto_functionalized_v2_2",
         "add_15",
         [
-            "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
-            "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
+            "write after read: auto_functionalized_v2_2 writes arg6_1 unordered with mm_5, which reads it",
+            "write after read: auto_functionalized_v2_2 writes arg6_1 unordered with mm_7, which reads it",
         ],
     ),
     # the ring filled from host memory (L = 3, k = 1): layer 2's copy into slot 0 without the residual entering layer
@@ -107,9 +107,9 @@ def test_golden_aten_graph_with_two_writes_of_a_slot_unordered_is_write_after_wr
     case = _case("qwen3-dp2-layer_shard-k1-decode")
     text = read_artifact(GRAPHS, case.name, "graph.txt")
     text = _edit(text, "auto_functionalized_v2_2 =", "after = add_15", "after = None")
-    text = _edit(text, "auto_functionalized_v2_2 =", "_all_bases = [getitem_1]", "_all_bases = [arg7_1]")
+    text = _edit(text, "auto_functionalized_v2_2 =", "_all_bases = [getitem_1]", "_all_bases = [arg6_1]")
     assert _check(case, text)[0] == [
-        "write after write: auto_functionalized_v2 and auto_functionalized_v2_2 write arg7_1 unordered",
-        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_5, which reads it",
-        "write after read: auto_functionalized_v2_2 writes arg7_1 unordered with mm_7, which reads it",
+        "write after write: auto_functionalized_v2 and auto_functionalized_v2_2 write arg6_1 unordered",
+        "write after read: auto_functionalized_v2_2 writes arg6_1 unordered with mm_5, which reads it",
+        "write after read: auto_functionalized_v2_2 writes arg6_1 unordered with mm_7, which reads it",
     ]

@@ -64,17 +64,17 @@ def test_golden_capture_with_two_slot_inputs_swapped_reads_and_writes_the_wrong_
     swapped = _swap_lines(
         text,
         "    %arg5_1 : [num_users=3] = placeholder[target=arg5_1]\n",
-        "    %arg7_1 : [num_users=2] = placeholder[target=arg7_1]\n",
+        "    %arg6_1 : [num_users=2] = placeholder[target=arg6_1]\n",
     )
     assert acl_graph.prefetch_report(_golden(name, swapped), 2)["problems"] == [
         "the right layer: broadcast_into_default_2 writes layer 3 into arg5_1 (ring slot 1); layer 3 belongs in ring "
         "slot 0",
-        "the right layer: broadcast_into_default_1 writes layer 4 into arg7_1 (ring slot 0); layer 4 belongs in ring "
+        "the right layer: broadcast_into_default_1 writes layer 4 into arg6_1 (ring slot 0); layer 4 belongs in ring "
         "slot 1",
         "the right layer: mm_1 reads layer 0 from arg5_1 (ring slot 1), which holds layer 1 then",
         "the right layer: mm_3 reads layer 0 from arg5_1 (ring slot 1), which holds layer 1 then",
-        "the right layer: mm_5 reads layer 1 from arg7_1 (ring slot 0), which holds layer 0 then",
-        "the right layer: mm_7 reads layer 1 from arg7_1 (ring slot 0), which holds layer 0 then",
+        "the right layer: mm_5 reads layer 1 from arg6_1 (ring slot 0), which holds layer 0 then",
+        "the right layer: mm_7 reads layer 1 from arg6_1 (ring slot 0), which holds layer 0 then",
     ]
 
 
@@ -90,8 +90,8 @@ def test_golden_capture_without_one_issue_event_writes_a_slot_still_read():
     del lines[waits[2]]  # the third broadcast's: layer 3's
     problems = acl_graph.prefetch_report(_golden(name, "".join(lines)), 1)["problems"]
     assert problems == [
-        "write after read: broadcast_into_default_1 writes arg7_1 unordered with mm_5, which reads it",
-        "write after read: broadcast_into_default_1 writes arg7_1 unordered with mm_7, which reads it",
+        "write after read: broadcast_into_default_1 writes arg6_1 unordered with mm_5, which reads it",
+        "write after read: broadcast_into_default_1 writes arg6_1 unordered with mm_7, which reads it",
     ]
 
 
