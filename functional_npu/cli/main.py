@@ -1,4 +1,4 @@
-"""Command line: ``python -m functional_npu {demo,plan,generate}``, what a user runs for a model.
+"""Command line: ``python -m functional_npu {demo,plan,serve,generate}``, what a user runs for a model.
 
 Bad arguments are one clear line and exit code 2. ``generate`` starts ``dp x tp`` local gloo ranks
 itself, or joins the world of ``torchrun`` (env:// init, so it also works across nodes). The

@@ -221,12 +221,12 @@ def test_settings_a_rank_would_trip_on_are_refused_before_ranks_start(model, arg
 
 @pytest.mark.parametrize("gone", ["bench", "graphs"])
 def test_the_package_runs_models_only(gone, capsys):
-    """demo and generate; the benchmarks and the golden graphs are the repository's (python -m benchmarks bench,
+    """demo, plan, serve and generate; the benchmarks and the golden graphs are the repository's (python -m benchmarks bench,
     python -m tools.graphs)."""
     from functional_npu.cli import build_parser
 
     refused([gone], f"invalid choice: '{gone}'", capsys)
-    assert "{demo,plan,generate}" in build_parser().format_usage()
+    assert "{demo,plan,serve,generate}" in build_parser().format_usage()
 
 
 def test_a_prompt_filling_the_positions_but_one_generates_its_one_token(model):
