@@ -24,7 +24,7 @@ from ..core.mesh import Mesh
 from . import invariant_ops as inv
 from .linear import int8_activations, linear, row_parallel, token_amax
 from .norm import rms_norm
-from .paged import PagedKV, indices
+from .paged import PagedKV, indices, paged
 
 __all__ = [
     "Rotary",
@@ -230,7 +230,7 @@ def store(kv: KV, k: torch.Tensor, v: torch.Tensor, step: Step) -> KV:
     the queries attend over: the cache, or (``step.gather``) ``[cache as it was | k, v]``, or for a paged cache
     (``step.write``) the pool gathered at ``step.read``, ``[B, kv heads, C, hd]``."""
     if step.write is not None:
-        return tuple(_paged(pool, x, step) for pool, x in ((kv[0], k), (kv[1], v)))
+        return paged(kv[0], k, step.write, step.read), paged(kv[1], v, step.write, step.read)
     if not step.gather:
         kv[0].scatter_(2, step.slot, k)
         kv[1].scatter_(2, step.slot, v)
@@ -239,14 +239,6 @@ def store(kv: KV, k: torch.Tensor, v: torch.Tensor, step: Step) -> KV:
     kv[0].copy_(keys.gather(2, step.slot))
     kv[1].copy_(values.gather(2, step.slot))
     return keys, values
-
-
-def _paged(pool: torch.Tensor, x: torch.Tensor, step: Step) -> torch.Tensor:
-    """Write ``x [B, kv heads, S, hd]`` into ``pool [blocks, block_size, kv heads, hd]`` at ``step.write`` (in place);
-    the pool gathered at ``step.read``, ``[B, kv heads, C, hd]``."""
-    flat = pool.view(-1, pool.shape[2], pool.shape[3])
-    flat.index_copy_(0, step.write.reshape(-1), x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]))
-    return flat[step.read].transpose(1, 2)
 
 
 def output_projection(attn: torch.Tensor, w: Any, mesh: Mesh, *, tp: str, axes: tuple[str, ...] = ()) -> torch.Tensor:

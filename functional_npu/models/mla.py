@@ -44,6 +44,7 @@ from . import invariant_ops as inv
 from .attention import attend, attention_mask, output_projection
 from .linear import dense, linear
 from .norm import rms_norm
+from .paged import PagedKV, indices, paged
 
 __all__ = [
     "LatentAttention",
@@ -90,8 +91,10 @@ class MlaStep(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     mask: torch.Tensor
-    slot_c: torch.Tensor
-    slot_r: torch.Tensor
+    slot_c: torch.Tensor | None
+    slot_r: torch.Tensor | None
+    read: torch.Tensor | None = None  # a paged cache's flat pool rows (models.paged.indices): every position's
+    write: torch.Tensor | None = None  # and this step's
 
 
 def local_heads(cfg: LatentAttention, tp: int) -> int:
@@ -147,6 +150,9 @@ def prepare(
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, dr]
     sin, cos = inv.sin_cos(emb) if invariant else (emb.sin(), emb.cos())
     cos, sin = (cos * factor).to(dtype), (sin * factor).to(dtype)
+    if isinstance(kv, PagedKV):  # blocks of the latent (or of the heads' keys and values)
+        read, write = indices(kv.table, positions, kv.k.shape[1])
+        return MlaStep(cos, sin, attention_mask(positions, read.shape[1], None), None, None, read, write)
     mask = attention_mask(positions, kv[0].shape[2], None)
     at = positions[:, None, :, None]  # the cache slots, shaped like either cache's new entries
     slot_c = at.expand(b, kv[0].shape[1], s, kv[0].shape[3])
@@ -193,13 +199,10 @@ def mla(
     k_rot = _rotate(k_rot[:, None], step.cos, step.sin, cfg.rope_interleave)  # [B, 1, S, dr]
     scale = softmax_scale(cfg)
     if plan.mla_cache == "heads":  # the baseline: every head's keys and values cached
-        keys, values = _expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv, invariant)
-        kv[0].scatter_(2, step.slot_c, keys)
-        kv[1].scatter_(2, step.slot_r, values)
-        out = _attend(torch.cat([q_nope, q_rot], dim=-1), kv[0], kv[1], step.mask, scale, kind, invariant)
+        keys, values = _store(kv, *_expand(layer["kv_b_proj"], c, k_rot, nh, dn, dv, invariant), step)
+        out = _attend(torch.cat([q_nope, q_rot], dim=-1), keys, values, step.mask, scale, kind, invariant)
     else:
-        kv[0].scatter_(2, step.slot_c, c)
-        kv[1].scatter_(2, step.slot_r, k_rot)
+        kv = _store(kv, c, k_rot, step)
         w_kv = dense(layer["kv_b_proj"])
         # (quantized: plain; invariant: plain in prefill, decode and training alike, the absorbed form reduces in
         # another order)
@@ -211,6 +214,17 @@ def mla(
     if invariant:
         return inv.row_parallel(attn, layer["o_proj"], mesh, tp)
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=plan.module_tp.o_proj)
+
+
+def _store(kv: KV, first: torch.Tensor, second: torch.Tensor, step: MlaStep) -> KV:
+    """Write this step's cache entries (``[B, 1, S, R]`` latents and ``[B, 1, S, dr]`` rope keys, or the heads'
+    keys and values) into ``kv`` in place; returns what attention reads: the cache, or a paged cache's pools
+    gathered at ``step.read``."""
+    if step.write is not None:
+        return paged(kv[0], first, step.write, step.read), paged(kv[1], second, step.write, step.read)
+    kv[0].scatter_(2, step.slot_c, first)
+    kv[1].scatter_(2, step.slot_r, second)
+    return kv
 
 
 def _attend(q, keys, values, mask, scale: float, kind: str, invariant: bool) -> torch.Tensor:

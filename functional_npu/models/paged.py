@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["PagedKV", "indices", "init_paged_kv", "pool_bytes", "NULL_BLOCK"]
+__all__ = ["PagedKV", "Tails", "indices", "paged", "tails_of", "init_paged_kv", "pool_bytes", "NULL_BLOCK"]
 
 NULL_BLOCK = 0  # takes padding's writes; never a sequence's
 
@@ -47,25 +47,38 @@ def indices(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tu
     return read, torch.where(within, write, NULL_BLOCK * block_size + positions % block_size)
 
 
-def init_paged_kv(
-    kv_heads: int,
-    head_dim: int,
-    num_layers: int,
-    blocks: int,
-    block_size: int,
-    table: torch.Tensor,
-    dtype: torch.dtype,
-    device: Any = None,
-) -> list[PagedKV]:
-    """Zeroed pools of ``blocks`` blocks (block 0 the null block) for ``num_layers`` layers of ``kv_heads`` local KV
-    heads, each layer reading ``table``."""
-    shape = (blocks, block_size, kv_heads, head_dim)
+def paged(pool: torch.Tensor, x: torch.Tensor, write: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """Write ``x [B, heads, S, d]`` into ``pool [blocks, block_size, heads, d]`` at the flat rows ``write [B, S]`` (in
+    place); the pool gathered at ``read [B, C]``, ``[B, heads, C, d]``."""
+    flat = pool.view(-1, pool.shape[2], pool.shape[3])
+    flat.index_copy_(0, write.reshape(-1), x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]))
+    return flat[read].transpose(1, 2)
+
+
+Tails = list[tuple[tuple[int, int], tuple[int, int]]]  # per layer: the (heads, dim) of its two pools
+
+
+def tails_of(contiguous: list) -> Tails:
+    """Each layer's pools' ``(heads, dim)`` from the family's contiguous cache of one sequence and one position
+    (``Blocks.init_kv``, made on the meta device): ``[1, heads, 1, dim]`` each, whatever the attention (grouped
+    KV heads, MLA's latent and rope keys, or its heads' keys and values)."""
+    return [((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3])) for k, v in contiguous]
+
+
+def init_paged_kv(tails: Tails, blocks: int, block_size: int, table: torch.Tensor, dtype: torch.dtype,
+                  device: Any = None) -> list[PagedKV]:  # fmt: skip
+    """Zeroed pools of ``blocks`` blocks (block 0 the null block) per layer, each layer reading ``table``."""
     return [
-        PagedKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), table)
-        for _ in range(num_layers)
+        PagedKV(
+            torch.zeros(blocks, block_size, *k, dtype=dtype, device=device),
+            torch.zeros(blocks, block_size, *v, dtype=dtype, device=device),
+            table,
+        )
+        for k, v in tails
     ]
 
 
-def pool_bytes(kv_heads: int, head_dim: int, num_layers: int, blocks: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of a pool of ``blocks`` blocks: keys and values of every layer."""
-    return 2 * num_layers * blocks * block_size * kv_heads * head_dim * dtype.itemsize
+def pool_bytes(tails: Tails, blocks: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of a pool of ``blocks`` blocks: both pools of every layer."""
+    per_position = sum(k[0] * k[1] + v[0] * v[1] for k, v in tails)
+    return blocks * block_size * per_position * dtype.itemsize

@@ -178,3 +178,38 @@ def test_logprobs_under_shifting_batches_are_the_training_forwards_bit_for_bit(m
         full = torch.tensor([list(r.prompt) + tokens])
         want = token_logprobs(model.params, full, ONE, temperature=r.temperature)[0, len(r.prompt) - 1 :]
         assert torch.equal(got, want), (i, got, want)
+
+
+@pytest.mark.parametrize(
+    "family, plan",
+    [
+        ("deepseek_v3", {}),  # blocks of the latent and the rope keys (the absorbed decode)
+        ("deepseek_v3", {"mla_cache": "heads"}),  # blocks of every head's keys and values
+        ("qwen3_moe", {}),
+    ],
+    ids=["deepseek-latent", "deepseek-heads", "qwen3-moe"],
+)
+def test_every_attention_kind_is_served_as_generate_alone(tmp_path, family, plan):
+    from functional_npu import Plan
+
+    from ..support.hf_models import save_tiny_deepseek, save_tiny_moe
+
+    (save_tiny_deepseek if family.startswith("deepseek") else save_tiny_moe)(family, tmp_path, 3)
+    params = load_checkpoint(str(tmp_path), ONE, Plan(**plan))
+    shapes = dict(batch_sizes=[1, 2, 4], max_seq_len=40, prefill_lengths=[8, 32])
+    model = compile_model(params, ONE, backend="none", **shapes)
+    reqs = [Request(tuple(range(3, 3 + n)), max_new_tokens=m, stop=()) for n, m in ((4, 6), (13, 9), (1, 5))]
+    engine = Engine(model, blocks=30, block_size=4, chunk=8)
+    events = _serve(engine, [(i, r) for i, r in enumerate(reqs)], {})
+    for i, r in enumerate(reqs):
+        assert [t for e in events[i] for t in e.tokens] == model.generate([list(r.prompt)], r.max_new_tokens)[0]
+    assert engine.pool.used == 0
+
+
+def test_a_family_with_sliding_rings_is_refused_naming_it(tmp_path):
+    from ..support.hf_models import save_tiny_gemma3
+
+    save_tiny_gemma3("gemma3", tmp_path, 3)
+    model = compile_model(load_checkpoint(str(tmp_path), ONE), ONE, backend="none", max_seq_len=40)
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM's sliding layers keep a ring of their window"):
+        Engine(model, blocks=30, block_size=4)

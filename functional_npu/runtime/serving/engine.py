@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ...models.paged import PagedKV, pool_bytes
+from ...models import family_of
+from ...models.paged import PagedKV, Tails, init_paged_kv, pool_bytes, tails_of
 from . import kv_blocks
 from .generate import check_sampling, check_token_ids, logprobs_of, sampler
 
@@ -119,23 +120,29 @@ def stop_ids(model_dir: str | Path) -> tuple[int, ...]:
 
 
 def blocks_in(model: Any, kv_bytes: int, block_size: int) -> int:
-    """The blocks of ``block_size`` positions a budget of ``kv_bytes`` holds on each rank, with ``model``'s layers,
-    local KV heads and dtype (:func:`~functional_npu.models.paged.pool_bytes`, the one rule)."""
-    heads, hd, layers, dtype = _kv_shape(model)
-    return kv_bytes // pool_bytes(heads, hd, layers, 1, block_size, dtype)
+    """The blocks of ``block_size`` positions a budget of ``kv_bytes`` holds on each rank, with ``model``'s cache
+    (:func:`~functional_npu.models.paged.pool_bytes`, the one rule)."""
+    return kv_bytes // pool_bytes(_tails(model), 1, block_size, _dtype(model))
 
 
-def _kv_shape(model: Any) -> tuple[int, int, int, torch.dtype]:
-    """(local KV heads, head dim, layers, dtype) of a model whose attention a paged cache serves."""
+def _dtype(model: Any) -> torch.dtype:
+    return model.params["embed"].dtype
+
+
+def _tails(model: Any) -> Tails:
+    """Each layer's pools' ``(heads, dim)`` on this rank, from the family's own cache (:func:`~.paged.tails_of`).
+
+    Raises:
+        ValueError: a family whose sliding layers keep a ring of the window (Gemma 3).
+    """
     cfg = model.config
-    family = getattr(cfg, "architecture", type(cfg).__name__)
-    if not hasattr(cfg, "num_kv_heads") or getattr(cfg, "layer_types", None) or hasattr(cfg, "kv_lora_rank"):
+    if getattr(cfg, "layer_types", None):
         raise ValueError(
-            f"Engine: the paged KV cache serves grouped-query attention (dense and MoE families); {family}'s attention "
-            f"(a latent cache or sliding layers) is served by generate()"
+            f"Engine: {cfg.architecture}'s sliding layers keep a ring of their window, which the paged cache does not "
+            f"serve yet (dense, MoE and DeepSeek's latent cache it does): serve it with generate()"
         )
-    tp = model.mesh.axis_size(model.plan.tp) if model.plan.tp in model.mesh.axis_names else 1
-    return max(1, cfg.num_kv_heads // tp), cfg.head_dim, cfg.num_layers, model.params["embed"].dtype
+    blocks = family_of(cfg).blocks(cfg, model.plan)
+    return tails_of(blocks.init_kv(model.mesh, 1, 1, _dtype(model), "meta"))
 
 
 @dataclass
@@ -164,7 +171,7 @@ class Engine:
     stop: tuple[int, ...] = ()
     lockstep: bool = False
     _pool: kv_blocks.BlockPool = field(init=False, repr=False)
-    _pools: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+    _pools: list[tuple[torch.Tensor, torch.Tensor]] | None = field(init=False, repr=False, default=None)
     _states: dict[int, Any] = field(init=False, repr=False, default_factory=dict)
     _waiting: deque = field(init=False, repr=False, default_factory=deque)
     _running: dict = field(init=False, repr=False, default_factory=dict)
@@ -173,13 +180,13 @@ class Engine:
 
     def __post_init__(self) -> None:
         model = self.model
-        heads, hd, layers, dtype = _kv_shape(model)
+        tails, dtype = _tails(model), _dtype(model)
         self.width = kv_blocks.blocks_for(model.max_seq_len, self.block_size)  # a table row: the longest sequence
         if (self.blocks is None) == (self.kv_bytes is None):
             raise ValueError("Engine: give the pool as blocks=N or as a budget kv_bytes=B (one of the two)")
         blocks = self.blocks if self.blocks is not None else blocks_in(model, self.kv_bytes, self.block_size)
         if blocks < self.width + 1:
-            one = pool_bytes(heads, hd, layers, self.width + 1, self.block_size, dtype)
+            one = pool_bytes(tails, self.width + 1, self.block_size, dtype)
             raise ValueError(
                 f"Engine: a pool of {blocks} blocks of {self.block_size} positions cannot hold one sequence of "
                 f"max_seq_len {model.max_seq_len} ({self.width} blocks, and the null block): give at least "
@@ -196,12 +203,7 @@ class Engine:
                 "Engine(lockstep=True): the ranks' process group is not initialized (run under a launcher)"
             )
         self._pool = kv_blocks.new_pool(blocks, self.block_size)
-        shape = (blocks, self.block_size, heads, hd)
-        device = model.device
-        self._pools = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(layers)
-        ]
+        self._tails, self._blocks = tails, blocks
 
     # ---- the requests ------------------------------------------------------------------------------------------
 
@@ -301,6 +303,10 @@ class Engine:
         """The decode state of a batch bucket: the shared pools and this bucket's block table (one address)."""
         if batch not in self._states:
             table = torch.zeros(batch, self.width, dtype=torch.long, device=self.model.device)
+            if self._pools is None:  # made on first use: one pool per layer, shared by every bucket
+                made = init_paged_kv(self._tails, self._blocks, self.block_size, table, _dtype(self.model),
+                                     self.model.device)  # fmt: skip
+                self._pools = [(layer.k, layer.v) for layer in made]
             kv = [PagedKV(k, v, table) for k, v in self._pools]
             like = next(iter(self._states.values()), None)  # one prefetch ring and phase through every bucket
             self._states[batch] = self.model.paged_state(batch, kv, like)
