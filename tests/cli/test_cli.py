@@ -221,8 +221,8 @@ def test_settings_a_rank_would_trip_on_are_refused_before_ranks_start(model, arg
 
 @pytest.mark.parametrize("gone", ["bench", "graphs"])
 def test_the_package_runs_models_only(gone, capsys):
-    """demo, plan, serve and generate; the benchmarks and the golden graphs are the repository's (python -m benchmarks bench,
-    python -m tools.graphs)."""
+    """demo, plan, serve and generate; the benchmarks and the golden graphs are the repository's (python -m benchmarks
+    bench, python -m tools.graphs)."""
     from functional_npu.cli import build_parser
 
     refused([gone], f"invalid choice: '{gone}'", capsys)
