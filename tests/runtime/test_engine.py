@@ -213,3 +213,18 @@ def test_a_family_with_sliding_rings_is_refused_naming_it(tmp_path):
     model = compile_model(load_checkpoint(str(tmp_path), ONE), ONE, backend="none", max_seq_len=40)
     with pytest.raises(ValueError, match=r"Gemma3ForCausalLM's sliding layers keep a ring of their window"):
         Engine(model, blocks=30, block_size=4)
+
+
+def test_series_kept_in_host_memory_are_served_through_the_ring(model_dir):
+    """Plan.offload: o_proj and down come from host memory through the prefetch ring (k = 1, L = 2: one ring and
+    phase carried through every bucket's states), each request's tokens those of generate alone."""
+    from functional_npu import Plan
+
+    params = load_checkpoint(model_dir, ONE, Plan(offload="o_proj,down_proj", prefetch_step=1))
+    model = compile_model(params, ONE, backend="none", batch_sizes=[1, 2, 4], max_seq_len=40, prefill_lengths=[8, 32])
+    assert model.ring is not None and model.ring.k == 1
+    reqs = [Request(tuple(range(3, 3 + n)), max_new_tokens=m, stop=()) for n, m in ((4, 6), (13, 9), (1, 5))]
+    engine = Engine(model, blocks=30, block_size=4, chunk=8)
+    events = _serve(engine, [(i, r) for i, r in enumerate(reqs)], {})
+    for i, r in enumerate(reqs):
+        assert [t for e in events[i] for t in e.tokens] == model.generate([list(r.prompt)], r.max_new_tokens)[0]

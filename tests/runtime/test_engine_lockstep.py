@@ -5,7 +5,7 @@ layer-sharded series fetched through the prefetch ring (one ring carried through
 import pytest
 
 from ..support.engine_workers import served_in_lockstep
-from ..support.hf_models import save_tiny
+from ..support.hf_models import save_tiny, save_tiny_moe
 
 PROMPTS = [[5, 6, 7], list(range(1, 20)), [9, 9], list(range(30, 41))]
 NEW = [6, 9, 4, 12]
@@ -18,16 +18,24 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine-lockstep-moe")
+    save_tiny_moe("qwen3_moe", path, 5)
+    return str(path)
+
+
 @pytest.mark.parametrize(
-    "axes, plan",
+    "moe, axes, plan",
     [
-        ({"tp": 2}, {"tp": "tp"}),
-        ({"dp": 2, "tp": 1}, {"layer_shard": "o_proj,down_proj", "prefetch_step": 1}),
+        (False, {"tp": 2}, {"tp": "tp"}),
+        (False, {"dp": 2, "tp": 1}, {"layer_shard": "o_proj,down_proj", "prefetch_step": 1}),
+        (True, {"tp": 2}, {"tp": "tp", "expert_axes": ("tp",)}),
     ],
-    ids=["tp2", "layer-shard-dp2-k1"],
+    ids=["tp2", "layer-shard-dp2-k1", "moe-experts-over-tp2"],
 )
-def test_a_lockstep_engine_serves_each_request_as_generate_alone(world2, model_dir, axes, plan):
-    first, other = world2.run(served_in_lockstep, model_dir, axes, plan, PROMPTS, NEW)
+def test_a_lockstep_engine_serves_each_request_as_generate_alone(world2, model_dir, moe_dir, moe, axes, plan):
+    first, other = world2.run(served_in_lockstep, moe_dir if moe else model_dir, axes, plan, PROMPTS, NEW)
     assert other is None
     assert first["served"] == first["alone"] and first["free"]
 
