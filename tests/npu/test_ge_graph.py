@@ -269,23 +269,23 @@ def test_golden_ge_graph_keeps_the_ring_safe(case):
 
 
 def test_golden_ge_graph_with_two_slot_inputs_swapped_reads_and_writes_the_wrong_layers():
-    """The k = 2 graph with the input indices of slots 0 and 1 (RefData_arg5_1, RefData_arg7_1) swapped: its data
+    """The k = 2 graph with the input indices of slots 0 and 1 (RefData_arg5_1, RefData_arg6_1) swapped: its data
     flow is as consistent as before, but each slot is bound to its schedule by its index and each read to its layer
     by the compute around it. (Before the binding, this graph passed.)"""
     case = next(c for c in RINGED if c.name == "qwen3-dp2-layer_shard-k2-decode")
     text = read_artifact(GRAPHS, case.name, "ge_graph.pbtxt.gz")
-    swapped = golden.ge_with_index(golden.ge_with_index(text, "RefData_arg5_1", 7), "RefData_arg7_1", 5)
+    swapped = golden.ge_with_index(golden.ge_with_index(text, "RefData_arg5_1", 6), "RefData_arg6_1", 5)
     assert golden.ge_ring_check(case, swapped)["problems"] == [
         "the right layer: HcomBroadcast_1 writes layer 3 into RefData_arg5_1 (ring slot 1); layer 3 belongs in ring "
         "slot 0",
-        "the right layer: ViewCopy_2 writes layer 4 into RefData_arg7_1 (ring slot 0); layer 4 belongs in ring slot 1",
-        "the right layer: ViewCopy_3 writes layer 4 into RefData_arg7_1 (ring slot 0); layer 4 belongs in ring slot 1",
-        "the right layer: HcomBroadcast_2 writes layer 4 into RefData_arg7_1 (ring slot 0); layer 4 belongs in ring "
+        "the right layer: ViewCopy_2 writes layer 4 into RefData_arg6_1 (ring slot 0); layer 4 belongs in ring slot 1",
+        "the right layer: ViewCopy_3 writes layer 4 into RefData_arg6_1 (ring slot 0); layer 4 belongs in ring slot 1",
+        "the right layer: HcomBroadcast_2 writes layer 4 into RefData_arg6_1 (ring slot 0); layer 4 belongs in ring "
         "slot 1",
         "the right layer: MatMul_1 reads layer 0 from RefData_arg5_1 (ring slot 1), which holds layer 1 then",
         "the right layer: MatMul_3 reads layer 0 from RefData_arg5_1 (ring slot 1), which holds layer 1 then",
-        "the right layer: MatMul_5 reads layer 1 from RefData_arg7_1 (ring slot 0), which holds layer 0 then",
-        "the right layer: MatMul_7 reads layer 1 from RefData_arg7_1 (ring slot 0), which holds layer 0 then",
+        "the right layer: MatMul_5 reads layer 1 from RefData_arg6_1 (ring slot 0), which holds layer 0 then",
+        "the right layer: MatMul_7 reads layer 1 from RefData_arg6_1 (ring slot 0), which holds layer 0 then",
     ]
 
 
@@ -301,25 +301,25 @@ def _without(text: str, op: str, line: str) -> str:
 
 def test_golden_ge_graph_without_a_gate_writes_a_slot_still_read():
     """Partial order: the k = 1 graph without the control edge that gates layer 3's broadcast (HcomBroadcast_2, into
-    RefData_arg7_1) after the compute entering layer 2 races layer 1's reads of that slot."""
+    RefData_arg6_1) after the compute entering layer 2 races layer 1's reads of that slot."""
     case = next(c for c in RINGED if c.name == "qwen3-dp2-layer_shard-k1-decode")
     text = _without(read_artifact(GRAPHS, case.name, "ge_graph.pbtxt.gz"), "HcomBroadcast_2", '  input: "Add_15:-1"\n')
     assert golden.ge_ring_check(case, text)["problems"] == [
-        "write after read: HcomBroadcast_2 writes RefData_arg7_1 unordered with MatMul_5, which reads it",
-        "write after read: HcomBroadcast_2 writes RefData_arg7_1 unordered with MatMul_7, which reads it",
+        "write after read: HcomBroadcast_2 writes RefData_arg6_1 unordered with MatMul_5, which reads it",
+        "write after read: HcomBroadcast_2 writes RefData_arg6_1 unordered with MatMul_7, which reads it",
     ]
 
 
 def test_golden_ge_graph_with_two_writes_of_a_slot_unordered_is_write_after_write():
     """Partial order: the same broadcast ungated and taking the slot's input value instead of layer 1's write's: the
-    two writes of RefData_arg7_1 are unordered (write after write), and the second races layer 1's reads."""
+    two writes of RefData_arg6_1 are unordered (write after write), and the second races layer 1's reads."""
     case = next(c for c in RINGED if c.name == "qwen3-dp2-layer_shard-k1-decode")
     text = _without(read_artifact(GRAPHS, case.name, "ge_graph.pbtxt.gz"), "HcomBroadcast_2", '  input: "Add_15:-1"\n')
-    text = _without(text, "HcomBroadcast_2", 'input: "HcomBroadcast:0" -> input: "RefData_arg7_1:0"')
+    text = _without(text, "HcomBroadcast_2", 'input: "HcomBroadcast:0" -> input: "RefData_arg6_1:0"')
     assert golden.ge_ring_check(case, text)["problems"] == [
-        "write after write: HcomBroadcast and HcomBroadcast_2 write RefData_arg7_1 unordered",
-        "write after read: HcomBroadcast_2 writes RefData_arg7_1 unordered with MatMul_5, which reads it",
-        "write after read: HcomBroadcast_2 writes RefData_arg7_1 unordered with MatMul_7, which reads it",
+        "write after write: HcomBroadcast and HcomBroadcast_2 write RefData_arg6_1 unordered",
+        "write after read: HcomBroadcast_2 writes RefData_arg6_1 unordered with MatMul_5, which reads it",
+        "write after read: HcomBroadcast_2 writes RefData_arg6_1 unordered with MatMul_7, which reads it",
     ]
 
 

@@ -78,11 +78,11 @@ def test_vllm_54975_the_phase_0_graph_run_as_phase_1_reads_the_wrong_layers():
     """The ring not turned: phase 0's graph at the second step, whose layer 0 the first step left in slot 1."""
     problems, _ = _aten(BY_NAME["qwen3-tp1-offload-L3-k1-decode"], phase=1)
     assert problems == [
-        "the right layer: auto_functionalized_v2 writes layer 1 into arg7_1 (ring slot 1); layer 1 belongs in ring "
+        "the right layer: auto_functionalized_v2 writes layer 1 into arg6_1 (ring slot 1); layer 1 belongs in ring "
         "slot 0",
         "the right layer: auto_functionalized_v2_1 writes layer 2 into arg5_1 (ring slot 0); layer 2 belongs in ring "
         "slot 1",
-        "the right layer: auto_functionalized_v2_2 writes layer 3 into arg7_1 (ring slot 1); layer 3 belongs in ring "
+        "the right layer: auto_functionalized_v2_2 writes layer 3 into arg6_1 (ring slot 1); layer 3 belongs in ring "
         "slot 0",
         "the right layer: mm_1 reads layer 0 from arg5_1 (ring slot 0), which holds no layer of this step then",
         "the right layer: mm_3 reads layer 0 from arg5_1 (ring slot 0), which holds no layer of this step then",
