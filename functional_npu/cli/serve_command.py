@@ -43,7 +43,8 @@ def add_parser(sub: Any) -> None:
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """What every rank needs to build its engine (picklable)."""
-    keys = ("model", "dtype", "backend", "max_seq_len", "batch_sizes", "chunk", "block_size", "blocks", "kv_gb", "tp")
+    keys = ("model", "dtype", "backend", "max_seq_len", "batch_sizes", "chunk", "block_size", "blocks", "kv_gb", "tp",
+            "timeout")  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 
@@ -80,7 +81,7 @@ def serve_on_rank(ctx: Any, o: dict[str, Any], host: str, port: int, name: str) 
         return
     tok, _ = read_tokenizer(Path(o["model"]))
     print(f"serving {name} on http://{host}:{port}/v1 ({o['tp']} rank(s); pool: {engine.pool.size} blocks)", flush=True)
-    serve(engine, name, host=host, port=port, tokenizer=tok)
+    serve(engine, name, host=host, port=port, tokenizer=tok, keepalive_s=o["timeout"] / 4)
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -99,7 +100,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(str(e))
         return 0
     try:
-        with LocalWorld(args.tp, timeout=args.timeout, pg_timeout=args.timeout) as world:
+        with LocalWorld(args.tp, timeout=max(args.timeout, 120.0), pg_timeout=args.timeout) as world:
             world.run(serve_on_rank, _options(args), args.host, args.port, name, timeout=float("inf"))
     except WORLD_ERRORS as e:
         return world_failed(e)

@@ -88,7 +88,7 @@ def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
     ref = compile_model(load_checkpoint(str(model), one), one, backend="none", max_seq_len=64, prefill_lengths=[16])
     port = _free_port()
     argv = ["serve", "--model", str(model), "--port", str(port), "--backend", "none", "--max-seq-len", "64",
-            "--chunk", "16", "--blocks", "40", "--block-size", "8", "--tp", "2", "--timeout", "12"]  # fmt: skip
+            "--chunk", "16", "--blocks", "40", "--block-size", "8", "--tp", "2", "--timeout", "4"]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "functional_npu", *argv], start_new_session=True, text=True,
                             stdout=subprocess.PIPE)  # fmt: skip
     try:
@@ -104,7 +104,7 @@ def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
                 time.sleep(0.3)
         got = [c.model_extra["token_ids"] for c in out.choices]
         assert got == [ref.generate([p], 5)[0] for p in ([5, 6, 7], [9, 10, 11, 12])]
-        time.sleep(15)  # idle past the ranks' 12 s timeout
+        time.sleep(6)  # idle past the ranks' 4 s timeout
         again = client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=5, temperature=0,
                                           extra_body={"stop_token_ids": []})  # fmt: skip
         assert again.choices[0].model_extra["token_ids"] == got[0]

@@ -236,11 +236,19 @@ async def _stream(loop: EngineLoop, subs: list, head: dict, reqs: list[Request],
             task.cancel()
 
 
-def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, tokenizer: Any = None) -> None:
-    """Serve ``engine`` until interrupted (uvicorn on ``host:port``)."""
+def serve(
+    engine: Engine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    tokenizer: Any = None,
+    keepalive_s: float = 5.0,
+) -> None:
+    """Serve ``engine`` until interrupted (uvicorn on ``host:port``); a lockstep engine's other ranks hear from rank 0
+    at least every ``keepalive_s`` seconds."""
     import uvicorn
 
-    loop = EngineLoop(engine).start()
+    loop = EngineLoop(engine, keepalive_s=keepalive_s).start()
     try:
         uvicorn.run(completions_app(loop, model_name, tokenizer), host=host, port=port, log_level="warning")
     finally:
