@@ -64,9 +64,9 @@ def build_engine(ctx: Any, o: dict[str, Any]) -> Any:
         prefill_lengths=sorted({o["chunk"], *(n for n in (16, 64) if n < o["chunk"])}),
     )  # fmt: skip
     kv_bytes = int(o["kv_gb"] * 1e9) if o["kv_gb"] is not None else None
-    blocks = (
-        o["blocks"] if o["blocks"] is not None or kv_bytes is not None else 8 * -(-o["max_seq_len"] // o["block_size"])
-    )
+    blocks = o["blocks"]
+    if blocks is None and kv_bytes is None:  # neither given: room for 8 sequences of max_seq_len
+        blocks = 8 * -(-o["max_seq_len"] // o["block_size"])
     return Engine(model, blocks=blocks, kv_bytes=kv_bytes, block_size=o["block_size"], chunk=o["chunk"],
                   stop=stop_ids(o["model"]), lockstep=o["tp"] > 1)  # fmt: skip
 
