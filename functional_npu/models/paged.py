@@ -13,17 +13,34 @@ attends over the pool gathered at ``read``, masked by position as the contiguous
 queries, keys and mask, so a sequence's tokens do not depend on where its blocks are or who shares its step. The
 gather is the decomposition every backend compiles (static shapes: the table's width is fixed per compiled model).
 
+A layer that keeps only a sliding window (Gemma 3's sliding layers) has pools of its own and a *ring* table of
+:func:`ring_width` blocks per sequence, reused as the sequence moves on (:func:`ring_indices`,
+:mod:`functional_npu.models.ring`): its blocks cover the window, not the context. :class:`Layout` says which layers
+those are (:func:`layout_of`, from the family's own contiguous cache).
+
 The pool's bookkeeping (which block is whose) is :mod:`functional_npu.runtime.serving.kv_blocks`; the memory a pool
 takes is :func:`pool_bytes`, the one rule the engine's budget and the planner both read.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["PagedKV", "Tails", "indices", "paged", "tails_of", "init_paged_kv", "pool_bytes", "NULL_BLOCK"]
+__all__ = [
+    "PagedKV",
+    "Layout",
+    "indices",
+    "ring_indices",
+    "paged",
+    "layout_of",
+    "ring_width",
+    "init_pools",
+    "pool_bytes",
+    "NULL_BLOCK",
+]
 
 NULL_BLOCK = 0  # takes padding's writes; never a sequence's
 
@@ -55,30 +72,72 @@ def paged(pool: torch.Tensor, x: torch.Tensor, write: torch.Tensor, read: torch.
     return flat[read].transpose(1, 2)
 
 
+def ring_indices(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat pool rows ``(read [B, R], write [B, S])`` of a ring table ``table [B, nb]`` (``R = nb x block_size``
+    slots, position ``p`` in slot ``p mod R``: a sliding window's blocks, reused as the sequence moves on)."""
+    b, nb = table.shape
+    offsets = torch.arange(block_size, device=table.device)
+    read = (table[:, :, None] * block_size + offsets).reshape(b, nb * block_size)
+    return read, read.gather(1, torch.remainder(positions, nb * block_size))
+
+
 Tails = list[tuple[tuple[int, int], tuple[int, int]]]  # per layer: the (heads, dim) of its two pools
 
 
-def tails_of(contiguous: list) -> Tails:
-    """Each layer's pools' ``(heads, dim)`` from the family's contiguous cache of one sequence and one position
-    (``Blocks.init_kv``, made on the meta device): ``[1, heads, 1, dim]`` each, whatever the attention (grouped
-    KV heads, MLA's latent and rope keys, or its heads' keys and values)."""
-    return [((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3])) for k, v in contiguous]
+class Layout(NamedTuple):
+    """A model's paged cache on one rank: each layer's pools' ``(heads, dim)`` (``tails``) and, per layer, the
+    window a ring layer keeps (``windows``: None for a layer that keeps every position)."""
+
+    tails: Tails
+    windows: tuple[int | None, ...]
+
+    @property
+    def window(self) -> int | None:
+        """The ring layers' window (they share one; None: no ring layer)."""
+        return next((w for w in self.windows if w is not None), None)
 
 
-def init_paged_kv(tails: Tails, blocks: int, block_size: int, table: torch.Tensor, dtype: torch.dtype,
-                  device: Any = None) -> list[PagedKV]:  # fmt: skip
-    """Zeroed pools of ``blocks`` blocks (block 0 the null block) per layer, each layer reading ``table``."""
+def layout_of(contiguous: list, max_seq_len: int) -> Layout:
+    """The paged layout of a family's contiguous cache of one sequence of ``max_seq_len`` positions
+    (``Blocks.init_kv``, made on the meta device): ``[1, heads, n, dim]`` each, whatever the attention (grouped KV
+    heads, MLA's latent and rope keys, or its heads' keys and values); a layer with ``n < max_seq_len`` keeps a ring of
+    its window (Gemma 3's sliding layers).
+
+    Raises:
+        ValueError: ring layers of different windows (one ring table serves them all).
+    """
+    tails = [((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3])) for k, v in contiguous]
+    windows = tuple(k.shape[2] if k.shape[2] < max_seq_len else None for k, _ in contiguous)
+    if len({w for w in windows if w is not None}) > 1:
+        raise ValueError(f"paged cache: ring layers of windows {sorted({w for w in windows if w})}; one is supported")
+    return Layout(tails, windows)
+
+
+def ring_width(layout: Layout, chunk: int, block_size: int, width: int) -> int:
+    """Blocks of a ring table row: the window and a chunk's positions (a chunk's first query still sees its window
+    after the chunk's writes), at most a full row's ``width``; 0 without ring layers."""
+    if layout.window is None:
+        return 0
+    return min(width, math.ceil((layout.window + chunk) / block_size))
+
+
+def init_pools(layout: Layout, blocks: int, ring_blocks: int, block_size: int, dtype: torch.dtype,
+               device: Any = None) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Zeroed pools per layer: ``blocks`` blocks for a layer that keeps every position, ``ring_blocks`` for a ring
+    layer (block 0 of each the null block)."""
     return [
-        PagedKV(
-            torch.zeros(blocks, block_size, *k, dtype=dtype, device=device),
-            torch.zeros(blocks, block_size, *v, dtype=dtype, device=device),
-            table,
+        tuple(
+            torch.zeros(blocks if w is None else ring_blocks, block_size, *t, dtype=dtype, device=device)
+            for t in (k, v)
         )
-        for k, v in tails
+        for (k, v), w in zip(layout.tails, layout.windows)
     ]
 
 
-def pool_bytes(tails: Tails, blocks: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of a pool of ``blocks`` blocks: both pools of every layer."""
-    per_position = sum(k[0] * k[1] + v[0] * v[1] for k, v in tails)
-    return blocks * block_size * per_position * dtype.itemsize
+def pool_bytes(layout: Layout, blocks: int, block_size: int, dtype: torch.dtype, ring_blocks: int = 0) -> int:
+    """Bytes of the pools :func:`init_pools` makes: ``blocks`` blocks of every layer that keeps every position,
+    ``ring_blocks`` of every ring layer."""
+    size = 0
+    for (k, v), w in zip(layout.tails, layout.windows):
+        size += (blocks if w is None else ring_blocks) * (k[0] * k[1] + v[0] * v[1])
+    return size * block_size * dtype.itemsize

@@ -9,6 +9,11 @@ query at ``q`` sees it where that is ``>= 0``, ``<= q`` and ``> q - window`` (th
 - A multi-token step (a prefill) attends over ``[the ring as it was | its own keys]``, the ring's slots holding the
   positions before the step's first, and leaves in each slot the key of the latest position that maps to it.
 
+A paged ring (a :class:`~functional_npu.models.paged.PagedKV` whose table is a ring table,
+:func:`~functional_npu.models.paged.ring_indices`) keeps ``R = blocks x block_size`` slots, at least the window and a
+chunk's positions: a step writes its keys first, then attends over the ring, masked by the positions its slots then
+hold (a chunk's first query still finds its window: the chunk's writes reach back at most ``R - window`` slots).
+
 A step's positions are consecutive per sequence from its first. A right-padded prefill gives its pads the position
 after the prompt's last (serving's prefill does): they land in the one slot the next decode step overwrites first.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .attention import KV, Rotary, Step, rope
+from .paged import PagedKV, ring_indices
 
 __all__ = ["cache_len", "held", "window_mask", "prepare"]
 
@@ -45,8 +51,12 @@ def window_mask(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -
 def prepare(cfg: Rotary, positions: torch.Tensor, kv: KV, dtype: torch.dtype) -> Step:
     """A ring layer's step for ``positions [B, S]`` over its cache ``kv`` (``[B, kv heads, C, hd]`` each)."""
     b, s = positions.shape
-    heads, n = kv[0].shape[1], kv[0].shape[2]
     cos, sin = rope(positions, cfg, dtype)
+    if isinstance(kv, PagedKV):  # write the step's keys at their slots, then attend over what the ring then holds
+        read, write = ring_indices(kv.table, positions, kv.k.shape[1])
+        mask = window_mask(positions, held(positions[:, -1], read.shape[1]), cfg.sliding_window)
+        return Step(cos, sin, mask, None, read=read, write=write)
+    heads, n = kv[0].shape[1], kv[0].shape[2]
     if s == 1:  # decode: write at p mod C, attend over what the ring then holds
         mask = window_mask(positions, held(positions[:, 0], n), cfg.sliding_window)
         slot = torch.remainder(positions, n)[:, None, :, None].expand(b, heads, 1, cfg.head_dim)

@@ -206,13 +206,56 @@ def test_every_attention_kind_is_served_as_generate_alone(tmp_path, family, plan
     assert engine.pool.used == 0
 
 
-def test_a_family_with_sliding_rings_is_refused_naming_it(tmp_path):
+def test_sliding_layers_keep_blocks_for_their_window_alone_and_serve_as_generate_alone(tmp_path):
+    """Gemma 3: a sliding layer (window 4) keeps a ring of 3 blocks per row (the window and a chunk of 8, in blocks of
+    4), reused as the sequence moves past it, while a full layer keeps the context's blocks; prompts and outputs run
+    well past the ring (40 positions), and each request's tokens are generate()'s alone over the contiguous ring."""
+    from functional_npu.models.paged import pool_bytes
+
     from ..support.hf_models import save_tiny_gemma3
 
     save_tiny_gemma3("gemma3", tmp_path, 3)
-    model = compile_model(load_checkpoint(str(tmp_path), ONE), ONE, backend="none", max_seq_len=40)
-    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM's sliding layers keep a ring of their window"):
-        Engine(model, blocks=30, block_size=4)
+    model = compile_model(
+        load_checkpoint(str(tmp_path), ONE), ONE, backend="none", batch_sizes=[1, 2, 4], max_seq_len=40,
+        prefill_lengths=[8, 32],
+    )  # fmt: skip
+    engine = Engine(model, blocks=30, block_size=4, chunk=8)
+    assert engine.layout.windows == (4, 4, None, 4) and engine.ring_width == 3
+    assert [k.shape[0] for k, _ in engine._pools] == [4 * 3 + 1, 4 * 3 + 1, 30, 4 * 3 + 1]
+    assert engine.kv_bytes_used == pool_bytes(engine.layout, 30, 4, torch.float32, 13) < pool_bytes(
+        engine.layout, 30, 4, torch.float32, 30
+    )
+    reqs = [Request(tuple(range(3, 3 + n)), max_new_tokens=m, stop=()) for n, m in ((4, 20), (21, 9), (1, 14), (30, 6))]
+    events = _serve(engine, [(i // 2, r) for i, r in enumerate(reqs)], {})
+    for i, r in enumerate(reqs):
+        assert [t for e in events[i] for t in e.tokens] == model.generate([list(r.prompt)], r.max_new_tokens)[0], i
+    assert engine.pool.used == 0 and engine._ring.used == 0
+
+
+def test_a_ring_without_room_for_a_chunk_loses_the_window(tmp_path):
+    """The counterexample to the ring's width: a chunk's writes reach back ``R - window`` slots, so a ring of the
+    window alone (R = 4) overwrites keys the chunk's first queries still see, and the logits change."""
+    from functional_npu.models import ring
+    from functional_npu.models.gemma3 import LayerAttention
+    from functional_npu.models.paged import PagedKV, paged
+
+    cfg = LayerAttention(8, 10_000.0, "default", 1.0, 4)
+    keys, queries = torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8)
+    steps = [(p, p + 1) for p in range(8)] + [(8, 12)]  # eight decode steps, then a chunk of positions 8..11
+
+    def attend(nb: int) -> torch.Tensor:
+        pool, table = torch.zeros(nb + 1, 4, 1, 8), torch.arange(1, nb + 1)[None]
+        for lo, hi in steps:
+            step = ring.prepare(cfg, torch.arange(lo, hi)[None], PagedKV(pool, pool, table), torch.float32)
+            k = paged(pool, keys[:, :, lo:hi], step.write, step.read)
+            scores = (queries[:, :, lo:hi] @ k.transpose(-1, -2)).masked_fill(~step.mask, float("-inf"))
+        return torch.softmax(scores, -1) @ k
+
+    q, kp = torch.arange(8, 12)[:, None], torch.arange(12)[None, :]
+    scores = (queries[:, :, 8:] @ keys.transpose(-1, -2)).masked_fill(~((kp <= q) & (kp > q - 4)), float("-inf"))
+    full = torch.softmax(scores, -1) @ keys
+    assert torch.allclose(attend(2), full)  # R = 8 = window + chunk: every query finds its window
+    assert not torch.allclose(attend(1), full)  # R = 4 = window: the chunk's later keys overwrote its first's
 
 
 def test_series_kept_in_host_memory_are_served_through_the_ring(model_dir):

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 
 from ...models import family_of
-from ...models.paged import PagedKV, Tails, init_paged_kv, pool_bytes, tails_of
+from ...models.paged import Layout, PagedKV, init_pools, layout_of, pool_bytes, ring_width
 from . import kv_blocks
 from .generate import check_sampling, check_token_ids, logprobs_of, sampler
 
-__all__ = ["Request", "Event", "Engine", "stop_ids", "blocks_in"]
+__all__ = ["Request", "Event", "Engine", "stop_ids", "layout"]
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,15 @@ class Event:
 @dataclass(frozen=True)
 class Call:
     """One model call of a step, what every rank of a lockstep group runs: ``kind`` (``"extend"``: a prefill chunk,
-    ``tokens``/``positions`` ``[batch, chunk]``; ``"decode"``: ``[n]``), the ``batch`` bucket and the block table
-    ``rows [batch, width]``."""
+    ``tokens``/``positions`` ``[batch, chunk]``; ``"decode"``: ``[n]``), the ``batch`` bucket, the block table
+    ``rows [batch, width]`` and, for a model with ring layers, their ring table ``ring_rows [batch, ring width]``."""
 
     kind: str
     batch: int
     tokens: torch.Tensor
     positions: torch.Tensor
     rows: torch.Tensor
+    ring_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -119,30 +120,16 @@ def stop_ids(model_dir: str | Path) -> tuple[int, ...]:
     return ()
 
 
-def blocks_in(model: Any, kv_bytes: int, block_size: int) -> int:
-    """The blocks of ``block_size`` positions a budget of ``kv_bytes`` holds on each rank, with ``model``'s cache
-    (:func:`~functional_npu.models.paged.pool_bytes`, the one rule)."""
-    return kv_bytes // pool_bytes(_tails(model), 1, block_size, _dtype(model))
+def layout(model: Any) -> Layout:
+    """``model``'s paged cache on this rank (:func:`~functional_npu.models.paged.layout_of`, from the family's own
+    contiguous cache of one sequence, made on the meta device): which layers keep every position, which a ring of
+    their window."""
+    blocks = family_of(model.config).blocks(model.config, model.plan)
+    return layout_of(blocks.init_kv(model.mesh, 1, model.max_seq_len, _dtype(model), "meta"), model.max_seq_len)
 
 
 def _dtype(model: Any) -> torch.dtype:
     return model.params["embed"].dtype
-
-
-def _tails(model: Any) -> Tails:
-    """Each layer's pools' ``(heads, dim)`` on this rank, from the family's own cache (:func:`~.paged.tails_of`).
-
-    Raises:
-        ValueError: a family whose sliding layers keep a ring of the window (Gemma 3).
-    """
-    cfg = model.config
-    if getattr(cfg, "layer_types", None):
-        raise ValueError(
-            f"Engine: {cfg.architecture}'s sliding layers keep a ring of their window, which the paged cache does not "
-            f"serve yet (dense, MoE and DeepSeek's latent cache it does): serve it with generate()"
-        )
-    blocks = family_of(cfg).blocks(cfg, model.plan)
-    return tails_of(blocks.init_kv(model.mesh, 1, 1, _dtype(model), "meta"))
 
 
 @dataclass
@@ -152,8 +139,9 @@ class Engine:
     Attributes:
         model: a :class:`~.compiled_model.CompiledModel`; its batch buckets are the decode batches, its prompt-length
             buckets the prefill chunks.
-        blocks: the pool's blocks (block 0 the null block); or ``kv_bytes``: a budget that gives them
-            (:func:`blocks_in`).
+        blocks: the pool's blocks (block 0 the null block); or ``kv_bytes``: a budget on each rank, what the ring
+            layers' pools take (a ring row per batch row) set aside, the rest in blocks
+            (:func:`~functional_npu.models.paged.pool_bytes`, the rule the planner prices with).
         block_size: positions per block.
         chunk: the prefill chunk (default: the largest prompt-length bucket); must be one of the buckets.
         stop: the stop ids of a request that names none (default: none; :func:`stop_ids` reads a checkpoint's).
@@ -171,7 +159,8 @@ class Engine:
     stop: tuple[int, ...] = ()
     lockstep: bool = False
     _pool: kv_blocks.BlockPool = field(init=False, repr=False)
-    _pools: list[tuple[torch.Tensor, torch.Tensor]] | None = field(init=False, repr=False, default=None)
+    _ring: kv_blocks.BlockPool | None = field(init=False, repr=False, default=None)
+    _pools: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False, default_factory=list)
     _states: dict[int, Any] = field(init=False, repr=False, default_factory=dict)
     _waiting: deque = field(init=False, repr=False, default_factory=deque)
     _running: dict = field(init=False, repr=False, default_factory=dict)
@@ -180,30 +169,36 @@ class Engine:
 
     def __post_init__(self) -> None:
         model = self.model
-        tails, dtype = _tails(model), _dtype(model)
-        self.width = kv_blocks.blocks_for(model.max_seq_len, self.block_size)  # a table row: the longest sequence
+        self.layout, dtype, bs = layout(model), _dtype(model), self.block_size
+        self.width = kv_blocks.blocks_for(model.max_seq_len, bs)  # a table row: the longest sequence
         if (self.blocks is None) == (self.kv_bytes is None):
             raise ValueError("Engine: give the pool as blocks=N or as a budget kv_bytes=B (one of the two)")
-        blocks = self.blocks if self.blocks is not None else blocks_in(model, self.kv_bytes, self.block_size)
-        if blocks < self.width + 1:
-            one = pool_bytes(tails, self.width + 1, self.block_size, dtype)
-            raise ValueError(
-                f"Engine: a pool of {blocks} blocks of {self.block_size} positions cannot hold one sequence of "
-                f"max_seq_len {model.max_seq_len} ({self.width} blocks, and the null block): give at least "
-                f"blocks={self.width + 1} (kv_bytes={one} on each rank), or compile with a smaller max_seq_len"
-            )
         self.chunk = self.chunk or max(model.prefill_lengths)
         if self.chunk not in model.prefill_lengths:
             raise ValueError(
                 f"Engine: chunk {self.chunk} is not a compiled prompt-length bucket {list(model.prefill_lengths)}; "
                 f"pass one of them, or compile_model(prefill_lengths=[..., {self.chunk}])"
             )
+        self.ring_width = ring_width(self.layout, self.chunk, bs, self.width)
+        ring_blocks = max(model.batch_sizes) * self.ring_width + 1 if self.ring_width else 0  # every row's ring
+        rings = pool_bytes(self.layout, 0, bs, dtype, ring_blocks)
+        one = pool_bytes(self.layout, 1, bs, dtype)
+        blocks = self.blocks if self.blocks is not None else max(0, self.kv_bytes - rings) // max(one, 1)
+        if blocks < self.width + 1:
+            least = pool_bytes(self.layout, self.width + 1, bs, dtype, ring_blocks)
+            raise ValueError(
+                f"Engine: a pool of {blocks} blocks of {bs} positions cannot hold one sequence of "
+                f"max_seq_len {model.max_seq_len} ({self.width} blocks, and the null block): give at least "
+                f"blocks={self.width + 1} (kv_bytes={least} on each rank), or compile with a smaller max_seq_len"
+            )
         if self.lockstep and not torch.distributed.is_initialized():
             raise ValueError(
                 "Engine(lockstep=True): the ranks' process group is not initialized (run under a launcher)"
             )
-        self._pool = kv_blocks.new_pool(blocks, self.block_size)
-        self._tails, self._blocks = tails, blocks
+        self._pool = kv_blocks.new_pool(blocks, bs)
+        self._ring = kv_blocks.new_pool(ring_blocks, bs) if ring_blocks else None
+        self._pools = init_pools(self.layout, blocks, ring_blocks, bs, dtype, model.device)
+        self.kv_bytes_used = pool_bytes(self.layout, blocks, bs, dtype, ring_blocks)
 
     # ---- the requests ------------------------------------------------------------------------------------------
 
@@ -228,8 +223,7 @@ class Engine:
                 self._waiting.remove(seq)
                 return Event(id, finished="abort")
         if id in self._running:
-            del self._running[id]
-            self._pool = kv_blocks.release(self._pool, id)
+            self._release(id)
             return Event(id, finished="abort")
         return None
 
@@ -267,16 +261,16 @@ class Engine:
         if decoding:
             self._decode(decoding, events)
         kv_blocks.check(self._pool)
+        if self._ring is not None:
+            kv_blocks.check(self._ring)
         return list(events.values())
 
     def _admit(self) -> None:
         rows = max(self.model.batch_sizes)
         while self._waiting and len(self._running) < rows:
             seq = self._waiting[0]
-            grown = kv_blocks.grow(self._pool, seq.id, len(seq.tokens))
-            if grown is None:
+            if not self._grow(seq):
                 return
-            self._pool = grown
             self._waiting.popleft()
             seq.cached, seq.order = 0, next(self._order)
             self._running[seq.id] = seq
@@ -285,36 +279,53 @@ class Engine:
         """Blocks for every decoding request's next position, preempting the last admitted while there are none."""
         for seq in sorted(decoding, key=lambda s: s.order):
             while seq.id in self._running:
-                grown = kv_blocks.grow(self._pool, seq.id, len(seq.tokens))
-                if grown is not None:
-                    self._pool = grown
+                if self._grow(seq):
                     break
                 self._preempt(max(self._running.values(), key=lambda s: s.order))
         return [s for s in decoding if s.id in self._running]
 
+    def _grow(self, seq: _Seq) -> bool:
+        """Blocks for all of ``seq``'s tokens (a ring layer's: those of its ring's slots at most); False when the pool
+        has too few (nothing taken)."""
+        grown = kv_blocks.grow(self._pool, seq.id, len(seq.tokens))
+        ring = self._ring
+        if ring is not None and grown is not None:
+            ring = kv_blocks.grow(ring, seq.id, min(len(seq.tokens), self.ring_width * self.block_size))
+        if grown is None or ring is None and self._ring is not None:
+            return False
+        self._pool, self._ring = grown, ring
+        return True
+
+    def _release(self, id: Hashable) -> None:
+        del self._running[id]
+        self._pool = kv_blocks.release(self._pool, id)
+        if self._ring is not None:
+            self._ring = kv_blocks.release(self._ring, id)
+
     def _preempt(self, seq: _Seq) -> None:
         """Return ``seq``'s blocks; it waits first in line, to recompute its tokens."""
-        del self._running[seq.id]
-        self._pool = kv_blocks.release(self._pool, seq.id)
+        self._release(seq.id)
         seq.cached = 0
         self._waiting.appendleft(seq)
 
     def _state(self, batch: int) -> Any:
-        """The decode state of a batch bucket: the shared pools and this bucket's block table (one address)."""
+        """The decode state of a batch bucket: the shared pools and this bucket's block tables (one address each)."""
         if batch not in self._states:
             table = torch.zeros(batch, self.width, dtype=torch.long, device=self.model.device)
-            if self._pools is None:  # made on first use: one pool per layer, shared by every bucket
-                made = init_paged_kv(self._tails, self._blocks, self.block_size, table, _dtype(self.model),
-                                     self.model.device)  # fmt: skip
-                self._pools = [(layer.k, layer.v) for layer in made]
-            kv = [PagedKV(k, v, table) for k, v in self._pools]
+            ring = torch.zeros(batch, self.ring_width, dtype=torch.long, device=self.model.device)
+            kv = [PagedKV(k, v, table if w is None else ring) for (k, v), w in zip(self._pools, self.layout.windows)]
             like = next(iter(self._states.values()), None)  # one prefetch ring and phase through every bucket
             self._states[batch] = self.model.paged_state(batch, kv, like)
         return self._states[batch]
 
-    def _rows(self, seqs: Sequence[_Seq], batch: int) -> torch.Tensor:
-        rows = [kv_blocks.table_row(self._pool, s.id, self.width) for s in seqs]
-        return torch.tensor(rows + [[0] * self.width] * (batch - len(rows)), dtype=torch.long)
+    def _tables(self, seqs: Sequence[_Seq], batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block table rows of ``seqs`` (and their ring table rows), padded to ``batch`` with the null block."""
+
+        def rows(pool: kv_blocks.BlockPool, width: int) -> torch.Tensor:
+            got = [kv_blocks.table_row(pool, s.id, width) for s in seqs]
+            return torch.tensor(got + [[0] * width] * (batch - len(got)), dtype=torch.long)
+
+        return rows(self._pool, self.width), rows(self._ring, self.ring_width) if self._ring is not None else None
 
     def _execute(self, call: Call) -> torch.Tensor:
         """Run ``call`` here (and, in lockstep, on every other rank first told of it): its logits."""
@@ -324,7 +335,11 @@ class Engine:
 
     def _run_call(self, call: Call) -> torch.Tensor:
         state = self._state(call.batch)
-        state.kv[0].table.copy_(call.rows)
+        tables = {w is None: layer.table for layer, w in zip(state.kv, self.layout.windows)}
+        if True in tables:
+            tables[True].copy_(call.rows)
+        if call.ring_rows is not None:
+            tables[False].copy_(call.ring_rows)
         if call.kind == "extend":
             return self.model.extend(call.tokens, call.positions, state)
         return self.model.decode(call.tokens, call.positions, state)
@@ -360,7 +375,7 @@ class Engine:
             positions[r] = torch.minimum(torch.arange(s.cached, s.cached + self.chunk), torch.tensor(end))
             last.append(len(part) - 1)
             s.cached = end
-        logits = self._execute(Call("extend", batch, tokens, positions, self._rows(seqs, batch)))
+        logits = self._execute(Call("extend", batch, tokens, positions, *self._tables(seqs, batch)))
         for r, s in enumerate(seqs):
             if s.cached == len(s.tokens):  # the whole sequence is cached: its next token comes from this chunk
                 self._emit(s, logits[r, last[r]], events)
@@ -369,7 +384,7 @@ class Engine:
         batch = _bucket(self.model.batch_sizes, len(seqs))
         tokens = torch.tensor([s.tokens[-1] for s in seqs])
         positions = torch.tensor([len(s.tokens) - 1 for s in seqs])
-        logits = self._execute(Call("decode", batch, tokens, positions, self._rows(seqs, batch)))
+        logits = self._execute(Call("decode", batch, tokens, positions, *self._tables(seqs, batch)))
         for r, s in enumerate(seqs):
             s.cached = len(s.tokens)
             self._emit(s, logits[r], events)
@@ -385,8 +400,7 @@ class Engine:
         seq.generated += 1
         finished = "stop" if token in seq.stop else "length" if seq.generated >= seq.request.max_new_tokens else None
         if finished is not None:
-            del self._running[seq.id]
-            self._pool = kv_blocks.release(self._pool, seq.id)
+            self._release(seq.id)
         events[seq.id] = Event(seq.id, (token,), logprob, finished)
 
 
