@@ -35,6 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from functional_npu.core import BROADCAST_INTO, Mesh, Quant, quantize, shard
+from functional_npu.models import paged
 from functional_npu.models import (
     Routing,
     deepseek,
@@ -158,6 +159,9 @@ PHASES = {"prefill": (2, 16), "decode": (2, 1)}  # (batch, tokens per sequence)
 TRAIN = (2, 16)  # a train step's batch: forward, backward and the AdamW update in one graph
 TRAIN_FAMILIES = ("qwen3", "qwen3_moe")  # one dense, one MoE (experts over tp: the token exchange and its transpose)
 CACHE_LEN = 32
+PAGED_BLOCK = 4  # a paged case's block size: CACHE_LEN // PAGED_BLOCK blocks per row, and the null block
+PAGED_FAMILIES = ("qwen3", "deepseek_v3", "gemma3")  # grouped KV heads, MLA's latent, sliding layers' ring tables
+PAGED_CHUNK_AT = 8  # a paged prefill is a chunk of a longer prompt: its positions start here
 TP_SIZES = (1, 2)
 LAYER_SHARD_SERIES = "o_proj,down_proj"
 LAYER_SHARD_LAYERS = 4  # enough layers for every prefetch step k = 0, 1, 2 (k <= num_layers - 2)
@@ -182,7 +186,9 @@ class Case:
     world of one, :data:`OFFLOAD_LAYERS` layers; beside ``series``: the dp = 2 case's), the step captured at ring
     phase ``ring_phase`` (:class:`functional_npu.parallel.RingPhase`); ``quant`` names a scheme of
     :data:`GRAPH_QUANTS` (bf16 activations, weights in Ascend's kernels' forms); ``module_tp``: dp is
-    :data:`MODULE_TP_DP` ranks split for :data:`MODULE_TP`, and ``series`` are layer-sharded over the outer dp."""
+    :data:`MODULE_TP_DP` ranks split for :data:`MODULE_TP`, and ``series`` are layer-sharded over the outer dp;
+    ``paged``: the serving engine's step over a paged KV cache (:mod:`functional_npu.models.paged`): pools and block
+    tables as inputs, the prefill a chunk at position :data:`PAGED_CHUNK_AT`."""
 
     family: str
     phase: str
@@ -194,6 +200,7 @@ class Case:
     invariant: bool = False
     offload: str | None = None
     ring_phase: int = 0
+    paged: bool = False
 
     @property
     def ringed(self) -> bool:
@@ -222,6 +229,8 @@ class Case:
             return f"{self.family}-tp{self.tp}-{self.quant}-{self.phase}"
         if self.invariant:
             return f"{self.family}-tp{self.tp}-invariant-{self.phase}"
+        if self.paged:
+            return f"{self.family}-tp{self.tp}-paged-{self.phase}"
         return f"{self.family}-tp{self.tp}-{self.phase}"
 
     @property
@@ -274,6 +283,8 @@ CASES: tuple[Case, ...] = (
         Case("qwen3", "prefill", 1, k=1, offload=OFFLOAD_SERIES),
         Case("qwen3", "decode", 1, MIXED[0], 1, offload=MIXED[1]),
     )
+    + tuple(Case(fam, "decode", 1, paged=True) for fam in PAGED_FAMILIES)
+    + (Case("qwen3", "prefill", 1, paged=True),)
 )
 
 
@@ -351,6 +362,9 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
     positions = torch.arange(s).expand(b, s) if case.phase == "prefill" else torch.full((b, 1), 5)
     tokens = torch.ones(b, s, dtype=torch.long)
     state = init_state(cfg, mesh, b, CACHE_LEN, params["embed"].dtype, plan=plan)
+    if case.paged:
+        positions = positions + (PAGED_CHUNK_AT if case.phase == "prefill" else 0)
+        state = state._replace(kv=_paged_kv(model.blocks(cfg, plan), mesh, b, params["embed"].dtype))
     if device == "meta":
         tokens, positions, state = pytree.tree_map_only(
             torch.Tensor, lambda t: t.to("meta"), (tokens, positions, state)
@@ -358,6 +372,19 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
     ring = prefetch.start(params, mesh, ring_of(params, mesh, plan))  # k: the placement's, the case's
     state = state._replace(prefetched=ring, phase=RingPhase(case.ring_phase))
     return params, tokens, positions, state, mesh
+
+
+def _paged_kv(blocks: Any, mesh: Mesh, batch: int, dtype: torch.dtype) -> list[paged.PagedKV]:
+    """A paged cache as the serving engine keeps it: a block table per row (rows hold blocks 1, 2, ... in turn), a
+    ring table for sliding layers (:func:`~functional_npu.models.paged.ring_width` of a chunk of the prefill's
+    length), one pool per layer."""
+    layout = paged.layout_of(blocks.init_kv(mesh, 1, CACHE_LEN, dtype, "meta"), CACHE_LEN)
+    width = CACHE_LEN // PAGED_BLOCK
+    rings = paged.ring_width(layout, PHASES["prefill"][1], PAGED_BLOCK, width)
+    table = torch.arange(1, batch * width + 1).reshape(batch, width)
+    ring = torch.arange(1, batch * rings + 1).reshape(batch, rings)
+    pools = paged.init_pools(layout, batch * width + 1, batch * rings + 1, PAGED_BLOCK, dtype)
+    return [paged.PagedKV(k, v, table if w is None else ring) for (k, v), w in zip(pools, layout.windows)]
 
 
 def _quantized(case: Case, mesh: Mesh) -> dict[str, Any]:

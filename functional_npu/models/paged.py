@@ -8,7 +8,7 @@ pads past its last allocated block), so a step never writes where a live sequenc
 
 Each step, :func:`indices` turns the table into flat pool rows: ``read [B, C]`` (every logical position of each row,
 ``C = blocks per sequence x block_size``) and ``write [B, S]`` (this step's positions). Attention writes the step's
-keys and values at ``write`` (an ``index_copy_`` into the pool, in place, as the contiguous cache's ``scatter_``) and
+keys and values at ``write`` (a ``scatter_`` into the flat pool, in place, as the contiguous cache writes) and
 attends over the pool gathered at ``read``, masked by position as the contiguous cache is: the same
 queries, keys and mask, so a sequence's tokens do not depend on where its blocks are or who shares its step. The
 gather is the decomposition every backend compiles (static shapes: the table's width is fixed per compiled model).
@@ -39,10 +39,13 @@ __all__ = [
     "ring_width",
     "init_pools",
     "pool_bytes",
+    "cache_bytes",
+    "BLOCK_SIZE",
     "NULL_BLOCK",
 ]
 
 NULL_BLOCK = 0  # takes padding's writes; never a sequence's
+BLOCK_SIZE = 16  # positions per block unless the engine is given another
 
 
 class PagedKV(NamedTuple):
@@ -68,7 +71,8 @@ def paged(pool: torch.Tensor, x: torch.Tensor, write: torch.Tensor, read: torch.
     """Write ``x [B, heads, S, d]`` into ``pool [blocks, block_size, heads, d]`` at the flat rows ``write [B, S]`` (in
     place); the pool gathered at ``read [B, C]``, ``[B, heads, C, d]``."""
     flat = pool.view(-1, pool.shape[2], pool.shape[3])
-    flat.index_copy_(0, write.reshape(-1), x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]))
+    rows = write.reshape(-1, 1, 1).expand(-1, pool.shape[2], pool.shape[3])
+    flat.scatter_(0, rows, x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]))  # as the contiguous cache writes
     return flat[read].transpose(1, 2)
 
 
@@ -141,3 +145,13 @@ def pool_bytes(layout: Layout, blocks: int, block_size: int, dtype: torch.dtype,
     for (k, v), w in zip(layout.tails, layout.windows):
         size += (blocks if w is None else ring_blocks) * (k[0] * k[1] + v[0] * v[1])
     return size * block_size * dtype.itemsize
+
+
+def cache_bytes(layout: Layout, seqs: int, positions: int, dtype: torch.dtype, chunk: int,
+                block_size: int = BLOCK_SIZE) -> int:  # fmt: skip
+    """Bytes of the pools that hold ``seqs`` sequences of ``positions`` positions at once, prefilled in chunks of
+    ``chunk``: each sequence's blocks (a ring layer's :func:`ring_width`), and the null blocks. What a serving
+    engine's budget buys (:func:`pool_bytes`, the one rule) and what the planner prices a sequence at."""
+    width = math.ceil(positions / block_size)
+    rings = ring_width(layout, chunk, block_size, width)
+    return pool_bytes(layout, seqs * width + 1, block_size, dtype, seqs * rings + 1 if rings else 0)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from functional_npu.core.mesh import Mesh
 from functional_npu.models import family as family_module
-from functional_npu.models import family_of
+from functional_npu.models import family_of, paged
 from functional_npu.parallel.devices import DEVICES, Device, Link, collective_factor, device
 from functional_npu.parallel.layer_shard import resident_bytes
 from functional_npu.runtime.loading.checkpoint import load_checkpoint
@@ -41,7 +41,8 @@ def dense_estimates():
 def test_bytes_per_rank_are_what_the_loader_holds(dense_dir, dense_estimates):
     """Every candidate of a 4-device plan: the weights the estimate counts on its busiest rank are the bytes of
     the params ``load_checkpoint`` really gives that plan's ranks (the most any rank holds), and the KV cache is
-    what the family's ``init_kv`` allocates for the rank's sequences."""
+    the tensors the serving engine's pools allocate for the rank's sequences (blocks of their context, and the
+    null block)."""
     assert len(dense_estimates) == 19  # 3 dp x tp splits; with dp > 1 (2 of them), 5 module TP and 3 series choices
     for name, (c, e) in dense_estimates.items():
         held = []
@@ -52,17 +53,20 @@ def test_bytes_per_rank_are_what_the_loader_holds(dense_dir, dense_estimates):
         assert e.bytes["weights"] == max(held), name
         mesh = Mesh.abstract(c.axes, 0)
         dp = math.prod(c.axes.values()) // c.axes["tp"]
-        kv = family_of(DENSE).blocks(DENSE, c.plan).init_kv(mesh, math.ceil(WORK.batch / dp), WORK.cache_len, F32)
-        assert e.bytes["kv_cache"] == sum(t.numel() * t.element_size() for layer in kv for t in layer), name
+        one = family_of(DENSE).blocks(DENSE, c.plan).init_kv(mesh, 1, WORK.cache_len, F32, "meta")
+        blocks = math.ceil(WORK.batch / dp) * math.ceil(WORK.cache_len / paged.BLOCK_SIZE) + 1  # and the null one
+        pools = paged.init_pools(paged.layout_of(one, WORK.cache_len), blocks, 0, paged.BLOCK_SIZE, F32, "meta")
+        assert e.bytes["kv_cache"] == sum(t.numel() * t.element_size() for layer in pools for t in layer), name
         if c.plan.layer_shard is not None:  # the ring: k + 1 slots of one layer of the series
             assert e.bytes["prefetch"] > 0 and e.candidate.plan.prefetch_step >= 1
 
 
 def test_kv_cache_counts_an_independent_formula():
-    """Grouped-query attention at tp 2 over 2 KV heads: 2 tensors x layers x seqs x 1 head x positions x head_dim."""
+    """Grouped-query attention at tp 2 over 2 KV heads: 2 tensors x layers x 1 head x head_dim x 2 bytes per position,
+    the pool's positions 3 sequences x 7 blocks of 16 (100 positions), and the null block."""
     c = next(c for c in candidates(DENSE, 2) if c.name == "dp 1 x tp 2")
     e = estimate(DENSE, c, "h100", Workload.decode(3, 99, torch.bfloat16))
-    assert e.bytes["kv_cache"] == 2 * DENSE.num_layers * 3 * 1 * 100 * DENSE.head_dim * 2
+    assert e.bytes["kv_cache"] == 2 * DENSE.num_layers * 1 * DENSE.head_dim * 2 * (3 * 7 * 16 + 16)
 
 
 def test_experts_are_read_as_the_tokens_touch_them():
@@ -265,18 +269,20 @@ GEMMA3_27B = {  # Gemma-3-27B's published text config (google/gemma-3-27b-it), a
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gemma3_kv_cache_holds_the_window_on_sliding_layers(tp):
-    """Gemma-3-27B at 32768 positions: each sliding layer holds (and a decode step reads) the window's 1024
-    positions, each full layer all of them: (52 x 1024 + 10 x 32768) x 2 x (16 / tp) heads x 128 x 2 bytes."""
+    """Gemma-3-27B at 32768 positions, in the serving engine's pools (blocks of 16 and a null block per pool): a
+    decode step's sliding layer holds (and reads) a ring of the window's 1024 positions and the step's one, 65 blocks;
+    each full layer the context's 2048 blocks; x 2 x (16 / tp) heads x 128 x 2 bytes. A prefill of the whole prompt in
+    one chunk needs a ring as long as the context (the window and the chunk): every layer holds it all."""
     from functional_npu.models import Gemma3Config
 
     cfg = Gemma3Config.from_hf(GEMMA3_27B)
     full = sum((i + 1) % 6 == 0 for i in range(62))
     per_position = 2 * (16 // tp) * 128 * 2  # k and v, the rank's KV heads, bf16
-    want = ((62 - full) * min(1024, 32768) + full * 32768) * per_position
+    want = ((62 - full) * (65 + 1) * 16 + full * (2048 + 1) * 16) * per_position
     c = next(c for c in candidates(cfg, tp) if c.name == f"dp 1 x tp {tp}")
     decode = estimate(cfg, c, "h100", Workload.decode(1, 32767))  # the step's token makes 32768 positions
     assert decode.bytes["kv_cache"] == decode.reads["kv_cache"] == want
-    assert estimate(cfg, c, "h100", Workload.prefill(32768)).bytes["kv_cache"] == want
+    assert estimate(cfg, c, "h100", Workload.prefill(32768)).bytes["kv_cache"] == 62 * (2048 + 1) * 16 * per_position
     assert want < 62 * 32768 * per_position / 5  # a full-length cache per layer: over five times more
 
 

@@ -5,7 +5,8 @@ served at once. :func:`serve_estimate` prices a candidate that way for a ``serve
 (:meth:`~.choose.Workload.serve`: sequences of ``context`` positions, a share of prompt tokens, an optional cap):
 
 - **the batch admitted**: the most sequences whose bytes on the busiest rank fit the budget: the weights, the
-  prefetch ring, every sequence's KV cache at its full context (as the family's ``init_kv`` allocates it), and
+  prefetch ring, every sequence's KV cache at its full context in the serving engine's paged pools (the blocks
+  its budget buys, :func:`~functional_npu.models.paged.cache_bytes`), and
   the larger of a decode step's activations and a prefill's (one prompt per data-parallel rank). Bytes grow
   linearly with the sequences per rank, so two counts give the slope and the largest batch is checked exactly;
   the batch is a multiple of the data-parallel ranks (each takes as many) unless the cap is smaller;

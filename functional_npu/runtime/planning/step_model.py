@@ -4,8 +4,10 @@
 a ValueError with the reason) and models:
 
 - **bytes per rank**, counted from the real layouts at every coordinate (the rank that holds the most): the
-  weights in the workload's dtype (a quantized checkpoint's stored tensors as stored), the KV cache the
-  family's own ``init_kv`` allocates for the rank's sequences (on the meta device), the prefetch ring's
+  weights in the workload's dtype (a quantized checkpoint's stored tensors as stored), the KV cache as the serving
+  engine's paged pools hold the rank's sequences (:func:`~functional_npu.models.paged.cache_bytes`, the rule the
+  engine's budget is spent by; the layers' shapes from the family's own ``init_kv`` on the meta device: blocks of
+  the context per sequence, a sliding layer's ring of blocks, and the null blocks), the prefetch ring's
   ``k + 1`` slots of one layer, and the activations (an estimate: a few ``tokens x hidden`` buffers and the
   rank's logits);
 - **step time**: the weights the step reads (every held weight once; of the experts, the share the step's
@@ -33,7 +35,7 @@ import torch
 
 from ...core.mesh import Mesh
 from ...core.shard import local_shape
-from ...models import family_of
+from ...models import family_of, paged
 from ...parallel.devices import Device, Link
 from ...parallel.devices import device as device_profile
 from ...parallel.eplb_map import EXPERT_LEAVES
@@ -229,9 +231,10 @@ def estimate(
     held = _held_at(cfg, axes, candidate.plan, quant, e)
     # FLOPs count the logical weights: a quantized checkpoint multiplies as many weights as its float twin
     logical = held if quant is None else _held_at(cfg, axes, candidate.plan, None, e)
-    with torch.device("meta"):  # KV cache: the family's own allocation for this rank's sequences
-        kv = family_of(cfg).blocks(cfg, plan).init_kv(mesh, seqs, workload.cache_len, workload.dtype)
-    kv_bytes = sum(t.numel() * t.element_size() for layer in kv for t in layer)
+    with torch.device("meta"):  # KV cache: the serving engine's pools, shaped by the family's own cache
+        one = family_of(cfg).blocks(cfg, plan).init_kv(mesh, 1, workload.cache_len, workload.dtype)
+    layout = paged.layout_of(one, workload.cache_len)
+    kv_bytes = paged.cache_bytes(layout, seqs, workload.cache_len, workload.dtype, chunk=workload.new_tokens)
     reads, flops = _reads_and_flops(shape, plan, mesh, held, logical, tokens, workload)
     reads["kv_cache"] = kv_bytes if workload.kind == "decode" else 0
     memory_s, compute_s = sum(reads.values()) / dev.memory_bytes_per_s, flops / dev.flop_per_s
