@@ -18,10 +18,10 @@ would start capturing (:mod:`functional_npu.npu.acl_graph`); that graph is the a
 - ``acl_checks.json``: what capture needs of the graph (:mod:`functional_npu.npu.capture_checks`): side streams
   joined back, no transfer or copy of an input inside it, the streams that run communication at once against each
   device profile's budget, and npugraph_ex's own ``deadlock_check`` run on the same capture order;
-- ``acl_replay.json`` (the ring's cases): the forward compiled again and called :data:`REPLAY_STEPS` times with
-  the same state through npugraph_ex's generated graph module (:mod:`functional_npu.npu.acl_replay`): per graph, its
-  calls, the distinct tuples of its written-in-place inputs' addresses and how often npugraph_ex would capture it
-  again;
+- ``acl_replay.json`` (the ring's cases and the paged ones): the forward compiled again and called
+  :data:`REPLAY_STEPS` times with the same state through npugraph_ex's generated graph module
+  (:mod:`functional_npu.npu.acl_replay`): per graph, its calls, the distinct tuples of its written-in-place inputs'
+  addresses and how often npugraph_ex would capture it again;
 - ``acl_prefetch_no_events.json`` and ``acl_checks_no_events.json`` (:data:`CONTROL` only): the hazard check and
   the capture checks on the graph compiled with the side stream but no events, where npugraph_ex clones the ring's
   slots: both must fail there.
@@ -135,7 +135,7 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
             entry["invariant"] = invariant_graph.acl_check(gm.graph)
         if case.ringed:
             entry["prefetch"] = acl_graph.prefetch_report(gm, case.k, phase=case.ring_phase)
-        if case.ringed and name == case.name:
+        if (case.ringed or case.paged) and name == case.name:  # inputs written in place: stable across replays
             try:
                 args = case_inputs(case, mesh, device="cpu")
                 replayed = acl_replay.replay(fn, args, npugraph_ex_config(), REPLAY_STEPS, names=ARG_NAMES)

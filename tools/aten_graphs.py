@@ -7,7 +7,10 @@ broadcasts and the carried weights in program order; a Qwen3 of :data:`OFFLOAD_L
 ``down`` kept in host memory (one rank; k = 0, 1, 2, and k = 1's second ring phase) shows the ring filled by copies
 from host memory, and one on dp = 2 both sources side by side; and a bf16 Qwen3 at tp 2 with quantized weights
 (:data:`GRAPH_QUANTS`: W8A8, and int4 with group scales), prepared for Ascend's kernels, shows their
-ops (``functional_npu.quant_matmul`` / ``weight_quant_matmul``) where the matmuls were.
+ops (``functional_npu.quant_matmul`` / ``weight_quant_matmul``) where the matmuls were. The paged cases (Qwen3's
+grouped KV heads, DeepSeek's latent, Gemma 3's sliding layers over ring tables; decode, and a prefill chunk at
+position :data:`PAGED_CHUNK_AT`) are the serving engine's steps: the pools and block tables are inputs, each step's
+keys written into the pool in place (``index_put_`` by block and offset) and read back gathered through the table.
 
 For every artifact ``graphs/<family>-tp<N>-<phase>/``: ``census.json`` (op -> count),
 ``collectives.json`` (the ordered collective schedule: op, mesh axis, bytes), ``summary.json``
@@ -35,7 +38,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from functional_npu.core import BROADCAST_INTO, Mesh, Quant, quantize, shard
-from functional_npu.models import paged
 from functional_npu.models import (
     Routing,
     deepseek,
@@ -46,6 +48,7 @@ from functional_npu.models import (
     invariant_ops,
     llama,
     moe,
+    paged,
     prepare_params,
 )
 from functional_npu.parallel import (

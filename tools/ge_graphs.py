@@ -15,6 +15,8 @@ fake process group. Conversion ends where torchair hands the serialized graph to
 - ``ge_prefetch.json`` (the ring's cases): :func:`functional_npu.npu.ge_graph.ring_check`'s findings: the
   prefetch ring's hazard check over the graph's partial order (its slots bound and its reads' layers read with the
   case's input layout, ``inputs.json``), its slots and bytes, and the prefetch bytes allocated inside the graph (0);
+- ``ge_cache_writes.json`` (the paged cases): :func:`functional_npu.npu.ge_graph.cache_writes`: every pool written
+  in place (``ScatterNdUpdate`` on its ``RefData`` input), none through a copy;
 - ``ge_graph_no_hints.pbtxt.gz`` and ``ge_prefetch_no_hints.json`` (the control, :data:`CONTROL`): the same case
   converted without the ordering hints, and its check, which must fail.
 
@@ -245,6 +247,10 @@ def case_artifacts(
         ops = invariant_graph.ge_check(got["ops"])
         files["ge_invariant.json"] = ops
         problems += [f"{where}: invariant ops: {p}" for p in ops["problems"]]
+    if case.paged:  # every pool written in place through the block table
+        writes = ge_graph.cache_writes(got["ops"])
+        files["ge_cache_writes.json"] = writes
+        problems += [f"{where}: cache writes: {p}" for p in writes["problems"]]
     if case.ringed:
         order = _prefetch_order(case, got["ops"], inputs)
         files["ge_prefetch.json"] = order

@@ -8,7 +8,7 @@ pads past its last allocated block), so a step never writes where a live sequenc
 
 Each step, :func:`indices` turns the table into flat pool rows: ``read [B, C]`` (every logical position of each row,
 ``C = blocks per sequence x block_size``) and ``write [B, S]`` (this step's positions). Attention writes the step's
-keys and values at ``write`` (a ``scatter_`` into the flat pool, in place, as the contiguous cache writes) and
+keys and values at ``write`` (an ``index_put_`` into the pool, in place) and
 attends over the pool gathered at ``read``, masked by position as the contiguous cache is: the same
 queries, keys and mask, so a sequence's tokens do not depend on where its blocks are or who shares its step. The
 gather is the decomposition every backend compiles (static shapes: the table's width is fixed per compiled model).
@@ -69,11 +69,15 @@ def indices(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tu
 
 def paged(pool: torch.Tensor, x: torch.Tensor, write: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
     """Write ``x [B, heads, S, d]`` into ``pool [blocks, block_size, heads, d]`` at the flat rows ``write [B, S]`` (in
-    place); the pool gathered at ``read [B, C]``, ``[B, heads, C, d]``."""
-    flat = pool.view(-1, pool.shape[2], pool.shape[3])
-    rows = write.reshape(-1, 1, 1).expand(-1, pool.shape[2], pool.shape[3])
-    flat.scatter_(0, rows, x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]))  # as the contiguous cache writes
-    return flat[read].transpose(1, 2)
+    place); the pool gathered at ``read [B, C]``, ``[B, heads, C, d]``.
+
+    The write is an ``index_put_`` on the pool itself, indexed by (block, offset): no view of the pool is written, so
+    the graph compilers turn the functional write back into an in-place one (a scatter into a flattened view of the
+    pool is left functional by npugraph_ex: a copy of the whole pool per layer and step)."""
+    bs = pool.shape[1]
+    rows = write.reshape(-1)
+    pool.index_put_((rows // bs, rows % bs), x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]))
+    return pool[read // bs, read % bs].transpose(1, 2)
 
 
 def ring_indices(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

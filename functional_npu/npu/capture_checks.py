@@ -21,7 +21,10 @@ edges leads from it to the other (:func:`functional_npu.npu.acl_graph.edges`).
   inputs, ``.item()`` (``_local_scalar_dense``), a ``copy_`` across devices; ``clone`` / ``copy`` /
   ``lift_fresh_copy`` / a same-dtype ``_to_copy`` of a graph input (through views) and a ``copy_`` from one (an
   input is used where it lies: a ring slot, a cache, a weight); a ``copy_`` into a ring slot (an input a collective
-  writes) or into an input from a buffer a collective wrote (the copy back of a slot cloned for its broadcast); an
+  writes) or into an input from a buffer a collective wrote (the copy back of a slot cloned for its broadcast), or
+  into an input from a functional write (``scatter``, ``index_put``, ...) of a view of the same input (a KV write
+  npugraph_ex did not turn back in place: the whole cache or pool copied each replay; a paged cache's write through a
+  flattened view of its pool did this, an ``index_put_`` on the pool does not); an
   ``auto_functionalized`` op left on a graph input (it writes a copy of the input: npugraph_ex did not reinplace
   it); an allocation a collective writes (a prefetch buffer is the ring, a graph input).
 - :func:`concurrent_comm`: the communication ops (collectives and the ring's broadcasts) and how many streams run
@@ -82,6 +85,15 @@ ALLOCATIONS = {
 } | {"<built-in method empty of type object>", "<built-in method empty of type>"}
 COPIES = {"aten.clone.default", "aten.copy.default", "aten.lift_fresh_copy.default", "aten._to_copy.default"}
 COPY_INTO = "aten.copy_.default"
+# functional forms of the in-place writes a cache takes (npugraph_ex turns them back in place on a graph input)
+FUNCTIONAL_WRITES = {
+    "aten.scatter.src",
+    "aten.scatter.value",
+    "aten.index_put.default",
+    "aten.index_copy.default",
+    "aten.slice_scatter.default",
+    "aten.select_scatter.default",
+}
 FUNCTIONALIZED = ("auto_functionalized", "auto_functionalized_v2")
 WRITTEN = "(written in place by the graph: a ring slot or a cache)"
 WHERE_IT_LIES = "an input is used where it lies"
@@ -289,7 +301,23 @@ def _copy_into_problems(n: torch.fx.Node, writes: _Writes) -> list[str]:
             f"copy: {n.name} ({target}) copies into graph input {into} what {writes.comm[_base(src).name]} wrote: "
             f"{BROADCAST_ONLY}"
         )
+    elif into is not None:
+        out += _write_back(n, dst, src)
     return out
+
+
+def _write_back(n: torch.fx.Node, dst: Any, src: Any) -> list[str]:
+    """``copy_(input, write(view of input, ...))``: a functional write into a graph input left unreinplaced, its
+    result copied back whole (a paged KV write through a flattened view of the pool does this)."""
+    made = _base(src)
+    if not (isinstance(made, torch.fx.Node) and str(made.target) in FUNCTIONAL_WRITES and made.args):
+        return []
+    if _base(made.args[0]) is not _base(dst):
+        return []
+    return [
+        f"copy: {n.name} ({COPY_INTO}) writes graph input {_base(dst).name} back whole from {made.name} "
+        f"({made.target}): npugraph_ex did not reinplace the write, a copy of the whole input each replay"
+    ]
 
 
 # ---- communication streams ----------------------------------------------------------------------------------------

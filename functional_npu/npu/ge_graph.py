@@ -13,6 +13,9 @@ else here works on those records, so it needs neither torchair nor protobuf:
   edges; GE may run any order they allow), each slot bound to the schedule by its input index and each read to
   the layer of its compute, checked for write after read, read before write, write after write, the right
   layer, overlap, the slot bound and any prefetch buffer allocated inside the graph;
+- :func:`cache_writes`: how a paged KV cache's pools are written: ``ScatterNdUpdate`` on the pool's own ``RefData``
+  input (in place, the write Ascend serving's graphs make) or on a ``TensorMove`` copy of it (a copy of the pool per
+  write);
 
 Allocation is counted from the op that creates the memory: a broadcast whose buffer is not a graph
 input (a ``Fill``, a ``ConcatV2``) allocates inside the graph, whatever edges gate the broadcast.
@@ -36,6 +39,7 @@ __all__ = [
     "HCOM_OF",
     "ring_program",
     "ring_check",
+    "cache_writes",
 ]
 
 Op = dict[str, Any]
@@ -222,6 +226,33 @@ def records_from_text(text: str) -> list[Op]:
             }
         )
     return out
+
+
+def cache_writes(ops: Sequence[Op]) -> dict[str, Any]:
+    """Each ``ScatterNdUpdate`` (a paged cache's write) by what it writes: ``in_place`` (the ``RefData`` inputs it
+    updates, through views), ``copied`` (its write goes to a ``TensorMove`` of an input: the pool copied first), and
+    ``problems``, one line per copied write (and none at all: no write found)."""
+    by_name = {op["name"]: op for op in ops}
+
+    def origin(name: str) -> Op:
+        op = by_name[name]
+        while op["type"] in _VIEWS and op["inputs"]:
+            op = by_name[op["inputs"][0]]
+        return op
+
+    in_place, copied = [], []
+    for op in ops:
+        if op["type"] != "ScatterNdUpdate":
+            continue
+        var = origin(op["inputs"][0])
+        if var["type"] == "RefData":
+            in_place.append(var["name"])
+        else:
+            copied.append(f"{op['name']} writes {var['type']} {var['name']}")
+    problems = [f"{c}: the pool is copied before the write (not in place on its RefData input)" for c in copied]
+    if not in_place and not copied:
+        problems.append("no ScatterNdUpdate: the paged cache is not written through its block table")
+    return {"in_place": sorted(in_place), "copied": copied, "problems": problems}
 
 
 def census(ops: Iterable[Op]) -> dict[str, int]:

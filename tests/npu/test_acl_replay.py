@@ -16,6 +16,7 @@ from ..support import GRAPHS, run_driver
 MOVES = "(a ring slot or cache that moves between steps)"
 RING = "(written in place by the graph: a ring slot or a cache)"
 RINGED = [c for c in CASES if c.ringed and c.phase != "train"]  # layer-sharded and host series
+PAGED = [c for c in CASES if c.paged]  # the serving engine's steps: pools and block tables written in place
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +144,13 @@ def test_golden_replays_capture_each_graph_once(case):
     assert 1 <= len(replay["graphs"]) <= case.k + 1  # one graph per ring phase at most
     for graph in replay["graphs"].values():
         assert len(graph["address_tuples"]) == 1 and graph["captures"] == 1
+
+
+@pytest.mark.parametrize("case", PAGED, ids=lambda c: c.name)
+def test_golden_paged_steps_replay_one_graph_at_stable_addresses(case):
+    """The pools and block tables are inputs the step writes in place (the KV writes through the table): every call
+    finds them at the same addresses, so npugraph_ex captures the step once and replays it."""
+    replay = read_artifact(GRAPHS, case.name, "acl_replay.json")
+    assert replay["problems"] == [] and replay["recaptures"] == 0
+    (graph,) = replay["graphs"].values()
+    assert len(graph["address_tuples"]) == 1 and graph["captures"] == 1

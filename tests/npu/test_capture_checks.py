@@ -155,11 +155,20 @@ def _copies(plant: str) -> list[str]:
     elif plant == "alloc":
         buf = b.op("buf", ops.aten.empty.memory_format, [16])
         b.bcast("bcast_buf", buf, x)
+    elif plant == "write_back":  # a paged write through a flattened view of the pool, left functional
+        pool, rows = b.input("pool"), b.input("rows", torch.long)
+        flat = b.op("flat", ops.aten.reshape.default, pool, [-1])
+        put = b.op("put", ops.aten.scatter.src, flat, 0, rows, y)
+        b.op("back_pool", ops.aten.copy_.default, pool, b.op("unflat", ops.aten.reshape.default, put, [16]))
+    elif plant == "write_in_place":  # the same write on the pool itself, in place: the paged cache's form
+        pool, rows = b.input("pool"), b.input("rows", torch.long)
+        b.op("put", ops.aten.index_put_.default, pool, [rows], y)
     return capture_checks.copies(b.done(y))
 
 
 def test_compute_copies_casts_and_allocations_no_collective_writes_pass():
     assert _copies("none") == []
+    assert _copies("write_in_place") == []
 
 
 @pytest.mark.parametrize(
@@ -187,6 +196,11 @@ def test_compute_copies_casts_and_allocations_no_collective_writes_pass():
             "functionalized",
             "copy: af (auto_functionalized_v2 of functional_npu.broadcast_into.default) copies graph input slot "
             f"{RING} to write the copy: npugraph_ex did not reinplace it",
+        ),
+        (
+            "write_back",
+            "copy: back_pool (aten.copy_.default) writes graph input pool back whole from put (aten.scatter.src): "
+            "npugraph_ex did not reinplace the write, a copy of the whole input each replay",
         ),
         (
             "alloc",

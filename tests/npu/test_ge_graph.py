@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from functional_npu.npu import ge_graph
 from functional_npu.npu.ge_graph import census, group_ranks, hcom_schedule, parse_pbtxt, ring_check, ring_program
 from tools.aten_graphs import CASES, read_artifact
 
@@ -342,3 +343,36 @@ def test_the_text_parser_reads_protobuf_text_format():
         "op": [{"name": ["a"], "attr": [{"key": ["s"], "value": [{"s": ['x"yé']}]}]}, {"name": ["b"]}],
     }
     assert parse_pbtxt("i: -3 f: 1.5 e: DT_FLOAT") == {"i": [-3], "f": [1.5], "e": ["DT_FLOAT"]}
+
+
+# ---- a paged cache's writes ------------------------------------------------------------------------------------------
+def _write(var_type: str) -> list[dict]:
+    """A pool input, a view of it (or a TensorMove copy), ScatterNdUpdate into that."""
+    op = lambda name, type, *inputs: {"name": name, "type": type, "inputs": list(inputs)}  # noqa: E731
+    return [
+        op("RefData_pool", "RefData"),
+        op("var", var_type, "RefData_pool"),
+        op("idx", "Pack"),
+        op("ScatterNdUpdate", "ScatterNdUpdate", "var", "idx", "x"),
+        op("x", "Data"),
+    ]
+
+
+def test_a_pool_written_in_place_passes_and_one_written_through_a_copy_is_named():
+    assert ge_graph.cache_writes(_write("Identity")) == {"in_place": ["RefData_pool"], "copied": [], "problems": []}
+    copied = ge_graph.cache_writes(_write("TensorMove"))
+    assert copied["problems"] == [
+        "ScatterNdUpdate writes TensorMove var: the pool is copied before the write (not in place on its RefData input)"
+    ]
+    assert ge_graph.cache_writes([])["problems"] == [
+        "no ScatterNdUpdate: the paged cache is not written through its block table"
+    ]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.paged], ids=lambda c: c.name)
+def test_golden_paged_steps_write_every_pool_in_place(case):
+    """Each layer's pools (k and v, or MLA's latent and rope keys) written in place by ScatterNdUpdate on their RefData
+    inputs, as torch-npu's npu_scatter_nd_update_ is converted: no copy of a pool."""
+    writes = read_artifact(GRAPHS, case.name, "ge_cache_writes.json")
+    assert writes["problems"] == [] and writes["copied"] == []
+    assert len(set(writes["in_place"])) == len(writes["in_place"]) == 2 * case.config.num_layers

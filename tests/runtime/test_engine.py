@@ -222,8 +222,10 @@ def test_sliding_layers_keep_blocks_for_their_window_alone_and_serve_as_generate
     engine = Engine(model, blocks=30, block_size=4, chunk=8)
     assert engine.layout.windows == (4, 4, None, 4) and engine.ring_width == 3
     assert [k.shape[0] for k, _ in engine._pools] == [4 * 3 + 1, 4 * 3 + 1, 30, 4 * 3 + 1]
-    assert engine.kv_bytes_used == pool_bytes(engine.layout, 30, 4, torch.float32, 13) < pool_bytes(
-        engine.layout, 30, 4, torch.float32, 30
+    assert (
+        engine.kv_bytes_used
+        == pool_bytes(engine.layout, 30, 4, torch.float32, 13)
+        < pool_bytes(engine.layout, 30, 4, torch.float32, 30)
     )
     reqs = [Request(tuple(range(3, 3 + n)), max_new_tokens=m, stop=()) for n, m in ((4, 20), (21, 9), (1, 14), (30, 6))]
     events = _serve(engine, [(i // 2, r) for i, r in enumerate(reqs)], {})

@@ -17,7 +17,11 @@ a graph, and so does the CPU conversion process of ``python -m tools.graphs``.
   (torchair's ``post_grad_custom_pre_pass``), never through torchair's own ``auto_functionalized_v2``
   converter, which hands the op a ``TensorMove`` copy of the slot (a second ring) and removes that copy
   only for a fixed list of GE op types that ``HcomBroadcast`` is not on, and never for a slot written
-  twice in one graph (``k + 1 < L``).
+  twice in one graph (``k + 1 < L``);
+- ``aten.index_put`` / ``index_put_`` of two index tensors (a paged KV cache's write, ``pool[block, offset] =
+  values``, :func:`functional_npu.models.paged.paged`) -> ``ScatterNdUpdate`` with ``[N, 2]`` indices, as torchair
+  converts torch-npu's ``npu_scatter_nd_update`` (torchair has no converter for ``index_put``); any other
+  ``index_put`` still fails to convert, naming itself.
 
 With :func:`configure` (``experimental_config.enable_ref_data`` and :func:`reinplace_ring` as the
 pre-pass), each ring slot is a ``RefData`` input: the broadcasts write it in place, and the slot's
@@ -36,7 +40,11 @@ from torchair import register_fx_node_ge_converter  # type: ignore[import-not-fo
 from torchair._ge_concrete_graph import ge_apis as ge  # type: ignore[import-not-found]
 from torchair._ge_concrete_graph.hcom_utils import get_group_name_and_record  # type: ignore[import-not-found]
 from torchair.ge import DataType  # type: ignore[import-not-found]
-from torchair.ge._ge_graph import _ge_dtype_to_ge_proto_dtype, torch_type_to_ge_type  # type: ignore[import-not-found]
+from torchair.ge._ge_graph import (  # type: ignore[import-not-found]
+    _ge_dtype_to_ge_proto_dtype,
+    dont_prune_me,  # type: ignore[import-not-found]
+    torch_type_to_ge_type,
+)
 
 from ...core import collectives  # noqa: F401 - defines functional_npu::broadcast_into
 from ...models import ascend_ops  # noqa: F401 - defines the ops converted here
@@ -188,3 +196,32 @@ def _ring_write(
     return ge.HcomBroadcast(
         [slot], root_rank=src, group=get_group_name_and_record(tag, ranks, len(ranks)), fusion=0, dependencies=deps
     )[0]
+
+
+def _block_rows(indices: Any) -> Any:
+    """A paged write's ``(block, offset)`` index tensors as ``ScatterNdUpdate``'s ``[N, 2]`` indices."""
+    if len(indices) != 2 or any(i is None for i in indices):
+        raise NotImplementedError(
+            "index_put: only a paged cache's write, pool[block, offset] = values (two index tensors), converts"
+        )
+    return ge.Pack(list(indices), N=2, axis=-1)
+
+
+@register_fx_node_ge_converter(torch.ops.aten.index_put.default)
+def _index_put(self: Any, indices: Any, values: Any, accumulate: bool = False, meta_outputs: Any = None) -> Any:
+    """A paged KV write (:func:`functional_npu.models.paged.paged`), functional: ``ScatterNdUpdate`` of a
+    ``TensorMove`` of the pool, as torchair converts torch-npu's ``npu_scatter_nd_update`` (the write Ascend serving
+    puts a step's keys into its block-table cache with)."""
+    if accumulate:
+        raise NotImplementedError("index_put: accumulate=True has no converter")
+    return ge.ScatterNdUpdate(ge.TensorMove(self), _block_rows(indices), values)
+
+
+@register_fx_node_ge_converter(torch.ops.aten.index_put_.default)
+def _index_put_(self: Any, indices: Any, values: Any, accumulate: bool = False, meta_outputs: Any = None) -> Any:
+    """The same write in place (a graph pass re-inplaced it): ``ScatterNdUpdate`` of the pool itself, kept."""
+    if accumulate:
+        raise NotImplementedError("index_put_: accumulate=True has no converter")
+    op = ge.ScatterNdUpdate(self, _block_rows(indices), values)
+    dont_prune_me(op)
+    return op
