@@ -36,6 +36,10 @@ COMMANDS = {
         "planner_serve_check",
         "the serving planner on 4 gloo ranks: batches sized from a budget, measured",
     ),
+    "planner_engine": (
+        "planner_engine_check",
+        "the serving planner against the request engine on 2 gloo ranks: 5 plans under one budget, served tokens/s",
+    ),
     "planner_map": ("planner_map", "where each technique pays, on paper: the serving planner over models and budgets"),
     "warm_start": ("warm_start", "a fresh process's load + compile + first generate: cold vs loaded from cache_dir"),
     "serve": (

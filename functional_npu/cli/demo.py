@@ -10,7 +10,8 @@ of 2 slots: 5 layers' worth, where 4 layers would hold 2 + 2, all of them) again
 saving, and the broadcasts in flight that pay for it, read back from inductor's generated code. The
 same decode on an emulated link as slow as one layer's compute, which shows how much of the
 communication prefetch hides, is a benchmark: ``python -m benchmarks prefetch``, from a checkout of
-the repository.
+the repository. Last, a short mixed stream of requests is served through the request engine beside lockstep
+generate on the same compiled model (:mod:`.demo_serve`), each one's served tokens/s printed.
 
 With ``--quant int8|int4`` the checkpoint is written quantized instead, as compressed-tensors writes it
 (every linear layer but ``lm_head``, int8 per channel or int4 in groups of 32, weight-only, fp32 scales
@@ -35,6 +36,7 @@ from ..parallel.plan import Plan
 from ..parallel.prefetch_cost import layer_bytes
 from ..runtime.launch import LocalWorld, RankContext
 from ..runtime.loading.save import save_checkpoint
+from .demo_serve import print_serving, run_serving
 from .errors import WORLD_ERRORS, world_failed
 from .runner import generate_on_rank, in_prompt_order, tokens_per_s
 from .scratch import scratch_dir
@@ -149,6 +151,7 @@ def run_demo(
         try:
             one = _compiled_one_rank(tmp, new_tokens, timeout, cache_dir)
             eager, compiled, sharded, held = _on_ranks(tmp, tp, new_tokens, timeout, quant, cache_dir)
+            serving = run_serving(tmp, timeout) if quant is None else None
         except WORLD_ERRORS as e:  # as generate says it: one line, exit code 1
             return world_failed(e)
     want = ref["tokens"]
@@ -161,6 +164,8 @@ def run_demo(
             f"\n{quant}: each rank holds {mine / 2**10:.0f} KiB of weights as its kernels read them, against "
             f"{fp32 / 2**10:.0f} KiB in fp32 ({mine / fp32:.0%}; lm_head and the embedding stay fp32)"
         )
+    if serving is not None:
+        print_serving(serving)
     print(f"\nfirst prompt -> {want[0][:12]} ...")
     print("demo: OK" if ok else "demo: FAILED (tokens differ)")
     return 0 if ok else 1
