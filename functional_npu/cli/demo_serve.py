@@ -1,6 +1,7 @@
 """The demo's serving part: a short mixed stream of requests through the request engine, beside lockstep generate.
 
-Twelve requests of different prompt lengths (1-16 tokens) and outputs (2-24 tokens) are served by the demo model,
+Sixteen requests of different prompt lengths (1-16 tokens) and outputs (2-60 tokens, most short and a few long,
+as rollouts and chats run) are served by the demo model,
 compiled with inductor on one rank (in a rank process of its own, as every compile of the demo), two ways:
 
 - the **engine** (:class:`~functional_npu.runtime.serving.Engine`): continuous batching over a paged KV cache, at
@@ -8,7 +9,8 @@ compiled with inductor on one rank (in a rank process of its own, as every compi
 - **lockstep generate**: the same requests in arrival order, 4 at a time, each batch run to its longest request
   (what a caller of ``generate`` does with a stream).
 
-Both run on the same compiled model (a decode graph at batch 4 and a prefill graph of 16 positions); served tokens/s
+Both run on the same compiled model (a decode graph at batch 4; the engine's prefill chunks of 8 positions, lockstep's
+prompts of up to 16); served tokens/s
 counts each request's own tokens. Each request's tokens are compared with lockstep generate's (greedy: the same
 unless a near-tie flips with the batch's other rows, which the invariant plan rules out, ``docs/serving.md``).
 """
@@ -21,9 +23,10 @@ from typing import Any
 from ..runtime.launch import LocalWorld, RankContext
 
 ROWS = 4  # the compiled batch: sequences at once
-CHUNK = 16  # the compiled prompt length: the longest prompt, the engine's prefill chunk
-PROMPT_LENGTHS = (3, 14, 7, 1, 16, 9, 5, 12, 2, 15, 8, 11)
-NEW_TOKENS = (24, 4, 17, 9, 2, 24, 12, 6, 20, 3, 15, 10)
+PROMPT = 16  # the lockstep prefill's compiled length: the longest prompt
+CHUNK = 8  # the engine's prefill chunk: a longer prompt takes two steps, beside the running decodes
+PROMPT_LENGTHS = (3, 14, 7, 1, 16, 9, 5, 12, 2, 15, 8, 11, 6, 13, 4, 10)
+NEW_TOKENS = (60, 3, 5, 2, 4, 56, 2, 6, 3, 5, 52, 2, 2, 4, 3, 58)  # most short, a few long: as rollouts and chats run
 
 
 def requests() -> list[tuple[list[int], int]]:
@@ -40,7 +43,7 @@ def _on_rank(ctx: RankContext, model_dir: str) -> dict[str, Any]:
     mesh = Mesh.abstract({"tp": 1}, 0)
     context = max(PROMPT_LENGTHS) + max(NEW_TOKENS)
     model = compile_model(load_checkpoint(model_dir, mesh), mesh, backend="inductor", batch_sizes=[ROWS],
-                          max_seq_len=context, prefill_lengths=[CHUNK])  # fmt: skip
+                          max_seq_len=context, prefill_lengths=[CHUNK, PROMPT])  # fmt: skip
     engine = Engine(model, blocks=ROWS * -(-context // 8) + 1, block_size=8, chunk=CHUNK, stop=())
     stream = requests()
 
