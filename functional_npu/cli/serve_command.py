@@ -4,11 +4,18 @@
 ``--kv-gb`` (or ``--blocks``), and serves ``/v1/completions`` and ``/health`` on 127.0.0.1:8000 until interrupted
 (:mod:`functional_npu.runtime.serving.server`). Text prompts need the checkpoint's ``tokenizer.json``; token ids
 always work. Requests that name no stop ids stop at the checkpoint's ``eos_token_id``.
+
+With ``--tp N`` the ranks serve in lockstep (rank 0 runs the HTTP server). A rank that dies ends every rank within
+``--timeout`` (the world stops them all); the command prints why in one line and, when the server had come up, keeps
+the port answering 503 with that reason until it is stopped (a client is told, not left waiting).
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +106,42 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as e:
             parser.error(str(e))
         return 0
+    up = _Listening(args.host, args.port).start()  # whether rank 0's server came up, before any failure
     try:
         with LocalWorld(args.tp, timeout=max(args.timeout, 120.0), pg_timeout=args.timeout) as world:
             world.run(serve_on_rank, _options(args), args.host, args.port, name, timeout=float("inf"))
     except WORLD_ERRORS as e:
-        return world_failed(e)
+        code = world_failed(e)
+        if up.stop():  # it was serving: clients hear 503 and why, until the command is stopped
+            from ..runtime.serving.server import serve_unavailable
+
+            reason = "the server's ranks are gone: " + " ".join(str(e).split())
+            print(f"answering 503 on http://{args.host}:{args.port} until stopped", file=sys.stderr, flush=True)
+            serve_unavailable(reason, args.host, args.port)
+        return code
+    up.stop()
     return 0
+
+
+class _Listening:
+    """A thread that connects to ``host:port`` every half second until something listens there (rank 0's server)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address, self.seen, self._done = (host, port), threading.Event(), threading.Event()
+
+    def start(self) -> _Listening:
+        threading.Thread(target=self._watch, name="functional-npu-listening", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        while not (self._done.is_set() or self.seen.is_set()):
+            try:
+                socket.create_connection(self.address, timeout=0.5).close()
+                self.seen.set()
+            except OSError:
+                self._done.wait(0.5)
+
+    def stop(self) -> bool:
+        """Stop watching; whether the server had come up."""
+        self._done.set()
+        return self.seen.is_set()

@@ -3,11 +3,13 @@ sending text (the checkpoint's tokenizer) and token ids, the checkpoint's eos id
 server; bad flags refused in one line before anything loads."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -116,3 +118,57 @@ def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
         assert time.monotonic() < deadline, f"processes outlived the server: {live_in_group(proc.pid)}"
         time.sleep(0.2)
     assert "2 rank(s)" in proc.stdout.read()
+
+
+def test_a_rank_that_dies_ends_every_rank_and_the_port_answers_503(model):
+    """--tp 2 with a 4 s timeout: one rank SIGKILLed mid-serve; every rank ends, the command says why in one line
+    and the port answers 503 with the reason (the openai client gets an error, not a hang) until a SIGTERM ends
+    it, leaving no process."""
+    from ..support.cli import live_in_group
+
+    port = _free_port()
+    argv = ["serve", "--model", str(model), "--port", str(port), "--backend", "none", "--max-seq-len", "64",
+            "--chunk", "16", "--blocks", "40", "--block-size", "8", "--tp", "2", "--timeout", "4"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "functional_npu", *argv], start_new_session=True, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+    ask = dict(model="m", prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body={"stop_token_ids": []})
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                client.completions.create(**ask)
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.3)
+        ranks = [p for p in live_in_group(proc.pid) if p != proc.pid and b"spawn_main" in _cmdline(p)]
+        assert len(ranks) == 2
+        os.kill(ranks[-1], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # the world stops rank 0 too; then the command takes the port back
+            try:
+                client.completions.create(**ask)
+            except openai.InternalServerError as e:
+                assert e.status_code == 503 and "the server's ranks are gone" in str(e)
+                break
+            except openai.APIConnectionError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "no 503 within the timeout"
+            time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while live_in_group(proc.pid):
+        assert time.monotonic() < deadline, f"processes outlived the server: {live_in_group(proc.pid)}"
+        time.sleep(0.2)
+    err = proc.stderr.read()
+    assert "error: " in err and "answering 503" in err
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -7,6 +7,10 @@
   else empty) and ``token_ids``. One choice per prompt (``n`` must be 1).
 - ``GET /health``: 200 while the engine runs, 503 once a step has failed (every request then answers 503).
 
+When the ranks serving together are gone (one died and the world stopped them all), :func:`serve_unavailable` takes
+the port and answers every request 503 with the reason until it is stopped: a client or a load balancer hears why,
+and nothing waits on ranks that are gone.
+
 The engine runs in one thread of its own (:class:`EngineLoop`), stepping while it has work; requests reach it
 through a queue and their events come back to each request's asyncio queue. A client that disconnects mid-stream
 aborts its request (its blocks go back to the pool). A bad request is a 400 naming the field; the others go on.
@@ -26,7 +30,7 @@ from typing import Any
 
 from .engine import Engine, Event, Request, check_request
 
-__all__ = ["EngineLoop", "completions_app", "serve"]
+__all__ = ["EngineLoop", "completions_app", "serve", "unavailable_app", "serve_unavailable"]
 
 
 @dataclass
@@ -255,3 +259,23 @@ def serve(
         loop.stop()
         if loop.failed is None:
             engine.close()  # a lockstep engine's other ranks return from follow()
+
+
+def unavailable_app(reason: str) -> Any:
+    """A Starlette app that answers every request 503 with ``reason`` (the server's ranks are gone)."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    async def unavailable(_: Any) -> Any:
+        return _error(503, reason, "unavailable")
+
+    return Starlette(
+        routes=[Route("/health", unavailable), Route("/v1/completions", unavailable, methods=["POST", "GET"])]
+    )
+
+
+def serve_unavailable(reason: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Answer 503 with ``reason`` on ``host:port`` until interrupted."""
+    import uvicorn
+
+    uvicorn.run(unavailable_app(reason), host=host, port=port, log_level="warning")
