@@ -1,6 +1,7 @@
 """The engine across ranks in lockstep, on two gloo ranks: rank 0 schedules and samples, rank 1 runs the same calls;
-each request's tokens are those of generating it alone on the same ranks, under tensor parallelism and under a
-layer-sharded series fetched through the prefetch ring (one ring carried through every bucket's steps)."""
+each request's tokens are those of generating it alone on the same ranks, under tensor parallelism, experts over the
+ranks, every module tensor-parallel over the dp ranks (module TP), and a layer-sharded series fetched through the
+prefetch ring (one ring carried through every bucket's steps)."""
 
 import pytest
 
@@ -31,8 +32,13 @@ def moe_dir(tmp_path_factory):
         (False, {"tp": 2}, {"tp": "tp"}),
         (False, {"dp": 2, "tp": 1}, {"layer_shard": "o_proj,down_proj", "prefetch_step": 1}),
         (True, {"tp": 2}, {"tp": "tp", "expert_axes": ("tp",)}),
+        (
+            False,
+            {"dp": 1, "dp2": 2, "tp": 1},
+            {"module_tp": {m: ("dp2",) for m in ("o_proj", "lm_head", "embed", "mlp")}},
+        ),
     ],
-    ids=["tp2", "layer-shard-dp2-k1", "moe-experts-over-tp2"],
+    ids=["tp2", "layer-shard-dp2-k1", "moe-experts-over-tp2", "module-tp-dp2"],
 )
 def test_a_lockstep_engine_serves_each_request_as_generate_alone(world2, model_dir, moe_dir, moe, axes, plan):
     first, other = world2.run(served_in_lockstep, moe_dir if moe else model_dir, axes, plan, PROMPTS, NEW)
