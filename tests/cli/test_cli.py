@@ -35,6 +35,10 @@ def test_demo_runs_and_verifies():
     _check_layer_sharding_saves(out.stdout)
     # the emulated link is the prefetch benchmark's (tests/benchmarks/test_emulated_link.py): the demo names it
     assert "python -m benchmarks prefetch" in out.stdout
+    # the serving stream: both systems' served tokens/s, their ratio, and how many requests agree
+    assert re.search(r"\| engine \(continuous batching, paged KV, 4 at once\) \| [\d.]+ served tokens/s \|", out.stdout)
+    assert re.search(r"\| lockstep generate \(4 at a time, each batch to its longest\) \| [\d.]+ served", out.stdout)
+    assert re.search(r"the engine serves [\d.]+x lockstep's tokens/s; \d+ of 16 requests have", out.stdout)
 
 
 def _check_layer_sharding_saves(stdout):
