@@ -84,8 +84,6 @@ def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
     process of its group."""
     from functional_npu import Mesh, compile_model, load_checkpoint
 
-    from ..support.cli import live_in_group
-
     one = Mesh.abstract({"tp": 1}, 0)
     ref = compile_model(load_checkpoint(str(model), one), one, backend="none", max_seq_len=64, prefill_lengths=[16])
     port = _free_port()
@@ -111,12 +109,7 @@ def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
                                           extra_body={"stop_token_ids": []})  # fmt: skip
         assert again.choices[0].model_extra["token_ids"] == got[0]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    deadline = time.monotonic() + 30
-    while live_in_group(proc.pid):
-        assert time.monotonic() < deadline, f"processes outlived the server: {live_in_group(proc.pid)}"
-        time.sleep(0.2)
+        _stop_and_reap(proc)
     assert "2 rank(s)" in proc.stdout.read()
 
 
@@ -159,14 +152,21 @@ def test_a_rank_that_dies_ends_every_rank_and_the_port_answers_503(model):
             time.sleep(0.3)
         assert "a completion" not in seen
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        _stop_and_reap(proc)
+    err = proc.stderr.read()
+    assert "error: " in err and "answering 503" in err
+
+
+def _stop_and_reap(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group leader, then wait until no process of its group lives (30 s at most)."""
+    from ..support.cli import live_in_group
+
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
     deadline = time.monotonic() + 30
     while live_in_group(proc.pid):
         assert time.monotonic() < deadline, f"processes outlived the server: {live_in_group(proc.pid)}"
         time.sleep(0.2)
-    err = proc.stderr.read()
-    assert "error: " in err and "answering 503" in err
 
 
 def _cmdline(pid: int) -> bytes:
