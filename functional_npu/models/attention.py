@@ -22,6 +22,7 @@ from einops import rearrange
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
 from . import invariant_ops as inv
+from .invariant_modes import ops as invariant_ops_of
 from .linear import int8_activations, linear, row_parallel, token_amax
 from .norm import rms_norm
 from .paged import PagedKV, indices, paged
@@ -208,8 +209,9 @@ def gqa(
     """
     hd = cfg.head_dim
     nh, nkv = local_heads(cfg, mesh.axis_size(tp))
-    norm = inv.rms_norm if invariant else rms_norm
-    qkv = (inv.linear if invariant else linear)(h, layer["qkv"])  # column-parallel: [B, S, (nh + 2 nkv) hd]
+    kern = invariant_ops_of(invariant) if invariant else None
+    norm = kern.rms_norm if invariant else rms_norm
+    qkv = (kern.linear if invariant else linear)(h, layer["qkv"])  # column-parallel: [B, S, (nh + 2 nkv) hd]
     if "qkv_bias" in layer:
         qkv = qkv + layer["qkv_bias"]
     q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=hd) for t in qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1))
@@ -219,8 +221,8 @@ def gqa(
     q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
     keys, values = store(kv, k, v, step)
     if invariant:
-        out = inv.attend(q, keys, values, step.mask, scale, nh // nkv)
-        return inv.row_parallel(rearrange(out, "b h s d -> b s (h d)"), layer["o_proj"], mesh, tp)
+        out = kern.attend(q, keys, values, step.mask, scale, nh // nkv)
+        return kern.row_parallel(rearrange(out, "b h s d -> b s (h d)"), layer["o_proj"], mesh, tp)
     attn = rearrange(attend(q, keys, values, step.mask, kind, scale, nh // nkv), "b h s d -> b s (h d)")
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=axes)
 

@@ -47,7 +47,7 @@ from ..parallel.plan import Plan
 from ..parallel.prefetch import layer_weights
 from ..parallel.prefetch_ring import Ring, RingPhase
 from ..parallel.streams import INLINE, Streams
-from . import invariant_ops
+from .invariant_modes import ops as invariant_ops_of
 from .norm import rms_norm
 
 __all__ = ["Blocks", "DecodeState", "decode", "COMMON_LEAVES"]
@@ -132,7 +132,7 @@ def decode(
     weights = layer_weights(
         params, state.prefetched, mesh, plan, streams, ring=ring, phase=state.phase, differentiable=differentiable
     )
-    rms = invariant_ops.rms_norm if plan.invariant else rms_norm
+    rms = invariant_ops_of(plan.invariant).rms_norm if plan.invariant else rms_norm
     norm = functools.partial(rms, eps=blocks.eps, offset=blocks.norm_offset)
     for i, kv in enumerate(state.kv):
         layer = weights(i, x)

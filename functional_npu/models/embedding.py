@@ -15,7 +15,7 @@ from einops import rearrange
 
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
-from . import invariant_ops as inv
+from .invariant_modes import ops as invariant_ops_of
 from .linear import linear
 from .norm import rms_norm, softcap
 
@@ -51,11 +51,12 @@ def _local_logits(
     logit_softcap: float | None,
     invariant: bool = False,
 ) -> torch.Tensor:
-    x = (inv.rms_norm if invariant else rms_norm)(x, params["norm"], eps, norm_offset)
+    kern = invariant_ops_of(invariant) if invariant else None
+    x = (kern.rms_norm if invariant else rms_norm)(x, params["norm"], eps, norm_offset)
     if mesh.axis_size(axes) > 1:
         x = all_gather(x, mesh, axes)  # [n B, S, D]: the group's rows
     w = params["embed"] if tied else params["lm_head"]
-    logits = (inv.linear if invariant else linear)(x, w)  # [(n) B, S, V / (n tp)]
+    logits = (kern.linear if invariant else linear)(x, w)  # [(n) B, S, V / (n tp)]
     return logits if logit_softcap is None else softcap(logits, logit_softcap)
 
 

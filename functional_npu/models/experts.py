@@ -40,8 +40,9 @@ from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce
 from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
+from . import batch_invariant_ops, invariant_ops
 from . import invariant as inv
-from . import invariant_ops
+from .invariant_modes import ops as invariant_ops_of
 from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
 from .mlp import gated_mlp
 
@@ -172,7 +173,7 @@ def _slots(
     x: torch.Tensor, layer: dict, cfg: Experts, index: torch.Tensor, invariant: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, physical slots), both [T, k], for tokens ``x [T, D]`` with dispatch indices ``index [T]``."""
-    logits = (invariant_ops.linear if invariant else linear)(x, layer["router"])
+    logits = (invariant_ops_of(invariant).linear if invariant else linear)(x, layer["router"])
     weights, experts = route(logits, cfg, layer.get("router_bias"), invariant)
     table = layer["expert_map"]
     if table.shape[1] == 1:
@@ -246,6 +247,12 @@ def invariant_experts(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _experts_of(mode: str) -> Callable:
+    """The routed experts' function of invariant mode ``mode``: :func:`invariant_experts` (portable) or
+    :func:`~functional_npu.models.batch_invariant_ops.experts` (batch)."""
+    return batch_invariant_ops.experts if mode == "batch" else invariant_experts
+
+
 def _gathered(
     x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, axes: tuple[str, ...], row_amax=None, invariant=False
 ) -> torch.Tensor:
@@ -256,7 +263,7 @@ def _gathered(
     per = slot_count(layer["experts_gate_up"])
     ids = torch.where(slots // per == mesh.axis_index(axes), slots % per, -1)
     if invariant:  # [n t, k, D]: each (token, k) nonzero on its expert's rank only, so the sum adds exact zeros
-        part = invariant_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
+        part = _experts_of(invariant)(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
         return inv.tree_sum(reduce_scatter(part, mesh, axes, dim=0), dim=1).to(x.dtype)  # [t, D]
     part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"], row_amax)
     return reduce_scatter(part, mesh, axes, dim=0)  # [t, D]
@@ -281,7 +288,8 @@ def _dispatched(
     rmeta = all_to_all_single(meta.reshape(n * t, 2 * k), mesh, axes)
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
     if invariant:  # [n t, k, D] back: each (token, k) nonzero from its expert's rank only
-        back = all_to_all_single(invariant_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down), mesh, axes)
+        mine = _experts_of(invariant)(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down)
+        back = all_to_all_single(mine, mesh, axes)
         return inv.tree_sum(inv.tree_sum(back.view(n, t, k, d), dim=0), dim=1).to(x.dtype)
     part = local_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down, row_amax)
     back = all_to_all_single(part, mesh, axes)  # [n t, D]: each expert rank's share of my tokens
@@ -295,7 +303,7 @@ def _exchange(x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, plan: Plan
         weights, slots = _slots(x, layer, cfg, torch.arange(x.shape[0], device=x.device), invariant)
         gate_up, down = layer["experts_gate_up"], layer["experts_down"]
         if invariant:
-            return inv.tree_sum(invariant_experts(x, slots, weights, gate_up, down), dim=1).to(x.dtype)
+            return inv.tree_sum(_experts_of(invariant)(x, slots, weights, gate_up, down), dim=1).to(x.dtype)
         return local_experts(x, slots, weights, gate_up, down, row_amax)
     if x.shape[0] <= plan.dispatch_threshold:
         return _gathered(x, layer, cfg, mesh, axes, row_amax, invariant)
@@ -316,7 +324,8 @@ def moe_ffn(layer: dict, h: torch.Tensor, mesh: Mesh, *, cfg: Experts, plan: Pla
     shared = gated_mlp(shared_mlp, h, mesh, tp=plan.tp, invariant=plan.invariant)
     if "shared_gate" in layer:
         if plan.invariant:
-            gate = _scores(invariant_ops.linear(h, layer["shared_gate"]), "sigmoid", True).to(h.dtype)
+            gate = _scores(invariant_ops_of(plan.invariant).linear(h, layer["shared_gate"]), "sigmoid", True)
+            gate = gate.to(h.dtype)
         else:
             gate = torch.sigmoid(linear(h, layer["shared_gate"]))
         shared = shared * gate

@@ -20,7 +20,7 @@ from ..parallel.layer_shard import LayerShard
 from ..parallel.plan import EXPERT_FIELDS, MLA_FIELDS, Plan
 from ..parallel.prefetch_ring import Ring, RingPhase
 from ..parallel.streams import INLINE, Streams
-from . import deepseek, dense, gemma3, invariant, llama, moe
+from . import batch_invariant, deepseek, dense, gemma3, invariant, llama, moe
 from .decoder import Blocks, DecodeState, decode
 from .deepseek import DeepseekConfig
 from .gemma3 import Gemma3Config
@@ -356,6 +356,14 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
             f"{where}: Plan.invariant: module TP ({dict(plan.module_tp.items())}) sums partial products by "
             f"reduce_scatter, which has no invariant form yet; drop module_tp or leave Plan.invariant off"
         )
+    if plan.invariant == "batch":
+        dtype = params["embed"].dtype
+        if dtype not in batch_invariant.DTYPES:
+            raise ValueError(
+                f"{where}: Plan.invariant='batch': its pinned kernels are measured in float32 and bfloat16, not "
+                f"{dtype}; load the params in one of those, or use Plan(invariant='portable')"
+            )
+        return
     invariant.check_dtype(params["embed"].dtype, where)
 
 

@@ -42,6 +42,7 @@ from ..core.mesh import Mesh
 from ..parallel.plan import Plan
 from . import invariant_ops as inv
 from .attention import attend, attention_mask, output_projection
+from .invariant_modes import ops as invariant_ops_of
 from .linear import dense, linear
 from .norm import rms_norm
 from .paged import PagedKV, indices, paged
@@ -172,8 +173,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: b
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def _query(layer: dict, h: torch.Tensor, eps: float, invariant: bool = False) -> torch.Tensor:
-    lin, norm = (inv.linear, inv.rms_norm) if invariant else (linear, rms_norm)
+def _kernels(invariant: bool | str) -> tuple:
+    """(linear, rms_norm) of the invariant mode ``invariant``, or the plain ones."""
+    if not invariant:
+        return linear, rms_norm
+    kern = invariant_ops_of(invariant)
+    return kern.linear, kern.rms_norm
+
+
+def _query(layer: dict, h: torch.Tensor, eps: float, invariant: bool | str = False) -> torch.Tensor:
+    lin, norm = _kernels(invariant)
     if "q_proj" in layer:
         return lin(h, layer["q_proj"])
     return lin(norm(lin(h, layer["q_a_proj"]), layer["q_a_norm"], eps), layer["q_b_proj"])
@@ -192,7 +201,7 @@ def mla(
     nh = local_heads(cfg, mesh.axis_size(tp))
     q = rearrange(_query(layer, h, cfg.rms_norm_eps, invariant), "b s (h d) -> b h s d", h=nh)  # d = dn + dr
     q_nope, q_rot = q.split([dn, dr], dim=-1)
-    lin, norm = (inv.linear, inv.rms_norm) if invariant else (linear, rms_norm)
+    lin, norm = _kernels(invariant)
     c, k_rot = lin(h, layer["kv_a_proj"]).split([r, dr], dim=-1)  # [B, S, R], [B, S, dr]
     c = norm(c, layer["kv_a_norm"], cfg.rms_norm_eps)[:, None]  # [B, 1, S, R]
     q_rot = _rotate(q_rot, step.cos, step.sin, cfg.rope_interleave)
@@ -212,7 +221,7 @@ def mla(
             out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv, invariant)
     attn = rearrange(out, "b h s d -> b s (h d)")
     if invariant:
-        return inv.row_parallel(attn, layer["o_proj"], mesh, tp)
+        return invariant_ops_of(invariant).row_parallel(attn, layer["o_proj"], mesh, tp)
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=plan.module_tp.o_proj)
 
 
@@ -230,14 +239,14 @@ def _store(kv: KV, first: torch.Tensor, second: torch.Tensor, step: MlaStep) -> 
 def _attend(q, keys, values, mask, scale: float, kind: str, invariant: bool) -> torch.Tensor:
     """Attention ``[B, nh, S, dv]`` by ``kind``, or (``invariant``) :func:`~functional_npu.models.invariant.attend`."""
     if invariant:
-        return inv.attend(q, keys, values, mask, scale)
+        return invariant_ops_of(invariant).attend(q, keys, values, mask, scale)
     return attend(q, keys, values, mask, kind, scale=scale)
 
 
 def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, dv: int, invariant: bool = False) -> KV:
     """Every head's keys ``[B, nh, L, dn + dr]`` and values ``[B, nh, L, dv]`` from latents ``[B, 1, L, R]``."""
     b, _, length, _ = latent.shape
-    expanded = (inv.linear if invariant else linear)(latent[:, 0], w_kv)
+    expanded = _kernels(invariant)[0](latent[:, 0], w_kv)
     expanded = rearrange(expanded, "b l (h d) -> b h l d", h=nh)  # d = dn + dv
     k_nope, values = expanded.split([dn, dv], dim=-1)
     return torch.cat([k_nope, k_rot.expand(b, nh, length, k_rot.shape[-1])], dim=-1), values

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..core.collectives import all_gather, all_reduce, reduce_scatter
 from ..core.mesh import Mesh
-from . import invariant_ops as inv
+from .invariant_modes import ops as invariant_ops_of
 from .linear import linear, row_amax, row_parallel
 
 __all__ = ["gated_mlp"]
@@ -36,8 +36,9 @@ def gated_mlp(
     the gate's; ``invariant``: every reduction in one fixed order and SiLU's (:mod:`~functional_npu.models.invariant`:
     ``activation`` is then not read)."""
     if invariant:
-        gate, up = inv.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        return inv.row_parallel(inv.silu(gate) * up, layer["down"], mesh, tp)
+        kern = invariant_ops_of(invariant)
+        gate, up = kern.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return kern.row_parallel(kern.silu(gate) * up, layer["down"], mesh, tp)
     if mesh.axis_size(axes) == 1:
         gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)  # column-parallel [gate_r | up_r]
         return row_parallel(activation(gate) * up, layer["down"], mesh, tp)

@@ -12,7 +12,8 @@ how the forward moves it, as JAX keeps ``NamedSharding(mesh, PartitionSpec)`` ap
 - ``offload``: weight series kept whole in host memory, fetched into the same ring (:mod:`.offload`);
 - ``absorb``, ``mla_cache``: multi-head latent attention's decode path and cache (:mod:`functional_npu.models.mla`);
 - ``invariant``: every reduction of the forward in one fixed order, so that a rollout's log-probabilities equal the
-  training forward's bit for bit (:mod:`functional_npu.models.invariant`);
+  training forward's bit for bit: ``"batch"`` on the fast kernels (:mod:`functional_npu.models.batch_invariant`),
+  ``"portable"`` across devices (:mod:`functional_npu.models.invariant`);
 - ``model``: the architecture the plan was made for (``None``: any), so a plan kept for one model is
   refused by name on another.
 
@@ -35,9 +36,10 @@ from .layer_shard import LayerShard, layer_shard
 from .module_tp import MODULES, ModuleTP
 from .offload import offload_names
 
-__all__ = ["Plan", "LAYOUT_FIELDS", "EXPERT_FIELDS", "MLA_FIELDS", "MLA_CACHES"]
+__all__ = ["Plan", "LAYOUT_FIELDS", "EXPERT_FIELDS", "MLA_FIELDS", "MLA_CACHES", "INVARIANT_MODES"]
 
 MLA_CACHES = ("latent", "heads")
+INVARIANT_MODES = ("batch", "portable")  # Plan.invariant's modes (True: "portable")
 # fields that decide the params' layouts (params loaded for one plan run only under a plan agreeing on these)
 LAYOUT_FIELDS = ("tp", "expert_axes", "num_slots", "max_copies", "module_tp", "layer_shard", "offload")
 # fields only a family with experts / with latent attention reads (a family declares them, models.family)
@@ -63,8 +65,12 @@ class Plan:
             (names as for ``layer_shard``: ``"o_proj,down"``, ``"layer"``; :mod:`.offload`).
         absorb: latent attention's decode steps attend in the latent space.
         mla_cache: latent attention's cache, ``"latent"`` or ``"heads"`` (every head's keys and values).
-        invariant: the forward's reductions in one fixed order whatever the batch, position, cache length or padding
-            (:mod:`functional_npu.models.invariant`): the same logits for a sequence in a rollout and in training.
+        invariant: the forward's reductions in one fixed order whatever the batch, position, cache length or padding:
+            the same logits for a sequence in a rollout and in training. ``"batch"``: on the fast kernels, each
+            reduction's order pinned (:mod:`functional_npu.models.batch_invariant`), the same bits on one device kind
+            and kernel build; ``"portable"`` (or ``True``): trees of adds and polynomials
+            (:mod:`functional_npu.models.invariant`), the same bits on every device that rounds IEEE adds, at many
+            times the cost; ``False``: off.
         model: the architecture this plan was made for (``None``: any).
 
     Example:
@@ -85,7 +91,7 @@ class Plan:
     offload: tuple[str, ...] = ()
     absorb: bool = True
     mla_cache: str = "latent"
-    invariant: bool = False
+    invariant: bool | str = False
     model: str | None = None
 
     def __post_init__(self) -> None:
@@ -123,8 +129,14 @@ class Plan:
             )
         if not isinstance(self.absorb, bool):
             raise ValueError(f"Plan.absorb must be True or False, got {self.absorb!r}")
-        if not isinstance(self.invariant, bool):
-            raise ValueError(f"Plan.invariant must be True or False, got {self.invariant!r}")
+        if self.invariant is True:
+            _set(self, "invariant", "portable")
+        elif self.invariant is not False and self.invariant not in INVARIANT_MODES:
+            raise ValueError(
+                f"Plan.invariant must be False, 'batch' (batch-invariant on the fast kernels: the same bits on one "
+                f"device kind) or 'portable' (the same bits on any IEEE device, many times slower), got "
+                f"{self.invariant!r}"
+            )
         if self.mla_cache not in MLA_CACHES:
             raise ValueError(f"Plan.mla_cache must be one of {MLA_CACHES}, got {self.mla_cache!r}")
         if self.model is not None and not (isinstance(self.model, str) and self.model.strip()):

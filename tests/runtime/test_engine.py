@@ -33,9 +33,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(model_dir):
-    """The invariant plan: a sequence's logits do not depend on the batch, the chunk or the cache's length, so the
-    engine's tokens can be held to generate()'s exactly."""
-    params = load_checkpoint(model_dir, ONE, Plan(invariant=True))
+    """The batch-invariant plan: a sequence's logits do not depend on the batch, the chunk or the cache's length, so
+    the engine's tokens can be held to generate()'s exactly."""
+    params = load_checkpoint(model_dir, ONE, Plan(invariant="batch"))
     return compile_model(
         params, ONE, backend="none", batch_sizes=[1, 2, 4], max_seq_len=MAX_SEQ, prefill_lengths=[8, 16, 48]
     )

@@ -34,6 +34,7 @@ from ..support.invariant_workers import (
 )
 
 VOCAB = 128
+MODES = ["batch", "portable"]
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +47,14 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eager(qwen3):
     """{(dtype, invariant): (model, mesh)} on one rank, the plain Python forward."""
-    return {
-        (d, inv): model_for(None, qwen3, 1, d, inv, "none") for d in ("float32", "bfloat16") for inv in (True, False)
-    }
+    modes = (*MODES, False)
+    return {(d, inv): model_for(None, qwen3, 1, d, inv, "none") for d in ("float32", "bfloat16") for inv in modes}
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rollout_logprobs_equal_training_forward_eager(eager, dtype):
-    model, mesh = eager[(dtype, True)]
+def test_rollout_logprobs_equal_training_forward_eager(eager, dtype, mode):
+    model, mesh = eager[(dtype, mode)]
     sets = [[[7, 3, 9, 4, 11]], [[5, 6, 7, 8], [9, 10, 11], [1, 2, 3, 4, 5, 6, 7]]]
     sets.append(sets[1] + [[3], [9, 10], [12] * 6, [2, 4], [8, 8, 1, 30, 5]])  # 8 rows
     assert rollout_gaps(model, mesh, sets) == [0.0, 0.0, 0.0]
@@ -66,8 +67,9 @@ def test_rollout_logprobs_equal_training_forward_eager(eager, dtype):
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_any_batch_composition_gives_the_training_forwards_bits(eager, prompts, seed):
-    model, mesh = eager[("float32", True)]
+@pytest.mark.parametrize("mode", MODES)
+def test_any_batch_composition_gives_the_training_forwards_bits(eager, mode, prompts, seed):
+    model, mesh = eager[("float32", mode)]
     assert rollout_gaps(model, mesh, [prompts], seed=seed) == [0.0]
 
 
@@ -79,42 +81,46 @@ def test_teacher_forced_logits_do_not_depend_on_the_batch(eager):
     for i, r in enumerate(rows):
         batch[i, : len(r)] = r
     differs = []
-    for invariant in (True, False):
+    for invariant in (*MODES, False):
         model, mesh = eager[("float32", invariant)]
         together = logits(model.params, batch, mesh)
         alone = [logits(model.params, r[None], mesh)[0] for r in rows]
         same = [torch.equal(a, together[i, : len(r)]) for i, (a, r) in enumerate(zip(alone, rows))]
         differs.append(not all(same))
-    assert differs == [False, True], "invariant: equal; the default forward: some row differs (the control)"
+    assert differs == [False, False, True], "invariant: equal; the default forward: some row differs (the control)"
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rollout_logprobs_equal_training_forward_tp2(world2, qwen3, dtype):
-    on = world2.run(gaps_on_rank, qwen3, 2, dtype, True)
+def test_rollout_logprobs_equal_training_forward_tp2(world2, qwen3, dtype, mode):
+    on = world2.run(gaps_on_rank, qwen3, 2, dtype, mode)
     assert on == [[0.0, 0.0, 0.0]] * 2
     off = world2.run(gaps_on_rank, qwen3, 2, dtype, False)
     assert max(max(g) for g in off) > 0.0
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_plan_gives_the_same_bits(world2, qwen3, eager, dtype):
+def test_every_plan_gives_the_same_bits(world2, qwen3, eager, dtype, mode):
     """tp 2 sums each row-parallel linear's chunks on its rank and the two ranks' sums last, the unsharded tree's
     order; a layer-sharded data-parallel plan computes each layer as tp 1 does: every plan, the same log-probs."""
-    model, mesh = eager[(dtype, True)]
+    model, mesh = eager[(dtype, mode)]
     tokens = torch.tensor([[5, 6, 7, 8, 9, 1, 2], [9, 10, 11, 3, 0, 0, 0]])
     want = token_logprobs(model.params, tokens, mesh)
-    tp2 = world2.run(training_logprobs, qwen3, {"tp": 2}, {}, dtype, tokens)
-    sharded = world2.run(training_logprobs, qwen3, {"dp": 2, "tp": 1}, {"layer_shard": "layer"}, dtype, tokens)
+    tp2 = world2.run(training_logprobs, qwen3, {"tp": 2}, {"invariant": mode}, dtype, tokens)
+    shard = {"layer_shard": "layer", "invariant": mode}
+    sharded = world2.run(training_logprobs, qwen3, {"dp": 2, "tp": 1}, shard, dtype, tokens)
     assert all(torch.equal(got, want) for got in tp2 + sharded)
 
 
-def test_its_gradients_are_the_default_forwards(qwen3):
+@pytest.mark.parametrize("mode", MODES)
+def test_its_gradients_are_the_default_forwards(qwen3, mode):
     """The invariant ops' gradients are the ordinary ones (closed forms in float32): the same loss and gradients as the
     default forward to float32 rounding (a wrong rule, such as attention's scale left out, is off by far more)."""
     mesh = Mesh.abstract({"tp": 1}, 0)
     tokens = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
     runs = [
-        value_and_grad(lm_loss)(load_checkpoint(qwen3, mesh, Plan(invariant=bool(i))), tokens, mesh) for i in (1, 0)
+        value_and_grad(lm_loss)(load_checkpoint(qwen3, mesh, Plan(invariant=i)), tokens, mesh) for i in (mode, False)
     ]
     (loss, grads), (ref_loss, ref) = runs
     assert abs(loss.item() - ref_loss.item()) < 1e-5
@@ -134,15 +140,17 @@ def one_layer(tmp_path_factory):
     return str(path)
 
 
-def test_compiled_rollout_and_compiled_train_step_agree_bitwise(one_layer):
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_rollout_and_compiled_train_step_agree_bitwise(one_layer, mode):
     """Inductor's rollout against the eager training forward, and the forward inside a compiled train step: the
     step's loss is the largest log-prob difference, 0.0 exactly with the mode (about 5e-7 without)."""
-    on = compiled_step_mismatch(None, one_layer, 1, "float32", True)
+    on = compiled_step_mismatch(None, one_layer, 1, "float32", mode)
     assert on == {"gap": 0.0, "step_loss": 0.0}
 
 
-def test_compiled_rollout_tp2_bfloat16(world2, one_layer):
-    got = world2.run(compiled_step_mismatch, one_layer, 2, "bfloat16", True, False)
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_rollout_tp2_bfloat16(world2, one_layer, mode):
+    got = world2.run(compiled_step_mismatch, one_layer, 2, "bfloat16", mode, False)
     assert got == [{"gap": 0.0}] * 2
 
 

@@ -77,23 +77,23 @@ def compiled_step_mismatch(ctx, model_dir: str, tp: int, dtype: str, invariant: 
 
 
 def training_logprobs(ctx, model_dir: str, axes: dict, plan_fields: dict, dtype: str, tokens) -> torch.Tensor:
-    """The training forward's log-probabilities of ``tokens`` under ``Plan(invariant=True, **plan_fields)`` over
-    ``axes`` on this rank."""
+    """The training forward's log-probabilities of ``tokens`` under ``Plan(**plan_fields)`` (invariant: portable
+    unless it says) over ``axes`` on this rank."""
     from functional_npu import Plan, load_checkpoint
     from functional_npu.runtime.training.grad import token_logprobs
 
     mesh = ctx.mesh(axes)
-    params = load_checkpoint(model_dir, mesh, Plan(invariant=True, **plan_fields), dtype=getattr(torch, dtype))
+    params = load_checkpoint(model_dir, mesh, Plan(**({"invariant": True} | plan_fields)), dtype=getattr(torch, dtype))
     return token_logprobs(params, tokens, mesh)
 
 
-def dp_logits(ctx, model_dir: str, expert_axes, rows: int) -> torch.Tensor:
+def dp_logits(ctx, model_dir: str, expert_axes, rows: int, mode: str = "portable") -> torch.Tensor:
     """The invariant training forward's logits on a dp 2 x tp 2 mesh under ``expert_axes``, each dp rank over its own
     ``rows`` random sequences of 9 tokens."""
     from functional_npu import Plan, load_checkpoint
     from functional_npu.runtime.training.grad import logits
 
     mesh = ctx.mesh({"dp": 2, "tp": 2})
-    params = load_checkpoint(model_dir, mesh, Plan(invariant=True, expert_axes=tuple(expert_axes)))
+    params = load_checkpoint(model_dir, mesh, Plan(invariant=mode, expert_axes=tuple(expert_axes)))
     g = torch.Generator().manual_seed(7 + mesh.axis_index("dp"))
     return logits(params, torch.randint(0, 128, (rows, 9), generator=g), mesh)

@@ -19,6 +19,7 @@ from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
 from ...models import FAMILIES, check_invariant, family_of
 from ...models import invariant as inv
+from ...models.batch_invariant import KEYS
 from ...models.linear import KINDS, prepare_params
 from ...parallel.layer_shard import series_of
 from ...parallel.offload import host_of
@@ -240,6 +241,12 @@ def invariant_options(params: dict, placed: Placement, chosen: Backend, where: s
             f"{where}: Plan.invariant on backend {chosen.name!r} ({device}): its generated kernels are not "
             f"checked to round every add and multiply on its own (Triton may fuse a multiply-add); the backends "
             f"that run it on {device} are {list(INVARIANT_BACKENDS.get(device, ()))}"
+        )
+    if placed.plan.invariant == "batch" and device != "cpu":
+        raise ValueError(
+            f"{where}: Plan.invariant='batch' on {device}: its pinned tiles (matmul rows in fours, attention keys in "
+            f"blocks of {KEYS}) are measured on the CPU's kernels (MKL, oneDNN), not {device}'s; use "
+            f"Plan(invariant='portable') there, or run on the CPU"
         )
     if device == "npu":
         _check_npu_invariant(placed.config, chosen, where)

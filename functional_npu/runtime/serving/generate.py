@@ -20,8 +20,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ...models import invariant_ops as inv
 from ...models.decoder import DecodeState
+from ...models.invariant_modes import ops as invariant_ops_of
 from ...parallel.plan import Plan
 from ...parallel.prefetch import drain
 
@@ -226,14 +226,14 @@ def _chunk(
 
 
 def logprobs_of(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, invariant: bool = False
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, invariant: bool | str = False
 ) -> torch.Tensor:
     """``logits [..., V]``, ``tokens [...]`` -> ``[...]``: log p(token) under ``softmax(logits / temperature)``, in
     float32 (float64 logits: float64). The rollout's and the training forward's log-probabilities both.
-    ``invariant``: the logits times ``1 / temperature`` and :func:`~functional_npu.models.invariant.log_softmax`, the
-    same bits compiled or not, whatever the rows beside them."""
+    ``invariant`` (a ``Plan.invariant`` mode): the logits times ``1 / temperature`` and that mode's ``log_softmax``
+    (:mod:`functional_npu.models.invariant_modes`), the same bits compiled or not, whatever the rows beside them."""
     if invariant:
-        logprobs = inv.log_softmax(logits.float() * (1.0 / temperature))
+        logprobs = invariant_ops_of(invariant).log_softmax(logits.float() * (1.0 / temperature))
     else:
         logits = logits if logits.dtype == torch.float64 else logits.float()
         logprobs = torch.log_softmax(logits / temperature, dim=-1)

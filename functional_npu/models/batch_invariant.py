@@ -1,0 +1,169 @@
+"""Batch invariance on the fast kernels: every reduction a log-prob depends on keeps its order whatever the batch, a
+row's position in it, the cache length or the chunking, while running on the device's matmul kernels.
+
+The plan's ``invariant="batch"`` mode (:class:`~functional_npu.parallel.plan.Plan`) runs the forward through these
+functions. They give a row the same bits on one device kind and one kernel build (what on-policy RL needs: the rollout
+and the training forward on the same machine); :mod:`functional_npu.models.invariant` (``"portable"``) gives them on
+any device that rounds IEEE adds, at many times the cost. What each pins, and what it rules out (each measured on
+this machine's kernels, ``tests/models/test_batch_invariant.py``, where the plain call's counterexample is built):
+
+- **matmuls by row tiles** (:func:`linear`): a matmul's rows are padded to a multiple of :data:`ROWS`. The CPU's
+  GEMMs (MKL in float32, oneDNN in bfloat16) take another kernel, with another order over the reduced dim, for a
+  call of 1 to 3 rows, and for a call whose threads get fewer than 4 rows each (5, 7 or 9 rows on two threads); with
+  the rows a multiple of 4 a row's bits are the same at any row count and in any position (a decode step of 1 row
+  and a training forward of 512);
+- **a row-parallel linear's input dim in fixed chunks** (:func:`linear` with ``chunks``): summed chunk by chunk
+  (one batched matmul, the chunks' results in float32) and the chunks added by adjacent pairs, so a tensor-parallel
+  rank sums its share of the same chunks and :func:`~functional_npu.models.invariant.tp_sum` adds the ranks' sums as
+  the top of the same tree: tp 1, 2, 4 and 8 give the same bits (an all-reduce's ring adds in an order of its own);
+- **attention over fixed key blocks** (:func:`attend`): the cache (or the sequence) is padded to blocks of
+  :data:`KEYS` keys; each block's scores and each block's weighted values are one matmul of a pinned shape (``[rows,
+  d] x [d, KEYS]``, ``[rows, KEYS] x [KEYS, dv + 1]``: the softmax's denominator is the last column, reduced with the
+  values); blocks are added by a tree in which a block past the query's keys is an exact zero. The max is taken
+  first over every key (no running rescale), ``exp`` is the polynomial (:func:`~functional_npu.models.invariant.exp`:
+  a library's vector ``exp`` and its scalar tail differ by where an element sits). A matmul's reduced dim of any
+  other length changes the bits (its kernel blocks the reduction by its length);
+- **per-row reductions with rows padded** (:func:`rms_norm`, :func:`log_softmax`): torch's CPU reductions split one
+  row across threads when the output is a single element and the row is long (two-pass reduction), and otherwise
+  reduce each row alone in its vector order; at least :data:`ROWS` rows never split a row. ``rsqrt`` and SiLU's
+  ``exp`` are the polynomials (an eager SiLU's bits depend on where its element falls among its thread's chunk).
+
+Each reduction is an opaque op (:mod:`functional_npu.models.batch_invariant_ops`) that runs these eager kernels, so
+a compiled graph calls exactly the rollout's or the training forward's kernels and shapes; the elementwise ops
+between them (SiLU's polynomial, rotary, residual adds) are compiled and fused, one IEEE rounding each under
+:data:`~functional_npu.models.invariant.INDUCTOR_OPTIONS`. What is not pinned here: the kernels themselves (another
+MKL or oneDNN build, another CPU, another thread count may pick other tiles: :func:`probe` measures the two
+properties the mode rests on), and another device kind (on a GPU or an NPU the same pins hold only where that
+device's kernels are shown to honour them; ``compile_model`` refuses the mode there, naming ``"portable"``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import invariant as portable
+
+__all__ = ["ROWS", "KEYS", "DTYPES", "pad_rows", "linear", "rms_norm", "silu", "attend", "log_softmax", "probe"]
+
+ROWS = 4  # a matmul's (or a reduction's) rows are padded to a multiple of this
+KEYS = 64  # attention's keys in blocks of this many
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pad_rows(x: torch.Tensor, multiple: int = ROWS) -> torch.Tensor:
+    """``x [R, ...]`` with zero rows appended up to a multiple of ``multiple``."""
+    extra = -x.shape[0] % multiple
+    return x if not extra else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, chunks: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [..., in] @ w.T`` by the device's matmul with the rows padded to a multiple of :data:`ROWS`. ``chunks > 1``
+    (a row-parallel linear, :func:`~functional_npu.models.batch_invariant_ops.row_parallel`): the input dim in that
+    many contiguous chunks, each chunk's product one item of a batched matmul, the chunks added in float32 by
+    :func:`~functional_npu.models.invariant.pair_sum` (so ``1 / tp`` of the chunks on each rank, then the ranks'
+    sums, is the same tree). Returned in ``dtype`` (default ``x``'s)."""
+    k, n = x.shape[-1], w.shape[0]
+    flat = x.reshape(-1, k)
+    rows = flat.shape[0]
+    tiles = pad_rows(flat)
+    if chunks == 1:
+        y = F.linear(tiles, w)
+    else:
+        part = k // chunks
+        xs = tiles.view(-1, chunks, part).transpose(0, 1)  # [chunks, R, in / chunks]
+        ws = w.view(n, chunks, part).permute(1, 2, 0)  # [chunks, in / chunks, out]
+        y = portable.pair_sum(torch.bmm(xs, ws).float(), dim=0)
+    return y[:rows].to(dtype or x.dtype).reshape(*x.shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """:func:`~functional_npu.models.norm.rms_norm` in float32 with the mean of squares by torch's row reduction over
+    at least :data:`ROWS` rows and :func:`~functional_npu.models.invariant.rsqrt` (returned in ``x``'s dtype)."""
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    xf = pad_rows(flat).float()
+    ms = (xf * xf).mean(-1, keepdim=True)[: flat.shape[0]].reshape(*x.shape[:-1], 1)
+    normed = x.float() * portable.rsqrt(ms + eps)
+    if offset:
+        return (normed * (weight.float() + offset)).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU with the polynomial ``exp`` (:func:`~functional_npu.models.invariant.silu`): elementwise, fused when
+    compiled."""
+    return portable.silu(x)
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+    groups: int = 1,
+) -> torch.Tensor:
+    """Masked attention ``[B, H, S, dv]`` of ``q [B, H, S, d]`` over ``keys [B, H / groups, C, d]`` and ``values
+    [B, H / groups, C, dv]`` (``mask [B, 1, S, C]``), in float32, by blocks of :data:`KEYS` keys: per block the
+    scores (a matmul over ``d``) and the weighted values with the softmax's denominator (a matmul over the block's
+    keys), blocks added by :func:`~functional_npu.models.invariant.tree_sum`. A query's rows (its group's heads and
+    positions) go in multiples of :data:`ROWS`; a key the mask hides weighs an exact zero."""
+    b, h, s, d = q.shape
+    kv, c = keys.shape[1], keys.shape[2]
+    blocks = -(-c // KEYS)
+    extra = blocks * KEYS - c
+    rows = groups * s
+    tile = rows + -rows % ROWS
+    qf = F.pad(q.float().reshape(b, kv, rows, d), (0, 0, 0, tile - rows))[:, :, None]  # [B, kv, 1, R, d]
+    kf = F.pad(keys.float(), (0, 0, 0, extra)).view(b, kv, blocks, KEYS, d)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * (d**-0.5 if scale is None else scale)  # [B, kv, n, R, KEYS]
+    seen = F.pad(mask.reshape(b, 1, s, c), (0, extra)).view(b, 1, s, blocks, KEYS).permute(0, 1, 3, 2, 4)
+    seen = seen[:, :, :, None].expand(b, kv, blocks, groups, s, KEYS).reshape(b, kv, blocks, rows, KEYS)
+    seen = torch.cat([seen, seen.new_zeros(b, kv, blocks, tile - rows, KEYS)], dim=3)  # a padded row sees nothing
+    scores = scores.masked_fill(~seen, float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # a padded row: no key
+    p = portable.exp(scores - top)  # hidden keys: 0
+    vf = F.pad(values.float(), (0, 1), value=1.0)  # [B, kv, C, dv + 1]: the last column sums p
+    vf = F.pad(vf, (0, 0, 0, extra)).view(b, kv, blocks, KEYS, -1)
+    sums = portable.tree_sum(torch.matmul(p, vf), dim=2)  # [B, kv, R, dv + 1]
+    out = sums[:, :, :rows, :-1] / sums[:, :, :rows, -1:]
+    return out.reshape(b, h, s, -1).to(q.dtype)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dim in float32 by torch's row kernel over at least :data:`ROWS` rows."""
+    v = x.shape[-1]
+    flat = x.reshape(-1, v)
+    return torch.log_softmax(pad_rows(flat).float(), -1)[: flat.shape[0]].reshape(x.shape)
+
+
+def probe(rows: tuple[int, ...] = (4, 8, 12, 64, 260), shapes=((256, 1536), (1000, 333)), seed: int = 0) -> dict:
+    """The two kernel properties the mode rests on, measured here: a matmul row's bits at any multiple of
+    :data:`ROWS` rows (and in any position), and at any multiple of :data:`KEYS` columns, for each of
+    :data:`DTYPES`; with the counterexamples the pins rule out (a 1-row call, a key block of another length)
+    measured beside them. ``{"rows_pinned", "keys_pinned", "one_row_differs", "odd_keys_differ"}`` per dtype."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for dtype in DTYPES:
+        rows_ok, single_differs = True, False
+        for k, n in shapes:
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(max(rows), k, generator=g).to(dtype)
+            ref = F.linear(x, w)
+            for r in rows:
+                rows_ok &= torch.equal(F.linear(x[:r], w), ref[:r])
+                rows_ok &= torch.equal(F.linear(x[:r].flip(0), w).flip(0), ref[:r])
+            single_differs |= any(not torch.equal(F.linear(x[i : i + 1], w), ref[i : i + 1]) for i in range(8))
+        qf = torch.randn(8, 4, 128, generator=g).to(dtype)
+        kf = torch.randn(8, 128, 4 * KEYS, generator=g).to(dtype)
+        full = qf @ kf
+        keys_ok = all(torch.equal(qf @ kf[..., : j * KEYS], full[..., : j * KEYS]) for j in (1, 2, 3))
+        odd = any(not torch.equal(qf @ kf[..., :c], full[..., :c]) for c in (1, 3, 7))
+        out[str(dtype).removeprefix("torch.")] = {
+            "rows_pinned": bool(rows_ok),
+            "keys_pinned": bool(keys_ok),
+            "one_row_differs": bool(single_differs),
+            "odd_keys_differ": bool(odd),
+        }
+    return out
