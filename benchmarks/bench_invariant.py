@@ -1,20 +1,22 @@
-"""What the invariant mode costs: decode tokens/s at batches 1 and 8 and the train step's time, mode on and off.
+"""What an invariant mode costs: decode tokens/s at batches 1 and 8 and the train step's time, mode on and off.
 
-    python -m benchmarks invariant [--quick] [--repeat N] [--json FILE [--append]]
-    python -m benchmarks invariant --kernels     # the invariant linear alone: eager, inductor, torch's matmul
+    python -m benchmarks invariant [--mode batch|portable] [--dtype float32 bfloat16] [--quick] [--repeat N]
+                                   [--json FILE [--append]]
+    python -m benchmarks invariant --kernels     # the portable invariant linear alone: eager, inductor, matmul
 
-One process, one rank, float32, compiled with inductor: the embedded demo model (Qwen3-style, 6 layers, hidden 256,
-vocab 4096; ``--quick``: the small one, hidden 128, vocab 512) with seeded weights, under ``Plan()`` and under
-``Plan(invariant=True)``. Systems, each timed once per round, rounds interleaved:
+One process, one rank, compiled with inductor: the embedded demo model (Qwen3-style, 6 layers, hidden 256, vocab
+4096; ``--quick``: the small one, hidden 128, vocab 512) with seeded weights, in each ``--dtype``, under ``Plan()`` and
+under ``Plan(invariant=MODE)`` (default ``"batch"``: the fast kernels with their orders pinned,
+:mod:`functional_npu.models.batch_invariant`). Systems, each timed once per round, rounds interleaved:
 
-- ``decode_b{1,8}_{on,off}``: greedy decode steps of a compiled model at that batch,
+- ``{dtype}_decode_b{1,8}_{on,off}``: greedy decode steps of a compiled model at that batch,
   ``B (N - 1) / (T(N) - T(1))`` tokens/s (:func:`benchmarks.timing.rates`, N = 16 new tokens);
-- ``train_{on,off}``: one compiled train step (``lm_loss``, AdamW) on ``[8, 64]`` tokens, seconds.
+- ``{dtype}_train_{on,off}``: one compiled train step (``lm_loss``, AdamW) on ``[8, 64]`` tokens, seconds.
 
-Reported per size: the medians and spread over the rounds, and each round's on / off ratio (its median and
-spread). The mode's cost is where it reduces: a linear is products and a tree of adds over ``[rows, out, in]``
-(no blocked matmul kernel), attention materializes its products per key, and every invariant op runs as its own
-aten sequence, unfused (:mod:`functional_npu.models.invariant_ops`).
+Reported per dtype: the medians and spread over the rounds, and each round's on / off ratio (its median and spread).
+Then where the extra time goes (``terms``): one profiled decode step at batch 8 and one train step, on and off, the
+profiler's time per op class (linears, attention, row norms, log-softmax; the rest is compiled code and the host),
+and each class's share of the on mode's extra time.
 """
 
 from __future__ import annotations
@@ -29,31 +31,42 @@ from typing import Any
 import torch
 
 from functional_npu import Mesh, Plan, compile_model
+from functional_npu.core import map_with_path
 from functional_npu.models import embedded_config, family_of
 from functional_npu.placement import place
 from functional_npu.runtime.training import AdamW, compile_train_step, lm_loss
 
 from .timing import rates, ratio, rounds, seconds, stats
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "terms"]
 
 NEW = 16
 PROMPT = 8
 BATCHES = (1, 8)
 TRAIN_BATCH = (8, 64)
+DTYPES = ("float32", "bfloat16")
+# the profiler's op names by class (on: the mode's ops; off: the kernels the plain compiled model calls)
+CLASSES = {
+    "linears": ("batch_linear", "batch_matmul", "invariant_linear", "aten::mm", "aten::addmm", "aten::bmm"),
+    "attention": ("batch_attend", "invariant_attend", "scaled_dot_product", "flash_attention"),
+    "row norms": ("batch_rms_norm", "invariant_rms_norm"),
+    "log-softmax": ("batch_log_softmax", "invariant_log_softmax", "aten::_log_softmax"),
+}
 
 
-def _params(cfg: Any, invariant: bool) -> dict:
+def _params(cfg: Any, invariant: bool | str, dtype: str) -> dict:
     mesh = Mesh.abstract({"tp": 1}, 0)
     params = family_of(cfg).init_params(cfg, seed=0)
+    wide = getattr(torch, dtype)
+    params = map_with_path(lambda p, x: x.to(wide) if x.is_floating_point() else x, params)
     return params.placed(place(cfg, mesh, Plan(invariant=invariant)))
 
 
-def _decoder(cfg: Any, invariant: bool, batch: int):
+def _decoder(cfg: Any, invariant: bool | str, dtype: str, batch: int):
     mesh = Mesh.abstract({"tp": 1}, 0)
     model = compile_model(
-        _params(cfg, invariant), mesh, backend="inductor", batch_sizes=[batch], max_seq_len=PROMPT + NEW + 8,
-        prefill_lengths=[PROMPT],
+        _params(cfg, invariant, dtype), mesh, backend="inductor", batch_sizes=[batch],
+        max_seq_len=PROMPT + NEW + 8, prefill_lengths=[PROMPT],
     )  # fmt: skip
     prompts = [[(7 * i + j) % cfg.vocab_size for j in range(PROMPT)] for i in range(batch)]
 
@@ -63,9 +76,9 @@ def _decoder(cfg: Any, invariant: bool, batch: int):
     return run
 
 
-def _trainer(cfg: Any, invariant: bool):
+def _trainer(cfg: Any, invariant: bool | str, dtype: str):
     mesh = Mesh.abstract({"tp": 1}, 0)
-    params = _params(cfg, invariant)
+    params = _params(cfg, invariant, dtype)
     step = compile_train_step(lm_loss, AdamW(lr=1e-4), params, mesh, backend="inductor")
     state = step.init(params)
     tokens = torch.randint(0, cfg.vocab_size, TRAIN_BATCH, generator=torch.Generator().manual_seed(0))
@@ -78,26 +91,65 @@ def _trainer(cfg: Any, invariant: bool):
     return run
 
 
-def measure(cfg: Any, repeat: int) -> dict[str, Any]:
-    """Build (compile and warm) every system, then ``repeat`` interleaved rounds."""
-    systems, built = {}, {}
-    for invariant, tag in ((True, "on"), (False, "off")):
+def _classify(name: str) -> str:
+    return next((c for c, keys in CLASSES.items() if any(k in name for k in keys)), "")
+
+
+def terms(run: Any) -> dict[str, float]:
+    """Milliseconds of one call of ``run()`` by op class (:data:`CLASSES`, the profiler's CPU time of each class's
+    top-level ops) and ``"rest"`` (the wall time less those: compiled code, Python, the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()  # warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        run()
+        wall = (time.perf_counter() - t) * 1e3
+    out = dict.fromkeys(CLASSES, 0.0)
+    for ev in prof.events():
+        cls = _classify(ev.name)
+        parent = ev.cpu_parent
+        while cls and parent is not None:  # count an op once, at its outermost classified call
+            if _classify(parent.name) == cls:
+                cls = ""
+            parent = parent.cpu_parent
+        if cls:
+            out[cls] += ev.cpu_time_total / 1e3
+    out["rest"] = max(0.0, wall - sum(out.values()))
+    return out
+
+
+def measure(cfg: Any, mode: str, dtype: str, repeat: int) -> dict[str, Any]:
+    """Build (compile and warm) every system of ``dtype``, then ``repeat`` interleaved rounds, then the terms."""
+    systems, built, decode8 = {}, {}, {}
+    trainers = {}
+    for invariant, tag in ((mode, "on"), (False, "off")):
         for b in BATCHES:
             t = time.perf_counter()
-            run = _decoder(cfg, invariant, b)
+            run = _decoder(cfg, invariant, dtype, b)
             rates(run, b, NEW, PROMPT)  # compiles prefill and decode
             built[f"decode_b{b}_{tag}"] = time.perf_counter() - t
             systems[f"decode_b{b}_{tag}"] = lambda run=run, b=b: rates(run, b, NEW, PROMPT)[0]
+            if b == 8:
+                decode8[tag] = run
         t = time.perf_counter()
-        train = _trainer(cfg, invariant)
+        train = _trainer(cfg, invariant, dtype)
         train()
         built[f"train_{tag}"] = time.perf_counter() - t
-        systems[f"train_{tag}"] = train
+        systems[f"train_{tag}"] = trainers[tag] = train
     got = rounds(systems, repeat, warmup=1)
     out: dict[str, Any] = {"build_s": built, "systems": {name: stats(v) for name, v in got.items()}, "ratios": {}}
     for b in BATCHES:  # tokens/s: off over on is the slowdown
         out["ratios"][f"decode_b{b}_off_over_on"] = ratio(got[f"decode_b{b}_off"], got[f"decode_b{b}_on"])
     out["ratios"]["train_on_over_off"] = ratio(got["train_on"], got["train_off"])
+    out["terms"] = {}
+    for name, runs in (("decode_b8_step", decode8), ("train_step", trainers)):
+        if name == "decode_b8_step":  # one decode step: 2 new tokens less 1
+            runs = {tag: (lambda r=r: r(8, 2)) for tag, r in runs.items()}
+        on, off = terms(runs["on"]), terms(runs["off"])
+        extra = sum(on.values()) - sum(off.values())
+        share = {c: (on[c] - off[c]) / extra if extra > 0 else None for c in on}
+        out["terms"][name] = {"on_ms": on, "off_ms": off, "share_of_extra": share}
     return out
 
 
@@ -116,6 +168,13 @@ def table(result: dict[str, Any]) -> str:
         f"{on['max'] * 1e3:.0f}) | {off['median'] * 1e3:.0f} ({off['min'] * 1e3:.0f}-{off['max'] * 1e3:.0f}) | "
         f"{c['median']:.2f}x ({c['min']:.2f}-{c['max']:.2f}) |"
     )
+    rows += ["", "| where the extra time goes | " + " | ".join([*CLASSES, "rest"]) + " |", "|---" * 6 + "|"]
+    for name, t in result["terms"].items():
+        cells = []
+        for c in [*CLASSES, "rest"]:
+            share = t["share_of_extra"][c]
+            cells.append(f"{t['on_ms'][c]:.2f} / {t['off_ms'][c]:.2f} ms" + (f" ({share:.0%})" if share else ""))
+        rows.append(f"| {name}: on / off (share of the extra) | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -145,6 +204,8 @@ def kernels(repeat: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks invariant", description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=("batch", "portable"), default="batch", help="the invariant mode (default batch)")
+    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes (default both)")
     p.add_argument("--quick", action="store_true", help="the small model (hidden 128, vocab 512)")
     p.add_argument("--repeat", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--json", help="write the figures to this file")
@@ -161,17 +222,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     hf = embedded_config("small" if args.quick else "demo")
     cfg = family_of(hf["architectures"][0]).from_hf(hf)
-    result = measure(cfg, args.repeat)
-    print(f"invariant mode's cost, {cfg.architecture}-style, {'small' if args.quick else 'demo'} model, float32, "
-          f"inductor, {torch.get_num_threads()} threads, {args.repeat} rounds (median (min-max))\n")  # fmt: skip
-    print(table(result))
-    if args.json:
-        command = "python -m benchmarks invariant" + (" --quick" if args.quick else "")
+    path = Path(args.json) if args.json else None
+    if path is not None and not path.parent.is_dir():
+        p.error(f"--json {args.json}: no directory {str(path.parent)!r} to write it in")
+    results = {}
+    for dtype in args.dtype:
+        results[dtype] = measure(cfg, args.mode, dtype, args.repeat)
+        print(f"\nPlan(invariant={args.mode!r}) against Plan(), {cfg.architecture}-style "
+              f"{'small' if args.quick else 'demo'} model, {dtype}, inductor, {torch.get_num_threads()} threads, "
+              f"{args.repeat} rounds (median (min-max))\n")  # fmt: skip
+        print(table(results[dtype]))
+    if path is not None:
+        command = f"python -m benchmarks invariant --mode {args.mode}" + (" --quick" if args.quick else "")
         model = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "vocab": cfg.vocab_size}
         host = platform.processor() or platform.machine()
-        run = {"command": command, "model": model, "host": host, "threads": torch.get_num_threads(), **result}
-        path = Path(args.json)
+        run = {"command": command, "mode": args.mode, "model": model, "host": host, "threads": torch.get_num_threads()}
         old = json.loads(path.read_text()) if args.append and path.exists() else {"runs": []}
-        old["runs"].append(run)
+        old["runs"].append(run | {"dtypes": results})
         path.write_text(json.dumps(old, indent=1) + "\n")
     return 0

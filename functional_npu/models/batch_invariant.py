@@ -4,37 +4,39 @@ row's position in it, the cache length or the chunking, while running on the dev
 The plan's ``invariant="batch"`` mode (:class:`~functional_npu.parallel.plan.Plan`) runs the forward through these
 functions. They give a row the same bits on one device kind and one kernel build (what on-policy RL needs: the rollout
 and the training forward on the same machine); :mod:`functional_npu.models.invariant` (``"portable"``) gives them on
-any device that rounds IEEE adds, at many times the cost. What each pins, and what it rules out (each measured on
-this machine's kernels, ``tests/models/test_batch_invariant.py``, where the plain call's counterexample is built):
+any device that rounds IEEE adds, at many times the cost. Every reduction is a matmul whose shape the batch cannot
+change, and everything between the matmuls is elementwise, one IEEE rounding per op. What each pins, and what it rules
+out (measured on this machine's kernels in ``tests/models/test_batch_invariant.py``, beside the plain call's
+counterexample):
 
 - **matmuls by row tiles** (:func:`linear`): a matmul's rows are padded to a multiple of :data:`ROWS`. The CPU's
   GEMMs (MKL in float32, oneDNN in bfloat16) take another kernel, with another order over the reduced dim, for a
   call of 1 to 3 rows, and for a call whose threads get fewer than 4 rows each (5, 7 or 9 rows on two threads); with
   the rows a multiple of 4 a row's bits are the same at any row count and in any position (a decode step of 1 row
   and a training forward of 512);
-- **a row-parallel linear's input dim in fixed chunks** (:func:`linear` with ``chunks``): summed chunk by chunk
-  (one batched matmul, the chunks' results in float32) and the chunks added by adjacent pairs, so a tensor-parallel
-  rank sums its share of the same chunks and :func:`~functional_npu.models.invariant.tp_sum` adds the ranks' sums as
-  the top of the same tree: tp 1, 2, 4 and 8 give the same bits (an all-reduce's ring adds in an order of its own);
+- **a row-parallel linear's input dim in fixed chunks** (:func:`linear` with ``chunks``, :func:`row_parallel`):
+  summed chunk by chunk (one batched matmul, the chunks' results in float32) and the chunks added by adjacent pairs,
+  so a tensor-parallel rank sums its share of the same chunks and :func:`~functional_npu.models.invariant.tp_sum`
+  adds the ranks' sums as the top of the same tree: tp 1, 2, 4 and 8 give the same bits (an all-reduce's ring adds
+  in an order of its own);
 - **attention over fixed key blocks** (:func:`attend`): the cache (or the sequence) is padded to blocks of
   :data:`KEYS` keys; each block's scores and each block's weighted values are one matmul of a pinned shape (``[rows,
   d] x [d, KEYS]``, ``[rows, KEYS] x [KEYS, dv + 1]``: the softmax's denominator is the last column, reduced with the
   values); blocks are added by a tree in which a block past the query's keys is an exact zero. The max is taken
-  first over every key (no running rescale), ``exp`` is the polynomial (:func:`~functional_npu.models.invariant.exp`:
-  a library's vector ``exp`` and its scalar tail differ by where an element sits). A matmul's reduced dim of any
-  other length changes the bits (its kernel blocks the reduction by its length);
-- **per-row reductions with rows padded** (:func:`rms_norm`, :func:`log_softmax`): torch's CPU reductions split one
-  row across threads when the output is a single element and the row is long (two-pass reduction), and otherwise
-  reduce each row alone in its vector order; at least :data:`ROWS` rows never split a row. ``rsqrt`` and SiLU's
-  ``exp`` are the polynomials (an eager SiLU's bits depend on where its element falls among its thread's chunk).
+  first over every key (no running rescale). SDPA and a matmul-softmax give a decode query other bits than the same
+  query in a training forward;
+- **row sums on the matmul unit** (:func:`row_sum`: a matmul with a column of ones, rows in fours) for the norms'
+  mean of squares and log-softmax's denominator: torch's row reduction splits a single long row across threads;
+- **transcendentals as polynomials** (``exp``, ``log``, ``rsqrt``, SiLU's ``exp``:
+  :mod:`~functional_npu.models.invariant`): torch's vector ``exp`` and its scalar tail give an element other bits by
+  where it falls in its tensor.
 
-Each reduction is an opaque op (:mod:`functional_npu.models.batch_invariant_ops`) that runs these eager kernels, so
-a compiled graph calls exactly the rollout's or the training forward's kernels and shapes; the elementwise ops
-between them (SiLU's polynomial, rotary, residual adds) are compiled and fused, one IEEE rounding each under
-:data:`~functional_npu.models.invariant.INDUCTOR_OPTIONS`. What is not pinned here: the kernels themselves (another
-MKL or oneDNN build, another CPU, another thread count may pick other tiles: :func:`probe` measures the two
-properties the mode rests on), and another device kind (on a GPU or an NPU the same pins hold only where that
-device's kernels are shown to honour them; ``compile_model`` refuses the mode there, naming ``"portable"``).
+Compiled, a graph of these is ordinary aten ops: inductor calls the same extern matmul kernels at the same padded
+shapes as eager (under :data:`INDUCTOR_OPTIONS`: no GEMM template of its own, no weight prepacking, no fused
+multiply-add, casts rounded where written) and fuses the elementwise ops around them, so a compiled rollout and an
+eager or compiled training forward agree bit for bit. What is not pinned here: the kernels themselves (another MKL or
+oneDNN build, another CPU, another thread count may tile otherwise: :func:`probe` measures the properties the mode
+rests on), and another device kind (``compile_model`` refuses the mode off the CPU, naming ``"portable"``).
 """
 
 from __future__ import annotations
@@ -42,27 +44,82 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.mesh import Mesh
 from . import invariant as portable
+from .invariant_ops import _Attend, _LogSoftmax, _RmsNorm, _Silu, sin_cos
 
-__all__ = ["ROWS", "KEYS", "DTYPES", "pad_rows", "linear", "rms_norm", "silu", "attend", "log_softmax", "probe"]
+__all__ = [
+    "ROWS",
+    "KEYS",
+    "DTYPES",
+    "INDUCTOR_OPTIONS",
+    "pad_rows",
+    "linear",
+    "row_parallel",
+    "row_sum",
+    "rms_norm",
+    "silu",
+    "attend",
+    "log_softmax",
+    "sin_cos",
+    "experts",
+    "probe",
+]
 
-ROWS = 4  # a matmul's (or a reduction's) rows are padded to a multiple of this
+ROWS = 4  # a matmul's rows are padded to a multiple of this
 KEYS = 64  # attention's keys in blocks of this many
 DTYPES = (torch.float32, torch.bfloat16)
+# inductor: the portable mode's rounding flags, the matmuls as the extern (eager) kernels at the shapes written, no
+# prepacked weights (freezing would swap MKL's kernel for oneDNN's)
+INDUCTOR_OPTIONS = portable.INDUCTOR_OPTIONS | {"max_autotune_gemm_backends": "ATEN", "freezing": False}
 
 
 def pad_rows(x: torch.Tensor, multiple: int = ROWS) -> torch.Tensor:
     """``x [R, ...]`` with zero rows appended up to a multiple of ``multiple``."""
     extra = -x.shape[0] % multiple
-    return x if not extra else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+    return F.pad(x, (0, 0) * (x.ndim - 1) + (0, extra)) if extra else x
+
+
+# the forwards below traced as they are (compiled: into the graph, fused), each with the closed-form gradient of
+# the portable mode's op: the polynomials' own derivatives are not the functions' (rsqrt's and log's start from bits)
+
+
+class _PolySilu(_Silu):
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return portable.silu(x)
+
+
+class _RmsNormFn(_RmsNorm):
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        return _rms_norm(x, weight, eps, offset)
+
+
+class _LogSoftmaxFn(_LogSoftmax):
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _log_softmax(x)
+
+
+class _AttendFn(_Attend):
+    @staticmethod
+    def forward(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
+        return _attend(q, keys, values, mask, scale, groups)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU with the polynomial ``exp`` (:func:`~functional_npu.models.invariant.silu`), elementwise (compiled:
+    fused), with SiLU's own gradient."""
+    return _PolySilu.apply(x)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, chunks: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [..., in] @ w.T`` by the device's matmul with the rows padded to a multiple of :data:`ROWS`. ``chunks > 1``
-    (a row-parallel linear, :func:`~functional_npu.models.batch_invariant_ops.row_parallel`): the input dim in that
-    many contiguous chunks, each chunk's product one item of a batched matmul, the chunks added in float32 by
-    :func:`~functional_npu.models.invariant.pair_sum` (so ``1 / tp`` of the chunks on each rank, then the ranks'
-    sums, is the same tree). Returned in ``dtype`` (default ``x``'s)."""
+    (a row-parallel linear, :func:`row_parallel`): the input dim in that many contiguous chunks, each chunk's product
+    one item of a batched matmul, the chunks added in float32 by :func:`~functional_npu.models.invariant.pair_sum`
+    (so ``1 / tp`` of the chunks on each rank, then the ranks' sums, is the same tree). Returned in ``dtype``
+    (default ``x``'s)."""
     k, n = x.shape[-1], w.shape[0]
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
@@ -77,23 +134,36 @@ def linear(x: torch.Tensor, w: torch.Tensor, chunks: int = 1, dtype: torch.dtype
     return y[:rows].to(dtype or x.dtype).reshape(*x.shape[:-1], n)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """:func:`~functional_npu.models.norm.rms_norm` in float32 with the mean of squares by torch's row reduction over
-    at least :data:`ROWS` rows and :func:`~functional_npu.models.invariant.rsqrt` (returned in ``x``'s dtype)."""
+def row_parallel(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, tp: str) -> torch.Tensor:
+    """A row-parallel linear over ``tp``: this rank's share of the input dim's chunks
+    (:func:`~functional_npu.models.invariant.row_chunks`), summed in float32, then the ranks' sums by
+    :func:`~functional_npu.models.invariant.tp_sum`: the unsharded linear's bits at tp 1, 2, 4 or 8."""
+    n = mesh.axis_size(tp)
+    chunks = portable.row_chunks(x.shape[-1] * n, n, tp)
+    return portable.tp_sum(linear(x, w, chunks, torch.float32), mesh, tp).to(x.dtype)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """The float32 sum over the last dim of ``x [..., D]``, ``[..., 1]``: a matmul with a column of ones over rows
+    padded to a multiple of :data:`ROWS` (torch's own row reduction splits a single long row across threads)."""
     d = x.shape[-1]
-    flat = x.reshape(-1, d)
-    xf = pad_rows(flat).float()
-    ms = (xf * xf).mean(-1, keepdim=True)[: flat.shape[0]].reshape(*x.shape[:-1], 1)
-    normed = x.float() * portable.rsqrt(ms + eps)
+    flat = x.reshape(-1, d).float()
+    ones = torch.ones(d, 1, dtype=torch.float32, device=x.device)
+    return torch.mm(pad_rows(flat), ones)[: flat.shape[0]].reshape(*x.shape[:-1], 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """:func:`~functional_npu.models.norm.rms_norm` in float32: the mean of squares by :func:`row_sum` times ``1 /
+    D``, :func:`~functional_npu.models.invariant.rsqrt` (returned in ``x``'s dtype), with RMSNorm's gradient."""
+    return _RmsNormFn.apply(x, weight, float(eps), float(offset))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * portable.rsqrt(row_sum(xf * xf) * (1.0 / x.shape[-1]) + eps)
     if offset:
         return (normed * (weight.float() + offset)).to(x.dtype)
     return weight * normed.to(x.dtype)
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU with the polynomial ``exp`` (:func:`~functional_npu.models.invariant.silu`): elementwise, fused when
-    compiled."""
-    return portable.silu(x)
 
 
 def attend(
@@ -108,7 +178,13 @@ def attend(
     [B, H / groups, C, dv]`` (``mask [B, 1, S, C]``), in float32, by blocks of :data:`KEYS` keys: per block the
     scores (a matmul over ``d``) and the weighted values with the softmax's denominator (a matmul over the block's
     keys), blocks added by :func:`~functional_npu.models.invariant.tree_sum`. A query's rows (its group's heads and
-    positions) go in multiples of :data:`ROWS`; a key the mask hides weighs an exact zero."""
+    positions) go in multiples of :data:`ROWS`; a key the mask hides weighs an exact zero. Attention's gradient
+    (:mod:`~functional_npu.models.invariant_ops`')."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _AttendFn.apply(q, keys, values, mask, scale, groups)
+
+
+def _attend(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
     b, h, s, d = q.shape
     kv, c = keys.shape[1], keys.shape[2]
     blocks = -(-c // KEYS)
@@ -117,7 +193,7 @@ def attend(
     tile = rows + -rows % ROWS
     qf = F.pad(q.float().reshape(b, kv, rows, d), (0, 0, 0, tile - rows))[:, :, None]  # [B, kv, 1, R, d]
     kf = F.pad(keys.float(), (0, 0, 0, extra)).view(b, kv, blocks, KEYS, d)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * (d**-0.5 if scale is None else scale)  # [B, kv, n, R, KEYS]
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, kv, blocks, R, KEYS]
     seen = F.pad(mask.reshape(b, 1, s, c), (0, extra)).view(b, 1, s, blocks, KEYS).permute(0, 1, 3, 2, 4)
     seen = seen[:, :, :, None].expand(b, kv, blocks, groups, s, KEYS).reshape(b, kv, blocks, rows, KEYS)
     seen = torch.cat([seen, seen.new_zeros(b, kv, blocks, tile - rows, KEYS)], dim=3)  # a padded row sees nothing
@@ -132,10 +208,29 @@ def attend(
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """``log_softmax`` over the last dim in float32 by torch's row kernel over at least :data:`ROWS` rows."""
-    v = x.shape[-1]
-    flat = x.reshape(-1, v)
-    return torch.log_softmax(pad_rows(flat).float(), -1)[: flat.shape[0]].reshape(x.shape)
+    """``log_softmax`` over the last dim in float32: ``x - max - log(sum exp(x - max))`` with the polynomial ``exp``
+    and ``log`` (:mod:`~functional_npu.models.invariant`) and the sum by :func:`row_sum`; log-softmax's gradient."""
+    return _LogSoftmaxFn.apply(x)
+
+
+def _log_softmax(x: torch.Tensor) -> torch.Tensor:
+    z = x.float() - x.float().amax(-1, keepdim=True)
+    return z - portable.log(row_sum(portable.exp(z)))
+
+
+def experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts before their sum over the k: ``weights[:, k] * expert[ids[:, k]](x)`` as ``[N, k, D]``
+    float32 (0 where ``ids`` is -1). Every local expert runs on every row (one batched matmul per projection, the
+    rows padded to a multiple of :data:`ROWS`: one shape for any batch, a row's bits its own), then each (token, k)
+    takes its expert's row."""
+    n = x.shape[0]
+    tiles = pad_rows(x)
+    gate, up = torch.matmul(tiles, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [S, R, F]
+    y = torch.matmul(silu(gate) * up, down.transpose(1, 2))[:, :n]  # [S, N, D]
+    chosen = y[ids.clamp(min=0), torch.arange(n, device=x.device)[:, None]]  # [N, k, D]
+    return chosen.float() * torch.where(ids >= 0, weights.float(), 0.0)[..., None]
 
 
 def probe(rows: tuple[int, ...] = (4, 8, 12, 64, 260), shapes=((256, 1536), (1000, 333)), seed: int = 0) -> dict:

@@ -40,7 +40,7 @@ from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce
 from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
-from . import batch_invariant_ops, invariant_ops
+from . import batch_invariant, invariant_ops
 from . import invariant as inv
 from .invariant_modes import ops as invariant_ops_of
 from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
@@ -249,8 +249,8 @@ def invariant_experts(
 
 def _experts_of(mode: str) -> Callable:
     """The routed experts' function of invariant mode ``mode``: :func:`invariant_experts` (portable) or
-    :func:`~functional_npu.models.batch_invariant_ops.experts` (batch)."""
-    return batch_invariant_ops.experts if mode == "batch" else invariant_experts
+    :func:`~functional_npu.models.batch_invariant.experts` (batch)."""
+    return batch_invariant.experts if mode == "batch" else invariant_experts
 
 
 def _gathered(

@@ -18,8 +18,8 @@ from typing import Any
 from ...core.mesh import Mesh
 from ...core.tree import flatten_with_paths
 from ...models import FAMILIES, check_invariant, family_of
+from ...models import batch_invariant as batch_inv
 from ...models import invariant as inv
-from ...models.batch_invariant import KEYS
 from ...models.linear import KINDS, prepare_params
 from ...parallel.layer_shard import series_of
 from ...parallel.offload import host_of
@@ -245,12 +245,13 @@ def invariant_options(params: dict, placed: Placement, chosen: Backend, where: s
     if placed.plan.invariant == "batch" and device != "cpu":
         raise ValueError(
             f"{where}: Plan.invariant='batch' on {device}: its pinned tiles (matmul rows in fours, attention keys in "
-            f"blocks of {KEYS}) are measured on the CPU's kernels (MKL, oneDNN), not {device}'s; use "
+            f"blocks of {batch_inv.KEYS}) are measured on the CPU's kernels (MKL, oneDNN), not {device}'s; use "
             f"Plan(invariant='portable') there, or run on the CPU"
         )
     if device == "npu":
         _check_npu_invariant(placed.config, chosen, where)
-    return dict(inv.INDUCTOR_OPTIONS) if chosen.name == "inductor" else {}
+    options = batch_inv.INDUCTOR_OPTIONS if placed.plan.invariant == "batch" else inv.INDUCTOR_OPTIONS
+    return dict(options) if chosen.name == "inductor" else {}
 
 
 def _check_npu_invariant(cfg: Any, chosen: Backend, where: str) -> None:
