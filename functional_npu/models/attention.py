@@ -21,7 +21,6 @@ from einops import rearrange
 
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
-from . import invariant_ops as inv
 from .invariant_modes import ops as invariant_ops_of
 from .linear import int8_activations, linear, row_parallel, token_amax
 from .norm import rms_norm
@@ -124,7 +123,7 @@ def rope(
     freqs = positions[..., None].float() * inv_freq(cfg).to(positions.device)  # [B, S, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, hd]
     if invariant:
-        sin, cos = inv.sin_cos(emb)
+        sin, cos = invariant_ops_of(invariant).sin_cos(emb)
         return cos.to(dtype), sin.to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from ..core.mesh import Mesh
 from . import invariant as portable
-from .invariant_ops import _Attend, _LogSoftmax, _RmsNorm, _Silu, sin_cos
+from .invariant_ops import _Attend, _LogSoftmax, _RmsNorm, _Silu
 
 __all__ = [
     "ROWS",
@@ -72,6 +72,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 # inductor: the portable mode's rounding flags, the matmuls as the extern (eager) kernels at the shapes written, no
 # prepacked weights (freezing would swap MKL's kernel for oneDNN's)
 INDUCTOR_OPTIONS = portable.INDUCTOR_OPTIONS | {"max_autotune_gemm_backends": "ATEN", "freezing": False}
+
+
+def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary (sin, cos) by :func:`~functional_npu.models.invariant.sin_cos`'s float64 polynomials, traced (compiled:
+    one fused kernel, elementwise, the same bits)."""
+    return portable.sin_cos(x)
 
 
 def pad_rows(x: torch.Tensor, multiple: int = ROWS) -> torch.Tensor:
@@ -127,11 +133,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, chunks: int = 1, dtype: torch.dtype
     if chunks == 1:
         y = F.linear(tiles, w)
     else:
-        part = k // chunks
-        xs = tiles.view(-1, chunks, part).transpose(0, 1)  # [chunks, R, in / chunks]
-        ws = w.view(n, chunks, part).permute(1, 2, 0)  # [chunks, in / chunks, out]
-        y = portable.pair_sum(torch.bmm(xs, ws).float(), dim=0)
+        y = portable.pair_sum(_chunked(tiles, w, chunks).float(), dim=0)
     return y[:rows].to(dtype or x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _chunked(x: torch.Tensor, w: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``[chunks, R, out]``: chunk ``i`` of ``x [R, in]``'s input dim times the same chunk of ``w [out, in]``, one
+    batched matmul over strided views (MKL takes them as they are; oneDNN, in bfloat16, copies the weight's chunks
+    first, which measured cheaper than a matmul per chunk)."""
+    n, k = w.shape
+    part = k // chunks
+    return torch.bmm(x.view(-1, chunks, part).transpose(0, 1), w.view(n, chunks, part).permute(1, 2, 0))
 
 
 def row_parallel(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, tp: str) -> torch.Tensor:

@@ -40,7 +40,6 @@ from einops import rearrange
 
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
-from . import invariant_ops as inv
 from .attention import attend, attention_mask, output_projection
 from .invariant_modes import ops as invariant_ops_of
 from .linear import dense, linear
@@ -149,7 +148,7 @@ def prepare(
     freq, factor = rope_frequencies(cfg)
     freqs = positions[..., None].float() * freq.to(positions.device)  # [B, S, dr / 2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, S, dr]
-    sin, cos = inv.sin_cos(emb) if invariant else (emb.sin(), emb.cos())
+    sin, cos = invariant_ops_of(invariant).sin_cos(emb) if invariant else (emb.sin(), emb.cos())
     cos, sin = (cos * factor).to(dtype), (sin * factor).to(dtype)
     if isinstance(kv, PagedKV):  # blocks of the latent (or of the heads' keys and values)
         read, write = indices(kv.table, positions, kv.k.shape[1])
