@@ -14,9 +14,9 @@ under ``Plan(invariant=MODE)`` (default ``"batch"``: the fast kernels with their
 - ``{dtype}_train_{on,off}``: one compiled train step (``lm_loss``, AdamW) on ``[8, 64]`` tokens, seconds.
 
 Reported per dtype: the medians and spread over the rounds, and each round's on / off ratio (its median and spread).
-Then where the extra time goes (``terms``): one profiled decode step at batch 8 and one train step, on and off, the
-profiler's time per op class (linears, attention, row norms, log-softmax; the rest is compiled code and the host),
-and each class's share of the on mode's extra time.
+Then where the extra time goes (``terms``): one profiled decode step at batches 1 and 8 and one train step, on and
+off, the profiler's time in each class of extern kernel (:data:`CLASSES`: matmuls, batched matmuls, SDPA; the rest is
+inductor's generated code, Python and the host), and each class's share of the on mode's extra time.
 """
 
 from __future__ import annotations
@@ -45,12 +45,14 @@ PROMPT = 8
 BATCHES = (1, 8)
 TRAIN_BATCH = (8, 64)
 DTYPES = ("float32", "bfloat16")
-# the profiler's op names by class (on: the mode's ops; off: the kernels the plain compiled model calls)
+# the profiler's op names by class: the extern kernels a compiled graph calls (inductor's own kernels and the host
+# are the rest). On: ``mm`` holds the linears and the row sums (norms, log-softmax), ``bmm`` the row-parallel chunks,
+# attention's key blocks and the experts; off: ``mm`` the linears of more than one row, ``sdpa`` attention.
 CLASSES = {
-    "linears": ("batch_linear", "batch_matmul", "invariant_linear", "aten::mm", "aten::addmm", "aten::bmm"),
-    "attention": ("batch_attend", "invariant_attend", "scaled_dot_product", "flash_attention"),
-    "row norms": ("batch_rms_norm", "invariant_rms_norm"),
-    "log-softmax": ("batch_log_softmax", "invariant_log_softmax", "aten::_log_softmax"),
+    "mm": ("aten::mm", "aten::addmm"),
+    "bmm": ("aten::bmm",),
+    "sdpa": ("scaled_dot_product", "flash_attention"),
+    "portable ops": ("functional_npu::invariant",),
 }
 
 
@@ -121,8 +123,7 @@ def terms(run: Any) -> dict[str, float]:
 
 def measure(cfg: Any, mode: str, dtype: str, repeat: int) -> dict[str, Any]:
     """Build (compile and warm) every system of ``dtype``, then ``repeat`` interleaved rounds, then the terms."""
-    systems, built, decode8 = {}, {}, {}
-    trainers = {}
+    systems, built, decoders, trainers = {}, {}, {}, {}
     for invariant, tag in ((mode, "on"), (False, "off")):
         for b in BATCHES:
             t = time.perf_counter()
@@ -130,8 +131,7 @@ def measure(cfg: Any, mode: str, dtype: str, repeat: int) -> dict[str, Any]:
             rates(run, b, NEW, PROMPT)  # compiles prefill and decode
             built[f"decode_b{b}_{tag}"] = time.perf_counter() - t
             systems[f"decode_b{b}_{tag}"] = lambda run=run, b=b: rates(run, b, NEW, PROMPT)[0]
-            if b == 8:
-                decode8[tag] = run
+            decoders.setdefault(b, {})[tag] = run
         t = time.perf_counter()
         train = _trainer(cfg, invariant, dtype)
         train()
@@ -143,9 +143,10 @@ def measure(cfg: Any, mode: str, dtype: str, repeat: int) -> dict[str, Any]:
         out["ratios"][f"decode_b{b}_off_over_on"] = ratio(got[f"decode_b{b}_off"], got[f"decode_b{b}_on"])
     out["ratios"]["train_on_over_off"] = ratio(got["train_on"], got["train_off"])
     out["terms"] = {}
-    for name, runs in (("decode_b8_step", decode8), ("train_step", trainers)):
-        if name == "decode_b8_step":  # one decode step: 2 new tokens less 1
-            runs = {tag: (lambda r=r: r(8, 2)) for tag, r in runs.items()}
+    profiled = {  # a decode call of 2 tokens: a prefill and one step
+        f"decode_b{b}_step": {tag: (lambda r=r, b=b: r(b, 2)) for tag, r in decoders[b].items()} for b in BATCHES
+    }
+    for name, runs in (profiled | {"train_step": trainers}).items():
         on, off = terms(runs["on"]), terms(runs["off"])
         extra = sum(on.values()) - sum(off.values())
         share = {c: (on[c] - off[c]) / extra if extra > 0 else None for c in on}
@@ -168,13 +169,14 @@ def table(result: dict[str, Any]) -> str:
         f"{on['max'] * 1e3:.0f}) | {off['median'] * 1e3:.0f} ({off['min'] * 1e3:.0f}-{off['max'] * 1e3:.0f}) | "
         f"{c['median']:.2f}x ({c['min']:.2f}-{c['max']:.2f}) |"
     )
-    rows += ["", "| where the extra time goes | " + " | ".join([*CLASSES, "rest"]) + " |", "|---" * 6 + "|"]
+    head = "| where the extra time goes | " + " | ".join([*CLASSES, "rest"]) + " |"
+    rows += ["", head, "|---" * (len(CLASSES) + 2) + "|"]
     for name, t in result["terms"].items():
         cells = []
         for c in [*CLASSES, "rest"]:
             share = t["share_of_extra"][c]
-            cells.append(f"{t['on_ms'][c]:.2f} / {t['off_ms'][c]:.2f} ms" + (f" ({share:.0%})" if share else ""))
-        rows.append(f"| {name}: on / off (share of the extra) | " + " | ".join(cells) + " |")
+            cells.append(f"{t['on_ms'][c]:.2f} / {t['off_ms'][c]:.2f}" + (f" ({share:.0%})" if share else ""))
+        rows.append(f"| {name}: on / off ms (share of the extra) | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

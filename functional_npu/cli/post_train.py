@@ -9,9 +9,9 @@ over ``dp`` (each rank holds half the layers, as ZeRO-3 would), the train step c
 2. score them with a toy reward (the share of completion tokens in the lowest quarter of the vocabulary) and
    turn the rewards into GRPO advantages within each prompt's group;
 3. measure how far the training forward's log-probabilities of the same tokens are from the rollout's, under the
-   inference plan and under the training plan: both plans run in the invariant mode (``Plan(invariant=True)``,
-   :mod:`functional_npu.models.invariant`), where they are equal bit for bit; the same round's rollout without the
-   mode (eager, the same rows) gives the figure beside it;
+   inference plan and under the training plan: both plans run in the batch-invariant mode
+   (``Plan(invariant="batch")``, :mod:`functional_npu.models.batch_invariant`), where they are equal bit for bit;
+   the same round's rollout without the mode (eager, the same rows) gives the figure beside it;
 4. take compiled train steps on the GRPO loss (each rank on its half of the rollouts);
 5. reshard the updated params from the training plan to the inference plan (one planned exchange), swap them
    into the compiled model (no recompile), sample again with the same seed, and score.
@@ -35,8 +35,8 @@ from .demo import DEMO_MODEL, SMALL_CONFIG
 from .errors import WORLD_ERRORS, world_failed
 from .scratch import scratch_dir
 
-INFERENCE = Plan(tp="dp", invariant=True)
-TRAINING = Plan(layer_shard="layer", prefetch_step=1, invariant=True)
+INFERENCE = Plan(tp="dp", invariant="batch")
+TRAINING = Plan(layer_shard="layer", prefetch_step=1, invariant="batch")
 PROMPTS = [[11, 42, 7, 300, 5], [9, 8, 7, 6, 5], [256, 17, 3, 3, 90], [1, 2, 3, 4, 5]]
 GROUP = 4  # completions per prompt
 NEW = 12

@@ -8,10 +8,12 @@
 * families: :mod:`.llama` (Llama, Mistral, Qwen2, Qwen3), :mod:`.moe` (Qwen3-MoE, Mixtral),
   :mod:`.deepseek` (DeepSeek-V2/V3), :mod:`.gemma3` (Gemma 3 text): a config, HF names, a parallel plan
   and a choice of blocks each;
-* :mod:`.family`: :func:`family_of` and the :func:`forward` every family runs through.
+* :mod:`.family`: :func:`family_of` and the :func:`forward` every family runs through;
+* the invariant modes (:mod:`.invariant_modes`): :mod:`.batch_invariant` (the fast kernels, their orders pinned)
+  and :mod:`.invariant` / :mod:`.invariant_ops` (portable: trees of adds and polynomials).
 """
 
-from . import deepseek, dense, gemma3, invariant, invariant_ops, llama, moe
+from . import batch_invariant, deepseek, dense, gemma3, invariant, invariant_modes, invariant_ops, llama, moe
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
 from .embedded import embedded_config
@@ -55,6 +57,8 @@ __all__ = [
     "check_invariant",
     "invariant",
     "invariant_ops",
+    "invariant_modes",
+    "batch_invariant",
     "Blocks",
     "DecodeState",
     "Routing",

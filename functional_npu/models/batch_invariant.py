@@ -203,18 +203,18 @@ def _attend(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
     extra = blocks * KEYS - c
     rows = groups * s
     tile = rows + -rows % ROWS
-    qf = F.pad(q.float().reshape(b, kv, rows, d), (0, 0, 0, tile - rows))[:, :, None]  # [B, kv, 1, R, d]
-    kf = F.pad(keys.float(), (0, 0, 0, extra)).view(b, kv, blocks, KEYS, d)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, kv, blocks, R, KEYS]
-    seen = F.pad(mask.reshape(b, 1, s, c), (0, extra)).view(b, 1, s, blocks, KEYS).permute(0, 1, 3, 2, 4)
-    seen = seen[:, :, :, None].expand(b, kv, blocks, groups, s, KEYS).reshape(b, kv, blocks, rows, KEYS)
-    seen = torch.cat([seen, seen.new_zeros(b, kv, blocks, tile - rows, KEYS)], dim=3)  # a padded row sees nothing
+    qf = F.pad(q.float().reshape(b * kv, rows, d), (0, 0, 0, tile - rows))  # [B kv, R, d]
+    kf = F.pad(keys.float().reshape(b * kv, c, d), (0, 0, 0, extra))  # [B kv, C', d]
+    # the scores reduce over d only: a key block's columns get the same bits in one matmul over every block
+    scores = torch.bmm(qf, kf.transpose(1, 2)) * scale  # [B kv, R, C']
+    seen = F.pad(mask.reshape(b, 1, 1, s, c), (0, extra)).expand(b, kv, groups, s, c + extra).reshape(b * kv, rows, -1)
+    seen = F.pad(seen, (0, 0, 0, tile - rows))  # a padded row sees nothing
     scores = scores.masked_fill(~seen, float("-inf"))
-    top = scores.amax(dim=(2, 4), keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # a padded row: no key
-    p = portable.exp(scores - top)  # hidden keys: 0
-    vf = F.pad(values.float(), (0, 1), value=1.0)  # [B, kv, C, dv + 1]: the last column sums p
-    vf = F.pad(vf, (0, 0, 0, extra)).view(b, kv, blocks, KEYS, -1)
-    sums = portable.tree_sum(torch.matmul(p, vf), dim=2)  # [B, kv, R, dv + 1]
+    top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # a padded row: no key
+    p = portable.exp(scores - top).view(b * kv, tile, blocks, KEYS).transpose(1, 2)  # [B kv, n, R, KEYS]; hidden: 0
+    vf = F.pad(values.float().reshape(b * kv, c, -1), (0, 1), value=1.0)  # [B kv, C, dv + 1]: the last column sums p
+    vf = F.pad(vf, (0, 0, 0, extra)).view(b * kv, blocks, KEYS, -1)
+    sums = portable.tree_sum(torch.matmul(p, vf), dim=1).view(b, kv, tile, -1)  # [B, kv, R, dv + 1]
     out = sums[:, :, :rows, :-1] / sums[:, :, :rows, -1:]
     return out.reshape(b, h, s, -1).to(q.dtype)
 

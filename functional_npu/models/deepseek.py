@@ -470,7 +470,7 @@ def param_specs(cfg: DeepseekConfig, plan: Plan = Plan()) -> dict[str, Any]:
 
 def blocks(cfg: DeepseekConfig, plan: Plan = Plan()) -> Blocks:
     """MLA in every layer; a dense gated MLP in the first ``first_k_dense_replace``, experts in the rest (with
-    ``plan.invariant``, in the invariant mode: :mod:`functional_npu.models.invariant`)."""
+    ``plan.invariant``, in that invariant mode: :mod:`functional_npu.models.invariant_modes`)."""
     mlp = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp, invariant=plan.invariant)
     experts = functools.partial(moe_ffn, cfg=cfg, plan=plan)
     return Blocks(

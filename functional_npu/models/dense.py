@@ -407,7 +407,7 @@ def ends(cfg: Any, plan: Plan) -> dict[str, Any]:
 
 def blocks(cfg: DenseConfig, plan: Plan = Plan()) -> Blocks:
     """The decoder's blocks for this config: grouped-query attention and a gated MLP in every layer (with
-    ``plan.invariant``, in the invariant mode: :mod:`functional_npu.models.invariant`)."""
+    ``plan.invariant``, in that invariant mode: :mod:`functional_npu.models.invariant_modes`)."""
     inv = plan.invariant
     mlp = functools.partial(gated_mlp, tp=plan.tp, axes=plan.module_tp.mlp, invariant=inv)
     return Blocks(

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import batch_invariant, invariant, invariant_ops
+from . import batch_invariant, invariant_ops
 
-__all__ = ["ops", "dtypes"]
+__all__ = ["ops"]
 
 
 def ops(mode: str | bool) -> ModuleType:
@@ -23,8 +23,3 @@ def ops(mode: str | bool) -> ModuleType:
     if mode == "portable":
         return invariant_ops
     raise ValueError(f"invariant mode must be 'batch' or 'portable', got {mode!r}")
-
-
-def dtypes(mode: str) -> tuple:
-    """The parameter dtypes mode ``mode`` computes in."""
-    return batch_invariant.DTYPES if mode == "batch" else invariant.DTYPES

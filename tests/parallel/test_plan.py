@@ -47,7 +47,7 @@ def plans(draw):
         prefetch_budget=draw(st.none() | st.floats(1.0, 1e12)),
         absorb=draw(st.booleans()),
         mla_cache=draw(st.sampled_from(["latent", "heads"])),
-        invariant=draw(st.booleans()),
+        invariant=draw(st.sampled_from([False, True, "batch", "portable"])),
         model=draw(st.none() | st.sampled_from(["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])),
     )
 
@@ -81,7 +81,7 @@ def test_one_setter_normalizes_what_it_is_given():
         ({"prefetch_budget": float("nan")}, r"Plan.prefetch_budget must be a positive, finite number of bytes"),
         ({"prefetch_budget": float("inf")}, r"Plan.prefetch_budget must be a positive, finite number of bytes"),
         ({"mla_cache": "dense"}, r"Plan.mla_cache must be one of \('latent', 'heads'\), got 'dense'"),
-        ({"invariant": "yes"}, r"Plan.invariant must be True or False, got 'yes'"),
+        ({"invariant": "yes"}, r"Plan.invariant must be False, 'batch' .* or 'portable' .*, got 'yes'"),
         ({"module_tp": {"attn": "dp"}}, r"Plan.module_tp: unknown modules \['attn'\]"),
         ({"layer_shard": {"axis": "dp", "leaves": "o_proj"}}, r"Plan.layer_shard: leaves must be a list of series"),
         ({"layer_shard": 3}, r"Plan.layer_shard must be a LayerShard, series names"),

@@ -1,5 +1,5 @@
-"""The invariant mode (``Plan(invariant=True)``): a sequence's rollout log-probabilities equal the training forward's
-bit for bit.
+"""The invariant modes (``Plan(invariant="batch")``, the fast kernels at pinned shapes, and ``"portable"``, trees of
+adds): a sequence's rollout log-probabilities equal the training forward's bit for bit; every test runs both.
 
 A rollout samples each prompt beside others of other lengths (batches 1, 3 and 8, right-padded to a prefill bucket,
 then decode steps over a 16-slot KV cache); the training forward (:func:`token_logprobs`) runs the whole sequences at
@@ -183,8 +183,25 @@ def test_backends_dtypes_and_linears_without_it_are_refused(qwen3):
     wide = load_checkpoint(qwen3, mesh, Plan(invariant=True), dtype=torch.float64)
     with pytest.raises(ValueError, match=r"compile_model: the invariant mode computes in float32 .* not torch.float64"):
         compile_model(wide, mesh, backend="none")
-    with pytest.raises(ValueError, match=r"Plan.invariant must be True or False, got 1"):
+    with pytest.raises(ValueError, match=r"Plan.invariant must be False, 'batch' .* or 'portable' .*, got 1"):
         Plan(invariant=1)
+    assert Plan(invariant=True).invariant == "portable"
+
+
+def test_the_batch_mode_refuses_what_its_pins_are_not_measured_on(qwen3):
+    """Off the CPU (its tiles are the CPU kernels'), float16 (not measured): refused naming the portable mode."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    params = load_checkpoint(qwen3, mesh, Plan(invariant="batch"))
+    for backend in (Backend("aot_eager", "cuda"), Backend("npugraph_ex", "npu")):
+        with pytest.raises(
+            ValueError, match=r"Plan.invariant='batch' on (cuda|npu): .* use Plan\(invariant='portable'\)"
+        ):
+            invariant_options(params, params.placement, backend, "compile_model")
+    half = load_checkpoint(qwen3, mesh, Plan(invariant="batch"), dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"compile_model: Plan.invariant='batch': .* not torch.float16; .*'portable'"):
+        compile_model(half, mesh, backend="none")
+    with pytest.raises(ValueError, match=r"Plan.invariant must be False, 'batch' .* got 'fast'"):
+        Plan(invariant="fast")
 
 
 def test_on_the_npu_only_the_golden_graphs_run_it(qwen3, tmp_path):
