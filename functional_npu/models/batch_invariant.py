@@ -207,9 +207,11 @@ def _attend(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
     kf = F.pad(keys.float().reshape(b * kv, c, d), (0, 0, 0, extra))  # [B kv, C', d]
     # the scores reduce over d only: a key block's columns get the same bits in one matmul over every block
     scores = torch.bmm(qf, kf.transpose(1, 2)) * scale  # [B kv, R, C']
-    seen = F.pad(mask.reshape(b, 1, 1, s, c), (0, extra)).expand(b, kv, groups, s, c + extra).reshape(b * kv, rows, -1)
-    seen = F.pad(seen, (0, 0, 0, tile - rows))  # a padded row sees nothing
-    scores = scores.masked_fill(~seen, float("-inf"))
+    hidden = torch.where(mask.reshape(b, 1, 1, s, c), 0.0, float("-inf"))  # added: 0 keeps a score's bits
+    hidden = (
+        F.pad(hidden, (0, extra), value=float("-inf")).expand(b, kv, groups, s, c + extra).reshape(b * kv, rows, -1)
+    )
+    scores = scores + F.pad(hidden, (0, 0, 0, tile - rows), value=float("-inf"))  # a padded row sees nothing
     top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # a padded row: no key
     p = portable.exp(scores - top).view(b * kv, tile, blocks, KEYS).transpose(1, 2)  # [B kv, n, R, KEYS]; hidden: 0
     vf = F.pad(values.float().reshape(b * kv, c, -1), (0, 1), value=1.0)  # [B kv, C, dv + 1]: the last column sums p
