@@ -4,7 +4,7 @@ sigmoid / softmax group-limited routing, shared experts): a rollout's log-probab
 then decode steps, the experts on the small-batch path) equal the training forward's (the whole sequences, the experts
 on the large-batch path) bit for bit, in float32 and bfloat16 on one rank, and for the MoE on two tensor-parallel gloo
 ranks, each expert tensor-parallel or the experts sharded over tp (gathered for decode, exchanged by all_to_all for the
-rest). With the mode off the same comparisons differ: the tests fail without it. One case a mode compiles the MoE with
+rest). With the mode off the same comparisons differ: the tests fail without it. One case per mode compiles the MoE with
 inductor (one layer, float32; the compiled rollout against the eager training forward). The invariant forward stays
 within 1e-4 of transformers' float32 logits, so the mode is not wrong-but-consistent.
 """
