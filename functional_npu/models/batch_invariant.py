@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from ..core.mesh import Mesh
 from . import invariant as portable
-from .invariant_ops import _Attend, _LogSoftmax, _RmsNorm, _Silu
+from .invariant_ops import AttendFunction, LogSoftmaxFunction, RmsNormFunction, SiluFunction
 
 __all__ = [
     "ROWS",
@@ -90,25 +90,25 @@ def pad_rows(x: torch.Tensor, multiple: int = ROWS) -> torch.Tensor:
 # the portable mode's op: the polynomials' own derivatives are not the functions' (rsqrt's and log's start from bits)
 
 
-class _PolySilu(_Silu):
+class _PolySilu(SiluFunction):
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         return portable.silu(x)
 
 
-class _RmsNormFn(_RmsNorm):
+class _RmsNormFn(RmsNormFunction):
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
         return _rms_norm(x, weight, eps, offset)
 
 
-class _LogSoftmaxFn(_LogSoftmax):
+class _LogSoftmaxFn(LogSoftmaxFunction):
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         return _log_softmax(x)
 
 
-class _AttendFn(_Attend):
+class _AttendFn(AttendFunction):
     @staticmethod
     def forward(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
         return _attend(q, keys, values, mask, scale, groups)

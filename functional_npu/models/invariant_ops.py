@@ -18,7 +18,20 @@ import torch
 from ..core.mesh import Mesh
 from . import invariant as math_
 
-__all__ = ["linear", "row_parallel", "rms_norm", "silu", "attend", "log_softmax", "sin_cos", "decompositions"]
+__all__ = [
+    "linear",
+    "row_parallel",
+    "rms_norm",
+    "silu",
+    "attend",
+    "log_softmax",
+    "sin_cos",
+    "decompositions",
+    "SiluFunction",
+    "RmsNormFunction",
+    "LogSoftmaxFunction",
+    "AttendFunction",
+]
 
 _NS = "functional_npu"
 
@@ -89,7 +102,8 @@ def _(x):
     return torch.empty_like(x, dtype=torch.float32), torch.empty_like(x, dtype=torch.float32)
 
 
-# the gradients: the ordinary ones, in float32
+# the gradients: the ordinary ones, in float32 (public: the batch-invariant mode's functions take them, with its own
+# forwards)
 
 
 class _Linear(torch.autograd.Function):
@@ -110,7 +124,7 @@ class _Linear(torch.autograd.Function):
         return gx, gw, None, None
 
 
-class _RmsNorm(torch.autograd.Function):
+class RmsNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
         return _rms_norm_op(x, weight, eps, offset)
@@ -131,7 +145,7 @@ class _RmsNorm(torch.autograd.Function):
         return gx.to(x.dtype), gw.to(weight.dtype), None, None
 
 
-class _Silu(torch.autograd.Function):
+class SiluFunction(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         return _silu_op(x)
@@ -148,7 +162,7 @@ class _Silu(torch.autograd.Function):
         return (g.float() * s * (1 + xf * (1 - s))).to(x.dtype)
 
 
-class _LogSoftmax(torch.autograd.Function):
+class LogSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         return _log_softmax_op(x)
@@ -164,7 +178,7 @@ class _LogSoftmax(torch.autograd.Function):
         return (g - torch.exp(y) * g.sum(-1, keepdim=True)).to(ctx.dtype)
 
 
-class _Attend(torch.autograd.Function):
+class AttendFunction(torch.autograd.Function):
     @staticmethod
     def forward(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
         return _attend_op(q, keys, values, mask, scale, groups)
@@ -208,17 +222,17 @@ def row_parallel(x: torch.Tensor, w: torch.Tensor, mesh: Mesh, tp: str) -> torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """:func:`functional_npu.models.invariant.rms_norm` as one op."""
-    return _RmsNorm.apply(x, weight, float(eps), float(offset))
+    return RmsNormFunction.apply(x, weight, float(eps), float(offset))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """:func:`functional_npu.models.invariant.silu` as one op."""
-    return _Silu.apply(x)
+    return SiluFunction.apply(x)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """:func:`functional_npu.models.invariant.log_softmax` as one op (float32)."""
-    return _LogSoftmax.apply(x)
+    return LogSoftmaxFunction.apply(x)
 
 
 def attend(
@@ -230,7 +244,7 @@ def attend(
     groups: int = 1,
 ) -> torch.Tensor:
     """:func:`functional_npu.models.invariant.attend` as one op."""
-    return _Attend.apply(q, keys, values, mask, q.shape[-1] ** -0.5 if scale is None else float(scale), groups)
+    return AttendFunction.apply(q, keys, values, mask, q.shape[-1] ** -0.5 if scale is None else float(scale), groups)
 
 
 def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
