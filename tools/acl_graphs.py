@@ -11,7 +11,8 @@ would start capturing (:mod:`functional_npu.npu.acl_graph`); that graph is the a
 - ``acl_graph.txt``: the FX graph after every npugraph_ex pass;
 - ``acl_streams.json``: its ops per stream in capture order, and the event edges between streams;
 - ``acl_invariant.json`` (invariant cases): :func:`functional_npu.npu.invariant_graph.acl_check`'s findings: the
-  graph's aten ops by what they do to the bits, and any that may reduce or round in its own order;
+  graph's aten ops by what they do to the bits, and any that may reduce or round in its own order (the batch
+  mode's cases: :func:`~functional_npu.npu.invariant_graph.acl_batch_check`'s, matmuls a class of their own);
 - ``acl_prefetch.json`` (the ring's cases: layer-sharded and host series): the ring's hazard check over capture order
   (:func:`functional_npu.npu.acl_graph.prefetch_report`): violations, ring slots and bytes, and the
   prefetch bytes the graph allocates (zero: the ring is the graph's input);
@@ -132,7 +133,8 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
         }
         entry["checks"] = _checks(gm)
         if case.invariant:
-            entry["invariant"] = invariant_graph.acl_check(gm.graph)
+            check = invariant_graph.acl_batch_check if case.invariant == "batch" else invariant_graph.acl_check
+            entry["invariant"] = check(gm.graph)
         if case.ringed:
             entry["prefetch"] = acl_graph.prefetch_report(gm, case.k, phase=case.ring_phase)
         if (case.ringed or case.paged) and name == case.name:  # inputs written in place: stable across replays

@@ -191,7 +191,8 @@ class Case:
     :data:`GRAPH_QUANTS` (bf16 activations, weights in Ascend's kernels' forms); ``module_tp``: dp is
     :data:`MODULE_TP_DP` ranks split for :data:`MODULE_TP`, and ``series`` are layer-sharded over the outer dp;
     ``paged``: the serving engine's step over a paged KV cache (:mod:`functional_npu.models.paged`): pools and block
-    tables as inputs, the prefill a chunk at position :data:`PAGED_CHUNK_AT`."""
+    tables as inputs, the prefill a chunk at position :data:`PAGED_CHUNK_AT`; ``invariant``: ``Plan.invariant``
+    (``True``, the portable mode's cases, named ``-invariant-``; ``"batch"``, named ``-batch_invariant-``)."""
 
     family: str
     phase: str
@@ -200,7 +201,7 @@ class Case:
     k: int = 0
     quant: str | None = None
     module_tp: bool = False
-    invariant: bool = False
+    invariant: bool | str = False
     offload: str | None = None
     ring_phase: int = 0
     paged: bool = False
@@ -230,6 +231,8 @@ class Case:
             return f"{self.family}-dp2-layer_shard-k{self.k}-{self.phase}"
         if self.quant is not None:
             return f"{self.family}-tp{self.tp}-{self.quant}-{self.phase}"
+        if self.invariant == "batch":
+            return f"{self.family}-tp{self.tp}-batch_invariant-{self.phase}"
         if self.invariant:
             return f"{self.family}-tp{self.tp}-invariant-{self.phase}"
         if self.paged:
@@ -280,6 +283,7 @@ CASES: tuple[Case, ...] = (
     + tuple(Case("qwen3", phase, 1, LAYER_SHARD_SERIES, 1, module_tp=True) for phase in PHASES)
     + tuple(Case(fam, "train", 2) for fam in TRAIN_FAMILIES)
     + tuple(Case(INVARIANT_FAMILY, phase, tp, invariant=True) for tp in TP_SIZES for phase in PHASES)
+    + tuple(Case(INVARIANT_FAMILY, phase, tp, invariant="batch") for tp in TP_SIZES for phase in PHASES)
     + tuple(Case("qwen3", "decode", 1, k=k, offload=OFFLOAD_SERIES) for k in OFFLOAD_STEPS)
     + (
         Case("qwen3", "decode", 1, k=1, offload=OFFLOAD_SERIES, ring_phase=1),  # L = 3, k = 1: the second phase

@@ -9,7 +9,9 @@ fake process group. Conversion ends where torchair hands the serialized graph to
 
 - ``ge_graph.pbtxt.gz``: the GE graph in protobuf text format (sorted map keys), gzipped;
 - ``ge_invariant.json`` (invariant cases): :func:`functional_npu.npu.invariant_graph.ge_check`'s findings: the
-  graph's ops by what they do to the bits, its float64 ops, and any op that may reduce or round in its own order;
+  graph's ops by what they do to the bits, its float64 ops, and any op that may reduce or round in its own order
+  (the batch mode's cases: :func:`~functional_npu.npu.invariant_graph.ge_batch_check`'s, each MatMul's rows, reduced
+  dim and columns too);
 - ``ge_census.json``: GE op type -> count;
 - ``ge_hcom.json``: the ordered Hcom ops with their group's ranks and mesh axis, bytes, root, stream;
 - ``ge_prefetch.json`` (the ring's cases): :func:`functional_npu.npu.ge_graph.ring_check`'s findings: the
@@ -243,8 +245,9 @@ def case_artifacts(
         "ge_hcom.json": hcom,
     }
     problems = [f"{where}: Hcom schedule != aten schedule: {d}" for d in compare_schedules(aten_schedule, hcom)]
-    if case.invariant:  # the invariant functions' ops only: no MatMul, no ReduceSum, no fused kernel
-        ops = invariant_graph.ge_check(got["ops"])
+    if case.invariant:  # the invariant functions' ops only: no ReduceSum, no fused kernel; MatMuls pinned in "batch"
+        check = invariant_graph.ge_batch_check if case.invariant == "batch" else invariant_graph.ge_check
+        ops = check(got["ops"])
         files["ge_invariant.json"] = ops
         problems += [f"{where}: invariant ops: {p}" for p in ops["problems"]]
     if case.paged:  # every pool written in place through the block table

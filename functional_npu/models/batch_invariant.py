@@ -212,7 +212,7 @@ def _attend(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
         F.pad(hidden, (0, extra), value=float("-inf")).expand(b, kv, groups, s, c + extra).reshape(b * kv, rows, -1)
     )
     scores = scores + F.pad(hidden, (0, 0, 0, tile - rows), value=float("-inf"))  # a padded row sees nothing
-    top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # a padded row: no key
+    top = scores.max(dim=-1, keepdim=True).values.clamp(min=torch.finfo(torch.float32).min)  # a padded row: no key
     p = portable.exp(scores - top).view(b * kv, tile, blocks, KEYS).transpose(1, 2)  # [B kv, n, R, KEYS]; hidden: 0
     vf = F.pad(values.float().reshape(b * kv, c, -1), (0, 1), value=1.0)  # [B kv, C, dv + 1]: the last column sums p
     vf = F.pad(vf, (0, 0, 0, extra)).view(b * kv, blocks, KEYS, -1)
@@ -228,7 +228,8 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _log_softmax(x: torch.Tensor) -> torch.Tensor:
-    z = x.float() - x.float().amax(-1, keepdim=True)
+    xf = x.float()
+    z = xf - xf.max(dim=-1, keepdim=True).values  # max, not amax: the NPU's GE graph has no amax
     return z - portable.log(row_sum(portable.exp(z)))
 
 

@@ -40,7 +40,6 @@ from ..core.collectives import all_gather, all_reduce, all_to_all_single, reduce
 from ..core.layout import Block, Layout, Shard, fused, replicated, sharded
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
-from . import batch_invariant, invariant_ops
 from . import invariant as inv
 from .invariant_modes import ops as invariant_ops_of
 from .linear import expert_weights, linear, quantized_activations, slot_count, token_amax
@@ -54,7 +53,6 @@ __all__ = [
     "identity_map",
     "route",
     "local_experts",
-    "invariant_experts",
     "moe_ffn",
 ]
 
@@ -221,38 +219,6 @@ def local_experts(
     return (y * w[..., None]).sum(0)
 
 
-_EXPERT_BUDGET = 1 << 24  # elements of one invariant product [rows, k, out, in] held at once (64 MiB of float32)
-
-
-def invariant_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """The invariant mode's :func:`local_experts`, before its sum over the k: ``weights[:, k] *
-    expert[ids[:, k]](x)`` as ``[N, k, D]`` float32 (0 where ``ids`` is -1). Each token and chosen expert its own
-    products with the expert's weight rows, summed by :func:`~functional_npu.models.invariant.tree_sum` over the
-    input dim, rounded to ``x``'s dtype as a linear's output is: the same bits whatever the rows beside it, in chunks
-    of rows whose product ``[rows, k, 2F, D]`` holds at most 2 ** 24 elements."""
-    n, k = ids.shape
-    chosen = ids.clamp(min=0)  # a -1 reads slot 0 and is weighted 0
-    w = torch.where(ids >= 0, weights.float(), 0.0)[..., None]  # [N, k, 1]
-    step = max(1, _EXPERT_BUDGET // max(1, k * gate_up[0].numel(), k * down[0].numel()))
-    parts = []
-    for i in range(0, n, step):
-        rows, c = x[i : i + step], chosen[i : i + step]
-        gu = inv.tree_sum(rows[:, None, None, :].float() * gate_up[c].float()).to(x.dtype)  # [r, k, 2F]
-        gate, up = gu.chunk(2, dim=-1)
-        h = invariant_ops.silu(gate) * up
-        y = inv.tree_sum(h[:, :, None, :].float() * down[c].float()).to(x.dtype)  # [r, k, D]
-        parts.append(y.float() * w[i : i + step])
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _experts_of(mode: str) -> Callable:
-    """The routed experts' function of invariant mode ``mode``: :func:`invariant_experts` (portable) or
-    :func:`~functional_npu.models.batch_invariant.experts` (batch)."""
-    return batch_invariant.experts if mode == "batch" else invariant_experts
-
-
 def _gathered(
     x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, axes: tuple[str, ...], row_amax=None, invariant=False
 ) -> torch.Tensor:
@@ -263,7 +229,7 @@ def _gathered(
     per = slot_count(layer["experts_gate_up"])
     ids = torch.where(slots // per == mesh.axis_index(axes), slots % per, -1)
     if invariant:  # [n t, k, D]: each (token, k) nonzero on its expert's rank only, so the sum adds exact zeros
-        part = _experts_of(invariant)(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
+        part = invariant_ops_of(invariant).experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"])
         return inv.tree_sum(reduce_scatter(part, mesh, axes, dim=0), dim=1).to(x.dtype)  # [t, D]
     part = local_experts(xa, ids, weights, layer["experts_gate_up"], layer["experts_down"], row_amax)
     return reduce_scatter(part, mesh, axes, dim=0)  # [t, D]
@@ -288,7 +254,7 @@ def _dispatched(
     rmeta = all_to_all_single(meta.reshape(n * t, 2 * k), mesh, axes)
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
     if invariant:  # [n t, k, D] back: each (token, k) nonzero from its expert's rank only
-        mine = _experts_of(invariant)(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down)
+        mine = invariant_ops_of(invariant).experts(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down)
         back = all_to_all_single(mine, mesh, axes)
         return inv.tree_sum(inv.tree_sum(back.view(n, t, k, d), dim=0), dim=1).to(x.dtype)
     part = local_experts(rx, rmeta[:, :k].long(), rmeta[:, k:], gate_up, down, row_amax)
@@ -303,7 +269,8 @@ def _exchange(x: torch.Tensor, layer: dict, cfg: Experts, mesh: Mesh, plan: Plan
         weights, slots = _slots(x, layer, cfg, torch.arange(x.shape[0], device=x.device), invariant)
         gate_up, down = layer["experts_gate_up"], layer["experts_down"]
         if invariant:
-            return inv.tree_sum(_experts_of(invariant)(x, slots, weights, gate_up, down), dim=1).to(x.dtype)
+            routed = invariant_ops_of(invariant).experts(x, slots, weights, gate_up, down)  # [T, k, D]
+            return inv.tree_sum(routed, dim=1).to(x.dtype)
         return local_experts(x, slots, weights, gate_up, down, row_amax)
     if x.shape[0] <= plan.dispatch_threshold:
         return _gathered(x, layer, cfg, mesh, axes, row_amax, invariant)

@@ -19,6 +19,7 @@ from ..core.mesh import Mesh
 from . import invariant as math_
 
 __all__ = [
+    "experts",
     "linear",
     "row_parallel",
     "rms_norm",
@@ -265,3 +266,30 @@ def decompositions() -> dict:
         ops.invariant_attend.default: math_.attend,
         ops.invariant_sin_cos.default: math_.sin_cos,
     }
+
+
+_EXPERT_BUDGET = 1 << 24  # elements of one invariant product [rows, k, out, in] held at once (64 MiB of float32)
+
+
+def experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The portable mode's :func:`~functional_npu.models.experts.local_experts`, before its sum over the k:
+    ``weights[:, k] * expert[ids[:, k]](x)`` as ``[N, k, D]`` float32 (0 where ``ids`` is -1). Each token and chosen
+    expert its own products with the expert's weight rows, summed by
+    :func:`~functional_npu.models.invariant.tree_sum` over the input dim, rounded to ``x``'s dtype as a linear's
+    output is: the same bits whatever the rows beside it, in chunks of rows whose product ``[rows, k, 2F, D]`` holds
+    at most 2 ** 24 elements."""
+    n, k = ids.shape
+    chosen = ids.clamp(min=0)  # a -1 reads slot 0 and is weighted 0
+    w = torch.where(ids >= 0, weights.float(), 0.0)[..., None]  # [N, k, 1]
+    step = max(1, _EXPERT_BUDGET // max(1, k * gate_up[0].numel(), k * down[0].numel()))
+    parts = []
+    for i in range(0, n, step):
+        rows, c = x[i : i + step], chosen[i : i + step]
+        gu = math_.tree_sum(rows[:, None, None, :].float() * gate_up[c].float()).to(x.dtype)  # [r, k, 2F]
+        gate, up = gu.chunk(2, dim=-1)
+        h = silu(gate) * up
+        y = math_.tree_sum(h[:, :, None, :].float() * down[c].float()).to(x.dtype)  # [r, k, D]
+        parts.append(y.float() * w[i : i + step])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -89,12 +89,16 @@ def _desc(desc: Any, dtype_name: Any) -> dict[str, Any]:
     return {"dtype": dtype_name(desc.dtype), "shape": shape, "fx": fx}
 
 
+_TRANSPOSES = ("transpose_x1", "transpose_x2", "adj_x1", "adj_x2")  # MatMul's, BatchMatMul's
+
+
 def records(graph: Any, dtype_name: Any = str) -> list[Op]:
     """Plain records of a GE ``GraphDef``'s ops, in graph order.
 
     Each is ``{"name", "type", "inputs": [op names], "controls": [op names], "stream", "attrs": {group,
-    root_rank, reduction, index (a graph input's; when present)}, "in": [desc], "out": [desc]}`` with ``desc =
-    {"dtype", "shape", "fx"}``. ``dtype_name`` maps GE's dtype enum to its name (``DataType.Name``).
+    root_rank, reduction, index (a graph input's), a matmul's transpose_x1 / transpose_x2 / adj_x1 / adj_x2; when
+    present}, "in": [desc], "out": [desc]}`` with ``desc = {"dtype", "shape", "fx"}``. ``dtype_name`` maps GE's
+    dtype enum to its name (``DataType.Name``).
     """
     out = []
     for op in graph.op:
@@ -111,6 +115,9 @@ def records(graph: Any, dtype_name: Any = str) -> list[Op]:
         for key in ("root_rank", "index"):
             if key in op.attr:
                 attrs[key] = op.attr[key].i
+        for key in _TRANSPOSES:
+            if key in op.attr:
+                attrs[key] = op.attr[key].b
         stream = op.attr["_user_stream_label"].s.decode() if "_user_stream_label" in op.attr else None
         out.append(
             {
@@ -212,6 +219,9 @@ def records_from_text(text: str) -> list[Op]:
         for key in ("root_rank", "index"):
             if key in attrs:
                 found[key] = attrs[key].get("i", [0])[0]
+        for key in _TRANSPOSES:
+            if key in attrs:
+                found[key] = attrs[key].get("b", [False])[0] in (True, "true")
         stream = attrs["_user_stream_label"].get("s", [""])[0] if "_user_stream_label" in attrs else None
         out.append(
             {

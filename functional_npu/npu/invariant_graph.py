@@ -15,6 +15,14 @@ On the NPU backends the invariant ops reach the graph as the aten ops of their f
 
 Any other op -- a MatMul, a ReduceSum or ReduceMean, a softmax, an Exp, a fused multiply-add -- is a problem: it
 reduces or rounds in an order the device picks.
+
+The batch-invariant mode (``Plan.invariant="batch"``, :mod:`functional_npu.models.batch_invariant`) keeps the matmul
+units, so its graphs hold a fifth class, ``pinned``: MatMul and BatchMatMul, each at a shape the batch cannot
+change but in its rows (:func:`ge_batch_check` records each one's rows, reduced dim and columns, and fails one whose
+rows are not a multiple of the mode's row tile). Every other reduction of that mode is one of them (row sums are a
+matmul with a column of ones), so the rest of its graph is the classes above. That the device's MatMul gives a row
+the same bits at every row count that is a multiple of the tile is the kernel's property, measured on the CPU
+(:func:`~functional_npu.models.batch_invariant.probe`) and only on a device for the NPU.
 """
 
 from __future__ import annotations
@@ -25,7 +33,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["GE_OPS", "ACL_OPS", "ge_check", "acl_check"]
+__all__ = [
+    "GE_OPS",
+    "ACL_OPS",
+    "GE_MATMULS",
+    "ACL_MATMULS",
+    "WHY",
+    "ge_check",
+    "acl_check",
+    "ge_batch_check",
+    "acl_batch_check",
+]
 
 GE_OPS: Mapping[str, frozenset[str]] = {
     "rounded": frozenset("Add Sub Mul RealDiv Cast".split()),
@@ -35,7 +53,7 @@ GE_OPS: Mapping[str, frozenset[str]] = {
     ),
     "moves": frozenset(
         "Const Data RefData NetOutput Reshape Squeeze Unsqueeze StridedSliceV2 SplitV ConcatV2 Pack GatherV2 "
-        "ScatterElements TensorMove BroadcastTo Fill ZerosLike Shape Range Identity Transpose HcomAllGather "
+        "ScatterElements TensorMove BroadcastTo Fill ZerosLike Shape Range Identity Transpose PadV3 HcomAllGather "
         "HcomAllReduce".split()
     ),
     "constants": frozenset("Pow Reciprocal".split()),
@@ -51,11 +69,22 @@ ACL_OPS: Mapping[str, frozenset[str]] = {  # aten ops, an in-place one as its fu
         "reshape.default view.default _unsafe_view.default clone.default slice.Tensor select.int squeeze.dim "
         "unsqueeze.default split.Tensor split_with_sizes.default cat.default permute.default expand.default "
         "embedding.default scatter.src arange.default arange.start_step full_like.default zeros_like.default "
-        "scalar_tensor.default getitem all_gather_into_tensor.default all_reduce.default wait_tensor.default".split()
+        "scalar_tensor.default getitem all_gather_into_tensor.default all_reduce.default wait_tensor.default "
+        "ones.default detach.default t.default transpose.int constant_pad_nd.default".split()
     ),
     "constants": frozenset("pow.Scalar reciprocal.default".split()),
 }
 _INPUTS = {"Data", "RefData"}
+GE_MATMULS = frozenset("MatMul MatMulV2 MatMulV3 BatchMatMul BatchMatMulV2 BatchMatMulV3".split())
+ACL_MATMULS = frozenset("mm.default bmm.default".split())
+WHY: Mapping[str, str] = {  # per class, why its ops' order cannot depend on the batch
+    "rounded": "elementwise: one rounding per element, no order to pick",
+    "exact": "exact in any order",
+    "moves": "moves or copies bits",
+    "constants": "no graph input reaches it: the same values in every graph",
+    "pinned": "a matmul at a pinned shape: the reduced dim whole and fixed, only the rows vary, in multiples of the "
+    "row tile",
+}
 
 
 def _check(
@@ -127,3 +156,46 @@ def acl_check(graph: torch.fx.Graph) -> dict[str, Any]:
     sources = {n.name: [a.name for a in n.all_input_nodes] for n in calls}
     fed = _reached(sources, {n.name for n in graph.nodes if n.op == "placeholder"})
     return _check(((n.name, _aten(n)) for n in calls), ACL_OPS, fed)
+
+
+def _pinned(classes: Mapping[str, frozenset[str]], matmuls: frozenset[str]) -> dict[str, frozenset[str]]:
+    return {**classes, "pinned": matmuls}
+
+
+def ge_batch_check(ops: Sequence[dict[str, Any]], rows: int | None = None) -> dict[str, Any]:
+    """The GE op records of a batch-invariant graph: :func:`ge_check`'s classes plus ``pinned``
+    (:data:`GE_MATMULS`), ``"why"`` per class (:data:`WHY`) and ``"matmuls"``: per MatMul / BatchMatMul its
+    ``{"name", "type", "rows", "reduced", "columns"}`` (from its inputs' shapes and transpose flags). A matmul
+    whose rows are not a multiple of ``rows`` (default :data:`~functional_npu.models.batch_invariant.ROWS`) is a
+    problem: its kernel may take another order at another row count."""
+    from ..models import batch_invariant
+
+    tile = batch_invariant.ROWS if rows is None else rows
+    sources = {op["name"]: op["inputs"] for op in ops}
+    fed = _reached(sources, {op["name"] for op in ops if op["type"] in _INPUTS})
+    out = _check(((op["name"], op["type"]) for op in ops), _pinned(GE_OPS, GE_MATMULS), fed)
+    found, problems = [], list(out["problems"])
+    for op in ops:
+        if op["type"] not in GE_MATMULS:
+            continue
+        flip = op["attrs"].get("transpose_x1", op["attrs"].get("adj_x1", False))
+        m, k = op["in"][0]["shape"][-2:][:: -1 if flip else 1]  # x1: [M, K], or [K, M] transposed
+        flip = op["attrs"].get("transpose_x2", op["attrs"].get("adj_x2", False))
+        n = op["in"][1]["shape"][-2 if flip else -1]  # x2: [K, N], or [N, K] transposed
+        found.append({"name": op["name"], "type": op["type"], "rows": m, "reduced": k, "columns": n})
+        if m % tile:
+            problems.append(
+                f"{op['type']} ({op['name']}): {m} rows, not a multiple of the row tile {tile}: its kernel may reduce "
+                f"in another order at another row count"
+            )
+    return out | {"ok": not problems, "problems": problems, "matmuls": found, "why": dict(WHY)}
+
+
+def acl_batch_check(graph: torch.fx.Graph) -> dict[str, Any]:
+    """A batch-invariant ACL graph's aten ops by class: :func:`acl_check`'s plus ``pinned`` (:data:`ACL_MATMULS`),
+    and ``"why"`` per class. The graph text holds no shapes: the matmuls' shapes are those of the same trace's GE
+    graph (:func:`ge_batch_check`)."""
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    sources = {n.name: [a.name for a in n.all_input_nodes] for n in calls}
+    fed = _reached(sources, {n.name for n in graph.nodes if n.op == "placeholder"})
+    return _check(((n.name, _aten(n)) for n in calls), _pinned(ACL_OPS, ACL_MATMULS), fed) | {"why": dict(WHY)}

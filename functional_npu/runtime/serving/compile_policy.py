@@ -244,8 +244,9 @@ def invariant_options(params: dict, placed: Placement, chosen: Backend, where: s
         )
     if placed.plan.invariant == "batch" and device != "cpu":
         raise ValueError(
-            f"{where}: Plan.invariant='batch' on {device}: its pinned tiles (matmul rows in fours, attention keys in "
-            f"blocks of {batch_inv.KEYS}) are measured on the CPU's kernels (MKL, oneDNN), not {device}'s; use "
+            f"{where}: Plan.invariant='batch' on {device}: its pinned tiles (matmul rows in multiples of "
+            f"{batch_inv.ROWS}, attention keys in blocks of {batch_inv.KEYS}) are measured on the CPU's kernels (MKL, "
+            f"oneDNN), not on {device}'s matmuls (batch_invariant.probe() on the device measures them); use "
             f"Plan(invariant='portable') there, or run on the CPU"
         )
     if device == "npu":
