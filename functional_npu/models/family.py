@@ -69,6 +69,8 @@ class CostShape:
         attn_width: attention's output width, the input of ``o_proj`` (o_proj TP exchanges it).
         experts, top_k: routed experts and experts per token (0 for a dense model).
         moe_layers: the layers whose FFN is the routed experts.
+        shared_experts: whether those layers also run a dense shared-experts MLP (tensor-parallel: one more
+            reduction per layer).
     """
 
     hidden: int
@@ -78,6 +80,7 @@ class CostShape:
     experts: int = 0
     top_k: int = 0
     moe_layers: tuple[int, ...] = ()
+    shared_experts: bool = False
 
 
 def _dense_cost(cfg: Any) -> CostShape:
@@ -86,12 +89,18 @@ def _dense_cost(cfg: Any) -> CostShape:
 
 def _moe_cost(cfg: MoeConfig) -> CostShape:
     width = cfg.num_heads * cfg.head_dim
-    return CostShape(cfg.hidden_size, cfg.vocab_size, cfg.num_layers, width, cfg.num_experts, cfg.top_k, cfg.moe_layers)
+    return CostShape(
+        cfg.hidden_size, cfg.vocab_size, cfg.num_layers, width, cfg.num_experts, cfg.top_k, cfg.moe_layers,
+        shared_experts=bool(cfg.shared_intermediate_size),
+    )  # fmt: skip
 
 
 def _deepseek_cost(cfg: DeepseekConfig) -> CostShape:
     width = cfg.num_heads * cfg.v_head_dim
-    return CostShape(cfg.hidden_size, cfg.vocab_size, cfg.num_layers, width, cfg.num_experts, cfg.top_k, cfg.moe_layers)
+    return CostShape(
+        cfg.hidden_size, cfg.vocab_size, cfg.num_layers, width, cfg.num_experts, cfg.top_k, cfg.moe_layers,
+        shared_experts=bool(cfg.n_shared_experts),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -76,7 +76,8 @@ def test_experts_are_read_as_the_tokens_touch_them():
     one, many = (estimate(MOE, c, "910b", Workload.decode(b, 16, F32)) for b in (1, 64))
     assert one.bytes["weights"] == many.bytes["weights"]
     assert one.parts["memory_s"] < many.parts["memory_s"]
-    assert "all_to_all" in one.parts  # EP's dispatch and combine
+    assert {"all_gather", "reduce_scatter"} <= set(one.parts)  # EP at 1 token a rank: gathered, reduce-scattered
+    assert "all_to_all" in many.parts  # past Plan.dispatch_threshold tokens a rank: dispatched and combined
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

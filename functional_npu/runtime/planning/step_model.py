@@ -36,7 +36,7 @@ import torch
 from ...core.mesh import Mesh
 from ...core.shard import local_shape
 from ...models import family_of, paged
-from ...parallel.devices import Device, Link
+from ...parallel.devices import Device, Link, collective_factor
 from ...parallel.devices import device as device_profile
 from ...parallel.eplb_map import EXPERT_LEAVES
 from ...parallel.module_tp import dp_axes
@@ -45,7 +45,7 @@ from ...parallel.prefetch_cost import choose_k, exposed, host_step
 from ...placement.placement import Placement, place
 from ...placement.quant_config import QuantConfig
 
-__all__ = ["Workload", "Candidate", "Estimate", "estimate", "cost_shape"]
+__all__ = ["Workload", "Candidate", "Estimate", "Collective", "estimate", "cost_shape", "step_collectives"]
 
 
 @dataclass(frozen=True)
@@ -239,9 +239,9 @@ def estimate(
     reads["kv_cache"] = kv_bytes if workload.kind == "decode" else 0
     memory_s, compute_s = sum(reads.values()) / dev.memory_bytes_per_s, flops / dev.flop_per_s
     parts: dict[str, float] = {"memory_s": memory_s, "compute_s": compute_s}
-    for kind, axes, payload, count in _collectives(shape, mesh, plan, tokens, seqs, e):  # on the critical path
-        n, nodes = mesh.axis_size(axes), _nodes(dev, mesh, axes)
-        parts[kind] = parts.get(kind, 0.0) + count * dev.collective_s(kind, n, payload, nodes=nodes)
+    for c in _collectives(shape, mesh, plan, tokens, seqs, e):  # on the critical path
+        nodes = _nodes(dev, mesh, c.axes)
+        parts[c.kind] = parts.get(c.kind, 0.0) + c.count * dev.collective_s(c.kind, c.ranks, c.payload, nodes=nodes)
     ring = 0
     peer = plan.layer_shard is not None and mesh.axis_size(plan.layer_shard.axis) > 1
     if peer or plan.offload:
@@ -273,7 +273,7 @@ def _reads_and_flops(
     group's tokens) and its FLOPs (from the logical weights, at 2 per weight per token, plus attention's)."""
     e = workload.dtype.itemsize
     ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
-    routed_tokens = tokens * ep
+    routed_tokens = ep * _routed_here(mesh, plan, tokens)  # the expert group's tokens, each routed once
     touched = 1 - (1 - shape.top_k / shape.experts) ** routed_tokens if shape.experts else 1.0
     dense = held.weights - held.experts - held.series + held.layer_series * shape.layers  # host series read in slots
     reads = {"weights": dense + touched * held.experts}
@@ -375,37 +375,88 @@ def _held(placed: Placement, mesh: Mesh, e: int) -> _Held:
     )
 
 
-def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int) -> list[tuple]:
-    """``(kind, group axes, payload bytes, count per step)`` for the collectives a step waits on."""
+class Collective(NamedTuple):
+    """One kind of collective a step runs: ``count`` calls over groups along ``axes`` (``ranks`` each), each of
+    ``payload`` bytes (an all-gather's output, the input of the others), as the runtime issues it."""
+
+    kind: str
+    axes: Any
+    ranks: int
+    payload: float
+    count: int
+
+    @property
+    def received(self) -> float:
+        """Bytes each rank receives from the others over the ``count`` calls, in the bandwidth-optimal collective
+        (:func:`~functional_npu.parallel.devices.collective_factor`)."""
+        return self.count * collective_factor(self.kind, self.ranks) * self.payload
+
+
+def step_collectives(cfg: Any, candidate: Candidate, workload: Workload, dtype: torch.dtype | None = None) -> list:
+    """The :class:`Collective` list of one decode or prefill step of ``workload`` under ``candidate``: what the step
+    model prices, call by call kind (the tests count the same on gloo ranks, at the collectives)."""
+    placed = place(cfg, candidate.axes, candidate.plan, where=candidate.name)
+    plan, mesh = placed.plan, Mesh.abstract(candidate.axes, 0)
+    seqs = math.ceil(workload.batch / mesh.axis_size(dp_axes(mesh, plan.tp)))
+    e = (dtype or workload.dtype).itemsize
+    return _collectives(cost_shape(cfg), mesh, plan, seqs * workload.new_tokens, seqs, e)
+
+
+def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int) -> list[Collective]:
+    """The collectives a step waits on, as the runtime issues them (:mod:`functional_npu.models.experts`,
+    :mod:`functional_npu.parallel.module_tp`): ``tokens`` on the busiest dp rank, ``seqs`` sequences."""
     d, layers = shape.hidden, shape.layers
     tp = mesh.axis_size(plan.tp)
-    moe = set(shape.moe_layers)
-    out: list[tuple] = []
-    ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
-    if tp > 1:  # vocab-parallel embedding, attention and FFN reductions, the head's logits
-        out.append(("all_reduce", plan.tp, tokens * d * e, 1 + layers + (layers - len(moe) if ep > 1 else layers)))
-        out.append(("all_gather", plan.tp, seqs * shape.vocab * 4, 1))
-    if ep > 1 and moe:  # dispatch and combine
-        out.append(("all_to_all", plan.expert_axes, tokens * shape.top_k * d * e, 2 * len(moe)))
+    moe = len(shape.moe_layers)
+    dense = layers - moe
+    out: list[Collective] = []
+
+    def add(kind: str, axes: Any, payload: float, count: int) -> None:
+        n = mesh.axis_size(axes) if axes else 1
+        if n > 1 and count > 0:
+            out.append(Collective(kind, axes, n, payload, count))
+
+    ep_axes = tuple(plan.expert_axes)
+    ep = mesh.axis_size(ep_axes) if ep_axes else 1
+    split = ep > 1 and plan.tp in ep_axes and tp > 1  # each tp rank routes its own 1 / tp of the tokens
+    expert_tp = plan.tp not in ep_axes  # each expert's down projection row-parallel over tp: an all-reduce
+    # the embedding's vocab-parallel sum, attention's o_proj, the dense MLPs, experts whose down is over tp
+    add("all_reduce", plan.tp, tokens * d * e, 1 + layers + dense + (moe if expert_tp else 0))
+    add("all_reduce", plan.tp, tokens * d * e, moe if shape.shared_experts else 0)  # the shared experts' MLP
+    add("all_gather", plan.tp, tokens * shape.vocab * e, 1)  # the logits of every position the step computes
+    if ep > 1 and moe:
+        local = _routed_here(mesh, plan, tokens)
+        if local <= plan.dispatch_threshold:  # gathered, each rank its slots' share, reduce-scattered back
+            add("all_gather", ep_axes, ep * local * d * e, moe)
+            add("reduce_scatter", ep_axes, ep * local * d * e, moe)
+        else:  # every token to every expert rank (static capacity), its routing beside it, the outputs back
+            add("all_to_all", ep_axes, ep * local * d * e, 2 * moe)
+            add("all_to_all", ep_axes, ep * local * 2 * shape.top_k * 4, moe)
+        if split:
+            add("all_gather", plan.tp, tp * local * d * e, moe)
     for module, axes in plan.module_tp.items():
         n = mesh.axis_size(axes) if axes else 1
-        if n <= 1:
-            continue
         group = n * tokens
-        if module == "o_proj":
-            out.append(("all_to_all", axes, group * shape.attn_width / tp * e, layers))
-            out.append(("reduce_scatter", axes, group * d * e, layers))
+        if module == "o_proj":  # this rank's tokens' heads out, the group's tokens' share of heads back
+            add("all_to_all", axes, tokens * shape.attn_width / tp * e, layers)
+            add("reduce_scatter", axes, group * d * e, layers)
         elif module == "mlp":
-            dense = layers - len(moe)
-            out.append(("all_gather", axes, group * d * e, dense))
-            out.append(("reduce_scatter", axes, group * d * e, dense))
-        elif module == "lm_head":
-            out.append(("all_gather", axes, n * seqs * d * e, 1))
-            out.append(("all_to_all", axes, n * seqs * shape.vocab / tp * 4, 1))
+            add("all_gather", axes, group * d * e, dense)
+            add("reduce_scatter", axes, group * d * e, dense)
+        elif module == "lm_head":  # the group's hidden states gathered, each rank's logits sent back by vocab share
+            add("all_gather", axes, group * d * e, 1)
+            add("all_to_all", axes, tokens * shape.vocab / tp * e, 1)
         elif module == "embed":
-            out.append(("all_gather", axes, group * 8, 1))
-            out.append(("reduce_scatter", axes, group * d * e, 1))
+            add("all_gather", axes, group * 8, 1)
+            add("reduce_scatter", axes, group * d * e, 1)
     return out
+
+
+def _routed_here(mesh: Mesh, plan: Plan, tokens: int) -> int:
+    """The tokens one rank routes to the experts: its 1 / tp of them when the expert axes include tp (the tp ranks
+    hold the same tokens, :func:`functional_npu.models.experts.moe_ffn`), else all of them."""
+    tp = mesh.axis_size(plan.tp)
+    return -(-tokens // tp) if plan.tp in tuple(plan.expert_axes) and tp > 1 else tokens
 
 
 def _nodes(dev: Device, mesh: Mesh, axes: Any) -> int:
