@@ -7,17 +7,18 @@ Expert parallelism over a tensor-parallel axis is the case that fails without th
 routes its own 1 / tp of the tokens and gathers the outputs back; a model that has every tp rank dispatch every
 token (each token once per expert it chose) prices ``tp`` times the bytes (:func:`test_the_old_ep_rule_overcounts`)."""
 
+import dataclasses
 
 import pytest
 import torch
 
-from functional_npu import Plan, split_dp
+from functional_npu import Plan, layer_shard, split_dp
 from functional_npu.parallel.devices import collective_factor
 from functional_npu.runtime.planning import Candidate, Workload
-from functional_npu.runtime.planning.step_model import step_collectives
+from functional_npu.runtime.planning.step_model import step_collectives, step_transfers
 from tools.aten_graphs import GRAPH_CONFIGS
 
-from ..support.count_workers import counted_step
+from ..support.count_workers import counted_ring_step, counted_step
 
 OPS = {
     "_c10d_functional.all_reduce": "all_reduce",
@@ -32,7 +33,15 @@ CASES = [
     ("EP over dp x tp, decode: gathered", "qwen3_moe", {"dp": 2, "tp": 2}, {"expert_axes": ("dp", "tp")}, 4, 1, 8),
     ("EP over dp x tp, prefill: dispatched", "qwen3_moe", {"dp": 2, "tp": 2}, {"expert_axes": ("dp", "tp")}, 4, 16, 0),
     ("EP over dp, experts' down over tp", "qwen3_moe", {"dp": 2, "tp": 2}, {"expert_axes": ("dp",)}, 4, 16, 0),
-    ("EP over dp x tp, shared experts (MLA)", "deepseek_v3", {"dp": 2, "tp": 2}, {"expert_axes": ("dp", "tp")}, 4, 1, 8),  # noqa: E501
+    (
+        "EP over dp x tp, shared experts (MLA)",
+        "deepseek_v3",
+        {"dp": 2, "tp": 2},
+        {"expert_axes": ("dp", "tp")},
+        4,
+        1,
+        8,
+    ),  # noqa: E501
     ("EP over tp 4, prefill", "qwen3_moe", {"dp": 1, "tp": 4}, {"expert_axes": ("tp",)}, 2, 32, 0),
     ("module TP over dp 4 (all four)", "qwen3", {"dp": 4, "tp": 1}, {"module_tp": MODULES}, 8, 1, 8),
     ("module TP, prefill", "qwen3", {"dp": 4, "tp": 1}, {"module_tp": MODULES}, 8, 16, 0),
@@ -82,3 +91,45 @@ def test_the_old_ep_rule_overcounts(counted):
     got = counted[name][0]["by_op"]["_c10d_functional.all_to_all_single"]
     new = sum(c.received for c in _modelled(family, axes, fields, batch, length, context) if c.kind == "all_to_all")
     assert got == pytest.approx(new) and old > 1.5 * got
+
+
+RINGS = [  # (name, dp, layer-sharded series, host series, k)
+    ("layer shard o_proj,down_proj over dp 4, k 1", 4, "o_proj,down_proj", "", 1),
+    ("layer shard, whole layers, k 0", 4, "layer", "", 0),
+    ("host series down_proj, k 1", 4, None, "down_proj", 1),
+    ("both sources, k 1", 4, "o_proj", "down_proj", 1),
+]
+RING_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def counted_rings(world4):
+    cfg = dataclasses.replace(GRAPH_CONFIGS["qwen3"], num_layers=4)
+    return {n: world4.run(counted_ring_step, cfg, dp, s, o, k, 1, RING_STEPS) for n, dp, s, o, k in RINGS}
+
+
+@pytest.mark.parametrize("case", RINGS, ids=lambda c: c[0])
+def test_modelled_ring_transfers_are_the_counted_ones(counted_rings, case):
+    """Per decode step, past the ring's start: one broadcast per layer of the layer-sharded series (every rank in it,
+    each rank receiving the layers it does not own) and one host copy per layer, each of one layer's bytes."""
+    name, dp, series, offload, k = case
+    cfg = dataclasses.replace(GRAPH_CONFIGS["qwen3"], num_layers=4)
+    plan = Plan(layer_shard=layer_shard(series, "dp") if series else None, offload=offload, prefetch_step=k)
+    modelled = {
+        c.kind: c
+        for c in step_transfers(cfg, Candidate(name, {"dp": dp, "tp": 1}, plan), Workload.decode(1, 8), torch.float32)
+    }
+    assert set(modelled) == {kind for kind, on in (("broadcast", series), ("host_copy", offload)) if on}
+    received = []
+    for got in counted_rings[name]:
+        start, total = got["started"], got["total"]
+        per_step = {key: (total[key] - start[key]) / RING_STEPS for key in total}
+        if series:
+            assert per_step["broadcast_calls"] == modelled["broadcast"].count
+            received.append(per_step["broadcast_received"])
+        if offload:
+            assert per_step["copy_calls"] == modelled["host_copy"].count
+            assert per_step["copy_bytes"] == modelled["host_copy"].received
+    if series:  # each rank receives the layers it does not own; over the group, the modelled average
+        assert sum(received) / len(received) == pytest.approx(modelled["broadcast"].received)
+        assert max(received) <= modelled["broadcast"].count * modelled["broadcast"].payload

@@ -45,7 +45,16 @@ from ...parallel.prefetch_cost import choose_k, exposed, host_step
 from ...placement.placement import Placement, place
 from ...placement.quant_config import QuantConfig
 
-__all__ = ["Workload", "Candidate", "Estimate", "Collective", "estimate", "cost_shape", "step_collectives"]
+__all__ = [
+    "Workload",
+    "Candidate",
+    "Estimate",
+    "Collective",
+    "estimate",
+    "cost_shape",
+    "step_collectives",
+    "step_transfers",
+]
 
 
 @dataclass(frozen=True)
@@ -387,8 +396,13 @@ class Collective(NamedTuple):
 
     @property
     def received(self) -> float:
-        """Bytes each rank receives from the others over the ``count`` calls, in the bandwidth-optimal collective
-        (:func:`~functional_npu.parallel.devices.collective_factor`)."""
+        """Bytes each rank receives over the ``count`` calls: from the others, in the bandwidth-optimal collective
+        (:func:`~functional_npu.parallel.devices.collective_factor`); a ring's broadcasts, on average over the
+        group's ranks (each the source of its own layers, a ``1 / ranks`` share); a host copy, all of it."""
+        if self.kind == "broadcast":
+            return self.count * (self.ranks - 1) / self.ranks * self.payload
+        if self.kind == "host_copy":
+            return self.count * self.payload
         return self.count * collective_factor(self.kind, self.ranks) * self.payload
 
 
@@ -400,6 +414,23 @@ def step_collectives(cfg: Any, candidate: Candidate, workload: Workload, dtype: 
     seqs = math.ceil(workload.batch / mesh.axis_size(dp_axes(mesh, plan.tp)))
     e = (dtype or workload.dtype).itemsize
     return _collectives(cost_shape(cfg), mesh, plan, seqs * workload.new_tokens, seqs, e)
+
+
+def step_transfers(cfg: Any, candidate: Candidate, workload: Workload, dtype: torch.dtype | None = None) -> list:
+    """The prefetch ring's transfers per step under ``candidate`` (what :func:`estimate` prices as
+    ``prefetch_exposed_s`` and ``host_copy_exposed_s``): a ``"broadcast"`` :class:`Collective` per layer of the
+    layer-sharded series over its axis, a ``"host_copy"`` per layer of the series kept in host memory, each of one
+    layer's bytes on the busiest rank."""
+    placed = place(cfg, candidate.axes, candidate.plan, where=candidate.name)
+    plan, mesh = placed.plan, Mesh.abstract(candidate.axes, 0)
+    held = _held_at(cfg, tuple(candidate.axes.items()), candidate.plan, None, (dtype or workload.dtype).itemsize)
+    layers, out = cost_shape(cfg).layers, []
+    if plan.layer_shard is not None and mesh.axis_size(plan.layer_shard.axis) > 1:
+        n = mesh.axis_size(plan.layer_shard.axis)
+        out.append(Collective("broadcast", plan.layer_shard.axis, n, held.layer_series, layers))
+    if plan.offload:
+        out.append(Collective("host_copy", None, 1, held.host_layer, layers))
+    return out
 
 
 def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int) -> list[Collective]:
