@@ -32,6 +32,10 @@ COMMANDS = {
     "moe": ("bench_moe", "MoE decode tokens/s on 2 gloo ranks: experts over both ranks vs replicated"),
     "planner": ("planner_check", "the planner's ranking of 7 plans on 4 gloo ranks against their measured decode step"),
     "planner_paper": ("planner_paper", "the planner's choice for Qwen3, Llama-3-70B and DeepSeek-V3 on 910B / 910C"),
+    "planner_published": (
+        "planner_published",
+        "the step model against published deployments: a fixed cost per step fitted per profile, the rest held out",
+    ),
     "planner_serve": (
         "planner_serve_check",
         "the serving planner on 4 gloo ranks: batches sized from a budget, measured",

@@ -20,9 +20,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["Link", "Device", "DEVICES", "ALIASES", "COLLECTIVES", "device", "collective_factor"]
+__all__ = ["Link", "Device", "DEVICES", "ALIASES", "COLLECTIVES", "UNFITTED_SPREAD", "device", "collective_factor"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+UNFITTED_SPREAD = 0.5  # a profile's assumed spread where no fit gives one: the roofline alone was 1.7x off (median)
+GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,12 @@ class Device:
             cores the ranks' compute already fills, gloo's transfers take turns with it instead.
         host_link: the link from host memory to one device (pinned copies; series kept in host memory,
             ``Plan.offload``, fill the prefetch ring over it); ``None`` where the device's memory is the host's.
+        step_overhead_s: the fixed cost of one step beyond its reads, compute and communication (the host's
+            scheduling, launches, operator dispatch), added to every modelled step: measured by this library's own
+            runs (``host``) or fitted to published serving figures (``python -m benchmarks planner_published``);
+            ``None``: not known, the profile's figures are the roofline only (the planner warns).
+        spread: the relative spread of the profile's modelled figures against measured ones (the fit's residuals);
+            ``None``: not fitted (the planner then assumes :data:`UNFITTED_SPREAD`).
     """
 
     name: str
@@ -75,6 +83,13 @@ class Device:
     assumed: tuple[str, ...] = ()
     overlap: bool = True
     host_link: Link | None = None
+    step_overhead_s: float | None = None
+    spread: float | None = None
+
+    @property
+    def prediction_spread(self) -> float:
+        """:attr:`spread`, or :data:`UNFITTED_SPREAD` where the profile has no fit."""
+        return UNFITTED_SPREAD if self.spread is None else self.spread
 
     def collective_s(self, name: str, n: int, payload_bytes: float, *, nodes: int | None = None) -> float:
         """Seconds one collective ``name`` over ``n`` ranks takes for a payload of ``payload_bytes``
@@ -128,13 +143,18 @@ DEVICES: dict[str, Device] = {
             "b0b253c4d5da4e05ba80a39e3dc65fd2): 313 TFLOPS FP16 (910B3), HBM 64 GB at 1600 GB/s, 7 HCCS links, "
             "392 GB/s, 8 x 200GE RoCE between nodes; alpha 20 us assumed"
         ),
-        memory_bytes=64e9,
+        memory_bytes=64 * GiB,  # npu-smi: 65536 MB of HBM
         links=7,
         node_size=8,
         inter_node=Link(bytes_per_s=25e9, alpha_s=50e-6),  # one 200GE port per NPU
         # PCIe 4.0 x16 to the host, about 25 GB/s one way in practice (no published H2D figure found: assumed)
         host_link=Link(bytes_per_s=25e9, alpha_s=20e-6),
         assumed=("link.alpha_s", "inter_node.alpha_s", "host_link"),
+        # fitted to two vllm-ascend deployments (Qwen3-32B on 4 x 910B: TPOT at concurrency 1, a batch of 72 end to
+        # end; benchmarks/results/planner_published.json); spread: the larger of the fit's leave-one-out error (20%)
+        # and the held-out rows' median (22%)
+        step_overhead_s=37.6e-3,
+        spread=0.22,
     ),
     "ascend-910c": Device(  # one die: vllm-ascend and CANN present each of a 910C's two dies as a device
         "ascend-910c",
@@ -147,11 +167,16 @@ DEVICES: dict[str, Device] = {
             "supernode): 48 TB HBM over 384 NPUs (128 GB each), UB 196 GB/s per NPU, non-blocking; figures per "
             "die are half a package's; UB per die and alpha 20 us assumed"
         ),
-        memory_bytes=64e9,
+        memory_bytes=64 * GiB,
         links=1,
         node_size=None,  # the supernode's UB spans 384 packages: every group here is on it
         host_link=Link(bytes_per_s=25e9, alpha_s=20e-6),  # as the 910B's PCIe 4.0 x16 per die: assumed
         assumed=("link.bytes_per_s (per die)", "link.alpha_s", "host_link"),
+        # fitted to two vllm-ascend deployments (Qwen3-32B W8A8 TP4, Qwen3-30B-A3B W8A8 TP1, end to end;
+        # benchmarks/results/planner_published.json); spread: the held-out rows' median error (22%; the fit's
+        # leave-one-out error is 2%)
+        step_overhead_s=22.9e-3,
+        spread=0.22,
     ),
     "h100-sxm": Device(
         "h100-sxm",
@@ -164,7 +189,7 @@ DEVICES: dict[str, Device] = {
             "github.com/NVIDIA/nccl/issues/1442 (370 GB/s each direction); 400 Gb/s InfiniBand per GPU "
             "between nodes (DGX H100); alpha 10 us assumed"
         ),
-        memory_bytes=80e9,
+        memory_bytes=80 * GiB,  # nvidia-smi: 81559 MiB, of which about 80 GiB usable
         links=1,
         node_size=8,
         inter_node=Link(bytes_per_s=50e9, alpha_s=30e-6),
@@ -172,6 +197,30 @@ DEVICES: dict[str, Device] = {
         # python -m benchmarks gpu, benchmarks/results/gpu.json runs 7 and 8); alpha 10 us assumed
         host_link=Link(bytes_per_s=55.5e9, alpha_s=10e-6),
         assumed=("link.alpha_s", "inter_node.alpha_s", "host_link.alpha_s"),
+        # fitted to one deployment (LMSYS's DeepSeek-V3 decode on 72 H100s; benchmarks/results/planner_published.json);
+        # one row gives no spread of its own: the held-out rows' median error (22%)
+        step_overhead_s=15.2e-3,
+        spread=0.22,
+    ),
+    "h200-sxm": Device(
+        "h200-sxm",
+        memory_bytes_per_s=4.8e12,  # HBM3e
+        flop_per_s=989e12,  # BF16 dense, as the H100's (the same Hopper die)
+        link=Link(bytes_per_s=370e9, alpha_s=10e-6),  # NVLink 4, as the H100's
+        source=(
+            "nvidia.com/en-us/data-center/h200 (141 GB HBM3e at 4.8 TB/s, 1979 TFLOPS BF16 sparse, NVLink 900 GB/s); "
+            "143771 MiB and 55.5 GB/s pinned host-to-device copies measured on a lent H200 (python -m benchmarks "
+            "gpu, benchmarks/results/gpu.json); links and alpha as the H100's, assumed"
+        ),
+        memory_bytes=143771 * 2**20,
+        links=1,
+        node_size=8,
+        inter_node=Link(bytes_per_s=50e9, alpha_s=30e-6),
+        host_link=Link(bytes_per_s=55.5e9, alpha_s=10e-6),
+        # the H100's fitted fixed cost (the same host stack; no H200 deployment fitted): the held-out Kimi K2
+        # decode on 96 H200s came within 3% with it (benchmarks/results/planner_published.json); no spread fitted
+        step_overhead_s=15.2e-3,
+        assumed=("link.alpha_s", "inter_node", "host_link.alpha_s", "step_overhead_s"),
     ),
     "host": Device(
         "host",
@@ -182,9 +231,19 @@ DEVICES: dict[str, Device] = {
         memory_bytes=24 * 2**30,
         assumed=("flop_per_s",),
         overlap=False,  # layer-sharded k = 1 left 78-96% of its broadcasts exposed on gloo loopback
+        # the fixed cost of a batch-1 float32 decode step beyond its weight reads, measured by the library's own
+        # compiled runs (python -m benchmarks bench: benchmarks/results/bench.json, fixed_ms median 2.34)
+        step_overhead_s=2.34e-3,
     ),
 }
-ALIASES = {"910b": "ascend-910b", "910c": "ascend-910c", "a3": "ascend-910c", "h100": "h100-sxm", "cpu": "host"}
+ALIASES = {
+    "910b": "ascend-910b",
+    "910c": "ascend-910c",
+    "a3": "ascend-910c",
+    "h100": "h100-sxm",
+    "h200": "h200-sxm",
+    "cpu": "host",
+}
 
 
 def device(name: str | Device) -> Device:

@@ -1,16 +1,18 @@
 """Choosing the plan: every candidate plan's modelled step or served throughput and its bytes per rank on a device
 profile, the best that fits; this machine's own profile, measured once and cached.
 
-- :mod:`.step_model`: ``Workload``, ``Candidate``, ``Estimate``, ``estimate`` (one step of one candidate);
+- :mod:`.step_model`: ``Workload``, ``Candidate``, ``Estimate``, ``estimate`` (one step of one candidate),
+  ``step_collectives`` / ``step_transfers`` (what it prices, call by call);
 - :mod:`.serve`: ``Served``, ``serve_estimate`` (the batch a budget admits and the tokens/s it serves);
-- :mod:`.choose`: ``choose_plan``, ``candidates``, ``Report``, ``PlanDoesNotFit``;
+- :mod:`.choose`: ``choose_plan``, ``candidates``, ``Report``, ``PlanDoesNotFit``, ``simplest`` and ``techniques``
+  (a technique kept only where needed to fit or gaining more than the profile's spread);
 - :mod:`.host_profile`: ``host_device``, this host measured.
 """
 
-from .choose import MAX_DEVICES, PlanDoesNotFit, Report, candidates, choose_plan, gb_at_least
+from .choose import MAX_DEVICES, PlanDoesNotFit, Report, candidates, choose_plan, gb_at_least, simplest, techniques
 from .host_profile import host_device
 from .serve import Served, serve_estimate
-from .step_model import Candidate, Estimate, Workload, estimate
+from .step_model import Candidate, Collective, Estimate, Workload, estimate, step_collectives, step_transfers
 
 __all__ = [
     "choose_plan",
@@ -26,4 +28,9 @@ __all__ = [
     "serve_estimate",
     "gb_at_least",
     "host_device",
+    "simplest",
+    "techniques",
+    "Collective",
+    "step_collectives",
+    "step_transfers",
 ]

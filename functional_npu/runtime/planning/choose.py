@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,16 @@ from .step_model import Candidate, Estimate, Workload, cost_shape, estimate
 # the most devices a plan is made for (every candidate's bytes are counted at every rank)
 MAX_DEVICES = 1024
 
-__all__ = ["Report", "candidates", "choose_plan", "PlanDoesNotFit", "MAX_DEVICES", "gb_at_least"]
+__all__ = [
+    "Report",
+    "candidates",
+    "choose_plan",
+    "simplest",
+    "techniques",
+    "PlanDoesNotFit",
+    "MAX_DEVICES",
+    "gb_at_least",
+]
 
 SERIES_CHOICES = ("o_proj", "o_proj,down_proj", "layer")  # the layer-sharded series a candidate may use
 
@@ -67,6 +77,7 @@ class Report:
     workload: Workload
     ranked: list[Ranked]
     refused: list[tuple[str, str]] = field(default_factory=list)  # (candidate, why it is not ranked)
+    rule: str = ""  # why the chosen plan, not a more complex one that models better (:func:`simplest`)
 
     @property
     def chosen(self) -> Ranked:
@@ -80,8 +91,11 @@ class Report:
         """One paragraph: the winner's figure and bytes, the runner-up, and the better plans that did not fit."""
         best = self.chosen
         fitting = [e for e in self.ranked if e.fits]
-        out = f"{best.candidate.name}: {_figure(best)}, {_gb(best.bytes['total'])} per rank of "
-        out += f"{_gb(self.memory_per_device)}, waiting on {best.bottleneck}"
+        out = f"{best.candidate.name}: {_figure(best)} (+-{self.device.prediction_spread:.0%}, the profile's "
+        out += f"{'fit' if self.device.spread is not None else 'assumed spread'}), {_gb(best.bytes['total'])} per "
+        out += f"rank of {_gb(self.memory_per_device)}, waiting on {best.bottleneck}"
+        if self.rule:
+            out += f"; chosen by {self.rule}"
         if len(fitting) > 1:
             out += f"; the next best that fits, {fitting[1].candidate.name}: {_figure(fitting[1])}"
         better = [e for e in self.ranked if not e.fits and _key(self.workload, e)[1:2] < _key(self.workload, best)[1:2]]
@@ -125,6 +139,8 @@ class Report:
             "workload": str(self.workload),
             "chosen": json.loads(self.chosen.placement.to_json()),
             "why": self.why(),
+            "rule": self.rule,
+            "spread": self.device.prediction_spread,
             "candidates": [e.row() for e in self.ranked],
             "refused": [{"plan": n, "why": w} for n, w in self.refused],
         }
@@ -212,10 +228,13 @@ def choose_plan(
     workload: Workload,
     *,
     quant: QuantConfig | None = None,
+    dispatch: str = "runtime",
 ) -> tuple[Placement, Report]:
     """The best plan (and its mesh) for ``model_config`` on ``devices`` devices of ``device`` with
     ``memory_per_device`` bytes each, and the report of every candidate: the fastest step that fits for a fixed
-    batch, the most tokens/s per device at the batch the memory admits for a serving workload.
+    batch, the most tokens/s per device at the batch the memory admits for a serving workload; of those, the
+    simplest (:func:`simplest`): a technique is kept only where no plan without it fits or it gains more than the
+    profile's spread. ``dispatch``: how expert parallelism is priced (:func:`~.step_model.estimate`).
 
     Returns:
         ``(placement, report)``: the chosen plan's :class:`~functional_npu.placement.Placement` (its ``plan`` with
@@ -237,14 +256,25 @@ def choose_plan(
     if not isinstance(workload, Workload):
         raise ValueError(f"choose_plan: workload must be a Workload (decode, prefill or serve), got {workload!r}")
     _check_profile(dev)
-    estimates, refused = _priced(model_config, devices, dev, workload, memory_per_device, quant)
+    if dev.step_overhead_s is None:
+        warnings.warn(
+            f"choose_plan: the device profile {dev.name!r} has no fixed cost per step (step_overhead_s), measured or "
+            f"fitted: its figures are the roofline only, optimistic by the host's and launches' share of each step",
+            stacklevel=2,
+        )
+    estimates, refused = _priced(model_config, devices, dev, workload, memory_per_device, quant, dispatch)
     if not estimates:
         raise ValueError(
             f"choose_plan: no candidate plan of {model_config.architecture} runs on {devices} devices: "
             + "; ".join(f"{n}: {w}" for n, w in refused[:3])
         )
     ranked = sorted(estimates, key=lambda e: _key(workload, e))
-    report = Report(model_config.architecture, dev, devices, memory_per_device, workload, ranked, refused)
+    rule = ""
+    if ranked[0].fits:
+        chosen, rule = simplest(ranked, workload, dev.prediction_spread)
+        ranked.remove(chosen)
+        ranked.insert(0, chosen)
+    report = Report(model_config.architecture, dev, devices, memory_per_device, workload, ranked, refused, rule)
     if not ranked[0].fits:
         least = min(estimates, key=lambda x: (x.bytes["total"], x.step_s))
         need, figure = least.bytes["total"], gb_at_least(least.bytes["total"])
@@ -260,8 +290,60 @@ def choose_plan(
     return ranked[0].placement, report
 
 
+def techniques(plan: Plan) -> frozenset[str]:
+    """What a plan adds to its ``dp x tp`` split: ``"EP"``, ``"module TP"``, ``"layer sharding"``,
+    ``"host memory"``."""
+    on = {
+        "EP": bool(plan.expert_axes),
+        "module TP": bool(plan.module_tp),
+        "layer sharding": plan.layer_shard is not None,
+        "host memory": bool(plan.offload),
+    }
+    return frozenset(name for name, used in on.items() if used)
+
+
+def _gain(workload: Workload, better: Ranked, than: Ranked) -> float:
+    """How much ``better``'s figure beats ``than``'s, relative (tokens/s per device, or the step time)."""
+    if workload.kind == "serve":
+        return better.per_device / than.per_device - 1 if than.per_device > 0 else math.inf
+    return than.step_s / better.step_s - 1
+
+
+def simplest(ranked: list[Ranked], workload: Workload, spread: float) -> tuple[Ranked, str]:
+    """The plan to choose from ``ranked`` (best first, the first fitting): the best fitting plan, unless a fitting
+    plan with a strict subset of its techniques (:func:`techniques`) comes within ``spread`` of it, in which case
+    that one, and so on down. Returns the plan and the rule that decided, in words."""
+    fitting = [e for e in ranked if e.fits]
+    best = chosen = fitting[0]
+    while techniques(chosen.candidate.plan):
+        have = techniques(chosen.candidate.plan)
+        simpler = [e for e in fitting if techniques(e.candidate.plan) < have]
+        if not simpler:
+            return chosen, f"needed to fit: no plan without {', '.join(sorted(have))} fits"
+        alternative = simpler[0]  # the best of them (fitting is in ranked order)
+        gain = _gain(workload, chosen, alternative)
+        if gain > spread:
+            return chosen, (
+                f"gain: {', '.join(sorted(have - techniques(alternative.candidate.plan)))} beats "
+                f"{alternative.candidate.name} by {gain:.0%}, more than the model's spread ({spread:.0%})"
+            )
+        chosen = alternative
+    if chosen is best:
+        return chosen, "the best plan uses no technique beyond its dp x tp split"
+    return chosen, (
+        f"simplest: {best.candidate.name} is modelled {_gain(workload, best, chosen):.0%} better, within the "
+        f"model's spread ({spread:.0%}); its techniques are not worth their risk"
+    )
+
+
 def _priced(
-    cfg: Any, devices: int, dev: Device, workload: Workload, memory: float, quant: QuantConfig | None
+    cfg: Any,
+    devices: int,
+    dev: Device,
+    workload: Workload,
+    memory: float,
+    quant: QuantConfig | None,
+    dispatch: str = "runtime",
 ) -> tuple[list[Ranked], list[tuple[str, str]]]:
     """Every candidate priced for ``workload``, and the ones not ranked with why: those the model cannot run,
     and the layer-sharded ones that save no memory against the same split replicated."""
@@ -270,9 +352,11 @@ def _priced(
     for c in candidates(cfg, devices, host_link=dev.host_link is not None):
         try:
             if workload.kind == "serve":
-                priced.append(serve_estimate(cfg, c, dev, workload, memory_per_device=memory, quant=quant))
+                priced.append(
+                    serve_estimate(cfg, c, dev, workload, memory_per_device=memory, quant=quant, dispatch=dispatch)
+                )
             else:
-                priced.append(estimate(cfg, c, dev, workload, memory_per_device=memory, quant=quant))
+                priced.append(estimate(cfg, c, dev, workload, memory_per_device=memory, quant=quant, dispatch=dispatch))
         except ValueError as e:
             refused.append((c.name, " ".join(str(e).split())))
     replicated = {_axes_key(e): e.bytes["weights"] for e in priced if e.candidate.plan == Plan()}

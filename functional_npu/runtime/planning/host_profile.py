@@ -37,7 +37,7 @@ import torch
 
 from ...core.cache_dir import cache_dir, cache_problem
 from ...core.files import write_bytes
-from ...parallel.devices import COLLECTIVES, Device, Link
+from ...parallel.devices import COLLECTIVES, DEVICES, Device, Link
 
 __all__ = ["host_device", "measure", "profile_path"]
 
@@ -164,6 +164,7 @@ def _device(figures: dict[str, Any], world: int) -> Device:
         measured=measured,
         measured_world=world,
         overlap=False,  # the ranks' compute fills the cores: gloo's transfers take turns with it
+        step_overhead_s=DEVICES["host"].step_overhead_s,  # the library's own compiled runs' fixed cost per step
     )
 
 

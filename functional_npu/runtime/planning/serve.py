@@ -86,8 +86,10 @@ def serve_estimate(
     *,
     memory_per_device: float,
     quant: QuantConfig | None = None,
+    dispatch: str = "runtime",
 ) -> Served:
-    """``candidate``'s admitted batch, tokens/s and bytes under the serving ``workload`` (module docstring).
+    """``candidate``'s admitted batch, tokens/s and bytes under the serving ``workload`` (module docstring);
+    ``dispatch`` as :func:`~.step_model.estimate`'s.
 
     Raises:
         ValueError: the model cannot run the candidate, or ``workload`` is not a serving one.
@@ -97,7 +99,7 @@ def serve_estimate(
     dp, dtype = candidate.devices // candidate.axes.get(candidate.plan.tp, 1), workload.dtype
 
     def step(work: Workload) -> Estimate:
-        return estimate(cfg, candidate, device, work, quant=quant)
+        return estimate(cfg, candidate, device, work, quant=quant, dispatch=dispatch)
 
     prompt = workload.prompt_len
     prefill = step(Workload.prefill(prompt, dp, dtype)) if prompt else None  # one prompt per data-parallel rank

@@ -177,15 +177,18 @@ class Estimate:
 
     @property
     def bottleneck(self) -> str:
-        """The term the step waits on most: ``weight reads``, ``KV reads``, ``compute`` or ``exposed
-        communication`` (the collectives and the broadcasts the prefetch does not hide)."""
+        """The term the step waits on most: ``weight reads``, ``KV reads``, ``compute``, ``exposed
+        communication`` (the collectives and the broadcasts the prefetch does not hide) or ``fixed cost`` (the
+        profile's per-step overhead)."""
         mem, comp = self.parts["memory_s"], self.parts["compute_s"]
+        fixed = self.parts.get("fixed_s", 0.0)
         total = sum(self.reads.values()) or 1
         terms = {
             "weight reads": mem * self.reads.get("weights", 0) / total if mem >= comp else 0.0,
             "KV reads": mem * self.reads.get("kv_cache", 0) / total if mem >= comp else 0.0,
             "compute": comp if comp > mem else 0.0,
-            "exposed communication": self.step_s - max(mem, comp),
+            "exposed communication": self.step_s - max(mem, comp) - fixed,
+            "fixed cost": fixed,
         }
         return max(terms, key=lambda k: terms[k])
 
@@ -220,8 +223,13 @@ def estimate(
     *,
     memory_per_device: float = math.inf,
     quant: QuantConfig | None = None,
+    dispatch: str = "runtime",
 ) -> Estimate:
     """The modelled step and bytes of ``candidate`` for a decode or prefill step (see the module docstring).
+    ``dispatch``: how expert parallelism moves tokens: ``"runtime"``, as this library's runtime does
+    (:mod:`functional_npu.models.experts`: every token to every expert rank, static capacity); ``"routed"``, as
+    the deployments that dispatch each token only to the ranks of its chosen experts, in 8 bits, and combine in
+    16 (DeepEP, vllm-ascend's fused MoE dispatch), for pricing what they publish.
 
     Raises:
         ValueError: the model cannot run the candidate (:func:`~functional_npu.placement.place`'s message), or
@@ -248,7 +256,9 @@ def estimate(
     reads["kv_cache"] = kv_bytes if workload.kind == "decode" else 0
     memory_s, compute_s = sum(reads.values()) / dev.memory_bytes_per_s, flops / dev.flop_per_s
     parts: dict[str, float] = {"memory_s": memory_s, "compute_s": compute_s}
-    for c in _collectives(shape, mesh, plan, tokens, seqs, e):  # on the critical path
+    if dispatch not in DISPATCH:
+        raise ValueError(f"estimate: dispatch must be one of {DISPATCH}, got {dispatch!r}")
+    for c in _collectives(shape, mesh, plan, tokens, seqs, e, dispatch):  # on the critical path
         nodes = _nodes(dev, mesh, c.axes)
         parts[c.kind] = parts.get(c.kind, 0.0) + c.count * dev.collective_s(c.kind, c.ranks, c.payload, nodes=nodes)
     ring = 0
@@ -264,6 +274,8 @@ def estimate(
         ring = (k + 1) * ((held.layer_series if peer else 0) + held.host_layer)
         candidate = dataclasses.replace(candidate, plan=dataclasses.replace(plan, prefetch_step=k))
         placed = placed.with_plan(candidate.plan, candidate.name)
+    if dev.step_overhead_s:  # the profile's fixed cost per step (scheduling, launches, dispatch)
+        parts["fixed_s"] = dev.step_overhead_s
     step = max(memory_s, compute_s) + sum(v for name, v in parts.items() if name not in ("memory_s", "compute_s"))
     vocab_local = shape.vocab / max(1, tp)  # the step's last tokens' logits, in float32
     activations = int(tokens * (8 * shape.hidden + 2 * shape.attn_width / tp) * e + seqs * vocab_local * 4)
@@ -384,6 +396,9 @@ def _held(placed: Placement, mesh: Mesh, e: int) -> _Held:
     )
 
 
+DISPATCH = ("runtime", "routed")
+
+
 class Collective(NamedTuple):
     """One kind of collective a step runs: ``count`` calls over groups along ``axes`` (``ranks`` each), each of
     ``payload`` bytes (an all-gather's output, the input of the others), as the runtime issues it."""
@@ -433,7 +448,9 @@ def step_transfers(cfg: Any, candidate: Candidate, workload: Workload, dtype: to
     return out
 
 
-def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int) -> list[Collective]:
+def _collectives(
+    shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int, dispatch: str = "runtime"
+) -> list[Collective]:
     """The collectives a step waits on, as the runtime issues them (:mod:`functional_npu.models.experts`,
     :mod:`functional_npu.parallel.module_tp`): ``tokens`` on the busiest dp rank, ``seqs`` sequences."""
     d, layers = shape.hidden, shape.layers
@@ -457,7 +474,10 @@ def _collectives(shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: 
     add("all_gather", plan.tp, tokens * shape.vocab * e, 1)  # the logits of every position the step computes
     if ep > 1 and moe:
         local = _routed_here(mesh, plan, tokens)
-        if local <= plan.dispatch_threshold:  # gathered, each rank its slots' share, reduce-scattered back
+        if dispatch == "routed":  # each token to its chosen experts' ranks only: 8-bit out, 16-bit back
+            add("all_to_all", ep_axes, local * min(shape.top_k, ep) * d, moe)
+            add("all_to_all", ep_axes, local * min(shape.top_k, ep) * d * 2, moe)
+        elif local <= plan.dispatch_threshold:  # gathered, each rank its slots' share, reduce-scattered back
             add("all_gather", ep_axes, ep * local * d * e, moe)
             add("reduce_scatter", ep_axes, ep * local * d * e, moe)
         else:  # every token to every expert rank (static capacity), its routing beside it, the outputs back
