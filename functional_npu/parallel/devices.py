@@ -67,6 +67,8 @@ class Device:
             ``None``: not known, the profile's figures are the roofline only (the planner warns).
         spread: the relative spread of the profile's modelled figures against measured ones (the fit's residuals);
             ``None``: not fitted (the planner then assumes :data:`UNFITTED_SPREAD`).
+        formats: the weight and KV formats the device computes in (``"fp8"`` only where it has FP8 units: Hopper,
+            not the 910B or 910C).
     """
 
     name: str
@@ -85,6 +87,7 @@ class Device:
     host_link: Link | None = None
     step_overhead_s: float | None = None
     spread: float | None = None
+    formats: tuple[str, ...] = ("bf16", "fp16", "int8", "int4")
 
     @property
     def prediction_spread(self) -> float:
@@ -201,6 +204,7 @@ DEVICES: dict[str, Device] = {
         # one row gives no spread of its own: the held-out rows' median error (22%)
         step_overhead_s=15.2e-3,
         spread=0.22,
+        formats=("bf16", "fp16", "fp8", "int8", "int4"),
     ),
     "h200-sxm": Device(
         "h200-sxm",
@@ -220,6 +224,7 @@ DEVICES: dict[str, Device] = {
         # the H100's fitted fixed cost (the same host stack; no H200 deployment fitted): the held-out Kimi K2
         # decode on 96 H200s came within 3% with it (benchmarks/results/planner_published.json); no spread fitted
         step_overhead_s=15.2e-3,
+        formats=("bf16", "fp16", "fp8", "int8", "int4"),
         assumed=("link.alpha_s", "inter_node", "host_link.alpha_s", "step_overhead_s"),
     ),
     "host": Device(
@@ -234,6 +239,7 @@ DEVICES: dict[str, Device] = {
         # the fixed cost of a batch-1 float32 decode step beyond its weight reads, measured by the library's own
         # compiled runs (python -m benchmarks bench: benchmarks/results/bench.json, fixed_ms median 2.34)
         step_overhead_s=2.34e-3,
+        formats=("fp32", "bf16", "int8", "int4"),
     ),
 }
 ALIASES = {

@@ -402,3 +402,56 @@ def test_profiles_count_memory_in_the_devices_own_units():
     assert DEVICES["ascend-910b"].memory_bytes == 64 * 2**30 == DEVICES["ascend-910c"].memory_bytes
     assert DEVICES["h100-sxm"].memory_bytes == 80 * 2**30
     assert device("h200").name == "h200-sxm" and device("h200").memory_bytes > 140 * 2**30
+
+
+def test_deployment_settings_are_priced():
+    """FP8 weights read half the bf16 bytes; an FP8 cache holds half the KV; a speculative step computes its drafts
+    beside its token and a serving workload counts the accepted ones; a paged cache at the mean context admits more
+    sequences than one reserving every full context."""
+    c = next(c for c in candidates(DENSE, 2) if c.name == "dp 1 x tp 2")
+    base = Workload.decode(8, 64)
+    bf16 = estimate(DENSE, c, "h100", base)
+    fp8 = estimate(DENSE, c, "h100", base.with_(weights="fp8"))
+    assert fp8.bytes["weights"] * 2 == bf16.bytes["weights"]
+    kv8 = estimate(DENSE, c, "h100", base.with_(kv_dtype=torch.float8_e4m3fn))
+    assert kv8.bytes["kv_cache"] * 2 == bf16.bytes["kv_cache"]
+    mtp = estimate(DENSE, c, "h100", base.with_(draft_tokens=1, acceptance=0.7))
+    assert mtp.parts["compute_s"] > 1.9 * bf16.parts["compute_s"]  # two tokens a sequence, the same weights read
+    assert base.with_(draft_tokens=2, acceptance=0.5).tokens_per_step == pytest.approx(1 + 0.5 + 0.25)
+    from functional_npu.runtime.planning import serve_estimate
+
+    serve = Workload.serve(256, 0.25)
+    plain = serve_estimate(DENSE, c, "h100", serve, memory_per_device=2e6)
+    spec = serve_estimate(DENSE, c, "h100", serve.with_(draft_tokens=1, acceptance=1.0), memory_per_device=2e6)
+    assert spec.batch <= plain.batch  # the verify step's activations take their room
+    mean = serve_estimate(DENSE, c, "h100", serve.with_(admit="mean"), memory_per_device=2e6)
+    assert mean.batch > plain.batch
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"acceptance": 1.5, "draft_tokens": 1}, r"acceptance .* must be in \[0, 1\], got 1.5"),
+        ({"acceptance": -0.1, "draft_tokens": 1}, r"acceptance .* got -0.1"),
+        ({"acceptance": True, "draft_tokens": 1}, r"acceptance .* got True"),
+        ({"acceptance": 0.5}, r"acceptance=0.5 without draft_tokens"),
+        ({"draft_tokens": -1}, r"draft_tokens .* got -1"),
+        ({"weights": "int3"}, r"weights='int3' is not a format the planner prices"),
+        ({"kv_dtype": "fp8"}, r"kv_dtype must be a torch dtype"),
+        ({"admit": "mean"}, r"admit must be one of .* for a decode workload"),
+    ],
+)
+def test_a_setting_the_planner_cannot_price_is_one_line_naming_the_field(settings, match):
+    with pytest.raises(ValueError, match=match):
+        Workload.decode(8, 64).with_(**settings)
+
+
+@pytest.mark.parametrize(
+    "field, settings", [("weights", {"weights": "fp8"}), ("kv_dtype", {"kv_dtype": torch.float8_e5m2})]
+)
+def test_a_format_the_device_does_not_run_is_refused_naming_the_field(field, settings):
+    c = next(c for c in candidates(DENSE, 2) if c.name == "dp 1 x tp 2")
+    with pytest.raises(ValueError, match=rf"workload: {field} 'fp8' is not a format ascend-910b runs"):
+        estimate(DENSE, c, "910b", Workload.decode(8, 64).with_(**settings))
+    with pytest.raises(ValueError, match=rf"^workload: {field} 'fp8' is not a format ascend-910b runs"):
+        choose_plan(DENSE, 2, "910b", 1e9, Workload.serve(64).with_(**settings))

@@ -30,7 +30,7 @@ from ...parallel.plan import Plan
 from ...placement.placement import Placement
 from ...placement.quant_config import QuantConfig
 from .serve import Served, serve_estimate
-from .step_model import Candidate, Estimate, Workload, cost_shape, estimate
+from .step_model import Candidate, Estimate, Workload, check_formats, cost_shape, estimate
 
 # the most devices a plan is made for (every candidate's bytes are counted at every rank)
 MAX_DEVICES = 1024
@@ -256,6 +256,7 @@ def choose_plan(
     if not isinstance(workload, Workload):
         raise ValueError(f"choose_plan: workload must be a Workload (decode, prefill or serve), got {workload!r}")
     _check_profile(dev)
+    check_formats(workload, dev)
     if dev.step_overhead_s is None:
         warnings.warn(
             f"choose_plan: the device profile {dev.name!r} has no fixed cost per step (step_overhead_s), measured or "

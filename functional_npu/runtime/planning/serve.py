@@ -98,24 +98,29 @@ def serve_estimate(
         raise ValueError(f"serve_estimate: needs a serving workload (Workload.serve), got {workload}")
     dp, dtype = candidate.devices // candidate.axes.get(candidate.plan.tp, 1), workload.dtype
 
+    settings = {"weights": workload.weights, "kv_dtype": workload.kv_dtype}
+    drafts = {"draft_tokens": workload.draft_tokens, "acceptance": workload.acceptance}
+
     def step(work: Workload) -> Estimate:
         return estimate(cfg, candidate, device, work, quant=quant, dispatch=dispatch)
 
     prompt = workload.prompt_len
-    prefill = step(Workload.prefill(prompt, dp, dtype)) if prompt else None  # one prompt per data-parallel rank
+    mean = prompt + (workload.context - prompt) // 2  # a generated token's mean context
+    prefill = step(Workload.prefill(prompt, dp, dtype).with_(**settings)) if prompt else None  # a prompt per dp rank
+    held = workload.context - 1 if workload.admit == "full" else mean  # what each admitted sequence's cache holds
 
     def need(per_rank: int) -> dict[str, int]:  # bytes on the busiest rank with ``per_rank`` sequences each
-        full = step(Workload.decode(per_rank * dp, workload.context - 1, dtype))
+        full = step(Workload.decode(per_rank * dp, held, dtype).with_(**settings, **drafts))
         sizes = dict(full.bytes, activations=max(full.bytes["activations"], _activations(prefill)))
         sizes["total"] = sum(v for k, v in sizes.items() if k not in ("total", "host"))  # host bytes: not the device's
         return sizes
 
     per_rank = _admitted(need, memory_per_device)
     batch = per_rank * dp if workload.max_seqs is None else min(per_rank * dp, workload.max_seqs)
-    mean = prompt + (workload.context - prompt) // 2  # a generated token's mean context
-    decode = step(Workload.decode(max(1, batch), max(1, mean), dtype))
+    decode = step(Workload.decode(max(1, batch), max(1, mean), dtype).with_(**settings, **drafts))
     share = prompt / workload.context
-    decode_s = (1 - share) * decode.step_s / max(1, batch)  # seconds per token served, by phase
+    per_step = max(1, batch) * workload.tokens_per_step  # tokens a decode step yields (drafts accepted)
+    decode_s = (1 - share) * decode.step_s / per_step  # seconds per token served, by phase
     prefill_s = share * prefill.step_s / (dp * prompt) if prefill is not None else 0.0
     rate = 1 / (decode_s + prefill_s) if batch else 0.0
     slow = prefill if prefill is not None and prefill_s > decode_s else decode

@@ -64,7 +64,15 @@ class Workload:
     workload is a server's steady state (:mod:`.serve`): sequences of ``context`` positions (prompt and generated
     tokens), ``prompt_share`` of the tokens processed being prompt tokens (0: decode alone), as many sequences at
     once as the memory left after the weights admits (at most ``max_seqs``; ``None``: no cap); it is ranked by
-    tokens/s per device at that batch. Weights and cache in ``dtype``."""
+    tokens/s per device at that batch. Weights and cache in ``dtype``.
+
+    The settings deployments use: ``weights="fp8"`` (8-bit float weights, on a device whose profile runs them,
+    :attr:`~functional_npu.parallel.devices.Device.formats`), ``kv_dtype`` (the KV cache's own dtype, e.g.
+    ``torch.float8_e4m3fn``), speculative decoding (``draft_tokens`` drafted per step and verified in one step,
+    each accepted with probability ``acceptance``: a decode step computes ``1 + draft_tokens`` tokens per sequence
+    and yields :attr:`tokens_per_step` of them), and ``admit="mean"`` (a serving workload's paged KV cache holds
+    each sequence at its mean context, prompt plus half its generation, not its full context: the serving engine's
+    blocks are taken as a sequence grows)."""
 
     kind: str
     batch: int = 1
@@ -73,8 +81,14 @@ class Workload:
     dtype: torch.dtype = torch.bfloat16
     prompt_share: float = 0.0
     max_seqs: int | None = None
+    weights: str | None = None
+    kv_dtype: torch.dtype | None = None
+    draft_tokens: int = 0
+    acceptance: float = 0.0
+    admit: str = "full"
 
     def __post_init__(self) -> None:
+        _check_settings(self)
         if self.kind not in ("decode", "prefill", "serve"):
             raise ValueError(f"workload: kind must be 'decode', 'prefill' or 'serve', got {self.kind!r}")
         if not _positive(self.batch):
@@ -114,6 +128,27 @@ class Workload:
     ) -> Workload:
         return Workload("serve", context=context, dtype=dtype, prompt_share=prompt_share, max_seqs=max_seqs)
 
+    def with_(self, **settings: Any) -> Workload:
+        """This workload with deployment settings (``weights``, ``kv_dtype``, ``draft_tokens``, ``acceptance``,
+        ``admit``), checked."""
+        return dataclasses.replace(self, **settings)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a sequence's decode step yields: 1, or with ``draft_tokens`` drafted and each accepted with
+        probability ``acceptance`` (a draft counts only after every earlier one is accepted), ``sum(a ** i for i in
+        0..d)``."""
+        return sum(self.acceptance**i for i in range(self.draft_tokens + 1))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per unquantized weight element: 1 for ``weights="fp8"``, else ``dtype``'s."""
+        return 1 if self.weights == "fp8" else self.dtype.itemsize
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
     @property
     def prompt_len(self) -> int:
         """A served sequence's prompt tokens (its share of the context)."""
@@ -126,8 +161,8 @@ class Workload:
 
     @property
     def new_tokens(self) -> int:
-        """Tokens per sequence the step computes."""
-        return self.length if self.kind == "prefill" else 1
+        """Tokens per sequence the step computes (a speculative decode step verifies its drafts with its token)."""
+        return self.length if self.kind == "prefill" else 1 + self.draft_tokens
 
     def __str__(self) -> str:
         if self.kind == "decode":
@@ -141,6 +176,51 @@ class Workload:
 
 def _positive(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+FORMATS = ("fp8",)  # weight formats a workload may name beyond its dtype (quantized ints: a QuantConfig)
+ADMIT = ("full", "mean")
+
+
+def _check_settings(w: Workload) -> None:
+    """One line naming the field for a deployment setting the step model cannot price."""
+    if w.weights is not None and w.weights not in FORMATS:
+        raise ValueError(
+            f"workload: weights={w.weights!r} is not a format the planner prices; it prices {list(FORMATS)} (or "
+            f"None: the dtype's; int8 / int4 weights: a QuantConfig)"
+        )
+    if w.kv_dtype is not None and not (isinstance(w.kv_dtype, torch.dtype) and w.kv_dtype.itemsize in (1, 2, 4)):
+        raise ValueError(f"workload: kv_dtype must be a torch dtype of 1, 2 or 4 bytes, got {w.kv_dtype!r}")
+    if isinstance(w.draft_tokens, bool) or not isinstance(w.draft_tokens, int) or not 0 <= w.draft_tokens <= 16:
+        raise ValueError(
+            f"workload: draft_tokens (speculative tokens drafted per step) must be an int in [0, 16], got "
+            f"{w.draft_tokens!r}"
+        )
+    a = w.acceptance
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+        raise ValueError(f"workload: acceptance (a draft token's acceptance rate) must be in [0, 1], got {a!r}")
+    if a and not w.draft_tokens:
+        raise ValueError(f"workload: acceptance={a} without draft_tokens: name the tokens drafted per step")
+    if w.draft_tokens and w.kind == "prefill":
+        raise ValueError("workload: draft_tokens apply to decode and serving workloads, not a prefill")
+    if w.admit not in ADMIT or (w.admit == "mean" and w.kind != "serve"):
+        raise ValueError(
+            f"workload: admit must be one of {ADMIT} ('mean' for a serving workload: its paged cache at each "
+            f"sequence's mean context), got {w.admit!r} for a {w.kind} workload"
+        )
+
+
+def check_formats(workload: Workload, dev: Device) -> None:
+    """Refuse, in one line naming the field, a format the device's profile does not run."""
+    wanted = {"weights": workload.weights}
+    if workload.kv_dtype is not None and workload.kv_dtype.is_floating_point and workload.kv_dtype.itemsize == 1:
+        wanted["kv_dtype"] = "fp8"
+    for field_name, fmt in wanted.items():
+        if fmt is not None and fmt not in dev.formats:
+            raise ValueError(
+                f"workload: {field_name} {fmt!r} is not a format {dev.name} runs (it runs {list(dev.formats)}); use "
+                f"int8 weights (a QuantConfig) or a 16-bit cache there"
+            )
 
 
 @dataclass(frozen=True)
@@ -240,18 +320,20 @@ def estimate(
     dev, shape = device_profile(device), cost_shape(cfg)
     placed = place(cfg, candidate.axes, candidate.plan, quant, where=candidate.name)
     plan, mesh = placed.plan, Mesh.abstract(candidate.axes, 0)
-    e = workload.dtype.itemsize
+    check_formats(workload, dev)
+    e, ew = workload.dtype.itemsize, workload.weight_bytes  # activations' bytes, an unquantized weight's
     dp, tp = mesh.axis_size(dp_axes(mesh, plan.tp)), mesh.axis_size(plan.tp)
     seqs = math.ceil(workload.batch / dp)  # sequences on the busiest dp rank
     tokens = seqs * workload.new_tokens
     axes = tuple(candidate.axes.items())
-    held = _held_at(cfg, axes, candidate.plan, quant, e)
+    held = _held_at(cfg, axes, candidate.plan, quant, ew)
     # FLOPs count the logical weights: a quantized checkpoint multiplies as many weights as its float twin
-    logical = held if quant is None else _held_at(cfg, axes, candidate.plan, None, e)
+    logical = held if quant is None else _held_at(cfg, axes, candidate.plan, None, ew)
+    kv = workload.cache_dtype
     with torch.device("meta"):  # KV cache: the serving engine's pools, shaped by the family's own cache
-        one = family_of(cfg).blocks(cfg, plan).init_kv(mesh, 1, workload.cache_len, workload.dtype)
+        one = family_of(cfg).blocks(cfg, plan).init_kv(mesh, 1, workload.cache_len, kv)
     layout = paged.layout_of(one, workload.cache_len)
-    kv_bytes = paged.cache_bytes(layout, seqs, workload.cache_len, workload.dtype, chunk=workload.new_tokens)
+    kv_bytes = paged.cache_bytes(layout, seqs, workload.cache_len, kv, chunk=workload.new_tokens)
     reads, flops = _reads_and_flops(shape, plan, mesh, held, logical, tokens, workload)
     reads["kv_cache"] = kv_bytes if workload.kind == "decode" else 0
     memory_s, compute_s = sum(reads.values()) / dev.memory_bytes_per_s, flops / dev.flop_per_s
@@ -292,7 +374,7 @@ def _reads_and_flops(
     """The weight bytes a step reads (every held weight but the experts once, every layer's series, its own and
     the ones broadcast to it; of the experts, the share its tokens touch under uniform routing over the expert
     group's tokens) and its FLOPs (from the logical weights, at 2 per weight per token, plus attention's)."""
-    e = workload.dtype.itemsize
+    e = workload.weight_bytes  # logical weights were counted at this many bytes each
     ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
     routed_tokens = ep * _routed_here(mesh, plan, tokens)  # the expert group's tokens, each routed once
     touched = 1 - (1 - shape.top_k / shape.experts) ** routed_tokens if shape.experts else 1.0
