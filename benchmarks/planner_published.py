@@ -213,8 +213,6 @@ def chosen(d: Deployment, cfg: Any) -> dict[str, Any]:
     """The planner's choice for the deployment's devices, memory and running batch (decode at its mean context),
     priced as the deployment dispatches; beside the deployed plan, and the deployed plan's modelled step against the
     choice's. Deployments with redundant experts (not in the planner's search) are skipped."""
-    if d.slots:
-        return {"chosen": None, "why": "redundant experts (EPLB) are not in the planner's search"}
     dev = device(d.device)
     work = Workload.decode(d.batch, d.prompt + d.output // 2, torch.bfloat16)
     try:

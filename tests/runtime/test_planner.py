@@ -455,3 +455,13 @@ def test_a_format_the_device_does_not_run_is_refused_naming_the_field(field, set
         estimate(DENSE, c, "910b", Workload.decode(8, 64).with_(**settings))
     with pytest.raises(ValueError, match=rf"^workload: {field} 'fp8' is not a format ascend-910b runs"):
         choose_plan(DENSE, 2, "910b", 1e9, Workload.serve(64).with_(**settings))
+
+
+def test_experts_the_devices_do_not_divide_get_redundant_copies():
+    """8 experts on 3 devices: the EP candidate holds 9 slots (one expert twice), as EPLB places 256 experts on 72
+    devices; it is priced, not refused."""
+    ep = [c for c in candidates(MOE, 3) if c.plan.expert_axes]
+    assert ep and all(c.plan.num_slots == 9 and c.plan.max_copies == 2 for c in ep)
+    e = estimate(MOE, ep[0], "910b", Workload.decode(3, 16, F32))
+    assert e.bytes["weights"] > 0 and "all_gather" in e.parts
+    assert all(c.plan.num_slots is None for c in candidates(MOE, 4) if c.plan.expert_axes)  # 4 divides 8

@@ -186,7 +186,7 @@ def _divisors(n: int) -> list[int]:
 def candidates(cfg: Any, devices: int, *, host_link: bool = False) -> list[Candidate]:
     """Every plan the planner weighs for ``cfg`` on ``devices`` ranks (not yet checked against the model):
     for each ``tp`` dividing ``devices`` (``dp = devices / tp``): the plain plan; expert parallelism over all
-    ranks (a model with experts); each module's TP over all dp ranks, and all of them at once; each layer-sharded
+    ranks (a model with experts; redundant copies where the devices do not divide the experts); each module's TP over all dp ranks, and all of them at once; each layer-sharded
     series of :data:`SERIES_CHOICES` over dp; with ``host_link`` (a device with a host link), each series of
     :data:`SERIES_CHOICES` kept in host memory (prefetch step chosen when estimated)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
@@ -205,7 +205,7 @@ def candidates(cfg: Any, devices: int, *, host_link: bool = False) -> list[Candi
         base = f"dp {dp} x tp {tp}"
         out.append(Candidate(base, axes, Plan()))
         if experts and devices > 1:
-            out.append(Candidate(f"{base}, EP {devices}", axes, Plan(expert_axes=("dp", "tp"))))
+            out.append(Candidate(f"{base}, EP {devices}", axes, _ep_plan(experts, devices)))
         if dp > 1:
             for modules in [(m,) for m in MODULES] + [MODULES]:
                 split, mtp = split_dp(axes, {m: dp for m in modules})
@@ -218,6 +218,15 @@ def candidates(cfg: Any, devices: int, *, host_link: bool = False) -> list[Candi
             for series in SERIES_CHOICES:
                 out.append(Candidate(f"{base}, {series} in host memory", axes, Plan(offload=series)))
     return out
+
+
+def _ep_plan(experts: int, devices: int) -> Plan:
+    """Experts over every device; where the devices do not divide the experts, redundant copies (EPLB) fill the
+    slots up to the next multiple (256 experts on 72 devices: 288 slots, 4 a device, 32 experts with two copies)."""
+    if experts % devices == 0:
+        return Plan(expert_axes=("dp", "tp"))
+    slots = -(-experts // devices) * devices
+    return Plan(expert_axes=("dp", "tp"), num_slots=slots, max_copies=-(-slots // experts))
 
 
 def choose_plan(
