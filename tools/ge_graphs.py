@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from functional_npu.models import batch_invariant
 from functional_npu.npu import TorchairUnavailable, ge_graph, invariant_graph, torchair_sources
 
 from .aten_graphs import CASES, case_function, case_mesh, known_cases
@@ -246,8 +247,10 @@ def case_artifacts(
     }
     problems = [f"{where}: Hcom schedule != aten schedule: {d}" for d in compare_schedules(aten_schedule, hcom)]
     if case.invariant:  # the invariant functions' ops only: no ReduceSum, no fused kernel; MatMuls pinned in "batch"
-        check = invariant_graph.ge_batch_check if case.invariant == "batch" else invariant_graph.ge_check
-        ops = check(got["ops"])
+        if case.invariant == "batch":
+            ops = invariant_graph.ge_batch_check(got["ops"], batch_invariant.ROWS)
+        else:
+            ops = invariant_graph.ge_check(got["ops"])
         files["ge_invariant.json"] = ops
         problems += [f"{where}: invariant ops: {p}" for p in ops["problems"]]
     if case.paged:  # every pool written in place through the block table

@@ -162,15 +162,14 @@ def _pinned(classes: Mapping[str, frozenset[str]], matmuls: frozenset[str]) -> d
     return {**classes, "pinned": matmuls}
 
 
-def ge_batch_check(ops: Sequence[dict[str, Any]], rows: int | None = None) -> dict[str, Any]:
+def ge_batch_check(ops: Sequence[dict[str, Any]], rows: int) -> dict[str, Any]:
     """The GE op records of a batch-invariant graph: :func:`ge_check`'s classes plus ``pinned``
     (:data:`GE_MATMULS`), ``"why"`` per class (:data:`WHY`) and ``"matmuls"``: per MatMul / BatchMatMul its
     ``{"name", "type", "rows", "reduced", "columns"}`` (from its inputs' shapes and transpose flags). A matmul
-    whose rows are not a multiple of ``rows`` (default :data:`~functional_npu.models.batch_invariant.ROWS`) is a
-    problem: its kernel may take another order at another row count."""
-    from ..models import batch_invariant
-
-    tile = batch_invariant.ROWS if rows is None else rows
+    whose rows are not a multiple of ``rows`` (the mode's row tile,
+    :data:`~functional_npu.models.batch_invariant.ROWS`) is a problem: its kernel may take another order at another
+    row count."""
+    tile = rows
     sources = {op["name"]: op["inputs"] for op in ops}
     fed = _reached(sources, {op["name"] for op in ops if op["type"] in _INPUTS})
     out = _check(((op["name"], op["type"]) for op in ops), _pinned(GE_OPS, GE_MATMULS), fed)

@@ -70,7 +70,7 @@ def test_a_planted_fused_op_fails():
 
 @pytest.mark.parametrize("case", BATCH, ids=lambda c: c.name)
 def test_golden_batch_mode_ge_graph_reduces_only_in_matmuls_of_pinned_rows(case):
-    found = invariant_graph.ge_batch_check(golden.ge_ops(case.name))
+    found = invariant_graph.ge_batch_check(golden.ge_ops(case.name), batch_invariant.ROWS)
     assert found == read_artifact(GRAPHS, case.name, "ge_invariant.json")
     assert found["ok"], found["problems"]
     assert set(found["ops"]["pinned"]) == {"MatMul", "BatchMatMul"}  # linears, row sums; attention's blocks
@@ -89,7 +89,9 @@ def test_batch_mode_matmuls_reduce_the_same_dims_in_decode_and_prefill(tp):
     reduced = {
         phase: Counter(
             (m["type"], m["reduced"])
-            for m in invariant_graph.ge_batch_check(golden.ge_ops(f"qwen3-tp{tp}-batch_invariant-{phase}"))["matmuls"]
+            for m in invariant_graph.ge_batch_check(
+                golden.ge_ops(f"qwen3-tp{tp}-batch_invariant-{phase}"), batch_invariant.ROWS
+            )["matmuls"]
         )
         for phase in PHASES
     }
@@ -117,14 +119,15 @@ def test_batch_mode_check_fails_a_matmul_of_unpinned_rows_and_a_reduction():
     ops = golden.ge_ops(name)
     first = next(op for op in ops if op["type"] == "MatMul")
     first["in"][0]["shape"][-1 if first["attrs"].get("transpose_x1") else -2] = 3
-    found = invariant_graph.ge_batch_check(ops)
+    found = invariant_graph.ge_batch_check(ops, batch_invariant.ROWS)
     assert found["problems"] == [
         f"MatMul ({first['name']}): 3 rows, not a multiple of the row tile {batch_invariant.ROWS}: its kernel may "
         f"reduce in another order at another row count"
     ]
     text = read_artifact(GRAPHS, name, "ge_graph.pbtxt.gz").replace('type: "ArgMaxWithValue"', 'type: "ReduceSum"', 1)
-    assert [p.split(" (")[0] for p in invariant_graph.ge_batch_check(golden.ge_ops(name, text))["problems"]] == [
-        "ReduceSum x1"
-    ]
+    assert [
+        p.split(" (")[0]
+        for p in invariant_graph.ge_batch_check(golden.ge_ops(name, text), batch_invariant.ROWS)["problems"]
+    ] == ["ReduceSum x1"]
     # the portable mode's check refuses the batch mode's graph: its matmuls are no adds and multiplies
     assert any(p.startswith("MatMul x") for p in invariant_graph.ge_check(golden.ge_ops(name))["problems"])

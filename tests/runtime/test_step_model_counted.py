@@ -14,8 +14,7 @@ import torch
 
 from functional_npu import Plan, layer_shard, split_dp
 from functional_npu.parallel.devices import collective_factor
-from functional_npu.runtime.planning import Candidate, Workload
-from functional_npu.runtime.planning.step_model import step_collectives, step_transfers
+from functional_npu.runtime.planning import Candidate, Workload, step_collectives, step_transfers
 from tools.aten_graphs import GRAPH_CONFIGS
 
 from ..support.count_workers import counted_ring_step, counted_step

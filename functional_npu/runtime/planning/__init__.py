@@ -12,7 +12,7 @@ profile, the best that fits; this machine's own profile, measured once and cache
 from .choose import MAX_DEVICES, PlanDoesNotFit, Report, candidates, choose_plan, gb_at_least, simplest, techniques
 from .host_profile import host_device
 from .serve import Served, serve_estimate
-from .step_model import Candidate, Collective, Estimate, Workload, estimate, step_collectives, step_transfers
+from .step_model import Candidate, Estimate, Workload, estimate, step_collectives, step_transfers
 
 __all__ = [
     "choose_plan",
@@ -30,7 +30,6 @@ __all__ = [
     "host_device",
     "simplest",
     "techniques",
-    "Collective",
     "step_collectives",
     "step_transfers",
 ]

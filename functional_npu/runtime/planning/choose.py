@@ -186,9 +186,10 @@ def _divisors(n: int) -> list[int]:
 def candidates(cfg: Any, devices: int, *, host_link: bool = False) -> list[Candidate]:
     """Every plan the planner weighs for ``cfg`` on ``devices`` ranks (not yet checked against the model):
     for each ``tp`` dividing ``devices`` (``dp = devices / tp``): the plain plan; expert parallelism over all
-    ranks (a model with experts; redundant copies where the devices do not divide the experts); each module's TP over all dp ranks, and all of them at once; each layer-sharded
-    series of :data:`SERIES_CHOICES` over dp; with ``host_link`` (a device with a host link), each series of
-    :data:`SERIES_CHOICES` kept in host memory (prefetch step chosen when estimated)."""
+    ranks (a model with experts; redundant copies where the devices do not divide the experts); each module's TP
+    over all dp ranks, and all of them at once; each layer-sharded series of :data:`SERIES_CHOICES` over dp; with
+    ``host_link`` (a device with a host link), each series of :data:`SERIES_CHOICES` kept in host memory (prefetch
+    step chosen when estimated)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"choose_plan: devices must be a positive int, got {devices!r}")
     if devices > MAX_DEVICES:
