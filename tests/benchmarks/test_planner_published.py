@@ -41,3 +41,9 @@ def test_every_deployment_names_its_source_and_every_device_kind_is_held_out():
     assert {"ascend-910b", "ascend-910c"} <= held and held & {"h100-sxm", "h200-sxm"}
     fitted = {d.name for d in pp.DEPLOYMENTS if d.role == "fit"}
     assert fitted.isdisjoint(d.name for d in pp.DEPLOYMENTS if d.role == "held out")
+
+
+def test_an_output_path_without_its_folder_is_refused_before_anything_is_priced(capsys):
+    with pytest.raises(SystemExit) as e:
+        pp.main(["--json", "no/such/dir/x.json"])
+    assert e.value.code == 2 and "--json no/such/dir/x.json: no directory 'no/such/dir'" in capsys.readouterr().err
