@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 # name -> (module of this package whose main(argv) runs it, what it measures)
@@ -61,6 +62,27 @@ def usage() -> str:
     return "usage: python -m benchmarks NAME [flags]   (python -m benchmarks NAME -h: its flags)\n\n" + "\n".join(rows)
 
 
+OUTPUT_FLAGS = ("--json", "--markdown", "--out")  # the flags that name a file a benchmark writes when it ends
+
+
+def missing_folder(argv: list[str]) -> str | None:
+    """The first output file in ``argv`` (:data:`OUTPUT_FLAGS`, ``--flag FILE`` or ``--flag=FILE``) whose folder does
+    not exist, as one line; None if every one has its folder. Checked before a benchmark measures anything, so a
+    run of minutes is not lost to a path it could not write at the end."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in OUTPUT_FLAGS:
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                continue  # the benchmark's own parser names the missing value
+            value = argv[i + 1]
+        folder = Path(value).resolve().parent
+        if not folder.is_dir():
+            return f"{flag} {value}: no directory {str(Path(value).parent)!r} to write it in; create it or name another"
+    return None
+
+
 def _terminated(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds like an error: local ranks are stopped, temporary files removed
 
@@ -73,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     name, *rest = argv
     if name not in COMMANDS:
         print(f"python -m benchmarks: no benchmark named {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    missing = missing_folder(rest)
+    if missing:
+        print(f"python -m benchmarks {name}: {missing}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"{__package__}.{COMMANDS[name][0]}")
     previous = signal.signal(signal.SIGTERM, _terminated)

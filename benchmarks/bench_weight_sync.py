@@ -107,6 +107,17 @@ def _broadcast(full: dict[str, torch.Tensor], rank: int) -> None:
         dist.broadcast(x if rank == 0 else torch.empty_like(x), 0)
 
 
+PUBLISHED = "benchmarks/results/weight_sync.json"
+
+
+def output_path(json_arg: str | None, quick: bool) -> Path | None:
+    """Where a run's results go: ``--json FILE`` if named, else the published results for a full run, and nowhere
+    for a ``--quick`` one (its smaller model must not replace the published figures)."""
+    if json_arg:
+        return Path(json_arg)
+    return None if quick else Path(PUBLISHED)
+
+
 def _rank(ctx, layers: int, quick: bool, repeat: int, sizes: tuple[int, ...]) -> dict:
     torch.set_num_threads(1)
     cfg = dataclasses.replace(QUICK if quick else FULL, num_layers=layers)
@@ -180,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worlds", default="2,4", help="gloo world sizes, comma-separated")
     parser.add_argument("--quick", action="store_true", help="QUICK config (vocab 8000), 4 layers, 3 rounds")
     parser.add_argument("--buckets", default="2,8,32", help="bucket sizes in MiB, comma-separated")
-    parser.add_argument("--json", metavar="FILE", default="benchmarks/results/weight_sync.json")
+    parser.add_argument(
+        "--json", metavar="FILE", help=f"where to write the runs (default {PUBLISHED}; with --quick, nowhere)"
+    )
     parser.add_argument("--append", action="store_true", help="add this run to the runs in --json FILE")
     args = parser.parse_args(argv)
     sizes = tuple(int(b) for b in args.buckets.split(","))
@@ -196,8 +209,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"model: Qwen3-style, {layers} layers, {r0['params'] / 1e6:.1f}M params, bf16 ({cmd.strip()})")
         print("\n".join(_report(n, r0, repeat)))
     results["cores"] = len(os.sched_getaffinity(0))
-    path = Path(args.json)
+    path = output_path(args.json, args.quick)
+    if path is None:
+        print("\n--quick: nothing written (the published results are full runs; name --json FILE to keep it)")
+        return 0
     earlier = json.loads(path.read_text())["runs"] if args.append and path.exists() else []
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"runs": [*earlier, results]}, indent=1) + "\n")
-    print(f"\nwrote {args.json}")
+    print(f"\nwrote {path}")

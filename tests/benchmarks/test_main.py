@@ -48,3 +48,36 @@ def test_a_benchmark_runs_from_the_repository_root():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("| model, series | device |") and "\nsources: " in done.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["offload", "--json", "no/such/dir/x.json"],
+        ["weight_sync", "--quick", "--json=no/such/dir/x.json"],
+        ["planner_map", "--markdown", "no/such/dir/map.md"],
+    ],
+)
+def test_an_output_file_without_its_folder_is_refused_before_anything_runs(argv, capsys):
+    """A benchmark of minutes must not measure, then fail to write: the runner checks every output flag first."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    flag = argv[-1].partition("=")[0] if "=" in argv[-1] else argv[-2]
+    assert err.startswith(f"python -m benchmarks {argv[0]}: {flag} no/such/dir/")
+    assert "no directory 'no/such/dir' to write it in" in err and err.count("\n") == 1
+
+
+def test_output_flags_whose_folder_exists_pass_the_check(tmp_path):
+    from benchmarks.__main__ import missing_folder
+
+    assert missing_folder(["--json", str(tmp_path / "x.json"), "--markdown=" + str(tmp_path / "m.md")]) is None
+    assert missing_folder(["--quick", "--rounds", "3"]) is None
+    assert missing_folder(["--json"]) is None  # no value: the benchmark's own parser says so
+
+
+def test_a_quick_weight_sync_never_replaces_the_published_results():
+    from benchmarks.bench_weight_sync import PUBLISHED, output_path
+
+    assert output_path(None, quick=True) is None
+    assert str(output_path(None, quick=False)) == PUBLISHED
+    assert str(output_path("mine.json", quick=True)) == "mine.json"
