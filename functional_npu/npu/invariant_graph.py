@@ -126,13 +126,18 @@ def _reached(sources: Mapping[str, Sequence[str]], roots: set[str]) -> Callable[
     return reached
 
 
+def _ge_classes(ops: Sequence[dict[str, Any]], classes: Mapping[str, frozenset[str]]) -> dict[str, Any]:
+    """:func:`_check` of GE op records by ``classes``, a graph input's reach followed over their data edges."""
+    sources = {op["name"]: op["inputs"] for op in ops}
+    fed = _reached(sources, {op["name"] for op in ops if op["type"] in _INPUTS})
+    return _check(((op["name"], op["type"]) for op in ops), classes, fed)
+
+
 def ge_check(ops: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The GE op records (:func:`functional_npu.npu.ge_graph.records`) of an invariant graph by class
     (:data:`GE_OPS`): ``{"ok", "ops": {class: {type: count}}, "float64": {type: count}, "problems"}``;
     ``float64``: the ops computing in double (rotary's ``sin_cos``), which a device runs on its AI CPU."""
-    sources = {op["name"]: op["inputs"] for op in ops}
-    fed = _reached(sources, {op["name"] for op in ops if op["type"] in _INPUTS})
-    out = _check(((op["name"], op["type"]) for op in ops), GE_OPS, fed)
+    out = _ge_classes(ops, GE_OPS)
     double = Counter(
         op["type"]
         for op in ops
@@ -152,10 +157,15 @@ def _aten(node: torch.fx.Node) -> str:
 def acl_check(graph: torch.fx.Graph) -> dict[str, Any]:
     """An invariant ACL graph's aten ops (in-place ones as their functional forms) by class (:data:`ACL_OPS`):
     ``{"ok", "ops": {class: {op: count}}, "problems"}``."""
+    return _acl_classes(graph, ACL_OPS)
+
+
+def _acl_classes(graph: torch.fx.Graph, classes: Mapping[str, frozenset[str]]) -> dict[str, Any]:
+    """:func:`_check` of an FX graph's calls by ``classes``, a placeholder's reach followed over their inputs."""
     calls = [n for n in graph.nodes if n.op == "call_function"]
     sources = {n.name: [a.name for a in n.all_input_nodes] for n in calls}
     fed = _reached(sources, {n.name for n in graph.nodes if n.op == "placeholder"})
-    return _check(((n.name, _aten(n)) for n in calls), ACL_OPS, fed)
+    return _check(((n.name, _aten(n)) for n in calls), classes, fed)
 
 
 def _pinned(classes: Mapping[str, frozenset[str]], matmuls: frozenset[str]) -> dict[str, frozenset[str]]:
@@ -169,10 +179,7 @@ def ge_batch_check(ops: Sequence[dict[str, Any]], rows: int) -> dict[str, Any]:
     whose rows are not a multiple of ``rows`` (the mode's row tile,
     :data:`~functional_npu.models.batch_invariant.ROWS`) is a problem: its kernel may take another order at another
     row count."""
-    tile = rows
-    sources = {op["name"]: op["inputs"] for op in ops}
-    fed = _reached(sources, {op["name"] for op in ops if op["type"] in _INPUTS})
-    out = _check(((op["name"], op["type"]) for op in ops), _pinned(GE_OPS, GE_MATMULS), fed)
+    out = _ge_classes(ops, _pinned(GE_OPS, GE_MATMULS))
     found, problems = [], list(out["problems"])
     for op in ops:
         if op["type"] not in GE_MATMULS:
@@ -182,9 +189,9 @@ def ge_batch_check(ops: Sequence[dict[str, Any]], rows: int) -> dict[str, Any]:
         flip = op["attrs"].get("transpose_x2", op["attrs"].get("adj_x2", False))
         n = op["in"][1]["shape"][-2 if flip else -1]  # x2: [K, N], or [N, K] transposed
         found.append({"name": op["name"], "type": op["type"], "rows": m, "reduced": k, "columns": n})
-        if m % tile:
+        if m % rows:
             problems.append(
-                f"{op['type']} ({op['name']}): {m} rows, not a multiple of the row tile {tile}: its kernel may reduce "
+                f"{op['type']} ({op['name']}): {m} rows, not a multiple of the row tile {rows}: its kernel may reduce "
                 f"in another order at another row count"
             )
     return out | {"ok": not problems, "problems": problems, "matmuls": found, "why": dict(WHY)}
@@ -194,7 +201,4 @@ def acl_batch_check(graph: torch.fx.Graph) -> dict[str, Any]:
     """A batch-invariant ACL graph's aten ops by class: :func:`acl_check`'s plus ``pinned`` (:data:`ACL_MATMULS`),
     and ``"why"`` per class. The graph text holds no shapes: the matmuls' shapes are those of the same trace's GE
     graph (:func:`ge_batch_check`)."""
-    calls = [n for n in graph.nodes if n.op == "call_function"]
-    sources = {n.name: [a.name for a in n.all_input_nodes] for n in calls}
-    fed = _reached(sources, {n.name for n in graph.nodes if n.op == "placeholder"})
-    return _check(((n.name, _aten(n)) for n in calls), _pinned(ACL_OPS, ACL_MATMULS), fed) | {"why": dict(WHY)}
+    return _acl_classes(graph, _pinned(ACL_OPS, ACL_MATMULS)) | {"why": dict(WHY)}

@@ -44,6 +44,7 @@ def test_every_deployment_names_its_source_and_every_device_kind_is_held_out():
 
 
 def test_an_output_path_without_its_folder_is_refused_before_anything_is_priced(capsys):
-    with pytest.raises(SystemExit) as e:
-        pp.main(["--json", "no/such/dir/x.json"])
-    assert e.value.code == 2 and "--json no/such/dir/x.json: no directory 'no/such/dir'" in capsys.readouterr().err
+    from benchmarks.__main__ import main  # the runner checks every benchmark's output flags
+
+    assert main(["planner_published", "--json", "no/such/dir/x.json"]) == 2
+    assert "--json no/such/dir/x.json: no directory 'no/such/dir'" in capsys.readouterr().err

@@ -326,8 +326,7 @@ def simplest(ranked: list[Ranked], workload: Workload, spread: float) -> tuple[R
     that one, and so on down. Returns the plan and the rule that decided, in words."""
     fitting = [e for e in ranked if e.fits]
     best = chosen = fitting[0]
-    while techniques(chosen.candidate.plan):
-        have = techniques(chosen.candidate.plan)
+    while have := techniques(chosen.candidate.plan):
         simpler = [e for e in fitting if techniques(e.candidate.plan) < have]
         if not simpler:
             return chosen, f"needed to fit: no plan without {', '.join(sorted(have))} fits"
