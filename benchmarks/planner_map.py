@@ -54,10 +54,16 @@ WORKLOADS = (
     ("32k, decode", Workload.serve(32768)),
 )
 TECHNIQUES = ("dp x tp", "EP", "module TP", "layer sharding", "offload")
+NOT_RUN = ("two-batch overlap", "disaggregated")  # priced and ranked, never chosen: this library does not run them
 
 
-def technique(plan: Any) -> str:
-    """The technique a candidate adds to its ``dp x tp`` split."""
+def technique(candidate: Any) -> str:
+    """The technique a candidate adds to its ``dp x tp`` split (or the schedule this library does not run)."""
+    if candidate.name.startswith("disaggregated"):
+        return "disaggregated"
+    if candidate.schedule == "two_batch":
+        return "two-batch overlap"
+    plan = candidate.plan
     if plan.offload:
         return "offload"
     if plan.layer_shard is not None:
@@ -84,15 +90,16 @@ def cell(cfg: Any, quant: Any, dev_name: str, n: int, work: Workload, memory: fl
         _, report = choose_plan(cfg, n, device(dev_name), memory, work, quant=quant)
     except PlanDoesNotFit as e:
         return {"winner": None, "refusal": f"needs {e.figure} per device ({e.plan})"}
-    plain = {tuple(e.candidate.axes.items()): e for e in report.ranked if technique(e.candidate.plan) == "dp x tp"}
+    plain = {tuple(e.candidate.axes.items()): e for e in report.ranked if technique(e.candidate) == "dp x tp"}
     best: dict[str, Any] = {}
     for e in report.ranked:  # ranked best first: the first of each technique is its best
-        t = technique(e.candidate.plan)
+        t = technique(e.candidate)
         if t in best or not e.fits:
             continue
         base = plain.get(tuple(e.candidate.axes.items())) or plain.get(_split_of(e))
         freed = (base.bytes["weights"] - e.bytes["weights"] - e.bytes["prefetch"]) if base else 0
-        comm = sum(v for k, v in e.decode.parts.items() if k not in ("memory_s", "compute_s"))
+        step = e.decode.decode if t == "disaggregated" else e.decode  # the decode side's step
+        comm = sum(v for k, v in step.parts.items() if k not in ("memory_s", "compute_s", "fixed_s"))
         best[t] = {
             "plan": e.candidate.name,
             "batch": e.batch,
@@ -105,7 +112,7 @@ def cell(cfg: Any, quant: Any, dev_name: str, n: int, work: Workload, memory: fl
     w = report.chosen
     return {
         "winner": w.candidate.name,
-        "technique": technique(w.candidate.plan),
+        "technique": technique(w.candidate),
         "batch": w.batch,
         "tokens_per_s_per_device": w.per_device,
         "bottleneck": w.bottleneck,
@@ -141,12 +148,13 @@ def cells() -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = "| model | devices | workload | memory | winner | seqs | tok/s/dev | bottleneck | "
-    head += " | ".join(f"best {t}: tok/s/dev (seqs, freed GB)" for t in TECHNIQUES) + " |"
-    lines = [head, "|---" * (8 + len(TECHNIQUES)) + "|"]
+    head += " | ".join(f"best {t}: tok/s/dev (seqs, freed GB)" for t in TECHNIQUES)
+    head += " | " + " | ".join(f"{t} (not run): tok/s/dev" for t in NOT_RUN) + " |"
+    lines = [head, "|---" * (8 + len(TECHNIQUES) + len(NOT_RUN)) + "|"]
     for r in rows:
         lead = f"| {r['model']} | {r['devices']} | {r['workload']} | {r['memory_gb']:.0f} GB |"
         if r["winner"] is None:
-            lines.append(lead + f" none fits: {r['refusal']} |" + " |" * (3 + len(TECHNIQUES)))
+            lines.append(lead + f" none fits: {r['refusal']} |" + " |" * (3 + len(TECHNIQUES) + len(NOT_RUN)))
             continue
         cols = []
         for t in TECHNIQUES:
@@ -156,6 +164,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 if b is None
                 else f"{b['tokens_per_s_per_device']:.4g} ({b['batch']}, {b['freed_bytes'] / 1e9:+.2f})"
             )
+        for t in NOT_RUN:
+            b = r["best"].get(t)
+            cols.append("-" if b is None else f"{b['tokens_per_s_per_device']:.4g}")
         lines.append(
             lead
             + f" {r['winner']} | {r['batch']} | {r['tokens_per_s_per_device']:.4g} | {r['bottleneck']} | "
@@ -199,6 +210,18 @@ def summary(rows: list[dict[str, Any]]) -> str:
         f"{sum(x > 0 for x in ratio)}, by more than 1% in {sum(x > 0.01 for x in ratio)} (largest "
         f"{max(ratio):+.1%}); module TP beats it by more than 1% in {sum(x < -0.01 for x in ratio)}."
     )
+    for t in NOT_RUN:
+        ahead = sorted(
+            r["best"][t]["tokens_per_s_per_device"] / r["tokens_per_s_per_device"] - 1
+            for r in fitted
+            if t in r["best"] and r["best"][t]["tokens_per_s_per_device"] > r["tokens_per_s_per_device"]
+        )
+        priced = sum(t in r["best"] for r in fitted)
+        out.append(
+            f"- {t} (priced, not run by this library) fits in {priced} cells and models better than the chosen plan "
+            f"in {len(ahead)}"
+            + (f" (by {ahead[0]:+.1%} to {ahead[-1]:+.1%}, median {ahead[len(ahead) // 2]:+.1%})." if ahead else ".")
+        )
     refused = sum(r["layer_shard_refused"] for r in fitted)
     out.append(
         f"- {refused} layer-sharded candidates over all cells were refused for saving no memory (owned layers "

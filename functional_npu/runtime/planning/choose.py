@@ -29,6 +29,7 @@ from ...parallel.module_tp import MODULES, split_dp
 from ...parallel.plan import Plan
 from ...placement.placement import Placement
 from ...placement.quant_config import QuantConfig
+from .disaggregated import Disaggregated, best_split
 from .serve import Served, serve_estimate
 from .step_model import Candidate, Estimate, Workload, check_formats, cost_shape, estimate
 
@@ -62,13 +63,15 @@ class PlanDoesNotFit(ValueError):
         self.need, self.figure, self.plan = need, figure, plan
 
 
-Ranked = Estimate | Served
+Ranked = Estimate | Served | Disaggregated
 
 
 @dataclass(frozen=True)
 class Report:
     """Every candidate considered, ranked (fitting ones first; then the fastest step for a fixed batch, the most
-    tokens/s per device for a serving workload), the chosen one and why."""
+    tokens/s per device for a serving workload), the chosen one (the first, always one this library runs) and why.
+    Candidates it does not run yet (two-batch overlap, prefill and decode on separate groups) are ranked among the
+    rest and marked, for what they would gain."""
 
     model: str
     device: Device
@@ -98,6 +101,13 @@ class Report:
             out += f"; chosen by {self.rule}"
         if len(fitting) > 1:
             out += f"; the next best that fits, {fitting[1].candidate.name}: {_figure(fitting[1])}"
+        ahead = [e for e in fitting if not e.runs and _key(self.workload, e) < _key(self.workload, best)]
+        if ahead:
+            gain = _gain(self.workload, ahead[0], best)
+            out += (
+                f"; not yet run by this library, {ahead[0].candidate.name} is modelled {gain:.0%} better "
+                f"({_figure(ahead[0])})"
+            )
         better = [e for e in self.ranked if not e.fits and _key(self.workload, e)[1:2] < _key(self.workload, best)[1:2]]
         if better and not self.serving:
             f = min(better, key=lambda e: e.step_s)
@@ -120,8 +130,9 @@ class Report:
         for i, e in enumerate(self.ranked, 1):
             b = e.bytes
             served = f" {e.batch} | {e.per_device:.4g} |" if self.serving else ""
+            name = e.candidate.name + ("" if e.runs else " (not yet run by this library)")
             lines.append(
-                f"| {i} | {e.candidate.name} |{served} {e.step_s * 1e3:.3g} | {_gb(b['weights'])} "
+                f"| {i} | {name} |{served} {e.step_s * 1e3:.3g} | {_gb(b['weights'])} "
                 f"| {_gb(b['kv_cache'])} | {_gb(b['prefetch'])} | {_gb(b['activations'])} | {_gb(b['total'])} "
                 f"| {e.bottleneck} | {'yes' if e.fits else 'no'} |"
             )
@@ -187,7 +198,8 @@ def candidates(cfg: Any, devices: int, *, host_link: bool = False) -> list[Candi
     """Every plan the planner weighs for ``cfg`` on ``devices`` ranks (not yet checked against the model):
     for each ``tp`` dividing ``devices`` (``dp = devices / tp``): the plain plan; expert parallelism over all
     ranks (a model with experts; redundant copies where the devices do not divide the experts); each module's TP
-    over all dp ranks, and all of them at once; each layer-sharded series of :data:`SERIES_CHOICES` over dp; with
+    over all dp ranks, and all of them at once; each layer-sharded series of :data:`SERIES_CHOICES` over dp; the
+    expert-parallel plan under two-batch overlap (priced, not run by this library: ``Candidate.runs``); with
     ``host_link`` (a device with a host link), each series of :data:`SERIES_CHOICES` kept in host memory (prefetch
     step chosen when estimated)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
@@ -207,6 +219,8 @@ def candidates(cfg: Any, devices: int, *, host_link: bool = False) -> list[Candi
         out.append(Candidate(base, axes, Plan()))
         if experts and devices > 1:
             out.append(Candidate(f"{base}, EP {devices}", axes, _ep_plan(experts, devices)))
+            overlap = f"{base}, EP {devices}, two-batch overlap"
+            out.append(Candidate(overlap, axes, _ep_plan(experts, devices), schedule="two_batch"))
         if dp > 1:
             for modules in [(m,) for m in MODULES] + [MODULES]:
                 split, mtp = split_dp(axes, {m: dp for m in modules})
@@ -274,20 +288,21 @@ def choose_plan(
             stacklevel=2,
         )
     estimates, refused = _priced(model_config, devices, dev, workload, memory_per_device, quant, dispatch)
-    if not estimates:
+    if not any(e.runs for e in estimates):
         raise ValueError(
             f"choose_plan: no candidate plan of {model_config.architecture} runs on {devices} devices: "
             + "; ".join(f"{n}: {w}" for n, w in refused[:3])
         )
     ranked = sorted(estimates, key=lambda e: _key(workload, e))
+    runnable = [e for e in ranked if e.runs]
     rule = ""
-    if ranked[0].fits:
-        chosen, rule = simplest(ranked, workload, dev.prediction_spread)
+    if runnable[0].fits:
+        chosen, rule = simplest(runnable, workload, dev.prediction_spread)
         ranked.remove(chosen)
         ranked.insert(0, chosen)
     report = Report(model_config.architecture, dev, devices, memory_per_device, workload, ranked, refused, rule)
-    if not ranked[0].fits:
-        least = min(estimates, key=lambda x: (x.bytes["total"], x.step_s))
+    if not runnable[0].fits:
+        least = min(runnable, key=lambda x: (x.bytes["total"], x.step_s))
         need, figure = least.bytes["total"], gb_at_least(least.bytes["total"])
         what = f"serves one sequence of {workload.context} positions in" if report.serving else "fits"
         raise PlanDoesNotFit(
@@ -378,6 +393,14 @@ def _priced(
             refused.append((e.candidate.name, _no_saving(e, held, plain)))
         else:
             kept.append(e)
+    if workload.kind == "serve" and workload.prompt_len and devices > 1:  # prefill and decode on separate groups
+
+        def sides(n: int) -> list[Candidate]:
+            return [c for c in candidates(cfg, n) if c.runs and techniques(c.plan) <= {"EP"}]
+
+        split, why_not = best_split(cfg, devices, sides, dev, workload, memory, quant, dispatch)
+        kept += split
+        refused += why_not
     return kept, refused
 
 

@@ -61,10 +61,15 @@ class Served:
         """The decode step's time at the admitted batch."""
         return self.decode.step_s
 
+    @property
+    def runs(self) -> bool:
+        return self.candidate.runs
+
     def row(self) -> dict[str, Any]:
         """JSON-ready."""
         return {
             "plan": self.candidate.name,
+            "runs": self.runs,
             "axes": self.candidate.axes,
             "batch": self.batch,
             "tokens_per_s": self.tokens_per_s,
@@ -87,9 +92,12 @@ def serve_estimate(
     memory_per_device: float,
     quant: QuantConfig | None = None,
     dispatch: str = "runtime",
+    decode_only: bool = False,
 ) -> Served:
     """``candidate``'s admitted batch, tokens/s and bytes under the serving ``workload`` (module docstring);
-    ``dispatch`` as :func:`~.step_model.estimate`'s.
+    ``dispatch`` as :func:`~.step_model.estimate`'s. ``decode_only``: the decode side of a disaggregated deployment
+    (:mod:`.disaggregated`): its sequences arrive prefilled, so it runs no prefill and its tokens/s counts the
+    generated tokens alone.
 
     Raises:
         ValueError: the model cannot run the candidate, or ``workload`` is not a serving one.
@@ -106,7 +114,8 @@ def serve_estimate(
 
     prompt = workload.prompt_len
     mean = prompt + (workload.context - prompt) // 2  # a generated token's mean context
-    prefill = step(Workload.prefill(prompt, dp, dtype).with_(**settings)) if prompt else None  # a prompt per dp rank
+    prefilled = prompt and not decode_only
+    prefill = step(Workload.prefill(prompt, dp, dtype).with_(**settings)) if prefilled else None  # a prompt per dp rank
     held = workload.context - 1 if workload.admit == "full" else mean  # what each admitted sequence's cache holds
 
     def need(per_rank: int) -> dict[str, int]:  # bytes on the busiest rank with ``per_rank`` sequences each
@@ -118,7 +127,7 @@ def serve_estimate(
     per_rank = _admitted(need, memory_per_device)
     batch = per_rank * dp if workload.max_seqs is None else min(per_rank * dp, workload.max_seqs)
     decode = step(Workload.decode(max(1, batch), max(1, mean), dtype).with_(**settings, **drafts))
-    share = prompt / workload.context
+    share = 0.0 if decode_only else prompt / workload.context
     per_step = max(1, batch) * workload.tokens_per_step  # tokens a decode step yields (drafts accepted)
     decode_s = (1 - share) * decode.step_s / per_step  # seconds per token served, by phase
     prefill_s = share * prefill.step_s / (dp * prompt) if prefill is not None else 0.0

@@ -54,6 +54,8 @@ __all__ = [
     "cost_shape",
     "step_collectives",
     "step_transfers",
+    "sequence_kv_bytes",
+    "SCHEDULES",
 ]
 
 
@@ -223,17 +225,33 @@ def check_formats(workload: Workload, dev: Device) -> None:
             )
 
 
+SCHEDULES = ("serial", "two_batch")
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A mesh (axis sizes) and a plan over it; ``name`` is how reports show it."""
+    """A mesh (axis sizes) and a plan over it; ``name`` is how reports show it. ``schedule``: how a step runs:
+    ``"serial"`` (as this library's runtime runs it: each collective waits for the compute before it) or
+    ``"two_batch"`` (two-batch overlap: the step's sequences in two micro-batches, one's collectives beside the
+    other's compute, as deployments run expert parallelism; priced, not yet run by this library)."""
 
     name: str
     axes: dict[str, int]
     plan: Plan
+    schedule: str = "serial"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"candidate {self.name!r}: schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
     @property
     def devices(self) -> int:
         return math.prod(self.axes.values())
+
+    @property
+    def runs(self) -> bool:
+        """Whether this library runs the candidate (a plan it does not run is priced and shown, never chosen)."""
+        return self.schedule == "serial"
 
 
 @dataclass(frozen=True)
@@ -256,6 +274,10 @@ class Estimate:
     reads: dict[str, float] = field(default_factory=dict)  # bytes the step reads: "weights", "kv_cache"
 
     @property
+    def runs(self) -> bool:
+        return self.candidate.runs
+
+    @property
     def bottleneck(self) -> str:
         """The term the step waits on most: ``weight reads``, ``KV reads``, ``compute``, ``exposed
         communication`` (the collectives and the broadcasts the prefetch does not hide) or ``fixed cost`` (the
@@ -276,6 +298,7 @@ class Estimate:
         """JSON-ready."""
         return {
             "plan": self.candidate.name,
+            "runs": self.runs,
             "axes": self.candidate.axes,
             "step_ms": self.step_s * 1e3,
             "parts_ms": {k: v * 1e3 for k, v in self.parts.items()},
@@ -317,6 +340,8 @@ def estimate(
     """
     if workload.kind == "serve":
         raise ValueError("estimate times one decode or prefill step; serve_estimate sizes a serving workload's batch")
+    if candidate.schedule == "two_batch":
+        return _two_batch(cfg, candidate, device, workload, memory_per_device, quant, dispatch)
     dev, shape = device_profile(device), cost_shape(cfg)
     placed = place(cfg, candidate.axes, candidate.plan, quant, where=candidate.name)
     plan, mesh = placed.plan, Mesh.abstract(candidate.axes, 0)
@@ -368,6 +393,64 @@ def estimate(
     return Estimate(candidate, step, parts, sizes, total <= memory_per_device, placed, reads)
 
 
+def sequence_kv_bytes(cfg: Any, candidate: Candidate, positions: int, dtype: torch.dtype) -> int:
+    """Bytes one sequence's KV cache of ``positions`` positions takes on one rank under ``candidate``, in the
+    serving engine's paged blocks (the pools' null blocks not counted): what a disaggregated deployment moves per
+    prompt to each decode rank."""
+    placed = place(cfg, candidate.axes, candidate.plan, where=candidate.name)
+    mesh = Mesh.abstract(candidate.axes, 0)
+    with torch.device("meta"):
+        one = family_of(cfg).blocks(cfg, placed.plan).init_kv(mesh, 1, positions, dtype)
+    layout = paged.layout_of(one, positions)
+    return paged.cache_bytes(layout, 1, positions, dtype, chunk=positions) - paged.cache_bytes(
+        layout, 0, positions, dtype, chunk=positions
+    )
+
+
+def _two_batch(
+    cfg: Any,
+    candidate: Candidate,
+    device: Device | str,
+    workload: Workload,
+    memory: float,
+    quant: QuantConfig | None,
+    dispatch: str,
+) -> Estimate:
+    """The step under two-batch overlap: each rank's sequences (a single prompt: its tokens) in two halves, each
+    half a serial step of its own (every weight read again, its own collectives); one half's collectives run beside
+    the other's reads and compute, so the step takes the larger of the two halves' busy time and their
+    communication, plus the one layer's share the pipeline cannot hide at its ends. A rank with one sequence to
+    decode runs it as one batch (nothing to overlap). The bytes are the whole batch's."""
+    serial = dataclasses.replace(candidate, schedule="serial")
+    whole = estimate(cfg, serial, device, workload, memory_per_device=memory, quant=quant, dispatch=dispatch)
+    plan, mesh = whole.placement.plan, Mesh.abstract(candidate.axes, 0)
+    dp = mesh.axis_size(dp_axes(mesh, plan.tp))
+    seqs = math.ceil(workload.batch / dp)
+    if seqs >= 2:
+        half = dataclasses.replace(workload, batch=math.ceil(seqs / 2) * dp)
+    elif workload.kind == "prefill" and workload.length >= 2:
+        half = dataclasses.replace(workload, length=math.ceil(workload.length / 2))
+    else:
+        return dataclasses.replace(whole, candidate=candidate)
+    h = estimate(cfg, serial, device, half, quant=quant, dispatch=dispatch)
+    busy = max(h.parts["memory_s"], h.parts["compute_s"])
+    fixed = h.parts.get("fixed_s", 0.0)
+    ring = sum(h.parts.get(k, 0.0) for k in _RING_PARTS)
+    comm = h.step_s - busy - fixed - ring  # the half's collectives
+    layers = cost_shape(cfg).layers
+    step = max(2 * busy, 2 * comm) + min(busy, comm) / layers + 2 * ring + fixed
+    parts = {"memory_s": 2 * h.parts["memory_s"], "compute_s": 2 * h.parts["compute_s"]}
+    parts["overlapped_communication_s"] = max(0.0, 2 * comm - 2 * busy) + min(busy, comm) / layers
+    parts.update({k: 2 * h.parts[k] for k in _RING_PARTS if k in h.parts})
+    if fixed:
+        parts["fixed_s"] = fixed
+    reads = {k: 2 * v for k, v in h.reads.items()}
+    return dataclasses.replace(whole, candidate=candidate, step_s=step, parts=parts, reads=reads)
+
+
+_RING_PARTS = ("prefetch_exposed_s", "host_copy_exposed_s")
+
+
 def _reads_and_flops(
     shape: Any, plan: Plan, mesh: Mesh, held: _Held, logical: _Held, tokens: int, workload: Workload
 ) -> tuple[dict[str, float], float]:
@@ -376,7 +459,12 @@ def _reads_and_flops(
     group's tokens) and its FLOPs (from the logical weights, at 2 per weight per token, plus attention's)."""
     e = workload.weight_bytes  # logical weights were counted at this many bytes each
     ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
-    routed_tokens = ep * _routed_here(mesh, plan, tokens)  # the expert group's tokens, each routed once
+    # the expert group's tokens, each routed once: its ranks' tokens, at most the group's share of the batch's (a
+    # batch smaller than the data-parallel ranks leaves ranks with none: 8 sequences over 32 route 8 tokens, not 32)
+    tp_in_group = mesh.axis_size(plan.tp) if plan.tp in tuple(plan.expert_axes) else 1
+    dp = mesh.axis_size(dp_axes(mesh, plan.tp))
+    group_share = min(1.0, ep / tp_in_group / dp)
+    routed_tokens = min(ep * _routed_here(mesh, plan, tokens), workload.batch * workload.new_tokens * group_share)
     touched = 1 - (1 - shape.top_k / shape.experts) ** routed_tokens if shape.experts else 1.0
     dense = held.weights - held.experts - held.series + held.layer_series * shape.layers  # host series read in slots
     reads = {"weights": dense + touched * held.experts}
