@@ -28,7 +28,8 @@ would start capturing (:mod:`functional_npu.npu.acl_graph`); that graph is the a
   slots: both must fail there.
 
 A failed join or copy check and a graph the replay captures again are problems of the case (``python -m
-tools.graphs`` then writes no keys); the communication budget is recorded, not a problem (:func:`_check_problems`).
+tools.graphs`` then writes no keys); the communication budget is a problem except on a plan the NPU backends refuse
+for it (:func:`_check_problems`).
 
 The conversion runs in a subprocess (``python -m tools.acl_graphs SOURCES OUT [CASE ...]``) that never
 imports the real ``torch_npu``; :func:`acl_artifacts` starts it.
@@ -65,7 +66,9 @@ def _checks(gm: Any) -> dict[str, Any]:
     capture order (the pairs of communication kernels it finds deadlocking, per device profile)."""
     from npugraph_ex.tools.aclgraph_check import deadlock_check as dc  # type: ignore[import-not-found]
 
+    from functional_npu.models import NPU_KERNELS
     from functional_npu.npu import capture_checks as cc
+    from functional_npu.npu import capture_ops, op_table
 
     comm = cc.concurrent_comm(gm)
     budgets = {}
@@ -79,9 +82,11 @@ def _checks(gm: Any) -> dict[str, Any]:
             "problems": cc.comm_problems(gm, budget),
             "deadlock_check_pairs": sorted(sorted(t["name"][len("aiv_") :] for t in pair) for pair in pairs),
         }
+    table = capture_ops.parse_table(op_table().read_text())
     return {
         "join": cc.unjoined_streams(gm),
         "copies": cc.copies(gm),
+        "ops": capture_ops.problems(capture_ops.kernels_of(gm), table, NPU_KERNELS),
         "comm": {
             "ops_per_stream": {s: len(ops) for s, ops in comm["streams"].items()},
             "max_concurrent": comm["max_concurrent"],
@@ -158,11 +163,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- in the parent ------------------------------------------------------------------------------
-def _check_problems(checks: dict[str, Any]) -> list[str]:
-    """The capture checks that make a problem of the case: joins and copies. The communication budget is recorded in
-    ``acl_checks.json`` only: it assumes an AIV collective holds every vector core, which only a device trace can
-    confirm, and the module-TP case exceeds it (its TP collectives on main run beside the prefetch broadcasts)."""
-    return checks["join"] + checks["copies"]
+def _check_problems(checks: dict[str, Any], case: Any) -> list[str]:
+    """The capture checks that make a problem of the case: joins, copies, an op capture cannot take (an aclop, a
+    format cast, no NPU kernel: :mod:`functional_npu.npu.capture_ops`), and two streams communicating at once on
+    a plan the NPU backends compile. A plan they refuse for exactly that (``compile_policy.check_comm_streams``: the
+    module-TP case, its TP collectives on main beside the prefetch broadcasts) is the counterexample, recorded; the
+    refusal itself must then hold (a refused plan with no such pair is a problem: the refusal would be stale)."""
+    from functional_npu.core import Mesh
+    from functional_npu.runtime.serving import Backend, check_comm_streams
+
+    try:
+        check_comm_streams(case.plan, Mesh.abstract(case.axes, 0), Backend("npugraph_ex", "npu"), case.name)
+        refused = False
+    except ValueError:
+        refused = True
+    comm = [p for b in checks["comm"]["budgets"].values() for p in b["problems"]]
+    if refused:  # the counterexample: its pairs are why the plan is refused
+        comm = [] if comm else ["the NPU backends refuse this plan for two streams communicating, yet none do"]
+    return checks["join"] + checks["copies"] + checks["ops"] + comm
 
 
 def acl_artifacts(
@@ -193,7 +211,7 @@ def acl_artifacts(
             "acl_streams.json": got["streams"],
             "acl_checks.json": got["checks"],
         }
-        problems += [f"{where}: ACL graph capture: {p}" for p in _check_problems(got["checks"])]
+        problems += [f"{where}: ACL graph capture: {p}" for p in _check_problems(got["checks"], case)]
         if "invariant" in got:
             files["acl_invariant.json"] = got["invariant"]
             problems += [f"{where}: ACL graph invariant ops: {p}" for p in got["invariant"]["problems"]]

@@ -14,6 +14,7 @@
 """
 
 from . import batch_invariant, deepseek, dense, gemma3, invariant, invariant_modes, invariant_ops, llama, moe
+from .ascend_ops import NPU_KERNELS
 from .decoder import Blocks, DecodeState
 from .deepseek import DeepseekConfig
 from .embedded import embedded_config
@@ -36,6 +37,7 @@ from .llama import LlamaConfig
 from .moe import MoeConfig
 
 __all__ = [
+    "NPU_KERNELS",
     "deepseek",
     "dense",
     "gemma3",

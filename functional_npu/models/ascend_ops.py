@@ -18,6 +18,10 @@ compiles anywhere. Under torchair each becomes one GE op through the converters 
 The weights are input-major (``[K, N]``), as Ascend's kernels and torch-npu's packing
 (``npu_convert_weight_to_int4pack``) take them; int4 values are two's complement, least significant
 nibble first. :func:`pack_int4` and :func:`unpack_int4` convert to and from int8 values.
+
+On the NPU outside torchair's GE graph (npugraph_ex's ACL graph capture, eager) each op runs torch-npu's aclnn op of
+the same kernel (:data:`NPU_KERNELS`; their ``PrivateUse1`` kernels): the reference would run ``aten._int_mm``,
+which torch-npu has no kernel for, and a chain of casts where capture takes one op.
 """
 
 from __future__ import annotations
@@ -26,7 +30,17 @@ import torch
 
 from ..core.quant import pack_int32, unpack_int32
 
-__all__ = ["quant_matmul", "weight_quant_matmul", "pack_int4", "unpack_int4", "CONVERTED"]
+__all__ = [
+    "quant_matmul",
+    "weight_quant_matmul",
+    "quant_matmul_npu",
+    "weight_quant_matmul_npu",
+    "pack_int4",
+    "unpack_int4",
+    "CONVERTED",
+    "NPU_KERNELS",
+    "SCALAR_TYPE",
+]
 
 # the ops :mod:`functional_npu.runtime.serving.ge_converters` gives GE converters, as FX graphs name them
 CONVERTED = (
@@ -34,6 +48,14 @@ CONVERTED = (
     "functional_npu.weight_quant_matmul.default",
     "functional_npu.broadcast_into.default",  # through ge_converters.reinplace_ring, as functional_npu.ring_write
 )
+
+# each op's NPU kernel: the torch-npu op (``torch.ops.npu``) it calls, aclnn in torch-npu's own table
+NPU_KERNELS = {
+    "functional_npu::quant_matmul": "npu_quant_matmul",
+    "functional_npu::weight_quant_matmul": "npu_weight_quant_batchmatmul",
+}
+# torch's ScalarType numbers, which torch-npu's ops take for an output dtype (its TORCH_DTYPE_ENUM_VALUE map)
+SCALAR_TYPE = {torch.float16: 5, torch.float32: 6, torch.bfloat16: 15}
 
 _TWOS = -0x77777778  # 0x88888888 as int32: compressed-tensors' nibble ``q + 8`` xor 8 is ``q``'s two's complement
 
@@ -84,3 +106,28 @@ def weight_quant_matmul(
 @weight_quant_matmul.register_fake
 def _(x, weight, scale, offset, group_size):  # noqa: ANN001, ANN202 - the op's signature
     return x.new_empty((x.shape[0], scale.shape[-1]))
+
+
+def quant_matmul_npu(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, pertoken_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`quant_matmul` on the NPU: torch-npu's ``npu_quant_matmul`` (aclnn ``QuantBatchMatmulV3``), a float32
+    scale per output channel and per token."""
+    return torch.ops.npu.npu_quant_matmul(
+        x, weight, scale.float(), pertoken_scale=pertoken_scale.float(), output_dtype=SCALAR_TYPE[dtype]
+    )
+
+
+def weight_quant_matmul_npu(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """:func:`weight_quant_matmul` on the NPU: torch-npu's ``npu_weight_quant_batchmatmul`` (aclnn
+    ``WeightQuantBatchMatmulV2``): ``(w + offset) * scale`` per channel or per group of ``group_size`` inputs; int4
+    weights as its packing, eight to an int32 word along ``N``."""
+    return torch.ops.npu.npu_weight_quant_batchmatmul(
+        x, weight, scale, antiquant_offset=offset, antiquant_group_size=group_size
+    )
+
+
+torch.library.impl("functional_npu::quant_matmul", "PrivateUse1", quant_matmul_npu)
+torch.library.impl("functional_npu::weight_quant_matmul", "PrivateUse1", weight_quant_matmul_npu)

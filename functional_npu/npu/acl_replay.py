@@ -130,6 +130,7 @@ class ReplayedGraph:
         self.captures = 0
         self.eager_calls = 0
         self.fallback_to_eager = False
+        self.capture_error_mode = ""
 
     # the attributes npugraph_ex's own methods read from ``self``
     @property
@@ -149,6 +150,7 @@ class ReplayedGraph:
         from npugraph_ex._acl_concrete_graph.acl_graph import get_unupdated_input_fn  # type: ignore[import-not-found]
 
         self._fx_graph_name = info.fx_graph_name
+        self.capture_error_mode = info.capture_error_mode  # what torch_npu.npu.graph would capture under
         mutated = set(info.mutated_user_inputs or ())
         self.mutated = [(name, idx) for name, idx in info.user_inputs_mapping.items() if name in mutated]
         self._key_fn = get_unupdated_input_fn(
@@ -234,7 +236,8 @@ def replay(
     the arguments' names; an address no argument held is ``new#<n>``); ``address_sequence``: per call, the index of
     its tuple; ``captures``; npugraph_ex's own counts
     (``graph_keys``, ``recaptures``, ``recaptures_for_core_limits``, ``forced_recaptures``, see
-    :meth:`ReplayedGraph.counted`); ``eager_calls``; ``fallback_to_eager``. ``recaptures``: their sum over the graphs
+    :meth:`ReplayedGraph.counted`); ``eager_calls``; ``fallback_to_eager``; ``capture_error_mode`` (the ACL capture
+    mode npugraph_ex's generated module hands to the capture). ``recaptures``: their sum over the graphs
     (each graph's first capture is not one). Run only in a process set up by :func:`install`.
     """
     from torch._dynamo.utils import counters
@@ -273,6 +276,7 @@ def replay(
             **g.counted(),
             "eager_calls": g.eager_calls,
             "fallback_to_eager": g.fallback_to_eager,
+            "capture_error_mode": g.capture_error_mode,
         }
     total = sum(g["recaptures"] + g["recaptures_for_core_limits"] + g["forced_recaptures"] for g in graphs.values())
     return {"steps": steps, "graphs": graphs, "recaptures": total}

@@ -1,9 +1,11 @@
 """torchair's Python sources, from the torch-npu wheel, unpacked into a cache (never installed).
 
 Installing torch-npu where ``import torch`` must work breaks it on a host without CANN. The graph
-conversion needs only the wheel's ``torch_npu/dynamo`` directory (torchair and its converters), so
-:func:`torchair_sources` downloads the wheel with ``pip download --no-deps`` (once per machine),
-unpacks that directory without its native ``.so`` files into the cache, and returns its path.
+conversion needs only the wheel's ``torch_npu/dynamo`` directory (torchair and its converters), and the capture
+checks torch-npu's table of how it implements each op (:data:`OP_TABLE`, ``npu_native_functions_by_codegen.yaml``),
+so :func:`torchair_sources` downloads the wheel with ``pip download --no-deps`` (once per machine), unpacks those
+without the native ``.so`` files into the cache, and returns the ``dynamo`` directory's path
+(:func:`op_table` the table's).
 
 The cache is ``$FUNCTIONAL_NPU_CACHE`` or ``~/.cache/functional_npu``; a wheel already on disk can
 be named with ``$FUNCTIONAL_NPU_TORCH_NPU_WHEEL`` (no download). A wheel is unpacked only if its own
@@ -28,10 +30,20 @@ from pathlib import Path
 
 from ..core.cache_dir import cache_dir, cache_problem
 
-__all__ = ["TORCH_NPU_VERSION", "TorchairUnavailable", "cache_dir", "cached", "torchair_sources", "unpack"]
+__all__ = [
+    "TORCH_NPU_VERSION",
+    "TorchairUnavailable",
+    "cache_dir",
+    "cached",
+    "torchair_sources",
+    "op_table",
+    "unpack",
+    "OP_TABLE",
+]
 
 TORCH_NPU_VERSION = "2.13.0"  # the torch-npu release matching this project's torch line
 _PREFIX = "torch_npu/dynamo/"
+OP_TABLE = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"  # each op: aclnn (op_api), aclop, or its own
 # written last, inside the directory renamed into place: what was unpacked (the wheel's name, version and digest,
 # the files' digest); a directory without it, or whose files no longer match it, is unpacked again
 _DONE = ".unpacked"
@@ -105,8 +117,8 @@ def cached(dest: Path, version: str = TORCH_NPU_VERSION, wheel: Path | None = No
     """``dest``'s ``torch_npu/dynamo`` if it holds a complete unpack of torch-npu ``version`` (of ``wheel``, when
     one is named) whose files are unchanged since; None if it must be unpacked again."""
     marker, target = _marker(dest), dest / "torch_npu" / "dynamo"
-    if marker is None or not (target / "torchair" / "__init__.py").is_file():
-        return None
+    if marker is None or not (target / "torchair" / "__init__.py").is_file() or not (dest / OP_TABLE).is_file():
+        return None  # an unpack from before the op table was kept is unpacked again
     if "files_sha256" not in marker:  # an older marker: the wheel's file name is all it says
         name = str(marker.get("wheel", ""))
         legacy = wheel is None and re.match(rf"torch_npu-{re.escape(version)}(\.post\d+)?(\+[\w.]+)?-", name)
@@ -119,9 +131,9 @@ def cached(dest: Path, version: str = TORCH_NPU_VERSION, wheel: Path | None = No
 
 
 def unpack(wheel: Path, dest: Path, version: str = TORCH_NPU_VERSION) -> Path:
-    """Unpack ``torch_npu/dynamo`` (Python and data files, no native modules) from ``wheel``, which must be
-    torch-npu ``version``, into ``dest`` atomically, unless ``dest`` already holds this wheel's unchanged
-    unpack; returns the ``torch_npu/dynamo`` directory."""
+    """Unpack ``torch_npu/dynamo`` (Python and data files, no native modules) and :data:`OP_TABLE` from ``wheel``,
+    which must be torch-npu ``version``, into ``dest`` atomically, unless ``dest`` already holds this wheel's
+    unchanged unpack; returns the ``torch_npu/dynamo`` directory."""
     try:
         target = cached(dest, version, wheel)
         if target is not None:
@@ -133,6 +145,9 @@ def unpack(wheel: Path, dest: Path, version: str = TORCH_NPU_VERSION) -> Path:
             members = [n for n in z.namelist() if n.startswith(_PREFIX) and not n.endswith(".so")]
             if not any(n == _PREFIX + "torchair/__init__.py" for n in members):
                 raise TorchairUnavailable(f"{wheel} holds no {_PREFIX}torchair package; is it a torch-npu wheel?")
+            if OP_TABLE not in z.namelist():
+                raise TorchairUnavailable(f"{wheel} holds no {OP_TABLE}; is it a torch-npu wheel?")
+            members.append(OP_TABLE)
             marker = {"wheel": wheel.name, "name": name, "version": got, "wheel_sha256": _file_digest(wheel)}
             try:
                 _replace(z, members, dest, marker)
@@ -199,3 +214,13 @@ def torchair_sources(version: str = TORCH_NPU_VERSION, *, timeout: float = 300.0
         return target
     with tempfile.TemporaryDirectory(prefix="torch-npu-wheel.") as tmp:
         return unpack(_download(version, Path(tmp), timeout), dest, version)
+
+
+def op_table(version: str = TORCH_NPU_VERSION, *, timeout: float = 300.0) -> Path:
+    """torch-npu ``version``'s table of how it implements each op (:data:`OP_TABLE`), unpacked beside torchair's
+    sources (downloaded on first use, as :func:`torchair_sources`).
+
+    Raises:
+        TorchairUnavailable: no wheel could be had.
+    """
+    return torchair_sources(version, timeout=timeout).parents[1] / OP_TABLE

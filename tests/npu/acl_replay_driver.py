@@ -8,6 +8,8 @@ changes the import system): ``python -m tests.npu.acl_replay_driver SOURCES OUT`
 - ``limited``: the turning ring under ``capture_limit=1``;
 - ``unsafe_skip`` / ``forced``: the turning ring with ``unsafe_skip_npugraph_capture_validation`` and the still one with
   ``force_recapture``, in npugraph_ex's own ``CompilerConfig`` (what the options ``npugraph_ex_config`` refuses do);
+- ``relaxed``: the still ring under npugraph_ex's own config with ``capture_error_mode="relaxed"`` (the mode reaches
+  the capture: what ``npugraph_ex_config`` refuses);
 - ``refused``: the one-line refusal of each refused option by ``npugraph_ex_config``, and the options it accepts;
 - ``copies_ring`` / ``copies_unordered``: :func:`functional_npu.npu.capture_checks.copies` on the graph npugraph_ex
   hands to capture for a ring slot written by its broadcast, on the capture stream, and on a side stream with no
@@ -112,16 +114,19 @@ def main(argv: list[str]) -> int:
     )
     out["limited"] = acl_replay.replay(_turning, _ring(), npugraph_ex_config(capture_limit=1), STEPS, names=names)
     out["forced"] = acl_replay.replay(_still, _ring(), raw(force_recapture=True), STEPS, names=names)
+    out["relaxed"] = acl_replay.replay(_still, _ring(), raw(capture_error_mode="relaxed"), STEPS, names=names)
     refused = {}
     for name, value in (
         ("unsafe_skip_npugraph_capture_validation", True),
         ("force_recapture", True),
         ("input_inplace_pass", False),
+        ("capture_error_mode", "relaxed"),
+        ("capture_error_mode", "thread_local"),
     ):
         try:
             npugraph_ex_config(**{name: value})
         except ValueError as e:
-            refused[name] = str(e)
+            refused[f"{name}={value}"] = str(e)
     accepted = {"clone_input": False, "capture_limit": 8, "deadlock_check": True, "clone_output": True}
     npugraph_ex_config(**accepted)
     out["refused"] = {"refused": refused, "accepted": sorted(accepted)}

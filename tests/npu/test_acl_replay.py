@@ -83,11 +83,22 @@ def test_forced_recaptures_are_counted_as_such(runs):
 
 def test_npugraph_ex_config_refuses_each_option_in_one_line_and_takes_the_others(runs):
     refused = runs["refused"]["refused"]
-    assert set(refused) == set(REFUSED_NPUGRAPH_EX_OPTIONS)
-    for name, message in refused.items():
-        value = REFUSED_NPUGRAPH_EX_OPTIONS[name][0]
-        assert message.startswith(f"npugraph_ex option {name}={value!r} is refused: ") and "\n" not in message
+    modes = {f"capture_error_mode={m}" for m in ("relaxed", "thread_local")}
+    assert set(refused) == {f"{n}={v[0]}" for n, v in REFUSED_NPUGRAPH_EX_OPTIONS.items()} | modes
+    for key, message in refused.items():
+        name, value = key.split("=")
+        shown = repr(REFUSED_NPUGRAPH_EX_OPTIONS[name][0]) if name in REFUSED_NPUGRAPH_EX_OPTIONS else repr(value)
+        assert message.startswith(f"npugraph_ex option {name}={shown} is refused: ") and "\n" not in message
     assert runs["refused"]["accepted"] == ["capture_limit", "clone_input", "clone_output", "deadlock_check"]
+
+
+def test_every_capture_runs_in_the_global_capture_mode(runs):
+    """The mode npugraph_ex's own generated module hands to the capture (its ``AclGraphCacheInfo``): "global" for the
+    golden replay and every config of ``npugraph_ex_config``; the planted "relaxed" config reaches the capture as
+    such, so the check reads the real field."""
+    for run in ("golden", "turning", "still", "limited"):
+        assert {g["capture_error_mode"] for g in runs[run]["graphs"].values()} == {"global"}, run
+    assert {g["capture_error_mode"] for g in runs["relaxed"]["graphs"].values()} == {"relaxed"}
 
 
 def test_the_copy_check_passes_a_slot_written_in_place_and_fails_npugraph_ex_cloning_it(runs):

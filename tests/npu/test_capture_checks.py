@@ -322,3 +322,25 @@ def test_golden_host_ring_without_its_join_leaves_the_prefetch_stream_open():
 def test_golden_control_without_events_copies_the_ring():
     checks = read_artifact(GRAPHS, "qwen3-dp2-layer_shard-k1-decode", "acl_checks_no_events.json")
     assert checks["copies"] and all(RING in p for p in checks["copies"])
+
+
+@pytest.mark.parametrize("case", ACL_CASES, ids=lambda c: c.name)
+def test_golden_communication_gates_exactly_the_plans_the_npu_backends_refuse(case):
+    """Two streams communicating at once (npugraph_ex's deadlock_check pairs) in a golden graph happen exactly where
+    ``check_comm_streams`` refuses the case's plan on the NPU backends: every plan the NPU compiles passes the rule
+    with no pair, and the module-TP case (its o_proj and MLP exchanges on the compute stream beside the ring's
+    broadcasts) is the refused counterexample."""
+    from functional_npu.core.mesh import Mesh
+    from functional_npu.runtime.serving.backends import Backend
+    from functional_npu.runtime.serving.compile_policy import check_comm_streams
+
+    budgets = read_artifact(GRAPHS, case.name, "acl_checks.json")["comm"]["budgets"]
+    found = {name: (b["problems"], b["deadlock_check_pairs"]) for name, b in budgets.items()}
+    try:
+        check_comm_streams(case.plan, Mesh.abstract(case.axes, 0), Backend("npugraph_ex", "npu"), "case")
+        refused = False
+    except ValueError as e:
+        assert "may deadlock the device's vector cores under capture" in str(e)
+        refused = True
+    assert refused == any(p or pairs for p, pairs in found.values()), found
+    assert refused == case.module_tp

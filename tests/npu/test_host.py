@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from functional_npu.npu.wheel import TorchairUnavailable, cached, torchair_sources, unpack
+from functional_npu.npu.wheel import OP_TABLE, TorchairUnavailable, cached, torchair_sources, unpack
 from tools.aten_graphs import CASES
 from tools.ge_graphs import FIXES, case_artifacts, ge_artifacts
 
@@ -82,8 +82,12 @@ def _wheel(path, files, name: str = "torch_npu", version: str = "2.13.0"):
     return path
 
 
+TABLE = "supported:\n- func: mm(Tensor self, Tensor mat2) -> Tensor\n  impl_ns: acl_op, op_api\n"
+
+
 def _torchair_wheel(path, which: str, version: str = "2.13.0"):
-    return _wheel(path, {"torch_npu/dynamo/torchair/__init__.py": f"WHICH = {which!r}\n"}, version=version)
+    files = {"torch_npu/dynamo/torchair/__init__.py": f"WHICH = {which!r}\n", OP_TABLE: TABLE}
+    return _wheel(path, files, version=version)
 
 
 def _which(root) -> str:
@@ -98,6 +102,8 @@ def test_unpack_takes_the_python_sources_only_and_once(tmp_path):
             "torch_npu/dynamo/torchair/__init__.py": "",
             "torch_npu/dynamo/torchair/core/_torchair.so": b"\x7fELF",
             "torch_npu/dynamo/torchair/ge/ge_ir.proto": "syntax = 'proto3';",
+            "torch_npu/csrc/aten/npu_native_functions.yaml": "other: table",
+            OP_TABLE: TABLE,
         },
     )
     dest = tmp_path / "cache" / "torchair-2.13.0"
@@ -106,6 +112,8 @@ def test_unpack_takes_the_python_sources_only_and_once(tmp_path):
     assert (root / "torchair" / "__init__.py").is_file() and (root / "torchair" / "ge" / "ge_ir.proto").is_file()
     assert not (root / "torchair" / "core" / "_torchair.so").exists()
     assert not (dest / "torch_npu" / "__init__.py").exists()
+    assert (dest / OP_TABLE).read_text() == TABLE  # the op table, and no other file outside dynamo
+    assert not (dest / "torch_npu" / "csrc" / "aten" / "npu_native_functions.yaml").exists()
     inode = dest.stat().st_ino
     assert unpack(wheel, dest) == root and dest.stat().st_ino == inode  # cached: not unpacked again
     wheel.unlink()
@@ -113,9 +121,12 @@ def test_unpack_takes_the_python_sources_only_and_once(tmp_path):
 
 
 def test_a_bad_or_missing_wheel_is_one_line(tmp_path, monkeypatch):
-    not_torch_npu = _wheel(tmp_path / "other.whl", {"other/__init__.py": ""})
+    not_torch_npu = _wheel(tmp_path / "other.whl", {"other/__init__.py": "", OP_TABLE: TABLE})
     with pytest.raises(TorchairUnavailable, match="holds no torch_npu/dynamo/torchair package"):
         unpack(not_torch_npu, tmp_path / "a")
+    no_table = _wheel(tmp_path / "no-table.whl", {"torch_npu/dynamo/torchair/__init__.py": ""})
+    with pytest.raises(TorchairUnavailable, match=f"no-table.whl holds no {OP_TABLE}; is it a torch-npu wheel"):
+        unpack(no_table, tmp_path / "a")
     no_metadata = tmp_path / "bare.whl"
     with zipfile.ZipFile(no_metadata, "w") as z:
         z.writestr("torch_npu/dynamo/torchair/__init__.py", "")
