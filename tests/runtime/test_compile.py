@@ -274,3 +274,46 @@ def test_greedy_picks_and_checks_logits_in_one_pass():
         assert bool(_picked(spoiled, greedy_pick)[1]) is trusted
         assert bool(_picked(spoiled, lambda x: x.argmax(-1))[1]) is False  # a sampler checks every logit
     assert not bool(_picked(torch.full((2, 4), float("-inf")), greedy_pick)[1])
+
+
+def test_shapes_past_the_graph_budget_are_refused_not_run_eagerly(compiled):
+    """Without a ring too: 64 batch buckets x (4 prompt lengths + decode) = 320 graphs, past dynamo's recompile limit
+    this library sets (256): the shapes past it would run eagerly with only a log line, so refused before tracing;
+    the greedy head doubles the count."""
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    with pytest.raises(
+        ValueError,
+        match=r"^compile_model: 64 batch buckets x \(4 prompt lengths \+ decode\) = 320 graphs, over the budget of "
+        r"256: the shapes past it would run eagerly, not compiled or captured; pass fewer batch_sizes or",
+    ):
+        compile_model(compiled.params, mesh, batch_sizes=list(range(1, 65)), prefill_lengths=[8, 16, 32, 64],
+                      max_seq_len=64)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"32 batch buckets x \(4 prompt lengths \+ decode\) x 2 \(greedy head\) = 320"
+    ):
+        compile_model(compiled.params, mesh, batch_sizes=list(range(1, 33)), prefill_lengths=[8, 16, 32, 64],
+                      max_seq_len=64, greedy_head=True)  # fmt: skip
+
+
+def test_serving_batches_without_a_graph_are_named_and_the_others_reported():
+    from functional_npu.runtime.serving import batch_coverage
+    from functional_npu.runtime.serving.compile_policy import uncovered
+
+    got = batch_coverage((1, 2, 4, 8), [1, 3, 5, 8, 12])
+    assert {n: c["bucket"] for n, c in got.items()} == {1: 1, 3: 4, 5: 8, 8: 8, 12: None}
+    assert got[5]["padded"] == pytest.approx(3 / 8) and got[12]["padded"] is None
+    assert uncovered((1, 2, 4, 8), [3, 9, 12]) == (
+        "compile_model: serving batch sizes [9, 12] have no compiled graph (batch_sizes [1, 2, 4, 8]): generate "
+        "refuses them and the engine runs at most 8 sequences at once; add a bucket of at least 12 to batch_sizes to "
+        "serve them in one step"
+    )
+    assert uncovered((1, 2, 4, 8), [1, 8]) is None
+    with pytest.raises(ValueError, match=r"serving_batches must be positive ints, got 0"):
+        batch_coverage((1, 2), [0])
+
+
+def test_compile_model_warns_naming_the_serving_batches_it_has_no_graph_for(compiled):
+    mesh = Mesh.abstract({"tp": 1}, 0)
+    with pytest.warns(UserWarning, match=r"serving batch sizes \[6\] have no compiled graph \(batch_sizes \[1, 4\]\)"):
+        compile_model(compiled.params, mesh, backend="none", batch_sizes=[1, 4], max_seq_len=64,
+                      serving_batches=[1, 3, 6])  # fmt: skip

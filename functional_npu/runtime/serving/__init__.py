@@ -23,7 +23,7 @@ from .backends import (
     torchair_streams,
 )
 from .compile import CompileOptions, compile_model, greedy_generate
-from .compile_policy import cache_length
+from .compile_policy import batch_coverage, cache_length, check_comm_streams
 from .compiled_model import CompiledModel, GraphBreakError
 from .engine import Engine, Event, Request, stop_ids
 from .generate import Lockstep, Samples, generate, sample
@@ -34,6 +34,8 @@ __all__ = [
     "CompiledModel",
     "greedy_generate",
     "cache_length",
+    "batch_coverage",
+    "check_comm_streams",
     "GraphBreakError",
     "generate",
     "sample",

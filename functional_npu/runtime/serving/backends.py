@@ -33,6 +33,7 @@ __all__ = [
     "npugraph_ex_config",
     "check_npugraph_ex_config",
     "REFUSED_NPUGRAPH_EX_OPTIONS",
+    "REQUIRED_NPUGRAPH_EX_OPTIONS",
     "EVENT_PREFIX",
     "modes",
     "INDUCTOR_MODES",
@@ -217,9 +218,24 @@ REFUSED_NPUGRAPH_EX_OPTIONS: dict[str, tuple[Any, str]] = {
 }
 
 
+# npugraph_ex options this library holds at one value, with why. ``capture_error_mode`` is the ACL capture mode
+# (``torch_npu.npu.graph(capture_error_mode=...)``, as CUDA's stream capture modes): "global" makes a call that is
+# unsafe during capture (a device allocation outside the graph's pool, a synchronous copy or memset) fail at capture,
+# from any thread; "thread_local" only from the capturing thread (the host link's copy thread would slip through);
+# "relaxed" lets it run, so the captured graph silently lacks it.
+REQUIRED_NPUGRAPH_EX_OPTIONS: dict[str, tuple[Any, str]] = {
+    "capture_error_mode": (
+        "global",
+        "only 'global' makes an allocation, synchronous copy or memset inside the captured region fail at capture "
+        "(from any thread); 'thread_local' misses other threads' and 'relaxed' lets them run outside the graph, so "
+        "its replays silently lack them",
+    ),
+}
+
+
 def check_npugraph_ex_config(config: Any) -> Any:
     """``config`` (npugraph_ex's ``CompilerConfig``), after checking it sets none of
-    :data:`REFUSED_NPUGRAPH_EX_OPTIONS`.
+    :data:`REFUSED_NPUGRAPH_EX_OPTIONS` and holds each of :data:`REQUIRED_NPUGRAPH_EX_OPTIONS` at its value.
 
     Raises:
         ValueError: one line naming the option, the value, why, and the value to leave it at.
@@ -229,6 +245,11 @@ def check_npugraph_ex_config(config: Any) -> Any:
         value = getattr(option, "value", option)
         if option is not None and value == refused:
             raise ValueError(f"npugraph_ex option {name}={value!r} is refused: {why}; leave {name} at {not refused!r}")
+    for name, (required, why) in REQUIRED_NPUGRAPH_EX_OPTIONS.items():
+        option = getattr(config, name, None)
+        value = getattr(option, "value", option)
+        if value != required:
+            raise ValueError(f"npugraph_ex option {name}={value!r} is refused: {why}; leave {name} at {required!r}")
     return config
 
 
@@ -238,7 +259,8 @@ def npugraph_ex_config(**options: Any) -> Any:
     :func:`npugraph_ex_streams`.
 
     Raises:
-        ValueError: an option of :data:`REFUSED_NPUGRAPH_EX_OPTIONS` at its refused value (one line naming it), or
+        ValueError: an option of :data:`REFUSED_NPUGRAPH_EX_OPTIONS` at its refused value, one of
+            :data:`REQUIRED_NPUGRAPH_EX_OPTIONS` at another than its own (one line naming it), or
             ``post_grad_custom_pre_pass`` (this library's own).
     """
     import npugraph_ex  # type: ignore[import-not-found]
@@ -249,6 +271,8 @@ def npugraph_ex_config(**options: Any) -> Any:
             "stream hints); use post_grad_custom_post_pass"
         )
     config = npugraph_ex.CompilerConfig()
+    for name, (required, _) in REQUIRED_NPUGRAPH_EX_OPTIONS.items():
+        setattr(config, name, required)  # explicit: a later default does not loosen it
     for name, value in options.items():
         setattr(config, name, value)
     config.post_grad_custom_pre_pass = _create_events

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from .compile_policy import (
     GRAPH_BUDGET,
     LINEARS,
     REALIZE_INPUTS,
+    check_comm_streams,
+    check_graphs,
     check_phases,
     check_streamed,
     check_wrapper,
@@ -41,6 +44,7 @@ from .compile_policy import (
     preparer,
     shape_buckets,
     streamed_linears,
+    uncovered,
     with_step,
 )
 from .compiled_model import CompiledModel, static_addresses
@@ -102,6 +106,9 @@ class CompileOptions:
             delivers the copies of the series kept in host memory (``plan.offload``) at its bandwidth and latency,
             so that the prefetch step's overlap can be measured there. Refused on another device, without host
             series, and with ``cache_dir`` (the graphs name the link).
+        serving_batches: the batch sizes the model will serve (sequences decoding at once): a warning names those
+            past the largest of ``batch_sizes``, which have no compiled graph
+            (:func:`~.compile_policy.batch_coverage` reports the bucket each one pads to).
 
     Raises:
         ValueError (one line naming the field, the value and what it takes) for a field no compile could use.
@@ -119,6 +126,7 @@ class CompileOptions:
     greedy_head: bool = False
     cache_dir: str | os.PathLike | None = None
     host_link: EmulatedHostLink | None = None
+    serving_batches: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, Plan):
@@ -137,7 +145,7 @@ class CompileOptions:
             raise ValueError(
                 "compile_model: cache_dir is '': give a directory for the saved graphs (None: save nothing)"
             )
-        for name in ("batch_sizes", "prefill_lengths"):  # a list given is held as a tuple: the value stays frozen
+        for name in ("batch_sizes", "prefill_lengths", "serving_batches"):  # held as a tuple: the value stays frozen
             if getattr(self, name) is not None and not isinstance(getattr(self, name), tuple):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
 
@@ -181,6 +189,7 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     cfg = placed.config
     chosen = resolve_backend(o.backend, mode=o.mode, device_type=params["embed"].device.type)
     check_wrapper(chosen, mesh)
+    check_comm_streams(placed.plan, mesh, chosen, "compile_model")
     check_host_backend(params, chosen.name, chosen.mode, chosen.captures, chosen.device_type, "compile_model")
     check_host_link(params, o.host_link, chosen.device_type, o.cache_dir, "compile_model")
     if chosen.name == "inductor":
@@ -199,9 +208,12 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     sizes, seq, lengths = shape_buckets(cfg, o.batch_sizes, o.max_seq_len, o.prefill_lengths)
     placed = with_step(placed, params, o.prefetch_device)
     ring = ring_of(params, mesh, placed.plan)  # once: its layout and k are constants of every graph
-    if chosen.name != "none" and ring is not None:
-        graphs = len(sizes) * (len(lengths) + 1) * (1 + o.greedy_head)
-        check_phases(ring.k, cfg.num_layers, graphs)
+    if chosen.name != "none":
+        graphs = check_graphs(sizes, lengths, o.greedy_head)
+        if ring is not None:
+            check_phases(ring.k, cfg.num_layers, graphs)
+    if o.serving_batches is not None and (missing := uncovered(sizes, o.serving_batches)):
+        warnings.warn(missing, stacklevel=2)
     if placed != carried:  # a placement its loader made was warned about there (load_checkpoint, from_dtensor_state)
         warn_ring_memory(placed, "compile_model")  # the series' owned layers plus the ring against replication
     params = params.placed(placed)

@@ -1,11 +1,14 @@
 """The compile policy: what ``compile_model`` decides before anything is traced, each decision a pure function of the
 placement, the backend and the options.
 
-- the shape buckets (batch, cache length, prompt lengths) and the graphs a ring's phases multiply them by;
+- the shape buckets (batch, cache length, prompt lengths), the graphs a ring's phases multiply them by, and the
+  serving batch sizes they cover;
 - how float linears multiply (``streamed``, inductor's reductions on the CPU, or ``matmul``) and the forms the
   loaded weights are prepared in for their kernels;
 - the prefetch step resolved to an int (the cost model's for ``"auto"``) and inductor's options for the ring;
-- the invariant mode's options, and where it is refused.
+- the invariant mode's options, and where it is refused;
+- on the NPU backends, a plan whose ring's broadcasts and compute-stream collectives communicate on two streams at
+  once, refused.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ __all__ = [
     "cache_length",
     "shape_buckets",
     "check_phases",
+    "check_graphs",
+    "batch_coverage",
+    "uncovered",
     "check_wrapper",
+    "check_comm_streams",
+    "NPU_CAPTURE_BACKENDS",
     "LINEARS",
     "streamed_linears",
     "check_streamed",
@@ -115,6 +123,46 @@ def shape_buckets(
     return sizes, seq, lengths
 
 
+def check_graphs(sizes: Sequence[int], lengths: Sequence[int], greedy: bool) -> int:
+    """The graphs one compiled forward holds (a decode and a prefill per prompt length at each batch bucket, twice
+    with the greedy head), refused past :data:`GRAPH_BUDGET`: dynamo's recompile limit, which this library sets to
+    it, makes every shape past it run eagerly with nothing said but a log line. Returns the count."""
+    graphs = len(sizes) * (len(lengths) + 1) * (1 + greedy)
+    if graphs > GRAPH_BUDGET:
+        raise ValueError(
+            f"compile_model: {len(sizes)} batch buckets x ({len(lengths)} prompt lengths + decode)"
+            f"{' x 2 (greedy head)' if greedy else ''} = {graphs} graphs, over the budget of {GRAPH_BUDGET}: the "
+            f"shapes past it would run eagerly, not compiled or captured; pass fewer batch_sizes or prefill_lengths"
+        )
+    return graphs
+
+
+def batch_coverage(buckets: Sequence[int], sizes: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """For each serving batch size in ``sizes``: the compiled bucket it runs at (padded up: ``padded`` is the share
+    of the bucket's rows that are padding), or ``bucket`` None where it exceeds the largest (``generate`` refuses
+    it; the engine never runs that many at once, it admits up to the largest bucket)."""
+    out: dict[int, dict[str, Any]] = {}
+    for n in sorted(set(sizes)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"compile_model: serving_batches must be positive ints, got {n!r}")
+        fit = [b for b in buckets if b >= n]
+        bucket = min(fit) if fit else None
+        out[n] = {"bucket": bucket, "padded": (bucket - n) / bucket if bucket else None}
+    return out
+
+
+def uncovered(buckets: Sequence[int], sizes: Sequence[int]) -> str | None:
+    """One line naming the serving batch sizes past the largest bucket (None: every size has a graph)."""
+    missing = [n for n, c in batch_coverage(buckets, sizes).items() if c["bucket"] is None]
+    if not missing:
+        return None
+    return (
+        f"compile_model: serving batch sizes {missing} have no compiled graph (batch_sizes {list(buckets)}): generate "
+        f"refuses them and the engine runs at most {max(buckets)} sequences at once; add a bucket of at least "
+        f"{max(missing)} to batch_sizes to serve them in one step"
+    )
+
+
 def check_phases(k: int, num_layers: int, shapes: int) -> None:
     """Refuse a ring whose phases times the shapes compiled exceed :data:`GRAPH_BUDGET` graphs, in one line naming
     ``k``, ``L`` and the graphs, with the prefetch steps that need one graph per shape."""
@@ -141,6 +189,47 @@ def check_wrapper(backend: Backend, mesh: Mesh) -> None:
         raise ValueError(
             f"compile_model: mode 'reduce-overhead' on the CPU is inductor's C++ wrapper, which cannot compile the "
             f"collectives of a {mesh.size}-rank mesh {mesh.shape}; use mode 'default' (the CPU's fastest) or one rank"
+        )
+
+
+NPU_CAPTURE_BACKENDS = ("torchair", "npugraph_ex")  # the NPU's graph compilers: their streams run HCCL's kernels
+
+
+def _compute_stream_collectives(plan: Plan, mesh: Mesh) -> list[str]:
+    """The plan fields that put collectives on the compute stream, with their group sizes."""
+    out = []
+    if mesh.axis_size(plan.tp) > 1:
+        out.append(f"tp over {plan.tp!r} ({mesh.axis_size(plan.tp)} ranks)")
+    for module, axes in plan.module_tp.items():
+        if axes and mesh.axis_size(axes) > 1:
+            out.append(f"module_tp {module} over {axes!r} ({mesh.axis_size(axes)} ranks)")
+    if plan.expert_axes and mesh.axis_size(plan.expert_axes) > 1:
+        out.append(f"expert_axes {tuple(plan.expert_axes)!r} ({mesh.axis_size(plan.expert_axes)} ranks)")
+    return out
+
+
+def check_comm_streams(plan: Plan, mesh: Mesh, backend: Backend, where: str) -> None:
+    """Refuse, on the NPU's graph backends (:data:`NPU_CAPTURE_BACKENDS`), a plan whose layer-sharded ring
+    broadcasts on its prefetch stream while collectives run on the compute stream (tensor parallelism, module TP or
+    expert parallelism over more than one rank): nothing orders the two streams' communication, and npugraph_ex's
+    own ``deadlock_check`` finds the pairs that may run at once (18 in the golden module-TP case,
+    ``graphs/qwen3-dp4-module_tp-layer_shard-k1-*/acl_checks.json``). HCCL's AIV kernels each may take every
+    vector core of the device, so two at once on two streams can deadlock under capture; how many cores they take
+    there only a device shows. Series kept in host memory (``Plan.offload``) are copies, not collectives: allowed."""
+    if backend.name not in NPU_CAPTURE_BACKENDS and backend.device_type != "npu":
+        return
+    ls = plan.layer_shard
+    if ls is None or mesh.axis_size(ls.axis) <= 1:
+        return
+    main = _compute_stream_collectives(plan, mesh)
+    if main:
+        raise ValueError(
+            f"{where}: on backend {backend.name!r} the layer-sharded ring broadcasts over {ls.axis!r} "
+            f"({mesh.axis_size(ls.axis)} ranks) on its prefetch stream while {', '.join(main)} run collectives on "
+            f"the compute stream: HCCL's AIV collectives on two streams at once may deadlock the device's vector "
+            f"cores under capture (npugraph_ex's deadlock_check finds such pairs), and nothing orders them; on the "
+            f"NPU layer-shard with no other collective (tp 1, no module TP or EP), keep the series in host memory "
+            f"(Plan(offload=...): copies, not collectives), or drop the layer sharding"
         )
 
 
