@@ -243,6 +243,10 @@ def _check_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> A
     elif args.devices is not None:
         parser.error("--devices is the number of ranks --plan plans for; without --plan give --dp and --tp")
     module_tp = _module_tp(args, parser, sizes)
+    if args.offload is not None and not args.offload.replace(",", "").strip():  # Plan(offload="") is no offload
+        parser.error(
+            f"--offload {args.offload!r}: names no weight series; give them (e.g. --offload o_proj,down) or drop it"
+        )
     if args.layer_shard is None and args.offload is None and args.prefetch_step is not None:
         parser.error("--prefetch-step needs --layer-shard or --offload (which weight series to fetch ahead)")
     if args.layer_shard is None and args.layer_shard_axis is not None:

@@ -184,6 +184,12 @@ def _check_out(out: str, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--out {out}: the directory {parent} does not exist; create it or give another path")
     if not os.access(parent, os.W_OK):
         parser.error(f"--out {out}: the directory {parent} is not writable; give another path")
+    from ..core.files import NotARegularFile, check_target
+
+    try:
+        check_target(path)
+    except NotARegularFile as e:
+        parser.error(f"--out {out}: {e.strerror}")
 
 
 def plan_for_generate(args: argparse.Namespace, cfg: Any, quant: Any, prompts: list) -> Any:

@@ -17,6 +17,7 @@ A profile measured per collective (``measured``) uses its own alpha and per-byte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +34,12 @@ class Link:
 
     bytes_per_s: float
     alpha_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not _number(self.bytes_per_s) or not 0 < self.bytes_per_s < math.inf:
+            raise ValueError(f"Link: bytes_per_s must be a positive finite number, got {self.bytes_per_s!r}")
+        if not _number(self.alpha_s) or not 0 <= self.alpha_s < math.inf:
+            raise ValueError(f"Link: alpha_s (seconds per transfer) must be finite and >= 0, got {self.alpha_s!r}")
 
     def time(self, nbytes: float) -> float:
         return self.alpha_s + nbytes / self.bytes_per_s
@@ -89,6 +96,35 @@ class Device:
     spread: float | None = None
     formats: tuple[str, ...] = ("bf16", "fp16", "int8", "int4")
 
+    def __post_init__(self) -> None:
+        """One line naming the first figure no plan can be priced with (a device's every figure is checked where the
+        profile is made: a NaN, a zero bandwidth or a zero node size once reached the planner's arithmetic)."""
+        fix = "give the figure (see functional_npu.parallel.devices.DEVICES for sourced ones)"
+        for name in ("memory_bytes_per_s", "flop_per_s"):
+            value = getattr(self, name)
+            if not _number(value) or not 0 < value < math.inf:
+                raise ValueError(
+                    f"the device profile {self.name!r} needs a positive finite {name} to price a plan, got {value!r}; "
+                    f"{fix}"
+                )
+        for name in ("link", "inter_node", "host_link"):
+            value = getattr(self, name)
+            if not (isinstance(value, Link) or (value is None and name != "link")):
+                raise ValueError(f"the device profile {self.name!r}: {name} must be a Link, got {value!r}; {fix}")
+        checks = {
+            "memory_bytes": (self.memory_bytes, lambda v: v is None or (_number(v) and 0 < v < math.inf)),
+            "links": (self.links, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+            "node_size": (self.node_size, lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                                                  and v >= 1)),
+            "step_overhead_s": (self.step_overhead_s, lambda v: v is None or (_number(v) and 0 <= v < math.inf)),
+            "spread": (self.spread, lambda v: v is None or (_number(v) and 0 <= v < math.inf)),
+        }  # fmt: skip
+        for name, (value, ok) in checks.items():
+            if not ok(value):
+                raise ValueError(
+                    f"the device profile {self.name!r}: {name}={value!r} is not a figure it can take; {fix}"
+                )
+
     @property
     def prediction_spread(self) -> float:
         """:attr:`spread`, or :data:`UNFITTED_SPREAD` where the profile has no fit."""
@@ -121,6 +157,10 @@ class Device:
     def link_for(self, nodes: int) -> Link:
         """The link a group on ``nodes`` nodes runs at: the inter-node one once it spans nodes."""
         return self.inter_node if nodes > 1 and self.inter_node is not None else self.link
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 
 def collective_factor(name: str, n: int) -> float:

@@ -19,6 +19,7 @@ name. It is for benchmarks and tests of the prefetch ring's overlap on a CPU hos
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import time
 from typing import Any
@@ -33,7 +34,28 @@ from torch._C._distributed_c10d import (
 
 from .offload import host_of
 
-__all__ = ["EmulatedHostLink", "check_host_link"]
+__all__ = ["EmulatedHostLink", "check_host_link", "MIN_BYTES_PER_S", "MAX_LATENCY_S"]
+
+# the slowest link and the longest latency emulated: past them a step's copies would outlast any benchmark (a
+# 1e-300 B/s link's completion time once overflowed the platform's clock and hung the generate waiting on it)
+MIN_BYTES_PER_S = 1e3
+MAX_LATENCY_S = 10.0
+
+
+def _figure(name: str, value: Any, low: float, high: float, example: str) -> float:
+    """``value`` as a float in ``[low, high]``; anything else (a bool, a string, None, NaN, inf, an int past float
+    range) one line naming the field, the value and the range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"EmulatedHostLink: {name} must be a number, got {value!r} ({type(value).__name__}); {example}"
+        )
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf
+    if not (math.isfinite(x) and low <= x <= high):
+        raise ValueError(f"EmulatedHostLink: {name}={value!r} is outside [{low:g}, {high:g}]; {example}")
+    return x
 
 
 class EmulatedHostLink(dist.ProcessGroup):
@@ -42,19 +64,22 @@ class EmulatedHostLink(dist.ProcessGroup):
     transfers and bytes it has accepted, and the seconds its completions came after their due times in all (the
     thread's wake-up, on a core the step may be using).
 
+    A transfer's work completes at its due time (finite: the figures are bounded). If the link's thread fails, what it
+    holds completes at once and the failure is raised in the caller, naming the link: by every later transfer and by
+    :meth:`check`, which the compiled model calls after each step.
+
     Raises:
-        ValueError: a bandwidth that is not positive, or a negative latency.
+        ValueError: a bandwidth or latency that is not a finite number in range (:data:`MIN_BYTES_PER_S` and up;
+            ``0 <= latency_s <=`` :data:`MAX_LATENCY_S`).
     """
 
     def __init__(self, bytes_per_s: float, latency_s: float = 0.0):
-        if not bytes_per_s > 0 or not latency_s >= 0:
-            raise ValueError(
-                f"EmulatedHostLink: bytes_per_s={bytes_per_s!r} and latency_s={latency_s!r}; a link needs a positive "
-                f"bandwidth and a latency of zero or more (e.g. EmulatedHostLink(25e9, 2e-6) for 25 GB/s, 2 us)"
-            )
+        example = "e.g. EmulatedHostLink(25e9, 2e-6) for 25 GB/s, 2 us"
+        bandwidth = _figure("bytes_per_s", bytes_per_s, MIN_BYTES_PER_S, math.inf, example)
+        latency = _figure("latency_s", latency_s, 0.0, MAX_LATENCY_S, example)
         super().__init__(0, 1)
-        self.bytes_per_s = float(bytes_per_s)
-        self.latency_s = float(latency_s)
+        self.bytes_per_s = bandwidth
+        self.latency_s = latency
         self.name = ""
         self.carried = {"transfers": 0, "bytes": 0, "late_s": 0.0}
         self._free_at = 0.0  # when the link finishes its last accepted transfer
@@ -62,15 +87,22 @@ class EmulatedHostLink(dist.ProcessGroup):
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._error: BaseException | None = None
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return "emulated-host-link"
+
+    @property
+    def entered(self) -> bool:
+        """Whether the link is inside its ``with`` block (its group registered, its thread running)."""
+        return self._thread is not None
 
     def __enter__(self) -> EmulatedHostLink:
         if self._thread is not None:
             raise RuntimeError(f"EmulatedHostLink {self.name!r} is already entered")
         self.name = f"functional_npu.emulated_host_link.{id(self):x}"  # unique among the links alive
         self._closing = False
+        self._error = None
         self._thread = threading.Thread(target=self._complete, name=self.name, daemon=True)
         self._thread.start()
         _register_process_group(self.name, self)
@@ -95,6 +127,8 @@ class EmulatedHostLink(dist.ProcessGroup):
         if self._thread is None:
             raise RuntimeError("EmulatedHostLink: a transfer on a link that is not entered (use it as `with link:`)")
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if self._error is not None:
+            raise self._failure()
         fut: torch.futures.Future = torch.futures.Future()
         with self._cv:
             start = max(time.perf_counter(), self._free_at)
@@ -105,8 +139,30 @@ class EmulatedHostLink(dist.ProcessGroup):
             self._cv.notify()
         return _create_work_from_future(fut)
 
+    def _failure(self) -> RuntimeError:
+        return RuntimeError(f"EmulatedHostLink {self.name!r}: its thread failed: {self._error!r}")
+
+    def check(self) -> None:
+        """Raise the link thread's failure, if it failed (the compiled model calls this after each step)."""
+        if self._error is not None:
+            raise self._failure()
+
     def _complete(self) -> None:
-        """The link's thread: completes each accepted transfer at its time, in order; at exit, the rest at once."""
+        """The link's thread (:meth:`_carry`). On a failure every transfer it holds completes at once (c10d's work
+        from a future does not carry an error to its wait, and the bytes are in place since the transfer's issue):
+        nothing waits forever; the failure is raised by every later transfer and by :meth:`check`."""
+        try:
+            self._carry()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller, never lost in this thread
+            with self._cv:
+                self._error = e
+                pending, self._due = self._due, []
+            for _, _, fut, tensors in pending:
+                if not fut.done():
+                    fut.set_result(tensors)
+
+    def _carry(self) -> None:
+        """Completes each accepted transfer at its time, in order; at exit, the rest at once."""
         while True:
             with self._cv:
                 while not self._due and not self._closing:
@@ -130,7 +186,7 @@ def check_host_link(
     device's copies are real), a model with no series in host memory, or a graph directory (the graphs name it)."""
     if link is None:
         return
-    if not isinstance(link, EmulatedHostLink) or not link.name:
+    if not isinstance(link, EmulatedHostLink) or not link.entered:
         raise ValueError(
             f"{where}: host_link={link!r} is not an entered EmulatedHostLink; use `with EmulatedHostLink(bytes_per_s, "
             f"latency_s) as link:` and pass host_link=link inside it"

@@ -84,7 +84,7 @@ def series_names(names: Any, where: str, empty: bool = False) -> tuple[str, ...]
         parts = [parts]
     parts = [p.strip() if isinstance(p, str) else p for p in parts]
     bad = [p for p in parts if not isinstance(p, str) or (p and not p.isidentifier())]
-    kept = tuple(dict.fromkeys(p for p in parts if p))
+    kept = () if bad else tuple(dict.fromkeys(p for p in parts if p))
     if bad or not (kept or empty):
         raise ValueError(
             f"{where}: expected series names like 'o_proj,down_proj' or 'layer', got {names!r}"

@@ -44,6 +44,8 @@ def test_generate_with_series_in_host_memory(qwen3):
             "series ['o_proj'] are both layer-sharded (plan.layer_shard) and kept in host memory (plan.offload)",
         ),
         (["--offload", "o_proj,1x"], "Plan.offload: expected series names like 'o_proj,down_proj' or 'layer'"),
+        (["--offload", ""], "--offload '': names no weight series; give them (e.g. --offload o_proj,down) or drop it"),
+        (["--offload", " , "], "--offload ' , ': names no weight series"),  # once silently ignored
         (
             ["--dp", "2", "--layer-shard", "o_proj", "--prefetch-step", "4"],
             "prefetch_step must be an int with 0 <= k <= num_layers - 1 = 3 (the model has 4 layers, so a ring "

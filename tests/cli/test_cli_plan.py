@@ -2,6 +2,8 @@
 planner's choice run against transformers, and plan files for another model or mesh refused by name."""
 
 import json
+import os
+import stat
 from decimal import Decimal
 
 import pytest
@@ -137,6 +139,28 @@ def test_bad_plan_arguments_are_one_line(qwen3, args, message, capsys):
     captured = capsys.readouterr()
     assert code == 2 and message in captured.err and captured.out == ""
     assert len([ln for ln in captured.err.strip().splitlines() if "error" in ln]) == 1
+
+
+def test_plan_out_never_replaces_what_is_not_a_regular_file(qwen3, tmp_path, capsys):
+    """``--out`` a FIFO (or, as root, a device node made for the test): refused before anything is planned, the entry
+    left as it was (the atomic write once turned them, and /dev/null, into regular files holding the plan)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    targets = {fifo: "a FIFO"}
+    if os.geteuid() == 0:
+        node = tmp_path / "null"
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        targets[node] = "a character device"
+    for path, kind in targets.items():
+        before = os.lstat(path).st_mode
+        try:
+            code = main(["plan", "--model", str(qwen3[0]), "--devices", "2", "--context", "64", "--out", str(path)])
+        except SystemExit as e:
+            code = e.code
+        captured = capsys.readouterr()
+        assert code == 2 and captured.out == ""
+        assert f"--out {path}: {path} is {kind}, not a regular file" in captured.err
+        assert os.lstat(path).st_mode == before
 
 
 def test_plan_serve_ranks_by_tokens_per_device_and_a_refused_figure_is_accepted_given_back(qwen3, capsys):

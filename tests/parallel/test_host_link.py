@@ -47,11 +47,49 @@ def test_a_slot_copied_through_the_link_holds_the_host_bytes_once_waited():
     assert link.carried["transfers"] == 1 and link.carried["bytes"] == 40
 
 
+FIX = "e.g. EmulatedHostLink(25e9, 2e-6) for 25 GB/s, 2 us"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((0,), "bytes_per_s=0 is outside [1000, inf]"),
+        ((1e-300,), "bytes_per_s=1e-300 is outside [1000, inf]"),  # its completion once overflowed the clock: a hang
+        ((float("nan"),), "bytes_per_s=nan is outside [1000, inf]"),
+        ((float("inf"),), "bytes_per_s=inf is outside [1000, inf]"),
+        ((10**400,), f"bytes_per_s={10**400!r} is outside [1000, inf]"),
+        ((True,), "bytes_per_s must be a number, got True (bool)"),
+        (("25e9",), "bytes_per_s must be a number, got '25e9' (str)"),
+        ((None,), "bytes_per_s must be a number, got None (NoneType)"),
+        ((1e9, -1.0), "latency_s=-1.0 is outside [0, 10]"),
+        ((1e9, float("inf")), "latency_s=inf is outside [0, 10]"),
+        ((1e9, 1e300), "latency_s=1e+300 is outside [0, 10]"),
+    ],
+)
+def test_a_link_figure_out_of_range_is_refused_in_one_line(args, message):
+    with pytest.raises(ValueError) as e:
+        EmulatedHostLink(*args)
+    assert str(e.value) == f"EmulatedHostLink: {message}; {FIX}"
+
+
+class _Failing(EmulatedHostLink):
+    def _carry(self) -> None:
+        raise OverflowError("timestamp out of range for platform time_t")
+
+
+def test_the_link_thread_failing_is_raised_in_the_caller_and_nothing_waits_forever():
+    """The thread once died on an OverflowError and the generate waiting on it never returned: what it held completes,
+    and its failure is raised by the next transfer and by ``check`` (the compiled model's, after each step)."""
+    with _Failing(1e6) as link:
+        link._thread.join(timeout=10)
+        failed = rf"EmulatedHostLink '{link.name}': its thread failed: OverflowError"
+        with pytest.raises(RuntimeError, match=failed):
+            link.broadcast([torch.zeros(4)])
+        with pytest.raises(RuntimeError, match=failed):
+            link.check()
+
+
 def test_bad_links_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"bytes_per_s=0 and latency_s=0\.0; a link needs a positive bandwidth"):
-        EmulatedHostLink(0)
-    with pytest.raises(ValueError, match=r"latency of zero or more"):
-        EmulatedHostLink(1e9, -1.0)
     host = {"host": {"o_proj": torch.zeros(2, 2, 2)}}
     with pytest.raises(ValueError, match=r"^compile_model: host_link=.* is not an entered EmulatedHostLink; use"):
         check_host_link(host, EmulatedHostLink(1e9), "cpu", None, "compile_model")
@@ -65,3 +103,5 @@ def test_bad_links_are_refused_with_the_fix():
         check_host_link(host, link, "cpu", None, "compile_model")
     with pytest.raises(RuntimeError, match=r"a transfer on a link that is not entered"):
         link.broadcast([torch.zeros(1)])
+    with pytest.raises(ValueError, match=r"is not an entered EmulatedHostLink"):  # after its with block
+        check_host_link(host, link, "cpu", None, "compile_model")

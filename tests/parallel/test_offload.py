@@ -241,3 +241,39 @@ def test_a_gradient_through_host_series_is_refused(qwen3):
     params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj"))
     with pytest.raises(ValueError, match=r"^value_and_grad: series \['o_proj'\] are kept in host memory"):
         value_and_grad(lm_loss)(params, torch.tensor([[1, 2, 3, 4]]), ONE)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x: x.to("meta"), r"params\['host.o_proj'\] is torch.float32 on meta, the compiled model's weights "
+         r"torch.float32 on cpu"),
+        (lambda x: x.to(torch.bfloat16), r"params\['host.o_proj'\] is torch.bfloat16 on cpu, the compiled model's "
+         r"weights torch.float32 on cpu"),
+    ],
+    ids=["meta", "bf16 beside fp32"],
+)  # fmt: skip
+def test_host_series_without_data_or_in_another_dtype_are_refused_by_compile_model(qwen3, change, message):
+    """Host series on the meta device once compiled and generated tokens unlike the resident model's on every
+    backend; bf16 host series beside fp32 weights failed at generate time with a raw dtype error."""
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj"))
+    params["host"]["o_proj"] = change(params["host"]["o_proj"])
+    with pytest.raises(ValueError, match=r"^compile_model: " + message):
+        compile_model(params, ONE, backend="none", batch_sizes=[4], max_seq_len=24)
+
+
+def test_a_model_run_after_its_host_link_closed_is_refused(qwen3, resident):
+    """A raw c10d "could not resolve the process group" error once: the graphs name the link's group."""
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj", prefetch_step=1))
+    with EmulatedHostLink(1e9) as link:
+        model = compile_model(params, ONE, backend="none", batch_sizes=[4], max_seq_len=24, host_link=link)
+        assert model.generate(PROMPTS[:1], 2) == resident.generate(PROMPTS[:1], 2)
+    with pytest.raises(RuntimeError, match=r"compiled with an EmulatedHostLink .* whose with block has ended"):
+        model.generate(PROMPTS[:1], 2)
+
+
+@pytest.mark.parametrize("value", [{"o_proj"}, 3, ["o_proj", 5]])
+def test_offload_names_of_the_wrong_type_are_one_line(value):
+    """A set once raised Python's "unhashable type"."""
+    with pytest.raises(ValueError, match=r"^Plan.offload: expected series names like 'o_proj,down_proj' or 'layer', "):
+        Plan(offload=value)

@@ -137,3 +137,29 @@ def test_a_split_that_cannot_be_priced_is_one_line(prefill, decode, work, messag
             DENSE, Candidate("p", prefill, Plan()), Candidate("d", decode, Plan()), "910b", work, memory_per_device=1e8
         )
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Workload.decode(2, 8, "bfloat16"), r"workload: dtype is the activations' .* got 'bfloat16'"),
+        (lambda: Workload.decode(2, 8, torch.int8), r"got torch.int8; int8 or int4 weights are a QuantConfig"),
+        (lambda: Link(0.0), r"Link: bytes_per_s must be a positive finite number, got 0.0"),
+        (lambda: Link(1e9, -1e-6), r"Link: alpha_s .* must be finite and >= 0, got -1e-06"),
+        (lambda: dataclasses.replace(device("910b"), links=0), r"'ascend-910b': links=0 is not a figure it can take"),
+        (lambda: dataclasses.replace(device("910b"), node_size=0), r"node_size=0 is not a figure it can take"),
+        (lambda: dataclasses.replace(device("910b"), flop_per_s=math.nan), r"needs a positive finite flop_per_s"),
+        (lambda: dataclasses.replace(device("910b"), step_overhead_s=-1.0), r"step_overhead_s=-1.0 is not a figure"),
+        (lambda: dataclasses.replace(device("910b"), host_link=Link(1e9, math.inf)), r"alpha_s .* got inf"),
+        (lambda: choose_plan(DENSE, 2, "910b", 1e9, Workload.decode(2, 4096)), r"workload: decode context 4097 "
+         r"positions is past the model's 4096 \(max_position_embeddings\); give at most 4095"),
+        (lambda: choose_plan(DENSE, 2, "910b", 1e9, Workload.serve(5000, 0.5)), r"workload: serve context 5000 "
+         r"positions is past the model's 4096"),
+    ],
+)  # fmt: skip
+def test_a_workload_or_profile_figure_no_plan_can_take_is_one_line(make, message):
+    """Each refused where the workload, the link or the profile is made (a NaN, a zero node size or a string dtype
+    once reached the planner's arithmetic as raw errors)."""
+    with pytest.raises(ValueError, match=message) as e:
+        make()
+    assert "\n" not in str(e.value)

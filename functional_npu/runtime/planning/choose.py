@@ -31,7 +31,7 @@ from ...placement.placement import Placement
 from ...placement.quant_config import QuantConfig
 from .disaggregated import Disaggregated, best_split
 from .serve import Served, serve_estimate
-from .step_model import Candidate, Estimate, Workload, check_formats, cost_shape, estimate
+from .step_model import Candidate, Estimate, Workload, check_formats, check_positions, cost_shape, estimate
 
 # the most devices a plan is made for (every candidate's bytes are counted at every rank)
 MAX_DEVICES = 1024
@@ -281,6 +281,7 @@ def choose_plan(
         raise ValueError(f"choose_plan: workload must be a Workload (decode, prefill or serve), got {workload!r}")
     _check_profile(dev)
     check_formats(workload, dev)
+    check_positions(model_config, workload)
     if dev.step_overhead_s is None:
         warnings.warn(
             f"choose_plan: the device profile {dev.name!r} has no fixed cost per step (step_overhead_s), measured or "

@@ -56,6 +56,7 @@ __all__ = [
     "step_transfers",
     "sequence_kv_bytes",
     "SCHEDULES",
+    "check_positions",
 ]
 
 
@@ -186,6 +187,11 @@ ADMIT = ("full", "mean")
 
 def _check_settings(w: Workload) -> None:
     """One line naming the field for a deployment setting the step model cannot price."""
+    if not isinstance(w.dtype, torch.dtype) or not w.dtype.is_floating_point:
+        raise ValueError(
+            f"workload: dtype is the activations' and unquantized weights' torch dtype (torch.bfloat16, torch.float16, "
+            f"torch.float32), got {w.dtype!r}; int8 or int4 weights are a QuantConfig (quant=...)"
+        )
     if w.weights is not None and w.weights not in FORMATS:
         raise ValueError(
             f"workload: weights={w.weights!r} is not a format the planner prices; it prices {list(FORMATS)} (or "
@@ -209,6 +215,17 @@ def _check_settings(w: Workload) -> None:
         raise ValueError(
             f"workload: admit must be one of {ADMIT} ('mean' for a serving workload: its paged cache at each "
             f"sequence's mean context), got {w.admit!r} for a {w.kind} workload"
+        )
+
+
+def check_positions(cfg: Any, workload: Workload) -> None:
+    """Refuse a workload whose sequences hold more positions than the model has (``max_position_embeddings``)."""
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit is not None and workload.cache_len > limit:
+        field_name = "length" if workload.kind == "prefill" else "context"
+        raise ValueError(
+            f"workload: {workload.kind} {field_name} {workload.cache_len} positions is past the model's {limit} "
+            f"(max_position_embeddings); give at most {limit - (workload.kind == 'decode')}"
         )
 
 
@@ -343,6 +360,7 @@ def estimate(
     if candidate.schedule == "two_batch":
         return _two_batch(cfg, candidate, device, workload, memory_per_device, quant, dispatch)
     dev, shape = device_profile(device), cost_shape(cfg)
+    check_positions(cfg, workload)
     placed = place(cfg, candidate.axes, candidate.plan, quant, where=candidate.name)
     plan, mesh = placed.plan, Mesh.abstract(candidate.axes, 0)
     check_formats(workload, dev)

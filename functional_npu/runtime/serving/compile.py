@@ -47,7 +47,7 @@ from .compile_policy import (
     uncovered,
     with_step,
 )
-from .compiled_model import CompiledModel, static_addresses
+from .compiled_model import CompiledModel, same_tensors, static_addresses
 from .generate import check_length
 from .inductor_cache import sweep
 
@@ -189,6 +189,7 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     cfg = placed.config
     chosen = resolve_backend(o.backend, mode=o.mode, device_type=params["embed"].device.type)
     check_wrapper(chosen, mesh)
+    same_tensors(params, params["embed"], "compile_model", dtypes=False)
     check_comm_streams(placed.plan, mesh, chosen, "compile_model")
     check_host_backend(params, chosen.name, chosen.mode, chosen.captures, chosen.device_type, "compile_model")
     check_host_link(params, o.host_link, chosen.device_type, o.cache_dir, "compile_model")
@@ -230,7 +231,7 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     )
     return CompiledModel(
         params, mesh, chosen, sizes, seq, lengths, fwd, placed, greedy, ring=ring, _recompiles=recompiles,
-        _prepare=prepare,
+        _prepare=prepare, host_link=o.host_link,
     )  # fmt: skip
 
 

@@ -64,6 +64,8 @@ class CompiledModel:
     # graph reads its inputs at fixed addresses
     _kv: dict = field(default_factory=dict, repr=False, compare=False)
     _ring: list = field(default_factory=list, repr=False, compare=False)
+    # the emulated host link the graphs name (compile_model(host_link=...)); a step outside its with block is refused
+    host_link: Any = field(default=None, repr=False, compare=False)
 
     @property
     def config(self) -> Any:
@@ -97,6 +99,12 @@ class CompiledModel:
     def _run(
         self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any = None
     ) -> torch.Tensor:
+        if self.host_link is not None and not self.host_link.entered:
+            raise RuntimeError(
+                f"{phase}: the model was compiled with an EmulatedHostLink ({self.host_link.name!r}) whose with block "
+                f"has ended: its graphs copy through it; run the model inside `with link:`, or compile it again "
+                f"without host_link"
+            )
         if self.ring is not None:  # the state's buffers against the layout answered at compile time
             try:
                 self.ring.check(state.prefetched)
@@ -108,13 +116,17 @@ class CompiledModel:
         try:
             with torch.no_grad(), self._recompiles:
                 if not self.backend.captures:
-                    return (forward or self.forward)(self.params, tokens, positions, state, self.mesh)
-                torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
-                return (forward or self.forward)(self.params, tokens, positions, state, self.mesh).clone()
+                    out = (forward or self.forward)(self.params, tokens, positions, state, self.mesh)
+                else:
+                    torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
+                    out = (forward or self.forward)(self.params, tokens, positions, state, self.mesh).clone()
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(
                 f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}"
             ) from e
+        if self.host_link is not None:
+            self.host_link.check()  # a link thread's failure, raised here rather than lost
+        return out
 
     def with_params(self, params: dict) -> CompiledModel:
         """The same model and graphs over other weights of the same model, placement and shapes (a post-training
@@ -127,7 +139,7 @@ class CompiledModel:
         """
         placed = placement_of(params, self.mesh, self.plan, where="with_params")
         self.placement.same_model(placed, "with_params")
-        _same_tensors(params, self.params["embed"], "with_params")
+        same_tensors(params, self.params["embed"], "with_params")
         new = self._prepare(params)
         if self.backend.captures:
             static_addresses(new)
@@ -299,13 +311,22 @@ def static_addresses(params: dict) -> None:
             torch._dynamo.mark_static_address(t, guard=False)
 
 
-def _same_tensors(params: dict, like: torch.Tensor, where: str) -> None:
-    """Every float leaf of ``params`` in ``like``'s dtype and on its device (the graphs were compiled for those); the
-    series kept in host memory (``params["host"]``, :mod:`~functional_npu.parallel.offload`) on the host."""
+def same_tensors(params: dict, like: torch.Tensor, where: str, *, dtypes: bool = True) -> None:
+    """Every leaf of ``params`` on ``like``'s device, every float leaf in its dtype (the graphs are compiled for
+    those; ``dtypes=False``: only the series kept in host memory, which the ring copies into slots of the weights'
+    dtype); the series kept in host memory (``params["host"]``, :mod:`~functional_npu.parallel.offload`) on the host.
+    A leaf on the meta device (shapes without data) is refused wherever it is: the graphs would compute on whatever
+    memory stood in for it."""
     for path, x in flatten_with_paths(params):
-        device = torch.device("cpu") if path.startswith("host.") else like.device
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and (x.dtype, x.device) != (like.dtype, device):
+        if not isinstance(x, torch.Tensor):
+            continue
+        host = path.startswith("host.")
+        device = torch.device("cpu") if host else like.device
+        wrong_dtype = x.is_floating_point() and x.dtype != like.dtype and (dtypes or host)
+        if x.device != device or wrong_dtype or x.is_meta:
+            what = f"{x.dtype} on {x.device}" if x.is_floating_point() else f"on {x.device}"
+            want = f"{like.dtype} on {device}" if x.is_floating_point() else f"on {device}"
             raise ValueError(
-                f"{where}: params[{path!r}] is {x.dtype} on {x.device}, the compiled model's weights {like.dtype} on "
-                f"{device}; load them in that dtype on that device (load_checkpoint(dtype=..., device=...))"
+                f"{where}: params[{path!r}] is {what}, the compiled model's weights {want}; load them in that dtype "
+                f"on that device (load_checkpoint(dtype=..., device=...))"
             )
