@@ -107,7 +107,7 @@ def _choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
 
     from ..parallel.devices import device as device_profile
     from ..runtime.loading import read_config, read_quant
-    from ..runtime.planning import MAX_DEVICES, Workload, choose_plan, host_device
+    from ..runtime.planning import MAX_DEVICES, MAX_MEMORY, Workload, choose_plan, host_device
 
     if args.devices > MAX_DEVICES:  # before measuring anything
         raise ValueError(
@@ -127,6 +127,11 @@ def _choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
         dev = host_device(args.devices)
     # exact decimal bytes: the figure a refusal names (rounded up) is accepted when given back
     memory = int(Decimal(repr(args.memory_gb)) * 10**9) if args.memory_gb else dev.memory_bytes
+    if args.memory_gb and not 1 <= memory <= MAX_MEMORY:
+        parser.error(
+            f"--memory-gb {args.memory_gb!r}: outside [1e-09, {MAX_MEMORY / 1e9:.0e}] GB (a byte to an exabyte per "
+            f"device); give a device's memory in GB (e.g. 64)"
+        )
     if dev.name == "host" and not args.memory_gb:
         memory = _available_bytes() / args.devices
     if not memory:

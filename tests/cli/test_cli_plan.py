@@ -126,8 +126,11 @@ def test_a_plan_file_for_another_model_or_mesh_is_refused_by_name(qwen3, tmp_pat
         (["--out", "/nonexistent/dir/plan.json"], "--out /nonexistent/dir/plan.json: the directory /nonexistent/dir"),
         (["--out", "/tmp"], "--out /tmp: is a directory; give a file path such as /tmp/plan.json"),
         (["--out", ""], "--out: expected the path of the plan file to write, got ''"),
+        (["--memory-gb", "1e300"], "--memory-gb 1e+300: outside [1e-09, 1e+09] GB (a byte to an exabyte per device)"),
+        (["--memory-gb", "1e-300"], "--memory-gb 1e-300: outside [1e-09, 1e+09] GB"),  # once: "states no memory"
+
     ],
-)
+)  # fmt: skip
 def test_bad_plan_arguments_are_one_line(qwen3, args, message, capsys):
     """Exit 2 with one line, before anything is printed or measured (an --out that cannot be written once came after
     the report, as a traceback)."""
@@ -139,6 +142,26 @@ def test_bad_plan_arguments_are_one_line(qwen3, args, message, capsys):
     captured = capsys.readouterr()
     assert code == 2 and message in captured.err and captured.out == ""
     assert len([ln for ln in captured.err.strip().splitlines() if "error" in ln]) == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--serve", "1"], "workload: a served sequence of context 1 has no room for a prompt token and a "),
+        (["--serve", "64", "--prompt-share", "0.001"], "workload: a prompt share of 0.001 rounds to no prompt token in "
+         "a context of 64; give at least 0.0156 (one token), or 0 for decode alone"),
+        (["--serve", "64", "--memory-gb", "1e300"], "--memory-gb 1e+300: outside [1e-09, 1e+09] GB"),  # an overflow
+    ],
+)  # fmt: skip
+def test_bad_serving_plan_arguments_are_one_line(qwen3, args, message, capsys):
+    """Once: an internal error blamed on every candidate, a silent decode-alone plan, a 42-line OverflowError."""
+    try:
+        code = main(["plan", "--model", str(qwen3[0]), "--devices", "2", *args])
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2 and message in captured.err and captured.out == ""
+    assert len(captured.err.strip().splitlines()) <= 2  # argparse's usage line, then the error
 
 
 def test_plan_out_never_replaces_what_is_not_a_regular_file(qwen3, tmp_path, capsys):

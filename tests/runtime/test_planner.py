@@ -169,7 +169,10 @@ def test_profiles_name_their_sources_and_assumptions():
             lambda: choose_plan(DENSE, 4, "tpu-v5", 1e9, WORK),
             r"device 'tpu-v5' is not known; choose one of ascend-910b",
         ),
-        (lambda: choose_plan(DENSE, 4, "910b", -1, WORK), r"memory_per_device must be a positive number of bytes"),
+        (
+            lambda: choose_plan(DENSE, 4, "910b", -1, WORK),
+            r"memory_per_device must be a number of bytes in \[1, 1e\+18\], got -1",
+        ),
         (lambda: choose_plan(DENSE, 0, "910b", 1e9, WORK), r"devices must be a positive int, got 0"),
         (lambda: Workload.decode(8, 0), r"decode needs a positive context"),
         (lambda: Workload("train", 8), r"kind must be 'decode', 'prefill' or 'serve', got 'train'"),

@@ -11,7 +11,17 @@ profile, the best that fits; this machine's own profile, measured once and cache
 - :mod:`.host_profile`: ``host_device``, this host measured.
 """
 
-from .choose import MAX_DEVICES, PlanDoesNotFit, Report, candidates, choose_plan, gb_at_least, simplest, techniques
+from .choose import (
+    MAX_DEVICES,
+    MAX_MEMORY,
+    PlanDoesNotFit,
+    Report,
+    candidates,
+    choose_plan,
+    gb_at_least,
+    simplest,
+    techniques,
+)
 from .disaggregated import Disaggregated, disaggregated_estimate
 from .host_profile import host_device
 from .serve import Served, serve_estimate
@@ -20,6 +30,7 @@ from .step_model import Candidate, Estimate, Workload, estimate, step_collective
 __all__ = [
     "choose_plan",
     "MAX_DEVICES",
+    "MAX_MEMORY",
     "Workload",
     "Candidate",
     "Estimate",

@@ -35,6 +35,7 @@ from .step_model import Candidate, Estimate, Workload, check_formats, check_posi
 
 # the most devices a plan is made for (every candidate's bytes are counted at every rank)
 MAX_DEVICES = 1024
+MAX_MEMORY = 10**18  # bytes per device (an exabyte): past it a serving workload's batch search overflows a float
 
 __all__ = [
     "Report",
@@ -44,6 +45,7 @@ __all__ = [
     "techniques",
     "PlanDoesNotFit",
     "MAX_DEVICES",
+    "MAX_MEMORY",
     "gb_at_least",
 ]
 
@@ -272,10 +274,11 @@ def choose_plan(
     """
     dev = device_profile(device)
     if isinstance(memory_per_device, bool) or not (
-        isinstance(memory_per_device, (int, float)) and 0 < memory_per_device < math.inf
+        isinstance(memory_per_device, (int, float)) and 1 <= memory_per_device <= MAX_MEMORY
     ):
         raise ValueError(
-            f"choose_plan: memory_per_device must be a positive number of bytes, got {memory_per_device!r}"
+            f"choose_plan: memory_per_device must be a number of bytes in [1, {MAX_MEMORY:.0e}], got "
+            f"{memory_per_device!r}"
         )
     if not isinstance(workload, Workload):
         raise ValueError(f"choose_plan: workload must be a Workload (decode, prefill or serve), got {workload!r}")

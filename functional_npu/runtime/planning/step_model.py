@@ -116,6 +116,16 @@ class Workload:
                 f"workload: a prompt share of {share} leaves no generated token in a context of {self.context}; "
                 f"lower the share or lengthen the context"
             )
+        if self.kind == "serve" and share and not round(share * self.context):
+            raise ValueError(
+                f"workload: a prompt share of {share} rounds to no prompt token in a context of {self.context}; give "
+                f"at least {1 / self.context:.3g} (one token), or 0 for decode alone"
+            )
+        if self.kind == "serve" and self.context < 2:
+            raise ValueError(
+                f"workload: a served sequence of context {self.context} has no room for a prompt token and a "
+                f"generated one; give a context of at least 2"
+            )
 
     @staticmethod
     def decode(batch: int, context: int, dtype: torch.dtype = torch.bfloat16) -> Workload:
