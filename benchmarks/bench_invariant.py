@@ -36,6 +36,7 @@ from functional_npu.models import embedded_config, family_of
 from functional_npu.placement import place
 from functional_npu.runtime.training import AdamW, compile_train_step, lm_loss
 
+from .flags import count
 from .timing import rates, ratio, rounds, seconds, stats
 
 __all__ = ["main", "measure", "terms"]
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("batch", "portable"), default="batch", help="the invariant mode (default batch)")
     p.add_argument("--dtype", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes (default both)")
     p.add_argument("--quick", action="store_true", help="the small model (hidden 128, vocab 512)")
-    p.add_argument("--repeat", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--repeat", type=count, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--append", action="store_true", help="add this run to the file's runs")
     p.add_argument("--kernels", action="store_true", help="the invariant linear alone (eager, inductor, matmul)")

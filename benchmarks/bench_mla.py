@@ -27,6 +27,7 @@ from functional_npu.models import Routing
 from functional_npu.models.deepseek import DeepseekConfig, init_params
 
 from . import timing
+from .flags import count
 
 # tiny but not trivial: DeepSeek-V3's ratios (R = 4 dv, dr = dv / 2, low-rank query) at a 16th of its width
 CONFIG = DeepseekConfig(
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-lengths", default="256,1024,4096", help="comma-separated static cache lengths")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=count, default=3)
     parser.add_argument("--backend", default="inductor", choices=["inductor", "none"])
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)

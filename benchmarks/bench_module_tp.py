@@ -29,6 +29,7 @@ from functional_npu.runtime.serving import Lockstep, cache_length
 
 from . import timing
 from .configs import FULL, QUICK
+from .flags import count
 
 PLANS = {
     "plain DP": {},
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="inductor", choices=["inductor", "none"])
     parser.add_argument("--batch", type=int, default=4, help="sequences per dp rank")
     parser.add_argument("--new", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=count, default=5)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL

@@ -41,6 +41,7 @@ from functional_npu.parallel import EmulatedHostLink, exposed
 from functional_npu.placement import place
 
 from .configs import FULL, QUICK
+from .flags import count, non_negative
 from .timing import rates, ratio, rounds, stats
 
 __all__ = ["main", "measure", "measure_link"]
@@ -192,11 +193,11 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks offload", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the 4-layer model")
-    p.add_argument("--repeat", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--repeat", type=count, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--json", metavar="FILE", help="write the result here")
     p.add_argument("--append", action="store_true", help="add this run to the JSON's runs")
     p.add_argument("--link", action="store_true", help="the exposed copy time against k on an emulated host link")
-    p.add_argument("--latency-us", type=float, default=10.0, help="the emulated link's latency (default 10 us)")
+    p.add_argument("--latency-us", type=non_negative, default=10.0, help="the emulated link's latency (default 10 us)")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.link:

@@ -23,6 +23,7 @@ from functional_npu.runtime.loading import save_checkpoint
 
 from .configs import QUICK
 from .emulated_link import model_check, run_link_bench
+from .flags import count
 from .prefetch_runs import prefetch_plot, prefetch_table
 
 
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--ks", default="0,1,2,3")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=5, help="interleaved rounds per configuration")
+    ap.add_argument("--steps", type=count, default=8)
+    ap.add_argument("--repeat", type=count, default=5, help="interleaved rounds per configuration")
     ap.add_argument("--rate", type=int, default=None, help="emulated link rate in bit/s")
     ap.add_argument("--json")
     ap.add_argument("--plot", default="prefetch.png")

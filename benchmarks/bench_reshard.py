@@ -34,6 +34,7 @@ from functional_npu.models.llama import abstract_params, init_params, param_spec
 from functional_npu.runtime import LocalWorld
 
 from .configs import FULL
+from .flags import count
 from .timing import best_time
 
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m benchmarks reshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layers", type=int, default=22, help="decoder layers (22: about 100M params)")
-    parser.add_argument("--repeat", type=int, default=3, help="best of N timings")
+    parser.add_argument("--repeat", type=count, default=3, help="best of N timings")
     parser.add_argument("--quick", action="store_true", help="4 layers, best of 2 (well under a minute)")
     parser.add_argument(
         "--no-thp",

@@ -41,6 +41,7 @@ from functional_npu.models.llama import init_params
 from functional_npu.runtime.serving import Engine, Request
 
 from .configs import FULL, QUICK
+from .flags import count
 from .timing import pin_threads, ratio, rounds, stats
 
 __all__ = ["workload", "run_serve", "serve_table", "main"]
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the 4-layer model and 16 requests")
     parser.add_argument("--requests", type=int, default=None, help="requests in the workload (default 64)")
     parser.add_argument("--max-new", type=int, default=160, help="the cap on new tokens per request")
-    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--repeat", type=count, default=3, help="interleaved rounds")
     parser.add_argument("--json", default=None, help="write the figures here (a file path)")
     args = parser.parse_args(argv)
     requests = args.requests or (16 if args.quick else 64)

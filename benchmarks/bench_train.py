@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from functional_npu.runtime import LocalWorld
 
+from .flags import count
 from .peers import _between_barriers
 from .timing import ratio, rounds, stats
 from .train_systems import BUILDERS, COMPILED, HOW, HP, MAX_NORM
@@ -290,7 +291,7 @@ def report(out: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks train", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, 2 rounds")
-    parser.add_argument("--repeat", type=int, default=None, help="interleaved rounds (default 5, --quick 2)")
+    parser.add_argument("--repeat", type=count, default=None, help="interleaved rounds (default 5, --quick 2)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--append", action="store_true", help="add this run to the runs in --json FILE")
     parser.add_argument("--systems", default=",".join(BUILDERS), help=f"comma-separated, of {', '.join(BUILDERS)}")

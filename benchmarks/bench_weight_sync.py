@@ -47,6 +47,7 @@ from functional_npu.runtime.training import plan_params_reshard
 
 from .configs import FULL, QUICK
 from .counting import ReceivedBytes
+from .flags import count
 from .memory import LiveBytes
 from .peers import _between_barriers
 from .timing import rounds, stats
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--layers", type=int, default=28, help="decoder layers (28: about 121M params)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds")
+    parser.add_argument("--rounds", type=count, default=5, help="interleaved timed rounds")
     parser.add_argument("--worlds", default="2,4", help="gloo world sizes, comma-separated")
     parser.add_argument("--quick", action="store_true", help="QUICK config (vocab 8000), 4 layers, 3 rounds")
     parser.add_argument("--buckets", default="2,8,32", help="bucket sizes in MiB, comma-separated")

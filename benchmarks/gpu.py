@@ -41,6 +41,7 @@ import torch
 from functional_npu.core import Mesh
 
 from .configs import FULL
+from .flags import count
 from .formats import decode_bytes, fnpu_runner, transformers_runner, write_formats
 from .roofline import step_cost, step_floor
 from .timing import interleaved, ratio, stats
@@ -242,7 +243,7 @@ def profile_decode(run: Any, b: int, new: int) -> dict[str, Any]:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "gpu.json"), help="where the JSON goes")
-    p.add_argument("--repeat", type=int, default=5, help="interleaved rounds per format (default 5)")
+    p.add_argument("--repeat", type=count, default=5, help="interleaved rounds per format (default 5)")
     p.add_argument("--deadline", type=float, default=420.0, help="seconds the whole run may take (default 420)")
     p.add_argument("--new", type=int, default=32, help="new tokens per generate (default 32)")
     p.add_argument("--no-tests", action="store_true", help="skip tests/cuda")

@@ -32,6 +32,7 @@ import torch
 from functional_npu.models import streamed
 
 from .configs import FULL
+from .flags import count
 from .formats import gemm_peak
 from .roofline import step_floor
 from .timing import pin_threads, read_bandwidth
@@ -119,7 +120,7 @@ def run(repeat: int = 7, log: Callable[[str], None] = print) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks linears", description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeat", type=int, default=7, help="timings per kind, interleaved (default 7)")
+    p.add_argument("--repeat", type=count, default=7, help="timings per kind, interleaved (default 7)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     if args.repeat < 1:

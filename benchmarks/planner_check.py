@@ -36,6 +36,7 @@ from functional_npu.runtime.serving import Lockstep, cache_length
 
 from . import timing
 from .configs import FULL, QUICK
+from .flags import count
 
 WORLD = 4
 PROMPT = 8
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="inductor", choices=("inductor", "none"))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=count, default=5)
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--append", action="store_true", help="add this run to FILE's runs")
     args = parser.parse_args(argv)

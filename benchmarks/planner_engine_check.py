@@ -47,6 +47,7 @@ from functional_npu.runtime.serving import Engine, Request
 
 from . import timing
 from .configs import QUICK
+from .flags import count
 from .planner_check import kendall_tau
 
 WORLD = 2
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128, help="positions per sequence (prompt and generated)")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request (the prefill chunk)")
     parser.add_argument("--max-seqs", type=int, default=16, help="sequences served at once, over all dp ranks")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=count, default=3)
     parser.add_argument("--json", metavar="FILE", help="write the result here (--append: add it to FILE's runs)")
     parser.add_argument("--append", action="store_true")
     args = parser.parse_args(argv)

@@ -38,6 +38,7 @@ from functional_npu.runtime.serving import Lockstep, cache_length
 
 from . import timing
 from .configs import QUICK
+from .flags import count, positives
 from .planner_check import kendall_tau
 
 WORLD = 4
@@ -177,11 +178,13 @@ def table(model: str, r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks planner_serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", default="90,400", help="memory per rank in MB, comma-separated")
+    parser.add_argument(
+        "--budgets", type=positives, default=[90.0, 400.0], help="memory per rank in MB, comma-separated"
+    )
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--max-seqs", type=int, default=64)
     parser.add_argument("--new", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=count, default=3)
     parser.add_argument("--models", default="dense,moe")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--append", action="store_true", help="add this run to FILE's runs")
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"dense": QUICK, "moe": moe_config()}
     result: dict[str, Any] = {"context": args.context, "new": args.new, "rounds": args.rounds, "cells": []}
     for model in args.models.split(","):
-        for mb in (float(x) for x in args.budgets.split(",")):
+        for mb in args.budgets:
             r = measure(configs[model], CHOSEN[model], mb * 1e6, args, device)
             print(table(model, r) + "\n", flush=True)
             result["cells"].append({"model": model} | r)

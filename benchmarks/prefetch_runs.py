@@ -37,6 +37,7 @@ from functional_npu.runtime import LocalWorld, RankContext, watch_parent
 from functional_npu.runtime.loading import load_checkpoint
 from functional_npu.runtime.serving import CompiledModel, compile_model
 
+from .flags import count
 from .shaped_link import rate_for, set_rate
 from .timing import rounds
 
@@ -320,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--series", default="o_proj")
     parser.add_argument("--ks", default="0,1,2")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=count, default=16)
+    parser.add_argument("--repeat", type=count, default=3)
     parser.add_argument("--no-stock", action="store_true", help="only the prefetch ring, not inductor's own")
     parser.add_argument(
         "--match-link", action="store_true", help="set the emulated link's rate from the measured compute first"

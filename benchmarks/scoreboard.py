@@ -38,6 +38,7 @@ from functional_npu.runtime import LocalWorld
 from functional_npu.runtime.loading import save_checkpoint
 
 from .configs import FULL, QUICK
+from .flags import count
 from .formats import format_table, formats_plot, run_formats, targets, targets_table
 from .peers import decode_tp_peer, peers_report, reshard_peer
 from .roofline import weight_count
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "warm start (needs transformers)",
     )
     parser.add_argument("--quick", action="store_true", help="a 4-layer model and fewer tokens")
-    parser.add_argument("--repeat", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--repeat", type=count, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument(
         "--append", action="store_true", help="add this run to the runs in --json FILE (a second run confirms)"

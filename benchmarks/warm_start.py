@@ -28,6 +28,7 @@ from functional_npu.runtime.serving import cache_length, compile_model
 
 from . import child_env
 from .configs import FULL, QUICK
+from .flags import count
 
 METHOD = (
     "compile_model(cache_dir=...): dynamo precompile (torch.compile(fn).aot_compile) per graph, saved with its "
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks warm_start [flags]``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks warm_start", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 4-layer model and 16 + 16 tokens")
-    parser.add_argument("--repeat", type=int, default=2, help="cold/warm pairs, each on a fresh cache_dir; default 2")
+    parser.add_argument("--repeat", type=count, default=2, help="cold/warm pairs, each on a fresh cache_dir; default 2")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     cfg, (prompt_len, new) = (QUICK, (16, 16)) if args.quick else (FULL, (32, 32))

@@ -81,3 +81,19 @@ def test_a_quick_weight_sync_never_replaces_the_published_results():
     assert output_path(None, quick=True) is None
     assert str(output_path(None, quick=False)) == PUBLISHED
     assert str(output_path("mine.json", quick=True)) == "mine.json"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["offload", "--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
+        (["offload", "--latency-us", "-5"], "argument --latency-us: expected a finite number >= 0, got '-5'"),
+        (["planner_serve", "--budgets", "0"], "argument --budgets: expected comma-separated positive numbers, got '0'"),
+        (["module_tp", "--rounds", "x"], "argument --rounds: expected a positive integer, got 'x'"),
+    ],
+)
+def test_a_bad_count_or_figure_is_refused_by_argparse_before_any_work(argv, message, capsys):
+    """Once each failed after minutes of compiling and measuring, with a traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
