@@ -55,12 +55,13 @@ def offload_names(value: Any) -> tuple[str, ...]:
 
 
 def check_no_host_series(params: dict[str, Any], where: str) -> None:
-    """Refuse a gradient through params that keep series in host memory (a serving plan), naming them."""
+    """Refuse the differentiable forward (a gradient step, training's log-probs) over params that keep series in
+    host memory (a serving plan), naming them."""
     if host_of(params):
         raise ValueError(
             f"{where}: series {list(host_of(params))} are kept in host memory (plan.offload), a serving plan; a "
-            f"gradient step needs its weights on the device: train on params loaded without offload "
-            f"(reshard_params moves them between the two plans)"
+            f"gradient step needs its weights on the device (and so does {where}'s differentiable forward): use "
+            f"params loaded without offload (reshard_params moves them between the two plans)"
         )
 
 

@@ -241,6 +241,12 @@ def test_a_gradient_through_host_series_is_refused(qwen3):
     params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj"))
     with pytest.raises(ValueError, match=r"^value_and_grad: series \['o_proj'\] are kept in host memory"):
         value_and_grad(lm_loss)(params, torch.tensor([[1, 2, 3, 4]]), ONE)
+    from functional_npu.runtime.training import token_logprobs
+
+    # once refused naming an internal function (layer_weights) and a gradient the caller never asked for
+    with pytest.raises(ValueError, match=r"^token_logprobs: series \['o_proj'\] are kept in host memory .* \(and "
+                       r"so does token_logprobs's differentiable forward\)"):  # fmt: skip
+        token_logprobs(params, torch.tensor([[1, 2, 3, 4]]), ONE)
 
 
 @pytest.mark.parametrize(

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from functional_npu import Mesh, Plan, load_checkpoint
+from functional_npu import Mesh, Params, Plan, load_checkpoint
 from functional_npu.placement import place
 from functional_npu.runtime.training.weight_sync import plan_params_reshard, reshard_params
 
 from ..support.hf_models import save_tiny
-from ..support.replan_workers import bucketed_sync, replan
+from ..support.replan_workers import bucketed_sync, disagreeing_buckets, replan
 
 LAYER_SHARDED = {"layer_shard": "layer", "prefetch_step": 1}
 PAIRS = [
@@ -97,3 +97,23 @@ def test_reshard_params_refuses_bad_buckets_and_a_target_of_another_model(model_
         reshard_params(params, Plan(tp="dp", model="LlamaForCausalLM"), mesh)
     own = place(cfg, mesh, Plan(tp="dp"))  # a placement of the params' own config is the plan itself
     assert plan_params_reshard(params, own, mesh).traffic == plan_params_reshard(params, Plan(tp="dp"), mesh).traffic
+
+
+def test_ranks_that_disagree_on_the_buckets_stop_before_the_exchange(world2, model_dir):
+    """Once: ranks with different bucket_bytes aborted the world, or waited out a 60 s gloo timeout."""
+    got = world2.run(disagreeing_buckets, model_dir, {"dp": 2, "tp": 1}, LAYER_SHARDED, {"tp": "dp"})
+    assert got[0] == got[1] and "the buckets" in got[0] and "bucket_bytes" in got[0]
+    assert got[0].endswith("every rank stopped before the exchange")
+
+
+def test_extra_or_meta_leaves_and_a_wrong_exchange_are_one_line(model_dir):
+    mesh = Mesh.abstract({"dp": 2, "tp": 1}, 0)
+    params = load_checkpoint(model_dir, mesh)
+    extra = Params(dict(params.tree) | {"extra": torch.zeros(3)}, placement=params.placement)
+    with pytest.raises(ValueError, match=r"^reshard_params: params\['extra'\] is not a leaf of the Qwen3ForCausalLM "):
+        reshard_params(extra, Plan(tp="dp"), mesh)
+    meta = Params(dict(params.tree) | {"embed": params["embed"].to("meta")}, placement=params.placement)
+    with pytest.raises(ValueError, match=r"^reshard_params: params\['embed'\] is on the meta device"):
+        reshard_params(meta, Plan(tp="dp"), mesh)
+    with pytest.raises(TypeError, match=r"^reshard_params: exchange must be the ReshardPlan .* got dict"):
+        reshard_params(params, Plan(tp="dp"), mesh, exchange={})

@@ -143,3 +143,18 @@ def bucketed_sync(ctx, model_dir: str, axes: dict, src_fields: dict, dst_fields:
         "moving_buckets": sum(any(sum(p.send_sizes) for p in progs) for progs in plan.buckets),
         "peers": len(plan.programs[mesh.rank].group) - 1,
     }
+
+
+def disagreeing_buckets(ctx, model_dir: str, axes: dict, src_fields: dict, dst_fields: dict):
+    """Each rank reshards with its own ``bucket_bytes`` (rank r: 2 ** (20 + r)): the error every rank raises before
+    the exchange (once: an abort inside gloo, or a rank waiting out gloo's timeout)."""
+    from functional_npu import Plan, load_checkpoint
+    from functional_npu.runtime.training.weight_sync import reshard_params
+
+    mesh = ctx.mesh(axes)
+    params = load_checkpoint(model_dir, mesh, Plan(**src_fields))
+    try:
+        reshard_params(params, Plan(**dst_fields), mesh, bucket_bytes=2 ** (20 + mesh.rank))
+    except ValueError as e:
+        return str(e)
+    return None

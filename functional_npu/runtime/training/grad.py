@@ -45,9 +45,13 @@ __all__ = ["value_and_grad", "logits", "token_logprobs", "lm_loss", "Differentia
 LossFn = Callable[[dict, Any, Mesh], torch.Tensor]
 
 
-def logits(params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa") -> torch.Tensor:
+def logits(
+    params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa", where: str = "logits"
+) -> torch.Tensor:
     """``[B, S, V]`` logits of ``tokens [B, S]`` (positions ``0 .. S-1``): the family's forward, differentiable,
-    on a fresh cache of ``S`` slots (so training and inference run the same code)."""
+    on a fresh cache of ``S`` slots (so training and inference run the same code). Params that keep series in host
+    memory (a serving plan) are refused, naming ``where``."""
+    check_no_host_series(params, where)
     cfg, plan = params.config, plan_of(params)
     b, s = tokens.shape
     state = init_state(cfg, mesh, b, s, _dtype(params), plan=plan, device=tokens.device)
@@ -61,7 +65,8 @@ def token_logprobs(
     """``[B, S - 1]``: log p(``tokens[:, t + 1]`` | ``tokens[:, :t + 1]``) under ``softmax(logits / temperature)``,
     in float32 (or float64 params)."""
     invariant = plan_of(params).invariant  # the plan's invariant mode: the rollout's bits (models.invariant)
-    return logprobs_of(logits(params, tokens, mesh, attention=attention)[:, :-1], tokens[:, 1:], temperature, invariant)
+    got = logits(params, tokens, mesh, attention=attention, where="token_logprobs")
+    return logprobs_of(got[:, :-1], tokens[:, 1:], temperature, invariant)
 
 
 def lm_loss(params: dict, tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:

@@ -182,7 +182,13 @@ def _prepared(
         if not isinstance(plan, (Plan, Placement)):
             raise TypeError(f"{where}: plan must be a functional_npu.Plan or a Placement, got {type(plan).__name__}")
         check_bucket_bytes(bucket_bytes, where)
+        if exchange is not None and not isinstance(exchange, ReshardPlan):
+            raise TypeError(
+                f"{where}: exchange must be the ReshardPlan plan_params_reshard returns (or None: planned here), got "
+                f"{type(exchange).__name__}"
+            )
         source = placement_of(params, mesh, where=where)
+        _check_leaves(params, source, where)
         if source.quant is not None:
             raise ValueError(f"{where}: params are quantized ({source.quant}); reshard floating-point params")
         target = _target(source, mesh, plan, where)
@@ -205,10 +211,30 @@ def _prepared(
     except (TypeError, ValueError) as e:
         agree(mesh, e)
         raise  # agree raised already
-    # every rank moves its params to the same plan, or none moves a byte (a difference aborts inside gloo)
-    agree(mesh, None, same={"the target plan": {"plan": repr(target.plan)}, "the source": {"plan": repr(source.plan)}})
+    # every rank moves its params to the same plan in the same buckets, or none moves a byte (a difference aborts
+    # inside gloo, or leaves ranks waiting on an exchange the others never start)
+    same = {"the target plan": {"plan": repr(target.plan)}, "the source": {"plan": repr(source.plan)}}
+    same["the buckets"] = {"bucket_bytes": repr(exchange.bucket_bytes)}
+    agree(mesh, None, same=same)
     per_layer = {p.split(".", 2)[2] for p in dst_layouts if p.startswith("layers.")} & every
     return exchange, take, target.meta, every, target, per_layer
+
+
+def _check_leaves(params: dict, source: Placement, where: str) -> None:
+    """Every tensor leaf is one the placement lays out, and holds data (not the meta device's shapes alone)."""
+    for path, x in flatten_with_paths(params):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if path not in source.layouts:
+            raise ValueError(
+                f"{where}: params[{path!r}] is not a leaf of the {source.config.architecture} placement the params "
+                f"carry; reshard the params the loader or a train step gave, without extra leaves"
+            )
+        if x.is_meta:
+            raise ValueError(
+                f"{where}: params[{path!r}] is on the meta device (a shape without data); reshard params that hold "
+                f"their weights"
+            )
 
 
 def reshard_params(
