@@ -198,17 +198,28 @@ def _axis_name(a: Any) -> bool:
     return isinstance(a, str) and a.isidentifier()
 
 
-def _int(v: Any, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+# the largest counts a plan may name: past them an expert map's width or a slot count overflows the loader's int64
+# tensors (max_copies=10**30 once reached torch as an overflow error)
+MAX_SLOTS = 1 << 31
+MAX_COPIES = 1 << 20
+MAX_THRESHOLD = 1 << 40
+
+
+def _int(v: Any, low: int, high: int | None = None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
 
 
 def _check_ints(plan: Plan) -> None:
-    if plan.num_slots is not None and not _int(plan.num_slots, 1):
-        raise ValueError(f"Plan.num_slots must be a positive int (or None: one per expert), got {plan.num_slots!r}")
-    if not _int(plan.max_copies, 1):
-        raise ValueError(f"Plan.max_copies must be a positive int, got {plan.max_copies!r}")
-    if not _int(plan.dispatch_threshold, 0):
-        raise ValueError(f"Plan.dispatch_threshold must be an int >= 0, got {plan.dispatch_threshold!r}")
+    if plan.num_slots is not None and not _int(plan.num_slots, 1, MAX_SLOTS):
+        raise ValueError(
+            f"Plan.num_slots must be an int in [1, {MAX_SLOTS}] (or None: one per expert), got {plan.num_slots!r}"
+        )
+    if not _int(plan.max_copies, 1, MAX_COPIES):
+        raise ValueError(f"Plan.max_copies must be an int in [1, {MAX_COPIES}], got {plan.max_copies!r}")
+    if not _int(plan.dispatch_threshold, 0, MAX_THRESHOLD):
+        raise ValueError(
+            f"Plan.dispatch_threshold must be an int in [0, {MAX_THRESHOLD}], got {plan.dispatch_threshold!r}"
+        )
 
 
 def _layer_shard(value: Any) -> LayerShard | None:

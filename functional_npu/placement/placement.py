@@ -356,9 +356,14 @@ def _read_json(path: Any, where: str) -> Any:
                 f"{where}: {'no such file' if not file.exists() else 'not a regular file'}; give the path of a plan "
                 f"file (python -m functional_npu plan --out FILE writes one)"
             )
-        text = file.read_text()
+        text = file.read_bytes().decode("utf-8")
     except OSError as e:
         raise ValueError(f"{where}: cannot read the plan file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}): a plan file is JSON; "
+            f"write one with python -m functional_npu plan --out FILE"
+        ) from None
     try:
         return json.loads(text, object_pairs_hook=functools.partial(_once, where=where))
     except _Twice as e:

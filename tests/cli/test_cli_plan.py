@@ -103,6 +103,12 @@ def test_a_plan_file_for_another_model_or_mesh_is_refused_by_name(qwen3, tmp_pat
     )
     (tmp_path / "bad.json").write_text("{nope")
     refused(["generate", "--model", str(qwen3[0]), "--plan", str(tmp_path / "bad.json"), *gen], "not JSON", capsys)
+    (tmp_path / "latin1.json").write_bytes(b'{"model": "caf\xe9"}')  # once Python's decode error, no file named
+    refused(
+        ["generate", "--model", str(qwen3[0]), "--plan", str(tmp_path / "latin1.json"), *gen],
+        f"--plan {tmp_path / 'latin1.json'}: not UTF-8 text (byte 14: b'\\xe9'): a plan file is JSON",
+        capsys,
+    )
     budget = json.loads(plan_file.read_text())
     budget["axes"] = {"dp": 2, "tp": 1}
     budget["plan"] |= {"tp": "tp", "layer_shard": "o_proj", "prefetch_step": "auto", "prefetch_budget": 10}

@@ -213,7 +213,9 @@ def test_bad_configs(saved, change, message):
 def test_a_plan_rejects_unknown_fields_and_bad_values():
     with pytest.raises(ValueError, match=r"plan: unknown plan fields \['ep'\]; the fields are \['tp', "):
         Plan.from_dict({"ep": 2})
-    with pytest.raises(ValueError, match=r"Plan.num_slots must be a positive int \(or None: one per expert\), got 0"):
+    with pytest.raises(
+        ValueError, match=r"Plan.num_slots must be an int in \[1, 2147483648\] \(or None: one per expert\), got 0"
+    ):
         Plan(num_slots=0)
 
 

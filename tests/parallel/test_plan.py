@@ -74,8 +74,13 @@ def test_one_setter_normalizes_what_it_is_given():
     [
         ({"tp": ""}, r"Plan.tp must be a mesh axis name such as 'tp', got ''"),
         ({"expert_axes": [1]}, r"Plan.expert_axes must be mesh axis names"),
-        ({"max_copies": 0}, r"Plan.max_copies must be a positive int, got 0"),
-        ({"dispatch_threshold": True}, r"Plan.dispatch_threshold must be an int >= 0, got True"),
+        ({"max_copies": 0}, r"Plan.max_copies must be an int in \[1, 1048576\], got 0"),
+        (
+            {"max_copies": 10**30},
+            r"Plan.max_copies must be an int in \[1, 1048576\], got 1000000000000000000000000000000",
+        ),
+        ({"num_slots": 2**62}, r"Plan.num_slots must be an int in \[1, 2147483648\] \(or None"),
+        ({"dispatch_threshold": True}, r"Plan.dispatch_threshold must be an int in \[0, 1099511627776\], got True"),
         ({"prefetch_step": "soon"}, r"Plan.prefetch_step must be an int >= 0 or 'auto', got 'soon'"),
         ({"prefetch_budget": -1}, r"Plan.prefetch_budget must be a positive, finite number of bytes"),
         ({"prefetch_budget": float("nan")}, r"Plan.prefetch_budget must be a positive, finite number of bytes"),
