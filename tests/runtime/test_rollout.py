@@ -78,3 +78,19 @@ def test_with_params_refuses_params_of_another_plan(two):
         ValueError, match=r"with_params: the params were loaded for another plan \(tp=.dp., given tp=.tp.\)"
     ):
         model.with_params(load_checkpoint(two[0], Mesh.abstract({"dp": 1, "tp": 1}, 0), Plan(tp="dp")))
+
+
+def test_with_params_refuses_an_integer_leaf_in_a_float_one_place(two):
+    """An int64 embedding or norm once ran, generating tokens from truncated weights."""
+    from functional_npu.core.params import Params
+
+    model, mesh = _model(two[0], torch.float32)
+    params = load_checkpoint(two[0], mesh)
+    layers = [dict(layer) for layer in params["layers"]]
+    layers[0]["q_norm"] = layers[0]["q_norm"].to(torch.int64)
+    for tree, path in (
+        (dict(params.tree) | {"embed": params["embed"].to(torch.int64)}, "embed"),
+        (dict(params.tree) | {"layers": layers}, "layers.0.q_norm"),
+    ):
+        with pytest.raises(ValueError, match=rf"^with_params: params\['{path}'\] is torch.int64 on cpu, the compiled "):
+            model.with_params(Params(tree, placement=params.placement))

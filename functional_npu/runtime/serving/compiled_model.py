@@ -139,7 +139,7 @@ class CompiledModel:
         """
         placed = placement_of(params, self.mesh, self.plan, where="with_params")
         self.placement.same_model(placed, "with_params")
-        same_tensors(params, self.params["embed"], "with_params")
+        same_tensors(params, self.params["embed"], "with_params", reference=self.params)
         new = self._prepare(params)
         if self.backend.captures:
             static_addresses(new)
@@ -311,21 +311,29 @@ def static_addresses(params: dict) -> None:
             torch._dynamo.mark_static_address(t, guard=False)
 
 
-def same_tensors(params: dict, like: torch.Tensor, where: str, *, dtypes: bool = True) -> None:
+def same_tensors(
+    params: dict, like: torch.Tensor, where: str, *, dtypes: bool = True, reference: dict | None = None
+) -> None:
     """Every leaf of ``params`` on ``like``'s device, every float leaf in its dtype (the graphs are compiled for
     those; ``dtypes=False``: only the series kept in host memory, which the ring copies into slots of the weights'
     dtype); the series kept in host memory (``params["host"]``, :mod:`~functional_npu.parallel.offload`) on the host.
     A leaf on the meta device (shapes without data) is refused wherever it is: the graphs would compute on whatever
-    memory stood in for it."""
+    memory stood in for it. ``reference``: the model's own params; a leaf that is floating there must be here too
+    (an int64 leaf in a float one's place once ran)."""
+    floating = {
+        p for p, r in flatten_with_paths(reference or {}) if isinstance(r, torch.Tensor) and r.is_floating_point()
+    }
     for path, x in flatten_with_paths(params):
         if not isinstance(x, torch.Tensor):
             continue
         host = path.startswith("host.")
         device = torch.device("cpu") if host else like.device
         wrong_dtype = x.is_floating_point() and x.dtype != like.dtype and (dtypes or host)
+        wrong_dtype = wrong_dtype or (path in floating and not x.is_floating_point())
         if x.device != device or wrong_dtype or x.is_meta:
-            what = f"{x.dtype} on {x.device}" if x.is_floating_point() else f"on {x.device}"
-            want = f"{like.dtype} on {device}" if x.is_floating_point() else f"on {device}"
+            shown = x.is_floating_point() or path in floating
+            what = f"{x.dtype} on {x.device}" if shown else f"on {x.device}"
+            want = f"{like.dtype} on {device}" if shown else f"on {device}"
             raise ValueError(
                 f"{where}: params[{path!r}] is {what}, the compiled model's weights {want}; load them in that dtype "
                 f"on that device (load_checkpoint(dtype=..., device=...))"
