@@ -28,6 +28,7 @@ import functools
 import gzip
 import json
 import re
+import zlib
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -527,12 +528,17 @@ def write_artifacts(artifacts: dict[str, dict[str, Any]], root: Path) -> None:
 
 
 def diff_artifacts(artifacts: dict[str, dict[str, Any]], root: Path) -> list[str]:
-    """The artifact files that differ from (or are missing in) ``root`` (gzipped ones compared unzipped)."""
+    """The artifact files that differ from (or are missing in) ``root`` (gzipped ones compared unzipped); a file that
+    cannot be read as its kind (a binary in place of text, a ``.gz`` that is not gzip) has drifted too."""
     out = []
     for name, files in artifacts.items():
         for file, content in files.items():
             path = root / name / file
-            if not path.is_file() or _read(path) != _render(content):
+            try:
+                same = path.is_file() and _read(path) == _render(content)
+            except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile, zlib.error):
+                same = False
+            if not same:
                 out.append(f"{name}/{file}")
     return out
 

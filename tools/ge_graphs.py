@@ -7,7 +7,8 @@ placement reads ``NPU``, as on a device), with the torchair backend's ordering h
 fake process group. Conversion ends where torchair hands the serialized graph to GE
 (:mod:`functional_npu.npu.host`); that graph is the artifact:
 
-- ``ge_graph.pbtxt.gz``: the GE graph in protobuf text format (sorted map keys), gzipped;
+- ``ge_graph.pbtxt.gz``: the GE graph in protobuf text format (sorted map keys), named ``graph`` whatever torchair's
+  per-process counter numbered it, gzipped;
 - ``ge_invariant.json`` (invariant cases): :func:`functional_npu.npu.invariant_graph.ge_check`'s findings: the
   graph's ops by what they do to the bits, its float64 ops, and any op that may reduce or round in its own order
   (the batch mode's cases: :func:`~functional_npu.npu.invariant_graph.ge_batch_check`'s, each MatMul's rows, reduced
@@ -179,6 +180,7 @@ def _run(sources: Path, out: Path, names: list[str]) -> None:
             if mesh.is_abstract
             else {",".join(map(str, mesh.group_ranks(a))): a for a in mesh.axis_names if mesh.axis_size(a) > 1}
         )
+        graph.name = "graph"  # torchair numbers its graphs per process: one case alone would read as drift
         results[name] = {
             "pbtxt": text_format.MessageToString(graph),
             "ops": ge_graph.records(graph, DataType.Name),

@@ -105,6 +105,18 @@ def test_a_stale_case_is_regenerated_and_its_drift_found(tmp_path):
     assert (tmp_path / KEYS_FILE).is_file() and ROOT.is_dir()
 
 
+def test_a_damaged_artifact_is_drift_not_a_traceback(tmp_path):
+    """A binary file in place of text, a ``.gz`` that is not gzip: drifted (once: a traceback from the check)."""
+    from tools.aten_graphs import diff_artifacts
+
+    name = "llama-tp1-decode"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "graph.txt").write_bytes(b"\xff\xfe\x00binary")
+    (tmp_path / name / "ge_graph.pbtxt.gz").write_bytes(b"not gzip")
+    artifacts = {name: {"graph.txt": "graph():\n", "ge_graph.pbtxt.gz": "node {}\n", "summary.json": {"nodes": 1}}}
+    assert diff_artifacts(artifacts, tmp_path) == [f"{name}/{f}" for f in artifacts[name]]
+
+
 def test_the_command_is_python_m_tools_graphs(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--no-such-flag"])
