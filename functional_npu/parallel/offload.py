@@ -138,9 +138,18 @@ def check_host_memory(nbytes: int, where: str, available: int | None = None) -> 
     available = available_host_bytes() if available is None else available
     if available is not None and nbytes > available:
         raise ValueError(
-            f"{where}: the offloaded series take {nbytes / 2**30:.2f} GiB of host memory, and {available / 2**30:.2f} "
-            f"GiB is available; offload fewer series (plan.offload), or shard them over more ranks (plan.tp)"
+            f"{where}: the offloaded series take {_bytes(nbytes)} of host memory, and {_bytes(available)} is "
+            f"available; offload fewer series (plan.offload), or shard them over more ranks (plan.tp)"
         )
+
+
+def _bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps a figure of at least 1 (a tiny model's series once read
+    "0.00 GiB of 0.00 GiB")."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} bytes"
 
 
 def pinned(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -134,6 +134,8 @@ def test_host_bytes_too_large_for_host_memory_is_one_line_with_both_figures():
     with pytest.raises(ValueError, match=r"^load_checkpoint: the offloaded series take 2\.00 GiB of host memory, "
                                          r"and 1\.00 GiB is available"):  # fmt: skip
         check_host_memory(2 * 2**30, "load_checkpoint", available=2**30)
+    with pytest.raises(ValueError, match=r"take 24\.00 KiB of host memory, and 100 bytes is available"):
+        check_host_memory(24 * 2**10, "load_checkpoint", available=100)  # once "0.00 GiB of 0.00 GiB"
 
 
 # ---- a model: loading, tokens, refusals -----------------------------------------------------------------------
