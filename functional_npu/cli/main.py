@@ -209,6 +209,13 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
             args.placement = plan_for_generate(args, cfg, quant, prompts)
         except (OSError, ValueError) as e:
             parser.error(" ".join(str(e).split()))
+    from ..models import check_invariant_model
+
+    try:  # the invariant mode's refusals that need no weights: here, not after every rank has loaded
+        where = f"--plan {args.plan_from}" if args.plan_from is not None else str(args.model)
+        check_invariant_model(cfg, quant, args.placement.plan, where)
+    except ValueError as e:
+        parser.error(" ".join(str(e).split()))
     if args.plan_from is not None and args.dtype is not None:  # else the stored dtype decides: load_checkpoint
         import torch  # checks it on the ranks, before any weight is read
 

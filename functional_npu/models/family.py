@@ -341,7 +341,23 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
     functions do not compute in."""
     if not plan.invariant:
         return
-    cfg = params.config
+    check_invariant_model(params.config, getattr(params.placement, "quant", None), plan, where)
+    if plan.invariant == "batch":
+        dtype = params["embed"].dtype
+        if dtype not in batch_invariant.DTYPES:
+            raise ValueError(
+                f"{where}: Plan.invariant='batch': its pinned kernels are measured in float32 and bfloat16, not "
+                f"{dtype}; load the params in one of those, or use Plan(invariant='portable')"
+            )
+        return
+    invariant.check_dtype(params["embed"].dtype, where)
+
+
+def check_invariant_model(cfg: Any, quant: Any, plan: Plan, where: str) -> None:
+    """:func:`check_invariant`'s checks that need no weights (the family, a sliding window, quantization, module
+    TP): a command line runs them before any rank starts."""
+    if not plan.invariant:
+        return
     gap = family_of(cfg).not_invariant
     if gap is not None:
         raise ValueError(
@@ -354,7 +370,6 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
             f"{where}: Plan.invariant: a sliding window ({cfg.sliding_window}) keeps its keys in a ring cache, in "
             f"another order than the training forward's; the invariant mode runs full attention only"
         )
-    quant = getattr(params.placement, "quant", None)
     if quant is not None:
         raise ValueError(
             f"{where}: Plan.invariant: the quantized matmul kernels ({quant.quant}) reduce in an order of their own; "
@@ -365,15 +380,6 @@ def check_invariant(params: dict, plan: Plan, where: str) -> None:
             f"{where}: Plan.invariant: module TP ({dict(plan.module_tp.items())}) sums partial products by "
             f"reduce_scatter, which has no invariant form yet; drop module_tp or leave Plan.invariant off"
         )
-    if plan.invariant == "batch":
-        dtype = params["embed"].dtype
-        if dtype not in batch_invariant.DTYPES:
-            raise ValueError(
-                f"{where}: Plan.invariant='batch': its pinned kernels are measured in float32 and bfloat16, not "
-                f"{dtype}; load the params in one of those, or use Plan(invariant='portable')"
-            )
-        return
-    invariant.check_dtype(params["embed"].dtype, where)
 
 
 def plan_of(params: dict) -> Plan:

@@ -8,6 +8,7 @@ from decimal import Decimal
 
 import pytest
 
+from functional_npu import Plan
 from functional_npu.cli.main import main
 
 from ..support.cli import refused
@@ -243,3 +244,20 @@ def test_the_plan_check_warns_past_its_tolerance_naming_the_term():
     assert warning.startswith("warning: plan check: the decode step took ") and "\n" not in warning
     assert f"the model's {predicted.bottleneck} term missed" in warning and record["term"] == predicted.bottleneck
     assert plan_check(predicted, None) == ({**record, "measured_decode_ms": None, "error": None}, None)
+
+
+def test_an_invariant_plan_the_model_cannot_run_is_refused_before_any_rank_starts(qwen3, tmp_path, capsys):
+    """Once refused only after every rank had started and loaded (exit 2 from the ranks)."""
+    from functional_npu.parallel.module_tp import split_dp
+    from functional_npu.placement import place
+    from functional_npu.runtime.loading import read_config
+
+    axes, module_tp = split_dp({"dp": 2, "tp": 1}, {"mlp": 2})
+    plan = Plan(module_tp=module_tp, invariant=True)
+    plan_file = tmp_path / "invariant.json"
+    plan_file.write_text(place(read_config(qwen3[0]), axes, plan).to_json())
+    refused(
+        ["generate", "--model", str(qwen3[0]), "--plan", str(plan_file), "--prompt-ids", "1", "--max-new-tokens", "2"],
+        f"--plan {plan_file}: Plan.invariant: module TP (",
+        capsys,
+    )
