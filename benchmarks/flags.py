@@ -6,18 +6,11 @@ from __future__ import annotations
 import argparse
 import math
 
+from functional_npu.cli import positive
+
 __all__ = ["count", "non_negative", "positives"]
 
-
-def count(text: str) -> int:
-    """A positive int (rounds, repeats, steps)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
+count = positive  # a positive int (rounds, repeats, steps): the command line's own type
 
 
 def non_negative(text: str) -> float:

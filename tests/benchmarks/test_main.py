@@ -86,7 +86,7 @@ def test_a_quick_weight_sync_never_replaces_the_published_results():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["offload", "--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
+        (["offload", "--repeat", "0"], "argument --repeat: expected a positive integer, got 0"),
         (["offload", "--latency-us", "-5"], "argument --latency-us: expected a finite number >= 0, got '-5'"),
         (["planner_serve", "--budgets", "0"], "argument --budgets: expected comma-separated positive numbers, got '0'"),
         (["module_tp", "--rounds", "x"], "argument --rounds: expected a positive integer, got 'x'"),
