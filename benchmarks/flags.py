@@ -6,11 +6,19 @@ from __future__ import annotations
 import argparse
 import math
 
-from functional_npu.cli import positive
-
 __all__ = ["count", "non_negative", "positives"]
 
-count = positive  # a positive int (rounds, repeats, steps): the command line's own type
+
+def count(text: str) -> int:
+    """A positive int (rounds, repeats, steps); the benchmarks are applications of their own, so this is theirs, as
+    the command line's ``positive`` is its own."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
 
 
 def non_negative(text: str) -> float:

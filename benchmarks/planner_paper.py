@@ -72,8 +72,8 @@ WORKLOADS = (("decode b64 c4096", Workload.decode(64, 4096)), ("prefill 4096", W
 def _deepseek_v3() -> dict:
     import transformers as T
 
-    hf = T.DeepseekV3Config().to_dict()  # its defaults are DeepSeek-V3's published sizes
-    return hf | {"architectures": ["DeepseekV3ForCausalLM"]}
+    hf = T.DeepseekV3Config().to_dict()  # its defaults are DeepSeek-V3's published sizes, but for its positions
+    return hf | {"architectures": ["DeepseekV3ForCausalLM"], "max_position_embeddings": 163840}
 
 
 def cells() -> list[dict]:

@@ -1,4 +1,3 @@
-from .args import positive, positive_number
 from .main import build_parser, main
 
-__all__ = ["main", "build_parser", "positive", "positive_number"]
+__all__ = ["main", "build_parser"]
