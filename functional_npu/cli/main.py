@@ -216,13 +216,14 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple
         check_invariant_model(cfg, quant, args.placement.plan, where)
     except ValueError as e:
         parser.error(" ".join(str(e).split()))
-    if args.plan_from is not None and args.dtype is not None:  # else the stored dtype decides: load_checkpoint
-        import torch  # checks it on the ranks, before any weight is read
+    if args.plan_from is not None:  # in --dtype, else as stored (a 1-byte budget once got past this to the ranks)
+        import torch
 
         from ..placement.ring_memory import check_ring_budget
 
         try:
-            check_ring_budget(args.placement, f"--plan {args.plan_from}", getattr(torch, args.dtype))
+            dtype = getattr(torch, args.dtype) if args.dtype is not None else None
+            check_ring_budget(args.placement, f"--plan {args.plan_from}", dtype)
         except ValueError as e:
             parser.error(str(e))
     return prompts, tok

@@ -249,7 +249,11 @@ def auto_step(
     L, host = params.config.num_layers, host_layer_bytes(params)
     if host and not params.get("series"):  # host series alone: copied over the device's host link, if it has one
         link = device.host_link
-        return host_step(host, num_layers=L, compute_s=compute, link=link) if link else min(1, L - 1)
+        k = host_step(host, num_layers=L, compute_s=compute, link=link) if link else min(1, L - 1)
+        if budget_bytes is None:
+            return k
+        check_budget(budget_bytes, host, ",".join(plan.offload) or "the series in host memory")
+        return min(k, int(budget_bytes // host) - 1)  # the ring's k + 1 slots within the budget
     return choose_k(
         layer_bytes(params),
         num_layers=L,

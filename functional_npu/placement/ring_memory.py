@@ -237,6 +237,25 @@ def one_layer_bytes(placed: Placement, dtype: torch.dtype | None = None) -> int:
     )
 
 
+def one_host_layer_bytes(placed: Placement, dtype: torch.dtype | None = None) -> int:
+    """The bytes of one layer of the series kept in host memory (one ring slot: each series' layer as the layer holds
+    it), on the rank where it is largest."""
+    stored_meta, stored_layouts = placed.stored
+    layer, mesh = stored_meta["layers"][0], Mesh.abstract(placed.mesh_shape)
+
+    def size(m: torch.Tensor) -> int:
+        return torch.empty((), dtype=dtype).element_size() if dtype and m.dtype.is_floating_point else m.element_size()
+
+    leaves = [f for f in placed.plan.offload if f in layer]
+    return max(
+        sum(
+            math.prod(local_shape(layer[f].shape, stored_layouts[f"layers.0.{f}"], mesh.at(r), path=f)) * size(layer[f])
+            for f in leaves
+        )
+        for r in range(mesh.size)
+    )
+
+
 def check_ring_budget(placed: Placement, where: str, dtype: torch.dtype | None = None) -> None:
     """Refuse (before any weight is read) a plan whose ``prefetch_step="auto"`` budget cannot hold one layer of its
     series, in the words ``compile_model`` would use once the weights were loaded.
@@ -245,9 +264,12 @@ def check_ring_budget(placed: Placement, where: str, dtype: torch.dtype | None =
         ValueError: naming the budget, the series and one layer's bytes.
     """
     plan = placed.plan
-    if plan.layer_shard is None or plan.prefetch_step != "auto" or plan.prefetch_budget is None:
+    if plan.prefetch_step != "auto" or plan.prefetch_budget is None:
         return
-    check_budget(plan.prefetch_budget, one_layer_bytes(placed, dtype), ",".join(plan.layer_shard.leaves), where)
+    if plan.layer_shard is not None:
+        check_budget(plan.prefetch_budget, one_layer_bytes(placed, dtype), ",".join(plan.layer_shard.leaves), where)
+    elif plan.offload:  # host series alone: the ring holds one layer of them (a budget once ignored)
+        check_budget(plan.prefetch_budget, one_host_layer_bytes(placed, dtype), ",".join(plan.offload), where)
 
 
 def warn_ring_memory(placed: Placement, where: str, *, stacklevel: int = 2) -> RingMemory | None:

@@ -120,6 +120,12 @@ def test_a_plan_file_for_another_model_or_mesh_is_refused_by_name(qwen3, tmp_pat
         "one layer of o_proj (",
         capsys,
     )
+    refused(  # without --dtype: the stored dtype's bytes (once: past this check, refused by every rank)
+        ["generate", "--model", str(qwen3[0]), "--plan", str(tmp_path / "budget.json"), *gen],
+        f"--plan {tmp_path / 'budget.json'}: prefetch_step='auto': the prefetch ring budget of 10 bytes does not hold "
+        "one layer of o_proj (",
+        capsys,
+    )
 
 
 @pytest.mark.parametrize(

@@ -285,3 +285,24 @@ def test_offload_names_of_the_wrong_type_are_one_line(value):
     """A set once raised Python's "unhashable type"."""
     with pytest.raises(ValueError, match=r"^Plan.offload: expected series names like 'o_proj,down_proj' or 'layer', "):
         Plan(offload=value)
+
+
+def test_a_ring_budget_beside_host_series_is_kept_or_refused(qwen3):
+    """``prefetch_step="auto"`` with a budget and series in host memory alone: once the budget was ignored. A budget
+    below one layer of the series is refused before any weight is read; a budget of exactly one layer gives a ring of
+    one slot (k = 0), where the cost model alone picks k = 1 here."""
+    from functional_npu.placement import place
+    from functional_npu.placement.ring_memory import check_ring_budget
+    from functional_npu.runtime.loading import read_config
+
+    cfg = read_config(qwen3)
+    one = place(cfg, {"tp": 1}, Plan(offload="o_proj,down_proj")).stored[0]["layers"][0]
+    layer = sum(one[f].numel() * 4 for f in ("o_proj", "down"))
+    refused = place(cfg, {"tp": 1}, Plan(offload="o_proj,down_proj", prefetch_step="auto", prefetch_budget=1))
+    with pytest.raises(ValueError, match=rf"^--plan f: prefetch_step='auto': the prefetch ring budget of 1 bytes does "
+                       rf"not hold one layer of o_proj,down \({layer} bytes, needed even at k = 0\)"):  # fmt: skip
+        check_ring_budget(refused, "--plan f", torch.float32)
+    for budget, k in ((None, 1), (layer, 0)):
+        plan = Plan(offload="o_proj,down_proj", prefetch_step="auto", prefetch_budget=budget)
+        model = compile_model(load_checkpoint(qwen3, ONE, plan), ONE, backend="none", batch_sizes=[4], max_seq_len=24)
+        assert model.plan.prefetch_step == k and len(model.new_state(4).prefetched) == k + 1
