@@ -226,34 +226,33 @@ def one_layer_bytes(placed: Placement, dtype: torch.dtype | None = None) -> int:
     if ls is None:
         return 0
     stacked, layouts = _stacked(placed, ls)
+    return _largest_slot(placed, {p: (m, layouts[p]) for p, m in stacked.items()}, dtype, stacked=True)
+
+
+def one_host_layer_bytes(placed: Placement, dtype: torch.dtype | None = None) -> int:
+    """The bytes of one layer of the series kept in host memory (one ring slot: each series' layer as the layer holds
+    it), on the rank where it is largest; ``dtype`` as :func:`one_layer_bytes`'s."""
+    stored_meta, stored_layouts = placed.stored
+    layer = stored_meta["layers"][0]
+    leaves = {f: (layer[f], stored_layouts[f"layers.0.{f}"]) for f in placed.plan.offload if f in layer}
+    return _largest_slot(placed, leaves, dtype, stacked=False)
+
+
+def _largest_slot(
+    placed: Placement, leaves: dict[str, tuple[torch.Tensor, Layout]], dtype: torch.dtype | None, *, stacked: bool
+) -> int:
+    """The most bytes one layer of ``leaves`` (meta tensors and their layouts; ``stacked``: ``[L, ...]``, one layer
+    the rest) takes on any rank of the placement's mesh, floating leaves counted in ``dtype`` (None: as stored)."""
     mesh = Mesh.abstract(placed.mesh_shape)
 
     def size(m: torch.Tensor) -> int:
         return torch.empty((), dtype=dtype).element_size() if dtype and m.dtype.is_floating_point else m.element_size()
 
-    return max(
-        sum(math.prod(local_shape(m.shape, layouts[p], mesh.at(r), path=p)[1:]) * size(m) for p, m in stacked.items())
-        for r in range(mesh.size)
-    )
+    def layer_bytes(p: str, m: torch.Tensor, layout: Layout, r: int) -> int:
+        local = local_shape(m.shape, layout, mesh.at(r), path=p)
+        return math.prod(local[1:] if stacked else local) * size(m)
 
-
-def one_host_layer_bytes(placed: Placement, dtype: torch.dtype | None = None) -> int:
-    """The bytes of one layer of the series kept in host memory (one ring slot: each series' layer as the layer holds
-    it), on the rank where it is largest."""
-    stored_meta, stored_layouts = placed.stored
-    layer, mesh = stored_meta["layers"][0], Mesh.abstract(placed.mesh_shape)
-
-    def size(m: torch.Tensor) -> int:
-        return torch.empty((), dtype=dtype).element_size() if dtype and m.dtype.is_floating_point else m.element_size()
-
-    leaves = [f for f in placed.plan.offload if f in layer]
-    return max(
-        sum(
-            math.prod(local_shape(layer[f].shape, stored_layouts[f"layers.0.{f}"], mesh.at(r), path=f)) * size(layer[f])
-            for f in leaves
-        )
-        for r in range(mesh.size)
-    )
+    return max(sum(layer_bytes(p, m, lay, r) for p, (m, lay) in leaves.items()) for r in range(mesh.size))
 
 
 def check_ring_budget(placed: Placement, where: str, dtype: torch.dtype | None = None) -> None:

@@ -132,18 +132,38 @@ def disaggregated_estimate(
             f"prefill group has nothing to do otherwise; got {workload}"
         )
     dev = device_profile(device)
-    prompt, dtype = workload.prompt_len, workload.dtype
+    pre = _prefill_side(cfg, prefill, dev, workload, memory_per_device, quant, dispatch)
+    served = _decode_side(cfg, decode, dev, workload, memory_per_device, quant, dispatch)
+    return _together(cfg, prefill, decode, pre, served, dev, workload)
+
+
+def _prefill_side(
+    cfg: Any, c: Candidate, dev: Device, workload: Workload, memory: float, quant: QuantConfig | None, dispatch: str
+) -> Estimate:
+    """The prefill group's step: one prompt per data-parallel rank, in the workload's formats."""
     settings = {"weights": workload.weights, "kv_dtype": workload.kv_dtype}
-    dp_p = _dp(prefill)
-    pre = estimate(cfg, prefill, dev, Workload.prefill(prompt, dp_p, dtype).with_(**settings),
-                   memory_per_device=memory_per_device, quant=quant, dispatch=dispatch)  # fmt: skip
-    served = serve_estimate(cfg, decode, dev, workload, memory_per_device=memory_per_device, quant=quant,
-                            dispatch=dispatch, decode_only=True)  # fmt: skip
+    work = Workload.prefill(workload.prompt_len, _dp(c), workload.dtype).with_(**settings)
+    return estimate(cfg, c, dev, work, memory_per_device=memory, quant=quant, dispatch=dispatch)
+
+
+def _decode_side(
+    cfg: Any, c: Candidate, dev: Device, workload: Workload, memory: float, quant: QuantConfig | None, dispatch: str
+) -> Served:
+    """The decode group served: its sequences arrive prefilled."""
+    return serve_estimate(cfg, c, dev, workload, memory_per_device=memory, quant=quant, dispatch=dispatch,
+                          decode_only=True)  # fmt: skip
+
+
+def _together(
+    cfg: Any, prefill: Candidate, decode: Candidate, pre: Estimate, served: Served, dev: Device, workload: Workload
+) -> Disaggregated:
+    """The two sides priced together: the KV transfer between them, the side that bounds the rate."""
+    prompt = workload.prompt_len
     p, q = prefill.devices, decode.devices
     kv = sequence_kv_bytes(cfg, decode, prompt, workload.cache_dtype)
     spans = dev.nodes_spanned(range(p + q)) if dev.node_size is not None else 1
     kv_s = dev.link_for(spans).time(kv)
-    prompts_in = dp_p * prompt / pre.step_s  # prompt tokens/s the prefill group computes
+    prompts_in = _dp(prefill) * prompt / pre.step_s  # prompt tokens/s the prefill group computes
     carried = _dp(decode) / kv_s * prompt  # prompt tokens/s the link delivers (one transfer per decode dp group)
     share = prompt / workload.context
     bounds = {
@@ -185,31 +205,26 @@ def best_split(
     ``side_candidates(n)``'s plans), priced together; and the splits refused, with why."""
     out: list[Disaggregated] = []
     refused: list[tuple[str, str]] = []
-    prompt, dtype = workload.prompt_len, workload.dtype
-    settings = {"weights": workload.weights, "kv_dtype": workload.kv_dtype}
     for p in splits(devices):
-        pre_best = dec_best = None
+        pre_best = dec_best = None  # (key, candidate, its figure): priced once, combined as found
         for c in side_candidates(p):
             try:
-                e = estimate(cfg, c, device, Workload.prefill(prompt, _dp(c), dtype).with_(**settings),
-                             memory_per_device=memory, quant=quant, dispatch=dispatch)  # fmt: skip
+                e = _prefill_side(cfg, c, device, workload, memory, quant, dispatch)
             except ValueError:
                 continue
-            key = (not e.fits, -_dp(c) * prompt / e.step_s)
+            key = (not e.fits, -_dp(c) * workload.prompt_len / e.step_s)
             if pre_best is None or key < pre_best[0]:
-                pre_best = (key, c)
+                pre_best = (key, c, e)
         for c in side_candidates(devices - p):
             try:
-                s = serve_estimate(cfg, c, device, workload, memory_per_device=memory, quant=quant,
-                                   dispatch=dispatch, decode_only=True)  # fmt: skip
+                s = _decode_side(cfg, c, device, workload, memory, quant, dispatch)
             except ValueError:
                 continue
             key = (not s.fits, -s.tokens_per_s)
             if dec_best is None or key < dec_best[0]:
-                dec_best = (key, c)
+                dec_best = (key, c, s)
         if pre_best is None or dec_best is None:
             refused.append((f"disaggregated, prefill on {p} of {devices}", "no plan of one side runs the model"))
             continue
-        out.append(disaggregated_estimate(cfg, pre_best[1], dec_best[1], device, workload, memory_per_device=memory,
-                                          quant=quant, dispatch=dispatch))  # fmt: skip
+        out.append(_together(cfg, pre_best[1], dec_best[1], pre_best[2], dec_best[2], device, workload))
     return out, refused
