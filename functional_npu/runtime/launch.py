@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import io
 import os
 import pickle
@@ -157,6 +158,7 @@ def _send(conn: Any, message: tuple) -> None:
 
 def _worker(rank: int, world: int, port: int, conn: Any, threads: int, pg_timeout: float, orphan: tuple) -> None:
     threading.Thread(target=watch_parent, args=orphan, daemon=True, name="parent-watchdog").start()
+    faulthandler.enable(all_threads=True)  # a native crash names the Python frames it happened in, on stderr
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile worker pool per rank
     torch.set_num_threads(threads)
