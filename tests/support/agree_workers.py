@@ -28,13 +28,13 @@ def one_rank_differs(ctx, model_dir: str, damaged_dir: str) -> tuple[dict, int]:
     from functional_npu import shard
     from functional_npu.interop.megatron import from_megatron, megatron_pipeline_specs, stack_layers, to_megatron
     from functional_npu.models.llama import init_params
-    from functional_npu.runtime.loading.checkpoint import load_checkpoint, read_config
+    from functional_npu.runtime.loading.checkpoint import load_checkpoint
     from functional_npu.runtime.loading.dtensor_state import from_dtensor_state
 
     from .dcp_workers import _fsdp2_model
 
-    model, config_dir = _fsdp2_model(ctx, "qwen3", 0)
-    cfg, mesh, state = read_config(config_dir), ctx.mesh({"tp": ctx.world_size}), model.state_dict()
+    model, cfg = _fsdp2_model(ctx, "qwen3", 0)
+    mesh, state = ctx.mesh({"tp": ctx.world_size}), model.state_dict()
     out = {}
     lacking = {k: v for k, v in state.items() if ctx.rank or k != "lm_head.weight"}
     out["lm_head missing on rank 0"] = outcome(from_dtensor_state, lacking, cfg, mesh)
@@ -56,13 +56,12 @@ def mixed_dtypes_generate(ctx, new: int) -> dict:
     """The qwen3 tiny model under FSDP2 with o_proj of layer 1 in bf16 among fp32 weights, on every rank: the
     params' dtypes and greedy tokens, by default (the embedding's fp32) and with ``dtype=torch.bfloat16``."""
     from functional_npu import flatten_with_paths, greedy_generate
-    from functional_npu.runtime.loading.checkpoint import read_config
     from functional_npu.runtime.loading.dtensor_state import from_dtensor_state
 
     from .dcp_workers import _fsdp2_model
 
-    model, config_dir = _fsdp2_model(ctx, "qwen3", 0)
-    cfg, mesh = read_config(config_dir), ctx.mesh({"tp": ctx.world_size})
+    model, cfg = _fsdp2_model(ctx, "qwen3", 0)
+    mesh = ctx.mesh({"tp": ctx.world_size})
     state = model.state_dict()
     state[O_PROJ] = state[O_PROJ].to(torch.bfloat16)
     out = {}

@@ -13,14 +13,13 @@ def save_fsdp2_dcp(ctx, family: str, path: str, seed: int) -> None:
     """The family's tiny transformers model (seeded as ``save_tiny``), FSDP2-wrapped (``fully_shard`` per layer and
     the whole, over dp = the world) and saved with ``torch.distributed.checkpoint`` from its ``state_dict()`` of
     DTensors; rank 0 writes ``config.json`` beside it."""
-    import shutil
 
     import torch.distributed.checkpoint as dcp
 
-    model, config_dir = _fsdp2_model(ctx, family, seed)
+    model, _ = _fsdp2_model(ctx, family, seed)
     dcp.save(model.state_dict(), checkpoint_id=path)
     if ctx.rank == 0:
-        shutil.copy(f"{config_dir}/config.json", f"{path}/config.json")
+        model.config.to_json_file(f"{path}/config.json")
 
 
 def counted_from_dtensor_state(state, cfg, mesh, plan=None):
@@ -51,11 +50,9 @@ def fsdp2_to_tp_generate(ctx, family: str, seed: int, prompts, new: int, ids_dir
     greedy tokens, the bytes this rank received and its lower bound for each."""
     from functional_npu import Plan, compile_model, greedy_generate
     from functional_npu.parallel.layer_shard import layer_shard
-    from functional_npu.runtime.loading.checkpoint import read_config
 
-    model, path = _fsdp2_model(ctx, family, seed)
+    model, cfg = _fsdp2_model(ctx, family, seed)
     ids, _ = _fsdp2_model(ctx, family, seed, ids=True)
-    cfg = read_config(path)
     out = {}
     axes = {"dp": 1, "tp": ctx.world_size}
     mesh = ctx.mesh(axes)
@@ -80,13 +77,11 @@ def trained_meshes_to_tp_generate(ctx, family: str, seed: int, prompts, new: int
     on ``{"dp": 2, "tp": 2}``. Returns, per (training, serving) pair: greedy tokens, the bytes this rank received,
     its lower bound, and the placement types the state held."""
     from functional_npu import greedy_generate
-    from functional_npu.runtime.loading.checkpoint import read_config
 
     out = {}
     for training in ("fsdp2+tp", "hsdp"):
-        model, path = _fsdp2_model(ctx, family, seed, training)
+        model, cfg = _fsdp2_model(ctx, family, seed, training)
         ids, _ = _fsdp2_model(ctx, family, seed, training, ids=True)
-        cfg = read_config(path)
         kinds = sorted({type(p).__name__ for v in model.state_dict().values() for p in v.placements})
         for serving in ({"tp": 4}, {"dp": 2, "tp": 2}):
             params, counted = counted_from_dtensor_state(model.state_dict(), cfg, ctx.mesh(serving))
@@ -107,9 +102,8 @@ def moe_states_to_plans(ctx, family: str, seed: int, prompts, new: int, checkpoi
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from functional_npu import Plan, greedy_generate
-    from functional_npu.runtime.loading.checkpoint import read_config
 
-    model, path = _fsdp2_model(ctx, family, seed)
+    model, cfg = _fsdp2_model(ctx, family, seed)
     ids, _ = _fsdp2_model(ctx, family, seed, ids=True)
     dm = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("dp_shard",))
 
@@ -127,7 +121,7 @@ def moe_states_to_plans(ctx, family: str, seed: int, prompts, new: int, checkpoi
     out = {}
     for state_name, (state, ids_state) in states.items():
         for plan_name, expert_axes in (("tp", ()), ("ep", ("tp",))):
-            cfg, plan = read_config(path), Plan(expert_axes=expert_axes)
+            plan = Plan(expert_axes=expert_axes)
             params, counted = counted_from_dtensor_state(state, cfg, mesh, plan)
             need = lower_bound(ids_state, ids_dir, axes, ctx.rank, plan)
             out[state_name, plan_name] = (greedy_generate(params, prompts, new, mesh), counted, need)
@@ -135,13 +129,15 @@ def moe_states_to_plans(ctx, family: str, seed: int, prompts, new: int, checkpoi
 
 
 def _fsdp2_model(ctx, family: str, seed: int, training: str = "fsdp2", ids: bool = False):
-    """(the wrapped model, a directory holding its config.json). ``training``: ``fsdp2`` (over the world),
-    ``fsdp2+tp`` (``(dp_shard 2, tp n/2)``, TP first) or ``hsdp`` (``(dp_replicate 2, dp_shard n/2)``). ``ids``:
-    every element of every weight is its own id, as :func:`save_ids` numbers them."""
+    """(the wrapped model, its config as :func:`read_config` reads it from the saved ``config.json``). ``training``:
+    ``fsdp2`` (over the world), ``fsdp2+tp`` (``(dp_shard 2, tp n/2)``, TP first) or ``hsdp`` (``(dp_replicate 2,
+    dp_shard n/2)``). ``ids``: every element of every weight is its own id, as :func:`save_ids` numbers them."""
     import tempfile
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from functional_npu.runtime.loading.checkpoint import read_config
 
     model = _model(family, seed)
     if ids:
@@ -163,9 +159,9 @@ def _fsdp2_model(ctx, family: str, seed: int, training: str = "fsdp2", ids: bool
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    path = tempfile.mkdtemp()
-    model.config.save_pretrained(path)
-    return model, path
+    with tempfile.TemporaryDirectory() as path:
+        model.config.save_pretrained(path)
+        return model, read_config(path)
 
 
 def save_ids(family: str, path: str) -> str:
