@@ -12,8 +12,10 @@ line, and holds the plain-loopback figures only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,9 +28,36 @@ from . import child_env
 from .prefetch_runs import run_prefetch_bench
 from .shaped_link import link_unavailable, shaped_command
 
-__all__ = ["run_emulated", "run_link_bench", "model_check"]
+__all__ = ["run_emulated", "run_link_bench", "model_check", "stop_group", "private_tmp_env"]
 
 _START_RATE = 10**10  # until the run has measured its compute and set the matching rate
+_STOP_GRACE_S = 10.0  # what a stopped group is given to clean up (a compiler removing its temporaries) before SIGKILL
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = _STOP_GRACE_S) -> None:
+    """End ``proc``'s process group: SIGTERM, so that each process cleans up (a C compiler removes its ``cc*.s``
+    temporaries), then SIGKILL for what is left after ``grace_s`` seconds."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):  # the leader's children may outlive it
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def private_tmp_env(tmp: str) -> dict[str, str]:
+    """The child's environment with ``TMPDIR`` in ``tmp`` (the run's own directory, removed with it whatever
+    killed the child), and inductor's cache where it would be without that, so that warm starts are kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    os.makedirs(Path(tmp) / "tmp", exist_ok=True)
+    return child_env(TMPDIR=str(Path(tmp) / "tmp"), TORCHINDUCTOR_CACHE_DIR=cache)
 
 
 def run_emulated(
@@ -54,7 +83,7 @@ def run_emulated(
         argv += ([] if rate_bits else ["--match-link"]) + ["--parent", str(os.getpid())]
         proc = subprocess.Popen(
             shaped_command(rate_bits or _START_RATE, argv),
-            env=child_env(),
+            env=private_tmp_env(tmp),
             start_new_session=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -65,9 +94,7 @@ def run_emulated(
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"the emulated-link benchmark did not finish in {timeout:.0f} s") from None
         finally:  # a timeout or an interrupt: the namespace's ranks go with it
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+            stop_group(proc)
         if proc.returncode != 0 or not out.is_file():
             tail = "\n".join(log.strip().splitlines()[-10:])
             raise RuntimeError(f"the emulated-link benchmark failed (exit {proc.returncode}):\n{tail}")

@@ -2,10 +2,15 @@
 result: which runs it reads, and what it predicts for them."""
 
 import math
+import os
+import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 
-from benchmarks.emulated_link import model_check, run_emulated
+from benchmarks.emulated_link import model_check, private_tmp_env, run_emulated, stop_group
 from benchmarks.shaped_link import link_unavailable
 
 
@@ -63,3 +68,41 @@ def test_layer_sharded_decode_on_the_emulated_link(tmp_path):
     assert res["per_layer_comm_s"] > 0 and res["per_layer_compute_s"] > 0
     for r in res["runs"].values():
         assert r["step_s"] > 0 and math.isfinite(r["exposed"])
+
+
+def _compiling(where):
+    """A C compiler started in its own process group on a source long enough to be stopped mid-compile, with its
+    ``TMPDIR`` in ``where / "tmp"``; returned once its ``cc*.s`` temporary exists."""
+    where.mkdir()
+    src, tmp = where / "big.c", where / "tmp"
+    tmp.mkdir()
+    body = "int f{0}(int x) {{ int s = 0; for (int j = 0; j < x; j++) s += j * {0} % 7; return s; }}"
+    src.write_text("\n".join(body.format(i) for i in range(40000)))
+    argv = [shutil.which("cc") or shutil.which("gcc"), "-O2", "-c", str(src), "-o", str(where / "big.o")]
+    proc = subprocess.Popen(argv, env=dict(os.environ, TMPDIR=str(tmp)), start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp.glob("cc*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert list(tmp.glob("cc*")), "the compiler finished before it could be stopped"
+    return proc, tmp
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+def test_a_stopped_run_leaves_no_compiler_temporary(tmp_path):
+    """The emulated-link run is stopped with SIGTERM first, so a compiler in it removes its ``cc*.s``; SIGKILL alone
+    (the control) leaves it, which the run's private ``TMPDIR`` then takes away with the run's directory."""
+    proc, tmp = _compiling(tmp_path / "term")
+    stop_group(proc)
+    assert list(tmp.iterdir()) == []
+    proc, tmp = _compiling(tmp_path / "kill")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert [p.name[:2] for p in tmp.iterdir()] == ["cc"]
+
+
+def test_the_emulated_runs_temporaries_are_its_own_and_inductors_cache_is_kept(tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env = private_tmp_env(str(tmp_path))
+    assert env["TMPDIR"] == str(tmp_path / "tmp") and (tmp_path / "tmp").is_dir()
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == (os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
