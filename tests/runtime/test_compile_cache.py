@@ -198,6 +198,61 @@ def test_a_read_only_cache_dir_is_one_warning_then_a_clean_compile(ckpt, tmp_pat
     assert "cannot be used (EACCES: Permission denied" in warning
 
 
+def _read_only(cache, monkeypatch) -> None:
+    """``cache`` made read-only: for real (mode 0o555) where the test does not run as root, and for root (which writes
+    anyway) by the write probe meeting what a non-root user's would (EACCES)."""
+    for d in [cache, *(p for p in cache.rglob("*") if p.is_dir())]:
+        d.chmod(0o555)
+    if os.geteuid() == 0:
+
+        def refused(root):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(root))
+
+        monkeypatch.setattr(compile_cache, "_probe", refused)
+
+
+def _tree(root) -> dict:
+    """Every entry under ``root``: its kind, size and modification time (what any write would change)."""
+    return {str(p.relative_to(root)): (p.is_dir(), p.lstat().st_size, p.lstat().st_mtime_ns) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("held", [GRAPHS, GRAPHS[:1]], ids=["complete", "partial"])
+def test_a_read_only_cache_with_this_key_is_loaded_and_left_untouched(ckpt, cache, caplog, monkeypatch, held):
+    """A cache that cannot be written (a shared or read-only one) holding this key's graphs: every graph it holds is
+    loaded, one it lacks is compiled without saving, one warning says so, and not one entry under it changes."""
+    rank = cache / "tp0of1"
+    for graph in set(GRAPHS) - set(held):
+        (victim,) = rank.glob(f"*/{graph}")
+        shutil.rmtree(victim)
+    _read_only(cache, monkeypatch)
+    before = _tree(cache)
+    try:
+        (warning,) = _clean_compile(ckpt, cache, caplog, loaded=held)
+    finally:
+        for d in [cache, *(p for p in cache.rglob("*") if p.is_dir())]:
+            d.chmod(0o755)
+    assert warning.startswith(f"compile_model: cache_dir {rank} cannot be written (EACCES: Permission denied: {rank}")
+    assert warning.endswith("); loading the graphs it holds, saving none")
+    assert _tree(cache) == before
+
+
+def test_a_read_only_cache_of_another_key_is_one_warning_then_a_clean_compile(ckpt, cache, caplog, monkeypatch):
+    """The control: a read-only cache whose graphs are another model's is not loaded from (nor emptied)."""
+    manifest = cache / "tp0of1" / "manifest.json"
+    held = json.loads(manifest.read_text())
+    held["key"]["model"] = "another model"
+    manifest.write_text(json.dumps(held))
+    _read_only(cache, monkeypatch)
+    before = _tree(cache)
+    try:
+        (warning,) = _clean_compile(ckpt, cache, caplog)
+    finally:
+        for d in [cache, *(p for p in cache.rglob("*") if p.is_dir())]:
+            d.chmod(0o755)
+    assert "cannot be used (EACCES: Permission denied" in warning and warning.endswith("saving nothing")
+    assert _tree(cache) == before
+
+
 @pytest.mark.parametrize("what", ["manifest.json", "graph.bin"])
 def test_a_full_disk_is_one_warning_then_a_clean_compile(ckpt, tmp_path, caplog, monkeypatch, what):
     """ENOSPC writing the manifest (the directory is not used) or a graph (that graph and later ones are not

@@ -18,6 +18,8 @@ that host removes once the writer's pid is gone; another host's, once a day old)
 without its ``graph.bin`` or that is not a directory, a graph that cannot be loaded or whose guards reject the
 inputs, a directory that cannot be written: each is one warning on the ``functional_npu`` logger naming the
 directory and what was wrong, then a clean compile, and the damaged part is replaced so that the next run loads.
+A directory that can be read but not written (a shared cache, a read-only mount) whose manifest holds this key is
+loaded from, one warning saying so, and left exactly as it is: a graph it lacks or cannot use is compiled, not saved.
 
 While one graph compiles or loads, inductor's cache directory is that graph's own (torch's
 ``temporary_cache_dir``: ``TORCHINDUCTOR_CACHE_DIR`` set for the call); another thread compiling at the
@@ -120,10 +122,13 @@ def cache_key(params: dict, mesh: Mesh, placed: Any, shapes: tuple, backend: Any
 
 @dataclass(frozen=True)
 class GraphDir:
-    """One rank's saved graphs under one key: ``root / digest / <graph>``; ``root`` holds the manifest."""
+    """One rank's saved graphs under one key: ``root / digest / <graph>``; ``root`` holds the manifest.
+    ``read_only``: the directory cannot be written (a shared cache, a read-only mount): its graphs are loaded, and
+    nothing in it is saved, replaced or removed."""
 
     root: Path
     digest: str
+    read_only: bool = False
 
     def path(self, graph: str) -> Path:
         return self.root / self.digest / graph
@@ -158,9 +163,17 @@ def open_graph_dir(cache_dir: str | os.PathLike, mesh: Mesh, key: Mapping[str, s
     problem = ""
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=root, prefix=".probe.", suffix=".tmp")  # writable?
-        os.close(fd)
-        os.unlink(probe)
+        try:
+            _probe(root)
+        except OSError as e:
+            if e.errno in _READ_ONLY and _holds(root, key):
+                log.warning(
+                    "compile_model: cache_dir %s cannot be written (%s); loading the graphs it holds, saving none",
+                    root,
+                    _os_reason(e),
+                )
+                return GraphDir(root, digest, read_only=True)
+            raise
         manifest = root / MANIFEST
         if manifest.is_symlink() or (manifest.exists() and not manifest.is_file()):
             problem = "its manifest.json is not a file"
@@ -188,6 +201,28 @@ def open_graph_dir(cache_dir: str | os.PathLike, mesh: Mesh, key: Mapping[str, s
     if problem:
         log.warning("compile_model: cache_dir %s: %s; compiling from scratch", root, problem)
     return GraphDir(root, digest)
+
+
+# what a directory that can be read but not written raises (a read-only mount, another user's directory)
+_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _probe(root: Path) -> None:
+    """Raise the OSError a write in ``root`` meets, if any (nothing is left behind)."""
+    fd, probe = tempfile.mkstemp(dir=root, prefix=".probe.", suffix=".tmp")
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _holds(root: Path, key: Mapping[str, str]) -> bool:
+    """Whether ``root``'s manifest is a readable file of exactly ``key``."""
+    manifest = root / MANIFEST
+    try:
+        return (
+            manifest.is_file() and not manifest.is_symlink() and not _differences(json.loads(manifest.read_text()), key)
+        )
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
 
 
 def _remove(path: Path) -> None:
@@ -340,6 +375,8 @@ class SavedGraphs:
         if self._where is None:
             return self._fallback
         entry = self._where.path(name)
+        if self._where.read_only:
+            return self._load_only(name, entry, args)
         if entry.is_symlink() or (entry.exists() and not (entry / GRAPH).is_file()):
             # graphs are published whole by a rename: an entry without its graph.bin was damaged after that
             what = "is not a directory" if entry.is_symlink() or not entry.is_dir() else f"has no {GRAPH}"
@@ -368,6 +405,27 @@ class SavedGraphs:
             )
             shutil.rmtree(entry, ignore_errors=True)
         return self._compile(name, entry, args)
+
+    def _load_only(self, name: str, entry: Path, args: tuple) -> Callable[..., Any]:
+        """The graph ``name`` from a directory that cannot be written: loaded if it is there and takes these inputs,
+        else compiled as usual (one warning for a graph that is there and cannot be used); nothing is touched."""
+        if entry.is_symlink() or not (entry / GRAPH).is_file():
+            return self._fallback
+        try:
+            graph = _load(entry)
+            if graph.guard_check(*args, **self._kwargs):
+                self.loaded.append(name)
+                return graph
+            reason = "its guards reject these inputs"
+        except Exception as e:  # noqa: BLE001 - as in _first
+            reason = f"{type(e).__name__}: {_line(e)}"
+        log.warning(
+            "compile_model: cache_dir %s: graph %s cannot be used (%s); compiling it, saving nothing (read-only)",
+            self._root,
+            name,
+            reason,
+        )
+        return self._fallback
 
     def _compile(self, name: str, entry: Path, args: tuple) -> Callable[..., Any]:
         staging = entry.with_name(_staging_name(name))
