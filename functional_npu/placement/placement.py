@@ -341,7 +341,24 @@ def read_placement(path: str | Path, cfg: Any, quant: QuantConfig | None = None,
     axes = data["axes"]
     if not (isinstance(axes, dict) and axes and all(_axis_size(k, v) for k, v in axes.items())):
         raise ValueError(f"{where}: axes must map mesh axis names (dp, tp, ...) to positive ints, got {axes!r}")
-    return place(cfg, axes, Plan.from_dict(data["plan"], where=where), quant, where=where)
+    plan = Plan.from_dict(data["plan"], where=where)
+    _check_axes_used(axes, plan, where)
+    return place(cfg, axes, plan, quant, where=where)
+
+
+def _check_axes_used(axes: dict, plan: Plan, where: str) -> None:
+    """Refuse a plan file's axis of more than one rank that nothing in it names: not the plan's tensor-parallel axis,
+    not ``dp``, and no series, module or expert group's axis (it would start ranks the plan never meant)."""
+    named = {plan.tp, "dp", *plan.expert_axes, *(a for _, group in plan.module_tp.items() for a in group)}
+    if plan.layer_shard is not None:
+        named.add(plan.layer_shard.axis)
+    for axis, size in axes.items():
+        if size > 1 and axis not in named:
+            raise ValueError(
+                f"{where}: mesh axis {axis!r} of size {size} is used by nothing in the plan (tensor parallel over "
+                f"{plan.tp!r}, data parallel over 'dp'), yet it would start {size}x the ranks; drop it, or name it "
+                f"'dp' to run {size} data-parallel replicas"
+            )
 
 
 def _read_json(path: Any, where: str) -> Any:

@@ -110,6 +110,15 @@ def test_a_plan_file_for_another_model_or_mesh_is_refused_by_name(qwen3, tmp_pat
         f"--plan {tmp_path / 'latin1.json'}: not UTF-8 text (byte 14: b'\\xe9'): a plan file is JSON",
         capsys,
     )
+    extra = json.loads(plan_file.read_text()) | {"axes": {"dp": 1, "tp": 1, "pp": 2}}
+    (tmp_path / "extra.json").write_text(json.dumps(extra))
+    refused(  # once: a second rank started that ran nothing the plan named
+        ["generate", "--model", str(qwen3[0]), "--plan", str(tmp_path / "extra.json"), *gen],
+        f"--plan {tmp_path / 'extra.json'}: mesh axis 'pp' of size 2 is used by nothing in the plan (tensor parallel "
+        "over 'tp', data parallel over 'dp'), yet it would start 2x the ranks; drop it, or name it 'dp' to run 2 "
+        "data-parallel replicas",
+        capsys,
+    )
     budget = json.loads(plan_file.read_text())
     budget["axes"] = {"dp": 2, "tp": 1}
     budget["plan"] |= {"tp": "tp", "layer_shard": "o_proj", "prefetch_step": "auto", "prefetch_budget": 10}
