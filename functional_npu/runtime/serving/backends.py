@@ -37,6 +37,7 @@ __all__ = [
     "EVENT_PREFIX",
     "modes",
     "INDUCTOR_MODES",
+    "MODES",
     "FASTEST_MODES",
 ]
 
@@ -46,6 +47,7 @@ BACKENDS = ("auto", "inductor", "torchair", "eager", "aot_eager", "none", "npugr
 EVENT_PREFIX = "functional_npu."  # the tagged events the npugraph_ex hints record and wait
 TORCHAIR_MODES = ("max-autotune", "reduce-overhead")  # GE graph mode, captured (aclgraph) mode
 INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+MODES = tuple(dict.fromkeys(TORCHAIR_MODES + INDUCTOR_MODES))  # every backend's modes, on any device
 # the mode each device compiles with when none is given: the one that measures fastest for decode there
 # (benchmarks/README.md, the scoreboard: on the CPU inductor's C++ wrapper, on CUDA its CUDA graphs)
 FASTEST_MODES = {"cpu": "default", "cuda": "reduce-overhead"}
@@ -300,12 +302,36 @@ def _torchair(mode: str | None) -> Any:
 
 
 def modes(name: str, device_type: str) -> tuple[str, ...]:
-    """The modes backend ``name`` takes on ``device_type`` (none: it takes no mode)."""
+    """The modes backend ``name`` takes on ``device_type`` (none: it takes no mode).
+
+    Raises:
+        ValueError: an unknown backend name or device type.
+    """
+    _check_names(name, device_type)
     if name == "torchair":
         return TORCHAIR_MODES
     if name in ("inductor", "auto") and device_type != "npu":
         return INDUCTOR_MODES
     return ()
+
+
+def _check_names(name: str, device_type: str | None) -> None:
+    """Refuse a backend name not in ``BACKENDS`` and a device type torch does not know (nor ``"npu"``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if device_type is None or device_type == "npu":
+        return
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a str ('cpu', 'cuda', 'npu', ...), got {type(device_type).__name__}")
+    try:
+        known = ":" not in device_type and torch.device(device_type) is not None
+    except RuntimeError:
+        known = False
+    if not known:
+        raise ValueError(
+            f"device_type {device_type!r} is not a device type ('cpu', 'cuda', 'npu', ...); give the params' "
+            f"device type (params['embed'].device.type), or None: the detected accelerator"
+        )
 
 
 def _check_mode(name: str, device_type: str, mode: str | None) -> None:
@@ -344,8 +370,7 @@ def resolve_backend(
         ValueError for an unknown name, a mode the backend does not have on the device (naming its modes), or
         ``"torchair"`` without a working NPU, ``options`` for another backend than ``"npugraph_ex"``.
     """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    _check_names(name, device_type)
     if options and name != "npugraph_ex":
         raise ValueError(
             f"options {sorted(options)} are npugraph_ex's CompilerConfig options, and backend {name!r} takes none; "

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from ...parallel.plan import Plan
 from ...parallel.prefetch_ring import ring_of
 from ...placement.placement import placement_of
 from ...placement.ring_memory import warn_ring_memory
-from .backends import resolve_backend
+from .backends import BACKENDS, MODES, resolve_backend
 from .compile_cache import compiled_forward, graph_dir
 from .compile_policy import (
     GRAPH_BUDGET,
@@ -133,6 +133,28 @@ class CompileOptions:
             raise TypeError(
                 f"CompileOptions: plan must be a Plan (or None: the params'), got {type(self.plan).__name__}"
             )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"compile_model: backend={self.backend!r} is not one of {BACKENDS}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(
+                f"compile_model: mode={self.mode!r} is no backend's mode; give one of {MODES} (or None: the one "
+                f"measured fastest there)"
+            )
+        if not isinstance(self.greedy_head, bool):
+            raise TypeError(
+                f"compile_model: greedy_head must be a bool, got {type(self.greedy_head).__name__} {self.greedy_head!r}"
+            )
+        if self.max_seq_len is not None and (
+            isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int)
+        ):
+            raise TypeError(
+                f"compile_model: max_seq_len must be a positive int (None: the default), got "
+                f"{type(self.max_seq_len).__name__} {self.max_seq_len!r}"
+            )
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(
+                f"compile_model: max_seq_len must be a positive int (None: the default), got {self.max_seq_len}"
+            )
         if self.kernels not in (None, *TARGETS):
             raise ValueError(
                 f"compile_model: kernels={self.kernels!r} is not one of {TARGETS} (or None: the backend's)"
@@ -146,8 +168,8 @@ class CompileOptions:
                 "compile_model: cache_dir is '': give a directory for the saved graphs (None: save nothing)"
             )
         for name in ("batch_sizes", "prefill_lengths", "serving_batches"):  # held as a tuple: the value stays frozen
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), tuple):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive_ints(name, getattr(self, name), name != "serving_batches"))
 
     @classmethod
     def of(cls, options: CompileOptions | None = None, **fields: Any) -> CompileOptions:
@@ -163,6 +185,24 @@ class CompileOptions:
         if unknown:
             raise TypeError(f"compile_model: no option {', '.join(map(repr, unknown))}; the options are {names}")
         return dataclasses.replace(options or cls(), **fields)
+
+
+def _positive_ints(name: str, value: Any, nonempty: bool) -> tuple[int, ...]:
+    """``value`` as a tuple, refused in one line unless it is a list of positive ints (``nonempty``: at least one)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"compile_model: {name} must be a list of positive ints, got {type(value).__name__} {value!r}")
+    got = tuple(value)
+    wrong = next((x for x in got if isinstance(x, bool) or not isinstance(x, int)), None)
+    if wrong is not None:
+        raise TypeError(
+            f"compile_model: {name} must be positive ints, got {list(got)} ({wrong!r} is a {type(wrong).__name__})"
+        )
+    if any(x < 1 for x in got) or nonempty and not got:
+        raise ValueError(
+            f"compile_model: {name} must be positive ints, got {list(got)}"
+            + ("; give at least one (None: the default)" if not got else "")
+        )
+    return got
 
 
 def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = None, /, **fields: Any) -> CompiledModel:

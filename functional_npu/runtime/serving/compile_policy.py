@@ -62,7 +62,16 @@ GRAPH_BUDGET = 256
 
 def cache_length(tokens: int, minimum: int = 64, limit: int | None = None) -> int:
     """A KV-cache length for ``tokens`` positions: the smallest power of two that fits, at least ``minimum``, at
-    most ``limit`` (the model's positions, where ``tokens`` fit them)."""
+    most ``limit`` (the model's positions, where ``tokens`` fit them).
+
+    Raises:
+        ValueError / TypeError naming the argument: ``tokens``, ``minimum`` or ``limit`` (when given) not an int >= 1.
+    """
+    for name, x in (("tokens", tokens), ("minimum", minimum), ("limit", 1 if limit is None else limit)):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"cache_length: {name} must be an int >= 1, got {type(x).__name__} {x!r}")
+        if x < 1:
+            raise ValueError(f"cache_length: {name} must be an int >= 1, got {x}")
     n = max(minimum, 1 << (tokens - 1).bit_length())
     return n if limit is None else min(n, max(limit, tokens))
 
@@ -104,8 +113,8 @@ def shape_buckets(
     cfg: Any, batch_sizes: Sequence[int] | None, max_seq_len: int | None, prefill_lengths: Sequence[int] | None
 ) -> tuple:
     """(batch buckets, cache length, prompt-length buckets), checked."""
-    sizes = tuple(sorted(set(batch_sizes or (1, 2, 4, 8))))
-    if not sizes or not all(isinstance(b, int) and b >= 1 for b in sizes):
+    sizes = tuple(sorted(set((1, 2, 4, 8) if batch_sizes is None else batch_sizes)))
+    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
         raise ValueError(f"compile_model: batch_sizes must be positive ints, got {list(batch_sizes or ())}")
     if max_seq_len is not None and not (isinstance(max_seq_len, int) and max_seq_len >= 1):
         raise ValueError(f"compile_model: max_seq_len must be a positive int (None: the default), got {max_seq_len!r}")
@@ -140,7 +149,17 @@ def check_graphs(sizes: Sequence[int], lengths: Sequence[int], greedy: bool) -> 
 def batch_coverage(buckets: Sequence[int], sizes: Sequence[int]) -> dict[int, dict[str, Any]]:
     """For each serving batch size in ``sizes``: the compiled bucket it runs at (padded up: ``padded`` is the share
     of the bucket's rows that are padding), or ``bucket`` None where it exceeds the largest (``generate`` refuses
-    it; the engine never runs that many at once, it admits up to the largest bucket)."""
+    it; the engine never runs that many at once, it admits up to the largest bucket).
+
+    Raises:
+        ValueError naming ``buckets`` (the compiled ``batch_sizes``) or ``serving_batches`` that are not positive ints
+        (at least one bucket).
+    """
+    if not buckets or not all(not isinstance(b, bool) and isinstance(b, int) and b >= 1 for b in buckets):
+        raise ValueError(
+            f"batch_coverage: buckets must be the compiled batch_sizes, positive ints (at least one), got "
+            f"{list(buckets)}"
+        )
     out: dict[int, dict[str, Any]] = {}
     for n in sorted(set(sizes)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -24,7 +24,7 @@ from ...parallel.prefetch_ring import Ring, RingPhase
 from ...placement.placement import Placement, placement_of
 from .backends import Backend
 from .compile_policy import GRAPH_BUDGET
-from .generate import Lockstep, Samples, generate, sample
+from .generate import Lockstep, Samples, check_token_ids, generate, sample
 
 __all__ = ["CompiledModel", "GraphBreakError", "static_addresses"]
 
@@ -154,7 +154,17 @@ class CompiledModel:
         graph replays on the addresses it was captured with: a state from an earlier ``new_state`` of the same bucket
         is then this one. The ring starts at phase 0 (one graph per phase, :attr:`~.prefetch_ring.Ring.phases`). All
         ranks of the series axis must make the same sequence of calls.
+
+        Raises:
+            ValueError: ``batch`` below 1 or past the largest bucket; TypeError: not an int.
         """
+        if not isinstance(batch, int) or isinstance(batch, bool):
+            raise TypeError(f"new_state: batch must be an int >= 1, got {type(batch).__name__} {batch!r}")
+        if batch < 1:
+            raise ValueError(
+                f"new_state: batch must be an int >= 1 (it is rounded up to a bucket of {list(self.batch_sizes)}), "
+                f"got {batch}"
+            )
         b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
         state = self._kv.get(b) if self.backend.captures else None
         if state is None:
@@ -194,9 +204,18 @@ class CompiledModel:
 
     def prefill(self, prompts: Sequence[Sequence[int]], state: DecodeState, *, length: int = 0) -> torch.Tensor:
         """Run the prompts (right-padded to the bucket of their longest, or of ``length``; the pads at the position
-        after their prompt's last) into ``state``; returns each prompt's last logits ``[B, V]``."""
+        after their prompt's last) into ``state``; returns each prompt's last logits ``[B, V]``.
+
+        Raises:
+            ValueError naming the prompt: no tokens, or a token id outside ``[0, vocab_size)``; TypeError: ids that
+            are not ints.
+        """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill: every prompt needs at least one token")
+        try:
+            check_token_ids(prompts, self.config.vocab_size)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"prefill: {str(e).removeprefix('generate: ')}") from None
         b, width = _rows(state), max(length, *(len(p) for p in prompts))
         if len(prompts) > b:
             raise ValueError(f"prefill: {len(prompts)} prompts do not fit a cache of batch {b}")
@@ -226,20 +245,36 @@ class CompiledModel:
         return self._run("prefill", tokens, positions, state)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """One step: ``tokens [n]`` at ``positions [n]`` (n <= the state's batch); returns logits ``[n, V]``."""
+        """One step: ``tokens [n]`` at ``positions [n]`` (n <= the state's batch); returns logits ``[n, V]``.
+
+        Raises:
+            TypeError: ``tokens`` or ``positions`` not an integer tensor; ValueError: not both ``[n]`` with
+            ``1 <= n <=`` the state's batch, a position outside ``[0, max_seq_len)``, and, where the tokens are on
+            the host (the CPU), a token id outside ``[0, vocab_size)`` (tokens on an accelerator are not read: that
+            would wait for the device on every step).
+        """
         return self._step("decode", tokens, positions, state, self.forward)
 
     def decode_greedy(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """One greedy step through the argmax head: the next ``tokens [n]`` (-1 where the largest logit is
-        not finite), no logits moved between the ranks of a vocab-parallel head."""
+        not finite), no logits moved between the ranks of a vocab-parallel head. Checked as :meth:`decode` is, but
+        for -1 (the step before's non-finite mark: its steps run on, and generation raises at the end)."""
         if self.greedy_forward is None:
             raise ValueError("decode_greedy: compile the model with compile_model(..., greedy_head=True)")
-        return self._step("decode", tokens, positions, state, self.greedy_forward)
+        return self._step("decode", tokens, positions, state, self.greedy_forward, lowest=-1)
 
-    def _step(self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any):
-        b, n = _rows(state), tokens.shape[0]
-        if int(positions.max()) >= self.max_seq_len:
-            raise ValueError(f"decode: position {int(positions.max())} is past max_seq_len {self.max_seq_len}")
+    def _step(
+        self,
+        phase: str,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        state: DecodeState,
+        forward: Any,
+        lowest: int = 0,
+    ) -> torch.Tensor:
+        b = _rows(state)
+        n = check_step(tokens, positions, b, self.max_seq_len, phase)
+        check_ids(tokens, lowest, self.config.vocab_size, phase)
         pad = b - n
         tok = (torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens)[:, None]
         pos = (torch.cat([positions, positions.new_zeros(pad)]) if pad else positions)[:, None]
@@ -292,6 +327,42 @@ class CompiledModel:
             self, prompts, max_new_tokens, lockstep=lockstep, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed,
         )  # fmt: skip
+
+
+def check_step(tokens: Any, positions: Any, batch: int, max_seq_len: int, where: str) -> int:
+    """Raise a one-line TypeError / ValueError unless ``tokens`` and ``positions`` are integer tensors ``[n]``,
+    ``1 <= n <= batch``, with every position in ``[0, max_seq_len)`` (read on any device, as before); returns n."""
+    for name, x in (("tokens", tokens), ("positions", positions)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a 1-d integer tensor [n], got {type(x).__name__}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"{where}: {name} are {x.dtype}; give an integer tensor (torch.long)")
+    n = tokens.shape[0] if tokens.dim() == 1 else -1
+    if tokens.dim() != 1 or positions.shape != tokens.shape or not 1 <= n <= batch:
+        raise ValueError(
+            f"{where}: tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [n] with "
+            f"1 <= n <= the state's batch {batch}"
+        )
+    low, high = int(positions.min()), int(positions.max())  # on an accelerator too: a cache write past its end
+    if low < 0 or high >= max_seq_len:  # there would land in another buffer's memory
+        raise ValueError(
+            f"{where}: positions must be in [0, max_seq_len {max_seq_len}), got {low if low < 0 else high}"
+        )
+    return n
+
+
+def check_ids(tokens: torch.Tensor, lowest: int, vocab_size: int, where: str) -> None:
+    """Raise a one-line ValueError naming the first row of ``tokens [n]`` whose id is outside ``[lowest,
+    vocab_size)``, where ``tokens`` is on the host (on an accelerator: nothing, no wait for the device)."""
+    if tokens.device.type != "cpu":
+        return
+    bad = ((tokens < lowest) | (tokens >= vocab_size)).nonzero()
+    if len(bad):
+        row = int(bad[0, 0])
+        raise ValueError(
+            f"{where}: tokens[{row}] is {int(tokens[row])}, outside the vocabulary [0, {vocab_size}); "
+            f"tokenize with this model's tokenizer"
+        )
 
 
 def _rows(state: DecodeState) -> int:

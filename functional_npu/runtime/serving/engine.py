@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import numbers
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ import torch
 
 from ...models import family_of
 from ...models.paged import Layout, PagedKV, init_pools, layout_of, pool_bytes, ring_width
+from ...parallel.offload import available_host_bytes
 from . import kv_blocks
 from .generate import check_sampling, check_token_ids, logprobs_of, sampler
 
@@ -110,14 +113,42 @@ class _Seq:
 
 def stop_ids(model_dir: str | Path) -> tuple[int, ...]:
     """The checkpoint's stop ids: ``eos_token_id`` of ``generation_config.json`` when present, else of
-    ``config.json`` (an int or a list; none: ``()``)."""
+    ``config.json`` (an int or a list; none: ``()``).
+
+    Raises:
+        ValueError: ``model_dir`` is not a directory, or its ``eos_token_id`` is not an int >= 0 or a list of them.
+    """
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"stop_ids: {str(model_dir)!r} is not a directory; give the checkpoint's directory")
     for name in ("generation_config.json", "config.json"):
         path = Path(model_dir) / name
         if path.is_file():
             eos = json.loads(path.read_text()).get("eos_token_id")
             if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+                ids = tuple(eos) if isinstance(eos, list) else (eos,)
+                if not all(_token_id(t) for t in ids):
+                    raise ValueError(
+                        f"stop_ids: eos_token_id of {path} must be an int >= 0 or a list of them, got {eos!r}"
+                    )
+                return ids
     return ()
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def check_stop(stop: Any, vocab_size: int, where: str) -> tuple[int, ...]:
+    """``stop`` as a tuple of ids, refused in one line (naming ``where``) unless it is a list of token ids in
+    ``[0, vocab_size)``."""
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, Set)):
+        raise TypeError(
+            f"{where}: stop must be a tuple of int token ids (() for none), got {type(stop).__name__} {stop!r}"
+        )
+    bad = [t for t in stop if not (_token_id(t) and t < vocab_size)]
+    if bad:
+        raise ValueError(f"{where}: stop ids {bad} are not in the vocabulary [0, {vocab_size})")
+    return tuple(stop)
 
 
 def layout(model: Any) -> Layout:
@@ -149,6 +180,11 @@ class Engine:
             module parallel, layer-sharded series): rank 0 schedules, samples and yields the events, and sends each
             step's calls to the others, which run them in :meth:`follow` (the same calls, the same shapes) until
             rank 0's :meth:`close`. Every wait has the process group's timeout.
+
+    Raises:
+        ValueError / TypeError in one line naming the field, before anything is built: ``blocks`` or ``block_size``
+        that is not an int >= 1, ``kv_bytes`` that is not a finite number >= 0, a pool too small for one sequence or
+        larger than the memory free on the model's device, ``stop`` ids outside the vocabulary (as a request's).
     """
 
     model: Any
@@ -169,10 +205,12 @@ class Engine:
 
     def __post_init__(self) -> None:
         model = self.model
-        self.layout, dtype, bs = layout(model), _dtype(model), self.block_size
-        self.width = kv_blocks.blocks_for(model.max_seq_len, bs)  # a table row: the longest sequence
         if (self.blocks is None) == (self.kv_bytes is None):
             raise ValueError("Engine: give the pool as blocks=N or as a budget kv_bytes=B (one of the two)")
+        check_sizes(self.blocks, self.kv_bytes, self.block_size)
+        self.stop = check_stop(self.stop, model.config.vocab_size, "Engine")
+        self.layout, dtype, bs = layout(model), _dtype(model), self.block_size
+        self.width = kv_blocks.blocks_for(model.max_seq_len, bs)  # a table row: the longest sequence
         self.chunk = self.chunk or max(model.prefill_lengths)
         if self.chunk not in model.prefill_lengths:
             raise ValueError(
@@ -183,7 +221,7 @@ class Engine:
         ring_blocks = max(model.batch_sizes) * self.ring_width + 1 if self.ring_width else 0  # every row's ring
         rings = pool_bytes(self.layout, 0, bs, dtype, ring_blocks)
         one = pool_bytes(self.layout, 1, bs, dtype)
-        blocks = self.blocks if self.blocks is not None else max(0, self.kv_bytes - rings) // max(one, 1)
+        blocks = self.blocks if self.blocks is not None else int(max(0, self.kv_bytes - rings) // max(one, 1))
         if blocks < self.width + 1:
             least = pool_bytes(self.layout, self.width + 1, bs, dtype, ring_blocks)
             raise ValueError(
@@ -191,6 +229,7 @@ class Engine:
                 f"max_seq_len {model.max_seq_len} ({self.width} blocks, and the null block): give at least "
                 f"blocks={self.width + 1} (kv_bytes={least} on each rank), or compile with a smaller max_seq_len"
             )
+        self._check_fits(blocks, ring_blocks, dtype)
         if self.lockstep and not torch.distributed.is_initialized():
             raise ValueError(
                 "Engine(lockstep=True): the ranks' process group is not initialized (run under a launcher)"
@@ -200,16 +239,41 @@ class Engine:
         self._pools = init_pools(self.layout, blocks, ring_blocks, bs, dtype, model.device)
         self.kv_bytes_used = pool_bytes(self.layout, blocks, bs, dtype, ring_blocks)
 
+    def _check_fits(self, blocks: int, ring_blocks: int, dtype: torch.dtype) -> None:
+        """Refuse, before anything is built, a pool larger than the memory free on the model's device."""
+        bs, device = self.block_size, self.model.device
+        need, free = pool_bytes(self.layout, blocks, bs, dtype, ring_blocks), free_bytes(device)
+        if free is None or need <= free:
+            return
+        given = f"blocks={_shown(blocks)}" if self.blocks is not None else f"kv_bytes={_shown(self.kv_bytes)}"
+        one, rings = pool_bytes(self.layout, 1, bs, dtype), pool_bytes(self.layout, 0, bs, dtype, ring_blocks)
+        most = (free - rings) // max(one, 1)
+        room = (
+            f"blocks={most} (or kv_bytes={free})" if self.blocks is not None else f"kv_bytes={free} (or blocks={most})"
+        )
+        fix = f"give at most {room}" if most >= self.width + 1 else "use a smaller block_size, or a smaller max_seq_len"
+        raise ValueError(
+            f"Engine: {given} asks for a KV pool of {_shown(need)} bytes ({_shown(blocks)} blocks of block_size={bs} "
+            f"positions), more than the {free} bytes free on {device}; {fix}"
+        )
+
     # ---- the requests ------------------------------------------------------------------------------------------
 
     def add(self, request: Request, id: Hashable | None = None) -> Hashable:
         """Queue ``request`` (rank 0 of a lockstep group); returns its id. Refused in one line naming the request
-        (nothing else changes)."""
+        (nothing else changes), and so is an ``id`` already waiting or running."""
         if self.lockstep and _rank() != 0:
             raise ValueError(
                 f"Engine.add: rank {_rank()} follows rank 0's calls (Engine.follow); add requests on rank 0"
             )
         id = next(self._ids) if id is None else id
+        if not isinstance(id, Hashable):
+            raise TypeError(f"Engine.add: id must be hashable (a str or an int), got {type(id).__name__}")
+        if id in self._running or any(s.id == id for s in self._waiting):
+            raise ValueError(
+                f"Engine.add: request id {id!r} is already in the engine; give each request its own id (or none: the "
+                f"engine numbers them), or abort the first"
+            )
         check_request(request, self.model, id)
         stop = frozenset(self.stop if request.stop is None else request.stop)
         pick = sampler(request.temperature, request.top_k, request.top_p, request.seed)
@@ -404,6 +468,43 @@ class Engine:
         events[seq.id] = Event(seq.id, (token,), logprob, finished)
 
 
+def check_sizes(blocks: Any, kv_bytes: Any, block_size: Any) -> None:
+    """Refuse, in one line naming the parameter, ``blocks`` or ``block_size`` that is not an int, ``block_size``
+    below 1, and ``kv_bytes`` that is not a finite number >= 0."""
+    for name, x in (("blocks", blocks), ("block_size", block_size)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
+            raise TypeError(f"Engine: {name} must be an int, got {type(x).__name__} {x!r}")
+    if block_size < 1:
+        raise ValueError(f"Engine: block_size={block_size} must be an int >= 1 (positions per block), e.g. 16")
+    if kv_bytes is None:
+        return
+    if isinstance(kv_bytes, bool) or not isinstance(kv_bytes, numbers.Real):
+        raise TypeError(
+            f"Engine: kv_bytes must be a number of bytes (the KV budget on each rank), got {type(kv_bytes).__name__} "
+            f"{kv_bytes!r}"
+        )
+    if not (math.isfinite(kv_bytes) and kv_bytes >= 0):
+        raise ValueError(
+            f"Engine: kv_bytes={kv_bytes!r} must be a finite number of bytes >= 0 (the KV budget on each rank), "
+            f"e.g. kv_bytes=2**30"
+        )
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """The memory free on ``device`` now (the host's available memory for the CPU); None where it cannot be known."""
+    if device.type == "cpu":
+        return available_host_bytes()
+    try:
+        return int(getattr(torch, device.type).mem_get_info(device)[0])
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def _shown(n: float) -> str:
+    """A byte or block count: exact, or in scientific notation past 10**15."""
+    return f"{n:.3g}" if n >= 10**15 else f"{n}"
+
+
 def _bucket(sizes: Sequence[int], n: int) -> int:
     return min(b for b in sizes if b >= n)
 
@@ -440,6 +541,5 @@ def check_request(request: Any, model: Any, id: Hashable) -> None:
             f"request {id!r}: {len(request.prompt)} prompt tokens + {n} new exceed the engine's context of "
             f"{model.max_seq_len} positions (compile_model's max_seq_len); shorten it or lower max_new_tokens"
         )
-    bad = [t for t in (request.stop or ()) if not (isinstance(t, int) and 0 <= t < model.config.vocab_size)]
-    if bad:
-        raise ValueError(f"request {id!r}: stop ids {bad} are not in the vocabulary [0, {model.config.vocab_size})")
+    if request.stop is not None:
+        check_stop(request.stop, model.config.vocab_size, f"request {id!r}")

@@ -65,13 +65,43 @@ class Lockstep:
     batch: int
     prompt_len: int
 
+    def __post_init__(self) -> None:
+        for name in ("chunks", "batch", "prompt_len"):
+            _check_count(f"Lockstep: {name}", getattr(self, name), 1, "as Lockstep.over gives them")
+
     @staticmethod
     def over(prompts: int, ranks: int, longest: int, batch_sizes: Sequence[int]) -> Lockstep:
-        """The lockstep of ``prompts`` prompts dealt round-robin to ``ranks`` ranks (the busiest one sets it)."""
+        """The lockstep of ``prompts`` prompts dealt round-robin to ``ranks`` ranks (the busiest one sets it).
+
+        Raises:
+            ValueError / TypeError naming the argument: ``prompts`` or ``longest`` below 0, ``ranks`` below 1, or
+            ``batch_sizes`` not a non-empty list of positive ints.
+        """
+        _check_count("Lockstep.over: prompts", prompts, 0, "the number of prompts over all ranks")
+        _check_count("Lockstep.over: ranks", ranks, 1, "the ranks that share the steps")
+        _check_count("Lockstep.over: longest", longest, 0, "the longest prompt's tokens")
+        if not batch_sizes or not all(_count(b) and b >= 1 for b in batch_sizes):
+            raise ValueError(
+                f"Lockstep.over: batch_sizes must be a non-empty list of positive ints (the model's batch_sizes), "
+                f"got {list(batch_sizes)}"
+            )
         busiest = max(1, math.ceil(prompts / ranks))
         width = max(batch_sizes)
         batch = min(b for b in batch_sizes if b >= min(busiest, width))
         return Lockstep(math.ceil(busiest / width), batch, max(1, longest))
+
+
+def _count(x: Any) -> bool:
+    """An int (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_count(what: str, x: Any, least: int, meaning: str) -> None:
+    """Raise a one-line TypeError / ValueError unless ``x`` is an int >= ``least``."""
+    if not _count(x):
+        raise TypeError(f"{what} must be an int >= {least} ({meaning}), got {type(x).__name__} {x!r}")
+    if x < least:
+        raise ValueError(f"{what} must be an int >= {least} ({meaning}), got {x}")
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
