@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["PolicyBatch", "check_batch", "check_tokens"]
+__all__ = ["PolicyBatch", "check_batch", "check_tokens", "check_token_shape", "check_ids"]
 
 
 class PolicyBatch(NamedTuple):
@@ -49,6 +49,15 @@ def _structured(batch: Any) -> bool:
 def check_tokens(tokens: Any, vocab_size: int, device: torch.device, what: str) -> None:
     """``tokens``: a 2-D integer tensor ``[B, S]`` with ``B >= 1`` sequences of ``S >= 2`` tokens (the next-token loss
     predicts ``S - 1`` of them), every id in ``[0, vocab_size)``, on ``device``."""
+    check_token_shape(tokens, what)
+    if tokens.device != device:
+        raise ValueError(f"{what} is on {tokens.device}, the params on {device}; move it with .to({str(device)!r})")
+    check_ids(tokens, vocab_size, what)
+
+
+def check_token_shape(tokens: Any, what: str, min_length: int = 2) -> None:
+    """``tokens``: a 2-D integer tensor of at least one sequence of ``min_length`` tokens (no value is read: this
+    costs no device sync)."""
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(
             f"{what} is a {type(tokens).__name__}; give token ids as an integer tensor [batch, sequence], "
@@ -59,13 +68,16 @@ def check_tokens(tokens: Any, vocab_size: int, device: torch.device, what: str) 
     if tokens.dim() != 2:
         raise ValueError(f"{what} has shape {tuple(tokens.shape)}; token ids are 2-D [batch, sequence]")
     b, s = tokens.shape
-    if b < 1 or s < 2:
+    if b < 1 or s < min_length:
+        why = " (the loss predicts each token from the ones before it)" if min_length > 1 else ""
         raise ValueError(
-            f"{what} has shape {(b, s)}; it needs at least 1 sequence of at least 2 tokens (the loss predicts each "
-            f"token from the ones before it)"
+            f"{what} has shape {(b, s)}; it needs at least 1 sequence of at least {min_length} "
+            f"token{'s' * (min_length > 1)}{why}"
         )
-    if tokens.device != device:
-        raise ValueError(f"{what} is on {tokens.device}, the params on {device}; move it with .to({str(device)!r})")
+
+
+def check_ids(tokens: torch.Tensor, vocab_size: int, what: str) -> None:
+    """Every id of ``tokens`` in ``[0, vocab_size)`` (reads the ids: a device sync for tokens off the CPU)."""
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high

@@ -37,8 +37,8 @@ from ...core.tree import flatten_with_paths, map_with_path, replace_leaves
 from ...models import family_of, forward, init_state, plan_of
 from ...parallel.offload import check_no_host_series
 from ...placement.placement import placement_of
-from ..serving.generate import logprobs_of
-from .batch import check_batch
+from ..serving.generate import MIN_TEMPERATURE, logprobs_of
+from .batch import check_batch, check_ids, check_token_shape
 
 __all__ = ["value_and_grad", "logits", "token_logprobs", "lm_loss", "Differentiable", "differentiable"]
 
@@ -49,9 +49,18 @@ def logits(
     params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa", where: str = "logits"
 ) -> torch.Tensor:
     """``[B, S, V]`` logits of ``tokens [B, S]`` (positions ``0 .. S-1``): the family's forward, differentiable,
-    on a fresh cache of ``S`` slots (so training and inference run the same code). Params that keep series in host
-    memory (a serving plan) are refused, naming ``where``."""
-    check_no_host_series(params, where)
+    on a fresh cache of ``S`` slots (so training and inference run the same code).
+
+    Raises:
+        TypeError / ValueError naming ``where`` and the argument: params with no config or that keep series in host
+        memory (a serving plan), a mesh that is no :class:`Mesh`, tokens that are not a 2-D integer tensor or hold
+        more positions than the model has; on CPU tokens, an id outside the vocabulary.
+    """
+    check_inputs(params, tokens, mesh, where, min_length=1)
+    return _logits(params, tokens, mesh, attention)
+
+
+def _logits(params: dict, tokens: torch.Tensor, mesh: Mesh, attention: str) -> torch.Tensor:
     cfg, plan = params.config, plan_of(params)
     b, s = tokens.shape
     state = init_state(cfg, mesh, b, s, _dtype(params), plan=plan, device=tokens.device)
@@ -59,20 +68,81 @@ def logits(
     return forward(params, tokens, positions, state, mesh, attention=attention, plan=plan, differentiable=True)
 
 
+def check_inputs(params: Any, tokens: Any, mesh: Any, where: str, *, min_length: int = 2) -> None:
+    """Refuse, naming ``where`` and the argument, what the training forward cannot take (see :func:`logits`). The
+    ids are read only from CPU tokens outside tracing: no device sync on a step's hot path."""
+    check_params(params, where)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{where}: mesh must be a functional_npu.Mesh (Mesh.abstract({{'tp': 1}}, 0) for one process), got "
+            f"{type(mesh).__name__}"
+        )
+    check_no_host_series(params, where)
+    check_token_shape(tokens, f"{where}: tokens", min_length)
+    limit, length = getattr(params.config, "max_position_embeddings", None), tokens.shape[1]
+    if limit is not None and length > limit:
+        raise ValueError(
+            f"{where}: tokens hold {length} positions, more than the model's {limit} (max_position_embeddings); "
+            f"split or truncate the sequences to at most {limit} tokens"
+        )
+    if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_ids(tokens, params.config.vocab_size, f"{where}: tokens")
+
+
+def check_params(params: Any, where: str) -> None:
+    """``params`` a :class:`Params` with a model config, else a TypeError naming ``where``."""
+    if not isinstance(params, Params) or params.config is None:
+        raise TypeError(
+            f"{where}: params must be a functional_npu.Params with a model config (load_checkpoint's, or "
+            f"Params(tree, config)), got {type(params).__name__}"
+        )
+
+
 def token_logprobs(
     params: dict, tokens: torch.Tensor, mesh: Mesh, *, attention: str = "sdpa", temperature: float = 1.0
 ) -> torch.Tensor:
     """``[B, S - 1]``: log p(``tokens[:, t + 1]`` | ``tokens[:, :t + 1]``) under ``softmax(logits / temperature)``,
-    in float32 (or float64 params)."""
+    in float32 (or float64 params).
+
+    Raises:
+        TypeError / ValueError naming the argument, as :func:`logits` does, and for sequences of fewer than 2 tokens
+        or a ``temperature`` that is not a finite number >= ``MIN_TEMPERATURE``.
+    """
+    return _token_logprobs(params, tokens, mesh, attention, temperature, "token_logprobs")
+
+
+def _token_logprobs(
+    params: dict, tokens: torch.Tensor, mesh: Mesh, attention: str, temperature: Any, where: str
+) -> torch.Tensor:
+    check_inputs(params, tokens, mesh, where)
+    _check_temperature(temperature, where)
     invariant = plan_of(params).invariant  # the plan's invariant mode: the rollout's bits (models.invariant)
-    got = logits(params, tokens, mesh, attention=attention, where="token_logprobs")
+    got = _logits(params, tokens, mesh, attention)
     return logprobs_of(got[:, :-1], tokens[:, 1:], temperature, invariant)
+
+
+def _check_temperature(temperature: Any, where: str) -> None:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        raise TypeError(
+            f"{where}: temperature must be a number (the rollout's sampling temperature), got "
+            f"{type(temperature).__name__} {temperature!r}"
+        )
+    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise ValueError(
+            f"{where}: temperature must be a finite number >= {MIN_TEMPERATURE} (the rollout's sampling temperature; "
+            f"a greedy rollout's log-probabilities are at 1.0), got {temperature!r}"
+        )
 
 
 def lm_loss(params: dict, tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """The causal language-model loss transformers computes with ``labels=tokens``: the mean next-token
-    negative log-likelihood over ``B x (S - 1)`` tokens."""
-    return -token_logprobs(params, tokens, mesh).mean()
+    negative log-likelihood over ``B x (S - 1)`` tokens.
+
+    Raises:
+        TypeError / ValueError naming the argument, as :func:`token_logprobs` does (a one-token sequence, whose mean
+        over no prediction would be NaN, among them).
+    """
+    return -_token_logprobs(params, tokens, mesh, "sdpa", 1.0, "lm_loss").mean()
 
 
 def _dtype(params: dict) -> torch.dtype:
@@ -93,11 +163,7 @@ class Differentiable:
     """
 
     def __init__(self, params: dict, mesh: Mesh, where: str) -> None:
-        if not isinstance(params, Params) or params.config is None:
-            raise TypeError(
-                f"{where}: params must be a functional_npu.Params with a model config (load_checkpoint's, or "
-                f"Params(tree, config)), got {type(params).__name__}"
-            )
+        check_params(params, where)
         scheme = getattr(params.placement, "quant", None)
         if scheme is not None:
             raise ValueError(
@@ -190,6 +256,15 @@ def check_loss(loss: Any, where: str = "loss_fn") -> torch.Tensor:
     return loss
 
 
+def check_loss_fn(loss_fn: Any, where: str) -> None:
+    """``loss_fn`` callable, else a TypeError naming ``where``."""
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{where}: loss_fn must be a function (params, batch, mesh) -> this rank's scalar loss, such as lm_loss; "
+            f"got {type(loss_fn).__name__}"
+        )
+
+
 def value_and_grad(loss_fn: LossFn) -> Callable[[dict, Any, Mesh], tuple[torch.Tensor, dict]]:
     """``f(params, batch, mesh) -> (loss, grads)``: the mean of every rank's ``loss_fn(params, batch, mesh)``
     and its gradient with respect to every float leaf of ``params``, each a shard in the leaf's layout.
@@ -201,8 +276,10 @@ def value_and_grad(loss_fn: LossFn) -> Callable[[dict, Any, Mesh], tuple[torch.T
         TypeError / ValueError before any collective: params with no config, quantized, of mixed float dtypes or
         devices, or of another plan or mesh (naming the leaf); a batch of token ids or a PolicyBatch that the model
         cannot take (:mod:`.batch`); a ``loss_fn`` that returns no scalar floating-point tensor (naming its shape or
-        type).
+        type); a ``loss_fn`` that is not callable (at once, when ``value_and_grad`` is called).
     """
+
+    check_loss_fn(loss_fn, "value_and_grad")
 
     def run(params: dict, batch: Any, mesh: Mesh) -> tuple[torch.Tensor, dict]:
         split = differentiable(params, mesh)

@@ -12,11 +12,13 @@ however many ranks hold it) and passed in, so the update itself is rank-local an
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from ...core.params import Params
 from ...core.tree import flatten_with_paths, map_with_path, replace_leaves
 
 __all__ = ["AdamW", "OptState"]
@@ -73,18 +75,32 @@ class AdamW:
             _number(self.max_grad_norm, "max_grad_norm", open_low=True)
 
     def init(self, params: dict, grads_of: set[str] | None = None) -> OptState:
-        """Zero moments for every float leaf of ``params`` (or the paths in ``grads_of``), and step 0."""
+        """Zero moments for every float leaf of ``params`` (or the paths in ``grads_of``), and step 0.
+
+        Raises:
+            TypeError / ValueError: params that are no dict, ``grads_of`` that is no set of paths or names a path that
+            is no float leaf of ``params``, nothing to train.
+        """
+        trained = _float_paths(params, grads_of)
 
         def zeros(path: str, x: Any) -> Any:
-            trained = isinstance(x, torch.Tensor) and x.dtype.is_floating_point
-            return torch.zeros_like(x) if trained and (grads_of is None or path in grads_of) else None
+            return torch.zeros_like(x) if path in trained else None
 
         mu = map_with_path(zeros, params)
         device = next(x.device for _, x in flatten_with_paths(mu) if isinstance(x, torch.Tensor))
         return OptState(torch.zeros((), dtype=torch.int64, device=device), mu, map_with_path(zeros, params))
 
     def clip_scale(self, norm: torch.Tensor) -> torch.Tensor | float:
-        """What the gradient is multiplied by for a global norm ``norm``: ``clip_grad_norm_``'s coefficient."""
+        """What the gradient is multiplied by for a global norm ``norm``: ``clip_grad_norm_``'s coefficient.
+
+        Raises:
+            TypeError: ``norm`` is not a tensor. ValueError: a CPU ``norm`` that is negative, NaN or infinite (read
+            outside tracing only: an accelerator's is not read, which would cost a device sync).
+        """
+        _check_norm(norm, "AdamW.clip_scale", finite=True)
+        return self._scale(norm)
+
+    def _scale(self, norm: torch.Tensor) -> torch.Tensor | float:
         if self.max_grad_norm is None:
             return 1.0
         return torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
@@ -95,11 +111,18 @@ class AdamW:
         ``norm``: their global norm (:func:`~.grad.global_norm`). Pure: nothing passed in is
         modified.
 
+        A non-finite gradient is not refused here (finding it would cost a device sync each step): it makes every
+        param it reaches NaN, and with clipping every param (the global norm is NaN).
+        :func:`~.train_step.compile_train_step` checks every leaf's finiteness in its graph and refuses such a step
+        before returning anything; called by hand, check ``torch.isfinite(norm)`` before applying the result.
+
         Raises:
             ValueError naming the leaf: a gradient for a leaf the state has no moments for, a trained leaf with no
-            gradient, a gradient of another shape than its param.
+            gradient, a gradient of another shape than its param; a negative CPU ``norm``. TypeError: a ``norm`` that
+            is not a tensor.
         """
         grads = check_grads(grads, params, state)
+        _check_norm(norm, "AdamW.update", finite=False)
         b1, b2 = self.betas
         step = state.step + 1
         # bias corrections in the wider of float32 and the params' dtype: float64 params get torch.optim.AdamW's
@@ -110,7 +133,7 @@ class AdamW:
                 wide = torch.float64
         t = step.to(wide)
         c1, c2 = 1 - b1**t, 1 - b2**t
-        scale = self.clip_scale(norm)
+        scale = self._scale(norm)
         leaves, mu, nu = (dict(flatten_with_paths(t)) for t in (params, state.mu, state.nu))
         new_p, new_mu, new_nu = {}, {}, {}
         for path, g in grads.items():
@@ -122,6 +145,42 @@ class AdamW:
             new_mu[path], new_nu[path] = m, v
         moments = OptState(step, replace_leaves(state.mu, new_mu), replace_leaves(state.nu, new_nu))
         return replace_leaves(params, new_p), moments
+
+
+def _check_norm(norm: Any, where: str, *, finite: bool) -> None:
+    """``norm`` a tensor; read only on the CPU outside tracing (no device sync): >= 0, and finite if ``finite``."""
+    if not isinstance(norm, torch.Tensor):
+        raise TypeError(f"{where}: norm must be a 0-d tensor (global_norm's), got {type(norm).__name__}")
+    if norm.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    if bool((norm < 0).any()) or (finite and not bool(norm.isfinite().all())):
+        why = "; a NaN or infinite one comes from a non-finite gradient: skip that step, as compile_train_step does"
+        raise ValueError(
+            f"{where}: norm is {norm.tolist()}; a global norm is {'a finite' if finite else 'a'} number >= 0 "
+            f"(global_norm's of the gradients){why if finite else ''}"
+        )
+
+
+def _float_paths(params: Any, grads_of: Any) -> set[str]:
+    """The paths :meth:`AdamW.init` keeps moments for, checked (see its Raises)."""
+    if not isinstance(params, (Mapping, Params)):
+        raise TypeError(f"AdamW.init: params must be the params tree (a dict of tensors), got {type(params).__name__}")
+    if grads_of is not None and (isinstance(grads_of, str) or not isinstance(grads_of, Collection)):
+        raise TypeError(f"AdamW.init: grads_of must be a set of param paths (None: every float leaf), got {grads_of!r}")
+    floats = {p for p, x in flatten_with_paths(params) if isinstance(x, torch.Tensor) and x.dtype.is_floating_point}
+    unknown = sorted(set(grads_of or ()) - floats, key=str)
+    if unknown:
+        raise ValueError(
+            f"AdamW.init: grads_of names {unknown[0]!r}, which is no floating-point leaf of params; name paths of "
+            f"float leaves (as value_and_grad's gradient tree has them), or pass None for every float leaf"
+        )
+    chosen = floats if grads_of is None else set(grads_of)
+    if not chosen:
+        raise ValueError(
+            f"AdamW.init: nothing to train: {'grads_of is empty' if floats else 'params hold no floating-point tensor'}"
+            f"; pass the params tree (load_checkpoint's) and the paths of the leaves to train"
+        )
+    return chosen
 
 
 def check_grads(grads: dict, params: dict, state: OptState) -> dict[str, torch.Tensor]:

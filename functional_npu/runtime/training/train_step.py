@@ -35,7 +35,7 @@ from ..serving.compile_policy import invariant_options
 from ..serving.compiled_model import GraphBreakError
 from ..serving.inductor_cache import sweep
 from .batch import check_batch
-from .grad import Differentiable, LossFn, differentiable, global_norm, grad_leaves
+from .grad import Differentiable, LossFn, check_loss_fn, differentiable, global_norm, grad_leaves
 from .optim import AdamW, OptState
 
 __all__ = ["compile_train_step", "TrainStep", "StepStats"]
@@ -154,8 +154,9 @@ def compile_train_step(
 
     Raises:
         TypeError / ValueError before any compile or collective: params with no config, quantized, or of another
-        plan or mesh (naming the leaf); an optimizer that is not an AdamW.
+        plan or mesh (naming the leaf); a ``loss_fn`` that is not callable; an optimizer that is not an AdamW.
     """
+    check_loss_fn(loss_fn, "compile_train_step")
     if not isinstance(optimizer, AdamW):
         raise TypeError(f"compile_train_step: optimizer must be an AdamW, got {type(optimizer).__name__}")
     split = differentiable(params, mesh, "compile_train_step").skeleton()  # holds no tensor of ``params``
