@@ -2,7 +2,6 @@
 layout (tensor, pipeline and virtual pipeline parallelism), and experts between expert- and tensor-parallel
 layouts (a training EP layout to an inference TP one)."""
 
-from ..core.dtensor import layout_from_dtensor, mesh_from_device_mesh, placements_of, to_dtensor
 from ..parallel.ep_tp import ep_to_tp, expert_layouts, tp_to_ep
 from .megatron import (
     from_megatron,
@@ -13,6 +12,7 @@ from .megatron import (
     to_megatron,
     unstack_layers,
 )
+from .torch_dtensor import layout_from_dtensor, mesh_from_device_mesh, placements_of, to_dtensor
 
 __all__ = [
     "layout_from_dtensor",

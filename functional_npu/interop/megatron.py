@@ -90,14 +90,28 @@ def _rename_axis(specs: dict[str, Any], axis: str) -> dict[str, Any]:
 
 def pipeline_dim(num_layers: int, pp_axis: str = "pp", vpp: int = 1) -> DimSpec:
     """The stacked layer dim of a Megatron pipeline: ``vpp`` chunks of ``L/vpp`` layers, each chunk cut over ``pp``."""
-    if vpp < 1 or num_layers % vpp:
-        raise ValueError(
-            f"pipeline_dim: {num_layers} layers cannot be cut into "
-            f"vpp={vpp} virtual chunks; use a vpp that divides {num_layers}"
-        )
+    _check_chunks(num_layers, vpp, "pipeline_dim", f"{num_layers} layers")
     if vpp == 1:
         return Shard((pp_axis,))
     return Shard((pp_axis,), tuple(Block(f"chunk{v}", num_layers // vpp) for v in range(vpp)))
+
+
+def _count(value: Any, name: str, where: str) -> int:
+    """``value`` an int >= 1, else a TypeError / ValueError naming ``where`` and ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{where}: {name} must be an int >= 1, got {value}")
+    return value
+
+
+def _check_chunks(num_layers: int, vpp: Any, where: str, what: str, fix: str = "") -> None:
+    """``vpp`` an int >= 1 that divides ``num_layers`` (``what``: those layers, in words)."""
+    _count(vpp, "vpp", where)
+    if num_layers % vpp:
+        raise ValueError(
+            f"{where}: {what} cannot be cut into vpp={vpp} virtual chunks; use a vpp that divides {num_layers}{fix}"
+        )
 
 
 # ---- stacked form -------------------------------------------------------------------------------
@@ -108,7 +122,12 @@ def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
         >>> stack_layers(params)["layers"]["qkv"].shape     # doctest: +SKIP
         torch.Size([num_layers, (H + 2K) * hd, D])
     """
-    layers = params["layers"]
+    layers = params.get("layers") if isinstance(params, (Mapping, Params)) else None
+    if not isinstance(layers, (list, tuple)):
+        raise ValueError(
+            f"stack_layers: params['layers'] must be a list of per-layer dicts (the unstacked form init_params and "
+            f"load_checkpoint give), got {_what_layers(params)}; a dict of stacked leaves is stacked already"
+        )
     out: dict[str, Any] = {
         k: (v if not isinstance(v, torch.Tensor) else v.unsqueeze(0).clone())
         for k, v in params.items()
@@ -126,6 +145,7 @@ def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def unstack_layers(stacked: Mapping[str, Any]) -> dict[str, Any]:
     """The inverse of :func:`stack_layers` (a list of per-layer dicts, top-level leaves without the leading dim)."""
+    layers = _stacked_layers(stacked, "unstack_layers")
     out: dict[str, Any] = {}
     for k, v in stacked.items():
         if k == "layers":
@@ -136,15 +156,43 @@ def unstack_layers(stacked: Mapping[str, Any]) -> dict[str, Any]:
                 f"expected (1,); is this a pipeline stage that does not hold it?"
             )
         out[k] = v[0].clone() if isinstance(v, torch.Tensor) else v
-    layers = stacked["layers"]
-    count = {v.shape[0] for v in layers.values()}
-    if len(count) > 1:
+    n = next((v.shape[0] for v in layers.values()), 0)
+    return _like(stacked, out | {"layers": [{k: v[i].clone() for k, v in layers.items()} for i in range(n)]})
+
+
+def _stacked_layers(stacked: Any, where: str) -> dict[str, torch.Tensor]:
+    """``stacked['layers']``, checked to be stacked: a dict of tensors, each with a leading layer dim."""
+    layers = stacked.get("layers") if isinstance(stacked, (Mapping, Params)) else None
+    if not isinstance(layers, Mapping):
         raise ValueError(
-            f"unstack_layers: the stacked layer leaves disagree on the layer count: "
+            f"{where}: params['layers'] must be stacked, a dict of [num_layers, ...] leaves, got "
+            f"{_what_layers(stacked)}; stack the params first: stack_layers(params)"
+        )
+    flat = next(((k, v) for k, v in layers.items() if not isinstance(v, torch.Tensor) or v.dim() < 1), None)
+    if flat is not None:
+        k, v = flat
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+        raise ValueError(
+            f"{where}: params['layers'][{k!r}] is {shape}; a stacked layer leaf is a tensor [num_layers, ...] "
+            f"(stack_layers' form)"
+        )
+    if len({v.shape[0] for v in layers.values()}) > 1:
+        raise ValueError(
+            f"{where}: the stacked layer leaves disagree on the layer count: "
             f"{ {k: v.shape[0] for k, v in layers.items()} }"
         )
-    n = count.pop() if count else 0
-    return _like(stacked, out | {"layers": [{k: v[i].clone() for k, v in layers.items()} for i in range(n)]})
+    return dict(layers)
+
+
+def _what_layers(params: Any) -> str:
+    """What ``params['layers']`` is, in words (for the stacking errors)."""
+    if not isinstance(params, (Mapping, Params)):
+        return f"params of type {type(params).__name__}"
+    if "layers" not in params:
+        return "params with no 'layers'"
+    layers = params["layers"]
+    size = f" of {len(layers)} entries" if isinstance(layers, (list, tuple, Mapping)) else ""
+    return f"a {type(layers).__name__}{size}"
 
 
 def _like(params: Any, tree: dict[str, Any]) -> Any:
@@ -188,7 +236,18 @@ def megatron_pipeline_specs(
         >>> src = megatron_pipeline_specs(cfg, pp=2, vpp=2)                                  # doctest: +SKIP
         >>> dst = stacked_specs(llama.param_specs(cfg), Cyclic("pp", cfg.num_layers))          # doctest: +SKIP
         >>> local = reshard(from_megatron(chunks, cfg, src, mesh), src, dst, mesh)           # doctest: +SKIP
+
+    Raises:
+        TypeError / ValueError: a ``pp`` or ``vpp`` that is no int >= 1, or whose product does not divide the layers.
     """
+    _count(pp, "pp", "megatron_pipeline_specs")
+    _count(vpp, "vpp", "megatron_pipeline_specs")
+    if cfg.num_layers % (pp * vpp):
+        raise ValueError(
+            f"megatron_pipeline_specs: {cfg.num_layers} layers cannot be cut into vpp={vpp} chunks over pp={pp} "
+            f"stages (every stage holds num_layers / (pp * vpp) layers of each chunk); use a pp * vpp that divides "
+            f"{cfg.num_layers}"
+        )
     last = pp - 1
     top = {"embed": Cyclic(pp_axis, 1, 0), "norm": Cyclic(pp_axis, 1, last), "lm_head": Cyclic(pp_axis, 1, last)}
     return stacked_specs(megatron_specs(cfg, tp_axis=tp_axis), pipeline_dim(cfg.num_layers, pp_axis, vpp), top)
@@ -309,7 +368,21 @@ def _check_entries(
 
 def to_megatron(local: Mapping[str, Any], vpp: int = 1) -> list[dict[str, torch.Tensor]]:
     """The inverse of :func:`from_megatron`: one Megatron-named state dict per virtual chunk (layers
-    numbered from 0)."""
+    numbered from 0).
+
+    Raises:
+        TypeError / ValueError: ``local`` that is not stacked (:func:`stack_layers`) or carries no config, a ``vpp``
+        that is no int >= 1 or does not divide this stage's layers (the vpp its layout was made with does).
+    """
+    layers = _stacked_layers(local, "to_megatron")
+    if getattr(local, "config", None) is None:
+        raise TypeError(
+            f"to_megatron: local must be a functional_npu.Params with its model config (from_megatron's, or "
+            f"shard(stack_layers(params), specs, mesh)), got {type(local).__name__}"
+        )
+    n = next((v.shape[0] for v in layers.values()), 0)
+    fix = " (the vpp its layout was made with: megatron_pipeline_specs(cfg, pp=..., vpp=...))"
+    _check_chunks(n, vpp, "to_megatron", f"this stage's {n} layers", fix)
     chunks: list[dict[str, torch.Tensor]] = [{} for _ in range(vpp)]
     reverse = {ours: m for m, ours in _megatron(local.config, "to_megatron").megatron.names.items()}
     for k, x in local.items():
@@ -317,7 +390,7 @@ def to_megatron(local: Mapping[str, Any], vpp: int = 1) -> list[dict[str, torch.
             continue
         if x.shape[0]:
             chunks[0 if k == "embed" else vpp - 1][reverse[k]] = x[0].clone()
-    for k, x in local["layers"].items():
+    for k, x in layers.items():
         per = x.shape[0] // vpp
         for v in range(vpp):
             for j in range(per):
