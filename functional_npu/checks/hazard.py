@@ -83,10 +83,29 @@ class Program:
     slot_index: Mapping[str, int] = field(default_factory=dict)
     phase: int = 0
 
+    def __post_init__(self) -> None:
+        """One line for ops that are not distinct names, or an access by an op not among them."""
+        if isinstance(self.ops, str) or not all(isinstance(op, str) for op in self.ops):
+            raise TypeError(f"Program: ops must be a sequence of op names such as ['w0', 'r0'], got {self.ops!r}")
+        if len(set(self.ops)) != len(self.ops):
+            twice = next(op for op in self.ops if self.ops.count(op) > 1)
+            raise ValueError(f"Program: op {twice!r} appears twice in ops; name each op once")
+        known = set(self.ops)
+        for name in ("writes", "waits", "reads", "allocs"):
+            stray = [op for op in getattr(self, name) if op not in known]
+            if stray:
+                raise ValueError(f"Program: {name} names op {stray[0]!r}, which is not in ops; add it to ops in order")
+
 
 def expected_slot(v: int, k: int, phase: int = 0) -> int:
     """The ring slot virtual layer ``v`` belongs in, at prefetch step ``k``: ``(v + phase) mod (k + 1)``."""
+    _check_k(k, "expected_slot")
     return (v + phase) % (k + 1)
+
+
+def _check_k(k: Any, where: str) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"{where}: k (the prefetch step: a ring of k + 1 slots) must be an int >= 0, got {k!r}")
 
 
 def bind(ring: Sequence[str], k: int, groups: int = 1, phase: int = 0) -> tuple[dict[str, int], dict[str, int]]:
@@ -231,6 +250,11 @@ def _misplaced(program: Program, k: int, index: Mapping[str, int]) -> list[str]:
 
 def check(program: Program, k: int, slots: int | None = None) -> list[str]:
     """Every hazard in ``program`` for a ring at prefetch step ``k`` (see the module docstring); empty when safe."""
+    if not isinstance(program, Program):
+        raise TypeError(f"check: program must be a Program (from_fx, from_inductor_code, ...), got {program!r:.80}")
+    _check_k(k, "check")
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 0):
+        raise ValueError(f"check: slots (the ring's slots) must be an int >= 0 or None, got {slots!r}")
     index = {op: i for i, op in enumerate(program.ops)}
     anc = ancestors(program)
 

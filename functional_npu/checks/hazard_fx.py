@@ -300,6 +300,12 @@ def from_inductor_code(
     index (``argN_1`` is input ``N``); a read is any other line naming it, and means the layer of the compute around
     it (:func:`functional_npu.checks.hazard.read_layers` over the lines' data flow, each line after the last one
     that touched a buffer it names; ``inputs``: the layout of the graph inductor compiled)."""
+    if not isinstance(code, str) or "def call(self, args):" not in code:
+        shown = f"{code[:40]!r}..." if isinstance(code, str) and len(code) > 40 else repr(code)
+        raise ValueError(
+            f"from_inductor_code: code must be inductor's generated module with its 'def call(self, args):' (e.g. "
+            f"from torch._inductor.utils.run_and_get_code), got {shown}"
+        )
     body = code.split("def call(self, args):")[1].split("\nrunner = ")[0]
     lines = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith(("#", "assert_"))]
     lines = [ln for ln in lines if not ln.startswith(("del ", "return", "args.clear")) and not ln.endswith("= args")]

@@ -53,6 +53,9 @@ __all__ = [
 ]
 
 
+MAX_DIMS = 64  # the most dims a layout describes (``with_dim`` pads with whole dims up to the one it sets)
+
+
 class LayoutError(ValueError):
     """A layout that does not fit its tensor or mesh; the message names path, dim, sizes and axis."""
 
@@ -74,6 +77,15 @@ class Block:
     unit: int = 1
     replicate: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Block: name must be a non-empty str such as 'q', got {self.name!r}")
+        if not _count(self.size, 0) or not _count(self.unit, 1):
+            raise ValueError(
+                f"Block {self.name!r}: size must be an int >= 0 and unit an int >= 1 (a head's width), got size "
+                f"{self.size!r}, unit {self.unit!r}"
+            )
+
     def __repr__(self) -> str:
         extra = (f"/{self.unit}" if self.unit != 1 else "") + ("~rep" if self.replicate else "")
         return f"{self.name}:{self.size}{extra}"
@@ -92,6 +104,12 @@ class Shard:
     def __post_init__(self) -> None:  # accept "tp" and lists; store hashable tuples
         object.__setattr__(self, "axes", _axes(self.axes))
         object.__setattr__(self, "blocks", tuple(self.blocks))
+        for name in ("pack", "groups", "group_size"):
+            if not _count(getattr(self, name), 1):
+                raise ValueError(f"Shard: {name} must be a positive int, got {getattr(self, name)!r}")
+        bad = [b for b in self.blocks if not isinstance(b, Block)]
+        if bad:
+            raise TypeError(f"Shard: blocks must be Blocks such as Block('q', 4096, 128), got {bad[0]!r}")
 
     @property
     def stored_unit(self) -> int:
@@ -122,6 +140,13 @@ class Cyclic:
     size: int
     offset: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str):
+            raise ValueError(f"Cyclic: axis must be one mesh axis name such as 'pp', got {self.axis!r}")
+        _axes(self.axis)
+        if not _count(self.size, 1):
+            raise ValueError(f"Cyclic: size (the stacked layers) must be a positive int, got {self.size!r}")
+
     @property
     def axes(self) -> tuple[str, ...]:
         return (self.axis,)
@@ -140,12 +165,20 @@ class Layout:
     dims: tuple[DimSpec | None, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.dims, str):
+            raise TypeError(f"Layout: dims must be a sequence of Shard, Cyclic or None, got {self.dims!r}")
         object.__setattr__(self, "dims", tuple(self.dims))
+        bad = [d for d in self.dims if d is not None and not isinstance(d, (Shard, Cyclic))]
+        if bad:
+            raise TypeError(
+                f"Layout: each dim is a Shard, a Cyclic or None, got {bad[0]!r}; build one with sharded(0, 'tp'), "
+                f"fused(...), cyclic(...) or replicated()"
+            )
 
     def with_dim(self, dim: int, spec: DimSpec | None) -> Layout:
         """This layout with ``dims[dim]`` set (dims in between stay whole)."""
-        if not isinstance(dim, int) or dim < 0:
-            raise LayoutError(f"layout dims are non-negative ints, got {dim!r}")
+        if not _count(dim, 0) or dim >= MAX_DIMS:
+            raise LayoutError(f"layout dims are non-negative ints below {MAX_DIMS}, got {dim!r}")
         dims = list(self.dims) + [None] * (dim + 1 - len(self.dims))
         dims[dim] = spec
         while dims and dims[-1] is None:
@@ -168,7 +201,14 @@ class Layout:
 
 # ---- constructors ---------------------------------------------------------------------------
 def _axes(axes: str | Sequence[str]) -> tuple[str, ...]:
-    return (axes,) if isinstance(axes, str) else tuple(axes)
+    out = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, (list, tuple)) else None
+    if not out or not all(isinstance(a, str) and a.isidentifier() for a in out):
+        raise ValueError(f"a layout's mesh axes are axis names such as 'tp' or ('dp', 'tp'), got {axes!r}")
+    return out
+
+
+def _count(v: object, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
 def replicated() -> Layout:
@@ -210,6 +250,19 @@ def cyclic(dim: int, axis: str, size: int, *, offset: int = 0) -> Layout:
 
 
 # ---- validation -----------------------------------------------------------------------------
+MAX_SIZE = 2**63  # a tensor dim's sizes are int64
+
+
+def check_shape(shape: object, where: str) -> None:
+    """One line (starting with ``where``, e.g. ``"local_shape: w's shape"``) for a shape that is not a sequence of
+    ints in ``[0, 2**63)``: a str or a negative size once gave Python's own errors or a shard of negative length."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"{where} must be a sequence of ints such as (8, 4), got {shape!r}")
+    bad = [n for n in shape if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < MAX_SIZE]
+    if bad:
+        raise ValueError(f"{where} {tuple(shape)} has size {bad[0]!r}; sizes are ints in [0, 2**63) (a tensor's shape)")
+
+
 def validate(
     path: str,
     layout: object,

@@ -85,6 +85,11 @@ class Mesh:
             >>> Mesh.abstract({"dp": 2, "tp": 4}, {"dp": 1, "tp": 2}).rank
             6
         """
+        if not isinstance(axes, Mapping):
+            raise TypeError(
+                f"Mesh.abstract: axes must be a mapping of axis name to size such as {{'dp': 2, 'tp': 4}}, got "
+                f"{axes!r}; pass dict(...) of it"
+            )
         mesh = Mesh(tuple(axes), tuple(axes.values()))
         return mesh if coordinate is None else mesh.at(coordinate)
 

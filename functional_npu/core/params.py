@@ -46,6 +46,11 @@ class Params:
                 f"Params: {static} in the tree; the config and the placement are fields, not keys: "
                 f"Params(tree, config=..., placement=...)"
             )
+        if isinstance(config, (str, Mapping)):
+            raise TypeError(
+                f"Params: config must be a model config object (functional_npu.read_config(path)), got "
+                f"{type(config).__name__} {config!r:.60}"
+            )
         if placement is not None:
             if not (hasattr(placement, "config") and hasattr(placement, "layouts")):
                 raise TypeError(

@@ -117,6 +117,24 @@ class Quant:
         return f"Quant(int{self.bits}, {what}{extra})"
 
 
+def _check_quant_layout(layout: Layout, quant: Quant, ndim: int) -> None:
+    """One line for arguments :func:`quant_layouts` cannot derive stored layouts from."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"quant_layouts: layout must be a Layout such as sharded(0, 'tp'), got {layout!r}")
+    if not isinstance(quant, Quant):
+        raise TypeError(f"quant_layouts: quant must be a Quant such as Quant(8), got {quant!r}")
+    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 2:
+        raise ValueError(
+            f"quant_layouts: ndim must be an int >= 2 (a quantized linear's weight is [..., out, in]), got {ndim!r}"
+        )
+    past = [d for d, spec in enumerate(layout.dims) if d >= ndim and spec is not None]
+    if past:
+        raise LayoutError(
+            f"quant_layouts: {layout!r} places dim {past[0]}, past a weight of ndim {ndim} (dims 0..{ndim - 1}); "
+            f"give the weight's ndim, or a layout of its dims"
+        )
+
+
 def _dims(layout: Layout, ndim: int) -> list:
     dims = list(layout.dims) + [None] * (ndim - len(layout.dims))
     for d in (ndim - 2, ndim - 1):
@@ -146,6 +164,7 @@ def quant_layouts(layout: Layout, quant: Quant, ndim: int = 2) -> dict[str, Layo
         >>> quant_layouts(sharded(1, "tp"), Quant(4, "group", group_size=128))["weight_scale"]
         Layout(dim1=shard(tp group_size=128))
     """
+    _check_quant_layout(layout, quant, ndim)
     dims = _dims(layout, ndim)
     lead, out, inn = dims[: ndim - 2], dims[ndim - 2], dims[ndim - 1]
     q = quant

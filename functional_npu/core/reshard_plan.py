@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .buckets import Move, Slab, check_bucket_bytes, group_slabs
-from .layout import Layout, Piece, local_pieces, validate
+from .layout import Layout, Piece, check_shape, local_pieces, validate
 from .mesh import Mesh
 from .reshard_program import LeafPlan, ReshardProgram, Transfer, bucket_programs, programs
 
@@ -198,6 +198,25 @@ def _local_shapes(path: str, layout: Layout, shape: tuple[int, ...], mesh: Mesh)
     return tuple(out)
 
 
+def _check_leaves(shapes: Mapping, src_specs: Mapping, dst_specs: Mapping) -> None:
+    """One line for leaves :func:`plan_reshard` cannot plan: a path of ``shapes`` with no layout, or an entry that is
+    not ``(full shape, dtype)``."""
+    for name, specs in (("src_specs", src_specs), ("dst_specs", dst_specs)):
+        missing = [p for p in shapes if p not in specs]
+        if missing:
+            raise ValueError(
+                f"plan_reshard: {name} has no layout for {len(missing)} path(s) of shapes, e.g. {missing[0]!r}; give "
+                f"one per leaf (leaf_specs(specs, tree))"
+            )
+    for path, entry in shapes.items():
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.dtype)):
+            raise TypeError(
+                f"plan_reshard: shapes[{path!r}] must be (full shape, dtype), e.g. (tuple(x.shape), x.dtype), got "
+                f"{type(entry).__name__}"
+            )
+        check_shape(entry[0], f"plan_reshard: shapes[{path!r}]'s shape")
+
+
 def plan_reshard(
     shapes: Mapping[str, tuple[Sequence[int], torch.dtype]],
     src_specs: Mapping[str, Layout],
@@ -235,6 +254,7 @@ def plan_reshard(
         [32, 32]
     """
     check_bucket_bytes(bucket_bytes, "reshard")
+    _check_leaves(shapes, src_specs, dst_specs)
     leaves, transfers = [], []
     for path, (shape, dtype) in shapes.items():
         shape = tuple(shape)

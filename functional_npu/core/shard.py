@@ -15,7 +15,17 @@ from typing import Any
 import torch
 
 from . import collectives
-from .layout import Layout, LayoutError, Piece, dim_pieces, full_length, local_pieces, piece_len, validate
+from .layout import (
+    Layout,
+    LayoutError,
+    Piece,
+    check_shape,
+    dim_pieces,
+    full_length,
+    local_pieces,
+    piece_len,
+    validate,
+)
 from .mesh import Mesh
 from .params import Params
 from .tree import PyTree, expand_prefix, flatten_with_paths, map_with_path
@@ -77,6 +87,7 @@ def local_shape(
         >>> local_shape((8, 4), sharded(0, "tp"), Mesh.abstract({"tp": 4}), coordinate=1)
         (2, 4)
     """
+    check_shape(shape, f"local_shape: {path}'s shape")
     mesh = positioned(mesh, coordinate)
     validate(path, layout, shape, dtype, mesh.shape)
     out = list(shape)

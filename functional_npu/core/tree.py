@@ -84,7 +84,13 @@ def tree_from_paths(items: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dic
         ValueError: if a path is both a leaf and a prefix of another path.
     """
     out: dict[str, Any] = {}
-    for path, leaf in dict(items).items():
+    for path, leaf in items.items() if isinstance(items, Mapping) else items:
+        if not isinstance(path, str):
+            raise TypeError(
+                f"path {path!r}: a path is a str of dotted keys such as 'layers.0.qkv', got {type(path).__name__}"
+            )
+        if "" in path.split("."):
+            raise ValueError(f"path {path!r} has an empty key; a path is dotted keys such as 'layers.0.qkv'")
         *parents, last = path.split(".")
         node = out
         for i, part in enumerate(parents):

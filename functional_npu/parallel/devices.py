@@ -42,6 +42,8 @@ class Link:
             raise ValueError(f"Link: alpha_s (seconds per transfer) must be finite and >= 0, got {self.alpha_s!r}")
 
     def time(self, nbytes: float) -> float:
+        if not _number(nbytes) or not 0 <= nbytes < math.inf:
+            raise ValueError(f"Link.time: nbytes must be a finite number of bytes >= 0, got {nbytes!r}")
         return self.alpha_s + nbytes / self.bytes_per_s
 
 
@@ -137,7 +139,13 @@ class Device:
         link's rate, one port per device."""
         if name not in COLLECTIVES:
             raise ValueError(f"collective {name!r} is not modelled; choose from {', '.join(COLLECTIVES)}")
-        if n <= 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"collective_s: n (the group's ranks) must be an int >= 1, got {n!r}")
+        if not _number(payload_bytes) or not 0 <= payload_bytes < math.inf:
+            raise ValueError(
+                f"collective_s: payload_bytes must be a finite number of bytes >= 0, got {payload_bytes!r}"
+            )
+        if n == 1:
             return 0.0
         if f"{name}/{n}" in self.measured:
             alpha, per_byte = self.measured[f"{name}/{n}"]

@@ -172,7 +172,11 @@ def default_placement(num_layers: int, num_experts: int, num_ranks: int) -> torc
         >>> default_placement(1, 4, 2).tolist()
         [[[0, 1], [2, 3]]]
     """
-    if num_ranks < 1 or num_experts % num_ranks:
+    counts = {"num_layers": num_layers, "num_experts": num_experts, "num_ranks": num_ranks}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"default_placement: {name} must be a positive int, got {value!r}")
+    if num_experts % num_ranks:
         raise ValueError(
             f"{num_experts} experts cannot be split evenly over an expert "
             f"axis of size {num_ranks}; use a size that divides {num_experts}"
@@ -318,6 +322,10 @@ def plan_rebalance(old: torch.Tensor | Sequence, new: torch.Tensor | Sequence, n
 
 def rank_program(plan: RebalancePlan, rank: int) -> RankProgram:
     """The sends, receives and local assembly of index ``rank`` along the expert axis (planned with the moves)."""
+    if not isinstance(plan, RebalancePlan):
+        raise TypeError(f"rank_program: plan must be a RebalancePlan (plan_rebalance(old, new)), got {plan!r:.60}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ValueError(f"rank_program: rank must be an int index along the expert axis, got {rank!r}")
     if not 0 <= rank < len(plan.programs):
         raise ValueError(f"rank_program: rank {rank} is outside the expert axis of size {len(plan.programs)}")
     return plan.programs[rank]

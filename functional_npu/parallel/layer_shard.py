@@ -52,6 +52,17 @@ class LayerShard:
     axis: str
     leaves: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str) or not self.axis.isidentifier():
+            raise ValueError(f"LayerShard: axis must be a mesh axis name such as 'dp', got {self.axis!r}")
+        names = tuple(self.leaves) if isinstance(self.leaves, list) else self.leaves
+        object.__setattr__(self, "leaves", names)
+        if not isinstance(names, tuple) or not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
+            raise ValueError(
+                f"LayerShard: leaves must be a non-empty tuple of series names such as ('o_proj', 'down'), got "
+                f"{names!r}; or build one from 'o_proj,down' with layer_shard(...)"
+            )
+
     def __repr__(self) -> str:
         return f"LayerShard({self.axis!r}, {list(self.leaves)})"
 
@@ -162,6 +173,12 @@ def unstack_series(params: dict[str, Any]) -> dict[str, Any]:
 
 def owned_layers(num_layers: int, n: int, c: int) -> list[int]:
     """Layers held by coordinate ``c`` of an axis of size ``n``: ``c, c + n, ...`` (l % n == c)."""
+    counts = {"num_layers": (num_layers, 0), "n": (n, 1), "c": (c, 0)}
+    for name, (value, low) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"owned_layers: {name} must be an int >= {low}, got {value!r}")
+    if c >= n:
+        raise ValueError(f"owned_layers: coordinate c={c} is outside an axis of size n={n}; give 0 <= c < {n}")
     return list(range(c, num_layers, n))
 
 
@@ -172,6 +189,11 @@ def resident_bytes(tensors: Any) -> int:
     """
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+    if tensors is None or isinstance(tensors, (str, bytes, int, float)):
+        raise TypeError(
+            f"resident_bytes: expected a tensor or a pytree of them (params, a ring's slots), got "
+            f"{type(tensors).__name__} {tensors!r:.60}"
+        )
     seen: dict[int, int] = {}
     for x in pytree.tree_leaves(tensors):
         if isinstance(x, AsyncCollectiveTensor):

@@ -59,7 +59,13 @@ class ModuleTP:
     def __post_init__(self) -> None:  # accept "dp2" and lists; store hashable tuples
         for f in fields(self):
             value = getattr(self, f.name)
-            object.__setattr__(self, f.name, (value,) if isinstance(value, str) else tuple(value))
+            axes = (value,) if isinstance(value, str) else value
+            if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) and a.isidentifier() for a in axes):
+                raise ValueError(
+                    f"ModuleTP.{f.name} must be mesh axis names such as ('dp2',) (module TP over dp ranks), got "
+                    f"{value!r}; to give a size, split dp with split_dp(axes, {{{f.name!r}: {value!r}}})"
+                )
+            object.__setattr__(self, f.name, tuple(axes))
 
     def items(self) -> list[tuple[str, tuple[str, ...]]]:
         """(module, axes) for every module that has a group."""
@@ -128,6 +134,11 @@ def split_dp(axes: Mapping[str, int], sizes: Mapping[str, int], *, dp: str = "dp
 
 def dp_axes(mesh: Mesh, tp_axis: str = "tp") -> tuple[str, ...]:
     """The data-parallel axes: every mesh axis but ``tp_axis`` (``("dp",)`` or a split of it)."""
+    if tp_axis not in mesh.axis_names:
+        raise ValueError(
+            f"dp_axes: tp_axis {tp_axis!r} is not an axis of the mesh {mesh.shape}; name its tensor-parallel axis "
+            f"(a mesh without one has a 'tp' axis of size 1)"
+        )
     return tuple(a for a in mesh.axis_names if a != tp_axis)
 
 

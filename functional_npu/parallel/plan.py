@@ -120,6 +120,11 @@ class Plan:
         _check_ints(self)
         if self.prefetch_step != "auto" and not _int(self.prefetch_step, 0):
             raise ValueError(f"Plan.prefetch_step must be an int >= 0 or 'auto', got {self.prefetch_step!r}")
+        if self.prefetch_step != "auto" and self.prefetch_step > MAX_STEP:
+            raise ValueError(
+                f"Plan.prefetch_step {self.prefetch_step} is past any model's layers: a ring of k + 1 slots holds "
+                f"at most all of them; give an int in [0, {MAX_STEP}] (place() bounds it by num_layers - 1) or 'auto'"
+            )
         budget = self.prefetch_budget
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < float("inf")
@@ -203,6 +208,7 @@ def _axis_name(a: Any) -> bool:
 MAX_SLOTS = 1 << 31
 MAX_COPIES = 1 << 20
 MAX_THRESHOLD = 1 << 40
+MAX_STEP = 1 << 16  # a prefetch step past any model's layers (a ring of k + 1 slots holds at most all of them)
 
 
 def _int(v: Any, low: int, high: int | None = None) -> bool:

@@ -47,15 +47,36 @@ __all__ = [
 def roofline_layer_s(device: Device, weight_bytes: float, flops: float) -> float:
     """One layer's compute time at the roofline: reading its weights once or doing its FLOPs, whichever
     takes longer (decode is the first, large prefill the second)."""
+    if not isinstance(device, Device):
+        raise TypeError(f"roofline_layer_s: device must be a Device (e.g. DEVICES['h100-sxm']), got {device!r}")
+    for name, value in {"weight_bytes": weight_bytes, "flops": flops}.items():
+        if not _finite(value) or value < 0:
+            raise ValueError(f"roofline_layer_s: {name} must be a finite number >= 0, got {value!r}")
     return max(weight_bytes / device.memory_bytes_per_s, flops / device.flop_per_s)
 
 
-def _check(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float) -> None:
-    if num_layers < 1 or k < 0 or min(compute_s, occupy_s, latency_s) < 0 or latency_s < occupy_s:
+def _check(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float, where: str) -> None:
+    times = {"compute_s": compute_s, "occupy_s": occupy_s, "latency_s": latency_s}
+    for name, value in times.items():
+        if not _finite(value):
+            raise ValueError(
+                f"{where}: {name} must be a finite number of seconds >= 0, got {value!r}; give the measured or "
+                f"modelled time (roofline_layer_s, Link.time)"
+            )
+    if not _int(num_layers, 1) or not _int(k, 0) or min(times.values()) < 0 or latency_s < occupy_s:
         raise ValueError(
-            f"step_time: needs num_layers >= 1, k >= 0, times >= 0 and latency >= occupancy; got "
+            f"{where}: needs num_layers >= 1, k >= 0, times >= 0 and latency >= occupancy; got "
             f"L={num_layers}, k={k}, compute={compute_s}, occupy={occupy_s}, latency={latency_s}"
         )
+
+
+def _finite(v: object) -> bool:
+    """A real number, not a bool, NaN or infinite (``NaN < 0`` is False: ``<`` alone lets one through)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: object, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
 def simulate(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float, steps: int) -> list[float]:
@@ -66,7 +87,9 @@ def simulate(num_layers: int, k: int, compute_s: float, occupy_s: float, latency
     its broadcast arrived; the broadcast of ``g`` starts when the link is free and layer ``g - k - 1``
     ended (``k = 0``: as layer ``g - 1`` ends). The first step's first ``k`` layers are in place at 0.
     """
-    _check(num_layers, k, compute_s, occupy_s, latency_s)
+    _check(num_layers, k, compute_s, occupy_s, latency_s, "simulate")
+    if not _int(steps, 1):
+        raise ValueError(f"simulate: steps must be an int >= 1, got {steps!r}")
     end = [0.0] * (num_layers * steps)
     link_free = done = 0.0
     for g in range(len(end)):
@@ -88,7 +111,7 @@ def step_time(num_layers: int, k: int, compute_s: float, occupy_s: float, latenc
     which spans ``k + 1`` layers. ``latency_s`` defaults to ``occupy_s`` (no alpha).
     """
     latency_s = occupy_s if latency_s is None else latency_s
-    _check(num_layers, k, compute_s, occupy_s, latency_s)
+    _check(num_layers, k, compute_s, occupy_s, latency_s, "step_time")
     if latency_s == 0:
         return num_layers * compute_s
     return num_layers * max(compute_s, occupy_s, (latency_s + compute_s) / (k + 1))
@@ -98,6 +121,7 @@ def exposed(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_
     """Predicted exposed fraction ``(T - L * compute) / (L * latency)`` (0 without communication): the
     benchmark's ``(T - T_local) / T_comm_alone`` with broadcasts alone taking their latency each."""
     latency_s = occupy_s if latency_s is None else latency_s
+    _check(num_layers, k, compute_s, occupy_s, latency_s, "exposed")
     if latency_s == 0:
         return 0.0
     t = step_time(num_layers, k, compute_s, occupy_s, latency_s)
@@ -148,13 +172,13 @@ def choose_k(
     Raises:
         ValueError: the budget does not hold even ``k = 0``'s single buffer.
     """
-    if layer_bytes < 0 or num_layers < 1 or compute_s < 0 or margin < 0:
+    _check_k(layer_bytes, num_layers, compute_s, link, margin, "choose_k")
+    if budget_bytes is not None and not (_finite(budget_bytes) or budget_bytes == math.inf):
         raise ValueError(
-            f"choose_k: needs layer_bytes >= 0, num_layers >= 1, compute_s >= 0 and margin >= 0; "
-            f"got {layer_bytes}, {num_layers}, {compute_s}, {margin}"
+            f"choose_k: budget_bytes must be a number of bytes (None or math.inf: no limit), got {budget_bytes!r}"
         )
     top = max(0, num_layers - 1)
-    if budget_bytes is not None:
+    if budget_bytes is not None and budget_bytes < math.inf:
         check_budget(budget_bytes, layer_bytes, series)
         if layer_bytes:
             top = min(top, int(budget_bytes // layer_bytes) - 1)
@@ -164,6 +188,21 @@ def choose_k(
     if compute_s == 0:
         return top
     return min(top, max(1, math.ceil(latency / compute_s - 1e-9)))
+
+
+def _check_k(layer_bytes: int, num_layers: int, compute_s: float, link: Link, margin: float, where: str) -> None:
+    """One line naming the first input :func:`choose_k` cannot choose from (NaN passes ``<``: each is checked
+    finite by name first)."""
+    if not isinstance(link, Link):
+        raise TypeError(f"{where}: link must be a Link (bytes_per_s, alpha_s), e.g. Link(25e9), got {link!r}")
+    for name, value in {"layer_bytes": layer_bytes, "compute_s": compute_s, "margin": margin}.items():
+        if not _finite(value):
+            raise ValueError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
+    if layer_bytes < 0 or not _int(num_layers, 1) or compute_s < 0 or margin < 0:
+        raise ValueError(
+            f"{where}: needs layer_bytes >= 0, num_layers >= 1, compute_s >= 0 and margin >= 0; "
+            f"got {layer_bytes}, {num_layers}, {compute_s}, {margin}"
+        )
 
 
 # ---- prefetch_step="auto" on real params --------------------------------------------------------
@@ -185,6 +224,7 @@ def host_step(layer_bytes: int, *, num_layers: int, compute_s: float, link: Link
     one layer's compute): the smallest ``k`` whose exposed time is within 1% of the least any ``k`` up to the covering
     one (:func:`choose_k`) leaves. Where the link does not keep up with the layers, fetching further ahead absorbs
     latency but not the shortfall, and every slot more is device memory the offload was to free."""
+    _check_k(layer_bytes, num_layers, compute_s, link, 0.25, "host_step")
     top = choose_k(layer_bytes, num_layers=num_layers, compute_s=compute_s, link=link)
     occupy, latency = layer_bytes / link.bytes_per_s, link.time(layer_bytes)
     cost = [exposed(num_layers, k, compute_s, occupy, latency) for k in range(top + 1)]
@@ -250,7 +290,7 @@ def auto_step(
     if host and not params.get("series"):  # host series alone: copied over the device's host link, if it has one
         link = device.host_link
         k = host_step(host, num_layers=L, compute_s=compute, link=link) if link else min(1, L - 1)
-        if budget_bytes is None:
+        if budget_bytes is None or budget_bytes == math.inf:
             return k
         check_budget(budget_bytes, host, ",".join(plan.offload) or "the series in host memory")
         return min(k, int(budget_bytes // host) - 1)  # the ring's k + 1 slots within the budget

@@ -164,6 +164,8 @@ def _offloaded(cfg: Any, plan: Plan, layers: Any) -> tuple[str, ...]:
 def resolved(cfg: Any, plan: Plan, layers: Any = None) -> Plan:
     """``plan`` with its layer-sharded and offloaded series resolved for ``cfg`` (leaf names, in the family's order),
     the form loaded params carry; checked by :func:`check_plan_fits` first."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"resolved: plan must be a functional_npu.Plan, got {type(plan).__name__}")
     if plan.layer_shard is not None:
         plan = dataclasses.replace(plan, layer_shard=series_leaves(cfg, plan.layer_shard, plan, layers))
     if plan.offload:

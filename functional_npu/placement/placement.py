@@ -208,6 +208,7 @@ def place(
         TypeError / ValueError / LayoutError starting with ``where``: the plan does not fit the model or the mesh, or
         the mesh cannot shard some leaf at some coordinate (naming the path, the dim, the sizes and the axis).
     """
+    _check_inputs(cfg, mesh, quant, where)
     axes = tuple(zip(mesh.axis_names, mesh.axis_sizes)) if isinstance(mesh, Mesh) else tuple(dict(mesh).items())
     plan = Plan() if plan is None else plan
     if not isinstance(plan, Plan):
@@ -216,6 +217,26 @@ def place(
         return _placed(cfg, axes, plan, quant)
     except (TypeError, ValueError) as e:
         raise type(e)(str(e).replace(_WHERE, where)) from None
+
+
+def _check_inputs(cfg: Any, mesh: Any, quant: Any, where: str) -> None:
+    """One line (a TypeError) for a config, mesh or quantization of the wrong type, before any is hashed or read."""
+    if isinstance(cfg, str) or cfg is None:
+        raise TypeError(f"{where}: cfg must be a model config (functional_npu.read_config(path)), got {cfg!r}")
+    try:
+        family_of(cfg)
+    except TypeError as e:
+        raise TypeError(f"{where}: cfg: {e} (functional_npu.read_config(path) reads one)") from None
+    if not isinstance(mesh, (Mesh, Mapping)):
+        raise TypeError(
+            f"{where}: mesh must be a functional_npu.Mesh or a dict of axis sizes such as {{'dp': 2, 'tp': 1}}, got "
+            f"{type(mesh).__name__}"
+        )
+    if quant is not None and not isinstance(quant, QuantConfig):
+        raise TypeError(
+            f"{where}: quant must be a QuantConfig (e.g. QuantConfig.of(Quant(8)), or read_quant_config of a "
+            f"checkpoint's config.json) or None, got {quant!r}"
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -387,6 +408,11 @@ def _read_json(path: Any, where: str) -> Any:
         raise ValueError(str(e)) from None
     except ValueError as e:
         raise ValueError(f"{where}: not JSON ({e}); write one with python -m functional_npu plan --out FILE") from None
+    except RecursionError:  # a plan file is a few levels deep: thousands of nested brackets are not one
+        raise ValueError(
+            f"{where}: JSON nested too deeply to read; a plan file is an object of model, axes and plan, a few "
+            f"levels deep: write one with python -m functional_npu plan --out FILE"
+        ) from None
 
 
 class _Twice(Exception):

@@ -39,9 +39,33 @@ class QuantConfig:
     targets: tuple[str, ...]
     ignore: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.quant, Quant):
+            raise TypeError(
+                f"QuantConfig: quant must be a Quant (e.g. Quant(8) or Quant(4, 'group', 128)), got {self.quant!r}"
+            )
+        if self.format not in FORMATS:
+            raise ValueError(f"QuantConfig: format must be one of {list(FORMATS)}, got {self.format!r}")
+        for name in ("targets", "ignore"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(t, str) for t in value):
+                fix = f"({value!r},)" if isinstance(value, str) else "('Linear',)"
+                raise TypeError(
+                    f"QuantConfig: {name} must be a tuple of module names or classes (a str is read letter by "
+                    f"letter), got {value!r}; give {fix}"
+                )
+
     @staticmethod
     def of(quant: Quant, ignore: tuple[str, ...] = ("lm_head",)) -> QuantConfig:
         """The config compressed-tensors writes for ``quant`` over every linear module except ``ignore``."""
+        if not isinstance(quant, Quant):
+            raise TypeError(
+                f"QuantConfig.of: quant must be a Quant (e.g. Quant(8) or Quant(4, 'group', 128)), got {quant!r}"
+            )
+        if isinstance(ignore, str):
+            raise TypeError(
+                f"QuantConfig.of: ignore must be a tuple of module names, got {ignore!r}; give ({ignore!r},)"
+            )
         fmt = "pack-quantized" if quant.packed else "int-quantized" if quant.activations else "naive-quantized"
         return QuantConfig(quant, fmt, ("Linear",), tuple(ignore))
 

@@ -102,8 +102,14 @@ def ring_memory(placed: Placement, step: int | None = None) -> RingMemory | None
 
     Raises:
         ValueError: the plan's ``prefetch_step`` is ``"auto"`` (``compile_model`` resolves it: pass ``step``), or
-            ``step`` is not an int >= 0.
+            ``step`` is not an int in ``[0, num_layers - 1]`` (as :func:`~functional_npu.placement.place` bounds it).
+        TypeError: ``placed`` is not a placement.
     """
+    if not isinstance(placed, Placement):
+        raise TypeError(
+            f"ring_memory: placed must be a Placement (functional_npu.placement.place(cfg, mesh, plan)), got "
+            f"{type(placed).__name__}"
+        )
     ls = placed.plan.layer_shard
     if ls is None:
         return None
@@ -113,6 +119,13 @@ def ring_memory(placed: Placement, step: int | None = None) -> RingMemory | None
             f"ring_memory: series {','.join(ls.leaves)} over mesh axis {ls.axis!r} have prefetch_step {k!r}; the "
             f"ring's size needs an int k >= 0 ('auto' is resolved by compile_model: pass step=k, e.g. "
             f"model.plan.prefetch_step)"
+        )
+    top = max(0, placed.config.num_layers - 1)
+    if k > top:  # as place() bounds plan.prefetch_step: a ring of k + 1 slots holds at most every layer
+        raise ValueError(
+            f"ring_memory: step {k} is past the model's {placed.config.num_layers} layers: a ring of k + 1 slots "
+            f"holds at most all of them, so k <= num_layers - 1 = {top} (place() refuses the same prefetch_step); "
+            f"give 0 <= step <= {top}"
         )
     found = _count(placed, k, ls, placed.mesh_shape)
     return found if found.saves else dataclasses.replace(found, change=_smallest_change(placed, k))
@@ -176,10 +189,9 @@ def _smallest_change(placed: Placement, k: int) -> str:
         found = _checked_count(placed, k, ls, placed.mesh_shape | {ls.axis: more})
         if found is not None and found.saves:
             return f"the smallest change that saves: {more} ranks on mesh axis {ls.axis!r} ({_figures(found)})"
-    for smaller in range(k - 1, -1, -1):
-        found = _count(placed, smaller, ls, placed.mesh_shape)  # k decides no layout: the same placement
-        if found.saves:
-            return f"the smallest change that saves: prefetch_step {smaller} ({_figures(found)})"
+    found = _largest_saving_step(placed, k, ls)
+    if found is not None:
+        return f"the smallest change that saves: prefetch_step {found.step} ({_figures(found)})"
     for leaf in _other_series(placed):
         found = _checked_count(placed, k, LayerShard(ls.axis, (leaf,)), placed.mesh_shape)
         if found is not None and found.saves:
@@ -188,6 +200,18 @@ def _smallest_change(placed: Placement, k: int) -> str:
         f"no single change saves (more ranks on mesh axis {ls.axis!r} up to {cfg.num_layers}, a smaller "
         f"prefetch_step, another series): replicate the series (layer_shard=None) or give the model more layers"
     )
+
+
+def _largest_saving_step(placed: Placement, k: int, ls: LayerShard) -> RingMemory | None:
+    """The count at the largest step below ``k`` that saves, or None: every rank's ring grows with the step, so
+    whether it saves is monotone in it and a bisection finds it in ``log k`` counts (``k`` decides no layout: the
+    same placement)."""
+    lo, hi, found = -1, k, None  # hi does not save; every step <= lo does (lo = -1: none known)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        count = _count(placed, mid, ls, placed.mesh_shape)
+        lo, hi, found = (mid, hi, count) if count.saves else (lo, mid, found)
+    return found
 
 
 def _checked_count(placed: Placement, k: int, ls: LayerShard, axes: dict[str, int]) -> RingMemory | None:

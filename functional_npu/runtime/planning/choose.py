@@ -31,7 +31,16 @@ from ...placement.placement import Placement
 from ...placement.quant_config import QuantConfig
 from .disaggregated import Disaggregated, best_split
 from .serve import Served, serve_estimate
-from .step_model import Candidate, Estimate, Workload, check_formats, check_positions, cost_shape, estimate
+from .step_model import (
+    Candidate,
+    Estimate,
+    Workload,
+    check_formats,
+    check_positions,
+    check_request,
+    cost_shape,
+    estimate,
+)
 
 # the most devices a plan is made for (every candidate's bytes are counted at every rank)
 MAX_DEVICES = 1024
@@ -185,6 +194,8 @@ def _gb(n: float) -> str:
 def gb_at_least(n: int) -> str:
     """``n`` bytes in decimal units with two decimals, rounded up: the figure, read back as that many units
     (``Decimal``), is never below ``n`` (``_gb`` rounds to nearest, which can name a memory that is refused)."""
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 <= n < math.inf:
+        raise ValueError(f"gb_at_least: n must be a finite number of bytes >= 0, got {n!r}")
     for unit, size in _UNITS:
         if n >= size:
             hundredths = -(-int(n) * 100 // size)
@@ -282,6 +293,7 @@ def choose_plan(
         )
     if not isinstance(workload, Workload):
         raise ValueError(f"choose_plan: workload must be a Workload (decode, prefill or serve), got {workload!r}")
+    check_request(None, workload, memory_per_device, quant, dispatch, "choose_plan", candidates=False)
     _check_profile(dev)
     check_formats(workload, dev)
     check_positions(model_config, workload)
@@ -323,6 +335,8 @@ def choose_plan(
 def techniques(plan: Plan) -> frozenset[str]:
     """What a plan adds to its ``dp x tp`` split: ``"EP"``, ``"module TP"``, ``"layer sharding"``,
     ``"host memory"``."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"techniques: plan must be a functional_npu.Plan, got {type(plan).__name__}")
     on = {
         "EP": bool(plan.expert_axes),
         "module TP": bool(plan.module_tp),
@@ -344,6 +358,11 @@ def simplest(ranked: list[Ranked], workload: Workload, spread: float) -> tuple[R
     plan with a strict subset of its techniques (:func:`techniques`) comes within ``spread`` of it, in which case
     that one, and so on down. Returns the plan and the rule that decided, in words."""
     fitting = [e for e in ranked if e.fits]
+    if not fitting:
+        raise ValueError(
+            f"simplest: none of the {len(ranked)} ranked plans fits; it chooses among fitting ones (choose_plan "
+            f"raises PlanDoesNotFit with the memory that would fit instead)"
+        )
     best = chosen = fitting[0]
     while have := techniques(chosen.candidate.plan):
         simpler = [e for e in fitting if techniques(e.candidate.plan) < have]

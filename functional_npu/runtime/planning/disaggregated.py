@@ -32,7 +32,7 @@ from ...parallel.module_tp import dp_axes
 from ...placement.placement import Placement
 from ...placement.quant_config import QuantConfig
 from .serve import Served, serve_estimate
-from .step_model import Candidate, Estimate, Workload, estimate, sequence_kv_bytes
+from .step_model import Candidate, Estimate, Workload, check_request, estimate, sequence_kv_bytes
 
 __all__ = ["Disaggregated", "disaggregated_estimate", "splits", "best_split"]
 
@@ -120,6 +120,8 @@ def disaggregated_estimate(
         ValueError: a side with no devices, a workload without prompt tokens or not a serving one, or a side's
             plan the model cannot run (its message).
     """
+    for c in (prefill, decode):
+        check_request(c, workload, memory_per_device, quant, dispatch, "disaggregated_estimate")
     for side, c in (("prefill", prefill), ("decode", decode)):
         if not c.axes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in c.axes.values()):
             raise ValueError(

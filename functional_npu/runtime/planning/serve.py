@@ -26,7 +26,7 @@ from typing import Any
 
 from ...placement.placement import Placement
 from ...placement.quant_config import QuantConfig
-from .step_model import Candidate, Estimate, Workload, estimate
+from .step_model import Candidate, Estimate, Workload, check_request, estimate
 
 __all__ = ["Served", "serve_estimate"]
 
@@ -102,8 +102,14 @@ def serve_estimate(
     Raises:
         ValueError: the model cannot run the candidate, or ``workload`` is not a serving one.
     """
+    check_request(candidate, workload, memory_per_device, quant, dispatch, "serve_estimate")
     if workload.kind != "serve":
         raise ValueError(f"serve_estimate: needs a serving workload (Workload.serve), got {workload}")
+    if memory_per_device == math.inf and workload.max_seqs is None:
+        raise ValueError(
+            "serve_estimate: memory_per_device=inf (unbounded) admits any number of sequences and the workload "
+            "has no cap; give it one (Workload.serve(context, max_seqs=n)) or a finite memory budget in bytes"
+        )
     dp, dtype = candidate.devices // candidate.axes.get(candidate.plan.tp, 1), workload.dtype
 
     settings = {"weights": workload.weights, "kv_dtype": workload.kv_dtype}
@@ -124,7 +130,7 @@ def serve_estimate(
         sizes["total"] = sum(v for k, v in sizes.items() if k not in ("total", "host"))  # host bytes: not the device's
         return sizes
 
-    per_rank = _admitted(need, memory_per_device)
+    per_rank = _admitted(need, memory_per_device, workload.max_seqs, dp)
     batch = per_rank * dp if workload.max_seqs is None else min(per_rank * dp, workload.max_seqs)
     decode = step(Workload.decode(max(1, batch), max(1, mean), dtype).with_(**settings, **drafts))
     share = 0.0 if decode_only else prompt / workload.context
@@ -144,10 +150,13 @@ def _activations(prefill: Estimate | None) -> int:
     return prefill.bytes["activations"] if prefill is not None else 0
 
 
-def _admitted(need: Any, memory: float) -> int:
+def _admitted(need: Any, memory: float, cap: int | None, dp: int) -> int:
     """The most sequences per rank whose bytes (``need(n)["total"]``, growing with ``n``) fit ``memory``; 0 if one
     does not. Bytes grow linearly until a decode step's activations outgrow a prefill's, then faster: the slope at
-    one sequence bounds the answer from above, and a bisection finds it exactly."""
+    one sequence bounds the answer from above, and a bisection finds it exactly. Unbounded memory admits the cap
+    (``cap`` sequences over ``dp`` ranks, as many as a finite budget past the cap's bytes would)."""
+    if memory == math.inf:
+        return -(-cap // dp)
     one = need(1)["total"]
     if one > memory:
         return 0

@@ -57,6 +57,7 @@ __all__ = [
     "sequence_kv_bytes",
     "SCHEDULES",
     "check_positions",
+    "check_request",
 ]
 
 
@@ -94,6 +95,7 @@ class Workload:
         _check_settings(self)
         if self.kind not in ("decode", "prefill", "serve"):
             raise ValueError(f"workload: kind must be 'decode', 'prefill' or 'serve', got {self.kind!r}")
+        _check_applies(self)
         if not _positive(self.batch):
             raise ValueError(f"workload: batch must be a positive int, got {self.batch!r}")
         size = self.length if self.kind == "prefill" else self.context
@@ -187,6 +189,27 @@ class Workload:
         return f"prefill of {self.length} tokens" + (f" x {self.batch}" if self.batch > 1 else "")
 
 
+# the shape fields each kind reads (the others keep their defaults: a field set for another kind is a mistake)
+_APPLIES = {
+    "decode": ("batch", "context"),
+    "prefill": ("batch", "length"),
+    "serve": ("context", "prompt_share", "max_seqs"),
+}
+_SHAPE_DEFAULTS = {"batch": 1, "context": 0, "length": 0, "prompt_share": 0.0, "max_seqs": None}
+
+
+def _check_applies(w: Workload) -> None:
+    """One line naming a shape field set that ``w``'s kind does not read (it would be silently ignored)."""
+    reads = _APPLIES[w.kind]
+    for name, default in _SHAPE_DEFAULTS.items():
+        value = getattr(w, name)
+        if name not in reads and value != default:
+            raise ValueError(
+                f"workload: {name}={value!r} does not apply to a {w.kind} workload (it reads {', '.join(reads)}); "
+                f"drop it, or build the workload with Workload.{w.kind}(...)"
+            )
+
+
 def _positive(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
@@ -207,8 +230,12 @@ def _check_settings(w: Workload) -> None:
             f"workload: weights={w.weights!r} is not a format the planner prices; it prices {list(FORMATS)} (or "
             f"None: the dtype's; int8 / int4 weights: a QuantConfig)"
         )
-    if w.kv_dtype is not None and not (isinstance(w.kv_dtype, torch.dtype) and w.kv_dtype.itemsize in (1, 2, 4)):
-        raise ValueError(f"workload: kv_dtype must be a torch dtype of 1, 2 or 4 bytes, got {w.kv_dtype!r}")
+    kv = w.kv_dtype
+    if kv is not None and not (isinstance(kv, torch.dtype) and kv.is_floating_point and kv.itemsize in (1, 2, 4)):
+        raise ValueError(
+            f"workload: kv_dtype must be a torch dtype of 1, 2 or 4 bytes, a floating one (torch.bfloat16, "
+            f"torch.float8_e4m3fn), got {kv!r}"
+        )
     if isinstance(w.draft_tokens, bool) or not isinstance(w.draft_tokens, int) or not 0 <= w.draft_tokens <= 16:
         raise ValueError(
             f"workload: draft_tokens (speculative tokens drafted per step) must be an int in [0, 16], got "
@@ -365,6 +392,7 @@ def estimate(
         ValueError: the model cannot run the candidate (:func:`~functional_npu.placement.place`'s message), or
             ``workload`` is a serving one (:func:`~.serve.serve_estimate` ranks those).
     """
+    check_request(candidate, workload, memory_per_device, quant, dispatch, "estimate")
     if workload.kind == "serve":
         raise ValueError("estimate times one decode or prefill step; serve_estimate sizes a serving workload's batch")
     if candidate.schedule == "two_batch":
@@ -391,8 +419,6 @@ def estimate(
     reads["kv_cache"] = kv_bytes if workload.kind == "decode" else 0
     memory_s, compute_s = sum(reads.values()) / dev.memory_bytes_per_s, flops / dev.flop_per_s
     parts: dict[str, float] = {"memory_s": memory_s, "compute_s": compute_s}
-    if dispatch not in DISPATCH:
-        raise ValueError(f"estimate: dispatch must be one of {DISPATCH}, got {dispatch!r}")
     for c in _collectives(shape, mesh, plan, tokens, seqs, e, dispatch):  # on the critical path
         nodes = _nodes(dev, mesh, c.axes)
         parts[c.kind] = parts.get(c.kind, 0.0) + c.count * dev.collective_s(c.kind, c.ranks, c.payload, nodes=nodes)
@@ -419,6 +445,28 @@ def estimate(
     sizes = {"weights": weights, "kv_cache": kv_bytes, "prefetch": ring, "activations": activations}
     sizes["total"], sizes["host"] = total, held.host
     return Estimate(candidate, step, parts, sizes, total <= memory_per_device, placed, reads)
+
+
+def check_request(
+    candidate: Any, workload: Any, memory: Any, quant: Any, dispatch: Any, where: str, *, candidates: bool = True
+) -> None:
+    """One line naming the first argument no candidate can be priced with (checked once, before any is priced):
+    the candidate's and workload's types, the memory budget (NaN and negatives refused; ``math.inf``: unbounded),
+    the quantization's type, the dispatch."""
+    if candidates and not isinstance(candidate, Candidate):
+        raise TypeError(
+            f"{where}: candidate must be a Candidate (planning.candidates(cfg, devices) lists them), got {candidate!r}"
+        )
+    if not isinstance(workload, Workload):
+        raise TypeError(f"{where}: workload must be a Workload (decode, prefill or serve), got {workload!r}")
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:  # NaN > 0 is False
+        raise ValueError(
+            f"{where}: memory_per_device must be a positive number of bytes (math.inf: unbounded), got {memory!r}"
+        )
+    if quant is not None and not isinstance(quant, QuantConfig):
+        raise TypeError(f"{where}: quant must be a QuantConfig (e.g. QuantConfig.of(Quant(8))) or None, got {quant!r}")
+    if dispatch not in DISPATCH:
+        raise ValueError(f"{where}: dispatch must be one of {DISPATCH}, got {dispatch!r}")
 
 
 def sequence_kv_bytes(cfg: Any, candidate: Candidate, positions: int, dtype: torch.dtype) -> int:
