@@ -19,21 +19,10 @@ from functional_npu.interop import (
     unstack_layers,
 )
 from functional_npu.interop.megatron import pipeline_dim
-from functional_npu.models.llama import LlamaConfig, init_params
+from functional_npu.models.llama import init_params
 
-CFG = LlamaConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=1e4,
-    max_position_embeddings=64,
-)
+from ..support.configs import TINY as CFG
+
 PARAMS = init_params(CFG, seed=0)
 MESH = Mesh.abstract({"tp": 1}, 0)
 LOCAL = shard(stack_layers(PARAMS), megatron_pipeline_specs(CFG, pp=1), Mesh.abstract({"pp": 1, "tp": 1}, 0))

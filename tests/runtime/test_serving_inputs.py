@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from functional_npu import Mesh
-from functional_npu.models.llama import LlamaConfig, init_params
+from functional_npu.models.llama import init_params
 from functional_npu.runtime.serving import (
     CompileOptions,
     Engine,
@@ -27,10 +27,8 @@ from functional_npu.runtime.serving import (
 )
 from functional_npu.runtime.serving.engine import free_bytes
 
-CFG = LlamaConfig(
-    architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-    num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
-)  # fmt: skip
+from ..support.configs import TINY as CFG
+
 ONE = Mesh.abstract({"tp": 1}, 0)
 FREE = r"more than the \d+ bytes free on cpu; "  # the host's memory available now
 

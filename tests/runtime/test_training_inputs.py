@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from functional_npu import Mesh
-from functional_npu.models.llama import LlamaConfig, init_params
+from functional_npu.models.llama import init_params
 from functional_npu.runtime.serving.generate import Samples
 from functional_npu.runtime.training import (
     AdamW,
@@ -26,19 +26,8 @@ from functional_npu.runtime.training import (
     value_and_grad,
 )
 
-CFG = LlamaConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=1e4,
-    max_position_embeddings=64,
-)
+from ..support.configs import TINY as CFG
+
 PARAMS = init_params(CFG, seed=0)
 MESH = Mesh.abstract({"tp": 1}, 0)
 TOKENS = torch.tensor([[1, 2, 3, 4, 5]])

@@ -1,9 +1,23 @@
-"""Tiny model configs of each family, built in Python (no checkpoint): a dense Qwen3, a Qwen3-MoE with dense
+"""Tiny model configs of each family, built in Python (no checkpoint): the smallest Llama (``TINY``: bad-input
+tables), a dense Qwen3, a Qwen3-MoE with dense
 layers between its MoE layers, and a DeepSeek-V3 with a low-rank query, a dense first layer and grouped routing."""
 
 from functional_npu.models import DeepseekConfig, LlamaConfig, dense, moe
 from functional_npu.models.experts import Routing
 
+TINY = LlamaConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    max_position_embeddings=64,
+)
 DENSE = LlamaConfig(
     architecture="Qwen3ForCausalLM",
     vocab_size=128,

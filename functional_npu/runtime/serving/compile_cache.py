@@ -389,20 +389,9 @@ class SavedGraphs:
             with contextlib.suppress(OSError):
                 _remove(entry)
         elif (entry / GRAPH).is_file():
-            try:
-                graph = _load(entry)
-                if graph.guard_check(*args, **self._kwargs):
-                    self.loaded.append(name)
-                    return graph
-                reason = "its guards reject these inputs"
-            except Exception as e:  # noqa: BLE001 - garbage bytes fail anywhere in unpickling or in the kernels' load
-                reason = f"{type(e).__name__}: {_line(e)}"
-            log.warning(
-                "compile_model: cache_dir %s: graph %s cannot be used (%s); compiling it from scratch",
-                self._root,
-                name,
-                reason,
-            )
+            graph = self._loaded(name, entry, args, "compiling it from scratch")
+            if graph is not None:
+                return graph
             shutil.rmtree(entry, ignore_errors=True)
         return self._compile(name, entry, args)
 
@@ -411,21 +400,24 @@ class SavedGraphs:
         else compiled as usual (one warning for a graph that is there and cannot be used); nothing is touched."""
         if entry.is_symlink() or not (entry / GRAPH).is_file():
             return self._fallback
+        graph = self._loaded(name, entry, args, "compiling it, saving nothing (read-only)")
+        return self._fallback if graph is None else graph
+
+    def _loaded(self, name: str, entry: Path, args: tuple, otherwise: str) -> Callable[..., Any] | None:
+        """The saved graph ``name`` if it loads and its guards take these inputs; else None, after one warning saying
+        why and what happens ``otherwise``."""
         try:
             graph = _load(entry)
             if graph.guard_check(*args, **self._kwargs):
                 self.loaded.append(name)
                 return graph
             reason = "its guards reject these inputs"
-        except Exception as e:  # noqa: BLE001 - as in _first
+        except Exception as e:  # noqa: BLE001 - garbage bytes fail anywhere in unpickling or in the kernels' load
             reason = f"{type(e).__name__}: {_line(e)}"
         log.warning(
-            "compile_model: cache_dir %s: graph %s cannot be used (%s); compiling it, saving nothing (read-only)",
-            self._root,
-            name,
-            reason,
+            "compile_model: cache_dir %s: graph %s cannot be used (%s); %s", self._root, name, reason, otherwise
         )
-        return self._fallback
+        return None
 
     def _compile(self, name: str, entry: Path, args: tuple) -> Callable[..., Any]:
         staging = entry.with_name(_staging_name(name))
