@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,23 +23,24 @@ def model(tmp_path_factory):
     return path, [hf_greedy(hf, p, 6) for p in PROMPTS]
 
 
-def _node(rank: int, port: int, args: list[str]) -> subprocess.Popen:
+def _node(rank: int, port: int, args: list[str], tmp: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     cmd += ["--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    # TMPDIR: torchrun makes its log directory (torchelastic_*) there and never removes it
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TMPDIR=str(tmp))
     return subprocess.Popen(
         [*cmd, "-m", "functional_npu", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env, start_new_session=True,
     )  # fmt: skip
 
 
-def test_generate_tp2_across_two_torchrun_nodes_on_loopback(model):
+def test_generate_tp2_across_two_torchrun_nodes_on_loopback(model, tmp_path):
     path, want = model
     args = ["generate", "--model", str(path), "--tp", "2", "--max-new-tokens", "6", "--backend", "none", "--json"]
     for p in PROMPTS:
         args += ["--prompt-ids", ",".join(map(str, p))]
     port = free_port()
-    nodes = [_node(r, port, args) for r in range(2)]
+    nodes = [_node(r, port, args, tmp_path) for r in range(2)]
     try:
         outs = [n.communicate(timeout=300) for n in nodes]
     finally:
