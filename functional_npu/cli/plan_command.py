@@ -64,14 +64,11 @@ def add_parser(sub: Any) -> None:
 
 
 def _available_bytes() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    """The host memory available now, or all of it where that cannot be known."""
+    from ..parallel.offload import available_host_bytes
+
+    available = available_host_bytes()
+    return float(available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
