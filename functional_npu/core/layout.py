@@ -36,6 +36,7 @@ from typing import Union
 import torch
 
 from .mesh import Mesh
+from .numbers import is_int
 
 __all__ = [
     "Block",
@@ -80,7 +81,7 @@ class Block:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Block: name must be a non-empty str such as 'q', got {self.name!r}")
-        if not _count(self.size, 0) or not _count(self.unit, 1):
+        if not is_int(self.size, 0) or not is_int(self.unit, 1):
             raise ValueError(
                 f"Block {self.name!r}: size must be an int >= 0 and unit an int >= 1 (a head's width), got size "
                 f"{self.size!r}, unit {self.unit!r}"
@@ -105,7 +106,7 @@ class Shard:
         object.__setattr__(self, "axes", _axes(self.axes))
         object.__setattr__(self, "blocks", tuple(self.blocks))
         for name in ("pack", "groups", "group_size"):
-            if not _count(getattr(self, name), 1):
+            if not is_int(getattr(self, name), 1):
                 raise ValueError(f"Shard: {name} must be a positive int, got {getattr(self, name)!r}")
         bad = [b for b in self.blocks if not isinstance(b, Block)]
         if bad:
@@ -144,7 +145,7 @@ class Cyclic:
         if not isinstance(self.axis, str):
             raise ValueError(f"Cyclic: axis must be one mesh axis name such as 'pp', got {self.axis!r}")
         _axes(self.axis)
-        if not _count(self.size, 1):
+        if not is_int(self.size, 1):
             raise ValueError(f"Cyclic: size (the stacked layers) must be a positive int, got {self.size!r}")
 
     @property
@@ -177,7 +178,7 @@ class Layout:
 
     def with_dim(self, dim: int, spec: DimSpec | None) -> Layout:
         """This layout with ``dims[dim]`` set (dims in between stay whole)."""
-        if not _count(dim, 0) or dim >= MAX_DIMS:
+        if not is_int(dim, 0) or dim >= MAX_DIMS:
             raise LayoutError(f"layout dims are non-negative ints below {MAX_DIMS}, got {dim!r}")
         dims = list(self.dims) + [None] * (dim + 1 - len(self.dims))
         dims[dim] = spec
@@ -205,10 +206,6 @@ def _axes(axes: str | Sequence[str]) -> tuple[str, ...]:
     if not out or not all(isinstance(a, str) and a.isidentifier() for a in out):
         raise ValueError(f"a layout's mesh axes are axis names such as 'tp' or ('dp', 'tp'), got {axes!r}")
     return out
-
-
-def _count(v: object, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
 def replicated() -> Layout:

@@ -29,6 +29,7 @@ import torch
 from ..core.agree import agreed
 from ..core.layout import Block, Cyclic, DimSpec, Layout, Shard
 from ..core.mesh import Mesh
+from ..core.numbers import is_int
 from ..core.params import Params
 from ..core.shard import local_shape
 from ..models import FAMILIES, Family, family_of
@@ -98,7 +99,7 @@ def pipeline_dim(num_layers: int, pp_axis: str = "pp", vpp: int = 1) -> DimSpec:
 
 def _count(value: Any, name: str, where: str) -> int:
     """``value`` an int >= 1, else a TypeError / ValueError naming ``where`` and ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"{where}: {name} must be an int >= 1, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"{where}: {name} must be an int >= 1, got {value}")

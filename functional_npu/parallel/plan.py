@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..core.numbers import is_int
 from ..core.tree import register_static
 from .layer_shard import LayerShard, layer_shard
 from .module_tp import MODULES, ModuleTP
@@ -118,7 +119,7 @@ class Plan:
         _set(self, "layer_shard", _layer_shard(self.layer_shard))
         _set(self, "offload", offload_names(self.offload))
         _check_ints(self)
-        if self.prefetch_step != "auto" and not _int(self.prefetch_step, 0):
+        if self.prefetch_step != "auto" and not is_int(self.prefetch_step, 0):
             raise ValueError(f"Plan.prefetch_step must be an int >= 0 or 'auto', got {self.prefetch_step!r}")
         if self.prefetch_step != "auto" and self.prefetch_step > MAX_STEP:
             raise ValueError(
@@ -211,18 +212,14 @@ MAX_THRESHOLD = 1 << 40
 MAX_STEP = 1 << 16  # a prefetch step past any model's layers (a ring of k + 1 slots holds at most all of them)
 
 
-def _int(v: Any, low: int, high: int | None = None) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
-
-
 def _check_ints(plan: Plan) -> None:
-    if plan.num_slots is not None and not _int(plan.num_slots, 1, MAX_SLOTS):
+    if plan.num_slots is not None and not is_int(plan.num_slots, 1, MAX_SLOTS):
         raise ValueError(
             f"Plan.num_slots must be an int in [1, {MAX_SLOTS}] (or None: one per expert), got {plan.num_slots!r}"
         )
-    if not _int(plan.max_copies, 1, MAX_COPIES):
+    if not is_int(plan.max_copies, 1, MAX_COPIES):
         raise ValueError(f"Plan.max_copies must be an int in [1, {MAX_COPIES}], got {plan.max_copies!r}")
-    if not _int(plan.dispatch_threshold, 0, MAX_THRESHOLD):
+    if not is_int(plan.dispatch_threshold, 0, MAX_THRESHOLD):
         raise ValueError(
             f"Plan.dispatch_threshold must be an int in [0, {MAX_THRESHOLD}], got {plan.dispatch_threshold!r}"
         )

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.utils._pytree as pytree
 
+from ..core.numbers import is_finite, is_int
 from ..core.quant import Quant
 from .devices import DEVICES, Device, Link
 from .plan import Plan
@@ -50,7 +51,7 @@ def roofline_layer_s(device: Device, weight_bytes: float, flops: float) -> float
     if not isinstance(device, Device):
         raise TypeError(f"roofline_layer_s: device must be a Device (e.g. DEVICES['h100-sxm']), got {device!r}")
     for name, value in {"weight_bytes": weight_bytes, "flops": flops}.items():
-        if not _finite(value) or value < 0:
+        if not is_finite(value) or value < 0:
             raise ValueError(f"roofline_layer_s: {name} must be a finite number >= 0, got {value!r}")
     return max(weight_bytes / device.memory_bytes_per_s, flops / device.flop_per_s)
 
@@ -58,25 +59,16 @@ def roofline_layer_s(device: Device, weight_bytes: float, flops: float) -> float
 def _check(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float, where: str) -> None:
     times = {"compute_s": compute_s, "occupy_s": occupy_s, "latency_s": latency_s}
     for name, value in times.items():
-        if not _finite(value):
+        if not is_finite(value):
             raise ValueError(
                 f"{where}: {name} must be a finite number of seconds >= 0, got {value!r}; give the measured or "
                 f"modelled time (roofline_layer_s, Link.time)"
             )
-    if not _int(num_layers, 1) or not _int(k, 0) or min(times.values()) < 0 or latency_s < occupy_s:
+    if not is_int(num_layers, 1) or not is_int(k, 0) or min(times.values()) < 0 or latency_s < occupy_s:
         raise ValueError(
             f"{where}: needs num_layers >= 1, k >= 0, times >= 0 and latency >= occupancy; got "
             f"L={num_layers}, k={k}, compute={compute_s}, occupy={occupy_s}, latency={latency_s}"
         )
-
-
-def _finite(v: object) -> bool:
-    """A real number, not a bool, NaN or infinite (``NaN < 0`` is False: ``<`` alone lets one through)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _int(v: object, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
 def simulate(num_layers: int, k: int, compute_s: float, occupy_s: float, latency_s: float, steps: int) -> list[float]:
@@ -88,7 +80,7 @@ def simulate(num_layers: int, k: int, compute_s: float, occupy_s: float, latency
     ended (``k = 0``: as layer ``g - 1`` ends). The first step's first ``k`` layers are in place at 0.
     """
     _check(num_layers, k, compute_s, occupy_s, latency_s, "simulate")
-    if not _int(steps, 1):
+    if not is_int(steps, 1):
         raise ValueError(f"simulate: steps must be an int >= 1, got {steps!r}")
     end = [0.0] * (num_layers * steps)
     link_free = done = 0.0
@@ -173,7 +165,7 @@ def choose_k(
         ValueError: the budget does not hold even ``k = 0``'s single buffer.
     """
     _check_k(layer_bytes, num_layers, compute_s, link, margin, "choose_k")
-    if budget_bytes is not None and not (_finite(budget_bytes) or budget_bytes == math.inf):
+    if budget_bytes is not None and not (is_finite(budget_bytes) or budget_bytes == math.inf):
         raise ValueError(
             f"choose_k: budget_bytes must be a number of bytes (None or math.inf: no limit), got {budget_bytes!r}"
         )
@@ -196,9 +188,9 @@ def _check_k(layer_bytes: int, num_layers: int, compute_s: float, link: Link, ma
     if not isinstance(link, Link):
         raise TypeError(f"{where}: link must be a Link (bytes_per_s, alpha_s), e.g. Link(25e9), got {link!r}")
     for name, value in {"layer_bytes": layer_bytes, "compute_s": compute_s, "margin": margin}.items():
-        if not _finite(value):
+        if not is_finite(value):
             raise ValueError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
-    if layer_bytes < 0 or not _int(num_layers, 1) or compute_s < 0 or margin < 0:
+    if layer_bytes < 0 or not is_int(num_layers, 1) or compute_s < 0 or margin < 0:
         raise ValueError(
             f"{where}: needs layer_bytes >= 0, num_layers >= 1, compute_s >= 0 and margin >= 0; "
             f"got {layer_bytes}, {num_layers}, {compute_s}, {margin}"

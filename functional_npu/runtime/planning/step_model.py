@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...core.mesh import Mesh
+from ...core.numbers import is_int
 from ...core.shard import local_shape
 from ...models import family_of, paged
 from ...parallel.devices import Device, Link, collective_factor
@@ -96,10 +97,10 @@ class Workload:
         if self.kind not in ("decode", "prefill", "serve"):
             raise ValueError(f"workload: kind must be 'decode', 'prefill' or 'serve', got {self.kind!r}")
         _check_applies(self)
-        if not _positive(self.batch):
+        if not is_int(self.batch, 1):
             raise ValueError(f"workload: batch must be a positive int, got {self.batch!r}")
         size = self.length if self.kind == "prefill" else self.context
-        if not _positive(size):
+        if not is_int(size, 1):
             what = "length (prompt tokens)" if self.kind == "prefill" else "context (tokens in each sequence's cache)"
             raise ValueError(f"workload: {self.kind} needs a positive {what}, got {size!r}")
         share = self.prompt_share
@@ -108,7 +109,7 @@ class Workload:
                 f"workload: prompt_share is the share of the tokens processed that are prompt tokens, a number in "
                 f"[0, 1) (0: decode alone), got {share!r}"
             )
-        if self.max_seqs is not None and not _positive(self.max_seqs):
+        if self.max_seqs is not None and not is_int(self.max_seqs, 1):
             raise ValueError(
                 f"workload: max_seqs caps the sequences served at once: a positive int or None (no cap), got "
                 f"{self.max_seqs!r}"
@@ -208,10 +209,6 @@ def _check_applies(w: Workload) -> None:
                 f"workload: {name}={value!r} does not apply to a {w.kind} workload (it reads {', '.join(reads)}); "
                 f"drop it, or build the workload with Workload.{w.kind}(...)"
             )
-
-
-def _positive(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 FORMATS = ("fp8",)  # weight formats a workload may name beyond its dtype (quantized ints: a QuantConfig)

@@ -112,12 +112,9 @@ def prefetch_options(params: dict, mesh: Mesh, plan: Plan) -> dict[str, Any]:
 def shape_buckets(
     cfg: Any, batch_sizes: Sequence[int] | None, max_seq_len: int | None, prefill_lengths: Sequence[int] | None
 ) -> tuple:
-    """(batch buckets, cache length, prompt-length buckets), checked."""
+    """(batch buckets, cache length, prompt-length buckets), checked against the model (the sizes' own types and
+    ranges are :class:`~.compile.CompileOptions`' to check, as it is made)."""
     sizes = tuple(sorted(set((1, 2, 4, 8) if batch_sizes is None else batch_sizes)))
-    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
-        raise ValueError(f"compile_model: batch_sizes must be positive ints, got {list(batch_sizes or ())}")
-    if max_seq_len is not None and not (isinstance(max_seq_len, int) and max_seq_len >= 1):
-        raise ValueError(f"compile_model: max_seq_len must be a positive int (None: the default), got {max_seq_len!r}")
     if max_seq_len is not None and max_seq_len > cfg.max_position_embeddings:
         raise ValueError(
             f"compile_model: max_seq_len {max_seq_len} exceeds the model's {cfg.max_position_embeddings} positions "
@@ -125,8 +122,6 @@ def shape_buckets(
         )
     seq = max_seq_len or min(cfg.max_position_embeddings, 2048)
     lengths = tuple(sorted(set(prefill_lengths))) if prefill_lengths else _buckets(seq, min(16, seq))
-    if not all(isinstance(n, int) and n >= 1 for n in lengths):
-        raise ValueError(f"compile_model: prefill_lengths must be positive ints, got {list(prefill_lengths)}")
     if lengths[-1] > seq:
         raise ValueError(f"compile_model: prefill length bucket {lengths[-1]} exceeds max_seq_len {seq}")
     return sizes, seq, lengths

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ...core.numbers import is_int
 from ...models.decoder import DecodeState
 from ...models.invariant_modes import ops as invariant_ops_of
 from ...parallel.plan import Plan
@@ -80,7 +81,7 @@ class Lockstep:
         _check_count("Lockstep.over: prompts", prompts, 0, "the number of prompts over all ranks")
         _check_count("Lockstep.over: ranks", ranks, 1, "the ranks that share the steps")
         _check_count("Lockstep.over: longest", longest, 0, "the longest prompt's tokens")
-        if not batch_sizes or not all(_count(b) and b >= 1 for b in batch_sizes):
+        if not batch_sizes or not all(is_int(b, 1) for b in batch_sizes):
             raise ValueError(
                 f"Lockstep.over: batch_sizes must be a non-empty list of positive ints (the model's batch_sizes), "
                 f"got {list(batch_sizes)}"
@@ -91,14 +92,9 @@ class Lockstep:
         return Lockstep(math.ceil(busiest / width), batch, max(1, longest))
 
 
-def _count(x: Any) -> bool:
-    """An int (not a bool)."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_count(what: str, x: Any, least: int, meaning: str) -> None:
     """Raise a one-line TypeError / ValueError unless ``x`` is an int >= ``least``."""
-    if not _count(x):
+    if not is_int(x):
         raise TypeError(f"{what} must be an int >= {least} ({meaning}), got {type(x).__name__} {x!r}")
     if x < least:
         raise ValueError(f"{what} must be an int >= {least} ({meaning}), got {x}")
