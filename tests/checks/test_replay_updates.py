@@ -65,11 +65,15 @@ def test_an_action_of_no_known_kind_is_refused():
 
 
 class _Record(TorchDispatchMode):
-    """Every aten op the engine issues: its name, the storages it reads and the ones it writes (from the schema)."""
+    """Every aten op the engine issues: its name, the storages it reads and the ones it writes (from the schema).
+    It holds every storage it saw until it is dropped, so no address is freed and reused while it records: an
+    address names one storage (a block table made mid-run, for a new batch bucket, may otherwise land where a
+    temporary read earlier lived, and that temporary's reads would count as the table's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[str, set[int], set[int]]] = []
+        self.held: list[torch.UntypedStorage] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -78,7 +82,9 @@ class _Record(TorchDispatchMode):
             func._schema.arguments, list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args) :]]
         ):
             if isinstance(value, torch.Tensor):
-                ptr = value.untyped_storage().data_ptr()
+                storage = value.untyped_storage()
+                self.held.append(storage)
+                ptr = storage.data_ptr()
                 (writes if arg.alias_info is not None and arg.alias_info.is_write else reads).add(ptr)
         self.ops.append((str(func.overloadpacket), reads, writes))
         return func(*args, **kwargs)
