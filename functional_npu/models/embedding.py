@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from ..core.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..core.mesh import Mesh
@@ -96,7 +95,8 @@ def _home(slices: torch.Tensor, mesh: Mesh, tp: str, axes: tuple[str, ...]) -> t
     if n > 1:
         slices = all_to_all(slices, mesh, axes)  # [n B, S, w]: my rows' slice j from group index j
     everyone = all_gather(slices, mesh, tp)  # [t n B, S, w] ordered (t, j)
-    return rearrange(everyone, "(t j b) s w -> b s j t w", t=t, j=n)
+    b = everyone.shape[0] // (t * n)  # "(t j b) s w -> b s j t w", written out (see models.attention.split_heads)
+    return everyone.reshape(t, n, b, *everyone.shape[1:]).permute(2, 3, 1, 0, 4)
 
 
 def head_argmax(

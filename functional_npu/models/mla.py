@@ -36,11 +36,10 @@ import math
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from einops import rearrange
 
 from ..core.mesh import Mesh
 from ..parallel.plan import Plan
-from .attention import attend, attention_mask, output_projection
+from .attention import attend, attention_mask, merge_heads, output_projection, split_heads
 from .invariant_modes import ops as invariant_ops_of
 from .linear import dense, linear
 from .norm import rms_norm
@@ -198,7 +197,8 @@ def mla(
     tp, invariant = plan.tp, plan.invariant
     dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     nh = local_heads(cfg, mesh.axis_size(tp))
-    q = rearrange(_query(layer, h, cfg.rms_norm_eps, invariant), "b s (h d) -> b h s d", h=nh)  # d = dn + dr
+    query = _query(layer, h, cfg.rms_norm_eps, invariant)
+    q = split_heads(query, query.shape[-1] // nh)  # [B, nh, S, dn + dr]
     q_nope, q_rot = q.split([dn, dr], dim=-1)
     lin, norm = _kernels(invariant)
     c, k_rot = lin(h, layer["kv_a_proj"]).split([r, dr], dim=-1)  # [B, S, R], [B, S, dr]
@@ -218,7 +218,7 @@ def mla(
             out = _absorbed(w_kv, q_nope, q_rot, kv, step.mask, scale, nh, dn)
         else:
             out = _plain(layer["kv_b_proj"], q_nope, q_rot, kv, step.mask, scale, kind, nh, dn, dv, invariant)
-    attn = rearrange(out, "b h s d -> b s (h d)")
+    attn = merge_heads(out)
     if invariant:
         return invariant_ops_of(invariant).row_parallel(attn, layer["o_proj"], mesh, tp)
     return output_projection(attn, layer["o_proj"], mesh, tp=tp, axes=plan.module_tp.o_proj)
@@ -246,7 +246,7 @@ def _expand(w_kv, latent: torch.Tensor, k_rot: torch.Tensor, nh: int, dn: int, d
     """Every head's keys ``[B, nh, L, dn + dr]`` and values ``[B, nh, L, dv]`` from latents ``[B, 1, L, R]``."""
     b, _, length, _ = latent.shape
     expanded = _kernels(invariant)[0](latent[:, 0], w_kv)
-    expanded = rearrange(expanded, "b l (h d) -> b h l d", h=nh)  # d = dn + dv
+    expanded = split_heads(expanded, expanded.shape[-1] // nh)  # [B, nh, L, dn + dv]
     k_nope, values = expanded.split([dn, dv], dim=-1)
     return torch.cat([k_nope, k_rot.expand(b, nh, length, k_rot.shape[-1])], dim=-1), values
 
