@@ -216,7 +216,18 @@ def full_shape(path: str, x: torch.Tensor, layout: Layout, mesh: Mesh) -> tuple[
 
 
 def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
-    """The full tree from this rank's local tree, via ``all_gather`` over each layout's axes.
+    """The full tree from this rank's local tree: one ``all_gather`` per group of ranks the tree is cut over.
+
+    Every leaf cut over the same axes (of size > 1; a leaf cut on two dims counts both dims' axes) travels in
+    one collective: the leaves' local shards, each padded to the largest shard of its dims and viewed as bytes,
+    concatenated; each leaf is then reassembled locally from its group's shards, as ``unshard`` does. Peak
+    memory: a group's gathered bytes are held until all of its leaves are reassembled (about twice the
+    gathered leaves' full size).
+
+    One collective per process group also means no two ``all_gather`` of one group are ever in flight at
+    once: on gloo (torch 2.13), two functional ``all_gather_into_tensor`` in flight on one group corrupt the
+    heap (the ranks abort with ``malloc(): unaligned tcache chunk detected``), which a compiled per-leaf
+    gather hit whenever inductor issued the next leaf's gather before waiting on the last.
 
     Collective: every rank of the mesh must call it with the same specs. Traceable with
     ``torch.compile(fullgraph=True)`` (process groups are created before tracing by the first
@@ -227,35 +238,68 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     """
     mesh = positioned(mesh, None)
     layouts = leaf_specs(specs, tree)
-    shapes = {}
-    for path, x in flatten_with_paths(tree):
-        shapes[path] = full_shape(path, check_leaf(path, x), layouts[path], mesh)
-    in_order = {d.axes: tuple([a for a in mesh.axis_names if a in d.axes]) for d in _dim_specs(layouts)}
+    leaves = dict(flatten_with_paths(tree))
+    shapes, steps, groups = {}, {}, {}
+    for path, x in leaves.items():
+        shape = shapes[path] = full_shape(path, check_leaf(path, x), layouts[path], mesh)
+        steps[path] = [
+            (d, spec, mesh.axis_size(spec.axes))
+            for d, spec in enumerate(layouts[path].dims)
+            if spec is not None and not _whole_on_one(spec, shape[d], mesh.axis_size(spec.axes))
+        ]
+        cut = {a for _, spec, _ in steps[path] for a in spec.axes}
+        groups[path] = tuple(a for a in mesh.axis_names if a in cut and mesh.axis_size(a) > 1)
+    travelling = sorted({g for g in groups.values() if g})
     if not torch.compiler.is_compiling():
-        mesh.init_groups(*sorted(set(in_order.values())))
+        mesh.init_groups(*travelling)
+
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for axes in travelling:
+        members = [p for p, g in groups.items() if g == axes]
+        padded = {p: _padded(leaves[p], steps[p], shapes[p]) for p in members}
+        sizes = {p: _aligned(padded[p].numel() * padded[p].element_size()) for p in members}
+        flat = torch.cat([_bytes(padded[p], sizes[p]) for p in members])
+        ranks = mesh.group_ranks(axes)
+        everyone = collectives.all_gather(flat, mesh, axes).view(len(ranks), -1)
+        offset = 0
+        for p in members:
+            n = padded[p].numel() * padded[p].element_size()
+            rows = everyone[:, offset : offset + n]
+            pieces[p] = {r: rows[i].view(padded[p].dtype).view(padded[p].shape) for i, r in enumerate(ranks)}
+            offset += sizes[p]
 
     def assemble(path: str, x: torch.Tensor) -> torch.Tensor:
-        bits, moved = as_bits(x), False
-        for d, spec in enumerate(layouts[path].dims):
-            n = 1 if spec is None else mesh.axis_size(spec.axes)
-            full = shapes[path][d]
-            if _whole_on_one(spec, full, n):
-                continue
-            pad = max(_local_lens(spec, full, n))
-            # the group gathers in mesh order; a layout cutting in another order finds its pieces by rank
-            everyone = collectives.all_gather(_pad_to(bits, d, pad), mesh, in_order[spec.axes], dim=d)
-            group = mesh.group_ranks(in_order[spec.axes])
-            slots = [group.index(r) for r in mesh.group_ranks(spec.axes)]
-            idx = _assembly_index(path, d, spec, full, n, pad, slots)
-            bits, moved = everyone.index_select(d, torch.tensor(idx, dtype=torch.long, device=x.device)), True
-        out = bits.view(x.dtype)
-        return out if moved else out.clone()
+        if not steps[path]:
+            return x.clone()
+        state = pieces.get(path, {mesh.rank: x})
+        for d, spec, n in steps[path]:
+            pad = max(_local_lens(spec, shapes[path][d], n))
+            idx = torch.tensor(_assembly_index(path, d, spec, shapes[path][d], n, pad), dtype=torch.long)
+            for ranks in mesh.all_group_ranks(spec.axes):
+                if ranks[0] in state:
+                    full = torch.cat([_pad_to(state[r], d, pad) for r in ranks], dim=d).index_select(d, idx)
+                    state.update({r: full for r in ranks})
+        return state[mesh.rank]
 
     return _placed(map_with_path(assemble, tree), None, "gather")
 
 
-def _dim_specs(layouts: Mapping[str, Layout]) -> list:
-    return [d for lay in layouts.values() for d in lay.dims if d is not None]
+def _padded(x: torch.Tensor, steps: list, shape: Sequence[int]) -> torch.Tensor:
+    """``x`` padded on each dim it is cut on to the largest shard of that dim, so every rank sends one size."""
+    for d, spec, n in steps:
+        x = _pad_to(x, d, max(_local_lens(spec, shape[d], n)))
+    return x
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to 16, so each leaf's bytes start where any dtype may be viewed."""
+    return -(-nbytes // 16) * 16
+
+
+def _bytes(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x``'s bytes, flat, zero-filled to ``size``."""
+    flat = x.contiguous().reshape(-1).view(torch.uint8)
+    return flat if flat.numel() == size else torch.cat([flat, flat.new_zeros(size - flat.numel())])
 
 
 def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:
