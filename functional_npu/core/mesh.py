@@ -258,8 +258,9 @@ class Mesh:
     def _check_axes(self, axes: Axes, what: str = "collective", *, ordered: bool = True) -> tuple[str, ...]:
         """``axes`` as a tuple of known, distinct axes; in mesh order unless not ``ordered`` (a collective's group
         is ordered by world rank, so it runs over axes in mesh order)."""
-        if isinstance(axes, str) and axes in self.axis_names:  # one known axis: nothing to check (and, inside a
-            return (axes,)  # traced forward, no sets or comprehensions for dynamo to trace at every call)
+        # one known axis: nothing to check, and no sets or comprehensions for dynamo to trace at every call
+        if isinstance(axes, str) and axes in self.axis_names:
+            return (axes,)
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         unknown = [a for a in axes if a not in self.axis_names]
         if unknown:

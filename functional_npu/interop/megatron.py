@@ -29,7 +29,7 @@ import torch
 from ..core.agree import agreed
 from ..core.layout import Block, Cyclic, DimSpec, Layout, Shard
 from ..core.mesh import Mesh
-from ..core.numbers import is_int
+from ..core.numbers import require_int
 from ..core.params import Params
 from ..core.shard import local_shape
 from ..models import FAMILIES, Family, family_of
@@ -97,18 +97,9 @@ def pipeline_dim(num_layers: int, pp_axis: str = "pp", vpp: int = 1) -> DimSpec:
     return Shard((pp_axis,), tuple(Block(f"chunk{v}", num_layers // vpp) for v in range(vpp)))
 
 
-def _count(value: Any, name: str, where: str) -> int:
-    """``value`` an int >= 1, else a TypeError / ValueError naming ``where`` and ``name``."""
-    if not is_int(value):
-        raise TypeError(f"{where}: {name} must be an int >= 1, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{where}: {name} must be an int >= 1, got {value}")
-    return value
-
-
 def _check_chunks(num_layers: int, vpp: Any, where: str, what: str, fix: str = "") -> None:
     """``vpp`` an int >= 1 that divides ``num_layers`` (``what``: those layers, in words)."""
-    _count(vpp, "vpp", where)
+    require_int(vpp, f"{where}: vpp", 1)
     if num_layers % vpp:
         raise ValueError(
             f"{where}: {what} cannot be cut into vpp={vpp} virtual chunks; use a vpp that divides {num_layers}{fix}"
@@ -241,8 +232,8 @@ def megatron_pipeline_specs(
     Raises:
         TypeError / ValueError: a ``pp`` or ``vpp`` that is no int >= 1, or whose product does not divide the layers.
     """
-    _count(pp, "pp", "megatron_pipeline_specs")
-    _count(vpp, "vpp", "megatron_pipeline_specs")
+    require_int(pp, "megatron_pipeline_specs: pp", 1)
+    require_int(vpp, "megatron_pipeline_specs: vpp", 1)
     if cfg.num_layers % (pp * vpp):
         raise ValueError(
             f"megatron_pipeline_specs: {cfg.num_layers} layers cannot be cut into vpp={vpp} chunks over pp={pp} "

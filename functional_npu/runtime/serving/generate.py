@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ...core.numbers import is_int
+from ...core.numbers import is_int, require_int
 from ...models.decoder import DecodeState
 from ...models.invariant_modes import ops as invariant_ops_of
 from ...parallel.plan import Plan
@@ -68,7 +68,7 @@ class Lockstep:
 
     def __post_init__(self) -> None:
         for name in ("chunks", "batch", "prompt_len"):
-            _check_count(f"Lockstep: {name}", getattr(self, name), 1, "as Lockstep.over gives them")
+            require_int(getattr(self, name), f"Lockstep: {name}", 1, "as Lockstep.over gives them")
 
     @staticmethod
     def over(prompts: int, ranks: int, longest: int, batch_sizes: Sequence[int]) -> Lockstep:
@@ -78,9 +78,9 @@ class Lockstep:
             ValueError / TypeError naming the argument: ``prompts`` or ``longest`` below 0, ``ranks`` below 1, or
             ``batch_sizes`` not a non-empty list of positive ints.
         """
-        _check_count("Lockstep.over: prompts", prompts, 0, "the number of prompts over all ranks")
-        _check_count("Lockstep.over: ranks", ranks, 1, "the ranks that share the steps")
-        _check_count("Lockstep.over: longest", longest, 0, "the longest prompt's tokens")
+        require_int(prompts, "Lockstep.over: prompts", 0, "the number of prompts over all ranks")
+        require_int(ranks, "Lockstep.over: ranks", 1, "the ranks that share the steps")
+        require_int(longest, "Lockstep.over: longest", 0, "the longest prompt's tokens")
         if not batch_sizes or not all(is_int(b, 1) for b in batch_sizes):
             raise ValueError(
                 f"Lockstep.over: batch_sizes must be a non-empty list of positive ints (the model's batch_sizes), "
@@ -90,14 +90,6 @@ class Lockstep:
         width = max(batch_sizes)
         batch = min(b for b in batch_sizes if b >= min(busiest, width))
         return Lockstep(math.ceil(busiest / width), batch, max(1, longest))
-
-
-def _check_count(what: str, x: Any, least: int, meaning: str) -> None:
-    """Raise a one-line TypeError / ValueError unless ``x`` is an int >= ``least``."""
-    if not is_int(x):
-        raise TypeError(f"{what} must be an int >= {least} ({meaning}), got {type(x).__name__} {x!r}")
-    if x < least:
-        raise ValueError(f"{what} must be an int >= {least} ({meaning}), got {x}")
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
