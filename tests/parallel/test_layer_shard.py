@@ -24,6 +24,7 @@ from functional_npu.parallel.layer_shard import (
 from functional_npu.placement import check_plan
 
 from ..support.configs import DENSE, MLA, MOE
+from ..support.delivery import assert_every_write_delivered
 from ..support.hf_models import hf_greedy, save_tiny, save_tiny_moe
 from ..support.prefetch_workers import (
     generate_layer_sharded,
@@ -180,8 +181,9 @@ def test_layer_sharded_generation_matches_transformers(request, qwen3, world, ax
     world_ = request.getfixturevalue(f"world{world}")
     results = world_.run(generate_layer_sharded, qwen3[0], axes, series, k, PROMPTS, NEW, backend)
     n = axes["dp"]
-    for rank, (tokens, shapes, resident, state, replicated) in enumerate(results):
+    for rank, (tokens, shapes, resident, state, replicated, seen) in enumerate(results):
         assert tokens == qwen3[1], f"rank {rank}"
+        assert_every_write_delivered(seen, seen["groups"], LAYERS, replicated, NEW)
         c = rank // axes["tp"]
         assert all(s[0] == len(owned_layers(LAYERS, n, c)) for s in shapes.values())
         # resident series bytes (owned layers + the ring of k + 1 slots) within (ceil(L/n) + k + 1) / L of what
@@ -214,8 +216,9 @@ def test_moe_attention_projections_layer_sharded_match_transformers(request, wor
     layer has)."""
     path, ref = request.getfixturevalue(family)
     results = world2.run(generate_layer_sharded, path, {"dp": 2, "tp": 1}, "q_proj,o_proj", 1, PROMPTS, NEW, backend)
-    for rank, (tokens, shapes, *_) in enumerate(results):
+    for rank, (tokens, shapes, _, _, replicated, seen) in enumerate(results):
         assert tokens == ref, f"rank {rank}"
+        assert_every_write_delivered(seen, seen["groups"], 4, replicated, NEW)
         assert set(shapes) == {"qkv", "o_proj"} and all(s[0] == 2 for s in shapes.values())
     qwen3_moe = request.getfixturevalue("qwen3_moe")
     ls = layer_shard("layer", "dp")

@@ -15,13 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_npu import Mesh, Plan, compile_model, load_checkpoint
+from functional_npu import Mesh, Plan, compile_model, flatten_with_paths, load_checkpoint
 from functional_npu.checks import Recorder, check
 from functional_npu.parallel import EmulatedHostLink, prefetch
 from functional_npu.parallel.layer_shard import LayerShard
 from functional_npu.parallel.offload import check_host_backend, check_host_memory, host_bytes
 from functional_npu.parallel.prefetch_ring import RingPhase, coalesced, ring_of
 
+from ..support.delivery import Deliveries, DropWrite, assert_every_write_delivered, ring_reference
 from ..support.hf_models import save_tiny
 from ..support.offload_workers import resharded_into_host_memory
 
@@ -154,6 +155,12 @@ def resident(qwen3):
     return compile_model(load_checkpoint(qwen3, ONE), ONE, backend="none", batch_sizes=[4], max_seq_len=24)
 
 
+def _deliveries(qwen3: str, model) -> Deliveries:
+    """A :class:`Deliveries` for ``model``'s ring, against the weights of the model loaded with nothing offloaded."""
+    layers = [dict(flatten_with_paths(layer)) for layer in load_checkpoint(qwen3, ONE)["layers"]]
+    return Deliveries(ring_reference(layers, [g.leaves for g in model.ring.groups]))
+
+
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_offloaded_model_generates_the_resident_models_tokens(qwen3, resident, k):
     params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj,down_proj", prefetch_step=k))
@@ -163,7 +170,25 @@ def test_offloaded_model_generates_the_resident_models_tokens(qwen3, resident, k
     )
     model = compile_model(params, ONE, backend="none", batch_sizes=[4], max_seq_len=24)
     assert model.plan.prefetch_step == k and len(model.new_state(4).prefetched) == (k + 1)
-    assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+    with _deliveries(qwen3, model) as seen:
+        tokens = model.generate(PROMPTS, 6)
+    assert tokens == resident.generate(PROMPTS, 6)
+    assert_every_write_delivered(seen.summary(), len(model.ring.groups), 3, host_bytes(params), 6)
+
+
+def test_a_ring_write_that_does_nothing_keeps_the_tokens_and_fails_the_count(qwen3, resident):
+    """3 layers at k = 2: each slot holds the same layer every step, so a write that does nothing (write 4, layer 0
+    into slot 0, which already holds it) leaves the resident model's tokens: they cannot show it. The count can: the
+    slot is poisoned before each write, and what arrives is compared with the layer's bytes."""
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj,down_proj", prefetch_step=2))
+    model = compile_model(params, ONE, backend="none", batch_sizes=[4], max_seq_len=24)
+    assert model.ring.slots == model.ring.num_layers == 3
+    with DropWrite(4):
+        assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+    nbytes = host_bytes(params) // 3 // len(model.ring.groups)
+    with DropWrite(4), _deliveries(qwen3, model) as seen:
+        model.generate(PROMPTS, 6)
+    assert seen.failures[0] == f"ring write 4: nothing arrived in its slot of {nbytes} bytes"
 
 
 def test_the_ring_is_answered_once_and_a_state_of_another_k_is_refused(qwen3, resident, monkeypatch):
@@ -195,7 +220,10 @@ def test_offloaded_model_compiled_with_inductor_on_an_emulated_link(qwen3, resid
     assert "layers" in params and params["layers"][0] == {}
     with EmulatedHostLink(2e9, 5e-6) as link:
         model = compile_model(params, ONE, backend="inductor", batch_sizes=[4], max_seq_len=24, host_link=link)
-        assert model.generate(PROMPTS, 6) == resident.generate(PROMPTS, 6)
+        with _deliveries(qwen3, model) as seen:
+            tokens = model.generate(PROMPTS, 6)
+        assert tokens == resident.generate(PROMPTS, 6)
+    assert_every_write_delivered(seen.summary(), len(model.ring.groups), 3, host_bytes(params), 6)
     groups = len(model.new_state(4).prefetched) // 3  # one buffer per dtype of the layer, per slot
     assert link.carried["transfers"] == 6 * 3 * groups  # 1 prefill + 5 decode steps, 3 layers each
     with pytest.raises(ValueError, match=r"host_link is given, and no series is kept in host memory"):

@@ -11,20 +11,31 @@ import torch
 def generate_layer_sharded(
     ctx, model_dir: str, axes: dict, series: str, k: int, prompts, new_tokens: int, backend: str
 ):
-    """Load with ``series`` layer-sharded over dp, generate;
-    returns (tokens, series shapes, resident bytes, state bytes)."""
-    from functional_npu import Plan, compile_model, greedy_generate, load_checkpoint
+    """Load with ``series`` layer-sharded over dp, generate, every ring write watched by :class:`Deliveries` against
+    the resident model's weights (loaded on the same mesh without layer sharding); returns (tokens, series shapes,
+    resident bytes, state bytes, replicated bytes, deliveries)."""
+    from functional_npu import Plan, compile_model, flatten_with_paths, greedy_generate, load_checkpoint
     from functional_npu.parallel.layer_shard import layer_shard, resident_bytes
+    from functional_npu.parallel.prefetch_ring import ring_of
+
+    from .delivery import Deliveries, ring_reference
 
     mesh = ctx.mesh(axes)
-    params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp"), prefetch_step=k))
+    plan = Plan(layer_shard=layer_shard(series, "dp"), prefetch_step=k)
+    params = load_checkpoint(model_dir, mesh, plan)
+    resident = load_checkpoint(model_dir, mesh)
+    ring = ring_of(params, mesh, plan)
+    layers = [dict(flatten_with_paths(layer)) for layer in resident["layers"]]
+    record = Deliveries(ring_reference(layers, [g.leaves for g in ring.groups]))
     if backend == "none":
-        tokens = greedy_generate(params, prompts, new_tokens, mesh)
+        with record:
+            tokens = greedy_generate(params, prompts, new_tokens, mesh)
         state_bytes = 0
     else:
         torch._dynamo.reset()
         model = compile_model(params, mesh, backend=backend, batch_sizes=[1, 4], max_seq_len=64)
-        tokens = model.generate(prompts, new_tokens)
+        with record:
+            tokens = model.generate(prompts, new_tokens)
         state = model.new_state(1)
         state_bytes = resident_bytes(state.prefetched)
         from functional_npu.parallel.prefetch import drain
@@ -35,7 +46,8 @@ def generate_layer_sharded(
     replicated = layers * sum(
         math.prod(x.shape[1:]) * x.element_size() for x in params["series"].values()
     )  # this rank's share without layer sharding
-    return tokens, shapes, resident_bytes(params["series"]), state_bytes, replicated
+    seen = record.summary() | {"groups": len(ring.groups)}
+    return tokens, shapes, resident_bytes(params["series"]), state_bytes, replicated, seen
 
 
 def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, backend: str, also=()):
