@@ -242,11 +242,7 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     shapes, steps, groups = {}, {}, {}
     for path, x in leaves.items():
         shape = shapes[path] = full_shape(path, check_leaf(path, x), layouts[path], mesh)
-        steps[path] = [
-            (d, spec, mesh.axis_size(spec.axes))
-            for d, spec in enumerate(layouts[path].dims)
-            if spec is not None and not _whole_on_one(spec, shape[d], mesh.axis_size(spec.axes))
-        ]
+        steps[path] = _steps(layouts[path], shape, mesh)
         cut = {a for _, spec, _ in steps[path] for a in spec.axes}
         groups[path] = tuple(a for a in mesh.axis_names if a in cut and mesh.axis_size(a) > 1)
     travelling = sorted({g for g in groups.values() if g})
@@ -271,17 +267,35 @@ def gather(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
     def assemble(path: str, x: torch.Tensor) -> torch.Tensor:
         if not steps[path]:
             return x.clone()
-        state = pieces.get(path, {mesh.rank: x})
-        for d, spec, n in steps[path]:
-            pad = max(_local_lens(spec, shapes[path][d], n))
-            idx = torch.tensor(_assembly_index(path, d, spec, shapes[path][d], n, pad), dtype=torch.long)
-            for ranks in mesh.all_group_ranks(spec.axes):
-                if ranks[0] in state:
-                    full = torch.cat([_pad_to(state[r], d, pad) for r in ranks], dim=d).index_select(d, idx)
-                    state.update({r: full for r in ranks})
-        return state[mesh.rank]
+        return _reassembled(path, pieces.get(path, {mesh.rank: x}), steps[path], shapes[path], mesh)[mesh.rank]
 
     return _placed(map_with_path(assemble, tree), None, "gather")
+
+
+def _steps(layout: Layout, shape: Sequence[int], mesh: Mesh) -> list[tuple[int, Any, int]]:
+    """``(dim, spec, group size)`` of each dim of ``layout`` to reassemble: those no one coordinate holds whole and in
+    order."""
+    return [
+        (d, spec, mesh.axis_size(spec.axes))
+        for d, spec in enumerate(layout.dims)
+        if spec is not None and not _whole_on_one(spec, shape[d], mesh.axis_size(spec.axes))
+    ]
+
+
+def _reassembled(
+    path: str, state: dict[int, torch.Tensor], steps: list, shape: Sequence[int], mesh: Mesh
+) -> dict[int, torch.Tensor]:
+    """``state`` (rank -> its shard, for the ranks at hand) with each of ``steps`` reassembled in turn over every
+    group of ranks at hand: each of those ranks then maps to the full tensor (the shards' dtype and device)."""
+    for d, spec, n in steps:
+        pad = max(_local_lens(spec, shape[d], n))
+        device = next(iter(state.values())).device
+        idx = torch.tensor(_assembly_index(path, d, spec, shape[d], n, pad), dtype=torch.long, device=device)
+        for ranks in mesh.all_group_ranks(spec.axes):
+            if ranks[0] in state:
+                full = torch.cat([_pad_to(state[r], d, pad) for r in ranks], dim=d).index_select(d, idx)
+                state.update({r: full for r in ranks})
+    return state
 
 
 def _padded(x: torch.Tensor, steps: list, shape: Sequence[int]) -> torch.Tensor:
@@ -328,16 +342,7 @@ def unshard(local_trees: Sequence[PyTree], specs: PyTree, mesh: Mesh) -> PyTree:
             )
         shape = seen[0][0]
         state = {r: per_rank[r][path] for r in range(mesh.size)}
-        for d, spec in enumerate(layout.dims):
-            n = 1 if spec is None else mesh.axis_size(spec.axes)
-            if _whole_on_one(spec, shape[d], n):
-                continue
-            pad = max(_local_lens(spec, shape[d], n))
-            idx = torch.tensor(_assembly_index(path, d, spec, shape[d], n, pad), dtype=torch.long)
-            for group in mesh.all_group_ranks(spec.axes):
-                full = torch.cat([_pad_to(state[r], d, pad) for r in group], dim=d).index_select(d, idx)
-                state.update({r: full for r in group})
-        return state[0].clone()
+        return _reassembled(path, state, _steps(layout, shape, mesh), shape, mesh)[0].clone()
 
     return _placed(map_with_path(assemble, local_trees[0]), None, "unshard")
 

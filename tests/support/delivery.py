@@ -57,7 +57,7 @@ class Deliveries(TorchDispatchMode):
         name = str(func.overloadpacket)
         if name == _WRITE:
             slot = args[0]
-            slot.view(torch.uint8).fill_(POISON) if slot.numel() else None
+            slot.view(torch.uint8).fill_(POISON)
             self.writes += 1
             self._held.append(slot.untyped_storage())
             self._pending[_key(slot)] = (self.writes, slot)
