@@ -1,7 +1,7 @@
 """Local multi-rank worlds: N gloo processes on 127.0.0.1 that run functions on request.
 
-Used by the CLI (which starts its own ranks, no torchrun needed) and by the tests (one world per
-test module, reused for many cases). Every wait has a deadline: a rank that raises, dies or
+Used by the CLI (which starts its own ranks, no torchrun needed) and by the tests (one world of each
+size for the whole session, reused for many cases). Every wait has a deadline: a rank that raises, dies or
 hangs fails the call within its timeout, the world is torn down, and the next call starts a
 fresh one.
 
