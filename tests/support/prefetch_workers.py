@@ -25,9 +25,8 @@ def generate_layer_sharded(
     params = load_checkpoint(model_dir, mesh, plan)
     resident = load_checkpoint(model_dir, mesh)
     ring = ring_of(params, mesh, plan)
-    reference = ring_reference([dict(flatten_with_paths(layer)) for layer in resident["layers"]],
-                               [g.leaves for g in ring.groups])  # fmt: skip
-    record = Deliveries(reference)
+    layers = [dict(flatten_with_paths(layer)) for layer in resident["layers"]]
+    record = Deliveries(ring_reference(layers, [g.leaves for g in ring.groups]))
     if backend == "none":
         with record:
             tokens = greedy_generate(params, prompts, new_tokens, mesh)
