@@ -36,6 +36,8 @@ __all__ = [
     "rotate",
     "attention_mask",
     "attend",
+    "grouped",
+    "grouped_scores",
     "split_heads",
     "merge_heads",
     "prepare",
@@ -70,6 +72,7 @@ class GroupedQuery(Rotary, Protocol):
 
 ATTENTION_KINDS = ("sdpa", "math")
 GQA_DEVICES = ("cpu", "cuda")  # where SDPA takes grouped KV heads as they are (enable_gqa)
+GROUPED_SCORE_BYTES = 32 << 20  # the most float32 scores grouped() materializes for one call (grouped_scores)
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -158,7 +161,10 @@ def attend(
     ``scale``: of the scores (default ``hd ** -0.5``); ``groups``: query heads per KV head (grouped-query attention:
     ``keys`` and ``values`` hold ``H / groups`` heads). On the CPU and CUDA, SDPA reads each KV head for its group of
     query heads (``enable_gqa``); elsewhere, and with ``"math"``, the KV heads are repeated first (at batch 32 on the
-    CPU the repeated copies took 2 ms a layer, SDPA over the grouped heads 0.3 ms)."""
+    CPU the repeated copies took 2 ms a layer, SDPA over the grouped heads 0.3 ms). 16-bit ``"sdpa"`` on the CPU
+    takes :func:`grouped` where its scores are small (:func:`grouped_scores`)."""
+    if kind == "sdpa" and grouped_scores(q, keys):
+        return grouped(q, keys, values, mask, scale)
     if kind == "sdpa" and groups > 1 and q.device.type in GQA_DEVICES:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     if groups > 1:
@@ -170,6 +176,35 @@ def attend(
     scores = (q @ keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # [B, H, S, C]
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+
+
+def grouped_scores(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether ``"sdpa"`` attention takes :func:`grouped` instead: 16-bit queries on the CPU whose float32 scores
+    fit :data:`GROUPED_SCORE_BYTES` (decode steps and short prefills). There torch's SDPA (its CPU flash kernel)
+    runs 16-bit inputs 2-9x slower than a matmul and a softmax over the same shapes: at batch 32, 8 query heads
+    over 4 KV heads of 64, one query, bf16 and 2 threads, 1.12 ms against 0.16 ms at 64 cached positions and 15.8
+    against 1.8 ms at 1024 (``benchmarks/README.md``); in float32 the two run alike, and SDPA is kept."""
+    b, h, s, _ = q.shape
+    fits = b * h * s * keys.shape[2] * 4 <= GROUPED_SCORE_BYTES
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and fits
+
+
+def grouped(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Masked attention ``[B, H, S, dv]`` as two batched matmuls and a float32 softmax, each KV head's group of
+    query heads stacked as one matrix: ``q [B, H, S, hd]`` over ``keys`` / ``values`` ``[B, H / g, C, hd | dv]``,
+    ``mask [B, 1, S, C]``; query head ``i`` reads KV head ``i // g``, as SDPA's ``enable_gqa``. The scores are
+    the 16-bit matmul's (accumulated in float32, rounded once), then scaled, masked and normalized in float32,
+    as transformers' eager attention."""
+    b, h, s, hd = q.shape
+    nkv, c = keys.shape[1], keys.shape[2]
+    g = h // nkv
+    scores = (q.reshape(b, nkv, g * s, hd) @ keys.transpose(-1, -2)).float()  # [B, nkv, g S, C]
+    scores = scores.view(b, nkv, g, s, c) * (hd**-0.5 if scale is None else scale)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(q.dtype).view(b, nkv, g * s, c)
+    return (weights @ values).view(b, h, s, values.shape[-1])
 
 
 def split_heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
