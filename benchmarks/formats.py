@@ -48,6 +48,7 @@ __all__ = [
     "pyplot",
     "fnpu_runner",
     "transformers_runner",
+    "hf_runner",
 ]
 
 # format -> (activation / float dtype, quantization of every linear layer or None)
@@ -124,6 +125,16 @@ def transformers_runner(
     model = T.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     if quantize is not None:
         quantize(model)
+    return hf_runner(model, prompt, compile_config=compile_config, device=device)
+
+
+def hf_runner(
+    model: Any, prompt: list[int], *, compile_config: dict[str, Any] | None = None, device: str = "cpu"
+) -> Callable[[int, int], Any]:
+    """``run(b, n)`` of a transformers model: ``generate`` eager, or compiled with a static cache when
+    ``compile_config`` (``CompileConfig`` arguments besides ``fullgraph``) is given."""
+    import transformers as T
+
     if compile_config is not None:
         cc = T.CompileConfig(fullgraph=True, **compile_config)
         cc._compile_all_devices = True  # transformers compiles generate on CUDA only unless told

@@ -1,5 +1,5 @@
 """The GPU script: ``python -m benchmarks gpu [--json FILE] [--repeat N] [--deadline S] [--no-tests] [--tests T]
-[--formats F]``.
+[--formats F] [--real MODEL] [--real-formats F]``.
 
 One command for a machine with one NVIDIA GPU, run from the repository root with the torch that machine has (the
 package is imported from the tree, nothing is installed, nothing is downloaded). Within ``--deadline`` seconds
@@ -12,7 +12,12 @@ package is imported from the tree, nothing is installed, nothing is downloaded).
 3. runs the **tests that need CUDA** (``tests/cuda``: params loaded onto the GPU, prefill and decode compiled with
    inductor and captured as CUDA graphs, tokens equal to transformers' on the same GPU, graphs replayed with no
    re-recording, skip or recompile, seeded sampling) in a pytest subprocess;
-4. runs the **scoreboard**: the benchmarks' 70.5M-parameter Qwen3-style model (:data:`benchmarks.configs.FULL`)
+4. runs a model of **released shapes** (``--real``, default Qwen3-8B's, :data:`benchmarks.configs.REAL`) in bf16
+   (``--real-formats``), built on the GPU with random weights (:mod:`benchmarks.real_shapes`, nothing downloaded):
+   batches 1, 8 and 32, this library against transformers compiled as in the scoreboard below, each system's cold
+   compile timed; skipped in one line naming the memory it needs when the GPU has less free. int8 / int4 have no
+   CUDA kernel in this library (they are dequantized there), so they are named as skipped, not measured;
+5. runs the **scoreboard**: the benchmarks' 70.5M-parameter Qwen3-style model (:data:`benchmarks.configs.FULL`)
    in fp32 and bf16 at batches 1, 8 and 32, this library in its default configuration on CUDA (``compile_model``
    with no mode: inductor with CUDA graphs) against transformers' ``generate`` compiled with a static cache (its
    own default compile on CUDA, CUDA graphs too), in interleaved rounds (:func:`benchmarks.timing.interleaved`),
@@ -39,19 +44,28 @@ from typing import Any
 import torch
 
 from functional_npu.core import Mesh
+from functional_npu.models.llama import LlamaConfig
+from functional_npu.runtime.serving import cache_length, compile_model
 
-from .configs import FULL
+from .configs import FULL, REAL
 from .flags import count
-from .formats import decode_bytes, fnpu_runner, transformers_runner, write_formats
+from .formats import decode_bytes, fnpu_runner, hf_runner, transformers_runner, write_formats
+from .real_shapes import available_bytes, device_params, needed_bytes, param_count, peer_model, refusal
 from .roofline import step_cost, step_floor
 from .timing import interleaved, ratio, stats
 
-__all__ = ["main", "gpu_cells"]
+__all__ = ["main", "gpu_cells", "real_format", "measured"]
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32)
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPT = 32
+# formats of the real-size cell with no CUDA kernel here, and why none is measured
+REAL_FORMATS_WHY = {
+    fmt: f"{fmt}: no CUDA kernel for it in this library (prepare(target='dense') dequantizes {fmt} weights to bf16 on "
+    "CUDA), so the cell would measure bf16 under another name"
+    for fmt in ("int8", "int4")
+}
 
 
 def _events_seconds(fn: Any, repeat: int = 10) -> float:
@@ -181,19 +195,76 @@ def scoreboard_format(
     mesh = Mesh.abstract({"tp": 1}, 0)
     ours, model = fnpu_runner(path, mesh, prompt, new, batch_sizes=BATCHES, device=device)
     hf = transformers_runner(path, prompt, FORMATS[fmt], compile_config={}, device=device)
-    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
-    systems = {f"fnpu_{fmt}": ours, f"hf_{fmt}": lambda b, n: (hf(b, n), sync())}
+    return measured(FULL, fmt, {f"fnpu_{fmt}": ours, f"hf_{fmt}": hf}, model, repeat, new, peak, log, device)
+
+
+def real_format(
+    cfg: LlamaConfig,
+    fmt: str,
+    repeat: int,
+    new: int,
+    peak: float,
+    log: Any,
+    *,
+    device: str = "cuda",
+    batches: tuple[int, ...] = BATCHES,
+    read: Any = None,
+) -> dict[str, Any]:
+    """A model of released shapes (``cfg``, :data:`benchmarks.configs.REAL`) in format ``fmt``, built on ``device``
+    with random weights (:mod:`benchmarks.real_shapes`): ours against transformers compiled, as
+    :func:`scoreboard_format`, with each system's build and cold compile time. ``{"skipped": why}`` in one line when
+    the device lacks the memory for both; ``read``: the bandwidth probe (default :func:`read_bandwidth`)."""
+    dtype = FORMATS[fmt]
+    need = needed_bytes(cfg, dtype, max(batches), cache_length(PROMPT + new))
+    why = refusal(f"{cfg.num_layers}-layer {fmt} model", need, available_bytes(device), device)
+    if why is not None:
+        return {"skipped": why}
+    prompt = [(7 * i) % cfg.vocab_size for i in range(1, PROMPT + 1)]
     t0 = time.perf_counter()
+    params = device_params(cfg, dtype, device)
+    model = compile_model(
+        params, Mesh.abstract({"tp": 1}, 0), batch_sizes=list(batches), max_seq_len=cache_length(PROMPT + new)
+    )
+    built = {f"fnpu_{fmt}": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    hf = hf_runner(peer_model(cfg, dtype, device), prompt, compile_config={}, device=device)
+    built[f"hf_{fmt}"] = time.perf_counter() - t0
+    systems = {f"fnpu_{fmt}": lambda b, n: model.generate([prompt] * b, n), f"hf_{fmt}": hf}
+    res = measured(cfg, fmt, systems, model, repeat, new, peak, log, device, batches, read)
+    return res | {"model": cfg.to_hf(), "params": param_count(cfg), "build_s": built}
+
+
+def measured(
+    cfg: LlamaConfig,
+    fmt: str,
+    systems: dict[str, Any],
+    model: Any,
+    repeat: int,
+    new: int,
+    peak: float,
+    log: Any,
+    device: str = "cuda",
+    batches: tuple[int, ...] = BATCHES,
+    read: Any = None,
+) -> dict[str, Any]:
+    """Warm every system at every batch (each one's first calls timed: its cold compile), then ``repeat``
+    interleaved rounds with the read bandwidth sampled between them; the cells against the roofline and the peer."""
+    read = read or read_bandwidth
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
+    systems = {name: (lambda b, n, run=run: (run(b, n), sync())) for name, run in systems.items()}
+    t0, compile_s = time.perf_counter(), {}
     for name, run in systems.items():
-        for b in BATCHES:
+        t = time.perf_counter()
+        for b in batches:
             run(b, new)
             run(b, 1)
-        log(f"  gpu: {name} built and warm ({time.perf_counter() - t0:.0f} s)")
-    reads = [read_bandwidth()]
-    runs = interleaved(systems, BATCHES, new, PROMPT, repeat, lambda r: reads.append(read_bandwidth()))
+        compile_s[name] = time.perf_counter() - t
+        log(f"  gpu: {name} built and warm ({compile_s[name]:.0f} s)")
+    reads = [read()]
+    runs = interleaved(systems, batches, new, PROMPT, repeat, lambda r: reads.append(read()))
     decode = {s: {str(b): v["decode"] for b, v in per.items()} for s, per in runs.items()}
     elem = FORMATS[fmt].itemsize
-    cost = {str(b): step_cost(FULL, decode_bytes(model.params), elem, b, PROMPT, new) for b in BATCHES}
+    cost = {str(b): step_cost(cfg, decode_bytes(model.params), elem, b, PROMPT, new) for b in batches}
     round_read = [(a + b) / 2 for a, b in zip(reads, reads[1:])]
     profiles = {name: profile_decode(run, 1, new) for name, run in systems.items()}
     return {
@@ -202,6 +273,7 @@ def scoreboard_format(
         "decode_runs": decode,
         "read_gb_s": stats([r / 1e9 for r in reads]),
         "cells": gpu_cells(fmt, decode, cost, round_read, peak),
+        "warm_s": compile_s,
         "build_s": time.perf_counter() - t0,
     }
 
@@ -249,6 +321,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-tests", action="store_true", help="skip tests/cuda")
     p.add_argument("--tests", default="tests/cuda", help="the tests to run (default tests/cuda)")
     p.add_argument("--formats", default=",".join(FORMATS), help="the scoreboard's formats (default fp32,bf16)")
+    p.add_argument("--real", default="qwen3-8b", choices=[*REAL, "none"], help="a model of released shapes, run "
+                   "before the scoreboard (default qwen3-8b; none: skip)")  # fmt: skip
+    p.add_argument("--real-formats", default="bf16", help="its formats (default bf16)")
     return p.parse_args(argv)
 
 
@@ -275,7 +350,26 @@ def main(argv: list[str] | None = None) -> int:
         res["tests"] = run_tests(timeout=max(60.0, 0.4 * args.deadline), which=args.tests)
         print(f"  tests/cuda: exit {res['tests']['exit']}: {res['tests']['summary']}", flush=True)
         save()
-    res["decode"], res["skipped"] = {}, {}
+    res["decode"], res["skipped"], res["real"] = {}, {}, {}
+    for fmt in [f for f in args.real_formats.split(",") if f] if args.real != "none" else []:
+        key, left = f"{args.real} {fmt}", args.deadline - (time.perf_counter() - t0)
+        if fmt not in FORMATS:
+            res["skipped"][key] = REAL_FORMATS_WHY.get(fmt, f"no such format; one of {', '.join(FORMATS)}")
+        elif left < 120:
+            res["skipped"][key] = f"deadline: {left:.0f} s left"
+        else:
+            try:
+                got = real_format(
+                    REAL[args.real], fmt, args.repeat, args.new, res["roofline"][f"gemm_tflops_{fmt}"] * 1e12, _log
+                )
+            except Exception as e:  # noqa: BLE001 - one cell's failure is recorded, the next still runs
+                got = {"skipped": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+            if "skipped" in got:
+                res["skipped"][key] = got["skipped"]
+            else:
+                res["real"][key] = got
+        save()
+        print(f"  {key}: {res['skipped'].get(key) or _cells_line(res['real'][key])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_formats(FULL, Path(tmp))
         for fmt in [f for f in args.formats.split(",") if f]:
@@ -293,6 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = time.perf_counter() - t0
     save()
     return 0 if res.get("tests", {}).get("exit", 0) == 0 and not res["skipped"] else 1
+
+
+def _cells_line(res: dict[str, Any]) -> str:
+    return "; ".join(
+        f"b={b}: {c['tok_s']['median']:.0f} tok/s, {c['share_of_roofline']['median']:.1%} of the roofline "
+        f"({c['binds']}), {next(iter(c['peers'].values()))['median']:.2f}x transformers compiled"
+        for b, c in res["cells"].items()
+    )
 
 
 def _log(msg: str) -> None:
