@@ -23,10 +23,12 @@ only when every run meets it. ``--peers-only`` runs the distributed peers on 2 g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +39,14 @@ from functional_npu.models.llama import LlamaConfig, abstract_params, init_param
 from functional_npu.runtime import LocalWorld
 from functional_npu.runtime.loading import save_checkpoint
 
-from .configs import FULL, QUICK
+from .configs import FULL, QUICK, REAL
 from .flags import count
-from .formats import format_table, formats_plot, run_formats, targets, targets_table
+from .formats import FORMATS, format_table, formats_plot, run_formats, targets, targets_table
 from .peers import decode_tp_peer, peers_report, reshard_peer
 from .roofline import weight_count
 from .timing import pin_threads
 
-__all__ = ["decode_bytes_per_token", "run_bench", "main"]
+__all__ = ["decode_bytes_per_token", "run_bench", "main", "merged", "cold_compiles"]
 
 
 def decode_bytes_per_token(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -60,42 +62,74 @@ def run_bench(
     repeat: int = 5,
     plot_dir: str | None = None,
     warm_start: bool = True,
+    model: str | None = None,
+    formats: tuple[str, ...] = tuple(FORMATS),
 ) -> dict[str, Any]:
     """One run of the scoreboard (module docstring): prints the decode table, the warm start and the targets
-    against every run in the JSON (this one, and the earlier ones with ``append``); returns the whole JSON."""
+    against every run in the JSON (this one, and the earlier ones with ``append``); returns the whole JSON.
+    ``model``: a model of released shapes (:data:`benchmarks.configs.REAL`) in place of the benchmarks' own; its runs
+    go under ``sizes[model]`` in the JSON, beside the default model's."""
     cores = pin_threads(None)
-    cfg = QUICK if quick else FULL
+    cfg = REAL[model] if model else QUICK if quick else FULL
     new = 16 if quick else 32
     n_params = sum(x.numel() for _, x in flatten_with_paths(abstract_params(cfg)))
     print(
-        f"bench: {cfg.architecture}-style, {n_params / 1e6:.1f}M params, prompt 32, {new} new tokens, "
-        f"{torch.get_num_threads()} threads, {repeat} interleaved rounds",
+        f"bench: {model or cfg.architecture + '-style'}, {n_params / 1e6:.1f}M params, prompt 32, {new} new tokens, "
+        f"{torch.get_num_threads()} threads, {repeat} interleaved rounds, formats {', '.join(formats)}",
         flush=True,
     )
     run: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        run["decode"] = run_formats(cfg, Path(tmp), new=new, repeat=repeat)
+    with tempfile.TemporaryDirectory() as tmp, cold_compiles(Path(tmp) / "inductor"):
+        run["decode"] = run_formats(cfg, Path(tmp), new=new, repeat=repeat, formats=formats)
         if warm_start:
             from .warm_start import warm_start as measure_warm_start
 
             save_checkpoint(init_params(cfg, seed=0), Path(tmp) / "warm")
             run["warm_start"] = measure_warm_start(str(Path(tmp) / "warm"), 32, new)
-    run["model"] = {"architecture": cfg.architecture, "params": n_params, "layers": cfg.num_layers}
+    run["model"] = {"name": model or "bench", "architecture": cfg.architecture, "params": n_params,
+                    "layers": cfg.num_layers, "config": cfg.to_hf()}  # fmt: skip
     run["machine"] = _machine(cores)
-    earlier = _runs(json_path) if append and json_path else []
-    runs = earlier + [run]
-    out = {"runs": runs, "targets": targets([r["decode"] for r in runs])}
-    _report(out)
-    _write(out, json_path, plot_dir)
+    whole = merged(_whole(json_path) if json_path else {}, run, model, append)
+    _report(whole["sizes"][model] if model else whole)
+    _write(whole, json_path, plot_dir if not model else None)
+    return whole
+
+
+def merged(whole: dict[str, Any], run: dict[str, Any], model: str | None, append: bool) -> dict[str, Any]:
+    """The results JSON ``whole`` with ``run`` added: the benchmarks' own model's runs at the top (``runs``,
+    ``targets``), a released model's under ``sizes[model]``; ``append`` keeps that section's earlier runs, else
+    ``run`` replaces them. Every other section is kept as it was."""
+    out = dict(whole) | {"sizes": dict(whole.get("sizes", {}))}
+    section = dict(out["sizes"].get(model, {})) if model else out
+    runs = (list(section.get("runs", [])) if append else []) + [run]
+    section |= {"runs": runs, "targets": targets([r["decode"] for r in runs])}
+    if model:
+        out["sizes"][model] = section
     return out
 
 
-def _runs(json_path: str) -> list[dict[str, Any]]:
-    """The runs already in ``json_path`` (none when it is missing or holds another format)."""
+@contextlib.contextmanager
+def cold_compiles(where: Path) -> Iterator[None]:
+    """Inductor's caches in ``where`` (new, and removed with the run) for the block: every compile is cold, so the
+    compile times are what a new user waits, and no cache outlives the run."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(where)
     try:
-        return list(json.loads(Path(json_path).read_text())["runs"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def _whole(json_path: str) -> dict[str, Any]:
+    """The JSON already at ``json_path``, or an empty one when it is missing or not this benchmark's."""
+    try:
+        got = json.loads(Path(json_path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def run_peers(*, quick: bool, json_path: str | None, repeat: int) -> dict[str, Any]:
@@ -185,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-warm-start", action="store_true", help="skip the fresh-process warm-start probe")
     parser.add_argument("--plots", metavar="DIR", default=None, help="write scoreboard.png here (needs matplotlib)")
     parser.add_argument(
+        "--model", choices=list(REAL), default=None, help="a model of released shapes (random weights) in place of the "
+        "70.5M one; its runs go under sizes.MODEL in the JSON",
+    )  # fmt: skip
+    parser.add_argument("--formats", default=",".join(FORMATS), help="formats to run (default fp32,bf16,int8,int4)")
+    parser.add_argument(
         "--peers-only",
         action="store_true",
         help="only the distributed peers on 2 gloo ranks: decode at tp 2 and reshard vs DTensor.redistribute",
@@ -194,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.append and not args.json:
         parser.error("--append adds to the runs in --json FILE; pass --json")
+    formats = tuple(f for f in args.formats.split(",") if f)
+    wrong = [f for f in formats if f not in FORMATS]
+    if wrong or not formats:
+        parser.error(f"--formats takes a comma-separated list of {', '.join(FORMATS)}, got {args.formats!r}")
+    if args.model and args.quick:
+        parser.error("--quick shrinks the benchmarks' own model; --model runs a released model's shapes: pick one")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -208,5 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         repeat=args.repeat,
         plot_dir=args.plots,
         warm_start=not args.no_warm_start,
+        model=args.model,
+        formats=formats,
     )
     return 0
