@@ -68,11 +68,13 @@ CPP_WRAPPER = WRAPPERS["cpp"]  # torchao's compile
 PEAK_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
-def write_formats(cfg: LlamaConfig, root: Path, seed: int = 0) -> dict[str, Path]:
-    """The same seeded model as one HF directory per format."""
+def write_formats(
+    cfg: LlamaConfig, root: Path, seed: int = 0, formats: tuple[str, ...] = tuple(FORMATS)
+) -> dict[str, Path]:
+    """The same seeded model as one HF directory per format (of ``formats``; int8 and int4 are quantized from bf16)."""
     full = init_params(cfg, seed=seed)
     out = {}
-    for name, (dtype, quant) in FORMATS.items():
+    for name, (dtype, quant) in ((f, FORMATS[f]) for f in formats):
         params = map_with_path(lambda p, x, dt=dtype: x.to(dt) if x.is_floating_point() else x, full)
         out[name] = save_checkpoint(params, root / name, quant=QuantConfig.of(quant, ()) if quant else None)
     return out
@@ -188,9 +190,9 @@ def faster_wrapper(decode: dict[str, dict[str, list[float]]]) -> dict[str, dict[
     """``decode`` with ``hf_<fmt>``: in each round and batch the faster of ``hf_<fmt>_cpp`` and ``hf_<fmt>_py``."""
     out = dict(decode)
     for fmt in ("fp32", "bf16"):
-        both = [decode.get(f"hf_{fmt}_{w}") for w in WRAPPERS]
-        if all(both):
-            out[f"hf_{fmt}"] = {b: [max(x, y) for x, y in zip(both[0][b], both[1][b])] for b in both[0]}
+        built = [d for d in (decode.get(f"hf_{fmt}_{w}") for w in WRAPPERS) if d]  # one, where one wrapper ran
+        if built:
+            out[f"hf_{fmt}"] = {b: [max(xs) for xs in zip(*(d[b] for d in built))] for b in built[0]}
     return out
 
 
@@ -210,6 +212,7 @@ def run_formats(
     repeat: int = 5,
     threads: int | None = None,
     formats: tuple[str, ...] = tuple(FORMATS),
+    wrappers: tuple[str, ...] = tuple(WRAPPERS),
     log=print,
 ) -> dict[str, Any]:
     """Build every system on ``cfg``'s weights (written under ``root``), then ``repeat`` interleaved rounds with the
@@ -219,15 +222,22 @@ def run_formats(
     # transformers' models of every format and wrapper share one forward, compiled once per batch size each: more
     # graphs of one code object than dynamo's default limit of 8 (fullgraph=True then fails)
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
-        return _run_formats(cfg, root, new, repeat, threads, formats, log)
+        return _run_formats(cfg, root, new, repeat, threads, formats, wrappers, log)
 
 
 def _run_formats(
-    cfg: LlamaConfig, root: Path, new: int, repeat: int, threads: int | None, formats: tuple[str, ...], log: Any
+    cfg: LlamaConfig,
+    root: Path,
+    new: int,
+    repeat: int,
+    threads: int | None,
+    formats: tuple[str, ...],
+    wrappers: tuple[str, ...],
+    log: Any,
 ) -> dict[str, Any]:
     cores = pin_threads(threads)
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, PROMPT + 1)]
-    paths = write_formats(cfg, root)
+    paths = write_formats(cfg, root, formats=formats)
     systems: dict[str, Callable[[int, int], Any]] = {}
     bytes_per_token, skipped, cost = {}, {}, {}
     mesh = Mesh.abstract({"tp": 1}, 0)
@@ -239,7 +249,7 @@ def _run_formats(
         cost[name] = {str(b): step_cost(cfg, bytes_per_token[name], kv, b, PROMPT, new) for b in BATCHES}
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     for name in (f for f in formats if f in dtypes):
-        for wrapper, config in WRAPPERS.items():
+        for wrapper, config in ((w, WRAPPERS[w]) for w in wrappers):
             hf = transformers_runner(paths[name], prompt, dtypes[name], compile_config=config)
             systems[f"hf_{name}_{wrapper}"] = hf
     for bits in (8, 4):
@@ -299,8 +309,10 @@ def _run_formats(
             "batches": list(BATCHES),
             "formats": {k: repr(q) if q else str(dt).removeprefix("torch.") for k, (dt, q) in FORMATS.items()},
             "compile": "ours: compile_model's default for the device (no flag); transformers: generate compiled with "
-            "a static cache, once with inductor's cpp_wrapper and once with its Python wrapper (its figure in a "
-            "round: the faster); torchao: the same with the cpp_wrapper",
+            "a static cache, with inductor's "
+            + " and ".join({"cpp": "cpp_wrapper", "py": "Python wrapper"}[w] for w in wrappers)
+            + " (its figure in a round: the faster); torchao: the same with the cpp_wrapper",
+            "wrappers": list(wrappers),
             "peak": {f: str(PEAK_DTYPE[f]).removeprefix("torch.") for f in formats},
         },
     }

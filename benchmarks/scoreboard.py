@@ -41,7 +41,7 @@ from functional_npu.runtime.loading import save_checkpoint
 
 from .configs import FULL, QUICK, REAL
 from .flags import count
-from .formats import FORMATS, format_table, formats_plot, run_formats, targets, targets_table
+from .formats import FORMATS, WRAPPERS, format_table, formats_plot, run_formats, targets, targets_table
 from .peers import decode_tp_peer, peers_report, reshard_peer
 from .roofline import weight_count
 from .timing import pin_threads
@@ -80,7 +80,9 @@ def run_bench(
     )
     run: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp, cold_compiles(Path(tmp) / "inductor"):
-        run["decode"] = run_formats(cfg, Path(tmp), new=new, repeat=repeat, formats=formats)
+        # a released model's size: transformers with its default (Python) wrapper only, one cold compile each
+        wrappers = ("py",) if model else tuple(WRAPPERS)
+        run["decode"] = run_formats(cfg, Path(tmp), new=new, repeat=repeat, formats=formats, wrappers=wrappers)
         if warm_start:
             from .warm_start import warm_start as measure_warm_start
 

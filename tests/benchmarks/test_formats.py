@@ -94,3 +94,10 @@ def test_the_cold_compile_target_is_ours_over_the_peers_default_wrapper_in_each_
         "fp32 cold compile <= transformers' (default wrapper), ours / theirs"
     ]
     assert row["figures"] == ["0.75x", "1.25x"] and not row["met"]
+
+
+def test_with_one_wrapper_built_the_peer_is_that_one():
+    from benchmarks.formats import faster_wrapper
+
+    decode = {"hf_bf16_py": {"1": [20.0, 25.0]}, "fnpu_bf16": {"1": [1.0, 1.0]}}
+    assert faster_wrapper(decode)["hf_bf16"] == {"1": [20.0, 25.0]}
