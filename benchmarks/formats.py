@@ -51,6 +51,7 @@ __all__ = [
     "transformers_runner",
     "hf_runner",
     "compile_ratio",
+    "compiled_graphs",
 ]
 
 # format -> (activation / float dtype, quantization of every linear layer or None)
@@ -262,14 +263,14 @@ def _run_formats(
             systems[f"torchao_int{bits}"] = transformers_runner(
                 paths["bf16"], prompt, torch.bfloat16, compile_config=CPP_WRAPPER, quantize=quantize
             )
-    compile_s = {}
+    compile_s, graphs = {}, {}
     for name, run in systems.items():  # compile and warm every shape before any timing; the first calls timed
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), compiled_graphs()
         for b in BATCHES:
             run(b, new)
             run(b, 1)
-        compile_s[name] = time.perf_counter() - t0
-        log(f"  decode: {name} built ({compile_s[name]:.0f} s to compile and warm)", flush=True)
+        compile_s[name], graphs[name] = time.perf_counter() - t0, compiled_graphs() - before
+        log(f"  decode: {name} built ({compile_s[name]:.0f} s to compile and warm, {graphs[name]} graphs)", flush=True)
     read = [read_bandwidth()]
     peaks = {"fp32": [gemm_peak(torch.float32)], "bf16": [gemm_peak(torch.bfloat16)]}
 
@@ -299,6 +300,7 @@ def _run_formats(
         "gemm_gflop_s": {k: stats([x / 1e9 for x in v]) for k, v in peaks.items()},
         "skipped": skipped,
         "compile_s": compile_s,
+        "compiled_graphs": graphs,
         "cells": cells(decode, cost, round_read, round_peak),
         "settings": {
             "cores": cores,
@@ -384,6 +386,11 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if any(g is not None for g in got):
             row(f"{fmt} cold compile <= transformers' (default wrapper), ours / theirs", got, 1.0, "{:.2f}x", True)
     return rows
+
+
+def compiled_graphs() -> int:
+    """How many graphs dynamo has compiled in this process so far (its ``unique_graphs`` counter)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def compile_ratio(run: dict[str, Any], fmt: str) -> float | None:

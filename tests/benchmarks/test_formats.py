@@ -101,3 +101,16 @@ def test_with_one_wrapper_built_the_peer_is_that_one():
 
     decode = {"hf_bf16_py": {"1": [20.0, 25.0]}, "fnpu_bf16": {"1": [1.0, 1.0]}}
     assert faster_wrapper(decode)["hf_bf16"] == {"1": [20.0, 25.0]}
+
+
+def test_compiled_graphs_counts_each_graph_dynamo_builds():
+    import torch
+
+    from benchmarks.formats import compiled_graphs
+
+    before = compiled_graphs()
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    f(torch.ones(3))
+    f(torch.ones(3))  # the same shape: no new graph
+    f(torch.ones(5))  # another shape, static: one more
+    assert compiled_graphs() - before == 2
