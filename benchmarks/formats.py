@@ -416,18 +416,21 @@ def format_table(runs: list[dict[str, Any]]) -> str:
             )
             share = " / ".join(f"{c['share_of_roofline']['median']:.0%}" for c in per) + f" ({per[0]['binds']})"
             fixed = " / ".join(f"{c['fixed_ms']['median']:.2f}" for c in per) if b == "1" else "-"
+            names = list(dict.fromkeys(p for c in per for p in c["peers"]))  # a peer any run measured
             peers = "; ".join(
                 f"{p} "
                 + " / ".join(
                     f"{c['peers'][p]['median']:.2f}x ({c['peers'][p]['min']:.2f}-{c['peers'][p]['max']:.2f})"
-                    for c in per
                     if p in c["peers"]
+                    else "not run"
+                    for c in per
                 )
-                for p in per[0]["peers"]
+                for p in names
             )
             lines.append(f"| {fmt} | {b} | {tok} | {share} | {fixed} | {peers or '-'} |")
-    for name, why in first["skipped"].items():
-        lines.append(f"\n{name}: {why}")
+    for i, r in enumerate(runs, 1):
+        for name, why in r["skipped"].items():
+            lines.append(f"\n{name}" + (f" (run {i})" if len(runs) > 1 else "") + f": {why}")
     return "\n".join(lines)
 
 

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from functional_npu.core import Mesh, flatten_with_paths, map_with_path
-from functional_npu.core.params import Params
+from functional_npu.core import Mesh, Params, flatten_with_paths, map_with_path
 from functional_npu.models.llama import LlamaConfig, abstract_params
 from functional_npu.placement import place
 

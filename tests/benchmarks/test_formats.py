@@ -78,7 +78,10 @@ def test_targets_need_every_run_and_the_table_shows_both():
     assert rows["fp32 fixed cost per batch-1 step <= 1.0 ms"]["figures"] == ["0.56 ms", "2.14 ms"]
     table = format_table([good, bad])
     assert "| fp32 | 1 | 180.0 (180.0-180.0) / 140.0 (140.0-140.0) | 90% / 70% (memory) |" in table
-    assert "torchao_int4: torchao int4 weight-only does not run on this CPU" in table
+    assert "torchao_int4 (run 2): torchao int4 weight-only does not run on this CPU" in table
+    # a peer one run measured and the other did not: its figure, and "not run" for the other
+    no_peer = bad | {"cells": {"fp32": {"1": bad["cells"]["fp32"]["1"] | {"peers": {}}}}}
+    assert "| hf_fp32 not run / 0.93x (0.93-0.93) |" in format_table([no_peer, bad])
     assert "| fp32 at batch 1 >= 80% of the read roofline | 90% / 70% | missed |" in targets_table(targets([good, bad]))
 
 
