@@ -46,6 +46,7 @@ __all__ = [
     "format_table",
     "formats_plot",
     "decode_bytes",
+    "checkpoints",
     "pyplot",
     "fnpu_runner",
     "transformers_runner",
@@ -79,6 +80,13 @@ def write_formats(
         params = map_with_path(lambda p, x, dt=dtype: x.to(dt) if x.is_floating_point() else x, full)
         out[name] = save_checkpoint(params, root / name, quant=QuantConfig.of(quant, ()) if quant else None)
     return out
+
+
+def checkpoints(formats: tuple[str, ...]) -> tuple[str, ...]:
+    """The checkpoints a run of ``formats`` reads: each format's, and bf16's where int8 or int4 runs (torchao's peer
+    quantizes the bf16 model)."""
+    peer = ("bf16",) if any(f in ("int8", "int4") for f in formats) else ()
+    return tuple(f for f in FORMATS if f in formats or f in peer)
 
 
 def decode_bytes(params: dict[str, Any]) -> int:
@@ -238,7 +246,7 @@ def _run_formats(
 ) -> dict[str, Any]:
     cores = pin_threads(threads)
     prompt = [(7 * i) % cfg.vocab_size for i in range(1, PROMPT + 1)]
-    paths = write_formats(cfg, root, formats=formats)
+    paths = write_formats(cfg, root, formats=checkpoints(formats))
     systems: dict[str, Callable[[int, int], Any]] = {}
     bytes_per_token, skipped, cost = {}, {}, {}
     mesh = Mesh.abstract({"tp": 1}, 0)

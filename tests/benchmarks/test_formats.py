@@ -117,3 +117,14 @@ def test_compiled_graphs_counts_each_graph_dynamo_builds():
     f(torch.ones(3))  # the same shape: no new graph
     f(torch.ones(5))  # another shape, static: one more
     assert compiled_graphs() - before == 2
+
+
+def test_a_run_of_the_quantized_formats_alone_writes_the_bf16_checkpoint_its_peer_quantizes():
+    """torchao's peer quantizes the bf16 model: ``--formats int8,int4`` writes bf16's checkpoint too (without it the
+    run failed after compiling ours); a run of float formats writes only theirs."""
+    from benchmarks.formats import checkpoints
+
+    assert checkpoints(("int8", "int4")) == ("bf16", "int8", "int4")
+    assert checkpoints(("int4",)) == ("bf16", "int4")
+    assert checkpoints(("fp32",)) == ("fp32",)
+    assert checkpoints(("bf16", "fp32")) == ("fp32", "bf16")
