@@ -415,23 +415,26 @@ def format_table(runs: list[dict[str, Any]]) -> str:
         "| format | batch | functional-npu tok/s | share of roofline (binds) | fixed ms/step | peer: ratio (min-max) |",
         "|---|---|---|---|---|---|",
     ]
-    first = runs[0]
-    for fmt, by_batch in first["cells"].items():
-        for b in by_batch:
-            per = [r["cells"][fmt][b] for r in runs]
-            tok = " / ".join(
-                f"{c['tok_s']['median']:.1f} ({c['tok_s']['min']:.1f}-{c['tok_s']['max']:.1f})" for c in per
-            )
-            share = " / ".join(f"{c['share_of_roofline']['median']:.0%}" for c in per) + f" ({per[0]['binds']})"
-            fixed = " / ".join(f"{c['fixed_ms']['median']:.2f}" for c in per) if b == "1" else "-"
-            names = list(dict.fromkeys(p for c in per for p in c["peers"]))  # a peer any run measured
+    present = [f for f in FORMATS if any(f in r["cells"] for r in runs)]  # runs of some formats: "not run" elsewhere
+    for fmt in present:
+        batches = next(r["cells"][fmt] for r in runs if fmt in r["cells"])
+        for b in batches:
+            per = [r["cells"].get(fmt, {}).get(b) for r in runs]
+            got = [c for c in per if c is not None]
+
+            def each(show: Callable[[dict[str, Any]], str], per: list = per) -> str:
+                return " / ".join("not run" if c is None else show(c) for c in per)
+
+            tok = each(lambda c: f"{c['tok_s']['median']:.1f} ({c['tok_s']['min']:.1f}-{c['tok_s']['max']:.1f})")
+            share = each(lambda c: f"{c['share_of_roofline']['median']:.0%}") + f" ({got[0]['binds']})"
+            fixed = each(lambda c: f"{c['fixed_ms']['median']:.2f}") if b == "1" else "-"
+            names = list(dict.fromkeys(p for c in got for p in c["peers"]))  # a peer any run measured
             peers = "; ".join(
                 f"{p} "
-                + " / ".join(
-                    f"{c['peers'][p]['median']:.2f}x ({c['peers'][p]['min']:.2f}-{c['peers'][p]['max']:.2f})"
+                + each(
+                    lambda c, p=p: f"{c['peers'][p]['median']:.2f}x ({c['peers'][p]['min']:.2f}-{c['peers'][p]['max']:.2f})"
                     if p in c["peers"]
                     else "not run"
-                    for c in per
                 )
                 for p in names
             )

@@ -92,8 +92,8 @@ def run_bench(
                     "layers": cfg.num_layers, "config": cfg.to_hf()}  # fmt: skip
     run["machine"] = _machine(cores)
     whole = merged(_whole(json_path) if json_path else {}, run, model, append)
+    _write(whole, json_path, plot_dir if not model else None)  # first: a report that fails loses no run
     _report(whole["sizes"][model] if model else whole)
-    _write(whole, json_path, plot_dir if not model else None)
     return whole
 
 

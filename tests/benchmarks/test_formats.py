@@ -128,3 +128,16 @@ def test_a_run_of_the_quantized_formats_alone_writes_the_bf16_checkpoint_its_pee
     assert checkpoints(("int4",)) == ("bf16", "int4")
     assert checkpoints(("fp32",)) == ("fp32",)
     assert checkpoints(("bf16", "fp32")) == ("fp32", "bf16")
+
+
+def test_the_table_of_runs_of_other_formats_shows_each_format_with_not_run_for_the_runs_without_it():
+    """A run of int8 appended to a run of fp32 (``--formats int8,int4 --append``): both formats in the table, each
+    with "not run" where a run did not measure it (a run of other formats raised KeyError after its rounds)."""
+    from benchmarks.formats import format_table
+
+    fp32 = _run(ours=[180.0] * 3, peer=[100.0] * 3, read_gb_s=[40.0] * 3)
+    int8 = fp32 | {"cells": {"int8": fp32["cells"]["fp32"]}}
+    table = format_table([fp32, int8])
+    assert "| fp32 | 1 | 180.0 (180.0-180.0) / not run | 90% / not run (memory) |" in table
+    assert "| int8 | 1 | not run / 180.0 (180.0-180.0) | not run / 90% (memory) |" in table
+    assert "hf_fp32 1.80x (1.80-1.80) / not run" in table
