@@ -363,12 +363,18 @@ def cells(
 
 def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every target against every run's medians: ``[{target, figures (one per run), met}]``; a target is met when
-    it is met in every run (a headline is confirmed by a second run)."""
+    it is met in every run of its format (a headline is confirmed by a second run). A run of other formats
+    (``--formats int8,int4`` appended to runs of bf16 and fp32) shows "-" in the rows of a format it did not run,
+    and neither meets nor misses them; a cell or peer a run of the format did not measure is "not run", and
+    missed."""
     rows = []
 
-    def row(what: str, got: list[float | None], want: float, fmt: str = "{:.0%}", below: bool = False) -> None:
-        ok = all(g is not None and (g <= want if below else g >= want) for g in got)
-        figures = ["not run" if g is None else fmt.format(g) for g in got]
+    def row(
+        what: str, got: list[float | None], want: float, fmt: str = "{:.0%}", below: bool = False, of: str = ""
+    ) -> None:
+        ran = [of in r["cells"] for r in runs]
+        ok = any(ran) and all(g is not None and (g <= want if below else g >= want) for g, h in zip(got, ran) if h)
+        figures = ["-" if not h else "not run" if g is None else fmt.format(g) for g, h in zip(got, ran)]
         rows.append({"target": what, "figures": figures, "values": got, "met": ok})
 
     def cell(r: dict[str, Any], fmt: str, b: str) -> dict[str, Any]:
@@ -379,20 +385,20 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for fmt, want in ((f, w) for f, w in by_fmt.items() if f in present):
             got = [cell(r, fmt, b).get("share_of_roofline", {}).get("median") for r in runs]
             roof = "the read roofline" if b == "1" else "the memory-and-compute roofline"
-            row(f"{fmt} at batch {b} >= {want:.0%} of {roof}", got, want)
+            row(f"{fmt} at batch {b} >= {want:.0%} of {roof}", got, want, of=fmt)
     for fmt in present:
         for b in SHARE_TARGETS:
             for peer in peers_of(fmt):
                 got = [cell(r, fmt, b).get("peers", {}).get(peer, {}).get("median") for r in runs]
                 if any(g is not None for g in got):
-                    row(f"{fmt} at batch {b} >= {PEER_TARGET:.1f}x {peer}", got, PEER_TARGET, "{:.2f}x")
+                    row(f"{fmt} at batch {b} >= {PEER_TARGET:.1f}x {peer}", got, PEER_TARGET, "{:.2f}x", of=fmt)
     for fmt in present:
         got = [cell(r, fmt, "1").get("fixed_ms", {}).get("median") for r in runs]
-        row(f"{fmt} fixed cost per batch-1 step <= {FIXED_TARGET_MS} ms", got, FIXED_TARGET_MS, "{:.2f} ms", True)
+        row(f"{fmt} fixed cost per batch-1 step <= {FIXED_TARGET_MS} ms", got, FIXED_TARGET_MS, "{:.2f} ms", True, fmt)
     for fmt in (f for f in present if f in ("fp32", "bf16")):  # cold compile against the peer's default wrapper
         got = [compile_ratio(r, fmt) for r in runs]
         if any(g is not None for g in got):
-            row(f"{fmt} cold compile <= transformers' (default wrapper), ours / theirs", got, 1.0, "{:.2f}x", True)
+            row(f"{fmt} cold compile <= transformers' (default wrapper), ours / theirs", got, 1.0, "{:.2f}x", True, fmt)
     return rows
 
 

@@ -141,3 +141,20 @@ def test_the_table_of_runs_of_other_formats_shows_each_format_with_not_run_for_t
     assert "| fp32 | 1 | 180.0 (180.0-180.0) / not run | 90% / not run (memory) |" in table
     assert "| int8 | 1 | not run / 180.0 (180.0-180.0) | not run / 90% (memory) |" in table
     assert "hf_fp32 1.80x (1.80-1.80) / not run" in table
+
+
+def test_a_run_of_other_formats_neither_meets_nor_misses_a_formats_targets():
+    """Runs of fp32 and a run of int8 appended: fp32's targets are judged on the runs of fp32 ("-" for the int8 run,
+    which does not make them missed), int8's on its own run."""
+    from benchmarks.formats import targets
+
+    fp32 = _run(ours=[180.0] * 3, peer=[100.0] * 3, read_gb_s=[40.0] * 3)  # 90%, 1.8x
+    int8 = fp32 | {"cells": {"int8": fp32["cells"]["fp32"]}}
+    rows = {r["target"]: r for r in targets([fp32, fp32, int8])}
+    peer = rows["fp32 at batch 1 >= 1.2x hf_fp32"]
+    assert peer["figures"] == ["1.80x", "1.80x", "-"] and peer["met"]
+    share = rows["int8 at batch 1 >= 60% of the read roofline"]
+    assert share["figures"] == ["-", "-", "90%"] and share["met"]
+    # a cell its own format's run did not measure is still missed
+    assert rows["fp32 at batch 8 >= 50% of the memory-and-compute roofline"]["figures"] == ["not run", "not run", "-"]
+    assert not rows["fp32 at batch 8 >= 50% of the memory-and-compute roofline"]["met"]
