@@ -453,7 +453,8 @@ def format_table(runs: list[dict[str, Any]]) -> str:
 
 def targets_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`targets`."""
-    lines = ["| target | run 1 / run 2 | |", "|---|---|---|"]
+    runs = max((len(r["figures"]) for r in rows), default=2)
+    lines = [f"| target | {' / '.join(f'run {i}' for i in range(1, runs + 1))} | |", "|---|---|---|"]
     lines += [f"| {r['target']} | {' / '.join(r['figures'])} | {'met' if r['met'] else 'missed'} |" for r in rows]
     return "\n".join(lines)
 
