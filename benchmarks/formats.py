@@ -438,9 +438,11 @@ def format_table(runs: list[dict[str, Any]]) -> str:
             peers = "; ".join(
                 f"{p} "
                 + each(
-                    lambda c, p=p: f"{c['peers'][p]['median']:.2f}x ({c['peers'][p]['min']:.2f}-{c['peers'][p]['max']:.2f})"
-                    if p in c["peers"]
-                    else "not run"
+                    lambda c, p=p: (
+                        f"{c['peers'][p]['median']:.2f}x ({c['peers'][p]['min']:.2f}-{c['peers'][p]['max']:.2f})"
+                        if p in c["peers"]
+                        else "not run"
+                    )
                 )
                 for p in names
             )
