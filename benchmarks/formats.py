@@ -361,6 +361,11 @@ def cells(
     return out
 
 
+def measured_formats(runs: list[dict[str, Any]]) -> list[str]:
+    """The formats (in :data:`FORMATS`' order) that any of ``runs`` measured."""
+    return [f for f in FORMATS if any(f in r["cells"] for r in runs)]
+
+
 def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every target against every run's medians: ``[{target, figures (one per run), met}]``; a target is met when
     it is met in every run of its format (a headline is confirmed by a second run). A run of other formats
@@ -370,7 +375,7 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
 
     def row(
-        what: str, got: list[float | None], want: float, fmt: str = "{:.0%}", below: bool = False, of: str = ""
+        what: str, got: list[float | None], want: float, fmt: str = "{:.0%}", below: bool = False, *, of: str
     ) -> None:
         ran = [of in r["cells"] for r in runs]
         ok = any(ran) and all(g is not None and (g <= want if below else g >= want) for g, h in zip(got, ran) if h)
@@ -380,7 +385,7 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def cell(r: dict[str, Any], fmt: str, b: str) -> dict[str, Any]:
         return r["cells"].get(fmt, {}).get(b, {})
 
-    present = [f for f in FORMATS if any(f in r["cells"] for r in runs)]  # a run of some formats: theirs only
+    present = measured_formats(runs)  # a run of some formats: theirs only
     for b, by_fmt in SHARE_TARGETS.items():
         for fmt, want in ((f, w) for f, w in by_fmt.items() if f in present):
             got = [cell(r, fmt, b).get("share_of_roofline", {}).get("median") for r in runs]
@@ -394,11 +399,25 @@ def targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     row(f"{fmt} at batch {b} >= {PEER_TARGET:.1f}x {peer}", got, PEER_TARGET, "{:.2f}x", of=fmt)
     for fmt in present:
         got = [cell(r, fmt, "1").get("fixed_ms", {}).get("median") for r in runs]
-        row(f"{fmt} fixed cost per batch-1 step <= {FIXED_TARGET_MS} ms", got, FIXED_TARGET_MS, "{:.2f} ms", True, fmt)
+        row(
+            f"{fmt} fixed cost per batch-1 step <= {FIXED_TARGET_MS} ms",
+            got,
+            FIXED_TARGET_MS,
+            "{:.2f} ms",
+            True,
+            of=fmt,
+        )
     for fmt in (f for f in present if f in ("fp32", "bf16")):  # cold compile against the peer's default wrapper
         got = [compile_ratio(r, fmt) for r in runs]
         if any(g is not None for g in got):
-            row(f"{fmt} cold compile <= transformers' (default wrapper), ours / theirs", got, 1.0, "{:.2f}x", True, fmt)
+            row(
+                f"{fmt} cold compile <= transformers' (default wrapper), ours / theirs",
+                got,
+                1.0,
+                "{:.2f}x",
+                True,
+                of=fmt,
+            )
     return rows
 
 
@@ -421,7 +440,7 @@ def format_table(runs: list[dict[str, Any]]) -> str:
         "| format | batch | functional-npu tok/s | share of roofline (binds) | fixed ms/step | peer: ratio (min-max) |",
         "|---|---|---|---|---|---|",
     ]
-    present = [f for f in FORMATS if any(f in r["cells"] for r in runs)]  # runs of some formats: "not run" elsewhere
+    present = measured_formats(runs)  # runs of some formats: "not run" elsewhere
     for fmt in present:
         batches = next(r["cells"][fmt] for r in runs if fmt in r["cells"])
         for b in batches:
