@@ -1,5 +1,5 @@
 """The GPU script: ``python -m benchmarks gpu [--json FILE] [--repeat N] [--deadline S] [--no-tests] [--tests T]
-[--formats F] [--real MODEL] [--real-formats F]``.
+[--formats F] [--real MODEL] [--real-formats F] [--ring L]``.
 
 One command for a machine with one NVIDIA GPU, run from the repository root with the torch that machine has (the
 package is imported from the tree, nothing is installed, nothing is downloaded). Within ``--deadline`` seconds
@@ -23,7 +23,11 @@ package is imported from the tree, nothing is installed, nothing is downloaded).
    own default compile on CUDA, CUDA graphs too), in interleaved rounds (:func:`benchmarks.timing.interleaved`),
    the read bandwidth sampled between rounds. Each cell's share is of ``max(bytes / read, FLOPs / peak)`` for
    one step (weights, plus the KV cache it reads; 2 FLOPs per weight and token plus attention's), and the term
-   that binds is named.
+   that binds is named;
+6. runs the **ring from host memory** (``--ring`` layers of the ``--real`` model's shapes, default 4; 0 skips;
+   :func:`benchmarks.ring_gpu.ring_cell`): the model resident, and with ``o_proj`` in pinned host memory at prefetch
+   steps 0 and 1, tokens equal to the resident model's, the copy time hidden under compute per phase (a 2048-token
+   prefill, decode steps), and the host copies counted on the device (bytes, and the streams they ran on).
 
 The JSON is rewritten after every phase, so a run cut short keeps what it measured. Without CUDA it says so in
 one line and exits 2.
@@ -51,6 +55,7 @@ from .configs import FULL, REAL
 from .flags import count
 from .formats import decode_bytes, fnpu_runner, hf_runner, transformers_runner, write_formats
 from .real_shapes import available_bytes, device_params, needed_bytes, param_count, peer_model, refusal
+from .ring_gpu import ring_cell
 from .roofline import step_cost, step_floor
 from .timing import interleaved, ratio, stats
 
@@ -324,6 +329,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--real", default="qwen3-8b", choices=[*REAL, "none"], help="a model of released shapes, run "
                    "before the scoreboard (default qwen3-8b; none: skip)")  # fmt: skip
     p.add_argument("--real-formats", default="bf16", help="its formats (default bf16)")
+    p.add_argument("--ring", type=int, default=4, help="layers of the ring-from-host-memory cell, run last (default 4; "
+                   "0: skip)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -384,6 +391,17 @@ def main(argv: list[str] | None = None) -> int:
                 res["skipped"][fmt] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
             save()
             _print_cells(fmt, res)
+    if args.ring > 0:
+        left = args.deadline - (time.perf_counter() - t0)
+        cfg = REAL["qwen3-8b" if args.real == "none" else args.real]
+        try:
+            ring = {"skipped": f"deadline: {left:.0f} s left"} if left < 120 else None
+            res["ring"] = ring or ring_cell(cfg, layers=args.ring, log=_log)
+        except Exception as e:  # noqa: BLE001 - recorded, as a cell's failure is
+            res["ring"] = {"skipped": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+        if "skipped" in res["ring"]:
+            res["skipped"]["ring"] = res["ring"]["skipped"]
+        print(f"  ring: {res['ring'].get('skipped') or res['ring']['phases']}", flush=True)
     res["seconds"] = time.perf_counter() - t0
     save()
     return 0 if res.get("tests", {}).get("exit", 0) == 0 and not res["skipped"] else 1

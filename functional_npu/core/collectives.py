@@ -25,6 +25,7 @@ import torch.distributed._functional_collectives as funcol
 
 from . import collective_grads as grads
 from .mesh import Axes, Mesh
+from .side_copy import side_copy, side_stream_api
 
 __all__ = [
     "all_reduce",
@@ -170,8 +171,11 @@ def _broadcast_into(
     the tensor's producer (every read of the slot's previous contents). ``size`` is the group's size; with a size of
     one, ``group_name`` is empty (no broadcast) or names a link that delivers the filled slot (an emulated host link,
     :mod:`functional_npu.parallel.host_link`)."""
+    api = None if group_name else side_stream_api(slot.device, [p.device for p in parts])
     if parts and all(p.device == slot.device for p in parts):
         torch.cat([p.reshape(-1) for p in parts], out=slot)
+    elif api is not None:  # from host memory on a GPU: on a side stream, ordered by events (.side_copy)
+        side_copy(slot, parts, api)
     elif parts:  # from host memory: one copy per part, asynchronous from pinned memory
         for part, view in zip(parts, slot.split([p.numel() for p in parts])):
             view.copy_(part.reshape(-1), non_blocking=True)
@@ -212,7 +216,8 @@ def copy_into(
 ) -> torch.Tensor:
     """``slot <- cat(parts)`` in place, ``parts`` in host memory (or anywhere): a ring slot filled from a local
     source, the same graph op as :func:`broadcast_into` with a group of one (so every check of a ring's writes covers
-    it). Nothing is allocated; from pinned host memory the copies are asynchronous. The write starts only once
+    it). Nothing is allocated; from pinned host memory the copies are asynchronous, and on a GPU they run on a side
+    stream beside the compute stream's work (:mod:`.side_copy`). The write starts only once
     ``after`` exists. ``link``, if given, is the registered name of a one-rank process group whose broadcast of the
     filled slot delivers it (an emulated host link: :class:`functional_npu.parallel.host_link.EmulatedHostLink`).
     Returns ``slot``: pass it through ``funcol.wait_tensor`` before reading it.

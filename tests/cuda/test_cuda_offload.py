@@ -1,12 +1,15 @@
 """Weights kept in host memory on a GPU (``Plan.offload``): the series stay in pinned host memory, the ring's slots on
-the device are filled from them by asynchronous copies, and greedy tokens equal the resident model's at prefetch
-steps 0, 1 and 2 (3 layers: vLLM 54975's 3 modules), eager and compiled with inductor; inductor's CUDA graphs (which
-skip a graph with host inputs) are refused by name.
+the device are filled from them by asynchronous copies on a side stream (:mod:`functional_npu.core.side_copy`), and
+greedy tokens equal the resident model's at prefetch steps 0, 1 and 2 (3 layers: vLLM 54975's 3 modules), eager and
+compiled with inductor; the copies, counted on the device, run on another stream than the kernels and carry whole
+layers; inductor's CUDA graphs (which skip a graph with host inputs) are refused by name.
 
 Run by ``python -m benchmarks gpu``; skipped where CUDA is absent, as on CI.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -46,6 +49,27 @@ def test_offloaded_series_on_the_gpu_give_the_resident_tokens(qwen3, resident, k
     state = model.new_state(4)
     assert len(state.prefetched) == k + 1 and all(t.device.type == "cuda" for t in state.prefetched)
     assert model.generate(PROMPTS, 8) == resident
+
+
+def test_the_host_copies_run_beside_the_kernels_and_carry_whole_layers(qwen3, resident, tmp_path):
+    """Counted on the device (the profiler's memcpy records): every copy of at least a part's bytes is host to device
+    on a stream no kernel of the step's main stream runs on, and they carry whole layers: the first ``k`` from
+    ``new_state``, then ``L`` per forward (layer ``i + k`` at layer ``i``), 8 forwards (a prefill, 7 decode steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.ring_gpu import host_copies
+
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj,down", prefetch_step=1), device="cuda")
+    model = compile_model(params, ONE, backend="inductor", mode="default", batch_sizes=[4], max_seq_len=24)
+    assert model.generate(PROMPTS, 8) == resident  # compiled and warm
+    parts = [x[0].numel() * x[0].element_size() for x in model.params["host"].values()]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        assert model.generate(PROMPTS, 8) == resident
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    got = host_copies(json.loads((tmp_path / "trace.json").read_text()), min(parts))
+    assert got["copies"] > 0 and got["compute_stream"] not in got["copy_streams"], got
+    assert got["bytes"] == sum(parts) * (1 + 8 * 3), (got, parts)
 
 
 def test_inductors_cuda_graphs_are_refused_for_host_series(qwen3):
