@@ -6,6 +6,7 @@ answers 503 on health and completions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -36,28 +37,53 @@ def model(tmp_path_factory):
     return compile_model(params, ONE, backend="none", **shapes)
 
 
-@pytest.fixture(scope="module")
-def server(model):
+@contextlib.contextmanager
+def _serving(model, tokenizer=None):
     """(base url, the engine loop): uvicorn on 127.0.0.1 at a free port, in a thread, stopped at the end."""
     loop = EngineLoop(Engine(model, blocks=40, block_size=4, chunk=8)).start()
-    config = uvicorn.Config(completions_app(loop, "tiny"), host="127.0.0.1", port=0, log_level="warning")
+    config = uvicorn.Config(completions_app(loop, "tiny", tokenizer), host="127.0.0.1", port=0, log_level="warning")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", loop
-    srv.should_exit = True
-    thread.join(10)
-    loop.stop()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        port = srv.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}", loop
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        loop.stop()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with _serving(model) as got:
+        yield got
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A word-level tokenizer of the ``tokenizers`` package over the model's 128 ids: id ``i`` is the word ``w{i}``,
+    words joined by spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+@pytest.fixture(scope="module")
+def text_server(model, tokenizer):
+    with _serving(model, tokenizer) as got:
+        yield got
 
 
 def test_completions_are_each_prompts_alone_tokens(client, model):
@@ -83,6 +109,8 @@ def test_a_bad_request_is_a_400_naming_the_field(client):
         client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError, match=r"prompt: this checkpoint has no tokenizer"):
         client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=r"stop: this checkpoint has no tokenizer to turn tokens into"):
+        client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, stop=["w1"])
     assert client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, temperature=0).choices
 
 
@@ -113,3 +141,43 @@ def test_health_answers_503_once_the_engine_fails(model):
     health, response = asyncio.run(ask())
     assert health.status_code == 503
     assert response.status_code == 503 and "rank 1 is gone" in response.json()["error"]["message"]
+
+
+def _stopped(tokenizer, tokens: list[int], stop: str) -> tuple[str, list[int]]:
+    """The reference, counted apart from the server's matcher: the whole text decoded at once, cut before the stop
+    string's first place, and the fewest tokens whose text holds it."""
+    full = tokenizer.decode(tokens)
+    kept = next(n for n in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:n]))
+    return full[: full.find(stop)], tokens[:kept]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_text_before_it_and_frees_the_request(text_server, tokenizer, model, stream):
+    url, loop = text_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    prompt, new = [5, 6, 7], 16
+    tokens = model.generate([prompt], new)[0]
+    full = tokenizer.decode(tokens)
+    start = len(tokenizer.decode(tokens[:3])) + 2  # from inside the fourth word, across the space after it
+    stop = full[start : start + 4]
+    want_text, want_tokens = _stopped(tokenizer, tokens, stop)
+    assert len(want_tokens) < new  # the stop string ends it early
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=new, temperature=0, stop=[stop],
+                                    stream=stream)  # fmt: skip
+    choices = [c.choices[0] for c in out] if stream else out.choices
+    assert "".join(c.text for c in choices) == want_text and stop not in want_text
+    assert [t for c in choices for t in c.model_extra["token_ids"]] == want_tokens
+    assert choices[-1].finish_reason == "stop"
+    deadline = time.monotonic() + 30
+    while loop.engine.has_work() or loop.engine.pool.used:
+        assert time.monotonic() < deadline, "the stopped request still holds blocks"
+        time.sleep(0.02)
+
+
+def test_without_a_match_the_whole_text_arrives(text_server, tokenizer, model):
+    client = openai.OpenAI(base_url=text_server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+    tokens = model.generate([[9, 8, 7]], 6)[0]
+    chunks = list(client.completions.create(model="tiny", prompt=[9, 8, 7], max_tokens=6, temperature=0,
+                                            stop=["no such text"], stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(tokens)
+    assert chunks[-1].choices[0].finish_reason == "length"

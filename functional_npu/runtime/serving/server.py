@@ -3,8 +3,10 @@
 - ``POST /v1/completions``: ``prompt`` as token ids (a list of ints, or a list of such lists) or, with a tokenizer,
   text; ``max_tokens`` (default 16), ``temperature`` (default 1), ``top_p``, ``seed``, ``logprobs`` (the sampled
   token's log-probability: any value >= 0 asks for it), ``stop_token_ids`` (default: the checkpoint's stop ids),
-  ``stream`` (server-sent events, ``data: [DONE]`` last). Each choice holds ``text`` (decoded with the tokenizer,
-  else empty) and ``token_ids``. One choice per prompt (``n`` must be 1).
+  ``stop`` (a string or up to 4, with a tokenizer: the text ends right before the first that appears, which it never
+  contains, :mod:`.stop_text`; the request then ends with ``finish_reason`` ``"stop"``, its tokens those up to the
+  one that completed the match), ``stream`` (server-sent events, ``data: [DONE]`` last). Each choice holds ``text``
+  (decoded with the tokenizer, else empty) and ``token_ids``. One choice per prompt (``n`` must be 1).
 - ``GET /health``: 200 while the engine runs, 503 once a step has failed (every request then answers 503).
 
 When the ranks serving together are gone (one died and the world stopped them all), :func:`serve_unavailable` takes
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import Engine, Event, Request, check_request
+from .stop_text import StopText, check_stop_strings
 
 __all__ = ["EngineLoop", "completions_app", "serve", "unavailable_app", "serve_unavailable"]
 
@@ -139,8 +142,6 @@ def _prompts(body: dict, tokenizer: Any) -> list[tuple[int, ...]]:
 def _request(body: dict, prompt: tuple[int, ...]) -> Request:
     if body.get("n", 1) != 1:
         raise ValueError("n: one choice per prompt (n = 1)")
-    if body.get("stop"):
-        raise ValueError("stop: give stop token ids as stop_token_ids")
     logprobs = body.get("logprobs")
     stop = body.get("stop_token_ids")
     return Request(
@@ -154,8 +155,18 @@ def _request(body: dict, prompt: tuple[int, ...]) -> Request:
     )
 
 
-def _choice(index: int, tokens: list[int], logprobs: list[float] | None, finished: str | None, tok: Any) -> dict:
-    text = tok.decode(tokens) if tok is not None and tokens else ""
+def _stop_texts(body: dict, tokenizer: Any, n: int) -> list[StopText | None]:
+    """Per prompt, the text its stop strings are matched in (None each where the request has none)."""
+    stops = check_stop_strings(body.get("stop"), tokenizer is not None)
+    return [StopText(tokenizer.decode, stops) if stops else None for _ in range(n)]
+
+
+def _choice(
+    index: int, tokens: list[int], logprobs: list[float] | None, finished: str | None, tok: Any, text: str | None = None
+) -> dict:
+    """One choice; ``text`` where the stop strings' matcher made it, else the tokens decoded."""
+    if text is None:
+        text = tok.decode(tokens) if tok is not None and tokens else ""
     out = {"index": index, "text": text, "token_ids": tokens, "finish_reason": finished, "logprobs": None}
     if logprobs is not None:
         out["logprobs"] = {"tokens": [str(t) for t in tokens], "token_logprobs": logprobs, "top_logprobs": None,
@@ -183,14 +194,18 @@ def completions_app(loop: EngineLoop, model_name: str, tokenizer: Any = None) ->
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
             reqs = [_request(body, p) for p in _prompts(body, tokenizer)]
+            texts = _stop_texts(body, tokenizer, len(reqs))
             subs = [loop.submit(r) for r in reqs]  # each checked; a refused one queues none of the others
         except (TypeError, ValueError) as e:
             return _error(400, str(e))
         head = {"object": "text_completion", "created": int(time.time()), "model": model_name}
         if body.get("stream"):
-            return StreamingResponse(_stream(loop, subs, head, reqs, tokenizer), media_type="text/event-stream")
-        results = await asyncio.gather(*(_collect(events) for _, events in subs))
-        choices = [_choice(i, r[0], r[1], r[2], tokenizer) for i, r in enumerate(results)]
+            stream = _stream(loop, subs, head, reqs, tokenizer, texts)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        results = await asyncio.gather(
+            *(_collect(events, t, lambda id=id: loop.abort(id)) for (id, events), t in zip(subs, texts))
+        )
+        choices = [_choice(i, r[0], r[1], r[2], tokenizer, r[4]) for i, r in enumerate(results)]
         if any(c["finish_reason"] == "error" for c in choices):
             return _error(503, next(r[3] for r in results if r[3]), "unavailable")
         used = sum(len(r.prompt) for r in reqs)
@@ -201,18 +216,35 @@ def completions_app(loop: EngineLoop, model_name: str, tokenizer: Any = None) ->
     return Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])])
 
 
-async def _collect(events: asyncio.Queue) -> tuple[list[int], list[float] | None, str | None, str | None]:
-    tokens, logprobs = [], []
+async def _collect(
+    events: asyncio.Queue, text: StopText | None, abort: Any
+) -> tuple[list[int], list[float] | None, str | None, str | None, str | None]:
+    """(tokens, log-probs, finish reason, error, text: the stop strings' matcher's, None without stop strings). A
+    stop string that matches ends the request there (``abort``: the engine frees its blocks)."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
     while True:
         event: Event = await events.get()
-        tokens += event.tokens
-        logprobs += event.logprobs
+        new, kept = list(event.tokens), None
+        if text is not None:
+            kept = text.feed(new)[1]
+        tokens += new[:kept]
+        logprobs += list(event.logprobs)[:kept]
+        if kept is not None:
+            if event.finished is None:
+                abort()
+            return tokens, logprobs or None, "stop", None, text.text
         if event.finished is not None:
-            return tokens, logprobs or None, event.finished, event.error
+            if text is not None:
+                text.finish()
+            return tokens, logprobs or None, event.finished, event.error, text.text if text is not None else None
 
 
-async def _stream(loop: EngineLoop, subs: list, head: dict, reqs: list[Request], tokenizer: Any) -> AsyncIterator[str]:
-    """Server-sent events, one per event of any of the request's prompts; a disconnect aborts what is unfinished."""
+async def _stream(
+    loop: EngineLoop, subs: list, head: dict, reqs: list[Request], tokenizer: Any, texts: list[StopText | None]
+) -> AsyncIterator[str]:
+    """Server-sent events, one per event of any of the request's prompts; a disconnect aborts what is unfinished. A
+    prompt whose stop string matches ends there (its request aborted), and its later events are dropped."""
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, events: asyncio.Queue) -> None:
@@ -227,10 +259,21 @@ async def _stream(loop: EngineLoop, subs: list, head: dict, reqs: list[Request],
     try:
         while open_:
             index, event = await merged.get()
-            logprobs = list(event.logprobs) if reqs[index].logprobs else None
-            choice = _choice(index, list(event.tokens), logprobs, event.finished, tokenizer)
+            if index not in open_:
+                continue  # after its stop string matched: the abort's event, or tokens already made
+            tokens, logprobs = list(event.tokens), list(event.logprobs) if reqs[index].logprobs else None
+            finished, text = event.finished, None
+            if texts[index] is not None:
+                text, kept = texts[index].feed(tokens)
+                if kept is not None:
+                    tokens, logprobs, finished = tokens[:kept], logprobs and logprobs[:kept], "stop"
+                    if event.finished is None:
+                        loop.abort(subs[index][0])
+                elif finished is not None:
+                    text += texts[index].finish()
+            choice = _choice(index, tokens, logprobs, finished, tokenizer, text)
             yield f"data: {json.dumps({'id': subs[index][0], **head, 'choices': [choice]})}\n\n"
-            if event.finished is not None:
+            if finished is not None:
                 open_.discard(index)
         yield "data: [DONE]\n\n"
     finally:
