@@ -52,7 +52,7 @@ __all__ = ["acl_artifacts", "CONTROL", "REPLAY_STEPS"]
 
 CONTROL = "qwen3-dp2-layer_shard-k1-decode"  # also captured without events: the check must fail there
 REPLAY_STEPS = 6  # calls of each layer-sharded forward: every ring phase (k + 1 <= 3) twice
-ARG_NAMES = ("params", "tokens", "positions", "state", "mesh")
+ARG_NAMES = ("params", "tokens", "positions", "state", "mesh", "last")
 
 
 # ---- in the conversion subprocess ---------------------------------------------------------------

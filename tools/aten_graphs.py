@@ -349,7 +349,9 @@ def case_function(
 
 def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -> tuple[Any, ...]:
     """``(params, tokens, positions, state, mesh)`` for the case's forward, on ``device`` ("meta" for
-    shapes only). Starting the carried prefetch issues broadcasts: run it on every rank of the world."""
+    shapes only), and for a prefill ``last``: the position of each row's last prompt token, whose logits alone the
+    head computes, as ``compile_model``'s prefill and the engine's chunks do (the second row's prompt the shorter).
+    Starting the carried prefetch issues broadcasts: run it on every rank of the world."""
     cfg, plan = case.config, case.plan
     model = family_of(cfg)
     specs = model.param_specs(cfg, plan)
@@ -369,17 +371,18 @@ def case_inputs(case: Case, mesh: Mesh, *, device: str | torch.device = "cpu") -
     b, s = PHASES[case.phase]
     positions = torch.arange(s).expand(b, s) if case.phase == "prefill" else torch.full((b, 1), 5)
     tokens = torch.ones(b, s, dtype=torch.long)
+    last = (torch.tensor([s - 1] + [s // 2] * (b - 1)),) if case.phase == "prefill" else ()
     state = init_state(cfg, mesh, b, CACHE_LEN, params["embed"].dtype, plan=plan)
     if case.paged:
         positions = positions + (PAGED_CHUNK_AT if case.phase == "prefill" else 0)
         state = state._replace(kv=_paged_kv(model.blocks(cfg, plan), mesh, b, params["embed"].dtype))
     if device == "meta":
-        tokens, positions, state = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.to("meta"), (tokens, positions, state)
+        tokens, positions, state, last = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to("meta"), (tokens, positions, state, last)
         )
     ring = prefetch.start(params, mesh, ring_of(params, mesh, plan))  # k: the placement's, the case's
     state = state._replace(prefetched=ring, phase=RingPhase(case.ring_phase))
-    return params, tokens, positions, state, mesh
+    return (params, tokens, positions, state, mesh, *last)
 
 
 def _paged_kv(blocks: Any, mesh: Mesh, batch: int, dtype: torch.dtype) -> list[paged.PagedKV]:

@@ -17,7 +17,9 @@ prefetched from their owner ``k`` layers ahead, is :func:`functional_npu.paralle
 **State** is one :class:`DecodeState`: the KV cache, the carried prefetch ring and the ring's phase.
 
 **The forward's contract** (:func:`forward`): ``logits [B, S, V]`` for ``tokens [B, S]`` at absolute
-``positions [B, S]`` (a decode step is ``S == 1`` with each sequence's own position). The state is
+``positions [B, S]`` (a decode step is ``S == 1`` with each sequence's own position); with ``last [B]``, the index of
+one of each row's tokens (a prefill's last prompt token), ``logits [B, 1, V]`` of those alone: the head, a
+``D x V`` product per position, runs on one row per sequence instead of ``S``. The state is
 donated and updated in place: each layer writes its keys and values into ``state.kv`` at
 ``positions``, ``state.prefetched``'s slots take the next step's first ``k`` layers' weights, and
 ``state.phase`` advances (the ring's list keeps its order: a graph per phase sees the same tensor at each slot).
@@ -108,6 +110,7 @@ def decode(
     positions: torch.Tensor,
     state: DecodeState,
     mesh: Mesh,
+    last: torch.Tensor | None = None,
     *,
     blocks: Blocks,
     plan: Plan = Plan(),
@@ -124,7 +127,8 @@ def decode(
     arrive by differentiable broadcasts, not through the ring (``state.prefetched`` empty; see
     :func:`~functional_npu.parallel.prefetch.layer_weights`). ``ring``: the prefetch ring's layout the compiled model
     answered once (:func:`~functional_npu.parallel.prefetch_ring.ring_of`; None: answered from the params and
-    ``plan``)."""
+    ``plan``). ``last``: ``[B]`` indices into the step's tokens, one per row: the logits of those positions alone,
+    ``[B, 1, V]``."""
     x = blocks.embed(params, tokens, mesh)  # [B, S, D]
     types = blocks.layer_types
     first = {t: state.kv[types.index(t)] for t in dict.fromkeys(types)} if types else state.kv[0]
@@ -141,4 +145,6 @@ def decode(
         x = x + (norm(y, layer["post_attn_norm"]) if "post_attn_norm" in layer else y)
         y = blocks.ffn[i](layer, norm(x, layer["mlp_norm"]), mesh)
         x = x + (norm(y, layer["post_mlp_norm"]) if "post_mlp_norm" in layer else y)
+    if last is not None:  # the rows the logits are wanted at, before the head's D x V product
+        x = x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
     return (blocks.argmax if greedy else blocks.head)(params, x, mesh)

@@ -299,6 +299,7 @@ def forward(
     positions: torch.Tensor,
     state: DecodeState,
     mesh: Mesh,
+    last: torch.Tensor | None = None,
     *,
     attention: str = "sdpa",
     plan: Plan | None = None,
@@ -306,13 +307,13 @@ def forward(
     differentiable: bool = False,
     ring: Ring | None = None,
 ) -> torch.Tensor:
-    """Logits ``[B, S, V]`` of any family's params; the contract (what is donated) is
-    :mod:`~functional_npu.models.decoder`'s. ``plan``: the plan the params were sharded by (default: :func:`plan_of`
-    the params). ``streams`` are the
-    compiler's ordering hints (:mod:`functional_npu.parallel.streams`; the backend supplies them).
-    ``differentiable``: the forward a gradient is taken of (layer-sharded weights by differentiable broadcasts;
-    :mod:`functional_npu.runtime.training.grad`). ``ring``: the prefetch ring's layout, answered once
-    (:func:`~functional_npu.parallel.prefetch_ring.ring_of`; None: answered from the params and ``plan``).
+    """Logits ``[B, S, V]`` of any family's params (``[B, 1, V]`` at ``last [B]``, one position of each row); the
+    contract (what is donated) is :mod:`~functional_npu.models.decoder`'s. ``plan``: the plan the params were sharded
+    by (default: :func:`plan_of` the params). ``streams`` are the compiler's ordering hints
+    (:mod:`functional_npu.parallel.streams`; the backend supplies them). ``differentiable``: the forward a gradient is
+    taken of (layer-sharded weights by differentiable broadcasts; :mod:`functional_npu.runtime.training.grad`).
+    ``ring``: the prefetch ring's layout, answered once (:func:`~functional_npu.parallel.prefetch_ring.ring_of`; None:
+    answered from the params and ``plan``).
 
     Example:
         >>> state = init_state(params.config, mesh, batch=1, max_seq_len=64)        # doctest: +SKIP
@@ -326,6 +327,7 @@ def forward(
         positions,
         state,
         mesh,
+        last,
         blocks=family_of(cfg).blocks(cfg, plan),
         plan=plan,
         attention=attention,

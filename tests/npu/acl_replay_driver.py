@@ -28,7 +28,7 @@ from typing import Any
 
 GOLDEN = "qwen3-dp2-layer_shard-k2-decode"
 GOLDEN_STEPS = 4
-ARG_NAMES = ("params", "tokens", "positions", "state", "mesh")  # the forward's arguments
+ARG_NAMES = ("params", "tokens", "positions", "state", "mesh", "last")  # the forward's arguments
 STEPS = 4
 
 

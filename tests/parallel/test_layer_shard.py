@@ -431,7 +431,7 @@ def test_saved_graphs_are_one_per_shape_and_phase_and_load_warm(world2, qwen3_3l
     under its own name and loaded by the next compile, which compiles nothing and gives transformers' tokens."""
     qwen3 = qwen3_3l
     results = world2.run(ring_saved_graphs, qwen3[0], str(tmp_path / "cache"), 1, PROMPTS[:1], 4)
-    names = ["forward-1x4", "forward-1x1-phase1", "forward-1x1"]
+    names = ["forward-1x4-last", "forward-1x1-phase1", "forward-1x1"]
     for rank, ((cold, loaded_cold, compiled), (warm, loaded, compiled_warm)) in enumerate(results):
         assert cold == warm == [qwen3[1][0][:4]], rank
         assert (loaded_cold, compiled) == ([], names) and (loaded, compiled_warm) == (names, []), (rank, compiled)

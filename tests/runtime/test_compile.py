@@ -102,9 +102,9 @@ def test_compile_model_errors(compiled, qwen3):
 
 
 def test_graph_break_is_an_error_naming_its_cause(compiled):
-    def breaks(params, tokens, positions, state, mesh):
+    def breaks(params, tokens, positions, state, mesh, last=None):
         torch._dynamo.graph_break()
-        return forward(params, tokens, positions, state, mesh)
+        return forward(params, tokens, positions, state, mesh, last)
 
     torch._dynamo.reset()
     bad = dataclasses.replace(compiled, forward=compiled.backend.compile(breaks, dynamic=False))

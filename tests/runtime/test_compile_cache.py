@@ -25,7 +25,7 @@ from functional_npu.runtime.serving import compile_cache
 from ..support import ROOT
 
 PROMPTS, NEW = [[3, 1, 4]], 2  # a prefill graph (1 x 8) and a decode graph (1 x 1)
-GRAPHS = ["forward-1x8", "forward-1x1"]
+GRAPHS = ["forward-1x8-last", "forward-1x1"]
 SHAPES = dict(batch_sizes=[1], max_seq_len=16, prefill_lengths=[8])
 CFG = llama.LlamaConfig(
     architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -152,11 +152,11 @@ def test_an_unreadable_manifest_is_one_warning_then_a_clean_compile(ckpt, cache,
 @pytest.mark.parametrize("spoil", ["garbage", "truncated"])
 def test_a_corrupted_graph_is_one_warning_then_a_clean_compile(ckpt, cache, caplog, spoil):
     """Garbage bytes or half a file in place of a graph: that graph is named, removed and compiled; the other loads."""
-    (graph,) = (cache / "tp0of1").glob("*/forward-1x8/graph.bin")
+    (graph,) = (cache / "tp0of1").glob("*/forward-1x8-last/graph.bin")
     data = graph.read_bytes()
     graph.write_bytes(os.urandom(len(data)) if spoil == "garbage" else data[: len(data) // 2])
     (warning,) = _clean_compile(ckpt, cache, caplog, loaded=["forward-1x1"])
-    assert f"cache_dir {cache / 'tp0of1'}: graph forward-1x8 cannot be used (" in warning
+    assert f"cache_dir {cache / 'tp0of1'}: graph forward-1x8-last cannot be used (" in warning
     assert warning.endswith("); compiling it from scratch")
     assert graph.read_bytes() != data[: len(data) // 2] and len(graph.read_bytes()) > 0  # saved again, whole
 
@@ -175,7 +175,9 @@ def test_guards_that_fail_later_are_one_warning_per_graph_then_a_usual_compile(c
     finally:
         torch.set_num_threads(threads)
     first, second = _warnings(caplog)
-    assert first.startswith(f"compile_model: cache_dir {cache / 'tp0of1'}: graph forward-1x8 rejects these inputs (")
+    assert first.startswith(
+        f"compile_model: cache_dir {cache / 'tp0of1'}: graph forward-1x8-last rejects these inputs ("
+    )
     assert second.startswith(f"compile_model: cache_dir {cache / 'tp0of1'}: graph forward-1x1 rejects these inputs (")
     assert "num_threads" in first and first.endswith("; compiling it as usual")
 
@@ -269,7 +271,7 @@ def test_a_full_disk_is_one_warning_then_a_clean_compile(ckpt, tmp_path, caplog,
     assert f"cache_dir {tmp_path / 'cache' / 'tp0of1'} cannot be " in warning
     assert "(ENOSPC: No space left on device: " in warning
     if what == "graph.bin":
-        assert warning.endswith("graph forward-1x8 and later ones compile without saving")
+        assert warning.endswith("graph forward-1x8-last and later ones compile without saving")
     assert not list((tmp_path / "cache").rglob("graph.bin"))
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.name.endswith(".tmp")]  # no temporary left behind
 
@@ -280,11 +282,15 @@ def test_a_killed_writer_leaves_nothing_that_is_trusted(ckpt, tmp_path, caplog):
     cache = tmp_path / "cache"
     child = _child(ckpt, cache, "aot_eager", tmp_path / "inductor", start_new_session=True)
     deadline = time.monotonic() + 300
-    while not list(cache.glob("tp0of1/*/.forward-1x8.*.tmp")) and child.poll() is None and time.monotonic() < deadline:
+    while (
+        not list(cache.glob("tp0of1/*/.forward-1x8-last.*.tmp"))
+        and child.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     os.killpg(child.pid, signal.SIGKILL)
     child.wait(timeout=60)
-    assert list(cache.glob("tp0of1/*/.forward-1x8.*.tmp")), "the child was not caught building its first graph"
+    assert list(cache.glob("tp0of1/*/.forward-1x8-last.*.tmp")), "the child was not caught building its first graph"
     assert _clean_compile(ckpt, cache, caplog) == []
     assert not list(cache.glob("tp0of1/*/.*.tmp"))  # its staging directory was removed: its pid is gone
 
@@ -318,19 +324,19 @@ def test_a_damaged_entry_is_one_warning_then_repaired(ckpt, cache, caplog, damag
     directory: one warning naming it, a clean compile, and the cache repaired, so that the next run loads every
     graph with no warning (before, each was silent or permanent: every run recompiled)."""
     rank = cache / "tp0of1"
-    (entry,) = rank.glob("*/forward-1x8")
+    (entry,) = rank.glob("*/forward-1x8-last")
     if damage == "manifest-dir":
         (rank / "manifest.json").unlink()
         (rank / "manifest.json").mkdir()
         expect, loaded = f"cache_dir {rank}: its manifest.json is not a file; compiling from scratch", []
     elif damage == "graph-missing":
         (entry / "graph.bin").unlink()
-        expect = f"cache_dir {rank}: graph forward-1x8 has no graph.bin; removing it and compiling it"
+        expect = f"cache_dir {rank}: graph forward-1x8-last has no graph.bin; removing it and compiling it"
         loaded = GRAPHS[1:]
     else:
         shutil.rmtree(entry)
         entry.write_text("not a graph")
-        expect = f"cache_dir {rank}: graph forward-1x8 is not a directory; removing it and compiling"
+        expect = f"cache_dir {rank}: graph forward-1x8-last is not a directory; removing it and compiling"
         loaded = GRAPHS[1:]
     (warning,) = _clean_compile(ckpt, cache, caplog, loaded=loaded)
     assert expect in warning

@@ -273,3 +273,31 @@ def test_series_kept_in_host_memory_are_served_through_the_ring(model_dir):
     events = _serve(engine, [(i, r) for i, r in enumerate(reqs)], {})
     for i, r in enumerate(reqs):
         assert [t for e in events[i] for t in e.tokens] == model.generate([list(r.prompt)], r.max_new_tokens)[0]
+
+
+def test_extend_takes_the_logits_at_each_rows_last_token_alone(model):
+    """The head on one row per sequence gives what the head on every position gives there, bit for bit (the
+    batch-invariant plan); another position's logits differ, so the index is read."""
+    tokens = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(8).expand(2, 8)
+    every = model.extend(tokens, positions, model.new_state(2))
+    last = torch.tensor([7, 3])
+    got = model.extend(tokens, positions, model.new_state(2), last=last)
+    assert got.shape == (2, model.config.vocab_size) and torch.equal(got, every[torch.arange(2), last])
+    assert not torch.equal(got[1], every[1, 7])
+
+
+@pytest.mark.parametrize(
+    ("last", "got"),
+    [
+        (torch.tensor([7]), r"\(1,\) torch.int64 \[7\]"),
+        (torch.tensor([8, 0]), r"\(2,\) torch.int64 \[8, 0\]"),
+        (torch.tensor([-1, 0]), r"\(2,\) torch.int64 \[-1, 0\]"),
+        (torch.tensor([1.0, 0.0]), r"\(2,\) torch.float32 \[1.0, 0.0\]"),
+        ([7, 7], r"\[7, 7\]"),
+    ],
+)
+def test_extend_refuses_a_last_that_is_not_one_index_per_row(model, last, got):
+    tokens, positions = torch.ones(2, 8, dtype=torch.long), torch.arange(8).expand(2, 8)
+    with pytest.raises(ValueError, match=r"extend: last must be \[batch 2\] integer indices in \[0, 8\), got " + got):
+        model.extend(tokens, positions, model.new_state(2), last=last)

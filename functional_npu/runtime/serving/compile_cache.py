@@ -1,6 +1,7 @@
 """Compiled graphs saved to a directory, so that a later process starts warm: ``compile_model(..., cache_dir=DIR)``.
 
-Each graph (one per function and input shape: ``forward-1x32`` is the forward on tokens ``[1, 32]``) is
+Each graph (one per function and input shape: ``forward-1x32-last`` is the forward on tokens ``[1, 32]`` taking the
+logits at one position per row, a prefill's; ``forward-1x1`` a decode step) is
 compiled ahead of its first call with dynamo's precompile (``torch.compile(fn).aot_compile``), and saved
 whole: dynamo's output (the bytecode and its guards), the AOTAutograd and inductor graph, and the C++
 kernels it loads. A later process loads it with ``torch.compiler.load_compiled_function`` and runs no
@@ -328,9 +329,9 @@ def saved_guards(entries: Sequence[Any]) -> list[bool]:
 
 
 class SavedGraphs:
-    """A forward ``fn(params, tokens, positions, state, mesh)`` whose graphs, one per ``tokens`` shape and prefetch
-    ring phase (``state.phase``), are loaded from a :class:`GraphDir` when saved there, else compiled ahead of the
-    call and saved.
+    """A forward ``fn(params, tokens, positions, state, mesh[, last])`` whose graphs, one per ``tokens`` shape,
+    prefetch ring phase (``state.phase``) and whether ``last`` is given, are loaded from a :class:`GraphDir` when
+    saved there, else compiled ahead of the call and saved.
 
     ``precompile`` is ``torch.compile(fn)`` with the guard filter :func:`saved_guards` (its ``aot_compile`` makes
     each graph), ``fallback`` the plain ``torch.compile(fn)``; ``kwargs`` are the static keywords every call
@@ -367,8 +368,8 @@ class SavedGraphs:
             return self._fallback(*args, **self._kwargs)
 
     def _graph_name(self, args: tuple) -> str:
-        shape, phase = _key(args)
-        return f"{self._name}-{'x'.join(map(str, shape))}" + (f"-phase{phase}" if phase else "")
+        shape, phase, last = _key(args)
+        return f"{self._name}-{'x'.join(map(str, shape))}" + (f"-phase{phase}" if phase else "") + ("-last" * last)
 
     def _first(self, args: tuple) -> Callable[..., Any]:
         name = self._graph_name(args)
@@ -444,10 +445,11 @@ class SavedGraphs:
         return graph
 
 
-def _key(args: tuple) -> tuple[tuple[int, ...], int]:
-    """What picks a forward's graph: the tokens' shape and the prefetch ring's phase (a graph per phase, each reading
-    the ring's slots in fixed roles: :mod:`functional_npu.parallel.prefetch`)."""
-    return tuple(args[1].shape), args[3].phase.at
+def _key(args: tuple) -> tuple[tuple[int, ...], int, bool]:
+    """What picks a forward's graph: the tokens' shape, the prefetch ring's phase (a graph per phase, each reading
+    the ring's slots in fixed roles: :mod:`functional_npu.parallel.prefetch`) and whether the logits are taken at one
+    position per row (``last``, the sixth argument: a prefill's)."""
+    return tuple(args[1].shape), args[3].phase.at, len(args) > 5 and args[5] is not None
 
 
 def _publish(staging: Path, entry: Path) -> None:

@@ -97,7 +97,13 @@ class CompiledModel:
         return self.greedy_forward is not None
 
     def _run(
-        self, phase: str, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, forward: Any = None
+        self,
+        phase: str,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        state: DecodeState,
+        forward: Any = None,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.host_link is not None and not self.host_link.entered:
             raise RuntimeError(
@@ -113,13 +119,14 @@ class CompiledModel:
                     f"{phase}: a model compiled with prefetch_step={self.ring.k} needs a state from new_state(): {e}"
                 ) from None
         tokens, positions = tokens.to(self.device), positions.to(self.device)
+        args = (self.params, tokens, positions, state, self.mesh) + (() if last is None else (last.to(self.device),))
         try:
             with torch.no_grad(), self._recompiles:
                 if not self.backend.captures:
-                    out = (forward or self.forward)(self.params, tokens, positions, state, self.mesh)
+                    out = (forward or self.forward)(*args)
                 else:
                     torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
-                    out = (forward or self.forward)(self.params, tokens, positions, state, self.mesh).clone()
+                    out = (forward or self.forward)(*args).clone()
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(
                 f"{phase} graph of {self.config.architecture} breaks under fullgraph tracing: {e}"
@@ -226,14 +233,21 @@ class CompiledModel:
         # pads at the position after their prompt: the slot the first decode step overwrites (a ring cache's too)
         ends = torch.tensor([len(p) for p in prompts] + [s] * (b - len(prompts)))
         positions = torch.minimum(torch.arange(s), ends[:, None])
-        logits = self._run("prefill", tokens, positions, state)
         last = torch.tensor([len(p) - 1 for p in prompts] + [0] * (b - len(prompts)))
-        return logits[torch.arange(b), last][: len(prompts)]
+        return self._run("prefill", tokens, positions, state, last=last)[: len(prompts), 0]
 
-    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def extend(
+        self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState, *, last: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Put ``tokens [B, S]`` at ``positions [B, S]`` into ``state`` (B the state's batch, S a prompt-length bucket:
         a prefill chunk, which may start past position 0 over a cache holding the earlier ones); returns their logits
-        ``[B, S, V]``."""
+        ``[B, S, V]``, or with ``last [B]`` (an index into each row's ``S`` tokens) the logits at those positions alone,
+        ``[B, V]``: the head runs on one row per sequence (a graph of its own per shape).
+
+        Raises:
+            ValueError: ``tokens`` and ``positions`` not both ``[B, a prompt-length bucket]``, a position past
+                ``max_seq_len``, ``last`` not ``[B]`` integers in ``[0, S)``.
+        """
         b, s = _rows(state), tokens.shape[1]
         if tokens.shape != (b, s) or positions.shape != (b, s) or s not in self.prefill_lengths:
             raise ValueError(
@@ -242,7 +256,19 @@ class CompiledModel:
             )
         if int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"extend: position {int(positions.max())} is past max_seq_len {self.max_seq_len}")
-        return self._run("prefill", tokens, positions, state)
+        if last is None:
+            return self._run("prefill", tokens, positions, state)
+        if (
+            not isinstance(last, torch.Tensor)
+            or last.shape != (b,)
+            or last.dtype.is_floating_point
+            or last.dtype == torch.bool
+            or int(last.min()) < 0
+            or int(last.max()) >= s
+        ):
+            got = f"{tuple(last.shape)} {last.dtype} {last.tolist()}" if isinstance(last, torch.Tensor) else repr(last)
+            raise ValueError(f"extend: last must be [batch {b}] integer indices in [0, {s}), got {got}")
+        return self._run("prefill", tokens, positions, state, last=last.long())[:, 0]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """One step: ``tokens [n]`` at ``positions [n]`` (n <= the state's batch); returns logits ``[n, V]``.

@@ -81,7 +81,8 @@ class Event:
 class Call:
     """One model call of a step, what every rank of a lockstep group runs: ``kind`` (``"extend"``: a prefill chunk,
     ``tokens``/``positions`` ``[batch, chunk]``; ``"decode"``: ``[n]``), the ``batch`` bucket, the block table
-    ``rows [batch, width]`` and, for a model with ring layers, their ring table ``ring_rows [batch, ring width]``."""
+    ``rows [batch, width]`` and, for a model with ring layers, their ring table ``ring_rows [batch, ring width]``; for
+    an extend, ``last [batch]``: the chunk position of each row whose logits are wanted (its part's last token)."""
 
     kind: str
     batch: int
@@ -89,6 +90,7 @@ class Call:
     positions: torch.Tensor
     rows: torch.Tensor
     ring_rows: torch.Tensor | None = None
+    last: torch.Tensor | None = None
 
 
 @dataclass
@@ -405,7 +407,7 @@ class Engine:
         if call.ring_rows is not None:
             tables[False].copy_(call.ring_rows)
         if call.kind == "extend":
-            return self.model.extend(call.tokens, call.positions, state)
+            return self.model.extend(call.tokens, call.positions, state, last=call.last)
         return self.model.decode(call.tokens, call.positions, state)
 
     def follow(self) -> None:
@@ -431,18 +433,20 @@ class Engine:
         batch = _bucket(self.model.batch_sizes, len(seqs))
         tokens = torch.zeros(batch, self.chunk, dtype=torch.long)
         positions = torch.zeros(batch, self.chunk, dtype=torch.long)
-        last = []
+        last = [0] * batch
         for r, s in enumerate(seqs):
             part = s.tokens[s.cached : s.cached + self.chunk]
             tokens[r, : len(part)] = torch.tensor(part)
             end = s.cached + len(part)  # pads at the position after the part's last: overwritten later
             positions[r] = torch.minimum(torch.arange(s.cached, s.cached + self.chunk), torch.tensor(end))
-            last.append(len(part) - 1)
+            last[r] = len(part) - 1
             s.cached = end
-        logits = self._execute(Call("extend", batch, tokens, positions, *self._tables(seqs, batch)))
+        # the logits of each row's last token of the chunk alone: the head's D x V product on one row, not a chunk's
+        call = Call("extend", batch, tokens, positions, *self._tables(seqs, batch), last=torch.tensor(last))
+        logits = self._execute(call)
         for r, s in enumerate(seqs):
             if s.cached == len(s.tokens):  # the whole sequence is cached: its next token comes from this chunk
-                self._emit(s, logits[r, last[r]], events)
+                self._emit(s, logits[r], events)
 
     def _decode(self, seqs: list[_Seq], events: dict[Hashable, Event]) -> None:
         batch = _bucket(self.model.batch_sizes, len(seqs))
