@@ -9,7 +9,7 @@ On the NPU backends the invariant ops reach the graph as the aten ops of their f
 - ``exact``: ops whose result is exact in any order (max, clamp, floor, round, a remainder or a floor division of
   integral values, comparisons, selects, negation, bit casts);
 - ``moves``: data movement, constants, graph inputs and outputs, collectives (a gather; the embedding's sum, one
-  rank's row and zeros);
+  rank's row and zeros), a prefill's pick of each row's last position before the head (``GatherElements``);
 - ``constants``: transcendental ops (the rope's frequencies: ``Pow``, ``Reciprocal``) allowed only where no graph
   input reaches them, so they compute the same values in every graph.
 
@@ -53,8 +53,8 @@ GE_OPS: Mapping[str, frozenset[str]] = {
     ),
     "moves": frozenset(
         "Const Data RefData NetOutput Reshape Squeeze Unsqueeze StridedSliceV2 SplitV ConcatV2 Pack GatherV2 "
-        "ScatterElements TensorMove BroadcastTo Fill ZerosLike Shape Range Identity Transpose PadV3 HcomAllGather "
-        "HcomAllReduce".split()
+        "GatherElements ScatterElements TensorMove BroadcastTo Fill ZerosLike Shape Range Identity Transpose PadV3 "
+        "HcomAllGather HcomAllReduce".split()
     ),
     "constants": frozenset("Pow Reciprocal".split()),
 }
@@ -68,9 +68,9 @@ ACL_OPS: Mapping[str, frozenset[str]] = {  # aten ops, an in-place one as its fu
     "moves": frozenset(
         "reshape.default view.default _unsafe_view.default clone.default slice.Tensor select.int squeeze.dim "
         "unsqueeze.default split.Tensor split_with_sizes.default cat.default permute.default expand.default "
-        "embedding.default scatter.src arange.default arange.start_step full_like.default zeros_like.default "
-        "scalar_tensor.default getitem all_gather_into_tensor.default all_reduce.default wait_tensor.default "
-        "ones.default detach.default t.default transpose.int constant_pad_nd.default".split()
+        "embedding.default gather.default scatter.src arange.default arange.start_step full_like.default "
+        "zeros_like.default scalar_tensor.default getitem all_gather_into_tensor.default all_reduce.default "
+        "wait_tensor.default ones.default detach.default t.default transpose.int constant_pad_nd.default".split()
     ),
     "constants": frozenset("pow.Scalar reciprocal.default".split()),
 }
