@@ -304,8 +304,8 @@ def test_module_tp_composed_with_layer_sharding_schedule(report):
     """dp 4 split (dp 2, dp2 2), every module TP'd over dp2, o_proj and down also layer-sharded over the outer
     dp (prefetch k = 1): in program order the embedding's id gather and reduce-scatter; per layer o_proj's
     head-slice all_to_all and reduce-scatter, the MLP's gather and reduce-scatter; the head's gather and
-    vocab-slice all_to_all, all over dp2 and moving only the bytes the plan says; the prefetch broadcasts over dp;
-    and GE keeps the prefetch bounds (k + 1 buffers)."""
+    vocab-slice all_to_all (one position per row), all over dp2 and moving only the bytes the plan says; the
+    prefetch broadcasts over dp; and GE keeps the prefetch bounds (k + 1 buffers)."""
     from tools.aten_graphs import MODULE_TP, MODULE_TP_DP
 
     cfg, layers = GRAPH_CONFIGS["qwen3"], LAYER_SHARD_LAYERS
@@ -315,6 +315,7 @@ def test_module_tp_composed_with_layer_sharding_schedule(report):
         schedule = read_artifact(GRAPHS, name, "collectives.json")
         module_ops = [(c["op"].split(".")[1], c["axis"], c["bytes"]) for c in schedule if "broadcast" not in c["op"]]
         act, heads = 4 * b * s, cfg.num_heads * cfg.head_dim  # fp32 bytes per feature of this rank's rows
+        last = 4 * b  # the head's rows: one position per sequence (a prefill's last token, a decode step's only)
         layer = [
             ("all_to_all_single", "dp2", act * heads),  # o_proj: 2 head slices of this rank's rows
             ("reduce_scatter_tensor", "dp2", 2 * act * cfg.hidden_size),  # the group's rows' partial sums
@@ -325,8 +326,8 @@ def test_module_tp_composed_with_layer_sharding_schedule(report):
             ("all_gather_into_tensor", "dp2", 8 * b * s),  # the ids
             ("reduce_scatter_tensor", "dp2", 2 * act * cfg.hidden_size),
             *layer * layers,
-            ("all_gather_into_tensor", "dp2", act * cfg.hidden_size),  # head: hidden states, then vocab slices
-            ("all_to_all_single", "dp2", 2 * act * cfg.vocab_size // 2),
+            ("all_gather_into_tensor", "dp2", last * cfg.hidden_size),  # head: hidden states, then vocab slices
+            ("all_to_all_single", "dp2", 2 * last * cfg.vocab_size // 2),
         ], name
         broadcasts = [c for c in schedule if "broadcast" in c["op"]]
         assert len(broadcasts) == layers and {c["axis"] for c in broadcasts} == {"dp"}
@@ -379,7 +380,9 @@ def _entry(c: dict) -> tuple:
 @pytest.mark.parametrize("family", TRAIN_FAMILIES)
 def test_train_step_schedule_is_the_forward_then_its_transposes(drift, family):
     """The joint graph of forward, backward and update at tp 2: the prefill graph's collectives (same batch and
-    length), then each one's transpose in reverse order, then the loss's mean, one all_reduce per leaf replicated
+    length; the head's, the last, at every position, as the loss reads them, where the prefill takes one position per
+    row: S times its bytes), then each one's transpose in reverse order, then the loss's mean, one all_reduce per leaf
+    replicated
     over tp (its bytes: the leaves the plan replicates, counted from the layouts), the gradient norm's sum and the
     finiteness flags' max (one float per trained leaf)."""
     from functional_npu.core.tree import flatten_with_paths
@@ -388,6 +391,8 @@ def test_train_step_schedule_is_the_forward_then_its_transposes(drift, family):
     cfg, case = GRAPH_CONFIGS[family], next(c for c in CASES if c.name == f"{family}-tp2-train")
     assert TRAIN == PHASES["prefill"]
     forward = read_artifact(GRAPHS, f"{family}-tp2-prefill", "collectives.json")
+    assert forward[-1]["op"].split(".")[1] == "all_gather_into_tensor"  # the vocab-parallel head's logits
+    forward = forward[:-1] + [forward[-1] | {"bytes": forward[-1]["bytes"] * TRAIN[1]}]
     train = read_artifact(GRAPHS, case.name, "collectives.json")
     n = len(forward)
     assert [_entry(c) for c in train[:n]] == [_entry(c) for c in forward]
