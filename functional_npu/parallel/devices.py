@@ -202,10 +202,10 @@ DEVICES: dict[str, Device] = {
         host_link=Link(bytes_per_s=25e9, alpha_s=20e-6),
         assumed=("link.alpha_s", "inter_node.alpha_s", "host_link"),
         # fitted to two vllm-ascend deployments (Qwen3-32B on 4 x 910B: TPOT at concurrency 1, a batch of 72 end to
-        # end; benchmarks/results/planner_published.json); spread: the larger of the fit's leave-one-out error (20%)
-        # and the held-out rows' median (22%)
-        step_overhead_s=37.6e-3,
-        spread=0.22,
+        # end; benchmarks/results/planner_published.json); spread: the larger of the fit's leave-one-out error (19%)
+        # and the held-out rows' median (21%)
+        step_overhead_s=37.8e-3,
+        spread=0.21,
     ),
     "ascend-910c": Device(  # one die: vllm-ascend and CANN present each of a 910C's two dies as a device
         "ascend-910c",
@@ -224,10 +224,10 @@ DEVICES: dict[str, Device] = {
         host_link=Link(bytes_per_s=25e9, alpha_s=20e-6),  # as the 910B's PCIe 4.0 x16 per die: assumed
         assumed=("link.bytes_per_s (per die)", "link.alpha_s", "host_link"),
         # fitted to two vllm-ascend deployments (Qwen3-32B W8A8 TP4, Qwen3-30B-A3B W8A8 TP1, end to end;
-        # benchmarks/results/planner_published.json); spread: the held-out rows' median error (22%; the fit's
-        # leave-one-out error is 2%)
-        step_overhead_s=22.9e-3,
-        spread=0.22,
+        # benchmarks/results/planner_published.json); spread: the held-out rows' median error (21%; the fit's
+        # leave-one-out error is 3%)
+        step_overhead_s=23.1e-3,
+        spread=0.21,
     ),
     "h100-sxm": Device(
         "h100-sxm",
@@ -250,9 +250,9 @@ DEVICES: dict[str, Device] = {
         assumed=("link.alpha_s", "inter_node.alpha_s", "host_link.alpha_s"),
         # fitted to one deployment (LMSYS's DeepSeek-V3 decode on 72 H100s, priced under its two-batch overlap;
         # benchmarks/results/planner_published.json); one row gives no spread of its own: the held-out rows' median
-        # error (22%)
+        # error (21%)
         step_overhead_s=34.3e-3,
-        spread=0.22,
+        spread=0.21,
         formats=("bf16", "fp16", "fp8", "int8", "int4"),
     ),
     "h200-sxm": Device(

@@ -7,7 +7,8 @@ import torch
 def counted_step(ctx, cfg, axes: dict, plan_fields: dict, batch: int, length: int, context: int) -> dict:
     """This rank's bytes received and collectives per op for one forward of ``batch`` sequences of ``length`` new
     tokens (decode: 1) at ``context`` cached positions, the params of ``cfg`` sharded by ``Plan(**plan_fields)`` over
-    ``axes``; every dp rank holds ``batch / dp`` of the sequences."""
+    ``axes``; every dp rank holds ``batch / dp`` of the sequences. A prefill takes the logits of each sequence's last
+    token alone, as ``compile_model``'s prefill and the engine's chunks do."""
     from benchmarks.counting import ReceivedBytes
     from functional_npu import Plan, split_dp
     from functional_npu.core import shard
@@ -28,8 +29,9 @@ def counted_step(ctx, cfg, axes: dict, plan_fields: dict, batch: int, length: in
     state = init_state(cfg, mesh, seqs, context + length, params["embed"].dtype, plan=plan)
     tokens = torch.ones(seqs, length, dtype=torch.long)
     positions = torch.arange(context, context + length).expand(seqs, length)
+    last = torch.full((seqs,), length - 1) if length > 1 else None  # as the runtime's prefill: the last token's logits
     with torch.no_grad(), ReceivedBytes() as counted:
-        forward(params, tokens, positions, state, mesh, plan=plan, attention="math")
+        forward(params, tokens, positions, state, mesh, last, plan=plan, attention="math")
     return {"received": counted.received, "calls": dict(counted.calls), "by_op": dict(counted.by_op)}
 
 

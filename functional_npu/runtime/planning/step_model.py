@@ -412,7 +412,7 @@ def estimate(
         one = family_of(cfg).blocks(cfg, plan).init_kv(mesh, 1, workload.cache_len, kv)
     layout = paged.layout_of(one, workload.cache_len)
     kv_bytes = paged.cache_bytes(layout, seqs, workload.cache_len, kv, chunk=workload.new_tokens)
-    reads, flops = _reads_and_flops(shape, plan, mesh, held, logical, tokens, workload)
+    reads, flops = _reads_and_flops(shape, plan, mesh, held, logical, tokens, workload, seqs)
     reads["kv_cache"] = kv_bytes if workload.kind == "decode" else 0
     memory_s, compute_s = sum(reads.values()) / dev.memory_bytes_per_s, flops / dev.flop_per_s
     parts: dict[str, float] = {"memory_s": memory_s, "compute_s": compute_s}
@@ -525,11 +525,12 @@ _RING_PARTS = ("prefetch_exposed_s", "host_copy_exposed_s")
 
 
 def _reads_and_flops(
-    shape: Any, plan: Plan, mesh: Mesh, held: _Held, logical: _Held, tokens: int, workload: Workload
+    shape: Any, plan: Plan, mesh: Mesh, held: _Held, logical: _Held, tokens: int, workload: Workload, seqs: int
 ) -> tuple[dict[str, float], float]:
     """The weight bytes a step reads (every held weight but the experts once, every layer's series, its own and
     the ones broadcast to it; of the experts, the share its tokens touch under uniform routing over the expert
-    group's tokens) and its FLOPs (from the logical weights, at 2 per weight per token, plus attention's)."""
+    group's tokens) and its FLOPs (from the logical weights, at 2 per weight per token, the head's per sequence: a
+    prefill computes the logits of each sequence's last token alone; plus attention's)."""
     e = workload.weight_bytes  # logical weights were counted at this many bytes each
     ep = mesh.axis_size(plan.expert_axes) if plan.expert_axes else 1
     # the expert group's tokens, each routed once: its ranks' tokens, at most the group's share of the batch's (a
@@ -542,7 +543,7 @@ def _reads_and_flops(
     dense = held.weights - held.experts - held.series + held.layer_series * shape.layers  # host series read in slots
     reads = {"weights": dense + touched * held.experts}
     logical_dense = logical.weights - logical.experts - logical.series + logical.layer_series * shape.layers
-    flops = 2 * tokens * logical_dense / e
+    flops = 2 * (tokens * (logical_dense - logical.head) + seqs * logical.head) / e
     if shape.experts:  # each routed (token, expert) pair multiplies one expert's held share
         flops += 2 * routed_tokens * shape.top_k / shape.experts * logical.experts / e
     ctx = workload.context if workload.kind == "decode" else workload.length / 2
@@ -587,7 +588,7 @@ def _exposed(dev: Device, link: Link, shape: Any, k: int, layer_bytes: int, comp
 
 class _Held(NamedTuple):
     """Weight bytes on the rank holding the most: all, the layer-sharded series, one layer of it, the experts, the
-    series kept in host memory and one layer of them."""
+    series kept in host memory and one layer of them, the head's (``lm_head``; a tied head's, the embedding's)."""
 
     weights: int
     series: int
@@ -595,6 +596,7 @@ class _Held(NamedTuple):
     experts: int
     host: int = 0
     host_layer: int = 0
+    head: int = 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -607,7 +609,9 @@ def _held_at(cfg: Any, axes: tuple[tuple[str, int], ...], plan: Plan, quant: Qua
 def _held(placed: Placement, mesh: Mesh, e: int) -> _Held:
     """On the rank holding the most weight bytes (floats at ``e`` bytes): ``(weights, layer-sharded series, one
     layer of the series, experts)`` in bytes, counted from every leaf's layout at every coordinate."""
-    held, series_held, series_layer, expert_held, host_held, host_layer = ([0] * mesh.size for _ in range(6))
+    held, series_held, series_layer, expert_held, host_held, host_layer, head = ([0] * mesh.size for _ in range(7))
+    untied = any(path.split(".")[0] == "lm_head" for path in placed.meta_leaves)
+    head_leaf = "lm_head" if untied else "embed"  # a tied head multiplies the embedding
     coords = [mesh.at(r) for r in range(mesh.size)]
     shapes: dict[tuple, tuple[int, ...]] = {}  # layers repeat their leaves' shapes and layouts: cut each once
     for path, m in placed.meta_leaves.items():
@@ -628,6 +632,8 @@ def _held(placed: Placement, mesh: Mesh, e: int) -> _Held:
                 host_layer[r] += math.prod(local[1:]) * size
             if any(x in EXPERT_LEAVES for x in parts_of):
                 expert_held[r] += n
+            if parts_of[0] == head_leaf:
+                head[r] += n
     busiest = max(range(mesh.size), key=lambda r: (held[r] - host_held[r], r))
     return _Held(
         held[busiest],
@@ -636,6 +642,7 @@ def _held(placed: Placement, mesh: Mesh, e: int) -> _Held:
         expert_held[busiest],
         host_held[busiest],
         host_layer[busiest],
+        head[busiest],
     )
 
 
@@ -695,7 +702,8 @@ def _collectives(
     shape: Any, mesh: Mesh, plan: Plan, tokens: int, seqs: int, e: int, dispatch: str = "runtime"
 ) -> list[Collective]:
     """The collectives a step waits on, as the runtime issues them (:mod:`functional_npu.models.experts`,
-    :mod:`functional_npu.parallel.module_tp`): ``tokens`` on the busiest dp rank, ``seqs`` sequences."""
+    :mod:`functional_npu.parallel.module_tp`): ``tokens`` on the busiest dp rank, ``seqs`` sequences; the head's at
+    one position per sequence (a prefill takes each sequence's last token before the head)."""
     d, layers = shape.hidden, shape.layers
     tp = mesh.axis_size(plan.tp)
     moe = len(shape.moe_layers)
@@ -714,7 +722,7 @@ def _collectives(
     # the embedding's vocab-parallel sum, attention's o_proj, the dense MLPs, experts whose down is over tp
     add("all_reduce", plan.tp, tokens * d * e, 1 + layers + dense + (moe if expert_tp else 0))
     add("all_reduce", plan.tp, tokens * d * e, moe if shape.shared_experts else 0)  # the shared experts' MLP
-    add("all_gather", plan.tp, tokens * shape.vocab * e, 1)  # the logits of every position the step computes
+    add("all_gather", plan.tp, seqs * shape.vocab * e, 1)  # the logits: one position per sequence (a prefill's last)
     if ep > 1 and moe:
         local = _routed_here(mesh, plan, tokens)
         if dispatch == "routed":  # each token to its chosen experts' ranks only: 8-bit out, 16-bit back
@@ -737,9 +745,9 @@ def _collectives(
         elif module == "mlp":
             add("all_gather", axes, group * d * e, dense)
             add("reduce_scatter", axes, group * d * e, dense)
-        elif module == "lm_head":  # the group's hidden states gathered, each rank's logits sent back by vocab share
-            add("all_gather", axes, group * d * e, 1)
-            add("all_to_all", axes, tokens * shape.vocab / tp * e, 1)
+        elif module == "lm_head":  # the group's last hidden states gathered, each rank's logits back by vocab share
+            add("all_gather", axes, n * seqs * d * e, 1)
+            add("all_to_all", axes, seqs * shape.vocab / tp * e, 1)
         elif module == "embed":
             add("all_gather", axes, group * 8, 1)
             add("reduce_scatter", axes, group * d * e, 1)
