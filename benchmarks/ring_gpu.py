@@ -39,9 +39,9 @@ import torch
 from functional_npu import Mesh, Plan, compile_model, reshard_params
 
 from .real_shapes import available_bytes, device_params, needed_bytes, refusal
-from .timing import generate_times, rounds
+from .timing import generate_times, rounds, stats
 
-__all__ = ["ring_cell", "hidden", "host_copies"]
+__all__ = ["ring_cell", "hidden", "host_copies", "host_part_bytes"]
 
 ONE = Mesh.abstract({"tp": 1}, 0)
 
@@ -77,9 +77,9 @@ def host_copies(trace: dict[str, Any], least: int) -> dict[str, Any]:
     }
 
 
-def _median(xs: list[dict[str, float]], key: str) -> dict[str, Any]:
-    got = [x[key] for x in xs]
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "runs": got}
+def host_part_bytes(model: Any) -> list[int]:
+    """The bytes of one layer of each series ``model`` keeps in host memory: the parts each ring write copies."""
+    return [x[0].numel() * x[0].element_size() for x in model.params["host"].values()]
 
 
 def ring_cell(
@@ -129,39 +129,35 @@ def ring_cell(
     timed = rounds({name: lambda m=m: generate_times(lambda n: run(m, n), new) for name, m in models.items()}, repeat)
     prefill = {name: [t1 for _, t1 in got] for name, got in timed.items()}
     decode = {name: [(tn - t1) / (new - 1) for tn, t1 in got] for name, got in timed.items()}
-    phases = {}
+    phases: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
     for phase, per in (("prefill", prefill), ("decode", decode)):
-        phases[phase] = {
-            f"k{k}": {
-                key: _median([hidden(r, e, g) for r, e, g in zip(per["resident"], per["k0"], per[f"k{k}"])], key)
-                for key in ("compute_s", "copy_s", "hidden_s", "hidden_of_copy", "hidden_of_hideable")
-            }
-            for k in steps
-        }
+        for k in steps:  # each round's figures, then each figure's median and spread over the rounds
+            each = [hidden(*r) for r in zip(per["resident"], per["k0"], per[f"k{k}"])]
+            phases[phase][f"k{k}"] = {key: stats([x[key] for x in each]) for key in each[0]}
     last = models[f"k{max(steps)}"]
-    per_layer = sum(x[0].numel() * x[0].element_size() for x in last.params["host"].values())
+    parts = host_part_bytes(last)
     return {
         "model": cfg.to_hf(),
         "offload": offload,
-        "layer_bytes": per_layer,
+        "layer_bytes": sum(parts),
         "settings": {"layers": layers, "prompt": prompt, "batch": batch, "new": new, "repeat": repeat},
         "seconds": {name: {"prefill": prefill[name], "decode_step": decode[name]} for name in models},
         "phases": phases,
-        "delivered": _delivered(lambda: run(last, 2), per_layer, last) if device.startswith("cuda") else None,
+        "delivered": _delivered(lambda: run(last, 2), parts) if device.startswith("cuda") else None,
         "build_s": time.perf_counter() - t0,
     }
 
 
-def _delivered(generate: Any, per_layer: int, model: Any) -> dict[str, Any]:
-    """The host copies of one generate (:func:`host_copies`, counted on the device), against whole layers."""
+def _delivered(generate: Any, parts: list[int]) -> dict[str, Any]:
+    """The host copies of one generate (:func:`host_copies`, counted on the device), against whole layers of
+    ``parts``."""
     from torch.profiler import ProfilerActivity, profile
 
-    least = min(x[0].numel() * x[0].element_size() for x in model.params["host"].values())
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         generate()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        got = host_copies(json.loads(path.read_text()), least)
+        got = host_copies(json.loads(path.read_text()), min(parts))
     beside = got["copies"] > 0 and got["compute_stream"] not in got["copy_streams"]
-    return got | {"whole_layers": got["bytes"] / per_layer, "beside_compute": beside}
+    return got | {"whole_layers": got["bytes"] / sum(parts), "beside_compute": beside}

@@ -171,14 +171,10 @@ def _broadcast_into(
     the tensor's producer (every read of the slot's previous contents). ``size`` is the group's size; with a size of
     one, ``group_name`` is empty (no broadcast) or names a link that delivers the filled slot (an emulated host link,
     :mod:`functional_npu.parallel.host_link`)."""
-    api = None if group_name else side_stream_api(slot.device, [p.device for p in parts])
     if parts and all(p.device == slot.device for p in parts):
         torch.cat([p.reshape(-1) for p in parts], out=slot)
-    elif api is not None:  # from host memory on a GPU: on a side stream, ordered by events (.side_copy)
-        side_copy(slot, parts, api)
-    elif parts:  # from host memory: one copy per part, asynchronous from pinned memory
-        for part, view in zip(parts, slot.split([p.numel() for p in parts])):
-            view.copy_(part.reshape(-1), non_blocking=True)
+    elif parts:  # from host memory: one copy per part, asynchronous from pinned memory; on a GPU on a side stream
+        side_copy(slot, parts, None if group_name else side_stream_api(slot.device, [p.device for p in parts]))
     if group_name:
         torch.ops._c10d_functional.broadcast_(slot, src, group_name)
 

@@ -61,17 +61,26 @@ class EventWork(dist.Work):
         return bool(self.done.query())
 
 
-def side_copy(slot: torch.Tensor, parts: Sequence[torch.Tensor], api: Any) -> None:
-    """``slot <- cat(parts)`` on a side stream of ``api``'s device, after the work issued so far on the current
-    stream, with the slot's pending work registered for ``wait_tensor`` (the module docstring's steps 1-3)."""
+def side_copy(slot: torch.Tensor, parts: Sequence[torch.Tensor], api: Any | None) -> None:
+    """``slot <- cat(parts)``, one asynchronous copy per part: on a side stream of ``api``'s device, after the work
+    issued so far on the current stream, with the slot's pending work registered for ``wait_tensor`` (the module
+    docstring's steps 1-3); on the current stream where ``api`` is None (:func:`side_stream_api`'s answer)."""
+    if api is None:
+        _copy_parts(slot, parts)
+        return
     main = api.current_stream(slot.device)
     issued = api.Event()
     issued.record(main)
     side = api.Stream(device=slot.device)
     side.wait_event(issued)
     with api.stream(side):
-        for part, view in zip(parts, slot.split([p.numel() for p in parts])):
-            view.copy_(part.reshape(-1), non_blocking=True)
+        _copy_parts(slot, parts)
         done = api.Event()
         done.record(side)
     _register_work(slot, EventWork(done, api, slot.device))
+
+
+def _copy_parts(slot: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Each part into its span of ``slot`` on the current stream, asynchronous from pinned memory."""
+    for part, view in zip(parts, slot.split([p.numel() for p in parts])):
+        view.copy_(part.reshape(-1), non_blocking=True)

@@ -103,6 +103,15 @@ def test_the_copies_run_on_a_side_stream_between_the_fork_and_the_join():
     assert len(api.log) == 6
 
 
+def test_without_a_stream_module_the_copies_run_on_the_current_stream():
+    """``api`` None (the CPU, the NPU, a local source): the same copies, no event, no pending work."""
+    slot = torch.zeros(10)
+    with _Copies(_Device()) as mode:
+        side_copy(slot, _parts(), None)
+    assert torch.equal(slot, torch.cat([p.reshape(-1) for p in _parts()]))
+    assert mode.api.log == [("copy", "main", 6), ("copy", "main", 4)]
+
+
 def test_a_copy_on_the_compute_stream_is_seen():
     """The counterexample: a device whose "side" stream is the compute stream puts the copies on it, and the log
     shows it (the first test's check of the copies' stream fails here)."""

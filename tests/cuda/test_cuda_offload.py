@@ -57,12 +57,12 @@ def test_the_host_copies_run_beside_the_kernels_and_carry_whole_layers(qwen3, re
     ``new_state``, then ``L`` per forward (layer ``i + k`` at layer ``i``), 8 forwards (a prefill, 7 decode steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.ring_gpu import host_copies
+    from benchmarks.ring_gpu import host_copies, host_part_bytes
 
     params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj,down", prefetch_step=1), device="cuda")
     model = compile_model(params, ONE, backend="inductor", mode="default", batch_sizes=[4], max_seq_len=24)
     assert model.generate(PROMPTS, 8) == resident  # compiled and warm
-    parts = [x[0].numel() * x[0].element_size() for x in model.params["host"].values()]
+    parts = host_part_bytes(model)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         assert model.generate(PROMPTS, 8) == resident
         torch.cuda.synchronize()

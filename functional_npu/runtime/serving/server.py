@@ -26,7 +26,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,6 +216,26 @@ def completions_app(loop: EngineLoop, model_name: str, tokenizer: Any = None) ->
     return Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])])
 
 
+def _stopped(
+    text: StopText | None, event: Event, abort: Callable[[], None]
+) -> tuple[list[int], list[float], str | None, str | None]:
+    """``event``'s tokens, log-probs, finish reason and released text under its request's stop strings (``text``;
+    None: it has none, and no text is made here). A stop string that matches cuts them at the token that completed it
+    and ends the request with ``"stop"`` (``abort``: the engine frees its blocks, unless it had ended anyway); an end
+    releases the text held back."""
+    tokens, logprobs, finished = list(event.tokens), list(event.logprobs), event.finished
+    if text is None:
+        return tokens, logprobs, finished, None
+    released, kept = text.feed(tokens)
+    if kept is not None:
+        if finished is None:
+            abort()
+        return tokens[:kept], logprobs[:kept], "stop", released
+    if finished is not None:
+        released += text.finish()
+    return tokens, logprobs, finished, released
+
+
 async def _collect(
     events: asyncio.Queue, text: StopText | None, abort: Any
 ) -> tuple[list[int], list[float] | None, str | None, str | None, str | None]:
@@ -225,19 +245,11 @@ async def _collect(
     logprobs: list[float] = []
     while True:
         event: Event = await events.get()
-        new, kept = list(event.tokens), None
-        if text is not None:
-            kept = text.feed(new)[1]
-        tokens += new[:kept]
-        logprobs += list(event.logprobs)[:kept]
-        if kept is not None:
-            if event.finished is None:
-                abort()
-            return tokens, logprobs or None, "stop", None, text.text
-        if event.finished is not None:
-            if text is not None:
-                text.finish()
-            return tokens, logprobs or None, event.finished, event.error, text.text if text is not None else None
+        new, new_logprobs, finished, _ = _stopped(text, event, abort)
+        tokens += new
+        logprobs += new_logprobs
+        if finished is not None:
+            return tokens, logprobs or None, finished, event.error, text.text if text is not None else None
 
 
 async def _stream(
@@ -261,17 +273,8 @@ async def _stream(
             index, event = await merged.get()
             if index not in open_:
                 continue  # after its stop string matched: the abort's event, or tokens already made
-            tokens, logprobs = list(event.tokens), list(event.logprobs) if reqs[index].logprobs else None
-            finished, text = event.finished, None
-            if texts[index] is not None:
-                text, kept = texts[index].feed(tokens)
-                if kept is not None:
-                    tokens, logprobs, finished = tokens[:kept], logprobs and logprobs[:kept], "stop"
-                    if event.finished is None:
-                        loop.abort(subs[index][0])
-                elif finished is not None:
-                    text += texts[index].finish()
-            choice = _choice(index, tokens, logprobs, finished, tokenizer, text)
+            tokens, logprobs, finished, text = _stopped(texts[index], event, lambda: loop.abort(subs[index][0]))
+            choice = _choice(index, tokens, logprobs if reqs[index].logprobs else None, finished, tokenizer, text)
             yield f"data: {json.dumps({'id': subs[index][0], **head, 'choices': [choice]})}\n\n"
             if finished is not None:
                 open_.discard(index)
