@@ -9,7 +9,11 @@ in where the offloaded series come from):
 - ``k0``: the series (``offload``, default ``o_proj``) in pinned host memory, each layer's copy made when the layer
   is reached (``prefetch_step=0``): the copies' time is exposed;
 - ``k1`` (and each further step of ``steps``): layer ``l + k``'s copy issued while layer ``l`` computes, on the
-  side stream (:mod:`functional_npu.core.side_copy`).
+  side stream (:mod:`functional_npu.core.side_copy`);
+- on CUDA, also ``resident_graphs`` (inductor's CUDA graphs) and ``k1_graphs`` (the largest step under the library's
+  own graph around each step, :mod:`functional_npu.runtime.serving.step_graph`, as ``compile_model`` builds it for
+  host series in a capturing mode): ``phases["captured"]`` is the ring's time over the resident one's, per phase,
+  both captured.
 
 Each system's greedy tokens must equal the resident model's (else the cell reports that and no figure). Then
 ``repeat`` interleaved rounds time a prefill of ``batch`` prompts of ``prompt`` tokens (``T(1 new token)``) and a
@@ -111,6 +115,12 @@ def ring_cell(
     for k in (0, *steps):
         moved = reshard_params(params, Plan(offload=offload, prefetch_step=k), ONE)
         models[f"k{k}"] = compile_model(moved, ONE, **options)
+    captured = backend == "inductor" and device.startswith("cuda")
+    if captured:  # the same two under captured graphs: inductor's for the resident model, the library's for the ring
+        graphs = options | {"mode": "reduce-overhead"}
+        models["resident_graphs"] = compile_model(params, ONE, **graphs)
+        models[f"k{max(steps)}_graphs"] = compile_model(moved, ONE, **graphs)
+        assert models[f"k{max(steps)}_graphs"].captured == "library", models[f"k{max(steps)}_graphs"].captured
     prompts = [[(7 * i + j) % cfg.vocab_size for i in range(1, prompt + 1)] for j in range(batch)]
     sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
 
@@ -134,6 +144,12 @@ def ring_cell(
         for k in steps:  # each round's figures, then each figure's median and spread over the rounds
             each = [hidden(*r) for r in zip(per["resident"], per["k0"], per[f"k{k}"])]
             phases[phase][f"k{k}"] = {key: stats([x[key] for x in each]) for key in each[0]}
+    if captured:  # per round, the ring's step under the library's graphs over the resident one under inductor's
+        k = max(steps)
+        phases["captured"] = {
+            phase: stats([a / b for a, b in zip(per[f"k{k}_graphs"], per["resident_graphs"])])
+            for phase, per in (("prefill", prefill), ("decode", decode))
+        }
     last = models[f"k{max(steps)}"]
     parts = host_part_bytes(last)
     return {

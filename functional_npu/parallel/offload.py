@@ -161,7 +161,8 @@ def pinned(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x
 
 
-# where a host-to-device copy is an op ordered inside the step: inductor without CUDA graphs (an op of the graph), the
+# where a host-to-device copy is an op ordered inside the step: inductor without CUDA graphs (an op of the graph; with
+# the library's own graph around each step where CUDA graphs were asked for: compile_model's library_graphs), the
 # eager backends, npugraph_ex's ACL graph (a captured copy from pinned memory on the prefetch stream, under the ring's
 # events); refused elsewhere, with why
 def _refusal(backend: str, mode: str | None, captures: bool, device: str) -> str | None:
@@ -172,7 +173,7 @@ def _refusal(backend: str, mode: str | None, captures: bool, device: str) -> str
             "torchair takes a graph's host tensors as host-placed inputs of the whole GE graph, moved before it runs, "
             "not as copies the ring orders inside the step"
         )
-    if backend == "inductor" and captures and device == "cuda":
+    if backend == "inductor" and captures and device == "cuda":  # compile_model captures the steps itself instead
         return "inductor's CUDA graphs skip (do not capture) a graph with host tensor inputs"
     return None
 

@@ -9,8 +9,6 @@ stream waits for it only where the slot is first waited (``wait_tensor``), once.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -18,54 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from functional_npu.core.side_copy import EventWork, side_copy, side_stream_api
 
-
-class _Stream:
-    def __init__(self, api: _Device, name: str) -> None:
-        self.api, self.name = api, name
-
-    def wait_event(self, event: _Event) -> None:
-        self.api.log.append(("wait", self.name, event.name))
-
-
-class _Event:
-    def __init__(self, api: _Device, name: str) -> None:
-        self.api, self.name, self.recorded_on = api, name, None
-
-    def record(self, stream: _Stream) -> None:
-        self.recorded_on = stream.name
-        self.api.log.append(("record", stream.name, self.name))
-
-    def query(self) -> bool:
-        return self.recorded_on is not None
-
-
-class _Device:
-    """``torch.cuda``'s stream API as :func:`side_copy` uses it, recording each call in ``log``."""
-
-    def __init__(self, reuse_main: bool = False) -> None:
-        self.log: list[tuple] = []
-        self.main = _Stream(self, "main")
-        self.current = self.main
-        self.reuse_main = reuse_main  # the counterexample: a "side" stream that is the compute stream
-        self.made = 0
-
-    def current_stream(self, device: torch.device) -> _Stream:
-        return self.current
-
-    def Stream(self, device: torch.device) -> _Stream:  # noqa: N802 - torch.cuda's name
-        self.made += 1
-        return self.main if self.reuse_main else _Stream(self, f"side{self.made}")
-
-    def Event(self) -> _Event:  # noqa: N802 - torch.cuda's name
-        return _Event(self, f"e{sum(1 for x in self.log if x[0] == 'record')}")
-
-    @contextlib.contextmanager
-    def stream(self, s: _Stream):
-        before, self.current = self.current, s
-        try:
-            yield
-        finally:
-            self.current = before
+from ..support.standin_streams import Device as _Device
+from ..support.standin_streams import Stream as _Stream
 
 
 class _Copies(TorchDispatchMode):

@@ -23,12 +23,12 @@ from ...core.mesh import Mesh
 from ...models import family_of
 from ...models.linear import TARGETS
 from ...parallel.host_link import EmulatedHostLink, check_host_link
-from ...parallel.offload import check_host_backend
+from ...parallel.offload import check_host_backend, host_of
 from ...parallel.plan import Plan
 from ...parallel.prefetch_ring import ring_of
 from ...placement.placement import placement_of
 from ...placement.ring_memory import warn_ring_memory
-from .backends import BACKENDS, MODES, resolve_backend
+from .backends import BACKENDS, MODES, Backend, resolve_backend
 from .compile_cache import compiled_forward, graph_dir
 from .compile_policy import (
     GRAPH_BUDGET,
@@ -50,6 +50,7 @@ from .compile_policy import (
 from .compiled_model import CompiledModel, same_tensors, static_addresses
 from .generate import check_length
 from .inductor_cache import sweep
+from .step_graph import StepGraphs
 
 __all__ = ["CompileOptions", "compile_model", "greedy_generate"]
 
@@ -228,6 +229,7 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     carried = params.placement  # the one its loader made (and warned about), if any
     cfg = placed.config
     chosen = resolve_backend(o.backend, mode=o.mode, device_type=params["embed"].device.type)
+    chosen, step_graphs = library_graphs(params, chosen)
     check_wrapper(chosen, mesh)
     same_tensors(params, params["embed"], "compile_model", dtypes=False)
     check_comm_streams(placed.plan, mesh, chosen, "compile_model")
@@ -271,8 +273,22 @@ def compile_model(params: dict, mesh: Mesh, options: CompileOptions | None = Non
     )
     return CompiledModel(
         params, mesh, chosen, sizes, seq, lengths, fwd, placed, greedy, ring=ring, _recompiles=recompiles,
-        _prepare=prepare, host_link=o.host_link,
+        _prepare=prepare, host_link=o.host_link, _graphs=step_graphs,
     )  # fmt: skip
+
+
+# a capturing inductor mode, and the same mode without CUDA graphs
+UNCAPTURED_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def library_graphs(params: dict, chosen: Backend) -> tuple[Backend, StepGraphs | None]:
+    """The backend to compile with, and the library's own step graphs where it captures them: for series kept in host
+    memory under inductor's CUDA graphs, which would skip (run uncaptured) every step reading them, the same inductor
+    mode without CUDA graphs and a :class:`~.step_graph.StepGraphs` on the device's graphs; else ``chosen`` and None."""
+    if not host_of(params) or not chosen.captures:
+        return chosen, None
+    uncaptured = dataclasses.replace(chosen, mode=UNCAPTURED_MODES[chosen.mode])
+    return uncaptured, StepGraphs(torch.get_device_module(chosen.device_type))
 
 
 def _forwards(

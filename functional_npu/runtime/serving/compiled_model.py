@@ -25,6 +25,7 @@ from ...placement.placement import Placement, placement_of
 from .backends import Backend
 from .compile_policy import GRAPH_BUDGET
 from .generate import Lockstep, Samples, check_token_ids, generate, sample
+from .step_graph import StepGraphs
 
 __all__ = ["CompiledModel", "GraphBreakError", "static_addresses"]
 
@@ -66,6 +67,19 @@ class CompiledModel:
     _ring: list = field(default_factory=list, repr=False, compare=False)
     # the emulated host link the graphs name (compile_model(host_link=...)); a step outside its with block is refused
     host_link: Any = field(default=None, repr=False, compare=False)
+    # the library's own graphs around each step (a ring filled from host memory on a GPU, where inductor's CUDA graphs
+    # would skip the step): :mod:`.step_graph`; None where the backend captures, or nothing does
+    _graphs: StepGraphs | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def captured(self) -> str | None:
+        """Who replays the steps as captured graphs: ``"backend"`` (inductor's CUDA graphs), ``"library"`` (the
+        library's own graph around each step, :mod:`.step_graph`: series kept in host memory on a GPU), or None. A
+        captured step reads its inputs at the addresses it was captured with, so the KV cache of a bucket and the ring
+        are then one buffer each, reused by every state."""
+        if self.backend.captures:
+            return "backend"
+        return "library" if self._graphs is not None else None
 
     @property
     def config(self) -> Any:
@@ -122,7 +136,9 @@ class CompiledModel:
         args = (self.params, tokens, positions, state, self.mesh) + (() if last is None else (last.to(self.device),))
         try:
             with torch.no_grad(), self._recompiles:
-                if not self.backend.captures:
+                if self._graphs is not None:
+                    out = self._graphs(forward or self.forward, *args)
+                elif not self.backend.captures:
                     out = (forward or self.forward)(*args)
                 else:
                     torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out
@@ -150,13 +166,14 @@ class CompiledModel:
         new = self._prepare(params)
         if self.backend.captures:
             static_addresses(new)
-        return dataclasses.replace(self, params=new.placed(self.placement))
+        graphs = StepGraphs(self._graphs.api) if self._graphs is not None else None  # captured on the old weights
+        return dataclasses.replace(self, params=new.placed(self.placement), _graphs=graphs)
 
     def new_state(self, batch: int) -> DecodeState:
         """A fresh decode state for a batch bucket (``batch`` is rounded up to a bucket): a zeroed KV
         cache and, with layer-sharded params, the prefetch ring (``k + 1`` slots, layers ``0 .. k-1`` issued now).
 
-        On a backend that captures graphs (inductor's CUDA graphs) the KV cache of a bucket is one buffer at a fixed
+        Where steps are captured graphs (:attr:`captured`) the KV cache of a bucket is one buffer at a fixed
         address, zeroed by each ``new_state``, and the ring's slots are the same tensors in every state, as a captured
         graph replays on the addresses it was captured with: a state from an earlier ``new_state`` of the same bucket
         is then this one. The ring starts at phase 0 (one graph per phase, :attr:`~.prefetch_ring.Ring.phases`). All
@@ -173,11 +190,11 @@ class CompiledModel:
                 f"got {batch}"
             )
         b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
-        state = self._kv.get(b) if self.backend.captures else None
+        state = self._kv.get(b) if self.captured else None
         if state is None:
             dtype = self.params["embed"].dtype
             state = init_state(self.config, self.mesh, b, self.max_seq_len, dtype, plan=self.plan, device=self.device)
-        if self.backend.captures:
+        if self.captured:
             for t in (t for layer in state.kv for t in layer):
                 torch._dynamo.mark_static_address(t.zero_())
             self._kv[b] = state
@@ -192,7 +209,7 @@ class CompiledModel:
         b = self._bucket(self.batch_sizes, batch, "batch size", "batch_sizes")
         if kv[0].table.shape[0] != b:
             raise ValueError(f"paged_state: the block table has {kv[0].table.shape[0]} rows; the bucket is {b}")
-        if self.backend.captures:
+        if self.captured:
             for t in {id(t): t for layer in kv for t in layer}.values():
                 torch._dynamo.mark_static_address(t)
         if like is not None:
@@ -201,7 +218,7 @@ class CompiledModel:
 
     def _with_ring(self, state: DecodeState) -> DecodeState:
         """``state`` with the prefetch ring started for a first step (the model's one ring on a capturing backend)."""
-        if self.backend.captures:
+        if self.captured:
             if not self._ring and self.ring is not None:
                 self._ring[:] = self.ring.new(self.device)
                 for t in self._ring:
