@@ -232,15 +232,17 @@ def test_ring_logits_equal_the_unsharded_model_on_gloo(world2, qwen3_3l):
     the logits of the layer-sharded model at k = 2 (3 layers: one phase) and k = 1 (k + 1 = 2 does not divide L, so
     the ring goes through 2 phases, a graph each) equal the unsharded model's; the ring keeps its tensors from step
     to step. And once through inductor (k = 1), whose reinplace pass writes the slots in place and whose order is
-    its own. (k = 0 and 2 run compiled on 6 layers in the hazard tests below, and eagerly in the generation cases
-    above.)"""
+    its own. Every ring write, from new_state to the drain, delivers its layer (counted inside aot_eager's
+    auto_functionalized writes too). (k = 0 and 2 run compiled on 6 layers in the hazard tests below, and eagerly in
+    the generation cases above.)"""
     axes, extra = {"dp": 2, "tp": 1}, ((1, "inductor"),)
     results = world2.run(ring_logits, qwen3_3l[0], axes, "o_proj,down_proj", (2, 1), 4, "aot_eager", extra)
     for rank, by_k in enumerate(results):
         assert set(by_k) == {1, 2, (1, "inductor")}
-        for k, (diff, same, buffers) in by_k.items():
+        for k, (diff, same, buffers, seen) in by_k.items():
             slots = (k[0] if isinstance(k, tuple) else k) + 1
             assert diff <= 1e-5 and same and buffers == slots, (rank, k, diff, same, buffers)
+            assert_every_write_delivered(seen, seen["groups"], 3, seen["per_forward"], seen["forwards"])
 
 
 MEMORY_PRESERVING = ("reorder_communication_preserving_peak_memory", "sink_waits_iterative", "raise_comms")

@@ -191,6 +191,22 @@ def test_a_ring_write_that_does_nothing_keeps_the_tokens_and_fails_the_count(qwe
     assert seen.failures[0] == f"ring write 4: nothing arrived in its slot of {nbytes} bytes"
 
 
+def test_ring_writes_are_counted_through_an_aot_functionalized_graph(qwen3, resident):
+    """aot_eager runs each ring write as ``auto_functionalized_v2`` (the op writes a clone of the slot, copied back at
+    the graph's end): the count sees the op inside it, every write delivers its layer at k = 1 (two ring phases), and
+    a dropped write there is named."""
+    params = load_checkpoint(qwen3, ONE, Plan(offload="o_proj,down_proj", prefetch_step=1))
+    model = compile_model(params, ONE, backend="aot_eager", batch_sizes=[4], max_seq_len=24)
+    with _deliveries(qwen3, model) as seen:
+        tokens = model.generate(PROMPTS, 6)
+    assert tokens == resident.generate(PROMPTS, 6)
+    assert_every_write_delivered(seen.summary(), len(model.ring.groups), 3, host_bytes(params), 6)
+    nbytes = host_bytes(params) // 3 // len(model.ring.groups)
+    with DropWrite(5), _deliveries(qwen3, model) as seen:
+        model.generate(PROMPTS, 6)
+    assert seen.failures == [f"ring write 5: nothing arrived in its slot of {nbytes} bytes"]
+
+
 def test_the_ring_is_answered_once_and_a_state_of_another_k_is_refused(qwen3, resident, monkeypatch):
     """The compiled model answers the ring's layout at compile time: an 8-token generate derives nothing from the
     params (no ring_of call; the old step checked the ring against the params on every step), its k is the

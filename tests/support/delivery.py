@@ -28,7 +28,28 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
     return t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size()
 
 
-class Deliveries(TorchDispatchMode):
+class _RingMode(TorchDispatchMode):
+    """A mode that sees the ring's writes whether they run as the op itself (eager, inductor's extern calls) or inside
+    ``auto_functionalized_v2`` (an AOT-functionalized graph that is not reinplaced, aot_eager's: the op writes a clone
+    of the slot, which the graph waits on and copies back into the slot at its end): that higher-order op is run by
+    its own dense rule with this mode on, so the op inside it is seen; other higher-order ops run as they are."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def _higher_order(self, func, args, kwargs):
+        if func is torch.ops.higher_order.auto_functionalized_v2:
+            from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2_dense
+
+            with self:
+                return auto_functionalized_v2_dense(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class Deliveries(_RingMode):
     """Count the bytes each ring write delivers (see the module docstring).
 
     ``reference``: each layer's bytes of each ring group, ``reference[layer][group]`` (a flat tensor of the group's
@@ -48,12 +69,10 @@ class Deliveries(TorchDispatchMode):
         self._pending: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         self._held: list[torch.UntypedStorage] = []  # no slot address is freed and reused while it records
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         name = str(func.overloadpacket)
         if name == _WRITE:
             slot = args[0]
@@ -85,18 +104,16 @@ class Deliveries(TorchDispatchMode):
             self.failures.append(f"ring write {write}: its slot of {got.numel()} bytes holds no layer's bytes")
 
 
-class DropWrite(TorchDispatchMode):
+class DropWrite(_RingMode):
     """Swallow ring write number ``n`` (1-based, in issue order): the planted copy that does nothing."""
 
     def __init__(self, n: int):
         super().__init__()
         self.n, self.seen = n, 0
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._higher_order(func, args, kwargs or {})
         if str(func.overloadpacket) == _WRITE:
             self.seen += 1
             if self.seen == self.n:

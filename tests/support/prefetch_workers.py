@@ -54,36 +54,47 @@ def ring_logits(ctx, model_dir: str, axes: dict, series: str, ks, steps: int, ba
     """Prefill then ``steps`` decode steps (crossing step boundaries, so the carried layers and the ring's turn
     matter), unsharded and layer-sharded at each prefetch step of ``ks``, compiled with ``backend`` (and at each
     ``(k, backend)`` of ``also``, keyed so): the largest logit difference from the unsharded model (compiled with
-    ``backend``), and the ring's tensors before and after (the same ones, by storage)."""
-    from functional_npu import Plan, compile_model, load_checkpoint
+    ``backend``), the ring's tensors before and after (the same ones, by storage), and what each ring write delivered
+    (:class:`Deliveries`, from ``new_state`` to the drain, with the groups, a forward's bytes and the forwards run)."""
+    from functional_npu import Plan, compile_model, flatten_with_paths, load_checkpoint
     from functional_npu.parallel import prefetch
     from functional_npu.parallel.layer_shard import layer_shard
 
+    from .delivery import Deliveries, ring_reference
+
     mesh = ctx.mesh(axes)
+
+    resident = load_checkpoint(model_dir, mesh)
+    layers = [dict(flatten_with_paths(layer)) for layer in resident["layers"]]
 
     def run(params, plan=None, backend=backend):
         torch._dynamo.reset()
         model = compile_model(params, mesh, plan=plan, backend=backend, batch_sizes=[2], max_seq_len=32)
-        state = model.new_state(2)
-        ring = {t.untyped_storage().data_ptr() for t in state.prefetched}
-        out = [model.prefill([[5, 9, 2], [7, 1]], state, length=4)]
-        tok = out[0].argmax(-1)
-        for i in range(steps):
-            out.append(model.decode(tok, torch.tensor([3 + i, 2 + i]), state))
-            tok = out[-1].argmax(-1)
-        same = ring == {t.untyped_storage().data_ptr() for t in state.prefetched}
-        prefetch.drain(state.prefetched)
-        return torch.stack(out), same, len(ring)
+        groups = [g.leaves for g in model.ring.groups] if model.ring is not None else []
+        reference = ring_reference(layers, groups)
+        with Deliveries(reference) as record:
+            state = model.new_state(2)
+            ring = {t.untyped_storage().data_ptr() for t in state.prefetched}
+            out = [model.prefill([[5, 9, 2], [7, 1]], state, length=4)]
+            tok = out[0].argmax(-1)
+            for i in range(steps):
+                out.append(model.decode(tok, torch.tensor([3 + i, 2 + i]), state))
+                tok = out[-1].argmax(-1)
+            same = ring == {t.untyped_storage().data_ptr() for t in state.prefetched}
+            prefetch.drain(state.prefetched)
+        per_forward = sum(r.numel() * r.element_size() for layer in reference for r in layer)
+        seen = record.summary() | {"groups": len(groups), "per_forward": per_forward, "forwards": 1 + steps}
+        return torch.stack(out), same, len(ring), seen
 
-    ref, _, _ = run(load_checkpoint(model_dir, mesh))
+    ref, _, _, _ = run(resident)
     params = load_checkpoint(model_dir, mesh, Plan(layer_shard=layer_shard(series, "dp")))
     result = {}
     for k in ks:
-        got, same, slots = run(params, dataclasses.replace(params.placement.plan, prefetch_step=k))
-        result[k] = (float((got - ref).abs().max()), same, slots)
+        got, same, slots, seen = run(params, dataclasses.replace(params.placement.plan, prefetch_step=k))
+        result[k] = (float((got - ref).abs().max()), same, slots, seen)
     for k, other in also:
-        got, same, slots = run(params, dataclasses.replace(params.placement.plan, prefetch_step=k), other)
-        result[(k, other)] = (float((got - ref).abs().max()), same, slots)
+        got, same, slots, seen = run(params, dataclasses.replace(params.placement.plan, prefetch_step=k), other)
+        result[(k, other)] = (float((got - ref).abs().max()), same, slots, seen)
     return result
 
 
