@@ -5,7 +5,7 @@ prefetch ring (one ring carried through every bucket's steps)."""
 
 import pytest
 
-from ..support.engine_workers import served_in_lockstep
+from ..support.engine_workers import served_by_replicas, served_in_lockstep
 from ..support.hf_models import save_tiny, save_tiny_moe
 
 PROMPTS = [[5, 6, 7], list(range(1, 20)), [9, 9], list(range(30, 41))]
@@ -56,3 +56,53 @@ def test_an_engine_out_of_lockstep_refuses_to_follow(model_dir):
         Engine(model, blocks=20, block_size=4).follow()
     with pytest.raises(ValueError, match=r"process group is not initialized"):
         Engine(model, blocks=20, block_size=4, lockstep=True)
+
+
+REPLICA_PROMPTS = [[5, 6, 7], list(range(1, 12)), [9, 9], list(range(30, 38)), [4], [11, 12, 13, 14]]
+REPLICA_NEW = [6, 9, 4, 7, 5, 8]
+
+
+@pytest.mark.parametrize(
+    "moe, plan",
+    [
+        (False, {"layer_shard": "o_proj,down_proj", "prefetch_step": 1}),
+        (True, {"expert_axes": ("dp",)}),
+    ],
+    ids=["layer-shard-dp2-k1", "moe-experts-over-dp2"],
+)
+def test_replicas_serve_requests_of_their_own_as_generate_alone(world2, model_dir, moe_dir, moe, plan):
+    """Engine(replicas="dp") on dp = 2: the requests are spread over both replicas, each gets the tokens of generating
+    it alone on one rank (a model loaded without the plan), in fewer steps than one batch on both ranks takes (batch
+    buckets of at most 2: two replicas hold twice the rows), and every replica's pool ends empty."""
+    first, other = world2.run(
+        served_by_replicas, moe_dir if moe else model_dir, {"dp": 2, "tp": 1}, plan, REPLICA_PROMPTS, REPLICA_NEW, "dp"
+    )
+    assert other is None
+    replicas, one = first["replicas"], first["one_batch"]
+    assert replicas["served"] == one["served"] == first["alone"]
+    assert sorted(set(replicas["replica"])) == [0, 1] and set(one["replica"]) == {0}
+    assert replicas["steps"] < one["steps"], (replicas["steps"], one["steps"])
+    assert replicas["free"] and one["free"]
+
+
+def test_replicas_over_an_axis_that_computes_one_batch_are_refused(model_dir):
+    """Tensor parallelism and module TP take an axis's rows as one batch: replicas over it are refused by name, and
+    so are an axis the mesh lacks, a name that is not a str, and replicas without lockstep."""
+    from functional_npu import Mesh, Plan, compile_model, load_checkpoint
+    from functional_npu.runtime.serving import Engine
+    from functional_npu.runtime.serving.replicas import check_replicas
+
+    mesh = Mesh.abstract({"dp": 2, "tp": 2}, 0)
+    assert check_replicas(Plan(expert_axes=("dp",)), mesh, "dp") == 2
+    with pytest.raises(ValueError, match=r"^Engine: replicas='tp' is the plan's tensor-parallel axis \(plan.tp\)"):
+        check_replicas(Plan(), mesh, "tp")
+    with pytest.raises(ValueError, match=r"module TP spreads \['o_proj', 'lm_head'\] over it \(plan.module_tp\)"):
+        check_replicas(Plan(module_tp={"o_proj": ("dp",), "lm_head": ("dp",)}), mesh, "dp")
+    with pytest.raises(ValueError, match=r"replicas='ep' is not an axis of the mesh \{'dp': 2, 'tp': 2\}"):
+        check_replicas(Plan(), mesh, "ep")
+    with pytest.raises(TypeError, match=r"replicas must be a mesh axis name \(a str\), got int 2"):
+        check_replicas(Plan(), mesh, 2)
+    one = Mesh.abstract({"dp": 1, "tp": 1}, 0)
+    model = compile_model(load_checkpoint(model_dir, one), one, backend="none", max_seq_len=48, prefill_lengths=[8])
+    with pytest.raises(ValueError, match=r"replicas='dp' serve in lockstep across ranks: pass lockstep=True"):
+        Engine(model, blocks=20, block_size=4, replicas="dp")

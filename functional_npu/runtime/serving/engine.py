@@ -43,6 +43,7 @@ from ...models.paged import Layout, PagedKV, init_pools, layout_of, pool_bytes, 
 from ...parallel.offload import available_host_bytes
 from . import kv_blocks
 from .generate import check_sampling, check_token_ids, logprobs_of, sampler
+from .replicas import check_replicas, gather_logits, padded, replica_ranks
 
 __all__ = ["Request", "Event", "Engine", "stop_ids", "layout"]
 
@@ -182,6 +183,11 @@ class Engine:
             module parallel, layer-sharded series): rank 0 schedules, samples and yields the events, and sends each
             step's calls to the others, which run them in :meth:`follow` (the same calls, the same shapes) until
             rank 0's :meth:`close`. Every wait has the process group's timeout.
+        replicas: with ``lockstep``, a data-parallel mesh axis whose ranks serve requests of their own
+            (:mod:`.replicas`): rank 0 keeps a scheduler per index along it and gives each new request to the one with
+            the fewest, each step's calls run together at the largest of their batch buckets, and every rank runs its
+            own replica's; None: every rank runs rank 0's batch. Refused for the plan's tensor-parallel axis and an
+            axis module TP spreads modules over.
 
     Raises:
         ValueError / TypeError in one line naming the field, before anything is built: ``blocks`` or ``block_size``
@@ -196,6 +202,8 @@ class Engine:
     chunk: int | None = None
     stop: tuple[int, ...] = ()
     lockstep: bool = False
+    replicas: str | None = None
+    _shadow: bool = field(default=False, repr=False)  # another replica's bookkeeping on rank 0: no pools of its own
     _pool: kv_blocks.BlockPool = field(init=False, repr=False)
     _ring: kv_blocks.BlockPool | None = field(init=False, repr=False, default=None)
     _pools: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False, default_factory=list)
@@ -204,6 +212,9 @@ class Engine:
     _running: dict = field(init=False, repr=False, default_factory=dict)
     _ids: Iterator[int] = field(init=False, repr=False, default_factory=itertools.count)
     _order: Iterator[int] = field(init=False, repr=False, default_factory=itertools.count)
+    _me: int = field(init=False, repr=False, default=0)  # this rank's replica
+    _firsts: list[int] = field(init=False, repr=False, default_factory=list)  # each replica's first rank
+    _others: list = field(init=False, repr=False, default_factory=list)  # rank 0: every replica's engine, in order
 
     def __post_init__(self) -> None:
         model = self.model
@@ -231,15 +242,36 @@ class Engine:
                 f"max_seq_len {model.max_seq_len} ({self.width} blocks, and the null block): give at least "
                 f"blocks={self.width + 1} (kv_bytes={least} on each rank), or compile with a smaller max_seq_len"
             )
+        self._pool = kv_blocks.new_pool(blocks, bs)
+        self._ring = kv_blocks.new_pool(ring_blocks, bs) if ring_blocks else None
+        self.kv_bytes_used = pool_bytes(self.layout, blocks, bs, dtype, ring_blocks)
+        if self._shadow:
+            return
         self._check_fits(blocks, ring_blocks, dtype)
         if self.lockstep and not torch.distributed.is_initialized():
             raise ValueError(
                 "Engine(lockstep=True): the ranks' process group is not initialized (run under a launcher)"
             )
-        self._pool = kv_blocks.new_pool(blocks, bs)
-        self._ring = kv_blocks.new_pool(ring_blocks, bs) if ring_blocks else None
+        if self.replicas is not None:
+            self._start_replicas(blocks)
         self._pools = init_pools(self.layout, blocks, ring_blocks, bs, dtype, model.device)
-        self.kv_bytes_used = pool_bytes(self.layout, blocks, bs, dtype, ring_blocks)
+
+    def _start_replicas(self, blocks: int) -> None:
+        """Every rank: its replica along ``replicas`` and each replica's first rank (gathered from every rank); rank
+        0: a scheduler per replica, this engine its own replica's (:mod:`.replicas`)."""
+        n = check_replicas(self.model.plan, self.model.mesh, self.replicas)
+        if not self.lockstep:
+            raise ValueError(
+                f"Engine: replicas={self.replicas!r} serve in lockstep across ranks: pass lockstep=True (under a "
+                f"launcher)"
+            )
+        self._me = self.model.mesh.axis_index(self.replicas)
+        ranks: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, self._me)
+        self._firsts = replica_ranks(ranks, n)
+        if _rank() == 0:
+            kin = dict(blocks=blocks, block_size=self.block_size, chunk=self.chunk, stop=self.stop, _shadow=True)
+            self._others = [self if r == self._me else Engine(self.model, **kin) for r in range(n)]
 
     def _check_fits(self, blocks: int, ring_blocks: int, dtype: torch.dtype) -> None:
         """Refuse, before anything is built, a pool larger than the memory free on the model's device."""
@@ -271,7 +303,8 @@ class Engine:
         id = next(self._ids) if id is None else id
         if not isinstance(id, Hashable):
             raise TypeError(f"Engine.add: id must be hashable (a str or an int), got {type(id).__name__}")
-        if id in self._running or any(s.id == id for s in self._waiting):
+        engines = self._engines()
+        if any(id in e._running or any(s.id == id for s in e._waiting) for e in engines):
             raise ValueError(
                 f"Engine.add: request id {id!r} is already in the engine; give each request its own id (or none: the "
                 f"engine numbers them), or abort the first"
@@ -279,27 +312,40 @@ class Engine:
         check_request(request, self.model, id)
         stop = frozenset(self.stop if request.stop is None else request.stop)
         pick = sampler(request.temperature, request.top_k, request.top_p, request.seed)
-        self._waiting.append(_Seq(id, request, stop, pick, list(request.prompt)))
+        least = min(engines, key=lambda e: len(e._running) + len(e._waiting))  # the replica with the fewest requests
+        least._waiting.append(_Seq(id, request, stop, pick, list(request.prompt)))
         return id
+
+    def _engines(self) -> list[Engine]:
+        """Every replica's engine, in replica order (rank 0 of an engine with replicas), else this one."""
+        return self._others or [self]
+
+    def replica_of(self, id: Hashable) -> int | None:
+        """The replica request ``id`` is served by (0 without replicas); None: not in the engine."""
+        for r, e in enumerate(self._engines()):
+            if id in e._running or any(s.id == id for s in e._waiting):
+                return r
+        return None
 
     def abort(self, id: Hashable) -> Event | None:
         """End request ``id`` wherever it is, returning its blocks; its final event (None: not in the engine)."""
-        for seq in list(self._waiting):
-            if seq.id == id:
-                self._waiting.remove(seq)
+        for e in self._engines():
+            for seq in list(e._waiting):
+                if seq.id == id:
+                    e._waiting.remove(seq)
+                    return Event(id, finished="abort")
+            if id in e._running:
+                e._release(id)
                 return Event(id, finished="abort")
-        if id in self._running:
-            self._release(id)
-            return Event(id, finished="abort")
         return None
 
     @property
     def pool(self) -> kv_blocks.BlockPool:
-        """The KV pool's bookkeeping now (an immutable value)."""
+        """The KV pool's bookkeeping now (an immutable value): this rank's replica's, with ``replicas``."""
         return self._pool
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return any(e._waiting or e._running for e in self._engines())
 
     def run(self, requests: Iterable[Request]) -> Iterator[Event]:
         """Serve ``requests`` (ids 0, 1, ... in order unless the engine has given ids already) and yield their
@@ -316,20 +362,46 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Admit, prefill a chunk, decode a token (see the module docstring); the events of this step."""
+        """Admit, prefill a chunk, decode a token (see the module docstring); the events of this step. With
+        ``replicas``, every replica's step, their calls run together (one call of each kind at the largest of their
+        batch buckets, a replica without one running padding)."""
+        if self._others:
+            return self._step_replicas()
         self._admit()
         events: dict[Hashable, Event] = {}
-        prefilling = [s for s in self._running.values() if s.prefilling]
-        if prefilling:
-            self._prefill(prefilling[: max(self.model.batch_sizes)], events)
-        decoding = [s for s in self._running.values() if not s.prefilling and s.id not in events]
-        decoding = self._make_room(decoding)
-        if decoding:
-            self._decode(decoding, events)
+        for build, done in ((self._prefill_call, self._prefill_done), (self._decode_call, self._decode_done)):
+            built = build(events)
+            if built is not None:
+                done(built[1], self._execute(built[0]), events)
+        self._check_pools()
+        return list(events.values())
+
+    def _step_replicas(self) -> list[Event]:
+        engines = self._others
+        events: list[dict[Hashable, Event]] = [{} for _ in engines]
+        for e in engines:
+            e._admit()
+        for kind, build, done in (
+            ("extend", "_prefill_call", "_prefill_done"),
+            ("decode", "_decode_call", "_decode_done"),
+        ):
+            built = [getattr(e, build)(ev) for e, ev in zip(engines, events)]
+            if all(b is None for b in built):
+                continue
+            batch = max(b[0].batch for b in built if b is not None)
+            calls = [padded(b and b[0], kind, batch, self.width, self.ring_width, self.chunk) for b in built]
+            logits = self._execute_replicas(calls)
+            for e, b, got, ev in zip(engines, built, logits, events):
+                if b is not None:
+                    getattr(e, done)(b[1], got, ev)
+        for e in engines:
+            e._check_pools()
+        return [event for ev in events for event in ev.values()]
+
+    def _check_pools(self) -> None:
         kv_blocks.check(self._pool)
         if self._ring is not None:
             kv_blocks.check(self._ring)
-        return list(events.values())
 
     def _admit(self) -> None:
         rows = max(self.model.batch_sizes)
@@ -399,6 +471,11 @@ class Engine:
             _send(call)
         return self._run_call(call)
 
+    def _execute_replicas(self, calls: list[Call]) -> list[torch.Tensor]:
+        """Rank 0 of an engine with replicas: each replica's call run by its ranks; each replica's logits."""
+        _send(("replicas", calls))
+        return gather_logits(self._run_call(calls[self._me]), calls, self._firsts)
+
     def _run_call(self, call: Call) -> torch.Tensor:
         state = self._state(call.batch)
         tables = {w is None: layer.table for layer, w in zip(state.kv, self.layout.windows)}
@@ -415,7 +492,9 @@ class Engine:
         if not self.lockstep or _rank() == 0:
             raise ValueError("Engine.follow: only the other ranks of a lockstep engine follow rank 0's calls")
         while (call := _receive()) is not None:
-            if call != "idle":
+            if isinstance(call, tuple):  # ("replicas", a call per replica): this rank's, then every rank's logits
+                gather_logits(self._run_call(call[1][self._me]), call[1], self._firsts)
+            elif call != "idle":
                 self._run_call(call)
 
     def keepalive(self) -> None:
@@ -429,7 +508,12 @@ class Engine:
         if self.lockstep and _rank() == 0:
             _send(None)
 
-    def _prefill(self, seqs: list[_Seq], events: dict[Hashable, Event]) -> None:
+    def _prefill_call(self, events: dict[Hashable, Event]) -> tuple[Call, list[_Seq]] | None:
+        """The call that puts the next chunk of the admitted requests still prefilling into the cache (at most the
+        largest batch bucket of them), and those requests; None: none is prefilling."""
+        seqs = [s for s in self._running.values() if s.prefilling][: max(self.model.batch_sizes)]
+        if not seqs:
+            return None
         batch = _bucket(self.model.batch_sizes, len(seqs))
         tokens = torch.zeros(batch, self.chunk, dtype=torch.long)
         positions = torch.zeros(batch, self.chunk, dtype=torch.long)
@@ -442,17 +526,26 @@ class Engine:
             last[r] = len(part) - 1
             s.cached = end
         # the logits of each row's last token of the chunk alone: the head's D x V product on one row, not a chunk's
-        call = Call("extend", batch, tokens, positions, *self._tables(seqs, batch), last=torch.tensor(last))
-        logits = self._execute(call)
+        return Call("extend", batch, tokens, positions, *self._tables(seqs, batch), last=torch.tensor(last)), seqs
+
+    def _prefill_done(self, seqs: list[_Seq], logits: torch.Tensor, events: dict[Hashable, Event]) -> None:
         for r, s in enumerate(seqs):
             if s.cached == len(s.tokens):  # the whole sequence is cached: its next token comes from this chunk
                 self._emit(s, logits[r], events)
 
-    def _decode(self, seqs: list[_Seq], events: dict[Hashable, Event]) -> None:
+    def _decode_call(self, events: dict[Hashable, Event]) -> tuple[Call, list[_Seq]] | None:
+        """The call that decodes one token of every request whose tokens are all cached (and had no token this step),
+        blocks made for them first; None: none is decoding."""
+        seqs = [s for s in self._running.values() if not s.prefilling and s.id not in events]
+        seqs = self._make_room(seqs)
+        if not seqs:
+            return None
         batch = _bucket(self.model.batch_sizes, len(seqs))
         tokens = torch.tensor([s.tokens[-1] for s in seqs])
         positions = torch.tensor([len(s.tokens) - 1 for s in seqs])
-        logits = self._execute(Call("decode", batch, tokens, positions, *self._tables(seqs, batch)))
+        return Call("decode", batch, tokens, positions, *self._tables(seqs, batch)), seqs
+
+    def _decode_done(self, seqs: list[_Seq], logits: torch.Tensor, events: dict[Hashable, Event]) -> None:
         for r, s in enumerate(seqs):
             s.cached = len(s.tokens)
             self._emit(s, logits[r], events)
@@ -517,7 +610,7 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _send(call: Call | str | None) -> None:
+def _send(call: Call | tuple | str | None) -> None:
     """Rank 0: ``call`` (None: the end) to every rank of the default group."""
     torch.distributed.broadcast_object_list([call], src=0)
 

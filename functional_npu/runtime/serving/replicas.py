@@ -1,0 +1,107 @@
+"""Engine replicas: the ranks along a data-parallel mesh axis serve requests of their own, in lockstep.
+
+Without replicas a lockstep engine runs one batch on every rank: under a plan whose collectives span a data-parallel
+axis (its layer-sharded series fetched from their owners, experts spread over it), every rank along that axis computes
+the same rows, and adding ranks adds memory but no throughput. With ``Engine(replicas=axis)`` rank 0 keeps one
+scheduler per index along ``axis`` (each with its own requests and the bookkeeping of its own KV pool: every replica's
+ranks hold pools of the same size), and each step's calls run together: a call of each kind at the largest of the
+replicas' batch buckets (the same shapes on every rank, as the collectives inside need), a replica with no call of
+that kind running padding rows that write the null block alone. Each rank runs its own replica's call; the logits
+come back to rank 0, which samples every replica's rows with their requests' own samplers.
+
+A replica's requests get the tokens they would get alone: their rows read only their own blocks, and nothing in the
+forward mixes rows across ranks but collectives that carry weights (the ring's broadcasts) or that route each row
+and return it (expert dispatch). Collectives that compute one batch across the axis do not: tensor parallelism over
+it, and module TP over it (whose modules take the group's rows as one batch), are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["check_replicas", "padded", "gather_logits", "replica_ranks"]
+
+
+def check_replicas(plan: Any, mesh: Any, axis: Any) -> int:
+    """The number of replicas along ``axis``; refused in one line naming the axis and the plan field that computes
+    one batch across it (tensor parallelism, module TP), or an axis the mesh lacks."""
+    if not isinstance(axis, str):
+        raise TypeError(f"Engine: replicas must be a mesh axis name (a str), got {type(axis).__name__} {axis!r}")
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"Engine: replicas={axis!r} is not an axis of the mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}; "
+            f"name the data-parallel axis whose ranks serve requests of their own"
+        )
+    if plan.tp == axis and mesh.axis_size(axis) > 1:
+        raise ValueError(
+            f"Engine: replicas={axis!r} is the plan's tensor-parallel axis (plan.tp): its ranks compute one batch "
+            f"together; name a data-parallel axis"
+        )
+    over = [f.name for f in dataclasses.fields(plan.module_tp) if axis in getattr(plan.module_tp, f.name)]
+    if over and mesh.axis_size(axis) > 1:
+        raise ValueError(
+            f"Engine: replicas={axis!r}, and the plan's module TP spreads {over} over it (plan.module_tp): those "
+            f"modules take the axis's rows as one batch; serve without replicas (every rank runs rank 0's batch), or "
+            f"drop {axis!r} from plan.module_tp"
+        )
+    return mesh.axis_size(axis)
+
+
+def replica_ranks(replica_of_rank: Sequence[int], replicas: int) -> list[int]:
+    """For each replica, the first rank that serves it (its logits are the replica's: every rank of a replica
+    computes the same ones)."""
+    firsts = [replica_of_rank.index(r) if r in replica_of_rank else -1 for r in range(replicas)]
+    missing = [r for r, rank in enumerate(firsts) if rank < 0]
+    if missing:
+        raise ValueError(f"Engine: no rank serves replicas {missing} (the ranks' replicas: {list(replica_of_rank)})")
+    return firsts
+
+
+def padded(call: Any, kind: str, batch: int, width: int, ring_width: int, chunk: int) -> Any:
+    """``call`` with its rows padded to the ``batch`` bucket (pad rows: token 0 at position 0, every table entry the
+    null block), or for None a call of that ``kind`` of padding alone (a decode of one pad row)."""
+    from .engine import Call
+
+    def rows(t: torch.Tensor | None, w: int) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, t.new_zeros(batch - t.shape[0], w)]) if t.shape[0] < batch else t
+
+    if call is None:
+        ring = torch.zeros(batch, ring_width, dtype=torch.long) if ring_width else None
+        table = torch.zeros(batch, width, dtype=torch.long)
+        if kind == "decode":
+            return Call(
+                "decode", batch, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), table, ring
+            )
+        zeros = torch.zeros(batch, chunk, dtype=torch.long)
+        return Call("extend", batch, zeros, zeros.clone(), table, ring, last=torch.zeros(batch, dtype=torch.long))
+    if call.batch == batch:
+        return call
+    if kind == "decode":  # tokens [n]: the model pads them to the state's batch
+        return Call(
+            "decode", batch, call.tokens, call.positions, rows(call.rows, width), rows(call.ring_rows, ring_width)
+        )
+    return Call(
+        "extend", batch, rows(call.tokens, chunk), rows(call.positions, chunk), rows(call.rows, width),
+        rows(call.ring_rows, ring_width), last=torch.cat([call.last, call.last.new_zeros(batch - call.batch)]),
+    )  # fmt: skip
+
+
+def gather_logits(out: torch.Tensor, calls: Sequence[Any], firsts: Sequence[int]) -> list[torch.Tensor]:
+    """Every rank: its call's logits ``out [n, V]``, padded to its batch, gathered from every rank of the default
+    group (the ranks' calls share one batch); each replica's rows (``[n_r, V]``, its first rank's)."""
+    batch = calls[0].batch
+    mine = torch.cat([out, out.new_zeros(batch - out.shape[0], out.shape[1])]) if out.shape[0] < batch else out
+    every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(every, mine.contiguous())
+    return [every[rank][: _rows(call)] for rank, call in zip(firsts, calls)]
+
+
+def _rows(call: Any) -> int:
+    """The rows of logits a call returns: a decode's tokens, an extend's batch."""
+    return call.tokens.shape[0] if call.kind == "decode" else call.batch
