@@ -15,9 +15,10 @@ The bench model (:data:`benchmarks.configs.QUICK`) in fp32 on :data:`WORLD` gloo
   lockstep over the ranks whose KV budget is what the rank's budget leaves after what it really holds (its params,
   counted by storage; the prefetch ring and the activations as the planner prices them): the engine's pool decides
   how many sequences run at once (at most ``max-seqs`` over the data-parallel ranks); it serves ``3 x`` that many
-  requests of ``prompt`` tokens each, generating to the context (no stop id), timed on rank 0, rounds interleaved
-  across plans. Every rank runs rank 0's calls; a plan with ``dp`` data-parallel ranks serves ``dp`` times the
-  engine's tokens (each dp rank runs the same shapes on its own requests), which is how the planner counts it.
+  requests of ``prompt`` tokens each per data-parallel rank, generating to the context (no stop id), timed on rank 0,
+  rounds interleaved across plans. A plan with ``dp`` data-parallel ranks serves through engine replicas over them
+  (``Engine(replicas=...)``: each dp rank runs requests of its own, in lockstep with the others), and its tokens/s is
+  every replica's tokens over the wall time. (Runs before engine replicas multiplied one batch's tokens by ``dp``.)
 
 The report: per plan the batch predicted and admitted, predicted and measured tokens/s (median and spread), the
 model's error, what each rank held against the budget; and how far the planner's choice is from the best measured
@@ -81,7 +82,9 @@ def _engine(ctx: Any, path: str, served: Any, memory: float, args: argparse.Name
     def build(rows: int) -> Engine:
         model = compile_model(params, mesh, backend="inductor", batch_sizes=[rows], max_seq_len=args.context,
                               prefill_lengths=[args.prompt])  # fmt: skip
-        return Engine(model, kv_bytes=kv_bytes, block_size=BLOCK, chunk=args.prompt, stop=(), lockstep=True)
+        replicas = dp_axes(mesh, candidate.plan.tp) if dp > 1 else None  # each dp rank serves requests of its own
+        return Engine(model, kv_bytes=kv_bytes, block_size=BLOCK, chunk=args.prompt, stop=(), lockstep=True,
+                      replicas=replicas)  # fmt: skip
 
     engine = build(rows)
     fits = (engine.pool.size - 1) // math.ceil(args.context / BLOCK)
@@ -108,7 +111,8 @@ def _rank(ctx: Any, path: str, served: dict, memory: float, args: argparse.Names
     engines = {name: _engine(ctx, path, s, memory, args) for name, s in served.items()}
     for engine, _, _ in engines.values():  # compile the decode and the chunk's graphs, warm the collectives
         _serve(engine, 2, args)
-    runs = {name: (lambda e=e: _serve(e, 3 * max(e.model.batch_sizes), args)) for name, (e, _, _) in engines.items()}
+    runs = {name: (lambda e=e, dp=dp: _serve(e, 3 * max(e.model.batch_sizes) * dp, args))
+            for name, (e, dp, _) in engines.items()}  # fmt: skip
     times = timing.rounds(runs, args.rounds)
     held = {}
     for name, (_, _, counted) in engines.items():  # the ring as the planner prices it (k + 1 slots of one layer)
@@ -135,7 +139,7 @@ def measure(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     rows = {}
     for name, s in fitting.items():
         dp = first["dp"][name]
-        rates = [dp * tokens / seconds for seconds, tokens in first["times"][name]]
+        rates = [tokens / seconds for seconds, tokens in first["times"][name]]  # every replica's tokens
         held = max(r["held"][name]["total"] for r in ranks)
         rows[name] = {
             "batch_predicted": s.batch,

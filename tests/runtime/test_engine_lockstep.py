@@ -63,19 +63,26 @@ REPLICA_NEW = [6, 9, 4, 7, 5, 8]
 
 
 @pytest.mark.parametrize(
-    "moe, plan",
+    "moe, axes, plan, replicas",
     [
-        (False, {"layer_shard": "o_proj,down_proj", "prefetch_step": 1}),
-        (True, {"expert_axes": ("dp",)}),
+        (False, {"dp": 2, "tp": 1}, {"layer_shard": "o_proj,down_proj", "prefetch_step": 1}, "dp"),
+        (True, {"dp": 2, "tp": 1}, {"expert_axes": ("dp",)}, "dp"),
+        (
+            False,
+            {"dp": 1, "dp2": 2, "tp": 1},
+            {"module_tp": {m: ("dp2",) for m in ("o_proj", "lm_head", "embed", "mlp")}},
+            ("dp", "dp2"),
+        ),
     ],
-    ids=["layer-shard-dp2-k1", "moe-experts-over-dp2"],
+    ids=["layer-shard-dp2-k1", "moe-experts-over-dp2", "module-tp-dp2"],
 )
-def test_replicas_serve_requests_of_their_own_as_generate_alone(world2, model_dir, moe_dir, moe, plan):
-    """Engine(replicas="dp") on dp = 2: the requests are spread over both replicas, each gets the tokens of generating
-    it alone on one rank (a model loaded without the plan), in fewer steps than one batch on both ranks takes (batch
-    buckets of at most 2: two replicas hold twice the rows), and every replica's pool ends empty."""
+def test_replicas_serve_requests_of_their_own_as_generate_alone(world2, model_dir, moe_dir, moe, axes, plan, replicas):
+    """Engine(replicas=...) over 2 data-parallel ranks: the requests are spread over both replicas, each gets the
+    tokens of generating it alone on one rank (a model loaded without the plan), in fewer steps than one batch on
+    both ranks takes (batch buckets of at most 2: two replicas hold twice the rows), and every replica's pool ends
+    empty. Under module TP each module's exchanges take both ranks' own rows."""
     first, other = world2.run(
-        served_by_replicas, moe_dir if moe else model_dir, {"dp": 2, "tp": 1}, plan, REPLICA_PROMPTS, REPLICA_NEW, "dp"
+        served_by_replicas, moe_dir if moe else model_dir, axes, plan, REPLICA_PROMPTS, REPLICA_NEW, replicas
     )
     assert other is None
     replicas, one = first["replicas"], first["one_batch"]
@@ -85,22 +92,23 @@ def test_replicas_serve_requests_of_their_own_as_generate_alone(world2, model_di
     assert replicas["free"] and one["free"]
 
 
-def test_replicas_over_an_axis_that_computes_one_batch_are_refused(model_dir):
-    """Tensor parallelism and module TP take an axis's rows as one batch: replicas over it are refused by name, and
-    so are an axis the mesh lacks, a name that is not a str, and replicas without lockstep."""
+def test_replicas_over_the_tensor_parallel_axis_or_no_axis_are_refused(model_dir):
+    """Tensor parallelism computes one batch across its axis: replicas over it are refused by name, and so are an
+    axis the mesh lacks, a repeated one, a name that is not a str, and replicas without lockstep."""
     from functional_npu import Mesh, Plan, compile_model, load_checkpoint
     from functional_npu.runtime.serving import Engine
     from functional_npu.runtime.serving.replicas import check_replicas
 
-    mesh = Mesh.abstract({"dp": 2, "tp": 2}, 0)
-    assert check_replicas(Plan(expert_axes=("dp",)), mesh, "dp") == 2
-    with pytest.raises(ValueError, match=r"^Engine: replicas='tp' is the plan's tensor-parallel axis \(plan.tp\)"):
-        check_replicas(Plan(), mesh, "tp")
-    with pytest.raises(ValueError, match=r"module TP spreads \['o_proj', 'lm_head'\] over it \(plan.module_tp\)"):
-        check_replicas(Plan(module_tp={"o_proj": ("dp",), "lm_head": ("dp",)}), mesh, "dp")
-    with pytest.raises(ValueError, match=r"replicas='ep' is not an axis of the mesh \{'dp': 2, 'tp': 2\}"):
+    mesh = Mesh.abstract({"dp": 2, "dp2": 2, "tp": 2}, 0)
+    assert check_replicas(Plan(expert_axes=("dp",)), mesh, "dp") == (("dp",), 2)
+    assert check_replicas(Plan(module_tp={"o_proj": ("dp2",)}), mesh, ("dp", "dp2")) == (("dp", "dp2"), 4)
+    with pytest.raises(ValueError, match=r"^Engine: replicas=\('dp', 'tp'\) include the plan's tensor-parallel axis"):
+        check_replicas(Plan(), mesh, ("dp", "tp"))
+    with pytest.raises(ValueError, match=r"replicas='ep' are not distinct axes of the mesh .* \(\['ep'\]\)"):
         check_replicas(Plan(), mesh, "ep")
-    with pytest.raises(TypeError, match=r"replicas must be a mesh axis name \(a str\), got int 2"):
+    with pytest.raises(ValueError, match=r"replicas=\('dp', 'dp'\) are not distinct axes .* \(repeated\)"):
+        check_replicas(Plan(), mesh, ("dp", "dp"))
+    with pytest.raises(TypeError, match=r"replicas must be a mesh axis name or a tuple of them, got int 2"):
         check_replicas(Plan(), mesh, 2)
     one = Mesh.abstract({"dp": 1, "tp": 1}, 0)
     model = compile_model(load_checkpoint(model_dir, one), one, backend="none", max_seq_len=48, prefill_lengths=[8])

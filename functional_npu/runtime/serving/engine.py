@@ -183,11 +183,11 @@ class Engine:
             module parallel, layer-sharded series): rank 0 schedules, samples and yields the events, and sends each
             step's calls to the others, which run them in :meth:`follow` (the same calls, the same shapes) until
             rank 0's :meth:`close`. Every wait has the process group's timeout.
-        replicas: with ``lockstep``, a data-parallel mesh axis whose ranks serve requests of their own
-            (:mod:`.replicas`): rank 0 keeps a scheduler per index along it and gives each new request to the one with
-            the fewest, each step's calls run together at the largest of their batch buckets, and every rank runs its
-            own replica's; None: every rank runs rank 0's batch. Refused for the plan's tensor-parallel axis and an
-            axis module TP spreads modules over.
+        replicas: with ``lockstep``, the data-parallel mesh axis (or axes: a split one, as module TP makes) whose
+            ranks serve requests of their own (:mod:`.replicas`): rank 0 keeps a scheduler per index along them and
+            gives each new request to the one with the fewest, each step's calls run together at the largest of their
+            batch buckets, and every rank runs its own replica's; None: every rank runs rank 0's batch. Refused for
+            the plan's tensor-parallel axis.
 
     Raises:
         ValueError / TypeError in one line naming the field, before anything is built: ``blocks`` or ``block_size``
@@ -202,7 +202,7 @@ class Engine:
     chunk: int | None = None
     stop: tuple[int, ...] = ()
     lockstep: bool = False
-    replicas: str | None = None
+    replicas: str | tuple[str, ...] | None = None
     _shadow: bool = field(default=False, repr=False)  # another replica's bookkeeping on rank 0: no pools of its own
     _pool: kv_blocks.BlockPool = field(init=False, repr=False)
     _ring: kv_blocks.BlockPool | None = field(init=False, repr=False, default=None)
@@ -259,13 +259,13 @@ class Engine:
     def _start_replicas(self, blocks: int) -> None:
         """Every rank: its replica along ``replicas`` and each replica's first rank (gathered from every rank); rank
         0: a scheduler per replica, this engine its own replica's (:mod:`.replicas`)."""
-        n = check_replicas(self.model.plan, self.model.mesh, self.replicas)
+        axes, n = check_replicas(self.model.plan, self.model.mesh, self.replicas)
         if not self.lockstep:
             raise ValueError(
                 f"Engine: replicas={self.replicas!r} serve in lockstep across ranks: pass lockstep=True (under a "
                 f"launcher)"
             )
-        self._me = self.model.mesh.axis_index(self.replicas)
+        self._me = self.model.mesh.axis_index(axes)
         ranks: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, self._me)
         self._firsts = replica_ranks(ranks, n)

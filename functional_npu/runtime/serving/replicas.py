@@ -1,23 +1,22 @@
-"""Engine replicas: the ranks along a data-parallel mesh axis serve requests of their own, in lockstep.
+"""Engine replicas: the ranks along data-parallel mesh axes serve requests of their own, in lockstep.
 
 Without replicas a lockstep engine runs one batch on every rank: under a plan whose collectives span a data-parallel
 axis (its layer-sharded series fetched from their owners, experts spread over it), every rank along that axis computes
-the same rows, and adding ranks adds memory but no throughput. With ``Engine(replicas=axis)`` rank 0 keeps one
-scheduler per index along ``axis`` (each with its own requests and the bookkeeping of its own KV pool: every replica's
+the same rows, and adding ranks adds memory but no throughput. With ``Engine(replicas=axes)`` rank 0 keeps one
+scheduler per index along ``axes`` (each with its own requests and the bookkeeping of its own KV pool: every replica's
 ranks hold pools of the same size), and each step's calls run together: a call of each kind at the largest of the
 replicas' batch buckets (the same shapes on every rank, as the collectives inside need), a replica with no call of
 that kind running padding rows that write the null block alone. Each rank runs its own replica's call; the logits
 come back to rank 0, which samples every replica's rows with their requests' own samplers.
 
-A replica's requests get the tokens they would get alone: their rows read only their own blocks, and nothing in the
-forward mixes rows across ranks but collectives that carry weights (the ring's broadcasts) or that route each row
-and return it (expert dispatch). Collectives that compute one batch across the axis do not: tensor parallelism over
-it, and module TP over it (whose modules take the group's rows as one batch), are refused.
+A replica's requests get the tokens they would get alone: their rows read only their own blocks, and the collectives
+that span data-parallel ranks carry weights (the ring's broadcasts) or take each rank's own rows and give them back
+(expert dispatch, module TP's exchanges, which were built for data-parallel attention). Tensor parallelism computes
+one batch across its axis: replicas over it are refused.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,29 +25,28 @@ import torch
 __all__ = ["check_replicas", "padded", "gather_logits", "replica_ranks"]
 
 
-def check_replicas(plan: Any, mesh: Any, axis: Any) -> int:
-    """The number of replicas along ``axis``; refused in one line naming the axis and the plan field that computes
-    one batch across it (tensor parallelism, module TP), or an axis the mesh lacks."""
-    if not isinstance(axis, str):
-        raise TypeError(f"Engine: replicas must be a mesh axis name (a str), got {type(axis).__name__} {axis!r}")
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"Engine: replicas={axis!r} is not an axis of the mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))}; "
-            f"name the data-parallel axis whose ranks serve requests of their own"
+def check_replicas(plan: Any, mesh: Any, axes: Any) -> tuple[tuple[str, ...], int]:
+    """``axes`` (one mesh axis or several: a split data-parallel axis, as module TP makes) as a tuple, and the number
+    of replicas along them; refused in one line naming the axis: one the mesh lacks, or the plan's tensor-parallel
+    axis (its ranks compute one batch together)."""
+    names = (axes,) if isinstance(axes, str) else axes
+    if not isinstance(names, (tuple, list)) or not names or not all(isinstance(a, str) for a in names):
+        raise TypeError(
+            f"Engine: replicas must be a mesh axis name or a tuple of them, got {type(axes).__name__} {axes!r}"
         )
-    if plan.tp == axis and mesh.axis_size(axis) > 1:
+    names = tuple(names)
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing or len(set(names)) != len(names):
         raise ValueError(
-            f"Engine: replicas={axis!r} is the plan's tensor-parallel axis (plan.tp): its ranks compute one batch "
-            f"together; name a data-parallel axis"
+            f"Engine: replicas={axes!r} are not distinct axes of the mesh {mesh.shape} ({missing or 'repeated'}); "
+            f"name the data-parallel axes whose ranks serve requests of their own"
         )
-    over = [f.name for f in dataclasses.fields(plan.module_tp) if axis in getattr(plan.module_tp, f.name)]
-    if over and mesh.axis_size(axis) > 1:
+    if plan.tp in names and mesh.axis_size(plan.tp) > 1:
         raise ValueError(
-            f"Engine: replicas={axis!r}, and the plan's module TP spreads {over} over it (plan.module_tp): those "
-            f"modules take the axis's rows as one batch; serve without replicas (every rank runs rank 0's batch), or "
-            f"drop {axis!r} from plan.module_tp"
+            f"Engine: replicas={axes!r} include the plan's tensor-parallel axis {plan.tp!r} (plan.tp): its ranks "
+            f"compute one batch together; name the data-parallel axes"
         )
-    return mesh.axis_size(axis)
+    return names, mesh.axis_size(names)
 
 
 def replica_ranks(replica_of_rank: Sequence[int], replicas: int) -> list[int]:
