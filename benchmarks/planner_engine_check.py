@@ -18,7 +18,9 @@ The bench model (:data:`benchmarks.configs.QUICK`) in fp32 on :data:`WORLD` gloo
   requests of ``prompt`` tokens each per data-parallel rank, generating to the context (no stop id), timed on rank 0,
   rounds interleaved across plans. A plan with ``dp`` data-parallel ranks serves through engine replicas over them
   (``Engine(replicas=...)``: each dp rank runs requests of its own, in lockstep with the others), and its tokens/s is
-  every replica's tokens over the wall time. (Runs before engine replicas multiplied one batch's tokens by ``dp``.)
+  every replica's tokens over the wall time. Beside it, in the same rounds, the same plan with every rank running rank
+  0's batch: its tokens/s times ``dp`` (what runs before engine replicas reported) is what the replicas would serve
+  with no lockstep cost, and the ratio, round by round, is that cost.
 
 The report: per plan the batch predicted and admitted, predicted and measured tokens/s (median and spread), the
 model's error, what each rank held against the budget; and how far the planner's choice is from the best measured
@@ -60,6 +62,7 @@ CHOSEN = (
     "dp 2 x tp 1, o_proj,down_proj layer-sharded over dp",
 )
 BLOCK = 16
+ONE_BATCH = "one batch: "  # the key of a dp plan run with every rank on rank 0's batch
 
 
 def predicted(cfg: Any, device: Any, work: Workload, memory: float) -> dict[str, Any]:
@@ -68,9 +71,12 @@ def predicted(cfg: Any, device: Any, work: Workload, memory: float) -> dict[str,
     return {name: serve_estimate(cfg, by_name[name], device, work, memory_per_device=memory) for name in CHOSEN}
 
 
-def _engine(ctx: Any, path: str, served: Any, memory: float, args: argparse.Namespace) -> tuple[Engine, int, dict]:
+def _engine(
+    ctx: Any, path: str, served: Any, memory: float, args: argparse.Namespace, replicated: bool = True
+) -> tuple[Engine, int, dict]:
     """The plan's engine on this rank: its KV budget what ``memory`` leaves after the params held, the planner's
-    ring and activations; its batch the most sequences that pool holds (at most the plan's share of max-seqs)."""
+    ring and activations; its batch the most sequences that pool holds (at most the plan's share of max-seqs).
+    ``replicated``: its dp ranks are replicas serving requests of their own; else every rank runs rank 0's batch."""
     candidate = served.candidate
     mesh = ctx.mesh(candidate.axes)
     dp = mesh.axis_size(dp_axes(mesh, candidate.plan.tp))
@@ -82,7 +88,7 @@ def _engine(ctx: Any, path: str, served: Any, memory: float, args: argparse.Name
     def build(rows: int) -> Engine:
         model = compile_model(params, mesh, backend="inductor", batch_sizes=[rows], max_seq_len=args.context,
                               prefill_lengths=[args.prompt])  # fmt: skip
-        replicas = dp_axes(mesh, candidate.plan.tp) if dp > 1 else None  # each dp rank serves requests of its own
+        replicas = dp_axes(mesh, candidate.plan.tp) if dp > 1 and replicated else None
         return Engine(model, kv_bytes=kv_bytes, block_size=BLOCK, chunk=args.prompt, stop=(), lockstep=True,
                       replicas=replicas)  # fmt: skip
 
@@ -113,6 +119,13 @@ def _rank(ctx: Any, path: str, served: dict, memory: float, args: argparse.Names
         _serve(engine, 2, args)
     runs = {name: (lambda e=e, dp=dp: _serve(e, 3 * max(e.model.batch_sizes) * dp, args))
             for name, (e, dp, _) in engines.items()}  # fmt: skip
+    # beside each dp plan, the same plan with every rank running rank 0's batch (what ran before engine replicas):
+    # its tokens times dp is what the replicas would serve with no lockstep cost
+    single = {name: _engine(ctx, path, served[name], memory, args, replicated=False)[0]
+              for name, (_, dp, _) in engines.items() if dp > 1}  # fmt: skip
+    for name, engine in single.items():
+        _serve(engine, 2, args)
+        runs[ONE_BATCH + name] = lambda e=engine: _serve(e, 3 * max(e.model.batch_sizes), args)
     times = timing.rounds(runs, args.rounds)
     held = {}
     for name, (_, _, counted) in engines.items():  # the ring as the planner prices it (k + 1 slots of one layer)
@@ -141,6 +154,8 @@ def measure(args: argparse.Namespace, device: Any) -> dict[str, Any]:
         dp = first["dp"][name]
         rates = [tokens / seconds for seconds, tokens in first["times"][name]]  # every replica's tokens
         held = max(r["held"][name]["total"] for r in ranks)
+        one = first["times"].get(ONE_BATCH + name)
+        ideal = [dp * tokens / seconds for seconds, tokens in one] if one else None  # one batch's tokens times dp
         rows[name] = {
             "batch_predicted": s.batch,
             "batch_admitted": first["rows"][name] * dp,
@@ -150,6 +165,8 @@ def measure(args: argparse.Namespace, device: Any) -> dict[str, Any]:
             "held": [r["held"][name] for r in ranks],
             "within_budget": held <= memory,
             "predicted_bytes": s.bytes,
+            "one_batch_times_dp": timing.stats(ideal) if ideal else None,
+            "replicas_over_one_batch_times_dp": timing.stats([a / b for a, b in zip(rates, ideal)]) if ideal else None,
         }
     names = list(rows)
     pred = [rows[n]["predicted_tokens_per_s"] for n in names]
@@ -183,6 +200,12 @@ def table(r: dict) -> str:
             f"{m['median']:.0f} ({m['min']:.0f}-{m['max']:.0f}) | {row['model_error']:+.0%} | "
             f"{held:.0f} / {r['memory_mb']:.0f} |"
         )
+    ratios = {n: row["replicas_over_one_batch_times_dp"] for n, row in r["plans"].items()}
+    lines += [
+        f"- {name}: replicas serve {x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f}) one batch's tokens/s times dp"
+        for name, x in ratios.items()
+        if x
+    ]
     lines.append(
         f"\nKendall tau {r['kendall_tau']:.2f}; median |error| {r['median_abs_error']:.0%}; the planner's choice "
         f"{r['chosen']!r} is {r['chosen_vs_best_measured']:+.1%} from the best measured ({r['best_measured']!r})"

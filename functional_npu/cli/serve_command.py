@@ -5,7 +5,9 @@
 (:mod:`functional_npu.runtime.serving.server`). Text prompts need the checkpoint's ``tokenizer.json``; token ids
 always work. Requests that name no stop ids stop at the checkpoint's ``eos_token_id``.
 
-With ``--tp N`` the ranks serve in lockstep (rank 0 runs the HTTP server). A rank that dies ends every rank within
+With ``--tp N`` the ranks serve in lockstep (rank 0 runs the HTTP server); with ``--dp N`` the data-parallel ranks are
+engine replicas, each serving requests of its own (``--layer-shard SERIES``: those series spread over them, each
+layer fetched through the prefetch ring). A rank that dies ends every rank within
 ``--timeout`` (the world stops them all); the command prints why in one line and, when the server had come up, keeps
 the port answering 503 with that reason until it is stopped (a client is told, not left waiting).
 """
@@ -19,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .args import positive, positive_number
+from .args import nonnegative, positive, positive_number
 from .tokenizer import read_tokenizer
 
 __all__ = ["add_parser", "run_serve", "build_engine"]
@@ -32,6 +34,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on; default 127.0.0.1 (this machine)")
     p.add_argument("--port", type=positive, default=8000)
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel local ranks serving in lockstep")
+    p.add_argument(
+        "--dp", type=positive, default=1,
+        help="data-parallel local ranks (times --tp): replicas serving requests of their own, in lockstep",
+    )  # fmt: skip
+    p.add_argument(
+        "--layer-shard", metavar="SERIES", default=None,
+        help="layer-shard these weight series over the --dp ranks (comma-separated, as generate's --layer-shard)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefetch-step", type=nonnegative, default=None, metavar="K",
+        help="with --layer-shard: fetch layer l+K's weights while layer l computes; default 1",
+    )  # fmt: skip
     p.add_argument(
         "--timeout", type=positive_number("seconds"), default=60.0,
         help="seconds a rank waits for another before the server stops (a dead rank: 503 within it); default 60",
@@ -51,21 +65,29 @@ def add_parser(sub: Any) -> None:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """What every rank needs to build its engine (picklable)."""
     keys = ("model", "dtype", "backend", "max_seq_len", "batch_sizes", "chunk", "block_size", "blocks", "kv_gb", "tp",
-            "timeout")  # fmt: skip
+            "dp", "layer_shard", "prefetch_step", "timeout")  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 
 def build_engine(ctx: Any, o: dict[str, Any]) -> Any:
-    """This rank's compiled model and engine (in lockstep over ``tp`` ranks when ``tp > 1``)."""
+    """This rank's compiled model and engine: in lockstep over ``dp x tp`` ranks when there are several, the ``dp``
+    ranks replicas serving requests of their own (``--layer-shard``: the series spread over them)."""
     import torch
 
+    from ..parallel.layer_shard import layer_shard
     from ..parallel.plan import Plan
-    from ..runtime.loading import load_checkpoint
+    from ..runtime.loading import load_checkpoint, read_config
     from ..runtime.serving import Engine, compile_model, stop_ids
 
-    mesh = ctx.mesh({"tp": o["tp"]})
+    dp = o["dp"]
+    mesh = ctx.mesh({"dp": dp, "tp": o["tp"]})
     dtype = getattr(torch, o["dtype"]) if o["dtype"] else None
-    params = load_checkpoint(o["model"], mesh, Plan(tp="tp"), dtype=dtype)
+    series = layer_shard(o["layer_shard"], "dp") if o["layer_shard"] else None
+    step = o["prefetch_step"]
+    if series is not None and step is None:  # one layer ahead, as generate's default
+        step = min(1, read_config(o["model"]).num_layers - 1)
+    plan = Plan(tp="tp", layer_shard=series, prefetch_step=step or 0)
+    params = load_checkpoint(o["model"], mesh, plan, dtype=dtype)
     model = compile_model(
         params, mesh, backend=o["backend"], batch_sizes=o["batch_sizes"], max_seq_len=o["max_seq_len"],
         prefill_lengths=sorted({o["chunk"], *(n for n in (16, 64) if n < o["chunk"])}),
@@ -75,7 +97,7 @@ def build_engine(ctx: Any, o: dict[str, Any]) -> Any:
     if blocks is None and kv_bytes is None:  # neither given: room for 8 sequences of max_seq_len
         blocks = 8 * -(-o["max_seq_len"] // o["block_size"])
     return Engine(model, blocks=blocks, kv_bytes=kv_bytes, block_size=o["block_size"], chunk=o["chunk"],
-                  stop=stop_ids(o["model"]), lockstep=o["tp"] > 1)  # fmt: skip
+                  stop=stop_ids(o["model"]), lockstep=dp * o["tp"] > 1, replicas="dp" if dp > 1 else None)  # fmt: skip
 
 
 def serve_on_rank(ctx: Any, o: dict[str, Any], host: str, port: int, name: str) -> None:
@@ -87,7 +109,10 @@ def serve_on_rank(ctx: Any, o: dict[str, Any], host: str, port: int, name: str) 
         engine.follow()
         return
     tok, _ = read_tokenizer(Path(o["model"]))
-    print(f"serving {name} on http://{host}:{port}/v1 ({o['tp']} rank(s); pool: {engine.pool.size} blocks)", flush=True)
+    ranks = o["dp"] * o["tp"]
+    replicas = f", {o['dp']} replicas" if o["dp"] > 1 else ""
+    print(f"serving {name} on http://{host}:{port}/v1 ({ranks} rank(s){replicas}; pool: {engine.pool.size} blocks)",
+          flush=True)  # fmt: skip
     serve(engine, name, host=host, port=port, tokenizer=tok, keepalive_s=o["timeout"] / 4)
 
 
@@ -99,8 +124,21 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--model {args.model}: no config.json there; pass a HF model directory")
     if args.chunk > args.max_seq_len:
         parser.error(f"--chunk {args.chunk} exceeds --max-seq-len {args.max_seq_len}; use a smaller chunk")
+    if args.layer_shard is not None and args.dp < 2:
+        parser.error(
+            f"--layer-shard {args.layer_shard}: the series are spread over the --dp ranks; pass --dp 2 or more"
+        )
+    if args.prefetch_step is not None and args.layer_shard is None:
+        parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
+    if args.layer_shard is not None:
+        from ..parallel.layer_shard import layer_shard
+
+        try:
+            layer_shard(args.layer_shard, "dp")
+        except ValueError as e:
+            parser.error(f"--layer-shard: {e}")
     name = args.name or Path(args.model).resolve().name
-    if args.tp == 1:
+    if args.tp * args.dp == 1:
         try:
             serve_on_rank(RankContext(0, 1), _options(args), args.host, args.port, name)
         except ValueError as e:
@@ -108,7 +146,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     up = _Listening(args.host, args.port).start()  # whether rank 0's server came up, before any failure
     try:
-        with LocalWorld(args.tp, timeout=max(args.timeout, 120.0), pg_timeout=args.timeout) as world:
+        with LocalWorld(args.dp * args.tp, timeout=max(args.timeout, 120.0), pg_timeout=args.timeout) as world:
             world.run(serve_on_rank, _options(args), args.host, args.port, name, timeout=float("inf"))
     except WORLD_ERRORS as e:
         code = world_failed(e)

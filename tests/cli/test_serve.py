@@ -76,10 +76,21 @@ def test_bad_serve_flags_are_refused_in_one_line(model, capsys):
     refused(["serve", "--model", str(model), "--chunk", "128", "--max-seq-len", "64"], "--chunk 128 exceeds", capsys)
     refused(["serve", "--model", str(model), "--backend", "none", "--max-seq-len", "64", "--chunk", "16", "--blocks",
              "3"], "cannot hold one sequence of max_seq_len 64", capsys)  # fmt: skip
+    refused(["serve", "--model", str(model), "--layer-shard", "o_proj"], "--layer-shard o_proj: the series are spread "
+            "over the --dp ranks; pass --dp 2 or more", capsys)  # fmt: skip
+    refused(["serve", "--model", str(model), "--dp", "2", "--layer-shard", "bogus"], "--layer-shard: ", capsys)
+    refused(["serve", "--model", str(model), "--prefetch-step", "1"], "--prefetch-step needs --layer-shard", capsys)
+    refused(["serve", "--model", str(model), "--dp", "0"], "argument --dp: expected a positive integer", capsys)
 
 
-def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
-    """--tp 2: rank 0 serves, rank 1 follows its calls; the tokens are the one-rank model's; an idle spell longer than
+@pytest.mark.parametrize(
+    "flags, ranks",
+    [(["--tp", "2"], "2 rank(s);"), (["--dp", "2", "--layer-shard", "o_proj,down_proj"], "2 rank(s), 2 replicas;")],
+    ids=["tp2", "dp2-replicas-layer-shard"],
+)
+def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model, flags, ranks):
+    """--tp 2: rank 0 serves, rank 1 follows its calls; --dp 2 with o_proj and down layer-sharded over the dp ranks:
+    two replicas, each serving requests of its own. The tokens are the one-rank model's; an idle spell longer than
     the ranks' timeout (rank 1 waiting for the next call) is kept alive by rank 0; a SIGTERM to the command ends every
     process of its group."""
     from functional_npu import Mesh, compile_model, load_checkpoint
@@ -88,7 +99,7 @@ def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
     ref = compile_model(load_checkpoint(str(model), one), one, backend="none", max_seq_len=64, prefill_lengths=[16])
     port = _free_port()
     argv = ["serve", "--model", str(model), "--port", str(port), "--backend", "none", "--max-seq-len", "64",
-            "--chunk", "16", "--blocks", "40", "--block-size", "8", "--tp", "2", "--timeout", "4"]  # fmt: skip
+            "--chunk", "16", "--blocks", "40", "--block-size", "8", *flags, "--timeout", "4"]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "functional_npu", *argv], start_new_session=True, text=True,
                             stdout=subprocess.PIPE)  # fmt: skip
     try:
@@ -110,7 +121,7 @@ def test_serve_on_two_ranks_in_lockstep_and_no_process_outlives_it(model):
         assert again.choices[0].model_extra["token_ids"] == got[0]
     finally:
         _stop_and_reap(proc)
-    assert "2 rank(s)" in proc.stdout.read()
+    assert ranks in proc.stdout.read()
 
 
 def test_a_rank_that_dies_ends_every_rank_and_the_port_answers_503(model):
