@@ -24,7 +24,7 @@ from typing import Any
 from .args import nonnegative, positive, positive_number
 from .tokenizer import read_tokenizer
 
-__all__ = ["add_parser", "run_serve", "build_engine"]
+__all__ = ["add_parser", "run_serve", "build_engine", "serve_plan"]
 
 
 def add_parser(sub: Any) -> None:
@@ -69,25 +69,32 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys}
 
 
+def serve_plan(o: dict[str, Any]) -> Any:
+    """The plan of the options: tensor parallel over ``tp``, ``layer_shard`` series over ``dp`` fetched
+    ``prefetch_step`` layers ahead (default one, as generate's)."""
+    from ..parallel.layer_shard import layer_shard
+    from ..parallel.plan import Plan
+    from ..runtime.loading import read_config
+
+    series = layer_shard(o["layer_shard"], "dp") if o["layer_shard"] else None
+    step = o["prefetch_step"]
+    if series is not None and step is None:
+        step = min(1, read_config(o["model"]).num_layers - 1)
+    return Plan(tp="tp", layer_shard=series, prefetch_step=step or 0)
+
+
 def build_engine(ctx: Any, o: dict[str, Any]) -> Any:
     """This rank's compiled model and engine: in lockstep over ``dp x tp`` ranks when there are several, the ``dp``
     ranks replicas serving requests of their own (``--layer-shard``: the series spread over them)."""
     import torch
 
-    from ..parallel.layer_shard import layer_shard
-    from ..parallel.plan import Plan
-    from ..runtime.loading import load_checkpoint, read_config
+    from ..runtime.loading import load_checkpoint
     from ..runtime.serving import Engine, compile_model, stop_ids
 
     dp = o["dp"]
     mesh = ctx.mesh({"dp": dp, "tp": o["tp"]})
     dtype = getattr(torch, o["dtype"]) if o["dtype"] else None
-    series = layer_shard(o["layer_shard"], "dp") if o["layer_shard"] else None
-    step = o["prefetch_step"]
-    if series is not None and step is None:  # one layer ahead, as generate's default
-        step = min(1, read_config(o["model"]).num_layers - 1)
-    plan = Plan(tp="tp", layer_shard=series, prefetch_step=step or 0)
-    params = load_checkpoint(o["model"], mesh, plan, dtype=dtype)
+    params = load_checkpoint(o["model"], mesh, serve_plan(o), dtype=dtype)
     model = compile_model(
         params, mesh, backend=o["backend"], batch_sizes=o["batch_sizes"], max_seq_len=o["max_seq_len"],
         prefill_lengths=sorted({o["chunk"], *(n for n in (16, 64) if n < o["chunk"])}),
@@ -130,13 +137,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     if args.prefetch_step is not None and args.layer_shard is None:
         parser.error("--prefetch-step needs --layer-shard (which weight series to fetch ahead)")
-    if args.layer_shard is not None:
-        from ..parallel.layer_shard import layer_shard
+    try:  # the plan on the model's config, before any rank starts (a series it lacks, a tp its heads refuse)
+        from ..placement import place
+        from ..runtime.loading import read_config, read_quant
 
-        try:
-            layer_shard(args.layer_shard, "dp")
-        except ValueError as e:
-            parser.error(f"--layer-shard: {e}")
+        place(read_config(Path(args.model)), {"dp": args.dp, "tp": args.tp}, serve_plan(_options(args)),
+              read_quant(Path(args.model)), where=str(args.model))  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
     name = args.name or Path(args.model).resolve().name
     if args.tp * args.dp == 1:
         try:

@@ -78,7 +78,8 @@ def test_bad_serve_flags_are_refused_in_one_line(model, capsys):
              "3"], "cannot hold one sequence of max_seq_len 64", capsys)  # fmt: skip
     refused(["serve", "--model", str(model), "--layer-shard", "o_proj"], "--layer-shard o_proj: the series are spread "
             "over the --dp ranks; pass --dp 2 or more", capsys)  # fmt: skip
-    refused(["serve", "--model", str(model), "--dp", "2", "--layer-shard", "bogus"], "--layer-shard: ", capsys)
+    refused(["serve", "--model", str(model), "--dp", "2", "--layer-shard", "bogus"], "bogus", capsys)
+    refused(["serve", "--model", str(model), "--tp", "3"], "cannot shard this", capsys)
     refused(["serve", "--model", str(model), "--prefetch-step", "1"], "--prefetch-step needs --layer-shard", capsys)
     refused(["serve", "--model", str(model), "--dp", "0"], "argument --dp: expected a positive integer", capsys)
 
