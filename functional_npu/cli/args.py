@@ -10,23 +10,21 @@ __all__ = ["positive", "nonnegative", "positive_number"]
 
 def positive(text: str) -> int:
     """A positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _at_least(text, 1, "a positive integer")
 
 
 def nonnegative(text: str) -> int:
     """An integer >= 0."""
+    return _at_least(text, 0, "an integer >= 0")
+
+
+def _at_least(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
 
 
