@@ -242,12 +242,13 @@ class Engine:
                 f"max_seq_len {model.max_seq_len} ({self.width} blocks, and the null block): give at least "
                 f"blocks={self.width + 1} (kv_bytes={least} on each rank), or compile with a smaller max_seq_len"
             )
+        if not self._shadow:  # (a shadow's pool is its rank's twin, checked there)
+            self._check_fits(blocks, ring_blocks, dtype)  # before the bookkeeping of a pool that cannot exist
         self._pool = kv_blocks.new_pool(blocks, bs)
         self._ring = kv_blocks.new_pool(ring_blocks, bs) if ring_blocks else None
         self.kv_bytes_used = pool_bytes(self.layout, blocks, bs, dtype, ring_blocks)
         if self._shadow:
             return
-        self._check_fits(blocks, ring_blocks, dtype)
         if self.lockstep and not torch.distributed.is_initialized():
             raise ValueError(
                 "Engine(lockstep=True): the ranks' process group is not initialized (run under a launcher)"
