@@ -32,6 +32,7 @@ from .tree import PyTree, expand_prefix, flatten_with_paths, map_with_path
 
 __all__ = [
     "shard",
+    "pad_to",
     "local_shape",
     "gather",
     "unshard",
@@ -182,7 +183,8 @@ def _assembly_index(
     return src
 
 
-def _pad_to(x: torch.Tensor, d: int, length: int) -> torch.Tensor:
+def pad_to(x: torch.Tensor, d: int, length: int) -> torch.Tensor:
+    """``x`` with zeros appended along dim ``d`` up to ``length`` (``x`` itself when it is that long)."""
     if x.shape[d] == length:
         return x
     fill = x.new_zeros(*x.shape[:d], length - x.shape[d], *x.shape[d + 1 :])
@@ -293,7 +295,7 @@ def _reassembled(
         idx = torch.tensor(_assembly_index(path, d, spec, shape[d], n, pad), dtype=torch.long, device=device)
         for ranks in mesh.all_group_ranks(spec.axes):
             if ranks[0] in state:
-                full = torch.cat([_pad_to(state[r], d, pad) for r in ranks], dim=d).index_select(d, idx)
+                full = torch.cat([pad_to(state[r], d, pad) for r in ranks], dim=d).index_select(d, idx)
                 state.update({r: full for r in ranks})
     return state
 
@@ -301,7 +303,7 @@ def _reassembled(
 def _padded(x: torch.Tensor, steps: list, shape: Sequence[int]) -> torch.Tensor:
     """``x`` padded on each dim it is cut on to the largest shard of that dim, so every rank sends one size."""
     for d, spec, n in steps:
-        x = _pad_to(x, d, max(_local_lens(spec, shape[d], n)))
+        x = pad_to(x, d, max(_local_lens(spec, shape[d], n)))
     return x
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ...core.shard import pad_to
+
 __all__ = ["check_replicas", "padded", "gather_logits", "replica_ranks"]
 
 
@@ -64,10 +66,8 @@ def padded(call: Any, kind: str, batch: int, width: int, ring_width: int, chunk:
     null block), or for None a call of that ``kind`` of padding alone (a decode of one pad row)."""
     from .engine import Call
 
-    def rows(t: torch.Tensor | None, w: int) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return torch.cat([t, t.new_zeros(batch - t.shape[0], w)]) if t.shape[0] < batch else t
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else pad_to(t, 0, batch)
 
     if call is None:
         ring = torch.zeros(batch, ring_width, dtype=torch.long) if ring_width else None
@@ -81,12 +81,10 @@ def padded(call: Any, kind: str, batch: int, width: int, ring_width: int, chunk:
     if call.batch == batch:
         return call
     if kind == "decode":  # tokens [n]: the model pads them to the state's batch
-        return Call(
-            "decode", batch, call.tokens, call.positions, rows(call.rows, width), rows(call.ring_rows, ring_width)
-        )
+        return Call("decode", batch, call.tokens, call.positions, rows(call.rows), rows(call.ring_rows))
     return Call(
-        "extend", batch, rows(call.tokens, chunk), rows(call.positions, chunk), rows(call.rows, width),
-        rows(call.ring_rows, ring_width), last=torch.cat([call.last, call.last.new_zeros(batch - call.batch)]),
+        "extend", batch, rows(call.tokens), rows(call.positions), rows(call.rows), rows(call.ring_rows),
+        last=rows(call.last),
     )  # fmt: skip
 
 
@@ -94,7 +92,7 @@ def gather_logits(out: torch.Tensor, calls: Sequence[Any], firsts: Sequence[int]
     """Every rank: its call's logits ``out [n, V]``, padded to its batch, gathered from every rank of the default
     group (the ranks' calls share one batch); each replica's rows (``[n_r, V]``, its first rank's)."""
     batch = calls[0].batch
-    mine = torch.cat([out, out.new_zeros(batch - out.shape[0], out.shape[1])]) if out.shape[0] < batch else out
+    mine = pad_to(out, 0, batch)
     every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(every, mine.contiguous())
     return [every[rank][: _rows(call)] for rank, call in zip(firsts, calls)]
